@@ -1,0 +1,138 @@
+"""A blocking client for requests: heads, ranges, stream lists, status.
+
+For code with no event loop: Spark executors and drivers, scripts, the CLI.
+It drives the same sans-IO ``ClientConnection`` as the asyncio consumer over
+a plain socket. One client, one connection; requests run one after another.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from types import TracebackType
+from typing import Any
+
+from .consumer import parse_address
+from .errors import ConnectionLostError, error_from_frame
+from .protocol import (
+    DEFAULT_MAX_FRAME_SIZE,
+    PROTOCOL_VERSION,
+    ClientConnection,
+    ClientHello,
+    Error,
+    GetHead,
+    GetRange,
+    GetStatus,
+    ListStreams,
+    Message,
+    RangeEnd,
+    Record,
+    Records,
+    ServerHello,
+    StatusReport,
+    StreamInfo,
+    StreamList,
+)
+
+_READ_SIZE = 256 * 1024
+
+
+class Client:
+    """``with Client("127.0.0.1:7400") as c: c.head("orders")``.
+
+    ``producer_id`` and ``epoch`` are known once connected. Errors from the
+    producer raise the matching ``ServerError`` subclass; socket failures raise
+    ``ConnectionLostError``.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout: float | None = 30.0,
+        name: str = "client",
+        max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+    ) -> None:
+        self.address = address
+        host, port = parse_address(address)
+        try:
+            self._sock = socket.create_connection((host, port), timeout=timeout)
+        except OSError as exc:
+            raise ConnectionLostError(f"cannot connect to producer at {address}: {exc}") from exc
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._conn = ClientConnection(max_frame_size)
+        self._send(ClientHello(PROTOCOL_VERSION, name))
+        hello = self._receive()
+        assert isinstance(hello, ServerHello)
+        self.producer_id = hello.producer_id
+        self.epoch = hello.epoch
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _send(self, message: Message) -> None:
+        try:
+            self._sock.sendall(self._conn.send(message))
+        except OSError as exc:
+            raise ConnectionLostError(
+                f"sending to producer at {self.address} failed: {exc}"
+            ) from exc
+
+    def _receive(self) -> Message:
+        while (message := self._conn.next_event()) is None:
+            try:
+                data = self._sock.recv(_READ_SIZE)
+            except OSError as exc:
+                raise ConnectionLostError(
+                    f"reading from producer at {self.address} failed: {exc}"
+                ) from exc
+            if not data:
+                raise ConnectionLostError(f"producer at {self.address} closed the connection")
+            self._conn.receive_data(data)
+        if isinstance(message, Error):
+            raise error_from_frame(message.code, message.message, message.details)
+        return message
+
+    def head(self, stream: str) -> StreamInfo:
+        """The stream's head (last committed seq) and low (first seq still held)."""
+        self._send(GetHead(stream))
+        info = self._receive()
+        assert isinstance(info, StreamInfo)
+        return info
+
+    def streams(self) -> list[StreamInfo]:
+        self._send(ListStreams())
+        result = self._receive()
+        assert isinstance(result, StreamList)
+        return list(result.streams)
+
+    def status(self) -> dict[str, Any]:
+        """Producer id, streams with heads, connected consumers and their positions."""
+        self._send(GetStatus())
+        report = self._receive()
+        assert isinstance(report, StatusReport)
+        return report.status
+
+    def read_range(self, stream: str, start: int, end: int) -> Iterator[tuple[Record, ...]]:
+        """Batches of the records with ``start <= seq < end``, as the producer sends them.
+
+        Consume the iterator fully before the next request on this client.
+        """
+        self._send(GetRange(stream, start, end))
+        while True:
+            message = self._receive()
+            if isinstance(message, RangeEnd):
+                return
+            assert isinstance(message, Records)
+            yield message.records

@@ -1,0 +1,190 @@
+"""Every exception streamq raises, in one tree.
+
+Errors say who caused them: your own code (``LocalProtocolError``,
+``TransactionClosedError``), the peer (``RemoteProtocolError``), or the producer,
+which answered with an error frame (``ServerError`` and its subclasses)::
+
+    StreamQError
+    ├── ProtocolError
+    │   ├── LocalProtocolError        this side misused the protocol
+    │   └── RemoteProtocolError       the peer sent a bad frame (has .code)
+    ├── ServerError                   the producer answered with an ERROR frame
+    │   ├── VersionMismatchError
+    │   ├── UnknownStreamError
+    │   ├── OffsetOutOfRangeError     a seq beyond the head or already deleted
+    │   ├── ProducerMismatchError     the producer has another id than expected
+    │   ├── TooManyConnectionsError
+    │   └── ...                       one class per wire error code
+    ├── ConsumerPositionError         the producer is behind what was already applied
+    │   └── ProducerChangedError      another producer (database) than before
+    ├── OutOfOrderBatchError          a batch applied twice or out of turn
+    ├── ConnectionLostError           the TCP connection failed (cause chained)
+    ├── TransactionClosedError        a transaction used after it ended
+    ├── ConcurrentWriterError         another process appended to the same log
+    └── RecordTooLargeError           a record that cannot fit in one frame
+
+Wire error codes map to classes through ``ERROR_CLASSES``, so a client turns an
+ERROR frame into the matching exception with ``error_from_frame``.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import Any
+
+
+class ErrorCode(IntEnum):
+    """Error codes carried by ERROR frames (docs/protocol.md, "Errors")."""
+
+    MALFORMED_FRAME = 1
+    FRAME_TOO_LARGE = 2
+    UNEXPECTED_MESSAGE = 3
+    VERSION_MISMATCH = 4
+    UNKNOWN_STREAM = 5
+    OFFSET_OUT_OF_RANGE = 6
+    PRODUCER_MISMATCH = 7
+    TOO_MANY_CONNECTIONS = 8
+    IDLE_TIMEOUT = 9
+    SHUTTING_DOWN = 10
+    INTERNAL_ERROR = 11
+
+
+class StreamQError(Exception):
+    """Base class of every streamq error."""
+
+
+class ProtocolError(StreamQError):
+    """The protocol was violated; ``code`` is the wire error code to report."""
+
+    code: ErrorCode = ErrorCode.UNEXPECTED_MESSAGE
+
+    def __init__(self, message: str, code: ErrorCode | None = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+
+class LocalProtocolError(ProtocolError):
+    """This side tried to send something the protocol does not allow now."""
+
+
+class RemoteProtocolError(ProtocolError):
+    """The peer sent a malformed frame or a message out of order."""
+
+
+class ServerError(StreamQError):
+    """The producer answered a request with an ERROR frame."""
+
+    code: ErrorCode = ErrorCode.INTERNAL_ERROR
+
+    def __init__(self, message: str, details: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.details: dict[str, Any] = details or {}
+
+
+class MalformedFrameError(ServerError):
+    code = ErrorCode.MALFORMED_FRAME
+
+
+class FrameTooLargeError(ServerError):
+    code = ErrorCode.FRAME_TOO_LARGE
+
+
+class UnexpectedMessageError(ServerError):
+    code = ErrorCode.UNEXPECTED_MESSAGE
+
+
+class VersionMismatchError(ServerError):
+    code = ErrorCode.VERSION_MISMATCH
+
+
+class UnknownStreamError(ServerError):
+    code = ErrorCode.UNKNOWN_STREAM
+
+
+class OffsetOutOfRangeError(ServerError):
+    """A seq outside what the stream holds: ``details`` has ``low`` and ``head``."""
+
+    code = ErrorCode.OFFSET_OUT_OF_RANGE
+
+
+class ProducerMismatchError(ServerError):
+    code = ErrorCode.PRODUCER_MISMATCH
+
+
+class TooManyConnectionsError(ServerError):
+    code = ErrorCode.TOO_MANY_CONNECTIONS
+
+
+class IdleTimeoutError(ServerError):
+    code = ErrorCode.IDLE_TIMEOUT
+
+
+class ShuttingDownError(ServerError):
+    code = ErrorCode.SHUTTING_DOWN
+
+
+class InternalServerError(ServerError):
+    code = ErrorCode.INTERNAL_ERROR
+
+
+ERROR_CLASSES: dict[ErrorCode, type[ServerError]] = {
+    cls.code: cls
+    for cls in (
+        MalformedFrameError,
+        FrameTooLargeError,
+        UnexpectedMessageError,
+        VersionMismatchError,
+        UnknownStreamError,
+        OffsetOutOfRangeError,
+        ProducerMismatchError,
+        TooManyConnectionsError,
+        IdleTimeoutError,
+        ShuttingDownError,
+        InternalServerError,
+    )
+}
+
+
+def error_from_frame(code: int, message: str, details: dict[str, Any]) -> ServerError:
+    """The exception matching an ERROR frame; unknown codes give ``ServerError``."""
+    try:
+        cls = ERROR_CLASSES[ErrorCode(code)]
+    except ValueError:
+        return ServerError(f"[code {code}] {message}", details)
+    return cls(message, details)
+
+
+class ConsumerPositionError(StreamQError):
+    """The producer's log ends before what this consumer already applied.
+
+    Raised instead of silently skipping or re-applying records when a producer
+    database was restored from an older copy or replaced.
+    """
+
+
+class ProducerChangedError(ConsumerPositionError):
+    """The producer at this address is not the one this consumer has applied from."""
+
+
+class OutOfOrderBatchError(StreamQError):
+    """A batch applied out of turn: each must be applied once, in arrival order."""
+
+
+class ConnectionLostError(StreamQError):
+    """The connection to the peer failed; the underlying cause is chained."""
+
+
+class TransactionClosedError(StreamQError):
+    """A transaction was used after it committed or rolled back."""
+
+
+class ConcurrentWriterError(StreamQError):
+    """Another process appended to this producer's log while this one was writing.
+
+    The transaction was rolled back; it can be retried.
+    """
+
+
+class RecordTooLargeError(StreamQError, ValueError):
+    """A record whose encoding exceeds what one frame may carry."""

@@ -1,0 +1,207 @@
+"""The committed log as its readers see it: heads, recent records, wake-ups.
+
+The producer calls ``Log.committed`` after each COMMIT; subscribers and range
+requests call ``Log.read`` and ``Log.wait``. Recently committed records stay in
+memory (``TailBuffer``), so consumers that keep up are served without touching
+SQLite; anyone further behind reads from the database through a small pool of
+read-only connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import aiosqlite
+
+from . import store
+from .errors import OffsetOutOfRangeError, UnknownStreamError
+
+
+def take(records: Sequence[bytes], max_records: int, max_bytes: int) -> Sequence[bytes]:
+    """The longest prefix within both limits, never less than one record."""
+    if len(records) > max_records:
+        records = records[:max_records]
+    total = 0
+    for i, record in enumerate(records):
+        total += len(record)
+        if total > max_bytes:
+            return records[: max(i, 1)]
+    return records
+
+
+class TailBuffer:
+    """A stream's most recently committed records, encoded, bounded in bytes.
+
+    It holds a contiguous run of seqs ending at the head; anything older is
+    evicted first. Evicted records are still in SQLite.
+    """
+
+    def __init__(self, max_bytes: int, next_seq: int) -> None:
+        self.max_bytes = max_bytes
+        self._records: list[bytes] = []
+        self._first_seq = next_seq
+        self._nbytes = 0
+
+    @property
+    def first_seq(self) -> int:
+        return self._first_seq
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    def reset(self, next_seq: int) -> None:
+        """Forget everything: the next append starts at ``next_seq``."""
+        self._records = []
+        self._first_seq = next_seq
+        self._nbytes = 0
+
+    def append(self, first_seq: int, records: Sequence[bytes]) -> None:
+        if first_seq != self._first_seq + len(self._records):
+            self.reset(first_seq)
+        self._records.extend(records)
+        self._nbytes += sum(map(len, records))
+        if self._nbytes > self.max_bytes:
+            drop = 0
+            while self._nbytes > self.max_bytes:
+                self._nbytes -= len(self._records[drop])
+                drop += 1
+            del self._records[:drop]
+            self._first_seq += drop
+
+    def get(self, seq: int, end: int, max_records: int, max_bytes: int) -> Sequence[bytes] | None:
+        """Records from ``seq`` (up to ``end``, exclusive), or None if not held here."""
+        i = seq - self._first_seq
+        if i < 0 or i >= len(self._records):
+            return None
+        count = min(max_records, end - seq)
+        return take(self._records[i : i + count], count, max_bytes)
+
+
+@dataclass(eq=False)
+class Stream:
+    """A stream's committed state, shared by the producer and its readers."""
+
+    id: int
+    name: str
+    head: int
+    low: int
+    tail: TailBuffer
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def notify(self) -> None:
+        """Wake everyone waiting for a commit."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait_beyond(self, seq: int, timeout: float) -> bool:
+        """Wait until head > ``seq``; False if ``timeout`` passed first."""
+        if self.head > seq:
+            return True
+        changed = self._changed
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                while self.head <= seq:
+                    await changed.wait()
+                    changed = self._changed
+        return self.head > seq
+
+
+class Log:
+    """In-memory view of every stream, and reads served from memory or SQLite."""
+
+    def __init__(self, path: str, *, tail_bytes: int, readers: int = 2) -> None:
+        self.path = path
+        self.tail_bytes = tail_bytes
+        self.streams: dict[str, Stream] = {}
+        self._reader_count = readers
+        self._readers: asyncio.Queue[aiosqlite.Connection] = asyncio.Queue()
+        self._all_readers: list[aiosqlite.Connection] = []
+        self._avg_record_size = 128
+
+    async def open(self, rows: list[store.StreamRow]) -> None:
+        for _ in range(self._reader_count):
+            conn = await store.open_reader(self.path)
+            self._all_readers.append(conn)
+            self._readers.put_nowait(conn)
+        for row in rows:
+            self.add(row)
+
+    async def close(self) -> None:
+        for conn in self._all_readers:
+            await conn.close()
+        self._all_readers.clear()
+
+    def add(self, row: store.StreamRow) -> Stream:
+        stream = Stream(
+            row.id, row.name, row.head, row.low, TailBuffer(self.tail_bytes, row.head + 1)
+        )
+        self.streams[row.name] = stream
+        return stream
+
+    def stream(self, name: str) -> Stream:
+        try:
+            return self.streams[name]
+        except KeyError:
+            raise UnknownStreamError(
+                f"unknown stream {name!r}; this producer has "
+                f"{sorted(self.streams) or 'no streams yet'}",
+                {"stream": name},
+            ) from None
+
+    def committed(self, stream: Stream, head: int, records: Sequence[bytes] | None) -> None:
+        """Records up to ``head`` were committed; ``records`` are the newest of them,
+        or None if there were too many to keep in memory."""
+        stream.head = head
+        if records is None:
+            stream.tail.reset(head + 1)
+        elif records:
+            stream.tail.append(head - len(records) + 1, records)
+            self._avg_record_size = (self._avg_record_size * 7 + len(records[-1])) // 8
+        stream.notify()
+
+    def check_available(self, stream: Stream, seq: int) -> None:
+        """Raise if records from ``seq`` on can no longer be read."""
+        if seq < stream.low:
+            gone = f"seq {seq}" if seq == stream.low - 1 else f"seqs {seq}..{stream.low - 1}"
+            raise OffsetOutOfRangeError(
+                f"stream {stream.name!r}: {gone} no longer held (retention); "
+                f"first available is {stream.low}, head is {stream.head}",
+                {"stream": stream.name, "requested": seq, "low": stream.low, "head": stream.head},
+            )
+
+    @contextlib.asynccontextmanager
+    async def _reader(self) -> AsyncIterator[aiosqlite.Connection]:
+        conn = await self._readers.get()
+        try:
+            yield conn
+        finally:
+            self._readers.put_nowait(conn)
+
+    async def read(
+        self, stream: Stream, seq: int, end: int, max_records: int, max_bytes: int
+    ) -> tuple[Sequence[bytes], int]:
+        """Encoded records with ``seq <= s < min(end, head + 1)``, and the last seq read.
+
+        Returns an empty batch once caught up with the head.
+        """
+        self.check_available(stream, seq)
+        end = min(end, stream.head + 1)
+        if seq >= end:
+            return (), seq - 1
+        records = stream.tail.get(seq, end, max_records, max_bytes)
+        if records is not None:
+            return records, seq + len(records) - 1
+        limit = max(1, min(max_records, max_bytes // max(1, self._avg_record_size)))
+        async with self._reader() as conn:
+            rows = await store.read_records(conn, stream.id, seq, end, limit)
+        if not rows:  # deleted after the check above
+            raise OffsetOutOfRangeError(
+                f"stream {stream.name!r}: seqs from {seq} were deleted while being read",
+                {"stream": stream.name, "requested": seq, "low": stream.low, "head": stream.head},
+            )
+        records = take([record for _, record in rows], max_records, max_bytes)
+        return records, rows[len(records) - 1][0]

@@ -1,0 +1,646 @@
+"""The streamq wire protocol, sans-IO: frames, messages and connection state.
+
+Bytes in, events out; events in, bytes out. Nothing here touches a socket, an
+event loop or a database: the asyncio server, the asyncio consumer and the
+blocking client all drive this one module, and the tests drive it with no I/O
+at all. The format is specified in ``docs/protocol.md``; section names quoted
+in comments below refer to it.
+
+A connection is driven like h11::
+
+    conn = ServerConnection()
+    out = conn.send(ServerHello(...))      # bytes to write
+    conn.receive_data(data)                # bytes read from the peer
+    while (event := conn.next_event()) is not None:
+        ...                                # a message, checked for order
+"""
+
+from __future__ import annotations
+
+import itertools
+import struct
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from enum import Enum, IntEnum
+from typing import Any, ClassVar, NamedTuple
+
+import msgpack
+
+from .errors import ErrorCode, LocalProtocolError, RemoteProtocolError
+
+PROTOCOL_VERSION = 1
+DEFAULT_MAX_FRAME_SIZE = 16 * 1024 * 1024
+MAX_SEQ = 2**63 - 1
+
+# "Framing": a 4-byte big-endian body length, then a msgpack array body.
+FRAME_HEADER = struct.Struct(">I")
+
+
+class MessageType(IntEnum):
+    """The first element of every frame body ("Messages")."""
+
+    CLIENT_HELLO = 1
+    SERVER_HELLO = 2
+    SUBSCRIBE = 3
+    SUBSCRIBED = 4
+    RECORDS = 5
+    HEARTBEAT = 6
+    ACK = 7
+    GET_HEAD = 8
+    STREAM_INFO = 9
+    GET_RANGE = 10
+    RANGE_END = 11
+    LIST_STREAMS = 12
+    STREAM_LIST = 13
+    GET_STATUS = 14
+    STATUS_REPORT = 15
+    ERROR = 16
+
+
+class Record(NamedTuple):
+    """One record of a stream, as a consumer receives it.
+
+    ``timestamp`` is milliseconds since the Unix epoch, taken when it was published.
+    """
+
+    seq: int
+    timestamp: int
+    key: bytes | None
+    value: bytes
+    headers: dict[str, bytes]
+
+
+def encode_record(
+    seq: int, timestamp: int, key: bytes | None, value: bytes, headers: dict[str, bytes]
+) -> bytes:
+    """A record's wire encoding; producers store exactly these bytes.
+
+    Storing the encoded form lets the server build RECORDS frames by
+    concatenation, with no decode and re-encode per record.
+    """
+    return _packb([seq, timestamp, key, value, headers])
+
+
+_packb: Callable[[Any], bytes] = msgpack.Packer(use_bin_type=True).pack
+
+
+# --- Messages ("Messages" in docs/protocol.md) -------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ClientHello:
+    """First frame a client sends: its protocol version and a name for logs."""
+
+    version: int
+    client: str
+    TYPE: ClassVar[MessageType] = MessageType.CLIENT_HELLO
+
+
+@dataclass(frozen=True, slots=True)
+class ServerHello:
+    """First frame the producer sends, on accept, before reading anything."""
+
+    version: int
+    producer_id: str
+    epoch: int
+    max_frame_size: int
+    TYPE: ClassVar[MessageType] = MessageType.SERVER_HELLO
+
+
+@dataclass(frozen=True, slots=True)
+class Subscribe:
+    """Push ``stream`` from ``start_seq`` on, forever; ``producer_id`` is checked if set."""
+
+    stream: str
+    start_seq: int
+    consumer: str
+    producer_id: str | None
+    TYPE: ClassVar[MessageType] = MessageType.SUBSCRIBE
+
+
+@dataclass(frozen=True, slots=True)
+class Subscribed:
+    stream: str
+    head: int
+    low: int
+    TYPE: ClassVar[MessageType] = MessageType.SUBSCRIBED
+
+
+@dataclass(frozen=True, slots=True)
+class Records:
+    """Records in increasing seq order. Servers send them with ``records_frame``."""
+
+    records: tuple[Record, ...]
+    TYPE: ClassVar[MessageType] = MessageType.RECORDS
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """Sent on an idle subscription so the consumer can tell a quiet producer from a dead one."""
+
+    head: int
+    TYPE: ClassVar[MessageType] = MessageType.HEARTBEAT
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    """A consumer's durable position: every seq up to ``seq`` is applied and committed."""
+
+    seq: int
+    TYPE: ClassVar[MessageType] = MessageType.ACK
+
+
+@dataclass(frozen=True, slots=True)
+class GetHead:
+    stream: str
+    TYPE: ClassVar[MessageType] = MessageType.GET_HEAD
+
+
+@dataclass(frozen=True, slots=True)
+class StreamInfo:
+    """A stream's ``head`` (last committed seq, 0 if none) and ``low`` (first seq still held)."""
+
+    stream: str
+    head: int
+    low: int
+    TYPE: ClassVar[MessageType] = MessageType.STREAM_INFO
+
+
+@dataclass(frozen=True, slots=True)
+class GetRange:
+    """Send the records with ``start <= seq < end``, then RANGE_END."""
+
+    stream: str
+    start: int
+    end: int
+    TYPE: ClassVar[MessageType] = MessageType.GET_RANGE
+
+
+@dataclass(frozen=True, slots=True)
+class RangeEnd:
+    TYPE: ClassVar[MessageType] = MessageType.RANGE_END
+
+
+@dataclass(frozen=True, slots=True)
+class ListStreams:
+    TYPE: ClassVar[MessageType] = MessageType.LIST_STREAMS
+
+
+@dataclass(frozen=True, slots=True)
+class StreamList:
+    streams: tuple[StreamInfo, ...]
+    TYPE: ClassVar[MessageType] = MessageType.STREAM_LIST
+
+
+@dataclass(frozen=True, slots=True)
+class GetStatus:
+    TYPE: ClassVar[MessageType] = MessageType.GET_STATUS
+
+
+@dataclass(frozen=True, slots=True)
+class StatusReport:
+    """A free-form map: producer id, streams, connected consumers (docs/protocol.md)."""
+
+    status: dict[str, Any]
+    TYPE: ClassVar[MessageType] = MessageType.STATUS_REPORT
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    """The last frame on a connection: why the sender is closing it."""
+
+    code: int
+    message: str
+    details: dict[str, Any]
+    TYPE: ClassVar[MessageType] = MessageType.ERROR
+
+
+Message = (
+    ClientHello
+    | ServerHello
+    | Subscribe
+    | Subscribed
+    | Records
+    | Heartbeat
+    | Ack
+    | GetHead
+    | StreamInfo
+    | GetRange
+    | RangeEnd
+    | ListStreams
+    | StreamList
+    | GetStatus
+    | StatusReport
+    | Error
+)
+Request = Subscribe | GetHead | GetRange | ListStreams | GetStatus
+
+
+# --- Encoding -----------------------------------------------------------------
+
+
+def frame(body: bytes) -> bytes:
+    """Prefix a body with its length."""
+    return FRAME_HEADER.pack(len(body)) + body
+
+
+def _array_header(n: int) -> bytes:
+    if n < 16:
+        return bytes((0x90 | n,))
+    if n < 0x10000:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")
+
+
+_RECORDS_PREFIX = b"\x92" + _packb(MessageType.RECORDS.value)
+
+
+def records_frame(encoded_records: Sequence[bytes]) -> bytes:
+    """A RECORDS frame built from records already encoded by ``encode_record``."""
+    body_parts = [_RECORDS_PREFIX, _array_header(len(encoded_records)), *encoded_records]
+    size = sum(map(len, body_parts))
+    return FRAME_HEADER.pack(size) + b"".join(body_parts)
+
+
+def encode(message: Message) -> bytes:
+    """One framed message."""
+    if isinstance(message, Records):
+        return records_frame([encode_record(*r) for r in message.records])
+    if isinstance(message, StreamList):
+        items: list[Any] = [[s.stream, s.head, s.low] for s in message.streams]
+        return frame(_packb([message.TYPE.value, items]))
+    values = [getattr(message, name) for name in _FIELD_NAMES[type(message)]]
+    return frame(_packb([message.TYPE.value, *values]))
+
+
+# --- Decoding -----------------------------------------------------------------
+
+
+def _uint(v: Any) -> bool:
+    return type(v) is int and 0 <= v <= MAX_SEQ
+
+
+def _str(v: Any) -> bool:
+    return type(v) is str
+
+
+def _opt_str(v: Any) -> bool:
+    return v is None or type(v) is str
+
+
+def _map(v: Any) -> bool:
+    return type(v) is dict
+
+
+_CLASSES: dict[MessageType, type[Any]] = {
+    cls.TYPE: cls
+    for cls in (
+        ClientHello,
+        ServerHello,
+        Subscribe,
+        Subscribed,
+        Records,
+        Heartbeat,
+        Ack,
+        GetHead,
+        StreamInfo,
+        GetRange,
+        RangeEnd,
+        ListStreams,
+        StreamList,
+        GetStatus,
+        StatusReport,
+        Error,
+    )
+}
+_FIELD_NAMES: dict[type[Any], tuple[str, ...]] = {
+    cls: tuple(f.name for f in fields(cls)) for cls in _CLASSES.values()
+}
+_CHECKS: dict[type[Any], tuple[Callable[[Any], bool], ...]] = {
+    ClientHello: (_uint, _str),
+    ServerHello: (_uint, _str, _uint, _uint),
+    Subscribe: (_str, _uint, _str, _opt_str),
+    Subscribed: (_str, _uint, _uint),
+    Heartbeat: (_uint,),
+    Ack: (_uint,),
+    GetHead: (_str,),
+    StreamInfo: (_str, _uint, _uint),
+    GetRange: (_str, _uint, _uint),
+    RangeEnd: (),
+    ListStreams: (),
+    GetStatus: (),
+    StatusReport: (_map,),
+    Error: (_uint, _str, _map),
+}
+
+
+def _malformed(reason: str) -> RemoteProtocolError:
+    return RemoteProtocolError(reason, ErrorCode.MALFORMED_FRAME)
+
+
+def _decode_record(item: Any) -> Record:
+    if type(item) is not list or len(item) != 5:
+        raise _malformed("a record must be an array of 5 elements")
+    seq, timestamp, key, value, headers = item
+    if not (
+        _uint(seq)
+        and type(timestamp) is int
+        and (key is None or type(key) is bytes)
+        and type(value) is bytes
+        and type(headers) is dict
+        and all(type(k) is str and type(v) is bytes for k, v in headers.items())
+    ):
+        raise _malformed(f"record {seq!r} has a field of the wrong type")
+    return Record(seq, timestamp, key, value, headers)
+
+
+def _decode_records(items: Any) -> Records:
+    if type(items) is not list:
+        raise _malformed("RECORDS must carry an array of records")
+    records = tuple(map(_decode_record, items))
+    for earlier, later in itertools.pairwise(records):
+        if later.seq <= earlier.seq:
+            raise _malformed(f"RECORDS out of order: seq {later.seq} after {earlier.seq}")
+    return Records(records)
+
+
+def _decode_stream_list(items: Any) -> StreamList:
+    if type(items) is not list:
+        raise _malformed("STREAM_LIST must carry an array")
+    streams = []
+    for item in items:
+        if not (
+            type(item) is list
+            and len(item) == 3
+            and _str(item[0])
+            and _uint(item[1])
+            and _uint(item[2])
+        ):
+            raise _malformed("a STREAM_LIST entry must be [name, head, low]")
+        streams.append(StreamInfo(*item))
+    return StreamList(tuple(streams))
+
+
+def decode_message(body: bytes) -> Message:
+    """Parse and validate one frame body; raises ``RemoteProtocolError``."""
+    try:
+        obj = msgpack.unpackb(body, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several types for bad input
+        raise _malformed(f"frame body is not valid msgpack: {exc}") from None
+    if type(obj) is not list or not obj or type(obj[0]) is not int:
+        raise _malformed("frame body must be an array starting with a message type")
+    try:
+        cls = _CLASSES[MessageType(obj[0])]
+    except ValueError:
+        raise _malformed(f"unknown message type {obj[0]}") from None
+    args = obj[1:]
+    if cls is Records or cls is StreamList:
+        if len(args) != 1:
+            raise _malformed(f"{cls.TYPE.name} takes 1 field, got {len(args)}")
+        return _decode_records(args[0]) if cls is Records else _decode_stream_list(args[0])
+    if cls in (ClientHello, ServerHello) and args and args[0] != PROTOCOL_VERSION:
+        # "Handshake": the version is checked before anything else in a hello,
+        # whose other fields may differ in other versions.
+        raise RemoteProtocolError(
+            f"peer speaks protocol version {args[0]!r}, this side speaks {PROTOCOL_VERSION}",
+            ErrorCode.VERSION_MISMATCH,
+        )
+    checks = _CHECKS[cls]
+    if len(args) != len(checks):
+        raise _malformed(f"{cls.TYPE.name} takes {len(checks)} fields, got {len(args)}")
+    for name, check, value in zip(_FIELD_NAMES[cls], checks, args, strict=True):
+        if not check(value):
+            raise _malformed(f"{cls.TYPE.name}.{name} has an invalid value: {value!r:.80}")
+    message: Message = cls(*args)
+    return message
+
+
+class FrameDecoder:
+    """Splits a byte stream into frame bodies, checking each length before buffering it."""
+
+    def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
+        self.max_frame_size = max_frame_size
+        self._buffer = bytearray()
+        self._pos = 0
+
+    def feed(self, data: bytes) -> None:
+        self._buffer += data
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received and not yet returned as frames."""
+        return len(self._buffer) - self._pos
+
+    def next_frame(self) -> bytes | None:
+        """The next complete frame body, or None until more data arrives."""
+        buffer, pos = self._buffer, self._pos
+        if len(buffer) - pos >= FRAME_HEADER.size:
+            (size,) = FRAME_HEADER.unpack_from(buffer, pos)
+            if size > self.max_frame_size:
+                raise RemoteProtocolError(
+                    f"frame of {size} bytes exceeds the limit of {self.max_frame_size}",
+                    ErrorCode.FRAME_TOO_LARGE,
+                )
+            if size == 0:
+                raise _malformed("empty frame")
+            end = pos + FRAME_HEADER.size + size
+            if len(buffer) >= end:
+                self._pos = end
+                return bytes(buffer[pos + FRAME_HEADER.size : end])
+        if pos:
+            del buffer[:pos]
+            self._pos = 0
+        return None
+
+
+# --- Connection state ("Connection states" in docs/protocol.md) --------------
+
+
+class State(Enum):
+    AWAIT_HELLO = "await hello"
+    READY = "ready"
+    STREAMING = "streaming"
+    CLOSED = "closed"
+
+
+_REQUESTS = (GetHead, GetRange, ListStreams, GetStatus)
+# What the client may receive while the oldest pending request is of each kind.
+_RESPONSES: dict[type[Any], tuple[type[Any], ...]] = {
+    GetHead: (StreamInfo,),
+    GetRange: (Records, RangeEnd),
+    ListStreams: (StreamList,),
+    GetStatus: (StatusReport,),
+}
+_FINAL_RESPONSES = (StreamInfo, RangeEnd, StreamList, StatusReport)
+
+
+class _Connection:
+    """State shared by both roles: the frame decoder and the closed flag."""
+
+    _hello: ClassVar[type[Any]]
+
+    def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
+        self._decoder = FrameDecoder(max_frame_size)
+        self.their_state = State.AWAIT_HELLO
+        self.our_state = State.AWAIT_HELLO
+
+    def receive_data(self, data: bytes) -> None:
+        self._decoder.feed(data)
+
+    @property
+    def buffered(self) -> int:
+        return self._decoder.buffered
+
+    def next_event(self) -> Message | None:
+        """The next message from the peer, or None if more data is needed."""
+        if self.their_state is State.CLOSED:
+            return None
+        body = self._decoder.next_frame()
+        if body is None:
+            return None
+        message = decode_message(body)
+        if isinstance(message, Error):
+            self.their_state = State.CLOSED
+        else:
+            self._on_receive(message)
+        return message
+
+    def send(self, message: Message) -> bytes:
+        """The bytes for ``message``; raises ``LocalProtocolError`` if it is out of order."""
+        if self.our_state is State.CLOSED:
+            raise LocalProtocolError(f"cannot send {message.TYPE.name}: connection closed")
+        if isinstance(message, Error):
+            self.our_state = State.CLOSED
+        else:
+            self._on_send(message)
+        return encode(message)
+
+    def _unexpected(self, message: Message, expected: str) -> RemoteProtocolError:
+        return RemoteProtocolError(
+            f"unexpected {message.TYPE.name} while {self.their_state.value}: expected {expected}",
+            ErrorCode.UNEXPECTED_MESSAGE,
+        )
+
+    def _on_receive(self, message: Message) -> None:
+        raise NotImplementedError
+
+    def _on_send(self, message: Message) -> None:
+        raise NotImplementedError
+
+
+class ServerConnection(_Connection):
+    """The producer's side of one connection."""
+
+    def _on_receive(self, message: Message) -> None:
+        state = self.their_state
+        if state is State.AWAIT_HELLO:
+            if not isinstance(message, ClientHello):
+                raise self._unexpected(message, "CLIENT_HELLO")
+            self.their_state = State.READY
+        elif state is State.READY:
+            if isinstance(message, Subscribe):
+                self.their_state = State.STREAMING
+            elif not isinstance(message, _REQUESTS):
+                raise self._unexpected(message, "a request")
+        elif not isinstance(message, Ack):
+            # "One connection, one subscription": after SUBSCRIBE only ACKs.
+            raise self._unexpected(message, "ACK (one subscription per connection)")
+
+    def _on_send(self, message: Message) -> None:
+        if self.our_state is State.AWAIT_HELLO:
+            if not isinstance(message, ServerHello):
+                raise LocalProtocolError("the first frame a server sends must be SERVER_HELLO")
+            self.our_state = State.READY
+        elif isinstance(message, ServerHello):
+            raise LocalProtocolError("SERVER_HELLO was already sent")
+
+    def send_records(self, encoded_records: Sequence[bytes]) -> bytes:
+        """A RECORDS frame from stored record encodings (the hot path)."""
+        if self.our_state is not State.READY:
+            raise LocalProtocolError(f"cannot send RECORDS while {self.our_state.value}")
+        return records_frame(encoded_records)
+
+
+class ClientConnection(_Connection):
+    """A consumer's or client's side of one connection.
+
+    Tracks the requests in flight so every response is checked against what
+    was asked, and checks that a subscription's records only move forward.
+    """
+
+    def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
+        super().__init__(max_frame_size)
+        self._pending: deque[Request] = deque()
+        self._subscribed_ack = False
+        self.last_seq = 0
+
+    def _on_send(self, message: Message) -> None:
+        state = self.our_state
+        if state is State.AWAIT_HELLO:
+            if not isinstance(message, ClientHello):
+                raise LocalProtocolError("the first frame a client sends must be CLIENT_HELLO")
+            self.our_state = State.READY
+        elif state is State.READY:
+            if isinstance(message, Subscribe):
+                if self._pending:
+                    raise LocalProtocolError("SUBSCRIBE while requests are still pending")
+                self.our_state = State.STREAMING
+                self.last_seq = message.start_seq - 1 if message.start_seq else 0
+                self._pending.append(message)
+            elif isinstance(message, _REQUESTS):
+                self._pending.append(message)
+            else:
+                raise LocalProtocolError(f"a client cannot send {message.TYPE.name} now")
+        elif not isinstance(message, Ack):
+            raise LocalProtocolError(f"only ACK may follow SUBSCRIBE, not {message.TYPE.name}")
+
+    def _on_receive(self, message: Message) -> None:
+        if self.their_state is State.AWAIT_HELLO:
+            if not isinstance(message, ServerHello):
+                raise self._unexpected(message, "SERVER_HELLO")
+            self.their_state = State.READY
+            return
+        if self.our_state is State.STREAMING:
+            self._on_receive_streaming(message)
+            return
+        if not self._pending:
+            raise self._unexpected(message, "nothing (no request pending)")
+        request = self._pending[0]
+        allowed = _RESPONSES[type(request)]
+        if not isinstance(message, allowed):
+            raise self._unexpected(message, " or ".join(c.TYPE.name for c in allowed))
+        if isinstance(message, Records) and isinstance(request, GetRange):
+            # A range holds only seqs in [start, end), in increasing order.
+            records = message.records
+            if records and not (
+                request.start <= records[0].seq
+                and records[-1].seq < request.end
+                and records[0].seq > self.last_seq
+            ):
+                raise _malformed(
+                    f"RECORDS outside the requested range [{request.start}, {request.end})"
+                )
+            if records:
+                self.last_seq = records[-1].seq
+        if isinstance(message, _FINAL_RESPONSES):
+            self._pending.popleft()
+            self.last_seq = 0
+
+    def _on_receive_streaming(self, message: Message) -> None:
+        if not self._subscribed_ack:
+            if not isinstance(message, Subscribed):
+                raise self._unexpected(message, "SUBSCRIBED")
+            self._subscribed_ack = True
+            self._pending.clear()
+            self.their_state = State.STREAMING
+        elif isinstance(message, Records):
+            if message.records:
+                if message.records[0].seq <= self.last_seq:
+                    raise _malformed(
+                        f"RECORDS went backwards: seq {message.records[0].seq} "
+                        f"after {self.last_seq}"
+                    )
+                self.last_seq = message.records[-1].seq
+        elif not isinstance(message, Heartbeat):
+            raise self._unexpected(message, "RECORDS or HEARTBEAT")

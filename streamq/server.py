@@ -1,0 +1,362 @@
+"""The server embedded in a producer: asyncio I/O around ``protocol.ServerConnection``.
+
+One TCP connection carries either one subscription, pushed until either side
+closes, or a sequence of requests (head, range, streams, status). Pushing
+awaits the transport's drain after every frame: a consumer that stops reading
+fills its TCP window and the pusher waits, holding at most one frame and the
+transport's buffer. Nothing a peer sends can stop the producer or its other
+connections: every error ends that one connection with an ERROR frame.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import (
+    ErrorCode,
+    IdleTimeoutError,
+    OffsetOutOfRangeError,
+    ProducerMismatchError,
+    RemoteProtocolError,
+    ServerError,
+)
+from .log import Log, Stream
+from .protocol import (
+    DEFAULT_MAX_FRAME_SIZE,
+    PROTOCOL_VERSION,
+    Ack,
+    ClientHello,
+    Error,
+    GetHead,
+    GetRange,
+    GetStatus,
+    Heartbeat,
+    ListStreams,
+    RangeEnd,
+    ServerConnection,
+    ServerHello,
+    State,
+    StatusReport,
+    StreamInfo,
+    StreamList,
+    Subscribe,
+    Subscribed,
+)
+
+logger = logging.getLogger("streamq.server")
+
+_READ_SIZE = 64 * 1024
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Limits and timings of the embedded server; the defaults suit most services."""
+
+    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
+    max_connections: int = 1024
+    handshake_timeout: float = 10.0  # from accept to CLIENT_HELLO
+    idle_timeout: float = 300.0  # between requests on a request connection
+    heartbeat_interval: float = 5.0  # on a subscription with nothing to send
+    max_batch_records: int = 8192  # records per RECORDS frame
+    max_batch_bytes: int = 1024 * 1024  # bytes per RECORDS frame (at least one record)
+    write_buffer_high: int = 1024 * 1024  # transport buffer that makes the pusher wait
+
+    def __post_init__(self) -> None:
+        if self.max_batch_bytes > self.max_frame_size:
+            raise ValueError("max_batch_bytes must not exceed max_frame_size")
+
+
+@dataclass(eq=False)
+class Subscription:
+    """What the status report shows of one connected consumer."""
+
+    consumer: str
+    stream: str
+    peer: str
+    sent: int  # last seq written to the socket
+    acked: int  # last seq the consumer reported as applied and committed
+    since: float = field(default_factory=time.time)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "consumer": self.consumer,
+            "stream": self.stream,
+            "peer": self.peer,
+            "sent": self.sent,
+            "acked": self.acked,
+            "connected_at": int(self.since * 1000),
+        }
+
+
+def _peer_name(writer: asyncio.StreamWriter) -> str:
+    peer = writer.get_extra_info("peername")
+    if isinstance(peer, tuple) and len(peer) >= 2:
+        return f"{peer[0]}:{peer[1]}"
+    return str(peer)
+
+
+class Server:
+    """Accepts consumers and clients for one producer's log."""
+
+    def __init__(self, log: Log, producer_id: str, epoch: int, settings: ServerSettings) -> None:
+        self.log = log
+        self.producer_id = producer_id
+        self.epoch = epoch
+        self.settings = settings
+        self.subscriptions: set[Subscription] = set()
+        self.connections = 0
+        self.errors_sent = 0
+        self._server: asyncio.Server | None = None
+        self._handlers: set[asyncio.Task[None]] = set()
+        self._closing = False
+
+    async def start(self, host: str, port: int) -> None:
+        self._server = await asyncio.start_server(self._on_connection, host, port, limit=_READ_SIZE)
+
+    @property
+    def address(self) -> str:
+        assert self._server is not None
+        host, port = self._server.sockets[0].getsockname()[:2]
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    async def close(self) -> None:
+        """Stop accepting, and close every connection with SHUTTING_DOWN."""
+        self._closing = True
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._handlers):
+            task.cancel()
+        if self._handlers:
+            await asyncio.wait(self._handlers, timeout=5)
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 5)
+
+    async def _on_connection(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        self.connections += 1
+        writer.transport.set_write_buffer_limits(high=self.settings.write_buffer_high)
+        conn = ServerConnection(self.settings.max_frame_size)
+        try:
+            if self.connections > self.settings.max_connections:
+                self._send_error(
+                    conn,
+                    writer,
+                    ErrorCode.TOO_MANY_CONNECTIONS,
+                    f"producer is at its limit of {self.settings.max_connections} connections",
+                )
+                return
+            writer.write(
+                conn.send(
+                    ServerHello(
+                        PROTOCOL_VERSION, self.producer_id, self.epoch, self.settings.max_frame_size
+                    )
+                )
+            )
+            await self._serve(conn, reader, writer)
+        except RemoteProtocolError as exc:
+            self._send_error(conn, writer, exc.code, str(exc))
+        except ServerError as exc:
+            self._send_error(conn, writer, exc.code, str(exc), exc.details)
+        except asyncio.CancelledError:
+            if not self._closing:
+                raise
+            # Cancelled by close(): end quietly (asyncio logs a cancelled handler task).
+            self._send_error(conn, writer, ErrorCode.SHUTTING_DOWN, "producer is shutting down")
+        except (ConnectionError, OSError):
+            pass  # the peer went away; nothing to tell it
+        except Exception:
+            logger.exception("internal error serving %s", _peer_name(writer))
+            self._send_error(
+                conn, writer, ErrorCode.INTERNAL_ERROR, "internal error; see producer log"
+            )
+        finally:
+            self.connections -= 1
+            self._handlers.discard(task)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(writer.wait_closed(), 1)
+
+    def _send_error(
+        self,
+        conn: ServerConnection,
+        writer: asyncio.StreamWriter,
+        code: ErrorCode,
+        message: str,
+        details: dict[str, Any] | None = None,
+    ) -> None:
+        self.errors_sent += 1
+        with contextlib.suppress(Exception):
+            writer.write(conn.send(Error(int(code), message, details or {})))
+
+    async def _next_message(self, conn: ServerConnection, reader: asyncio.StreamReader) -> Any:
+        """The next client message, reading as needed; None when the client closed."""
+        while (message := conn.next_event()) is None:
+            hello_pending = conn.their_state is State.AWAIT_HELLO
+            timeout = (
+                self.settings.handshake_timeout if hello_pending else self.settings.idle_timeout
+            )
+            try:
+                async with asyncio.timeout(timeout):
+                    data = await reader.read(_READ_SIZE)
+            except TimeoutError:
+                what = "CLIENT_HELLO" if hello_pending else "a request"
+                raise IdleTimeoutError(f"no {what} within {timeout:g} s; closing") from None
+            if not data:
+                return None
+            conn.receive_data(data)
+        return message
+
+    async def _serve(
+        self, conn: ServerConnection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        while (message := await self._next_message(conn, reader)) is not None:
+            if isinstance(message, ClientHello):
+                continue
+            if isinstance(message, Subscribe):
+                await self._subscription(conn, message, reader, writer)
+                return
+            if isinstance(message, GetHead):
+                stream = self.log.stream(message.stream)
+                writer.write(conn.send(StreamInfo(stream.name, stream.head, stream.low)))
+            elif isinstance(message, GetRange):
+                await self._send_range(conn, message, writer)
+            elif isinstance(message, ListStreams):
+                infos = tuple(StreamInfo(s.name, s.head, s.low) for s in self.log.streams.values())
+                writer.write(conn.send(StreamList(infos)))
+            elif isinstance(message, GetStatus):
+                writer.write(conn.send(StatusReport(self.status())))
+            await writer.drain()
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "producer_id": self.producer_id,
+            "epoch": self.epoch,
+            "streams": [
+                {"stream": s.name, "head": s.head, "low": s.low} for s in self.log.streams.values()
+            ],
+            "consumers": [sub.describe() for sub in self.subscriptions],
+            "connections": self.connections,
+        }
+
+    def _check_start(self, stream: Stream, start: int, end: int | None = None) -> None:
+        """Reject a start seq, or a range [start, end), outside what the stream holds."""
+        details = {
+            "stream": stream.name,
+            "requested": start,
+            "low": stream.low,
+            "head": stream.head,
+        }
+        if start < 1:
+            raise OffsetOutOfRangeError(f"seqs start at 1, not {start}", details)
+        self.log.check_available(stream, start)
+        if end is not None and end < start:
+            raise OffsetOutOfRangeError(f"range end {end} is before its start {start}", details)
+        last = start - 1 if end is None else end - 1
+        if last > stream.head:
+            raise OffsetOutOfRangeError(
+                f"stream {stream.name!r}: seq {last} is beyond the head ({stream.head})", details
+            )
+
+    async def _send_range(
+        self, conn: ServerConnection, request: GetRange, writer: asyncio.StreamWriter
+    ) -> None:
+        stream = self.log.stream(request.stream)
+        self._check_start(stream, request.start, request.end)
+        seq = request.start
+        while seq < request.end:
+            records, last = await self.log.read(
+                stream,
+                seq,
+                request.end,
+                self.settings.max_batch_records,
+                self.settings.max_batch_bytes,
+            )
+            writer.write(conn.send_records(records))
+            await writer.drain()
+            seq = last + 1
+        writer.write(conn.send(RangeEnd()))
+
+    async def _subscription(
+        self,
+        conn: ServerConnection,
+        request: Subscribe,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+    ) -> None:
+        if request.producer_id is not None and request.producer_id != self.producer_id:
+            raise ProducerMismatchError(
+                f"this is producer {self.producer_id}, not {request.producer_id}",
+                {"producer_id": self.producer_id, "expected": request.producer_id},
+            )
+        stream = self.log.stream(request.stream)
+        self._check_start(stream, request.start_seq)
+        writer.write(conn.send(Subscribed(stream.name, stream.head, stream.low)))
+        sub = Subscription(
+            request.consumer,
+            stream.name,
+            _peer_name(writer),
+            request.start_seq - 1,
+            request.start_seq - 1,
+        )
+        self.subscriptions.add(sub)
+        push = asyncio.create_task(self._push(conn, stream, sub, writer))
+        acks = asyncio.create_task(self._read_acks(conn, reader, sub))
+        try:
+            done, _ = await asyncio.wait({push, acks}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self.subscriptions.discard(sub)
+            for task in (push, acks):
+                task.cancel()
+            await asyncio.gather(push, acks, return_exceptions=True)
+        for task in done:
+            task.result()  # re-raise what ended the subscription
+
+    async def _read_acks(
+        self, conn: ServerConnection, reader: asyncio.StreamReader, sub: Subscription
+    ) -> None:
+        """Read the consumer's ACKs until it closes; anything else is a protocol error."""
+        while True:
+            data = await reader.read(_READ_SIZE)
+            if not data:
+                return
+            conn.receive_data(data)
+            while (message := conn.next_event()) is not None:
+                if isinstance(message, Ack):
+                    sub.acked = max(sub.acked, message.seq)
+
+    async def _push(
+        self,
+        conn: ServerConnection,
+        stream: Stream,
+        sub: Subscription,
+        writer: asyncio.StreamWriter,
+    ) -> None:
+        """Catch up from SQLite or memory, then follow commits as they happen."""
+        settings = self.settings
+        seq = sub.sent + 1
+        while True:
+            records, last = await self.log.read(
+                stream,
+                seq,
+                seq + settings.max_batch_records,
+                settings.max_batch_records,
+                settings.max_batch_bytes,
+            )
+            if records:
+                writer.write(conn.send_records(records))
+                sub.sent = last
+                seq = last + 1
+                await writer.drain()
+            elif not await stream.wait_beyond(seq - 1, settings.heartbeat_interval):
+                writer.write(conn.send(Heartbeat(stream.head)))
+                await writer.drain()
