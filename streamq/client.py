@@ -59,10 +59,14 @@ class Client:
             self._sock = socket.create_connection((host, port), timeout=timeout)
         except OSError as exc:
             raise ConnectionLostError(f"cannot connect to producer at {address}: {exc}") from exc
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._conn = ClientConnection(max_frame_size)
-        self._send(ClientHello(PROTOCOL_VERSION, name))
-        hello = self._receive()
+        try:
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._send(ClientHello(PROTOCOL_VERSION, name))
+            hello = self._receive()
+        except BaseException:
+            self._sock.close()
+            raise
         assert isinstance(hello, ServerHello)
         self.producer_id = hello.producer_id
         self.epoch = hello.epoch

@@ -24,12 +24,14 @@ import aiosqlite
 from .errors import (
     ConnectionLostError,
     ConsumerPositionError,
+    IdleTimeoutError,
     OffsetOutOfRangeError,
     OutOfOrderBatchError,
     ProducerChangedError,
     ServerError,
     ShuttingDownError,
     StreamQError,
+    TooManyConnectionsError,
     TransactionClosedError,
     error_from_frame,
 )
@@ -128,6 +130,16 @@ class ConsumerTransaction:
 
 
 _Item = Batch | BaseException
+
+# Failures a reconnect may cure; anything else stops the consumer with its error.
+_TRANSIENT = (
+    ConnectionLostError,
+    ShuttingDownError,
+    TooManyConnectionsError,
+    IdleTimeoutError,
+    OSError,
+    TimeoutError,
+)
 
 
 class Consumer:
@@ -283,8 +295,11 @@ class Consumer:
                 try:
                     subscribed = await self._read_message(conn, reader)
                 except OffsetOutOfRangeError as exc:
-                    if exc.details.get("head", start) < start - 1:
-                        raise self._regressed(exc.details["head"], start - 1) from exc
+                    # Past the head is the producer's regression when ``start``
+                    # follows what was applied, the caller's mistake otherwise.
+                    head = exc.details.get("head", start)
+                    if head < start - 1 and start - 1 == self.received and self.received > 0:
+                        raise self._regressed(head, start - 1) from exc
                     raise
                 assert isinstance(subscribed, Subscribed)
         except (OSError, TimeoutError) as exc:
@@ -299,6 +314,7 @@ class Consumer:
             writer.close()
             raise self._regressed(subscribed.head, start - 1)
         self.producer_id, self.epoch, self.head = hello.producer_id, hello.epoch, subscribed.head
+        self.received = start - 1
         self._writer, self._conn = writer, conn
         return reader, conn
 
@@ -320,7 +336,7 @@ class Consumer:
                 )
             return self.received + 1
         if self._db is None:
-            self.received = self.applied = self._start_seq - 1
+            self.applied = self._start_seq - 1
             return self._start_seq
         rows = await self._db.execute_fetchall(
             "SELECT producer_id, seq FROM streamq_positions "
@@ -338,7 +354,8 @@ class Consumer:
                 "the producer's database was replaced. Refusing to mix two logs."
             )
         else:
-            self.received = self.applied = self._start_seq - 1
+            self.applied = self._start_seq - 1
+            return self._start_seq
         return self.received + 1
 
     async def _run(self, reader: asyncio.StreamReader, conn: ClientConnection) -> None:
@@ -346,7 +363,7 @@ class Consumer:
         while True:
             try:
                 await self._pump(reader, conn)
-            except (ConnectionLostError, ShuttingDownError, OSError, TimeoutError) as exc:
+            except _TRANSIENT as exc:
                 self._drop_connection()
                 if not self._reconnect:
                     await self._queue.put(_lost(exc, self.address))
@@ -369,7 +386,7 @@ class Consumer:
         while True:
             try:
                 connection = await self._connect()
-            except (ConnectionLostError, ShuttingDownError) as exc:
+            except _TRANSIENT as exc:
                 if deadline is not None and time.monotonic() + delay > deadline:
                     raise ConnectionLostError(
                         f"no connection to {self.address} within {self._reconnect_timeout:g} s"

@@ -198,7 +198,7 @@ class Log:
         limit = max(1, min(max_records, max_bytes // max(1, self._avg_record_size)))
         async with self._reader() as conn:
             rows = await store.read_records(conn, stream.id, seq, end, limit)
-        if not rows:  # deleted after the check above
+        if not rows or rows[0][0] != seq:  # deleted after the check above
             raise OffsetOutOfRangeError(
                 f"stream {stream.name!r}: seqs from {seq} were deleted while being read",
                 {"stream": stream.name, "requested": seq, "low": stream.low, "head": stream.head},

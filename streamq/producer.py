@@ -24,12 +24,10 @@ import aiosqlite
 from . import store
 from .errors import ConcurrentWriterError, RecordTooLargeError, TransactionClosedError
 from .log import Log
-from .protocol import encode_record
+from .protocol import FRAME_OVERHEAD, encode_record
 from .server import Server, ServerSettings
 from .store import Durability
 
-# Room for the RECORDS frame header around a record of maximal size.
-_FRAME_OVERHEAD = 64
 _MAX_STREAM_NAME = 255
 
 
@@ -214,7 +212,7 @@ class Producer:
         self.path = str(path)
         self.durability: Durability = durability
         self.settings = settings or ServerSettings()
-        self.max_record_size = self.settings.max_frame_size - _FRAME_OVERHEAD
+        self.max_record_size = self.settings.max_frame_size - FRAME_OVERHEAD
         self.flush_records = flush_records
         self.log = Log(self.path, tail_bytes=tail_bytes)
         self._host, self._port, self._serve = host, port, serve

@@ -31,10 +31,14 @@ from .errors import ErrorCode, LocalProtocolError, RemoteProtocolError
 
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_FRAME_SIZE = 16 * 1024 * 1024
+# The most a client accepts when a producer announces larger frames.
+MAX_ACCEPTED_FRAME_SIZE = 256 * 1024 * 1024
 MAX_SEQ = 2**63 - 1
 
 # "Framing": a 4-byte big-endian body length, then a msgpack array body.
 FRAME_HEADER = struct.Struct(">I")
+# Bytes a RECORDS frame adds around its records; a record may use the rest.
+FRAME_OVERHEAD = 64
 
 
 class MessageType(IntEnum):
@@ -600,6 +604,11 @@ class ClientConnection(_Connection):
             if not isinstance(message, ServerHello):
                 raise self._unexpected(message, "SERVER_HELLO")
             self.their_state = State.READY
+            # "Limits": accept frames as large as the producer may send.
+            decoder = self._decoder
+            decoder.max_frame_size = max(
+                decoder.max_frame_size, min(message.max_frame_size, MAX_ACCEPTED_FRAME_SIZE)
+            )
             return
         if self.our_state is State.STREAMING:
             self._on_receive_streaming(message)

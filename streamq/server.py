@@ -24,10 +24,12 @@ from .errors import (
     ProducerMismatchError,
     RemoteProtocolError,
     ServerError,
+    TooManyConnectionsError,
 )
 from .log import Log, Stream
 from .protocol import (
     DEFAULT_MAX_FRAME_SIZE,
+    FRAME_OVERHEAD,
     PROTOCOL_VERSION,
     Ack,
     ClientHello,
@@ -51,6 +53,8 @@ from .protocol import (
 logger = logging.getLogger("streamq.server")
 
 _READ_SIZE = 64 * 1024
+_LINGER_SECONDS = 1.0
+_LINGER_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -67,8 +71,8 @@ class ServerSettings:
     write_buffer_high: int = 1024 * 1024  # transport buffer that makes the pusher wait
 
     def __post_init__(self) -> None:
-        if self.max_batch_bytes > self.max_frame_size:
-            raise ValueError("max_batch_bytes must not exceed max_frame_size")
+        if self.max_batch_bytes > self.max_frame_size - FRAME_OVERHEAD:
+            raise ValueError("max_batch_bytes must leave room for framing within max_frame_size")
 
 
 @dataclass(eq=False)
@@ -80,7 +84,15 @@ class Subscription:
     peer: str
     sent: int  # last seq written to the socket
     acked: int  # last seq the consumer reported as applied and committed
+    transport: asyncio.BaseTransport | None = None
     since: float = field(default_factory=time.time)
+
+    @property
+    def buffered(self) -> int:
+        """Bytes written for this consumer and not yet taken by the kernel."""
+        if isinstance(self.transport, asyncio.WriteTransport):
+            return self.transport.get_write_buffer_size()
+        return 0
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -89,6 +101,7 @@ class Subscription:
             "peer": self.peer,
             "sent": self.sent,
             "acked": self.acked,
+            "buffered": self.buffered,
             "connected_at": int(self.since * 1000),
         }
 
@@ -146,74 +159,83 @@ class Server:
         self.connections += 1
         writer.transport.set_write_buffer_limits(high=self.settings.write_buffer_high)
         conn = ServerConnection(self.settings.max_frame_size)
+        error: Error | None = None
         try:
             if self.connections > self.settings.max_connections:
-                self._send_error(
-                    conn,
-                    writer,
-                    ErrorCode.TOO_MANY_CONNECTIONS,
-                    f"producer is at its limit of {self.settings.max_connections} connections",
-                )
-                return
-            writer.write(
-                conn.send(
-                    ServerHello(
-                        PROTOCOL_VERSION, self.producer_id, self.epoch, self.settings.max_frame_size
-                    )
-                )
+                limit = self.settings.max_connections
+                raise TooManyConnectionsError(f"producer is at its limit of {limit} connections")
+            hello = ServerHello(
+                PROTOCOL_VERSION, self.producer_id, self.epoch, self.settings.max_frame_size
             )
+            writer.write(conn.send(hello))
             await self._serve(conn, reader, writer)
         except RemoteProtocolError as exc:
-            self._send_error(conn, writer, exc.code, str(exc))
+            error = Error(int(exc.code), str(exc), {})
         except ServerError as exc:
-            self._send_error(conn, writer, exc.code, str(exc), exc.details)
+            error = Error(int(exc.code), str(exc), exc.details)
         except asyncio.CancelledError:
             if not self._closing:
                 raise
             # Cancelled by close(): end quietly (asyncio logs a cancelled handler task).
-            self._send_error(conn, writer, ErrorCode.SHUTTING_DOWN, "producer is shutting down")
+            error = Error(int(ErrorCode.SHUTTING_DOWN), "producer is shutting down", {})
         except (ConnectionError, OSError):
             pass  # the peer went away; nothing to tell it
         except Exception:
             logger.exception("internal error serving %s", _peer_name(writer))
-            self._send_error(
-                conn, writer, ErrorCode.INTERNAL_ERROR, "internal error; see producer log"
-            )
+            error = Error(int(ErrorCode.INTERNAL_ERROR), "internal error; see producer log", {})
         finally:
             self.connections -= 1
             self._handlers.discard(task)
+            if error is not None:
+                self.errors_sent += 1
+                await self._close_with_error(conn, reader, writer, error)
             writer.close()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(writer.wait_closed(), 1)
 
-    def _send_error(
+    async def _close_with_error(
         self,
         conn: ServerConnection,
+        reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
-        code: ErrorCode,
-        message: str,
-        details: dict[str, Any] | None = None,
+        error: Error,
     ) -> None:
-        self.errors_sent += 1
+        """Send ERROR, then read and drop what the peer still sends for a moment.
+
+        Closing a socket with unread input makes the kernel send a reset, which
+        can destroy the ERROR frame before the peer reads it ("Errors").
+        """
         with contextlib.suppress(Exception):
-            writer.write(conn.send(Error(int(code), message, details or {})))
+            writer.write(conn.send(error))
+            if writer.can_write_eof():
+                writer.write_eof()
+            async with asyncio.timeout(_LINGER_SECONDS):
+                await writer.drain()
+                discarded = 0
+                while discarded < _LINGER_BYTES and (data := await reader.read(_READ_SIZE)):
+                    discarded += len(data)
 
     async def _next_message(self, conn: ServerConnection, reader: asyncio.StreamReader) -> Any:
-        """The next client message, reading as needed; None when the client closed."""
-        while (message := conn.next_event()) is None:
-            hello_pending = conn.their_state is State.AWAIT_HELLO
-            timeout = (
-                self.settings.handshake_timeout if hello_pending else self.settings.idle_timeout
-            )
-            try:
-                async with asyncio.timeout(timeout):
+        """The next client message, reading as needed; None when the client closed.
+
+        The deadline covers the whole message, so a trickle of bytes cannot
+        hold a connection open forever.
+        """
+        hello_pending = conn.their_state is State.AWAIT_HELLO
+        settings = self.settings
+        timeout = settings.handshake_timeout if hello_pending else settings.idle_timeout
+        try:
+            async with asyncio.timeout(timeout):
+                while (message := conn.next_event()) is None:
                     data = await reader.read(_READ_SIZE)
-            except TimeoutError:
-                what = "CLIENT_HELLO" if hello_pending else "a request"
-                raise IdleTimeoutError(f"no {what} within {timeout:g} s; closing") from None
-            if not data:
-                return None
-            conn.receive_data(data)
+                    if not data:
+                        return None
+                    conn.receive_data(data)
+        except TimeoutError:
+            what = "CLIENT_HELLO" if hello_pending else "request"
+            raise IdleTimeoutError(f"no complete {what} within {timeout:g} s; closing") from None
+        if isinstance(message, Error):
+            return None  # the client is closing; "Errors"
         return message
 
     async def _serve(
@@ -250,21 +272,28 @@ class Server:
 
     def _check_start(self, stream: Stream, start: int, end: int | None = None) -> None:
         """Reject a start seq, or a range [start, end), outside what the stream holds."""
-        details = {
+        details: dict[str, Any] = {
             "stream": stream.name,
             "requested": start,
             "low": stream.low,
             "head": stream.head,
         }
+        if end is not None:
+            details["end"] = end
         if start < 1:
             raise OffsetOutOfRangeError(f"seqs start at 1, not {start}", details)
         self.log.check_available(stream, start)
-        if end is not None and end < start:
-            raise OffsetOutOfRangeError(f"range end {end} is before its start {start}", details)
-        last = start - 1 if end is None else end - 1
-        if last > stream.head:
+        if end is None and start > stream.head + 1:
             raise OffsetOutOfRangeError(
-                f"stream {stream.name!r}: seq {last} is beyond the head ({stream.head})", details
+                f"stream {stream.name!r}: cannot start at seq {start}, beyond the head "
+                f"({stream.head}); the next record will be seq {stream.head + 1}",
+                details,
+            )
+        if end is not None and not start <= end <= stream.head + 1:
+            raise OffsetOutOfRangeError(
+                f"stream {stream.name!r}: range [{start}, {end}) is not within [{stream.low}, "
+                f"{stream.head + 1}) (the head is {stream.head})",
+                details,
             )
 
     async def _send_range(
@@ -301,12 +330,9 @@ class Server:
         stream = self.log.stream(request.stream)
         self._check_start(stream, request.start_seq)
         writer.write(conn.send(Subscribed(stream.name, stream.head, stream.low)))
+        position = request.start_seq - 1
         sub = Subscription(
-            request.consumer,
-            stream.name,
-            _peer_name(writer),
-            request.start_seq - 1,
-            request.start_seq - 1,
+            request.consumer, stream.name, _peer_name(writer), position, position, writer.transport
         )
         self.subscriptions.add(sub)
         push = asyncio.create_task(self._push(conn, stream, sub, writer))
@@ -326,13 +352,15 @@ class Server:
     ) -> None:
         """Read the consumer's ACKs until it closes; anything else is a protocol error."""
         while True:
+            while (message := conn.next_event()) is not None:
+                if isinstance(message, Error):
+                    return
+                if isinstance(message, Ack):
+                    sub.acked = max(sub.acked, message.seq)
             data = await reader.read(_READ_SIZE)
             if not data:
                 return
             conn.receive_data(data)
-            while (message := conn.next_event()) is not None:
-                if isinstance(message, Ack):
-                    sub.acked = max(sub.acked, message.seq)
 
     async def _push(
         self,

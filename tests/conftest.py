@@ -1,0 +1,47 @@
+"""Shared fixtures: real SQLite files in a temporary folder, real loopback sockets.
+
+Every async test runs twice, on asyncio's default loop and on uvloop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvloop
+
+
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
+    return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+
+
+@pytest.fixture
+def producer_db(tmp_path: Path) -> str:
+    return str(tmp_path / "producer.db")
+
+
+@pytest.fixture
+def consumer_db(tmp_path: Path) -> str:
+    return str(tmp_path / "consumer.db")
+
+
+async def wait_for(
+    condition: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0, what: str = ""
+) -> None:
+    """Poll ``condition`` until it holds; fail after ``timeout`` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        result: Any = condition()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what or condition}")
+        await asyncio.sleep(0.01)
