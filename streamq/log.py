@@ -125,7 +125,7 @@ class Log:
     async def open(self, rows: list[store.StreamRow]) -> None:
         for _ in range(self._reader_count):
             conn = await store.open_reader(self.path)
-            self._all_readers.append(conn)
+            self._all_readers.append(conn)  # closed by close(), even if a later open fails
             self._readers.put_nowait(conn)
         for row in rows:
             self.add(row)

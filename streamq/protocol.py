@@ -18,6 +18,7 @@ A connection is driven like h11::
 from __future__ import annotations
 
 import itertools
+import reprlib
 import struct
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -339,6 +340,15 @@ _CHECKS: dict[type[Any], tuple[Callable[[Any], bool], ...]] = {
 }
 
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 60, 60
+
+
+def _short(value: Any) -> str:
+    """A bounded repr for error messages: peer data may be huge or deeply nested."""
+    return _REPR.repr(value)
+
+
 def _malformed(reason: str) -> RemoteProtocolError:
     return RemoteProtocolError(reason, ErrorCode.MALFORMED_FRAME)
 
@@ -355,7 +365,7 @@ def _decode_record(item: Any) -> Record:
         and type(headers) is dict
         and all(type(k) is str and type(v) is bytes for k, v in headers.items())
     ):
-        raise _malformed(f"record {seq!r} has a field of the wrong type")
+        raise _malformed(f"record {_short(seq)} has a field of the wrong type")
     return Record(seq, timestamp, key, value, headers)
 
 
@@ -389,6 +399,13 @@ def _decode_stream_list(items: Any) -> StreamList:
 def decode_message(body: bytes) -> Message:
     """Parse and validate one frame body; raises ``RemoteProtocolError``."""
     try:
+        return _decode_message(body)
+    except RecursionError:  # a deeply nested value where a scalar belongs
+        raise _malformed("frame body is nested too deeply") from None
+
+
+def _decode_message(body: bytes) -> Message:
+    try:
         obj = msgpack.unpackb(body, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several types for bad input
         raise _malformed(f"frame body is not valid msgpack: {exc}") from None
@@ -407,7 +424,7 @@ def decode_message(body: bytes) -> Message:
         # "Handshake": the version is checked before anything else in a hello,
         # whose other fields may differ in other versions.
         raise RemoteProtocolError(
-            f"peer speaks protocol version {args[0]!r}, this side speaks {PROTOCOL_VERSION}",
+            f"peer speaks protocol version {_short(args[0])}, this side speaks {PROTOCOL_VERSION}",
             ErrorCode.VERSION_MISMATCH,
         )
     checks = _CHECKS[cls]
@@ -415,7 +432,7 @@ def decode_message(body: bytes) -> Message:
         raise _malformed(f"{cls.TYPE.name} takes {len(checks)} fields, got {len(args)}")
     for name, check, value in zip(_FIELD_NAMES[cls], checks, args, strict=True):
         if not check(value):
-            raise _malformed(f"{cls.TYPE.name}.{name} has an invalid value: {value!r:.80}")
+            raise _malformed(f"{cls.TYPE.name}.{name} has an invalid value: {_short(value)}")
     message: Message = cls(*args)
     return message
 
@@ -505,7 +522,8 @@ class _Connection:
             return None
         message = decode_message(body)
         if isinstance(message, Error):
-            self.their_state = State.CLOSED
+            # "Errors": the last frame on a connection, for both directions.
+            self.their_state = self.our_state = State.CLOSED
         else:
             self._on_receive(message)
         return message
@@ -576,6 +594,7 @@ class ClientConnection(_Connection):
     def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
         super().__init__(max_frame_size)
         self._pending: deque[Request] = deque()
+        self._subscribing = False  # SUBSCRIBE sent: the connection is a subscription for good
         self._subscribed_ack = False
         self.last_seq = 0
 
@@ -590,6 +609,7 @@ class ClientConnection(_Connection):
                 if self._pending:
                     raise LocalProtocolError("SUBSCRIBE while requests are still pending")
                 self.our_state = State.STREAMING
+                self._subscribing = True
                 self.last_seq = message.start_seq - 1 if message.start_seq else 0
                 self._pending.append(message)
             elif isinstance(message, _REQUESTS):
@@ -610,7 +630,7 @@ class ClientConnection(_Connection):
                 decoder.max_frame_size, min(message.max_frame_size, MAX_ACCEPTED_FRAME_SIZE)
             )
             return
-        if self.our_state is State.STREAMING:
+        if self._subscribing:
             self._on_receive_streaming(message)
             return
         if not self._pending:

@@ -5,12 +5,29 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+import streamq
+
 STREAMQ = [sys.executable, "-m", "streamq"]
+
+
+def wait_for_head(address: str, stream: str, head: int, timeout: float = 10.0) -> None:
+    """Wait until the serving process has noticed commits made by another process."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with streamq.Client(address) as client:  # an error closes the connection
+                if client.head(stream).head >= head:
+                    return
+        except streamq.UnknownStreamError:
+            pass
+        assert time.monotonic() < deadline, f"{stream} never reached {head} at {address}"
+        time.sleep(0.02)
 
 
 def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -47,6 +64,7 @@ def test_publish_tail_status(served: tuple[str, str]) -> None:
     )
     assert published.returncode == 0, published.stderr
     assert "published 3 record(s) to 'orders': seq 1..3" in published.stdout
+    wait_for_head(address, "orders", 3)
 
     tail = run("tail", address, "orders", "--from", "2", "--count", "2", "--json")
     assert tail.returncode == 0, tail.stderr
@@ -67,6 +85,7 @@ def test_publish_tail_status(served: tuple[str, str]) -> None:
 def test_tail_follows_new_commits(served: tuple[str, str]) -> None:
     db, address = served
     assert run("publish", db, "orders", "old").returncode == 0
+    wait_for_head(address, "orders", 1)
     tail = subprocess.Popen(
         [*STREAMQ, "tail", address, "orders", "--count", "1"],
         stdout=subprocess.PIPE,
