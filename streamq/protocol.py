@@ -17,7 +17,6 @@ A connection is driven like h11::
 
 from __future__ import annotations
 
-import itertools
 import reprlib
 import struct
 from collections import deque
@@ -353,30 +352,36 @@ def _malformed(reason: str) -> RemoteProtocolError:
     return RemoteProtocolError(reason, ErrorCode.MALFORMED_FRAME)
 
 
-def _decode_record(item: Any) -> Record:
-    if type(item) is not list or len(item) != 5:
-        raise _malformed("a record must be an array of 5 elements")
-    seq, timestamp, key, value, headers = item
-    if not (
-        _uint(seq)
-        and type(timestamp) is int
-        and (key is None or type(key) is bytes)
-        and type(value) is bytes
-        and type(headers) is dict
-        and all(type(k) is str and type(v) is bytes for k, v in headers.items())
-    ):
-        raise _malformed(f"record {_short(seq)} has a field of the wrong type")
-    return Record(seq, timestamp, key, value, headers)
-
-
 def _decode_records(items: Any) -> Records:
+    """Validate every record, in one tight loop: this is the consumer's hot path."""
     if type(items) is not list:
         raise _malformed("RECORDS must carry an array of records")
-    records = tuple(map(_decode_record, items))
-    for earlier, later in itertools.pairwise(records):
-        if later.seq <= earlier.seq:
-            raise _malformed(f"RECORDS out of order: seq {later.seq} after {earlier.seq}")
-    return Records(records)
+    records = []
+    append = records.append
+    make = Record._make
+    previous = 0
+    for item in items:
+        if type(item) is not list or len(item) != 5:
+            raise _malformed("a record must be an array of 5 elements")
+        seq, timestamp, key, value, headers = item
+        if (
+            type(seq) is not int
+            or type(timestamp) is not int
+            or type(value) is not bytes
+            or (key is not None and type(key) is not bytes)
+            or type(headers) is not dict
+            or (
+                headers and not all(type(k) is str and type(v) is bytes for k, v in headers.items())
+            )
+        ):
+            raise _malformed(f"record {_short(seq)} has a field of the wrong type")
+        if seq <= previous:
+            raise _malformed(f"RECORDS out of order: seq {seq} after {previous}")
+        previous = seq
+        append(make(item))
+    if previous > MAX_SEQ:
+        raise _malformed(f"seq {previous} is beyond the largest seq")
+    return Records(tuple(records))
 
 
 def _decode_stream_list(items: Any) -> StreamList:
