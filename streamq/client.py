@@ -28,6 +28,7 @@ from .protocol import (
     RangeEnd,
     Record,
     Records,
+    ReportPosition,
     ServerHello,
     StatusReport,
     StreamInfo,
@@ -127,6 +128,13 @@ class Client:
         report = self._receive()
         assert isinstance(report, StatusReport)
         return report.status
+
+    def report_position(self, stream: str, consumer: str, seq: int) -> StreamInfo:
+        """Tell the producer that ``consumer`` has durably read ``stream`` up to ``seq``."""
+        self._send(ReportPosition(stream, consumer, seq))
+        info = self._receive()
+        assert isinstance(info, StreamInfo)
+        return info
 
     def read_range(self, stream: str, start: int, end: int) -> Iterator[tuple[Record, ...]]:
         """Batches of the records with ``start <= seq < end``, as the producer sends them.

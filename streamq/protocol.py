@@ -60,6 +60,7 @@ class MessageType(IntEnum):
     GET_STATUS = 14
     STATUS_REPORT = 15
     ERROR = 16
+    REPORT_POSITION = 17
 
 
 class Record(NamedTuple):
@@ -211,6 +212,19 @@ class StatusReport:
 
 
 @dataclass(frozen=True, slots=True)
+class ReportPosition:
+    """A reader that does not subscribe (e.g. a Spark query) tells how far it has durably read.
+
+    ``seq`` is its last applied seq; the producer answers with the stream's STREAM_INFO.
+    """
+
+    stream: str
+    consumer: str
+    seq: int
+    TYPE: ClassVar[MessageType] = MessageType.REPORT_POSITION
+
+
+@dataclass(frozen=True, slots=True)
 class Error:
     """The last frame on a connection: why the sender is closing it."""
 
@@ -237,8 +251,9 @@ Message = (
     | GetStatus
     | StatusReport
     | Error
+    | ReportPosition
 )
-Request = Subscribe | GetHead | GetRange | ListStreams | GetStatus
+Request = Subscribe | GetHead | GetRange | ListStreams | GetStatus | ReportPosition
 
 
 # --- Encoding -----------------------------------------------------------------
@@ -316,6 +331,7 @@ _CLASSES: dict[MessageType, type[Any]] = {
         GetStatus,
         StatusReport,
         Error,
+        ReportPosition,
     )
 }
 _FIELD_NAMES: dict[type[Any], tuple[str, ...]] = {
@@ -336,6 +352,7 @@ _CHECKS: dict[type[Any], tuple[Callable[[Any], bool], ...]] = {
     GetStatus: (),
     StatusReport: (_map,),
     Error: (_uint, _str, _map),
+    ReportPosition: (_str, _str, _uint),
 }
 
 
@@ -356,7 +373,7 @@ def _decode_records(items: Any) -> Records:
     """Validate every record, in one tight loop: this is the consumer's hot path."""
     if type(items) is not list:
         raise _malformed("RECORDS must carry an array of records")
-    records = []
+    records: list[Record] = []
     append = records.append
     make = Record._make
     previous = 0
@@ -490,13 +507,14 @@ class State(Enum):
     CLOSED = "closed"
 
 
-_REQUESTS = (GetHead, GetRange, ListStreams, GetStatus)
+_REQUESTS = (GetHead, GetRange, ListStreams, GetStatus, ReportPosition)
 # What the client may receive while the oldest pending request is of each kind.
 _RESPONSES: dict[type[Any], tuple[type[Any], ...]] = {
     GetHead: (StreamInfo,),
     GetRange: (Records, RangeEnd),
     ListStreams: (StreamList,),
     GetStatus: (StatusReport,),
+    ReportPosition: (StreamInfo,),
 }
 _FINAL_RESPONSES = (StreamInfo, RangeEnd, StreamList, StatusReport)
 

@@ -40,6 +40,7 @@ from .protocol import (
     Heartbeat,
     ListStreams,
     RangeEnd,
+    ReportPosition,
     ServerConnection,
     ServerHello,
     State,
@@ -122,6 +123,8 @@ class Server:
         self.epoch = epoch
         self.settings = settings
         self.subscriptions: set[Subscription] = set()
+        # Positions reported by readers that do not subscribe: (consumer, stream) -> (seq, when)
+        self.reported: dict[tuple[str, str], tuple[int, float]] = {}
         self.connections = 0
         self.errors_sent = 0
         self._server: asyncio.Server | None = None
@@ -257,6 +260,10 @@ class Server:
                 writer.write(conn.send(StreamList(infos)))
             elif isinstance(message, GetStatus):
                 writer.write(conn.send(StatusReport(self.status())))
+            elif isinstance(message, ReportPosition):
+                stream = self.log.stream(message.stream)
+                self.reported[(message.consumer, stream.name)] = (message.seq, time.time())
+                writer.write(conn.send(StreamInfo(stream.name, stream.head, stream.low)))
             await writer.drain()
 
     def status(self) -> dict[str, Any]:
@@ -267,6 +274,10 @@ class Server:
                 {"stream": s.name, "head": s.head, "low": s.low} for s in self.log.streams.values()
             ],
             "consumers": [sub.describe() for sub in self.subscriptions],
+            "reported": [
+                {"consumer": consumer, "stream": stream, "seq": seq, "at": int(at * 1000)}
+                for (consumer, stream), (seq, at) in self.reported.items()
+            ],
             "connections": self.connections,
         }
 

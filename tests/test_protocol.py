@@ -39,6 +39,7 @@ from streamq.protocol import (
     RangeEnd,
     Record,
     Records,
+    ReportPosition,
     ServerConnection,
     ServerHello,
     State,
@@ -122,6 +123,7 @@ MESSAGE_STRATEGIES: dict[type[Any], st.SearchStrategy[Any]] = {
     ListStreams: st.builds(ListStreams),
     StreamList: st.builds(StreamList, st.lists(stream_infos, max_size=5).map(tuple)),
     GetStatus: st.builds(GetStatus),
+    ReportPosition: st.builds(ReportPosition, texts, texts, uints),
     StatusReport: st.builds(StatusReport, maps),
     Error: st.builds(Error, st.sampled_from(ErrorCode).map(int) | uints, texts, maps),
 }
@@ -144,6 +146,7 @@ FIELD_KINDS: dict[type[Any], tuple[str, ...]] = {
     GetStatus: (),
     StatusReport: ("map",),
     Error: ("uint", "str", "map"),
+    ReportPosition: ("str", "str", "uint"),
 }
 not_str = st.one_of(
     st.binary(max_size=8),
@@ -290,6 +293,7 @@ client_requests = st.one_of(
     MESSAGE_STRATEGIES[GetRange],
     MESSAGE_STRATEGIES[ListStreams],
     MESSAGE_STRATEGIES[GetStatus],
+    MESSAGE_STRATEGIES[ReportPosition],
 )
 
 
@@ -1146,7 +1150,7 @@ def range_responses(draw: st.DrawFn, request: GetRange) -> list[tuple[Message, b
 
 
 def responses_to(data: st.DataObject, request: Message) -> Iterator[tuple[Message, bool]]:
-    if isinstance(request, GetHead):
+    if isinstance(request, GetHead | ReportPosition):
         yield StreamInfo(request.stream, data.draw(uints), data.draw(uints)), False
     elif isinstance(request, ListStreams):
         yield data.draw(MESSAGE_STRATEGIES[StreamList]), False
@@ -1167,6 +1171,7 @@ pair_requests = st.one_of(
     ),
     MESSAGE_STRATEGIES[ListStreams],
     MESSAGE_STRATEGIES[GetStatus],
+    MESSAGE_STRATEGIES[ReportPosition],
 )
 
 
