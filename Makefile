@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev,spark]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -19,14 +19,14 @@ demo: $(STAMP)
 	$(BIN)/python -m streamq demo
 
 test: $(STAMP)
-	$(BIN)/ruff check streamq tests
-	$(BIN)/ruff format --check streamq tests
+	$(BIN)/ruff check streamq spark_source tests
+	$(BIN)/ruff format --check streamq spark_source tests
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check streamq tests
-	$(BIN)/ruff format --check streamq tests
+	$(BIN)/ruff check streamq spark_source tests
+	$(BIN)/ruff format --check streamq spark_source tests
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

@@ -13,7 +13,7 @@ from types import TracebackType
 from typing import Any
 
 from .consumer import parse_address
-from .errors import ConnectionLostError, error_from_frame
+from .errors import ConnectionLostError, StreamQError, error_from_frame
 from .protocol import (
     DEFAULT_MAX_FRAME_SIZE,
     PROTOCOL_VERSION,
@@ -95,6 +95,13 @@ class Client:
             ) from exc
 
     def _receive(self) -> Message:
+        try:
+            return self._receive_message()
+        except StreamQError:
+            self.close()  # an ERROR ends the connection; so does a peer out of step
+            raise
+
+    def _receive_message(self) -> Message:
         while (message := self._conn.next_event()) is None:
             try:
                 data = self._sock.recv(_READ_SIZE)

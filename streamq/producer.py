@@ -106,7 +106,12 @@ class Transaction:
         key = None if key is None else _as_bytes(key, "key")
         checked_headers = _check_headers(headers)
         stream_id, seq = await self._next_seq(stream)
-        ts = int(time.time() * 1000) if timestamp is None else timestamp
+        if timestamp is None:
+            ts = int(time.time() * 1000)
+        elif type(timestamp) is int:
+            ts = timestamp
+        else:
+            raise TypeError(f"timestamp must be int milliseconds, not {type(timestamp).__name__}")
         record = encode_record(seq, ts, key, value, checked_headers)
         self._append(stream, stream_id, seq, ts, record)
         if len(self._rows) >= self._producer.flush_records:

@@ -72,6 +72,8 @@ class ServerSettings:
     write_buffer_high: int = 1024 * 1024  # transport buffer that makes the pusher wait
 
     def __post_init__(self) -> None:
+        if self.max_batch_records < 1 or self.max_connections < 1:
+            raise ValueError("max_batch_records and max_connections must be at least 1")
         if self.max_batch_bytes > self.max_frame_size - FRAME_OVERHEAD:
             raise ValueError("max_batch_bytes must leave room for framing within max_frame_size")
 
@@ -110,7 +112,8 @@ class Subscription:
 def _peer_name(writer: asyncio.StreamWriter) -> str:
     peer = writer.get_extra_info("peername")
     if isinstance(peer, tuple) and len(peer) >= 2:
-        return f"{peer[0]}:{peer[1]}"
+        host = f"[{peer[0]}]" if ":" in peer[0] else peer[0]
+        return f"{host}:{peer[1]}"
     return str(peer)
 
 

@@ -1,0 +1,281 @@
+"""``spark.readStream.format("streamq")`` and ``spark.read.format("streamq")``.
+
+The driver asks each producer for its head (``planning``); executors read
+exactly ``[start, end)`` per partition with a range request and yield Arrow
+record batches. Nothing is buffered between producer and Spark: the producer's
+own log is the durable, re-readable source, so a restarted query re-reads the
+same seqs from its checkpointed offsets and sinks get every record once.
+
+Options (names follow Spark's Kafka source where the meaning is the same):
+
+=======================  =============================================================
+endpoints                comma-separated ``host:port`` of the producers
+endpointsFile            a file with one endpoint per line (instead of, or beside, it)
+stream                   the stream to read
+startingOffsets          ``earliest``, ``latest`` or JSON ``{producer id: seq}``
+                         (-2 earliest, -1 latest); default: latest (stream),
+                         earliest (batch)
+endingOffsets            batch only: ``latest`` or JSON; default latest
+maxRecordsPerTrigger     at most this many records per micro-batch, in all
+minPartitions            at least this many Spark partitions per batch
+maxRecordsPerPartition   split larger ranges (default 1,000,000)
+failOnDataLoss           ``true`` (default): fail if needed seqs are gone
+consumerName             name positions are reported under (default ``spark``)
+timeoutMs                connect and read timeout per request (default 30000)
+=======================  =============================================================
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+
+import pyarrow as pa
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceReader,
+    DataSourceStreamReader,
+    InputPartition,
+)
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadLimit,
+    ReadMaxRows,
+    SupportsTriggerAvailableNow,
+)
+from pyspark.sql.types import StructType
+
+from streamq import Client, OffsetOutOfRangeError, StreamQError
+from streamq.protocol import Record
+
+from . import planning
+from .planning import Offsets, ProducerState, Range, StreamQSourceError
+from .schema import SCHEMA, to_arrow
+
+logger = logging.getLogger("spark_source")
+
+_ROWS_PER_BATCH = 65536
+
+
+def _flag(options: Mapping[str, str], name: str, default: bool) -> bool:
+    value = options.get(name)
+    if value is None:
+        return default
+    if value.lower() not in ("true", "false"):
+        raise StreamQSourceError(f"option {name} must be true or false, not {value!r}")
+    return value.lower() == "true"
+
+
+def _int(options: Mapping[str, str], name: str, default: int | None) -> int | None:
+    value = options.get(name)
+    if value is None:
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        raise StreamQSourceError(f"option {name} must be an integer, not {value!r}") from None
+    if number <= 0:
+        raise StreamQSourceError(f"option {name} must be positive, not {number}")
+    return number
+
+
+class _Settings:
+    """The options, parsed and checked once."""
+
+    def __init__(self, options: Mapping[str, str]) -> None:
+        self.endpoints = planning.parse_endpoints(
+            options.get("endpoints"), options.get("endpointsFile")
+        )
+        stream = options.get("stream")
+        if not stream:
+            raise StreamQSourceError("set option 'stream'")
+        self.stream = stream
+        self.starting = options.get("startingOffsets")
+        self.ending = options.get("endingOffsets", "latest")
+        self.max_per_trigger = _int(options, "maxRecordsPerTrigger", None)
+        self.min_partitions = _int(options, "minPartitions", 1) or 1
+        self.max_per_partition = _int(options, "maxRecordsPerPartition", 1_000_000) or 1_000_000
+        self.fail_on_data_loss = _flag(options, "failOnDataLoss", True)
+        self.consumer_name = options.get("consumerName", "spark")
+        self.timeout = (_int(options, "timeoutMs", 30_000) or 30_000) / 1000
+
+    def discover(self) -> dict[str, ProducerState]:
+        return planning.discover(self.endpoints, self.stream, self.timeout)
+
+
+class StreamQPartition(InputPartition):
+    """One producer's seqs ``[start, end)``: all an executor needs to read them."""
+
+    def __init__(
+        self,
+        rng: Range,
+        stream: str,
+        fail_on_data_loss: bool,
+        timeout: float,
+    ) -> None:
+        super().__init__(rng)
+        self.range = rng
+        self.stream = stream
+        self.fail_on_data_loss = fail_on_data_loss
+        self.timeout = timeout
+
+
+def _partitions(settings: _Settings, ranges: Sequence[Range]) -> list[StreamQPartition]:
+    planned = planning.plan(ranges, settings.min_partitions, settings.max_per_partition)
+    return [
+        StreamQPartition(r, settings.stream, settings.fail_on_data_loss, settings.timeout)
+        for r in planned
+    ]
+
+
+def read_partition(partition: StreamQPartition) -> Iterator[pa.RecordBatch]:
+    """Read exactly the partition's range from its producer, as Arrow batches."""
+    rng, stream = partition.range, partition.stream
+    start = rng.start
+    while start < rng.end:
+        try:
+            with Client(rng.endpoint, timeout=partition.timeout, name="spark executor") as client:
+                if client.producer_id != rng.producer_id:
+                    raise StreamQSourceError(
+                        f"{rng.endpoint} now serves producer {client.producer_id}, not "
+                        f"{rng.producer_id} whose seqs [{rng.start}, {rng.end}) this task reads: "
+                        "was its database replaced?"
+                    )
+                pending: list[Record] = []
+                for records in client.read_range(stream, start, rng.end):
+                    pending += records
+                    if len(pending) >= _ROWS_PER_BATCH:
+                        yield to_arrow(rng.producer_id, rng.endpoint, stream, pending)
+                        start = pending[-1].seq + 1
+                        pending = []
+                if pending:
+                    yield to_arrow(rng.producer_id, rng.endpoint, stream, pending)
+                return
+        except OffsetOutOfRangeError as exc:
+            low = int(exc.details.get("low", start))
+            if partition.fail_on_data_loss or low <= start:
+                raise StreamQSourceError(
+                    f"producer {rng.producer_id} at {rng.endpoint}, stream {stream!r}: seqs "
+                    f"{start}..{low - 1} are gone (retention); set failOnDataLoss=false to "
+                    f"skip them. ({exc})"
+                ) from exc
+            logger.warning("%s: seqs %d..%d are gone; skipping them", rng.endpoint, start, low - 1)
+            start = low
+        except StreamQError as exc:
+            raise StreamQSourceError(f"producer at {rng.endpoint}: {exc}") from exc
+
+
+class StreamQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """Micro-batches of every producer's new records; offsets ``{producer id: next seq}``."""
+
+    def __init__(self, settings: _Settings) -> None:
+        self.settings = settings
+        self._states: dict[str, ProducerState] = {}
+        self._target: Offsets | None = None  # Trigger.AvailableNow's end
+
+    def _refresh(self) -> dict[str, ProducerState]:
+        self._states = self.settings.discover()
+        return self._states
+
+    def initialOffset(self) -> dict[str, int]:
+        return planning.resolve(
+            self.settings.starting or "latest", self._refresh(), "startingOffsets"
+        )
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        if self.settings.max_per_trigger is None:
+            return ReadAllAvailable()
+        return ReadMaxRows(self.settings.max_per_trigger)
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        self._target = {pid: s.head + 1 for pid, s in self._refresh().items()}
+
+    def latestOffset(self, start: dict[str, int], limit: ReadLimit) -> dict[str, int]:
+        states = self._refresh()
+        planning.check_producers(start, states)
+        # Producers that appeared since the query started are read from their earliest seq.
+        start = {**{pid: s.low for pid, s in states.items()}, **start}
+        end = {pid: max(start[pid], states[pid].head + 1) for pid in start}
+        if self._target is not None:
+            end = {
+                pid: max(start[pid], min(e, self._target.get(pid, start[pid])))
+                for pid, e in end.items()
+            }
+        if isinstance(limit, ReadMaxRows):
+            end = planning.limit(start, end, limit.max_rows)
+        return end
+
+    def reportLatestOffset(self) -> dict[str, int] | None:
+        return {pid: s.head + 1 for pid, s in self._states.items()} or None
+
+    def partitions(self, start: dict[str, int], end: dict[str, int]) -> Sequence[InputPartition]:
+        if not set(end) <= set(self._states):
+            self._refresh()
+        ranges = []
+        for pid, stop in end.items():
+            state = self._states.get(pid)
+            if state is None:
+                planning.check_producers({pid: stop}, self._states)
+                continue
+            ranges.append(Range(pid, state.endpoint, start.get(pid, stop), stop))
+        return _partitions(self.settings, ranges)
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        assert isinstance(partition, StreamQPartition)
+        return read_partition(partition)
+
+    def commit(self, end: dict[str, int]) -> None:
+        """Advisory: tell each producer how far this query's sink durably holds its stream."""
+        for pid, seq in end.items():
+            state = self._states.get(pid)
+            if state is None or seq <= 1:
+                continue
+            try:
+                with Client(state.endpoint, timeout=self.settings.timeout) as client:
+                    if client.producer_id == pid:
+                        client.report_position(
+                            self.settings.stream, self.settings.consumer_name, seq - 1
+                        )
+            except StreamQError as exc:
+                logger.warning("could not report position to %s: %s", state.endpoint, exc)
+
+
+class StreamQBatchReader(DataSourceReader):
+    """A one-off read of ``[startingOffsets, endingOffsets)`` from every producer."""
+
+    def __init__(self, settings: _Settings) -> None:
+        self.settings = settings
+
+    def partitions(self) -> Sequence[InputPartition]:
+        states = self.settings.discover()
+        start = planning.resolve(self.settings.starting or "earliest", states, "startingOffsets")
+        end = planning.resolve(self.settings.ending, states, "endingOffsets")
+        ranges = [Range(pid, states[pid].endpoint, start[pid], end[pid]) for pid in states]
+        for r in ranges:
+            if r.end > states[r.producer_id].head + 1:
+                raise StreamQSourceError(
+                    f"endingOffsets {r.end} for producer {r.producer_id} is beyond its head "
+                    f"({states[r.producer_id].head})"
+                )
+        return _partitions(self.settings, ranges)
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        assert isinstance(partition, StreamQPartition)
+        return read_partition(partition)
+
+
+class StreamQDataSource(DataSource):
+    """Registered as ``streamq``: ``spark.dataSource.register(StreamQDataSource)``."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "streamq"
+
+    def schema(self) -> StructType:
+        return SCHEMA
+
+    def reader(self, schema: StructType) -> DataSourceReader:
+        return StreamQBatchReader(_Settings(self.options))
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        return StreamQStreamReader(_Settings(self.options))
