@@ -249,7 +249,7 @@ class StreamQBatchReader(DataSourceReader):
     def partitions(self) -> Sequence[InputPartition]:
         states = self.settings.discover()
         start = planning.resolve(self.settings.starting or "earliest", states, "startingOffsets")
-        end = planning.resolve(self.settings.ending, states, "endingOffsets")
+        end = planning.resolve(self.settings.ending, states, "endingOffsets", planning.LATEST)
         ranges = [Range(pid, states[pid].endpoint, start[pid], end[pid]) for pid in states]
         for r in ranges:
             if r.end > states[r.producer_id].head + 1:

@@ -91,8 +91,13 @@ def discover(endpoints: Sequence[str], stream: str, timeout: float) -> dict[str,
     return by_id
 
 
-def resolve(spec: str, states: Mapping[str, ProducerState], option: str) -> Offsets:
-    """``earliest``, ``latest`` or a JSON map into offsets for every known producer."""
+def resolve(
+    spec: str, states: Mapping[str, ProducerState], option: str, missing: int = EARLIEST
+) -> Offsets:
+    """``earliest``, ``latest`` or a JSON map into offsets for every known producer.
+
+    Producers a JSON map leaves out get ``missing`` (EARLIEST or LATEST).
+    """
     spec = spec.strip()
     if spec == "earliest":
         return {pid: s.low for pid, s in states.items()}
@@ -111,7 +116,7 @@ def resolve(spec: str, states: Mapping[str, ProducerState], option: str) -> Offs
         raise StreamQSourceError(f"{option} names producers no endpoint serves: {unknown}")
     offsets = {}
     for pid, state in states.items():
-        seq = given.get(pid, EARLIEST)
+        seq = given.get(pid, missing)
         offsets[pid] = state.low if seq == EARLIEST else state.head + 1 if seq == LATEST else seq
     return offsets
 

@@ -133,15 +133,14 @@ class Server:
         self._server: asyncio.Server | None = None
         self._handlers: set[asyncio.Task[None]] = set()
         self._closing = False
+        self.address = ""  # host:port, once started
 
     async def start(self, host: str, port: int) -> None:
         self._server = await asyncio.start_server(self._on_connection, host, port, limit=_READ_SIZE)
-
-    @property
-    def address(self) -> str:
-        assert self._server is not None
-        host, port = self._server.sockets[0].getsockname()[:2]
-        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        bound_host, bound_port = self._server.sockets[0].getsockname()[:2]
+        self.address = (
+            f"[{bound_host}]:{bound_port}" if ":" in bound_host else f"{bound_host}:{bound_port}"
+        )
 
     async def close(self) -> None:
         """Stop accepting, and close every connection with SHUTTING_DOWN."""

@@ -1,0 +1,188 @@
+"""The ``streamq`` Spark source with a real local SparkSession and real producers."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from pyspark.errors import PySparkException
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.streaming import StreamingQuery
+
+import streamq
+from spark_source import StreamQDataSource
+from spark_source.schema import SCHEMA
+
+
+@pytest.fixture(scope="module")
+def spark() -> Iterator[SparkSession]:
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    session = (
+        SparkSession.builder.master("local[2]")
+        .appName("streamq-tests")
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.driver.memory", "1g")
+        .getOrCreate()
+    )
+    session.sparkContext.setLogLevel("ERROR")
+    session.dataSource.register(StreamQDataSource)
+    yield session
+    session.stop()
+
+
+@pytest.fixture
+def producers(tmp_path: Path) -> Iterator[list[streamq.SyncProducer]]:
+    """Three producers with 1000, 2000 and 3000 records in stream ``orders``."""
+    started = [streamq.SyncProducer(str(tmp_path / f"p{i}.db")) for i in range(3)]
+    try:
+        for i, producer in enumerate(started):
+            with producer.transaction() as tx:
+                tx.publish_many("orders", [b"p%d-%d" % (i, n) for n in range(1, 1000 * (i + 1))])
+                tx.publish("orders", b"last", key=b"k%d" % i, headers={"h": b"v"})
+        yield started
+    finally:
+        for producer in started:
+            producer.close()
+
+
+def endpoints(producers: list[streamq.SyncProducer]) -> str:
+    return ",".join(p.address for p in producers)
+
+
+def read(spark: SparkSession, eps: str, **options: str) -> DataFrame:
+    reader = spark.read.format("streamq").option("endpoints", eps).option("stream", "orders")
+    for name, value in options.items():
+        reader = reader.option(name, value)
+    return reader.load()
+
+
+def seqs_by_producer(df: DataFrame) -> dict[str, list[int]]:
+    found: dict[str, list[int]] = {}
+    for row in df.select("producer", "seq").collect():
+        found.setdefault(row.producer, []).append(row.seq)
+    return {pid: sorted(seqs) for pid, seqs in found.items()}
+
+
+def test_batch_read_every_producer(
+    spark: SparkSession, producers: list[streamq.SyncProducer]
+) -> None:
+    df = read(spark, endpoints(producers), minPartitions="5")
+    assert df.schema == SCHEMA
+    assert df.rdd.getNumPartitions() >= 5
+    assert seqs_by_producer(df) == {
+        p.producer_id: list(range(1, 1000 * (i + 1) + 1)) for i, p in enumerate(producers)
+    }
+    last = df.filter("key is not null").orderBy("seq").collect()
+    assert [(r.endpoint, r.key, r.value, [(h.key, h.value) for h in r.headers]) for r in last] == [
+        (p.address, b"k%d" % i, b"last", [("h", b"v")]) for i, p in enumerate(producers)
+    ]
+    first = df.filter("seq = 1").select("producer", "value", "timestamp").collect()
+    assert {r.producer: r.value for r in first} == {
+        p.producer_id: b"p%d-1" % i for i, p in enumerate(producers)
+    }
+    assert all(abs(r.timestamp.timestamp() - time.time()) < 600 for r in first)
+
+
+def test_batch_read_honours_starting_and_ending_offsets(
+    spark: SparkSession, producers: list[streamq.SyncProducer]
+) -> None:
+    a, b, _ = producers
+    starting = json.dumps({a.producer_id: 5, b.producer_id: -1})
+    ending = json.dumps({a.producer_id: 10})
+    df = read(spark, endpoints(producers), startingOffsets=starting, endingOffsets=ending)
+    found = seqs_by_producer(df)
+    assert found[a.producer_id] == [5, 6, 7, 8, 9]
+    assert b.producer_id not in found  # from latest to latest: nothing
+    assert len(found) == 2 and len(next(v for k, v in found.items() if k != a.producer_id)) == 3000
+
+
+def run_available_now(
+    spark: SparkSession, eps: str, checkpoint: Path, out: Path, **options: str
+) -> StreamingQuery:
+    reader = (
+        spark.readStream.format("streamq")
+        .option("endpoints", eps)
+        .option("stream", "orders")
+        .option("startingOffsets", "earliest")
+    )
+    for name, value in options.items():
+        reader = reader.option(name, value)
+    query = (
+        reader.load()
+        .writeStream.format("parquet")
+        .option("checkpointLocation", str(checkpoint))
+        .trigger(availableNow=True)
+        .start(str(out))
+    )
+    assert query.awaitTermination(120), "AvailableNow query did not finish"
+    return query
+
+
+def test_available_now_with_admission_control(
+    spark: SparkSession, producers: list[streamq.SyncProducer], tmp_path: Path
+) -> None:
+    eps = endpoints(producers)
+    query = run_available_now(
+        spark, eps, tmp_path / "ck", tmp_path / "out", maxRecordsPerTrigger="700"
+    )
+    sizes = [p["numInputRows"] for p in query.recentProgress if p["numInputRows"]]
+    assert sum(sizes) == 6000 and max(sizes) <= 700 and len(sizes) >= 9
+    # Shared in proportion to backlog (1000:2000:3000): 116.7, 233.3, 350 rounded to 700.
+    first = json.loads(query.recentProgress[0]["sources"][0]["endOffset"])
+    assert sorted(seq - 1 for seq in first.values()) == [117, 233, 350]
+    assert seqs_by_producer(spark.read.parquet(str(tmp_path / "out"))) == {
+        p.producer_id: list(range(1, 1000 * (i + 1) + 1)) for i, p in enumerate(producers)
+    }
+    # New commits, the same checkpoint: only the new records, once.
+    producers[0].publish("orders", b"new")
+    run_available_now(spark, eps, tmp_path / "ck", tmp_path / "out")
+    rows = spark.read.parquet(str(tmp_path / "out")).filter("value = 'new'").collect()
+    assert [(r.producer, r.seq) for r in rows] == [(producers[0].producer_id, 1001)]
+    assert spark.read.parquet(str(tmp_path / "out")).count() == 6001
+    # commit(end) reported the query's durable position to the producers.
+    with streamq.Client(producers[1].address) as client:
+        reported = client.status()["reported"]
+    assert [(r["consumer"], r["stream"], r["seq"]) for r in reported] == [("spark", "orders", 2000)]
+
+
+def test_failures_name_the_producer(
+    spark: SparkSession, producers: list[streamq.SyncProducer], tmp_path: Path
+) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{sock.getsockname()[1]}"
+    with pytest.raises(PySparkException, match=f"producer at {dead}: cannot connect"):
+        read(spark, f"{producers[0].address},{dead}").count()
+
+    # Records gone to retention: an error saying which, unless failOnDataLoss=false.
+    a = producers[0]
+    a._call(a._producer.truncate("orders", 600))
+    starting = json.dumps({a.producer_id: 100})
+    with pytest.raises(PySparkException, match=r"seqs 100\.\.599 are gone"):
+        read(spark, a.address, startingOffsets=starting).count()
+    lenient = read(spark, a.address, startingOffsets=starting, failOnDataLoss="false")
+    assert seqs_by_producer(lenient) == {a.producer_id: list(range(600, 1001))}
+
+
+def test_replaced_producer_fails_a_running_query(spark: SparkSession, tmp_path: Path) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    original = streamq.SyncProducer(str(tmp_path / "a.db"), port=port)
+    original.publish("orders", b"1")
+    run_available_now(spark, original.address, tmp_path / "ck", tmp_path / "out")
+    original_id = original.producer_id
+    original.close()
+    with streamq.SyncProducer(str(tmp_path / "replacement.db"), port=port) as replacement:
+        replacement.publish("orders", b"other 1")
+        replacement.publish("orders", b"other 2")
+        with pytest.raises(PySparkException, match=f"producer {original_id}, read up to seq 1"):
+            run_available_now(spark, replacement.address, tmp_path / "ck", tmp_path / "out")
+    assert spark.read.parquet(str(tmp_path / "out")).count() == 1

@@ -1,0 +1,107 @@
+"""The Spark source's driver-side planning, as plain functions (no Spark, real producers)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import streamq
+from spark_source import planning
+from spark_source.planning import ProducerState, Range, StreamQSourceError
+
+STATES = {
+    "a": ProducerState("a", "h:1", head=100, low=1),
+    "b": ProducerState("b", "h:2", head=10, low=5),
+}
+
+
+@given(
+    backlog=st.dictionaries(st.text(min_size=1, max_size=3), st.integers(0, 10_000), max_size=8),
+    max_rows=st.integers(1, 20_000),
+)
+def test_limit_shares_max_rows_in_proportion(backlog: dict[str, int], max_rows: int) -> None:
+    start = {pid: 7 for pid in backlog}
+    end = {pid: 7 + b for pid, b in backlog.items()}
+    limited = planning.limit(start, end, max_rows)
+    taken = {pid: limited[pid] - start[pid] for pid in backlog}
+    total = sum(backlog.values())
+    assert sum(taken.values()) == min(total, max_rows)
+    for pid, b in backlog.items():
+        assert 0 <= taken[pid] <= b
+        if total > max_rows:  # within one record of the exact proportional share
+            assert abs(taken[pid] - max_rows * b / total) < 1
+
+
+@given(
+    sizes=st.lists(st.integers(0, 5000), min_size=1, max_size=6),
+    min_partitions=st.integers(1, 16),
+    max_per_partition=st.integers(1, 3000),
+)
+def test_plan_covers_every_seq_once_and_balances(
+    sizes: list[int], min_partitions: int, max_per_partition: int
+) -> None:
+    ranges = [Range(f"p{i}", f"h:{i}", 10, 10 + size) for i, size in enumerate(sizes)]
+    planned = planning.plan(ranges, min_partitions, max_per_partition)
+    for r in ranges:
+        pieces = sorted((p.start, p.end) for p in planned if p.producer_id == r.producer_id)
+        covered = [seq for a, b in pieces for seq in range(a, b)]
+        assert covered == list(range(r.start, r.end))
+        if pieces:  # equal pieces: sizes differ by at most one
+            lengths = [b - a for a, b in pieces]
+            assert max(lengths) - min(lengths) <= 1
+            assert max(lengths) <= max(max_per_partition, 1) or len(pieces) == r.size
+    total = sum(sizes)
+    if total:
+        assert len(planned) >= min(min_partitions, total) - len(sizes)
+
+
+def test_resolve_offsets() -> None:
+    assert planning.resolve("earliest", STATES, "startingOffsets") == {"a": 1, "b": 5}
+    assert planning.resolve("latest", STATES, "startingOffsets") == {"a": 101, "b": 11}
+    spec = json.dumps({"a": 50, "b": -1})
+    assert planning.resolve(spec, STATES, "startingOffsets") == {"a": 50, "b": 11}
+    assert planning.resolve('{"a": -2}', STATES, "x") == {"a": 1, "b": 5}
+    with pytest.raises(StreamQSourceError, match="names producers no endpoint serves"):
+        planning.resolve('{"zzz": 3}', STATES, "startingOffsets")
+    with pytest.raises(StreamQSourceError, match="must be 'earliest', 'latest' or a JSON map"):
+        planning.resolve("first", STATES, "startingOffsets")
+
+
+def test_vanished_or_regressed_producers_are_errors() -> None:
+    planning.check_producers({"a": 101, "b": 5}, STATES)
+    with pytest.raises(StreamQSourceError, match=r"producer zzz, read up to seq 8, is at none"):
+        planning.check_producers({"zzz": 9}, STATES)
+    with pytest.raises(StreamQSourceError, match="has head 10, but the query already read up to"):
+        planning.check_producers({"b": 20}, STATES)
+
+
+def test_endpoints_from_list_and_file(tmp_path: Path) -> None:
+    listing = tmp_path / "endpoints.txt"
+    listing.write_text("# producers\nh:3\n\nh:1  # again\n")
+    assert planning.parse_endpoints("h:1, h:2", str(listing)) == ["h:1", "h:2", "h:3"]
+    with pytest.raises(StreamQSourceError, match="set option 'endpoints'"):
+        planning.parse_endpoints(None, None)
+
+
+def test_discover_real_producers(tmp_path: Path) -> None:
+    with (
+        streamq.SyncProducer(str(tmp_path / "a.db")) as a,
+        streamq.SyncProducer(str(tmp_path / "b.db")) as b,
+    ):
+        a.publish("orders", b"x")
+        b.create_stream("other")
+        states = planning.discover([a.address, b.address], "orders", timeout=10)
+        assert states == {
+            a.producer_id: ProducerState(a.producer_id, a.address, 1, 1),
+            b.producer_id: ProducerState(b.producer_id, b.address, 0, 1),  # no stream yet
+        }
+        with pytest.raises(StreamQSourceError, match="serve the same producer"):
+            planning.discover(
+                [a.address, a.address.replace("127.0.0.1", "localhost")], "orders", 10
+            )
+    with pytest.raises(StreamQSourceError, match=f"producer at {a.address}: cannot connect"):
+        planning.discover([a.address], "orders", timeout=10)
