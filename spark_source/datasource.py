@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import pyarrow as pa
 from pyspark.sql.datasource import (
@@ -46,7 +47,6 @@ from pyspark.sql.streaming.datasource import (
 from pyspark.sql.types import StructType
 
 from streamq import Client, OffsetOutOfRangeError, StreamQError
-from streamq.protocol import Record
 
 from . import planning
 from .planning import Offsets, ProducerState, Range, StreamQSourceError
@@ -128,6 +128,13 @@ def _partitions(settings: _Settings, ranges: Sequence[Range]) -> list[StreamQPar
     ]
 
 
+def _batch(rng: Range, stream: str, rows: list[list[Any]]) -> pa.RecordBatch:
+    try:
+        return to_arrow(rng.producer_id, rng.endpoint, stream, rows)
+    except ValueError as exc:
+        raise StreamQSourceError(f"producer at {rng.endpoint}: {exc}") from exc
+
+
 def read_partition(partition: StreamQPartition) -> Iterator[pa.RecordBatch]:
     """Read exactly the partition's range from its producer, as Arrow batches."""
     rng, stream = partition.range, partition.stream
@@ -141,15 +148,15 @@ def read_partition(partition: StreamQPartition) -> Iterator[pa.RecordBatch]:
                         f"{rng.producer_id} whose seqs [{rng.start}, {rng.end}) this task reads: "
                         "was its database replaced?"
                     )
-                pending: list[Record] = []
-                for records in client.read_range(stream, start, rng.end):
-                    pending += records
+                pending: list[list[Any]] = []
+                for rows in client.read_range_rows(stream, start, rng.end):
+                    pending += rows
                     if len(pending) >= _ROWS_PER_BATCH:
-                        yield to_arrow(rng.producer_id, rng.endpoint, stream, pending)
-                        start = pending[-1].seq + 1
+                        yield _batch(rng, stream, pending)
+                        start = pending[-1][0] + 1
                         pending = []
                 if pending:
-                    yield to_arrow(rng.producer_id, rng.endpoint, stream, pending)
+                    yield _batch(rng, stream, pending)
                 return
         except OffsetOutOfRangeError as exc:
             low = int(exc.details.get("low", start))

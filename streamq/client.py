@@ -27,6 +27,7 @@ from .protocol import (
     Message,
     RangeEnd,
     Record,
+    RecordRows,
     Records,
     ReportPosition,
     ServerHello,
@@ -149,9 +150,18 @@ class Client:
         Consume the iterator fully before the next request on this client.
         """
         self._send(GetRange(stream, start, end))
-        while True:
-            message = self._receive()
-            if isinstance(message, RangeEnd):
-                return
+        while not isinstance(message := self._receive(), RangeEnd):
             assert isinstance(message, Records)
             yield message.records
+
+    def read_range_rows(self, stream: str, start: int, end: int) -> Iterator[list[list[Any]]]:
+        """Like ``read_range``, as raw rows [seq, timestamp, key, value, headers] for columnar
+        readers: no object per record; field types and order are the caller's to check."""
+        self._send(GetRange(stream, start, end))
+        self._conn.raw_records = True
+        try:
+            while not isinstance(message := self._receive(), RangeEnd):
+                assert isinstance(message, RecordRows)
+                yield message.rows
+        finally:
+            self._conn.raw_records = False

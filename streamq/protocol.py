@@ -141,6 +141,18 @@ class Records:
 
 
 @dataclass(frozen=True, slots=True)
+class RecordRows:
+    """RECORDS as decoded for columnar readers (Arrow): rows of [seq, timestamp, key, value,
+    headers], of which only the first and last seq are checked. Every row's shape, field
+    types and seq order are the reader's to check, in bulk, as it builds columns; a
+    connection yields these instead of ``Records`` when ``raw_records`` is set.
+    """
+
+    rows: list[list[Any]]
+    TYPE: ClassVar[MessageType] = MessageType.RECORDS
+
+
+@dataclass(frozen=True, slots=True)
 class Heartbeat:
     """Sent on an idle subscription so the consumer can tell a quiet producer from a dead one."""
 
@@ -252,6 +264,7 @@ Message = (
     | StatusReport
     | Error
     | ReportPosition
+    | RecordRows
 )
 Request = Subscribe | GetHead | GetRange | ListStreams | GetStatus | ReportPosition
 
@@ -286,6 +299,8 @@ def encode(message: Message) -> bytes:
     """One framed message."""
     if isinstance(message, Records):
         return records_frame([encode_record(*r) for r in message.records])
+    if isinstance(message, RecordRows):
+        return records_frame([_packb(row) for row in message.rows])
     if isinstance(message, StreamList):
         items: list[Any] = [[s.stream, s.head, s.low] for s in message.streams]
         return frame(_packb([message.TYPE.value, items]))
@@ -418,15 +433,28 @@ def _decode_stream_list(items: Any) -> StreamList:
     return StreamList(tuple(streams))
 
 
-def decode_message(body: bytes) -> Message:
-    """Parse and validate one frame body; raises ``RemoteProtocolError``."""
+def _decode_record_rows(items: Any) -> RecordRows:
+    """Check only what the connection state needs: the first and last record's seq."""
+    if type(items) is not list:
+        raise _malformed("RECORDS must carry an array of records")
+    for row in (items[0], items[-1]) if items else ():
+        if not (type(row) is list and len(row) == 5 and _uint(row[0]) and row[0] >= 1):
+            raise _malformed("a record must be an array of 5 elements, starting with its seq")
+    return RecordRows(items)
+
+
+def decode_message(body: bytes, *, raw_records: bool = False) -> Message:
+    """Parse and validate one frame body; raises ``RemoteProtocolError``.
+
+    With ``raw_records``, RECORDS decode to ``RecordRows`` instead of ``Records``.
+    """
     try:
-        return _decode_message(body)
+        return _decode_message(body, raw_records)
     except RecursionError:  # a deeply nested value where a scalar belongs
         raise _malformed("frame body is nested too deeply") from None
 
 
-def _decode_message(body: bytes) -> Message:
+def _decode_message(body: bytes, raw_records: bool) -> Message:
     try:
         obj = msgpack.unpackb(body, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several types for bad input
@@ -441,7 +469,9 @@ def _decode_message(body: bytes) -> Message:
     if cls is Records or cls is StreamList:
         if len(args) != 1:
             raise _malformed(f"{cls.TYPE.name} takes 1 field, got {len(args)}")
-        return _decode_records(args[0]) if cls is Records else _decode_stream_list(args[0])
+        if cls is StreamList:
+            return _decode_stream_list(args[0])
+        return _decode_record_rows(args[0]) if raw_records else _decode_records(args[0])
     if cls in (ClientHello, ServerHello) and args and args[0] != PROTOCOL_VERSION:
         # "Handshake": the version is checked before anything else in a hello,
         # whose other fields may differ in other versions.
@@ -511,7 +541,7 @@ _REQUESTS = (GetHead, GetRange, ListStreams, GetStatus, ReportPosition)
 # What the client may receive while the oldest pending request is of each kind.
 _RESPONSES: dict[type[Any], tuple[type[Any], ...]] = {
     GetHead: (StreamInfo,),
-    GetRange: (Records, RangeEnd),
+    GetRange: (Records, RecordRows, RangeEnd),
     ListStreams: (StreamList,),
     GetStatus: (StatusReport,),
     ReportPosition: (StreamInfo,),
@@ -526,6 +556,7 @@ class _Connection:
 
     def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
         self._decoder = FrameDecoder(max_frame_size)
+        self.raw_records = False  # RECORDS as RecordRows (see there), e.g. for Arrow
         self.their_state = State.AWAIT_HELLO
         self.our_state = State.AWAIT_HELLO
 
@@ -543,7 +574,7 @@ class _Connection:
         body = self._decoder.next_frame()
         if body is None:
             return None
-        message = decode_message(body)
+        message = decode_message(body, raw_records=self.raw_records)
         if isinstance(message, Error):
             # "Errors": the last frame on a connection, for both directions.
             self.their_state = self.our_state = State.CLOSED
@@ -662,19 +693,16 @@ class ClientConnection(_Connection):
         allowed = _RESPONSES[type(request)]
         if not isinstance(message, allowed):
             raise self._unexpected(message, " or ".join(c.TYPE.name for c in allowed))
-        if isinstance(message, Records) and isinstance(request, GetRange):
+        if isinstance(message, Records | RecordRows) and isinstance(request, GetRange):
             # A range holds only seqs in [start, end), in increasing order.
-            records = message.records
-            if records and not (
-                request.start <= records[0].seq
-                and records[-1].seq < request.end
-                and records[0].seq > self.last_seq
-            ):
-                raise _malformed(
-                    f"RECORDS outside the requested range [{request.start}, {request.end})"
-                )
-            if records:
-                self.last_seq = records[-1].seq
+            seqs = _first_and_last_seq(message)
+            if seqs is not None:
+                first, last = seqs
+                if not (request.start <= first and last < request.end and first > self.last_seq):
+                    raise _malformed(
+                        f"RECORDS outside the requested range [{request.start}, {request.end})"
+                    )
+                self.last_seq = last
         if isinstance(message, _FINAL_RESPONSES):
             self._pending.popleft()
             self.last_seq = 0
@@ -686,13 +714,19 @@ class ClientConnection(_Connection):
             self._subscribed_ack = True
             self._pending.clear()
             self.their_state = State.STREAMING
-        elif isinstance(message, Records):
-            if message.records:
-                if message.records[0].seq <= self.last_seq:
-                    raise _malformed(
-                        f"RECORDS went backwards: seq {message.records[0].seq} "
-                        f"after {self.last_seq}"
-                    )
-                self.last_seq = message.records[-1].seq
+        elif isinstance(message, Records | RecordRows):
+            seqs = _first_and_last_seq(message)
+            if seqs is not None:
+                if seqs[0] <= self.last_seq:
+                    raise _malformed(f"RECORDS went backwards: seq {seqs[0]} after {self.last_seq}")
+                self.last_seq = seqs[1]
         elif not isinstance(message, Heartbeat):
             raise self._unexpected(message, "RECORDS or HEARTBEAT")
+
+
+def _first_and_last_seq(message: Records | RecordRows) -> tuple[int, int] | None:
+    if isinstance(message, Records):
+        records = message.records
+        return (records[0].seq, records[-1].seq) if records else None
+    rows = message.rows
+    return (rows[0][0], rows[-1][0]) if rows else None

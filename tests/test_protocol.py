@@ -38,6 +38,7 @@ from streamq.protocol import (
     MessageType,
     RangeEnd,
     Record,
+    RecordRows,
     Records,
     ReportPosition,
     ServerConnection,
@@ -226,9 +227,39 @@ def class_name(cls: type[Any]) -> str:
 
 
 def test_strategies_cover_every_message_class() -> None:
-    assert set(MESSAGE_STRATEGIES) == set(typing.get_args(Message))
+    # RecordRows is RECORDS decoded in raw mode: see test_raw_records_decode_as_rows.
+    assert set(MESSAGE_STRATEGIES) | {RecordRows} == set(typing.get_args(Message))
     assert {cls.TYPE for cls in MESSAGE_STRATEGIES} == set(MessageType)
     assert set(FIELD_KINDS) | {Records, StreamList} == set(MESSAGE_STRATEGIES)
+
+
+@FAST
+@given(records=record_tuples)
+def test_raw_records_decode_as_rows(records: tuple[Record, ...]) -> None:
+    body = body_of(Records(records))
+    rows = decode_message(body, raw_records=True)
+    assert rows == RecordRows([list(r) for r in records])
+    assert body_of(rows) == body
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [[[0, 1, None, b"", {}]], [[1, 1, None, b""]], [5], [[1, 1, None, b"", {}], [-1]], {}],
+    ids=["seq 0", "4 fields", "not a row", "bad last seq", "not an array"],
+)
+def test_raw_records_check_first_and_last_seq(rows: Any) -> None:
+    body = msgpack.packb([MessageType.RECORDS, rows])
+    with pytest.raises(RemoteProtocolError) as caught:
+        decode_message(body, raw_records=True)
+    assert caught.value.code == ErrorCode.MALFORMED_FRAME
+
+
+def test_raw_records_leave_the_middle_to_the_reader() -> None:
+    rows = [[1, 0, None, b"a", {}], ["two", 0, None, 5, {}], [3, 0, None, b"c", {}]]
+    body = msgpack.packb([MessageType.RECORDS, rows])
+    assert decode_message(body, raw_records=True) == RecordRows(rows)
+    with pytest.raises(RemoteProtocolError):
+        decode_message(body)
 
 
 @pytest.mark.parametrize("cls", ALL_CLASSES, ids=class_name)
