@@ -17,6 +17,7 @@ venv: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python -m streamq demo
+	$(BIN)/python -m spark_source.demo
 
 test: $(STAMP)
 	$(BIN)/ruff check streamq spark_source tests

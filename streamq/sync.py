@@ -137,5 +137,10 @@ class SyncProducer:
     ) -> int:
         return self._call(self._producer.publish(stream, value, key=key, headers=headers))
 
+    def query(self, sql: str, parameters: Iterable[Any] = ()) -> list[Any]:
+        """Rows of a read-only query on the producer's database (in a transaction of its own)."""
+        with self.transaction() as tx:
+            return tx.execute(sql, parameters).fetchall()
+
     def create_stream(self, name: str) -> None:
         self._call(self._producer.create_stream(name))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -186,3 +187,15 @@ def test_replaced_producer_fails_a_running_query(spark: SparkSession, tmp_path: 
         with pytest.raises(PySparkException, match=f"producer {original_id}, read up to seq 1"):
             run_available_now(spark, replacement.address, tmp_path / "ck", tmp_path / "out")
     assert spark.read.parquet(str(tmp_path / "out")).count() == 1
+
+
+def test_spark_demo_counts_every_sale_once() -> None:
+    demo = subprocess.run(
+        [sys.executable, "-m", "spark_source.demo", "3"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert demo.returncode == 0, demo.stdout[-2000:] + demo.stderr[-2000:]
+    assert "each shop's own database" in demo.stdout and "FAIL" not in demo.stdout
