@@ -6,18 +6,46 @@ Every async test runs twice, on asyncio's default loop and on uvloop.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Mapping
+import os
+import sys
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import uvloop
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 
 def pytest_asyncio_loop_factories(
     config: pytest.Config, item: pytest.Item
 ) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
     return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[SparkSession]:
+    """One local Spark for every Spark test: 2 cores, as small as it gets."""
+    from pyspark.sql import SparkSession
+
+    from spark_source import StreamQDataSource
+
+    os.environ["PYSPARK_PYTHON"] = sys.executable  # executors run this environment
+    session = (
+        SparkSession.builder.master("local[2]")
+        .appName("streamq-tests")
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.driver.memory", "1g")
+        .getOrCreate()
+    )
+    session.sparkContext.setLogLevel("ERROR")
+    session.dataSource.register(StreamQDataSource)
+    yield session
+    session.stop()
 
 
 @pytest.fixture
