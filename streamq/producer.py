@@ -226,7 +226,6 @@ class Producer:
         self._lock = asyncio.Lock()
         self._server: Server | None = None
         self._watcher: asyncio.Task[None] | None = None
-        self._watch_reader: aiosqlite.Connection | None = None
         self.producer_id = ""
         self.epoch = 0
         self._started = False
@@ -237,16 +236,13 @@ class Producer:
         try:
             identity = await store.initialize(self._conn, self.durability)
             self.producer_id, self.epoch = identity.producer_id, identity.epoch
-            # Versions before loading the streams: any later commit by another process is seen.
-            self._watch_reader = await store.open_reader(self.path)
-            version = await store.data_version(self._watch_reader)
+            # The version before loading the streams: any later commit by another process is seen.
+            version = await store.data_version(self._conn)
             await self.log.open(await store.load_streams(self._conn))
             if self._serve:
                 self._server = Server(self.log, self.producer_id, self.epoch, self.settings)
                 await self._server.start(self._host, self._port)
-            self._watcher = asyncio.create_task(
-                self._watch_other_writers(self._watch_reader, version)
-            )
+            self._watcher = asyncio.create_task(self._watch_other_writers(version))
         except BaseException:
             await self.close()
             raise
@@ -260,8 +256,6 @@ class Producer:
             self._watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watcher
-        if self._watch_reader is not None:
-            await self._watch_reader.close()
         if self._server is not None:
             await self._server.close()
         await self.log.close()
@@ -353,20 +347,22 @@ class Producer:
             await store.truncate(tx._conn, target.id, before)
         target.low = before
 
-    async def _watch_other_writers(self, reader: aiosqlite.Connection, seen: int) -> None:
+    async def _watch_other_writers(self, seen: int) -> None:
         """Notice commits made to this database by other processes (e.g. ``streamq publish``).
 
-        Their records are served from SQLite; this producer's next transaction
-        continues after their seqs.
+        ``PRAGMA data_version`` on the writer connection changes only when another
+        connection commits, so this producer's own commits cost the watch nothing.
+        Other writers' records are served from SQLite; this producer's next
+        transaction continues after their seqs.
         """
         while True:
             await asyncio.sleep(self._watch_interval)
-            version = await store.data_version(reader)
-            if version == seen:
-                continue
-            seen = version
             async with self._lock:
-                for row in await store.load_streams(reader):
+                version = await store.data_version(self._conn)
+                if version == seen:
+                    continue
+                seen = version
+                for row in await store.load_streams(self._conn):
                     stream = self.log.streams.get(row.name) or self.log.add(row)
                     stream.low = max(stream.low, row.low)
                     if row.head > stream.head:

@@ -1,0 +1,205 @@
+"""What every workload shares: child processes, the machine, results, tables and charts."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import select
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+RESULTS = Path(__file__).parent / "results"
+console = Console()
+
+DURABILITY = {
+    "streamq": "SQLite WAL, synchronous=NORMAL (a commit survives a process crash)",
+    "kafka": "acks=all, broker default flush (page cache): survives a process crash",
+}
+
+
+def machine() -> dict[str, Any]:
+    """Cores, memory and versions, printed and stored with every result."""
+    import msgpack
+
+    info: dict[str, Any] = {
+        "cores": os.cpu_count(),
+        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "msgpack": ".".join(map(str, msgpack.version)),
+    }
+    try:
+        import confluent_kafka
+
+        info["confluent_kafka"] = confluent_kafka.version()[0]
+        info["librdkafka"] = confluent_kafka.libversion()[0]
+    except ImportError:
+        pass
+    return info
+
+
+class Child:
+    """A benchmark process speaking a line protocol on stdin/stdout (READY, GO, DONE ...)."""
+
+    def __init__(self, module: str, *args: object) -> None:
+        self.name = module.rsplit(".", 1)[-1]
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", module, *map(str, args)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=Path(__file__).parent.parent,
+        )
+
+    def expect(self, word: str, timeout: float = 120.0) -> list[str]:
+        """Wait for a line starting with ``word``; returns its other fields."""
+        assert self.process.stdout is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{self.name}: no {word} within {timeout:g} s")
+            ready, _, _ = select.select([self.process.stdout], [], [], left)
+            if not ready:
+                continue
+            line = self.process.stdout.readline()
+            if not line:
+                raise RuntimeError(f"{self.name} exited ({self.process.wait()}) before {word}")
+            fields = line.split()
+            if fields and fields[0] == word:
+                return fields[1:]
+
+    def send(self, line: str) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(line + "\n")
+        self.process.stdin.flush()
+
+    def rss_peak_kib(self) -> int:
+        """Peak resident memory so far (VmHWM), from /proc."""
+        with open(f"/proc/{self.process.pid}/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+        return 0
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        for pipe in (self.process.stdin, self.process.stdout):
+            if pipe is not None:
+                pipe.close()
+
+
+def wait_line(word: str) -> None:
+    """In a child: block until the parent sends ``word``."""
+    for line in sys.stdin:
+        if line.strip() == word:
+            return
+    raise SystemExit(0)  # parent went away
+
+
+def say(*fields: object) -> None:
+    """In a child: one line to the parent."""
+    print(*fields, flush=True)
+
+
+@dataclass
+class Series:
+    """Repeated measurements of one figure for one system and case."""
+
+    system: str
+    case: str
+    unit: str
+    values: list[float] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.values)
+
+    @property
+    def spread(self) -> float:
+        """(max - min) / median: how much the runs disagree."""
+        if len(self.values) < 2 or not self.median:
+            return 0.0
+        return (max(self.values) - min(self.values)) / self.median
+
+
+def save(workload: str, payload: dict[str, Any]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{workload}.json"
+    payload = {"workload": workload, "machine": machine(), "at": time.time(), **payload}
+    path.write_text(json.dumps(payload, indent=2, default=str))
+    return path
+
+
+def comparison_table(title: str, series: Sequence[Series], better: str = "higher") -> Table:
+    """Median and spread per system and case, with streamq / kafka as a ratio."""
+    table = Table(title=title)
+    for column in ("case", "system", "median", "spread", "runs", "streamq vs kafka"):
+        table.add_column(column, justify="right" if column != "system" else "left")
+    by_case: dict[str, dict[str, Series]] = {}
+    for s in series:
+        by_case.setdefault(s.case, {})[s.system] = s
+    for case, systems in by_case.items():
+        for name, s in systems.items():
+            ratio = ""
+            if name == "streamq" and "kafka" in systems and systems["kafka"].median:
+                value = s.median / systems["kafka"].median
+                if better == "lower" and s.median:
+                    value = systems["kafka"].median / s.median
+                ratio = f"{value:.2f}x {'faster' if better == 'higher' else 'lower'}"
+            table.add_row(
+                case,
+                name,
+                f"{s.median:,.0f} {s.unit}",
+                f"{s.spread:.0%}",
+                str(len(s.values)),
+                ratio,
+            )
+    return table
+
+
+def bar_chart(path: Path, title: str, series: Sequence[Series], ylabel: str) -> None:
+    """Grouped bars, one group per case, one bar per system, whiskers min..max."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = list(dict.fromkeys(s.case for s in series))
+    systems = list(dict.fromkeys(s.system for s in series))
+    width = 0.8 / len(systems)
+    fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(cases)), 4))
+    for j, system in enumerate(systems):
+        xs, ys, low, high = [], [], [], []
+        for i, case in enumerate(cases):
+            for s in series:
+                if s.system == system and s.case == case:
+                    xs.append(i + j * width)
+                    ys.append(s.median)
+                    low.append(s.median - min(s.values))
+                    high.append(max(s.values) - s.median)
+        ax.bar(xs, ys, width, label=system, yerr=[low, high], capsize=3)
+    ax.set_xticks([i + width * (len(systems) - 1) / 2 for i in range(len(cases))], cases)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,102 @@
+"""Workload 1, pipe: N records of S bytes from a producer process to a consumer process that
+applies them exactly once into its own SQLite database. End to end, records/s and MB/s.
+
+Both consumers do the same work per batch: one SQLite transaction inserting the records
+and storing the position. The clock runs from the producer's first publish (GO) to the
+consumer's commit of the last record.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+from rich.progress import Progress
+
+from .common import DURABILITY, Child, Series, bar_chart, comparison_table, console, save
+
+FULL = [(1_000_000, 100), (100_000, 10_000)]
+QUICK = [(20_000, 100), (2_000, 10_000)]
+
+
+def run_streamq(folder: Path, count: int, size: int) -> float:
+    """Seconds from the first publish to the last record applied."""
+    producer = Child("bench.sq_pipe", "producer", folder / "producer.db", count, size)
+    consumer = None
+    try:
+        (address,) = producer.expect("READY")
+        consumer = Child("bench.sq_pipe", "consumer", address, folder / "consumer.db", count)
+        consumer.expect("READY")
+        producer.send("GO")
+        start = float(producer.expect("START")[0])
+        done = float(consumer.expect("DONE", timeout=600)[0])
+        producer.send("STOP")
+        return done - start
+    finally:
+        for child in (consumer, producer):
+            if child is not None:
+                child.stop()
+
+
+def run_kafka(broker: Any, folder: Path, count: int, size: int) -> float:
+    topic = f"pipe-{uuid.uuid4().hex[:8]}"
+    broker.create_topic(topic, 1)
+    producer = Child("bench.kafka_pipe", "producer", broker.bootstrap, topic, count, size)
+    consumer = None
+    try:
+        producer.expect("READY")
+        consumer = Child(
+            "bench.kafka_pipe", "consumer", broker.bootstrap, topic, folder / "kafka.db", count
+        )
+        consumer.expect("READY")
+        producer.send("GO")
+        start = float(producer.expect("START")[0])
+        done = float(consumer.expect("DONE", timeout=600)[0])
+        producer.send("STOP")
+        return done - start
+    finally:
+        for child in (consumer, producer):
+            if child is not None:
+                child.stop()
+
+
+def run(broker: Any | None, quick: bool, repeats: int) -> dict[str, Any]:
+    cases = QUICK if quick else FULL
+    series: list[Series] = []
+    systems = ["streamq"] + (["kafka"] if broker is not None else [])
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("pipe", total=len(cases) * repeats * len(systems))
+        for count, size in cases:
+            case = f"{count:,} x {size:,} B"
+            rates = {s: Series(s, case, "rec/s") for s in systems}
+            for repeat in range(repeats):
+                # Alternate which system goes first, so drift hits both alike.
+                for system in systems if repeat % 2 == 0 else systems[::-1]:
+                    with tempfile.TemporaryDirectory() as folder:
+                        if system == "streamq":
+                            seconds = run_streamq(Path(folder), count, size)
+                        else:
+                            seconds = run_kafka(broker, Path(folder), count, size)
+                    rates[system].values.append(count / seconds)
+                    progress.advance(task)
+            series += rates.values()
+    console.print(comparison_table("pipe: end-to-end records/s, applied exactly once", series))
+    for s in series:
+        size = int(s.case.split(" x ")[1].rstrip(" B").replace(",", ""))
+        console.print(f"  {s.system:8} {s.case:>18}: {s.median * size / 1e6:,.1f} MB/s")
+    bar_chart(
+        Path(__file__).parent / "results" / "pipe.png",
+        "pipe: records/s end to end (producer process -> consumer DB)",
+        series,
+        "records/s",
+    )
+    results = {
+        "durability": DURABILITY,
+        "series": [
+            {"system": s.system, "case": s.case, "unit": s.unit, "values": s.values} for s in series
+        ],
+    }
+    save("pipe", results)
+    return results

@@ -1,0 +1,56 @@
+"""streamq's side of the pipe workload: ``producer DB N SIZE`` and ``consumer ADDRESS DB N``.
+
+The consumer applies every record into its own SQLite database; its position
+is stored in the same transaction (streamq does that in ``Consumer.transaction``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+
+import streamq
+from streamq import _loop
+
+from .common import say, wait_line
+
+TRANSACTION_RECORDS = 5000
+
+
+async def producer(db: str, count: int, size: int) -> None:
+    value = os.urandom(size)
+    async with streamq.Producer(db, port=0) as p:
+        await p.create_stream("pipe")
+        say("READY", p.address)
+        await asyncio.to_thread(wait_line, "GO")
+        say("START", time.time())
+        for first in range(0, count, TRANSACTION_RECORDS):
+            async with p.transaction() as tx:
+                await tx.publish_many("pipe", [value] * min(TRANSACTION_RECORDS, count - first))
+        say("PRODUCED", time.time())
+        await asyncio.to_thread(wait_line, "STOP")
+
+
+async def consumer(address: str, db: str, count: int) -> None:
+    async with streamq.Consumer(address, "pipe", db=db, name="bench") as c:
+        assert c._db is not None
+        await c._db.execute("CREATE TABLE IF NOT EXISTS applied (seq INTEGER, value BLOB)")
+        say("READY")
+        async for batch in c:
+            async with c.transaction(batch) as tx:
+                await tx.executemany(
+                    "INSERT INTO applied VALUES (?, ?)", [(r.seq, r.value) for r in batch]
+                )
+            if batch.last_seq >= count:
+                break
+        say("DONE", time.time())
+
+
+if __name__ == "__main__":
+    role, *args = sys.argv[1:]
+    if role == "producer":
+        _loop.run(producer(args[0], int(args[1]), int(args[2])))
+    else:
+        _loop.run(consumer(args[0], args[1], int(args[2])))
