@@ -5,12 +5,12 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck check clean
+.PHONY: demo test lint typecheck bench bench-quick clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev,spark]'
+	$(BIN)/pip install --quiet -e '.[dev,spark,bench]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -20,14 +20,20 @@ demo: $(STAMP)
 	$(BIN)/python -m spark_source.demo
 
 test: $(STAMP)
-	$(BIN)/ruff check streamq spark_source tests
-	$(BIN)/ruff format --check streamq spark_source tests
+	$(BIN)/ruff check streamq spark_source bench tests
+	$(BIN)/ruff format --check streamq spark_source bench tests
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
 
+bench: $(STAMP)  # every workload at full size, against a real Kafka broker
+	$(BIN)/python -m bench
+
+bench-quick: $(STAMP)  # every workload at small size, in a few minutes
+	$(BIN)/python -m bench --quick
+
 lint: $(STAMP)
-	$(BIN)/ruff check streamq spark_source tests
-	$(BIN)/ruff format --check streamq spark_source tests
+	$(BIN)/ruff check streamq spark_source bench tests
+	$(BIN)/ruff format --check streamq spark_source bench tests
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

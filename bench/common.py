@@ -18,7 +18,14 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).parent / "results"  # full runs: committed, shown in the README
+
+
+def results_dir(quick: bool) -> Path:
+    """Where a run's JSON and charts go; quick runs stay out of the committed results."""
+    return RESULTS / "quick" if quick else RESULTS
+
+
 console = Console()
 
 DURABILITY = {
@@ -139,9 +146,10 @@ class Series:
         return (max(self.values) - min(self.values)) / self.median
 
 
-def save(workload: str, payload: dict[str, Any]) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{workload}.json"
+def save(workload: str, payload: dict[str, Any], quick: bool) -> Path:
+    folder = results_dir(quick)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{workload}.json"
     payload = {"workload": workload, "machine": machine(), "at": time.time(), **payload}
     path.write_text(json.dumps(payload, indent=2, default=str))
     return path

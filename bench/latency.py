@@ -14,7 +14,7 @@ from typing import Any
 from rich.progress import Progress
 from rich.table import Table
 
-from .common import DURABILITY, Child, Series, bar_chart, console, save
+from .common import DURABILITY, Child, Series, bar_chart, console, results_dir, save
 
 RATES = [1_000, 10_000, 50_000]
 PERCENTILES = ("p50", "p99", "p99.9", "max")
@@ -101,7 +101,7 @@ def run(broker: Any | None, quick: bool, repeats: int) -> dict[str, Any]:
             table.add_row(f"{rate:,}/s", system, *(f"{m:,}" for m in medians), ratio)
     console.print(table)
     bar_chart(
-        Path(__file__).parent / "results" / "latency.png",
+        results_dir(quick) / "latency.png",
         "latency p99 (microseconds, lower is better)",
         [s for s in series if s.case.endswith(" p99")],
         "microseconds",
@@ -113,5 +113,5 @@ def run(broker: Any | None, quick: bool, repeats: int) -> dict[str, Any]:
             {"system": s.system, "case": s.case, "unit": s.unit, "values": s.values} for s in series
         ],
     }
-    save("latency", results)
+    save("latency", results, quick)
     return results

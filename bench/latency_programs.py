@@ -89,7 +89,7 @@ async def sq_consumer(address: str, total: int) -> None:
 
 
 def kafka_producer(bootstrap: str, topic: str, rate: float, seconds: float) -> None:
-    from confluent_kafka import Producer  # type: ignore[import-untyped]
+    from confluent_kafka import Producer
 
     # confluent-kafka's documented low-latency settings: send at once, no batching delay.
     producer = Producer(
@@ -119,6 +119,8 @@ def kafka_producer(bootstrap: str, topic: str, rate: float, seconds: float) -> N
 def kafka_consumer(bootstrap: str, topic: str, total: int) -> None:
     from confluent_kafka import Consumer, TopicPartition
 
+    from .kafka_pipe import receive
+
     consumer = Consumer(
         {
             "bootstrap.servers": bootstrap,
@@ -133,9 +135,10 @@ def kafka_consumer(bootstrap: str, topic: str, total: int) -> None:
     say("READY")
     latencies = Latencies(total)
     while latencies.seen < total:
-        messages = consumer.consume(10_000, timeout=0.1)
+        messages = receive(consumer)
         received = time.time()
-        latencies.record([m.value() for m in messages if m.error() is None], received)
+        values = [m.value() for m in messages if m.error() is None]
+        latencies.record([v for v in values if v is not None], received)
     consumer.close()
     latencies.report()
 

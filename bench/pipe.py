@@ -15,7 +15,16 @@ from typing import Any
 
 from rich.progress import Progress
 
-from .common import DURABILITY, Child, Series, bar_chart, comparison_table, console, save
+from .common import (
+    DURABILITY,
+    Child,
+    Series,
+    bar_chart,
+    comparison_table,
+    console,
+    results_dir,
+    save,
+)
 
 FULL = [(1_000_000, 100), (100_000, 10_000)]
 QUICK = [(20_000, 100), (2_000, 10_000)]
@@ -87,7 +96,7 @@ def run(broker: Any | None, quick: bool, repeats: int) -> dict[str, Any]:
         size = int(s.case.split(" x ")[1].rstrip(" B").replace(",", ""))
         console.print(f"  {s.system:8} {s.case:>18}: {s.median * size / 1e6:,.1f} MB/s")
     bar_chart(
-        Path(__file__).parent / "results" / "pipe.png",
+        results_dir(quick) / "pipe.png",
         "pipe: records/s end to end (producer process -> consumer DB)",
         series,
         "records/s",
@@ -98,5 +107,5 @@ def run(broker: Any | None, quick: bool, repeats: int) -> dict[str, Any]:
             {"system": s.system, "case": s.case, "unit": s.unit, "values": s.values} for s in series
         ],
     }
-    save("pipe", results)
+    save("pipe", results, quick)
     return results

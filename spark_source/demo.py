@@ -61,6 +61,8 @@ def run(seconds: float = 20.0, shops: int = 3) -> int:
             SparkSession.builder.master("local[2]")
             .appName("streamq demo")
             .config("spark.ui.enabled", "false")
+            .config("spark.driver.host", "127.0.0.1")  # loopback only
+            .config("spark.driver.bindAddress", "127.0.0.1")
             .config("spark.sql.shuffle.partitions", "2")
             .config("spark.ui.showConsoleProgress", "false")
             .getOrCreate()

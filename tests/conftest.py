@@ -37,6 +37,8 @@ def spark() -> Iterator[SparkSession]:
         SparkSession.builder.master("local[2]")
         .appName("streamq-tests")
         .config("spark.ui.enabled", "false")
+        .config("spark.driver.host", "127.0.0.1")  # loopback only
+        .config("spark.driver.bindAddress", "127.0.0.1")
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.shuffle.partitions", "2")
         .config("spark.driver.memory", "1g")

@@ -1,0 +1,56 @@
+"""``python -m bench [--quick] [--only pipe,latency] [--repeats N] [--no-kafka]``."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from typing import Any
+
+from . import latency, pipe, spark_ingest
+from .common import DURABILITY, console, machine
+
+WORKLOADS = {"pipe": pipe.run, "latency": latency.run, "spark": spark_ingest.run}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="every workload at small size")
+    parser.add_argument("--only", default=",".join(WORKLOADS), help="comma-separated workloads")
+    parser.add_argument("--repeats", type=int, default=None, help="runs per case (3; quick: 1)")
+    parser.add_argument("--no-kafka", action="store_true", help="streamq alone (no broker)")
+    args = parser.parse_args(argv)
+    selected = [w.strip() for w in args.only.split(",") if w.strip()]
+    unknown = sorted(set(selected) - set(WORKLOADS))
+    if unknown:
+        parser.error(f"unknown workloads {unknown}; choose from {sorted(WORKLOADS)}")
+    repeats = args.repeats or (1 if args.quick else 3)
+    console.print(f"[bold]machine[/] {json.dumps(machine())}")
+    for system, text in DURABILITY.items():
+        console.print(f"[bold]durability[/] {system}: {text}")
+    with contextlib.ExitStack() as stack:
+        broker: Any = None
+        if not args.no_kafka:
+            from .kafka.broker import KafkaBroker
+
+            broker = stack.enter_context(KafkaBroker())
+            console.print(f"[bold]kafka broker[/] {broker.bootstrap} {json.dumps(broker.config)}")
+            console.print(
+                f"[bold]kafka clients[/] producer {json.dumps(pipe_settings()[0])} "
+                f"consumer {json.dumps(pipe_settings()[1])}"
+            )
+        for name in selected:
+            console.rule(name)
+            WORKLOADS[name](broker, args.quick, repeats)
+    return 0
+
+
+def pipe_settings() -> tuple[dict[str, Any], dict[str, Any]]:
+    from .kafka_pipe import CONSUMER_THROUGHPUT, PRODUCER_THROUGHPUT
+
+    return PRODUCER_THROUGHPUT, CONSUMER_THROUGHPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

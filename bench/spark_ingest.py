@@ -1,0 +1,196 @@
+"""Workload 5, spark: rows/s into a noop sink with Trigger.AvailableNow.
+
+streamq: N producer processes (``streamq serve``), read directly by the ``streamq`` source.
+Kafka: one topic with N partitions holding the same records, read by Spark's own Kafka
+source (``spark-sql-kafka-0-10``, resolved through Maven). N sweeps 1, 4, 16, 64.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from rich.progress import Progress
+
+import streamq
+
+from .common import DURABILITY, Series, bar_chart, comparison_table, console, results_dir, save
+
+SWEEP = [1, 4, 16, 64]
+RECORD = b"v" * 100
+
+
+def _fill_producers(folder: Path, producers: int, total: int) -> list[Path]:
+    paths = []
+    for i in range(producers):
+        path = folder / f"p{i}.db"
+        count = total // producers
+        with streamq.SyncProducer(str(path), serve=False) as producer:
+            for first in range(0, count, 50_000):
+                with producer.transaction() as tx:
+                    tx.publish_many("ingest", [RECORD] * min(50_000, count - first))
+        paths.append(path)
+    return paths
+
+
+class Fleet:
+    """``streamq serve`` processes, one per database."""
+
+    def __init__(self, paths: list[Path]) -> None:
+        self.processes = [
+            subprocess.Popen(
+                [sys.executable, "-m", "streamq", "serve", str(path), "--port", "0"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            )
+            for path in paths
+        ]
+        self.endpoints = []
+        for process in self.processes:
+            assert process.stdout is not None
+            line = process.stdout.readline()
+            if not line.startswith("serving producer"):
+                raise RuntimeError(f"streamq serve failed: {line!r}")
+            self.endpoints.append(line.rsplit(" on ", 1)[1].strip())
+
+    def stop(self) -> None:
+        for process in self.processes:
+            process.terminate()
+        for process in self.processes:
+            process.communicate(timeout=30)
+
+
+def _time_query(spark: Any, reader: Any, checkpoint: Path) -> float:
+    started = time.perf_counter()
+    query = (
+        reader.load()
+        .writeStream.format("noop")
+        .option("checkpointLocation", str(checkpoint))
+        .trigger(availableNow=True)
+        .start()
+    )
+    if not query.awaitTermination(1800):
+        query.stop()
+        raise TimeoutError("AvailableNow query did not finish in 30 minutes")
+    rows: int = sum(p["numInputRows"] for p in query.recentProgress)
+    return rows / (time.perf_counter() - started)
+
+
+def run_streamq(spark: Any, folder: Path, producers: int, total: int) -> float:
+    fleet = Fleet(_fill_producers(folder, producers, total))
+    try:
+        reader = (
+            spark.readStream.format("streamq")
+            .option("endpoints", ",".join(fleet.endpoints))
+            .option("stream", "ingest")
+            .option("startingOffsets", "earliest")
+        )
+        return _time_query(spark, reader, folder / "ck")
+    finally:
+        fleet.stop()
+
+
+def _fill_topic(broker: Any, topic: str, partitions: int, total: int) -> None:
+    from confluent_kafka import Producer
+
+    broker.create_topic(topic, partitions)
+    producer = Producer({"bootstrap.servers": broker.bootstrap, "linger.ms": 20})
+    for i in range(total):
+        while True:
+            try:
+                producer.produce(topic, RECORD, partition=i % partitions)
+                break
+            except BufferError:
+                producer.poll(0.05)
+    producer.flush(300)
+
+
+def run_kafka(spark: Any, broker: Any, folder: Path, partitions: int, total: int) -> float:
+    topic = f"ingest-{uuid.uuid4().hex[:8]}"
+    _fill_topic(broker, topic, partitions, total)
+    reader = (
+        spark.readStream.format("kafka")
+        .option("kafka.bootstrap.servers", broker.bootstrap)
+        .option("subscribe", topic)
+        .option("startingOffsets", "earliest")
+    )
+    return _time_query(spark, reader, folder / "ck")
+
+
+def spark_session(with_kafka: bool) -> Any:
+    from pyspark.sql import SparkSession
+
+    from spark_source import StreamQDataSource
+
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    builder = (
+        SparkSession.builder.master("local[2]")
+        .appName("streamq bench")
+        .config("spark.ui.enabled", "false")
+        .config("spark.driver.host", "127.0.0.1")  # loopback only
+        .config("spark.driver.bindAddress", "127.0.0.1")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.driver.memory", "2g")
+    )
+    if with_kafka:
+        from .kafka.broker import spark_kafka_jars
+
+        builder = builder.config("spark.jars", ",".join(str(p) for p in spark_kafka_jars()))
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    spark.dataSource.register(StreamQDataSource)
+    return spark
+
+
+def run(broker: Any | None, quick: bool, repeats: int) -> dict[str, Any]:
+    total = 200_000 if quick else 4_000_000
+    systems = ["streamq"] + (["kafka"] if broker is not None else [])
+    spark = spark_session(broker is not None)
+    series: list[Series] = []
+    try:
+        with Progress(console=console, transient=True) as progress:
+            task = progress.add_task("spark", total=len(SWEEP) * repeats * len(systems))
+            for n in SWEEP:
+                rates = {
+                    s: Series(s, f"{n} producers" if n > 1 else "1 producer", "rows/s")
+                    for s in systems
+                }
+                for repeat in range(repeats):
+                    for system in systems if repeat % 2 == 0 else systems[::-1]:
+                        with tempfile.TemporaryDirectory() as folder:
+                            if system == "streamq":
+                                rate = run_streamq(spark, Path(folder), n, total)
+                            else:
+                                rate = run_kafka(spark, broker, Path(folder), n, total)
+                        rates[system].values.append(rate)
+                        progress.advance(task)
+                series += rates.values()
+    finally:
+        spark.stop()
+    console.print(
+        comparison_table(
+            f"spark: rows/s into a noop sink, AvailableNow, {total:,} rows of 100 B", series
+        )
+    )
+    bar_chart(
+        results_dir(quick) / "spark.png",
+        "Spark ingest rows/s (noop sink, local[2])",
+        series,
+        "rows/s",
+    )
+    results = {
+        "durability": DURABILITY,
+        "rows": total,
+        "series": [
+            {"system": s.system, "case": s.case, "unit": s.unit, "values": s.values} for s in series
+        ],
+    }
+    save("spark", results, quick)
+    return results
