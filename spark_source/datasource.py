@@ -224,7 +224,9 @@ class StreamQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             if state is None:
                 planning.check_producers({pid: stop}, self._states)
                 continue
-            ranges.append(Range(pid, state.endpoint, start.get(pid, stop), stop))
+            # A producer new since the previous batch starts at its earliest seq, as
+            # latestOffset planned it.
+            ranges.append(Range(pid, state.endpoint, start.get(pid, state.low), stop))
         return _partitions(self.settings, ranges)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:

@@ -180,3 +180,15 @@ def test_spark_demo_counts_every_sale_once() -> None:
     )
     assert demo.returncode == 0, demo.stdout[-2000:] + demo.stderr[-2000:]
     assert "each shop's own database" in demo.stdout and "FAIL" not in demo.stdout
+
+
+def test_producer_added_to_a_running_query_is_read_from_its_start(
+    spark: SparkSession, producers: list[streamq.SyncProducer], tmp_path: Path
+) -> None:
+    a, b, _ = producers
+    run_available_now(spark, a.address, tmp_path / "ck", tmp_path / "out")
+    run_available_now(spark, f"{a.address},{b.address}", tmp_path / "ck", tmp_path / "out")
+    assert seqs_by_producer(spark.read.parquet(str(tmp_path / "out"))) == {
+        a.producer_id: list(range(1, 1001)),
+        b.producer_id: list(range(1, 2001)),
+    }
