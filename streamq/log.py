@@ -120,7 +120,9 @@ class Log:
         self._reader_count = readers
         self._readers: asyncio.Queue[aiosqlite.Connection] = asyncio.Queue()
         self._all_readers: list[aiosqlite.Connection] = []
-        self._avg_record_size = 128
+        # Recent records' mean size: how many rows one SQLite read should fetch to fill
+        # a frame without reading far more than it can send.
+        self._avg_record_size = 1024
 
     async def open(self, rows: list[store.StreamRow]) -> None:
         for _ in range(self._reader_count):
@@ -160,8 +162,13 @@ class Log:
             stream.tail.reset(head + 1)
         elif records:
             stream.tail.append(head - len(records) + 1, records)
-            self._avg_record_size = (self._avg_record_size * 7 + len(records[-1])) // 8
+            self._note_sizes(records)
         stream.notify()
+
+    def _note_sizes(self, records: Sequence[bytes]) -> None:
+        sample = records[-16:]
+        mean = sum(map(len, sample)) // len(sample)
+        self._avg_record_size = max(1, (self._avg_record_size + mean) // 2)
 
     def check_available(self, stream: Stream, seq: int) -> None:
         """Raise if records from ``seq`` on can no longer be read."""
@@ -204,4 +211,5 @@ class Log:
                 {"stream": stream.name, "requested": seq, "low": stream.low, "head": stream.head},
             )
         records = take([record for _, record in rows], max_records, max_bytes)
+        self._note_sizes(records)
         return records, rows[len(records) - 1][0]
