@@ -11,6 +11,8 @@ Options (names follow Spark's Kafka source where the meaning is the same):
 =======================  =============================================================
 endpoints                comma-separated ``host:port`` of the producers
 endpointsFile            a file with one endpoint per line (instead of, or beside, it)
+endpointsProvider        ``module:function`` returning endpoints (e.g. a registry lookup);
+                         list, file and provider are read again at every trigger
 stream                   the stream to read
 startingOffsets          ``earliest``, ``latest`` or JSON ``{producer id: seq}``
                          (-2 earliest, -1 latest); default: latest (stream),
@@ -83,9 +85,12 @@ class _Settings:
     """The options, parsed and checked once."""
 
     def __init__(self, options: Mapping[str, str]) -> None:
-        self.endpoints = planning.parse_endpoints(
-            options.get("endpoints"), options.get("endpointsFile")
+        self._endpoint_options = (
+            options.get("endpoints"),
+            options.get("endpointsFile"),
+            options.get("endpointsProvider"),
         )
+        self.endpoints()  # fail early on a missing or bad option
         stream = options.get("stream")
         if not stream:
             raise StreamQSourceError("set option 'stream'")
@@ -99,8 +104,12 @@ class _Settings:
         self.consumer_name = options.get("consumerName", "spark")
         self.timeout = (_int(options, "timeoutMs", 30_000) or 30_000) / 1000
 
+    def endpoints(self) -> list[str]:
+        """Read anew at each call: a file or registry may list new producers."""
+        return planning.parse_endpoints(*self._endpoint_options)
+
     def discover(self) -> dict[str, ProducerState]:
-        return planning.discover(self.endpoints, self.stream, self.timeout)
+        return planning.discover(self.endpoints(), self.stream, self.timeout)
 
 
 class StreamQPartition(InputPartition):

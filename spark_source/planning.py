@@ -8,12 +8,14 @@ producer, in parallel.
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import cast
 
 from streamq import Client, StreamQError, UnknownStreamError
 
@@ -48,8 +50,15 @@ class Range:
         return self.end - self.start
 
 
-def parse_endpoints(endpoints: str | None, endpoints_file: str | None) -> list[str]:
-    """Endpoints from a comma-separated list and/or a file with one per line (# comments)."""
+def parse_endpoints(
+    endpoints: str | None, endpoints_file: str | None, provider: str | None = None
+) -> list[str]:
+    """Endpoints from a comma-separated list, a file with one per line (# comments), and a
+    provider: ``module:function`` returning host:port strings (e.g. from a service registry).
+
+    The source calls this at every trigger, so producers added to the file or the registry
+    join a running query.
+    """
     found: list[str] = []
     if endpoints:
         found += [e.strip() for e in endpoints.split(",") if e.strip()]
@@ -58,9 +67,26 @@ def parse_endpoints(endpoints: str | None, endpoints_file: str | None) -> list[s
             found += [
                 line.split("#", 1)[0].strip() for line in lines if line.split("#", 1)[0].strip()
             ]
+    if provider:
+        found += [str(e).strip() for e in _load_provider(provider)()]
     if not found:
-        raise StreamQSourceError("set option 'endpoints' (host:port,...) or 'endpointsFile'")
+        raise StreamQSourceError(
+            "set option 'endpoints' (host:port,...), 'endpointsFile' or 'endpointsProvider'"
+        )
     return list(dict.fromkeys(found))
+
+
+def _load_provider(spec: str) -> Callable[[], Iterable[str]]:
+    module_name, sep, function = spec.partition(":")
+    if not sep:
+        raise StreamQSourceError(f"endpointsProvider must be module:function, not {spec!r}")
+    try:
+        provider = getattr(importlib.import_module(module_name), function)
+    except (ImportError, AttributeError) as exc:
+        raise StreamQSourceError(f"endpointsProvider {spec!r}: {exc}") from exc
+    if not callable(provider):
+        raise StreamQSourceError(f"endpointsProvider {spec!r} is not callable")
+    return cast(Callable[[], Iterable[str]], provider)
 
 
 def _probe(endpoint: str, stream: str, timeout: float) -> ProducerState:

@@ -105,3 +105,17 @@ def test_discover_real_producers(tmp_path: Path) -> None:
             )
     with pytest.raises(StreamQSourceError, match=f"producer at {a.address}: cannot connect"):
         planning.discover([a.address], "orders", timeout=10)
+
+
+def registry() -> list[str]:
+    """An endpoints provider, as a service registry lookup would be."""
+    return ["r:1", "r:2"]
+
+
+def test_endpoints_from_a_provider() -> None:
+    found = planning.parse_endpoints("h:1", None, "tests.test_spark_planning:registry")
+    assert found == ["h:1", "r:1", "r:2"]
+    with pytest.raises(StreamQSourceError, match="must be module:function"):
+        planning.parse_endpoints(None, None, "no_colon")
+    with pytest.raises(StreamQSourceError, match="No module named"):
+        planning.parse_endpoints(None, None, "no_such_module_xyz:f")
