@@ -183,7 +183,7 @@ def comparison_table(title: str, series: Sequence[Series], better: str = "higher
 
 
 def bar_chart(path: Path, title: str, series: Sequence[Series], ylabel: str) -> None:
-    """Grouped bars, one group per case, one bar per system, whiskers min..max."""
+    """One panel per case (each with its own scale), one bar per system, whiskers min..max."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -191,22 +191,24 @@ def bar_chart(path: Path, title: str, series: Sequence[Series], ylabel: str) -> 
 
     cases = list(dict.fromkeys(s.case for s in series))
     systems = list(dict.fromkeys(s.system for s in series))
-    width = 0.8 / len(systems)
-    fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(cases)), 4))
-    for j, system in enumerate(systems):
-        xs, ys, low, high = [], [], [], []
-        for i, case in enumerate(cases):
-            for s in series:
-                if s.system == system and s.case == case:
-                    xs.append(i + j * width)
-                    ys.append(s.median)
-                    low.append(s.median - min(s.values))
-                    high.append(max(s.values) - s.median)
-        ax.bar(xs, ys, width, label=system, yerr=[low, high], capsize=3)
-    ax.set_xticks([i + width * (len(systems) - 1) / 2 for i in range(len(cases))], cases)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.legend()
+    colors = {"streamq": "tab:blue", "kafka": "tab:orange"}
+    fig, axes = plt.subplots(1, len(cases), figsize=(2.6 * len(cases) + 1, 3.8), squeeze=False)
+    for ax, case in zip(axes[0], cases, strict=True):
+        shown = [s for system in systems for s in series if s.system == system and s.case == case]
+        ax.bar(
+            [s.system for s in shown],
+            [s.median for s in shown],
+            yerr=[
+                [s.median - min(s.values) for s in shown],
+                [max(s.values) - s.median for s in shown],
+            ],
+            capsize=4,
+            color=[colors.get(s.system, "tab:gray") for s in shown],
+        )
+        ax.set_title(case, fontsize=9)
+        ax.tick_params(axis="both", labelsize=8)
+    axes[0][0].set_ylabel(ylabel)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

@@ -150,7 +150,7 @@ def spark_session(with_kafka: bool) -> Any:
 
 
 def run(broker: Any | None, quick: bool, repeats: int) -> dict[str, Any]:
-    total = 200_000 if quick else 4_000_000
+    total = 200_000 if quick else 2_000_000
     systems = ["streamq"] + (["kafka"] if broker is not None else [])
     spark = spark_session(broker is not None)
     series: list[Series] = []
