@@ -8,10 +8,15 @@ import json
 import sys
 from typing import Any
 
-from . import latency, pipe, spark_ingest
+from . import latency, pipe, slow_consumer, spark_ingest
 from .common import DURABILITY, console, machine
 
-WORKLOADS = {"pipe": pipe.run, "latency": latency.run, "spark": spark_ingest.run}
+WORKLOADS = {
+    "pipe": pipe.run,
+    "latency": latency.run,
+    "slow": slow_consumer.run,
+    "spark": spark_ingest.run,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
