@@ -99,6 +99,12 @@ class Child:
                     return int(line.split()[1])
         return 0
 
+    def __enter__(self) -> Child:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.terminate()

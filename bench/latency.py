@@ -31,34 +31,21 @@ def _measure(producer: Child, consumer: Child) -> list[int]:
 
 def run_streamq(folder: Path, rate: int, seconds: float) -> list[int]:
     total = int(rate * seconds)
-    producer = Child("bench.latency_programs", "sq-producer", folder / "p.db", rate, seconds)
-    consumer = None
-    try:
+    with Child("bench.latency_programs", "sq-producer", folder / "p.db", rate, seconds) as producer:
         (address,) = producer.expect("READY")
-        consumer = Child("bench.latency_programs", "sq-consumer", address, total)
-        return _measure(producer, consumer)
-    finally:
-        for child in (consumer, producer):
-            if child is not None:
-                child.stop()
+        with Child("bench.latency_programs", "sq-consumer", address, total) as consumer:
+            return _measure(producer, consumer)
 
 
 def run_kafka(broker: Any, rate: int, seconds: float) -> list[int]:
     total = int(rate * seconds)
     topic = f"latency-{uuid.uuid4().hex[:8]}"
     broker.create_topic(topic, 1)
-    producer = Child(
-        "bench.latency_programs", "kafka-producer", broker.bootstrap, topic, rate, seconds
-    )
-    consumer = None
-    try:
+    programs, bootstrap = "bench.latency_programs", broker.bootstrap
+    with Child(programs, "kafka-producer", bootstrap, topic, rate, seconds) as producer:
         producer.expect("READY")
-        consumer = Child("bench.latency_programs", "kafka-consumer", broker.bootstrap, topic, total)
-        return _measure(producer, consumer)
-    finally:
-        for child in (consumer, producer):
-            if child is not None:
-                child.stop()
+        with Child(programs, "kafka-consumer", bootstrap, topic, total) as consumer:
+            return _measure(producer, consumer)
 
 
 def run(broker: Any | None, quick: bool, repeats: int) -> dict[str, Any]:

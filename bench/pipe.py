@@ -30,45 +30,33 @@ FULL = [(1_000_000, 100), (100_000, 10_000)]
 QUICK = [(20_000, 100), (2_000, 10_000)]
 
 
+def _end_to_end(producer: Child, consumer: Child) -> float:
+    """Seconds from the producer's first publish to the consumer's last record applied."""
+    consumer.expect("READY")
+    producer.send("GO")
+    start = float(producer.expect("START")[0])
+    done = float(consumer.expect("DONE", timeout=600)[0])
+    producer.send("STOP")
+    return done - start
+
+
 def run_streamq(folder: Path, count: int, size: int) -> float:
-    """Seconds from the first publish to the last record applied."""
-    producer = Child("bench.sq_pipe", "producer", folder / "producer.db", count, size)
-    consumer = None
-    try:
+    with Child("bench.sq_pipe", "producer", folder / "producer.db", count, size) as producer:
         (address,) = producer.expect("READY")
-        consumer = Child("bench.sq_pipe", "consumer", address, folder / "consumer.db", count)
-        consumer.expect("READY")
-        producer.send("GO")
-        start = float(producer.expect("START")[0])
-        done = float(consumer.expect("DONE", timeout=600)[0])
-        producer.send("STOP")
-        return done - start
-    finally:
-        for child in (consumer, producer):
-            if child is not None:
-                child.stop()
+        with Child("bench.sq_pipe", "consumer", address, folder / "consumer.db", count) as c:
+            return _end_to_end(producer, c)
 
 
 def run_kafka(broker: Any, folder: Path, count: int, size: int) -> float:
     topic = f"pipe-{uuid.uuid4().hex[:8]}"
     broker.create_topic(topic, 1)
-    producer = Child("bench.kafka_pipe", "producer", broker.bootstrap, topic, count, size)
-    consumer = None
-    try:
+    bootstrap = broker.bootstrap
+    with Child("bench.kafka_pipe", "producer", bootstrap, topic, count, size) as producer:
         producer.expect("READY")
-        consumer = Child(
-            "bench.kafka_pipe", "consumer", broker.bootstrap, topic, folder / "kafka.db", count
-        )
-        consumer.expect("READY")
-        producer.send("GO")
-        start = float(producer.expect("START")[0])
-        done = float(consumer.expect("DONE", timeout=600)[0])
-        producer.send("STOP")
-        return done - start
-    finally:
-        for child in (consumer, producer):
-            if child is not None:
-                child.stop()
+        with Child(
+            "bench.kafka_pipe", "consumer", bootstrap, topic, folder / "kafka.db", count
+        ) as c:
+            return _end_to_end(producer, c)
 
 
 def run(broker: Any | None, quick: bool, repeats: int) -> dict[str, Any]:

@@ -53,40 +53,22 @@ def _run(
 
 
 def run_streamq(folder: Path, rate: int, seconds: float) -> dict[str, Any]:
-    producer = Child("bench.slow_programs", "sq-producer", folder / "p.db", rate, seconds)
-    consumer = None
-    try:
+    programs = "bench.slow_programs"
+    with Child(programs, "sq-producer", folder / "p.db", rate, seconds) as producer:
         (address,) = producer.expect("READY")
-        consumer = Child("bench.slow_programs", "sq-consumer", address, folder / "c.db", rate / 10)
-        return _run(producer, consumer, None, seconds)
-    finally:
-        for child in (consumer, producer):
-            if child is not None:
-                child.stop()
+        with Child(programs, "sq-consumer", address, folder / "c.db", rate / 10) as consumer:
+            return _run(producer, consumer, None, seconds)
 
 
 def run_kafka(broker: Any, folder: Path, rate: int, seconds: float) -> dict[str, Any]:
     topic = f"slow-{uuid.uuid4().hex[:8]}"
     broker.create_topic(topic, 1)
-    producer = Child(
-        "bench.slow_programs", "kafka-producer", broker.bootstrap, topic, rate, seconds
-    )
-    consumer = None
-    try:
+    programs, bootstrap = "bench.slow_programs", broker.bootstrap
+    with Child(programs, "kafka-producer", bootstrap, topic, rate, seconds) as producer:
         producer.expect("READY")
-        consumer = Child(
-            "bench.slow_programs",
-            "kafka-consumer",
-            broker.bootstrap,
-            topic,
-            folder / "k.db",
-            rate / 10,
-        )
-        return _run(producer, consumer, broker.pid, seconds)
-    finally:
-        for child in (consumer, producer):
-            if child is not None:
-                child.stop()
+        db = folder / "k.db"
+        with Child(programs, "kafka-consumer", bootstrap, topic, db, rate / 10) as consumer:
+            return _run(producer, consumer, broker.pid, seconds)
 
 
 def run(broker: Any | None, quick: bool, repeats: int) -> dict[str, Any]:

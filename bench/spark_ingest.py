@@ -7,7 +7,6 @@ source (``spark-sql-kafka-0-10``, resolved through Maven). N sweeps 1, 4, 16, 64
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import tempfile
@@ -125,28 +124,14 @@ def run_kafka(spark: Any, broker: Any, folder: Path, partitions: int, total: int
 
 
 def spark_session(with_kafka: bool) -> Any:
-    from pyspark.sql import SparkSession
+    from spark_source.session import local_spark
 
-    from spark_source import StreamQDataSource
-
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    builder = (
-        SparkSession.builder.master("local[2]")
-        .appName("streamq bench")
-        .config("spark.ui.enabled", "false")
-        .config("spark.driver.host", "127.0.0.1")  # loopback only
-        .config("spark.driver.bindAddress", "127.0.0.1")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.driver.memory", "2g")
-    )
+    jars = None
     if with_kafka:
         from .kafka.broker import spark_kafka_jars
 
-        builder = builder.config("spark.jars", ",".join(str(p) for p in spark_kafka_jars()))
-    spark = builder.getOrCreate()
-    spark.sparkContext.setLogLevel("ERROR")
-    spark.dataSource.register(StreamQDataSource)
-    return spark
+        jars = [str(p) for p in spark_kafka_jars()]
+    return local_spark("streamq bench", driver_memory="2g", jars=jars)
 
 
 def run(broker: Any | None, quick: bool, repeats: int) -> dict[str, Any]:

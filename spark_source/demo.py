@@ -10,7 +10,6 @@ producer's head: every sale counted once.
 from __future__ import annotations
 
 import contextlib
-import os
 import random
 import sys
 import tempfile
@@ -24,7 +23,7 @@ from rich.table import Table
 
 import streamq
 
-from .datasource import StreamQDataSource
+from .session import local_spark
 
 REGIONS = ("north", "south", "east", "west")
 
@@ -44,9 +43,6 @@ def _sell(producer: streamq.SyncProducer, shop: int, until: float) -> None:
 
 
 def run(seconds: float = 20.0, shops: int = 3) -> int:
-    from pyspark.sql import SparkSession  # imported here: Spark is an optional extra
-
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     console = Console()
     with contextlib.ExitStack() as stack:
         folder = Path(stack.enter_context(tempfile.TemporaryDirectory()))
@@ -57,19 +53,8 @@ def run(seconds: float = 20.0, shops: int = 3) -> int:
         for producer in producers:
             producer.create_stream("sales")
         names = {p.producer_id: f"shop {i}" for i, p in enumerate(producers)}
-        spark = (
-            SparkSession.builder.master("local[2]")
-            .appName("streamq demo")
-            .config("spark.ui.enabled", "false")
-            .config("spark.driver.host", "127.0.0.1")  # loopback only
-            .config("spark.driver.bindAddress", "127.0.0.1")
-            .config("spark.sql.shuffle.partitions", "2")
-            .config("spark.ui.showConsoleProgress", "false")
-            .getOrCreate()
-        )
-        spark.sparkContext.setLogLevel("ERROR")
+        spark = local_spark("streamq demo")
         stack.callback(spark.stop)
-        spark.dataSource.register(StreamQDataSource)
         sales = (
             spark.readStream.format("streamq")
             .option("endpoints", ",".join(p.address for p in producers))

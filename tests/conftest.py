@@ -6,8 +6,6 @@ Every async test runs twice, on asyncio's default loop and on uvloop.
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,25 +25,10 @@ def pytest_asyncio_loop_factories(
 
 @pytest.fixture(scope="session")
 def spark() -> Iterator[SparkSession]:
-    """One local Spark for every Spark test: 2 cores, as small as it gets."""
-    from pyspark.sql import SparkSession
+    """One local Spark for every Spark test."""
+    from spark_source.session import local_spark
 
-    from spark_source import StreamQDataSource
-
-    os.environ["PYSPARK_PYTHON"] = sys.executable  # executors run this environment
-    session = (
-        SparkSession.builder.master("local[2]")
-        .appName("streamq-tests")
-        .config("spark.ui.enabled", "false")
-        .config("spark.driver.host", "127.0.0.1")  # loopback only
-        .config("spark.driver.bindAddress", "127.0.0.1")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.sql.shuffle.partitions", "2")
-        .config("spark.driver.memory", "1g")
-        .getOrCreate()
-    )
-    session.sparkContext.setLogLevel("ERROR")
-    session.dataSource.register(StreamQDataSource)
+    session = local_spark("streamq-tests")
     yield session
     session.stop()
 

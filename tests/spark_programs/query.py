@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ import pyarrow.parquet as pq
 from pyspark.sql import SparkSession
 from pyspark.sql.streaming import StreamingQuery
 
-from spark_source import StreamQDataSource
+from spark_source.session import local_spark
 
 STREAM = "orders"
 MAX_RECORDS_PER_TRIGGER = 500
@@ -42,21 +41,7 @@ POLL_SECONDS = 0.1
 
 
 def session() -> SparkSession:
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    spark = (
-        SparkSession.builder.master("local[2]")
-        .appName("streamq-exactly-once")
-        .config("spark.ui.enabled", "false")
-        .config("spark.driver.host", "127.0.0.1")  # loopback only
-        .config("spark.driver.bindAddress", "127.0.0.1")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.sql.shuffle.partitions", "2")
-        .config("spark.driver.memory", "1g")
-        .getOrCreate()
-    )
-    spark.sparkContext.setLogLevel("WARN")
-    spark.dataSource.register(StreamQDataSource)
-    return spark
+    return local_spark("streamq-exactly-once")
 
 
 def start(spark: SparkSession, args: argparse.Namespace) -> StreamingQuery:
