@@ -32,8 +32,17 @@ def take(records: Sequence[bytes], max_records: int, max_bytes: int) -> Sequence
     return records
 
 
+# What holding one record in memory costs beyond its bytes: the bytes object's header
+# and its list slot. Counted so that ``tail_bytes`` bounds real memory.
+RECORD_OVERHEAD = 48
+
+
+def memory_cost(records: Sequence[bytes]) -> int:
+    return sum(map(len, records)) + RECORD_OVERHEAD * len(records)
+
+
 class TailBuffer:
-    """A stream's most recently committed records, encoded, bounded in bytes.
+    """A stream's most recently committed records, encoded, bounded in memory.
 
     It holds a contiguous run of seqs ending at the head; anything older is
     evicted first. Evicted records are still in SQLite.
@@ -63,11 +72,11 @@ class TailBuffer:
         if first_seq != self._first_seq + len(self._records):
             self.reset(first_seq)
         self._records.extend(records)
-        self._nbytes += sum(map(len, records))
+        self._nbytes += memory_cost(records)
         if self._nbytes > self.max_bytes:
             drop = 0
             while self._nbytes > self.max_bytes:
-                self._nbytes -= len(self._records[drop])
+                self._nbytes -= len(self._records[drop]) + RECORD_OVERHEAD
                 drop += 1
             del self._records[:drop]
             self._first_seq += drop

@@ -23,7 +23,7 @@ import aiosqlite
 
 from . import store
 from .errors import ConcurrentWriterError, RecordTooLargeError, TransactionClosedError
-from .log import Log
+from .log import RECORD_OVERHEAD, Log
 from .protocol import FRAME_OVERHEAD, encode_record
 from .server import Server, ServerSettings
 from .store import Durability
@@ -160,7 +160,7 @@ class Transaction:
         self._heads[stream] = seq
         kept = self._kept.setdefault(stream, [])
         if kept is not None:
-            size = self._kept_bytes.get(stream, 0) + len(record)
+            size = self._kept_bytes.get(stream, 0) + len(record) + RECORD_OVERHEAD
             if size > self._producer.log.tail_bytes:
                 self._kept[stream] = None
             else:
