@@ -32,8 +32,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown workloads {unknown}; choose from {sorted(WORKLOADS)}")
     repeats = args.repeats or (1 if args.quick else 3)
     console.print(f"[bold]machine[/] {json.dumps(machine())}")
-    for system, text in DURABILITY.items():
-        console.print(f"[bold]durability[/] {system}: {text}")
+    for mode, systems in DURABILITY.items():
+        for system, text in systems.items():
+            console.print(f"[bold]durability {mode}[/] {system}: {text}")
     with contextlib.ExitStack() as stack:
         broker: Any = None
         if not args.no_kafka:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -10,7 +11,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,10 +29,32 @@ def results_dir(quick: bool) -> Path:
 
 console = Console()
 
+# Durability is matched in two pairs, printed and stored with every result.
 DURABILITY = {
-    "streamq": "SQLite WAL, synchronous=NORMAL (a commit survives a process crash)",
-    "kafka": "acks=all, broker default flush (page cache): survives a process crash",
+    "normal": {
+        "streamq": "SQLite WAL, synchronous=NORMAL: a commit survives a process crash",
+        "kafka": "acks=all, default flush (page cache): survives a process crash",
+    },
+    "full": {
+        "streamq": "SQLite WAL, synchronous=FULL: a commit survives power loss",
+        "kafka": "acks=all, log.flush.interval.messages=1: fsync before acknowledging",
+    },
 }
+
+
+@contextlib.contextmanager
+def durability_modes(broker: Any | None) -> Iterator[list[tuple[str, Any | None]]]:
+    """Each durability mode with the Kafka broker that matches it.
+
+    ``full`` gets a second broker that flushes every message; without Kafka, None.
+    """
+    if broker is None:
+        yield [("normal", None), ("full", None)]
+        return
+    from .kafka.broker import KafkaBroker
+
+    with KafkaBroker(flush_every_message=True) as flushing:
+        yield [("normal", broker), ("full", flushing)]
 
 
 def machine() -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """Kafka's side of the pipe workload: ``producer BOOTSTRAP TOPIC N SIZE`` and
-``consumer BOOTSTRAP TOPIC DB N``.
+``consumer BOOTSTRAP TOPIC DB N DURABILITY``.
 
 The consumer does what a careful Kafka user does for exactly-once into a
 database: it stores each partition's offset in the same SQLite transaction as
@@ -67,10 +67,10 @@ def receive(c: Consumer, limit: int = 10_000) -> list[Message]:
     return [first, *c.consume(limit - 1, timeout=0)]
 
 
-def consumer(bootstrap: str, topic: str, db: str, count: int) -> None:
+def consumer(bootstrap: str, topic: str, db: str, count: int, durability: str) -> None:
     conn = sqlite3.connect(db, isolation_level=None)
     conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute("PRAGMA synchronous=NORMAL")
+    conn.execute(f"PRAGMA synchronous={durability.upper()}")
     conn.execute("CREATE TABLE IF NOT EXISTS applied (part INTEGER, off INTEGER, value BLOB)")
     conn.execute(
         "CREATE TABLE IF NOT EXISTS offsets (topic TEXT, part INTEGER, next INTEGER, "
@@ -109,4 +109,4 @@ if __name__ == "__main__":
     if role == "producer":
         producer(args[0], args[1], int(args[2]), int(args[3]))
     else:
-        consumer(args[0], args[1], args[2], int(args[3]))
+        consumer(args[0], args[1], args[2], int(args[3]), args[4])

@@ -14,7 +14,16 @@ from typing import Any
 from rich.progress import Progress
 from rich.table import Table
 
-from .common import DURABILITY, Child, Series, bar_chart, console, results_dir, save
+from .common import (
+    DURABILITY,
+    Child,
+    Series,
+    bar_chart,
+    console,
+    durability_modes,
+    results_dir,
+    save,
+)
 
 RATES = [1_000, 10_000, 50_000]
 PERCENTILES = ("p50", "p99", "p99.9", "max")
@@ -29,11 +38,12 @@ def _measure(producer: Child, consumer: Child) -> list[int]:
     return [int(v) for v in done[:4]]
 
 
-def run_streamq(folder: Path, rate: int, seconds: float) -> list[int]:
+def run_streamq(folder: Path, rate: int, seconds: float, mode: str = "normal") -> list[int]:
     total = int(rate * seconds)
-    with Child("bench.latency_programs", "sq-producer", folder / "p.db", rate, seconds) as producer:
+    programs = "bench.latency_programs"
+    with Child(programs, "sq-producer", folder / "p.db", rate, seconds, mode) as producer:
         (address,) = producer.expect("READY")
-        with Child("bench.latency_programs", "sq-consumer", address, total) as consumer:
+        with Child(programs, "sq-consumer", address, total) as consumer:
             return _measure(producer, consumer)
 
 
@@ -51,42 +61,45 @@ def run_kafka(broker: Any, rate: int, seconds: float) -> list[int]:
 def run(broker: Any | None, quick: bool, repeats: int) -> dict[str, Any]:
     seconds = 2.0 if quick else 10.0
     systems = ["streamq"] + (["kafka"] if broker is not None else [])
-    # (system, rate) -> one list of [p50, p99, p99.9, max] per repeat, in microseconds
-    runs: dict[tuple[str, int], list[list[int]]] = {}
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("latency", total=len(RATES) * repeats * len(systems))
-        for rate in RATES:
-            for repeat in range(repeats):
-                for system in systems if repeat % 2 == 0 else systems[::-1]:
-                    if system == "streamq":
-                        with tempfile.TemporaryDirectory() as folder:
-                            figures = run_streamq(Path(folder), rate, seconds)
-                    else:
-                        figures = run_kafka(broker, rate, seconds)
-                    runs.setdefault((system, rate), []).append(figures)
-                    progress.advance(task)
+    # (system, case) -> one list of [p50, p99, p99.9, max] per repeat, in microseconds
+    runs: dict[tuple[str, str], list[list[int]]] = {}
+    cases: list[str] = []
+    with durability_modes(broker) as modes, Progress(console=console, transient=True) as progress:
+        task = progress.add_task("latency", total=len(modes) * len(RATES) * repeats * len(systems))
+        for mode, mode_broker in modes:
+            for rate in RATES:
+                case = f"{rate:,}/s {mode}"
+                cases.append(case)
+                for repeat in range(repeats):
+                    for system in systems if repeat % 2 == 0 else systems[::-1]:
+                        if system == "streamq":
+                            with tempfile.TemporaryDirectory() as folder:
+                                figures = run_streamq(Path(folder), rate, seconds, mode)
+                        else:
+                            figures = run_kafka(mode_broker, rate, seconds)
+                        runs.setdefault((system, case), []).append(figures)
+                        progress.advance(task)
+
+    def median(system: str, case: str, i: int) -> int:
+        values = sorted(r[i] for r in runs[(system, case)])
+        return values[len(values) // 2]
+
+    table = Table(title=f"latency, publish -> receipt, microseconds ({seconds:g} s per run)")
+    for column in ("rate, durability", "system", *PERCENTILES, "p99 vs kafka"):
+        table.add_column(column, justify="right")
+    for case in cases:
+        for system in systems:
+            medians = [median(system, case, i) for i in range(4)]
+            ratio = ""
+            if system == "streamq" and ("kafka", case) in runs and median("kafka", case, 1):
+                ratio = f"{medians[1] / median('kafka', case, 1):.2f}x"
+            table.add_row(case, system, *(f"{m:,}" for m in medians), ratio)
+    console.print(table)
     series = [
-        Series(system, f"{rate:,}/s {name}", "us", [r[i] for r in figures])
-        for (system, rate), figures in runs.items()
+        Series(system, f"{case} {name}", "us", [r[i] for r in figures])
+        for (system, case), figures in runs.items()
         for i, name in enumerate(PERCENTILES)
     ]
-    table = Table(title=f"latency, publish -> receipt, microseconds ({seconds:g} s per run)")
-    for column in ("rate", "system", *PERCENTILES, "p99 vs kafka"):
-        table.add_column(column, justify="right")
-    for rate in RATES:
-        for system in systems:
-            medians = [
-                sorted(r[i] for r in runs[(system, rate)])[len(runs[(system, rate)]) // 2]
-                for i in range(4)
-            ]
-            ratio = ""
-            if system == "streamq" and (("kafka", rate) in runs):
-                kafka_p99 = sorted(r[1] for r in runs[("kafka", rate)])[
-                    len(runs[("kafka", rate)]) // 2
-                ]
-                ratio = f"{medians[1] / kafka_p99:.2f}x" if kafka_p99 else ""
-            table.add_row(f"{rate:,}/s", system, *(f"{m:,}" for m in medians), ratio)
-    console.print(table)
     bar_chart(
         results_dir(quick) / "latency.png",
         "latency p99 (microseconds, lower is better)",

@@ -1,6 +1,6 @@
 """The latency workload's processes, for both systems.
 
-``sq-producer DB RATE SECONDS``, ``sq-consumer ADDRESS``,
+``sq-producer DB RATE SECONDS DURABILITY``, ``sq-consumer ADDRESS``,
 ``kafka-producer BOOTSTRAP TOPIC RATE SECONDS``, ``kafka-consumer BOOTSTRAP TOPIC``.
 
 Producers publish on a fixed schedule: record i is due at start + i / RATE, and carries
@@ -14,11 +14,13 @@ import asyncio
 import struct
 import sys
 import time
+from typing import cast
 
 from hdrh.histogram import HdrHistogram
 
 import streamq
 from streamq import _loop
+from streamq.store import Durability
 
 from .common import say, wait_line
 
@@ -57,8 +59,8 @@ class Latencies:
         )
 
 
-async def sq_producer(db: str, rate: float, seconds: float) -> None:
-    async with streamq.Producer(db, port=0) as producer:
+async def sq_producer(db: str, rate: float, seconds: float, durability: Durability) -> None:
+    async with streamq.Producer(db, port=0, durability=durability) as producer:
         await producer.create_stream("latency")
         say("READY", producer.address)
         await asyncio.to_thread(wait_line, "GO")
@@ -146,7 +148,7 @@ def kafka_consumer(bootstrap: str, topic: str, total: int) -> None:
 if __name__ == "__main__":
     role, *args = sys.argv[1:]
     if role == "sq-producer":
-        _loop.run(sq_producer(args[0], float(args[1]), float(args[2])))
+        _loop.run(sq_producer(args[0], float(args[1]), float(args[2]), cast(Durability, args[3])))
     elif role == "sq-consumer":
         _loop.run(sq_consumer(args[0], int(args[1])))
     elif role == "kafka-producer":

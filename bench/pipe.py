@@ -22,6 +22,7 @@ from .common import (
     bar_chart,
     comparison_table,
     console,
+    durability_modes,
     results_dir,
     save,
 )
@@ -40,14 +41,15 @@ def _end_to_end(producer: Child, consumer: Child) -> float:
     return done - start
 
 
-def run_streamq(folder: Path, count: int, size: int) -> float:
-    with Child("bench.sq_pipe", "producer", folder / "producer.db", count, size) as producer:
+def run_streamq(folder: Path, count: int, size: int, mode: str = "normal") -> float:
+    programs = "bench.sq_pipe"
+    with Child(programs, "producer", folder / "producer.db", count, size, mode) as producer:
         (address,) = producer.expect("READY")
-        with Child("bench.sq_pipe", "consumer", address, folder / "consumer.db", count) as c:
+        with Child(programs, "consumer", address, folder / "consumer.db", count, mode) as c:
             return _end_to_end(producer, c)
 
 
-def run_kafka(broker: Any, folder: Path, count: int, size: int) -> float:
+def run_kafka(broker: Any, folder: Path, count: int, size: int, mode: str = "normal") -> float:
     topic = f"pipe-{uuid.uuid4().hex[:8]}"
     broker.create_topic(topic, 1)
     bootstrap = broker.bootstrap
@@ -63,26 +65,27 @@ def run(broker: Any | None, quick: bool, repeats: int) -> dict[str, Any]:
     cases = QUICK if quick else FULL
     series: list[Series] = []
     systems = ["streamq"] + (["kafka"] if broker is not None else [])
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("pipe", total=len(cases) * repeats * len(systems))
-        for count, size in cases:
-            case = f"{count:,} x {size:,} B"
-            rates = {s: Series(s, case, "rec/s") for s in systems}
-            for repeat in range(repeats):
-                # Alternate which system goes first, so drift hits both alike.
-                for system in systems if repeat % 2 == 0 else systems[::-1]:
-                    with tempfile.TemporaryDirectory() as folder:
-                        if system == "streamq":
-                            seconds = run_streamq(Path(folder), count, size)
-                        else:
-                            seconds = run_kafka(broker, Path(folder), count, size)
-                    rates[system].values.append(count / seconds)
-                    progress.advance(task)
-            series += rates.values()
+    with durability_modes(broker) as modes, Progress(console=console, transient=True) as progress:
+        task = progress.add_task("pipe", total=len(modes) * len(cases) * repeats * len(systems))
+        for mode, mode_broker in modes:
+            for count, size in cases:
+                case = f"{count:,} x {size:,} B {mode}"
+                rates = {s: Series(s, case, "rec/s") for s in systems}
+                for repeat in range(repeats):
+                    # Alternate which system goes first, so drift hits both alike.
+                    for system in systems if repeat % 2 == 0 else systems[::-1]:
+                        with tempfile.TemporaryDirectory() as folder:
+                            if system == "streamq":
+                                seconds = run_streamq(Path(folder), count, size, mode)
+                            else:
+                                seconds = run_kafka(mode_broker, Path(folder), count, size, mode)
+                        rates[system].values.append(count / seconds)
+                        progress.advance(task)
+                series += rates.values()
     console.print(comparison_table("pipe: end-to-end records/s, applied exactly once", series))
     for s in series:
-        size = int(s.case.split(" x ")[1].rstrip(" B").replace(",", ""))
-        console.print(f"  {s.system:8} {s.case:>18}: {s.median * size / 1e6:,.1f} MB/s")
+        size = int(s.case.split(" x ")[1].split(" B")[0].replace(",", ""))
+        console.print(f"  {s.system:8} {s.case:>25}: {s.median * size / 1e6:,.1f} MB/s")
     bar_chart(
         results_dir(quick) / "pipe.png",
         "pipe: records/s end to end (producer process -> consumer DB)",

@@ -1,4 +1,5 @@
-"""streamq's side of the pipe workload: ``producer DB N SIZE`` and ``consumer ADDRESS DB N``.
+"""streamq's side of the pipe workload: ``producer DB N SIZE DURABILITY`` and
+``consumer ADDRESS DB N DURABILITY``.
 
 The consumer applies every record into its own SQLite database; its position
 is stored in the same transaction (streamq does that in ``Consumer.transaction``).
@@ -10,18 +11,20 @@ import asyncio
 import os
 import sys
 import time
+from typing import cast
 
 import streamq
 from streamq import _loop
+from streamq.store import Durability
 
 from .common import say, wait_line
 
 TRANSACTION_RECORDS = 5000
 
 
-async def producer(db: str, count: int, size: int) -> None:
+async def producer(db: str, count: int, size: int, durability: Durability) -> None:
     value = os.urandom(size)
-    async with streamq.Producer(db, port=0) as p:
+    async with streamq.Producer(db, port=0, durability=durability) as p:
         await p.create_stream("pipe")
         say("READY", p.address)
         await asyncio.to_thread(wait_line, "GO")
@@ -33,8 +36,8 @@ async def producer(db: str, count: int, size: int) -> None:
         await asyncio.to_thread(wait_line, "STOP")
 
 
-async def consumer(address: str, db: str, count: int) -> None:
-    async with streamq.Consumer(address, "pipe", db=db, name="bench") as c:
+async def consumer(address: str, db: str, count: int, durability: Durability) -> None:
+    async with streamq.Consumer(address, "pipe", db=db, name="bench", durability=durability) as c:
         assert c._db is not None
         await c._db.execute("CREATE TABLE IF NOT EXISTS applied (seq INTEGER, value BLOB)")
         say("READY")
@@ -50,7 +53,8 @@ async def consumer(address: str, db: str, count: int) -> None:
 
 if __name__ == "__main__":
     role, *args = sys.argv[1:]
+    mode = cast(Durability, args[-1])
     if role == "producer":
-        _loop.run(producer(args[0], int(args[1]), int(args[2])))
+        _loop.run(producer(args[0], int(args[1]), int(args[2]), mode))
     else:
-        _loop.run(consumer(args[0], args[1], int(args[2])))
+        _loop.run(consumer(args[0], args[1], int(args[2]), mode))

@@ -50,6 +50,7 @@ from .protocol import (
     Subscribe,
     Subscribed,
 )
+from .store import Durability
 
 logger = logging.getLogger("streamq.consumer")
 
@@ -149,6 +150,11 @@ class Consumer:
     ``transaction(batch)`` applies batches exactly once. Without ``db``, the
     consumer starts at ``start_seq`` and keeps its position in memory only
     (for tools such as ``streamq tail``).
+
+    ``durability="normal"`` (SQLite ``synchronous=NORMAL``) is safe for exactly-once here:
+    a power loss can only roll back the consumer's last commits, effects and position
+    together, and those records are fetched from the producer again. ``"full"`` makes
+    every applied batch survive power loss as soon as it commits.
     """
 
     def __init__(
@@ -166,7 +172,10 @@ class Consumer:
         connect_timeout: float = 10.0,
         heartbeat_timeout: float = 30.0,
         max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+        durability: Durability = "normal",
     ) -> None:
+        if durability not in ("normal", "full"):
+            raise ValueError(f"durability must be 'normal' or 'full', not {durability!r}")
         if db is not None and not name:
             raise ValueError("a consumer with a database needs a name= to store its position under")
         self.address = address
@@ -183,6 +192,7 @@ class Consumer:
         self._connect_timeout = connect_timeout
         self._heartbeat_timeout = heartbeat_timeout
         self._max_frame_size = max_frame_size
+        self._durability = durability
         self._tx_lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
         self._writer: asyncio.StreamWriter | None = None
@@ -204,6 +214,7 @@ class Consumer:
             if self._db_path is not None:
                 self._db = await aiosqlite.connect(self._db_path, isolation_level=None)
                 await self._db.execute("PRAGMA journal_mode=WAL")
+                await self._db.execute(f"PRAGMA synchronous={self._durability.upper()}")
                 await self._db.execute("PRAGMA busy_timeout=10000")
                 await self._db.execute(_POSITIONS_SCHEMA)
             reader, conn = await self._connect()
