@@ -55,9 +55,8 @@ def run_kafka(broker: Any, folder: Path, count: int, size: int, mode: str = "nor
     bootstrap = broker.bootstrap
     with Child("bench.kafka_pipe", "producer", bootstrap, topic, count, size) as producer:
         producer.expect("READY")
-        with Child(
-            "bench.kafka_pipe", "consumer", bootstrap, topic, folder / "kafka.db", count
-        ) as c:
+        db = folder / "kafka.db"
+        with Child("bench.kafka_pipe", "consumer", bootstrap, topic, db, count, mode) as c:
             return _end_to_end(producer, c)
 
 
