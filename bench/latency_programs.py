@@ -75,7 +75,10 @@ async def sq_producer(db: str, rate: float, seconds: float, durability: Durabili
                         await tx.publish("latency", _value(start + number / rate, number))
                 sent = due_now
             else:
-                await asyncio.sleep(max(0.0, start + sent / rate - time.time()))
+                # Event-loop timers tick in milliseconds: sleep to just before the next
+                # record is due, then yield until it is (as the Kafka loop's poll(0) does).
+                delay = start + sent / rate - time.time()
+                await asyncio.sleep(delay - 0.001 if delay > 0.002 else 0)
         await asyncio.to_thread(wait_line, "STOP")
 
 
