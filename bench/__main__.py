@@ -8,12 +8,13 @@ import json
 import sys
 from typing import Any
 
-from . import latency, pipe, slow_consumer, spark_ingest
+from . import latency, pipe, slow_consumer, spark_ingest, transfer
 from .common import DURABILITY, console, machine
 
 WORKLOADS = {
     "pipe": pipe.run,
     "latency": latency.run,
+    "transfer": transfer.run,
     "slow": slow_consumer.run,
     "spark": spark_ingest.run,
 }

@@ -185,6 +185,11 @@ class Server:
             error = Error(int(ErrorCode.SHUTTING_DOWN), "producer is shutting down", {})
         except (ConnectionError, OSError):
             pass  # the peer went away; nothing to tell it
+        except RuntimeError:
+            # uvloop raises RuntimeError for a write to a transport the peer just closed.
+            if not writer.transport.is_closing():
+                logger.exception("internal error serving %s", _peer_name(writer))
+                error = Error(int(ErrorCode.INTERNAL_ERROR), "internal error; see producer log", {})
         except Exception:
             logger.exception("internal error serving %s", _peer_name(writer))
             error = Error(int(ErrorCode.INTERNAL_ERROR), "internal error; see producer log", {})

@@ -1,0 +1,133 @@
+"""The transfer workload's crash check (bench/transfer.py), small: streamq and Kafka + outbox
+credit every transfer exactly once through kill -9 of every process; the naive dual write
+loses the deposits of a producer killed between its commit and its produce; and the checker
+itself sees lost, doubled and wrong credits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import transfer
+from bench.kafka.broker import KafkaBroker
+from bench.transfer_programs import (
+    ACCOUNTS,
+    CONSUMER_SCHEMA,
+    OPENING_BALANCE,
+    PRODUCER_SCHEMA,
+)
+
+TRANSFERS = 1500
+KILLS = 3
+RATE = 750  # transfers/s: the kills land while transfers flow
+
+
+def our_programs() -> list[int]:
+    """Pids of this process's children still running a transfer program."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        ppid = int(stat.rpartition(")")[2].split()[1])
+        if ppid == os.getpid() and b"transfer_programs" in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+def assert_exactly_once(result: dict[str, Any]) -> None:
+    context = f"{result['system']} (seed {result['seed']}): {result}"
+    assert result["kills_delivered"] == KILLS, context
+    assert result["drained"], context
+    assert result["transfers_checked"] == TRANSFERS, context
+    assert result["lost"] == 0, context
+    assert result["applied_twice"] == 0, context
+    assert result["extra_credit_rows"] == 0, context
+    assert result["phantom"] == 0, context
+    assert result["money_difference"] == 0, context
+    assert result["debited"] == result["credited"] > 0, context
+    assert result["payments_books_ok"] and result["ledger_books_ok"], context
+    assert result["published"] == TRANSFERS, context
+    assert result["anomalies"] == 0, context
+
+
+def landed(result: dict[str, Any], role: str) -> set[str]:
+    return {event["how"] for event in result["kill_events"] if event["role"] == role}
+
+
+@pytest.mark.timeout(300)
+def test_crash_runs(tmp_path: Path) -> None:
+    try:
+        streamq = transfer.crash_run(
+            "streamq", None, tmp_path / "streamq", TRANSFERS, KILLS, RATE, seed=11
+        )
+        with KafkaBroker() as broker:
+            outbox = transfer.crash_run(
+                "kafka-outbox", broker, tmp_path / "outbox", TRANSFERS, KILLS, RATE, seed=12
+            )
+            naive = transfer.crash_run(
+                "kafka-naive", broker, tmp_path / "naive", TRANSFERS, KILLS, RATE, seed=13
+            )
+    finally:
+        assert our_programs() == []
+
+    assert_exactly_once(streamq)
+    assert streamq["kills"] == {"producer": 2, "consumer": 1}
+
+    assert_exactly_once(outbox)
+    assert outbox["kills"] == {"producer": 1, "relay": 1, "consumer": 1}
+    if "armed" in landed(outbox, "relay"):  # killed after delivery, before recording it
+        assert outbox["redelivered"] > 0, outbox
+
+    assert naive["kills_delivered"] == KILLS and naive["drained"], naive
+    assert naive["applied_twice"] == 0, naive
+    if "armed" in landed(naive, "producer"):  # killed between its commit and its produce
+        assert naive["lost"] > 0, naive
+        assert naive["money_difference"] == naive["lost_money"] > 0, naive
+
+
+def test_checker_sees_lost_doubled_and_wrong_credits(tmp_path: Path) -> None:
+    payments, ledger = tmp_path / "payments.db", tmp_path / "ledger.db"
+    transfers = [(1, 0, 5, 100), (2, 1, 6, 200), (3, 2, 7, 300), (4, 3, 8, 400)]
+    with contextlib.closing(sqlite3.connect(payments)) as conn, conn:
+        for statement in PRODUCER_SCHEMA:
+            conn.execute(statement)
+        conn.executemany(
+            "INSERT INTO accounts VALUES (?, ?)", [(i, OPENING_BALANCE) for i in range(ACCOUNTS)]
+        )
+        conn.executemany("INSERT INTO transfers VALUES (?, ?, ?, ?)", transfers)
+        conn.executemany(
+            "UPDATE accounts SET balance = balance - ? WHERE id = ?",
+            [(amount, account) for _, account, _, amount in transfers],
+        )
+    # Transfer 2 credited twice, 3 never, 4 with a wrong amount, 9 never debited.
+    credits = [(1, 100), (2, 200), (2, 200), (4, 40), (9, 5)]
+    with contextlib.closing(sqlite3.connect(ledger)) as conn, conn:
+        for statement in CONSUMER_SCHEMA:
+            conn.execute(statement)
+        conn.executemany("INSERT INTO balances VALUES (?, ?)", [(i, 0) for i in range(ACCOUNTS)])
+        conn.executemany("INSERT INTO credits VALUES (?, ?)", credits)
+        conn.execute("UPDATE balances SET balance = ? WHERE account = 0", (545,))
+
+    result = transfer.check(payments, ledger)
+
+    assert result["transfers_checked"] == 4
+    assert result["lost"] == 1 and result["lost_money"] == 300
+    assert result["applied_twice"] == 1 and result["extra_credit_rows"] == 1
+    assert result["phantom"] == 1
+    assert result["wrong_amount"] == 1
+    assert result["debited"] == 1000 and result["credited"] == 545
+    assert result["money_difference"] == 455
+    assert result["payments_books_ok"] and result["ledger_books_ok"]
+    assert result["published"] is None and result["redelivered"] is None
+    assert result["anomalies"] > 0
