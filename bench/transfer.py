@@ -46,6 +46,8 @@ from typing import Any
 from rich.progress import Progress, TaskID
 from rich.table import Table
 
+from streamq.store import HEAD_QUERY
+
 from .common import (
     DURABILITY,
     Child,
@@ -262,9 +264,7 @@ class Deployment:
     def drained(self) -> bool:
         """Everything committed has reached the ledger (deterministic, from files and topic)."""
         if self.system == "streamq":
-            head = _scalar(
-                self.producer_db, f"SELECT head FROM streamq_streams WHERE name = '{STREAM}'", -1
-            )
+            head = _scalar(self.producer_db, HEAD_QUERY.replace("?", f"'{STREAM}'"), -1)
             position = _scalar(
                 self.consumer_db,
                 f"SELECT seq FROM streamq_positions WHERE consumer = '{LEDGER}'",
@@ -448,7 +448,7 @@ def check(producer_db: Path, consumer_db: Path) -> dict[str, Any]:
         ).fetchone()
         published: int | None = None
         if "streamq_streams" in payments:
-            published = one(f"SELECT head FROM streamq_streams WHERE name = '{STREAM}'")
+            published = one(HEAD_QUERY.replace("?", f"'{STREAM}'"))
         elif "outbox" in payments:
             published = one("SELECT COUNT(*) FROM outbox")
         result: dict[str, Any] = {

@@ -179,15 +179,7 @@ class Transaction:
             ) from exc
 
     async def _commit(self) -> None:
-        await self._flush()
-        streams = self._producer.log.streams
-        await self._conn.executemany(
-            store.UPDATE_HEAD,
-            [
-                (head, streams[name].id if name in streams else self._new_streams[name])
-                for name, head in self._heads.items()
-            ],
-        )
+        await self._flush()  # heads need no write of their own: see store.load_streams
         await self._conn.execute("COMMIT")
 
 

@@ -4,9 +4,9 @@ Three tables, all prefixed ``streamq_`` so they sit beside the application's own
 
 - ``streamq_meta``: the producer's stable id (made once, when the database is
   created) and its epoch (bumped at every start).
-- ``streamq_streams``: one row per stream with its ``head`` (last committed
-  seq) and ``low`` (first seq still held). ``head`` is stored rather than
-  derived so that seqs are never reused, even after every record is deleted.
+- ``streamq_streams``: one row per stream with its ``low`` (first seq still
+  held). The head is derived, never written per commit: the last seq in the log,
+  or ``low - 1`` when retention emptied the stream, so seqs are never reused.
 - ``streamq_log``: the records. ``pos`` packs (stream id, seq) into SQLite's
   rowid, so appends and range scans are rowid b-tree operations with no second
   index (measured: ~25 % faster inserts than a composite primary key). ``record``
@@ -33,7 +33,6 @@ _SCHEMA = (
     """CREATE TABLE IF NOT EXISTS streamq_streams (
         id INTEGER PRIMARY KEY,
         name TEXT NOT NULL UNIQUE,
-        head INTEGER NOT NULL DEFAULT 0,
         low INTEGER NOT NULL DEFAULT 1
     )""",
     """CREATE TABLE IF NOT EXISTS streamq_log (
@@ -44,7 +43,16 @@ _SCHEMA = (
 )
 
 INSERT_RECORDS = "INSERT INTO streamq_log (pos, ts, record) VALUES (?, ?, ?)"
-UPDATE_HEAD = "UPDATE streamq_streams SET head = ? WHERE id = ?"
+
+# Each stream's id, name, low and head, the head derived as the docstring says. Plain SQL,
+# so tools reading a producer's file with sqlite3 get the same answer.
+STREAMS_QUERY = f"""
+SELECT id, name, low, max(low - 1, coalesce(
+    (SELECT max(pos) FROM streamq_log
+     WHERE pos > (id << {SEQ_BITS}) AND pos < ((id + 1) << {SEQ_BITS})),
+    0) & {(1 << SEQ_BITS) - 1}) AS head
+FROM streamq_streams"""
+HEAD_QUERY = f"SELECT head FROM ({STREAMS_QUERY}) WHERE name = ?"
 
 
 def pos(stream_id: int, seq: int) -> int:
@@ -131,8 +139,8 @@ async def initialize(conn: aiosqlite.Connection, durability: Durability) -> Iden
 
 
 async def load_streams(conn: aiosqlite.Connection) -> list[StreamRow]:
-    rows = await conn.execute_fetchall("SELECT id, name, head, low FROM streamq_streams")
-    return [StreamRow(*row) for row in rows]
+    rows = await conn.execute_fetchall(STREAMS_QUERY)
+    return [StreamRow(stream_id, name, head, low) for stream_id, name, low, head in rows]
 
 
 async def data_version(conn: aiosqlite.Connection) -> int:

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 import streamq
+from streamq.store import HEAD_QUERY
 
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAMS = Path(__file__).resolve().parent / "crash"
@@ -383,7 +384,7 @@ def test_exactly_once_under_kill_9(tmp_path: Path) -> None:
         orders = dict(db.execute("SELECT id, amount FROM orders").fetchall())
         totals = db.execute("SELECT n, amount FROM totals WHERE name = 'orders'").fetchone()
         stored = db.execute("SELECT COUNT(*) FROM streamq_log").fetchone()[0]
-        head = db.execute("SELECT head FROM streamq_streams WHERE name = ?", (STREAM,)).fetchone()
+        head = db.execute(HEAD_QUERY, (STREAM,)).fetchone()
         producer_id = db.execute(
             "SELECT value FROM streamq_meta WHERE key = 'producer_id'"
         ).fetchone()
