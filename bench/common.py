@@ -114,14 +114,6 @@ class Child:
         self.process.stdin.write(line + "\n")
         self.process.stdin.flush()
 
-    def rss_peak_kib(self) -> int:
-        """Peak resident memory so far (VmHWM), from /proc."""
-        with open(f"/proc/{self.process.pid}/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1])
-        return 0
-
     def __enter__(self) -> Child:
         return self
 
@@ -139,6 +131,21 @@ class Child:
         for pipe in (self.process.stdin, self.process.stdout):
             if pipe is not None:
                 pipe.close()
+
+
+def proc_kib(pid: int, field: str) -> int:
+    """A memory figure of a process from /proc, e.g. VmRSS or VmHWM (its peak), in KiB."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def alternating(systems: Sequence[str], repeats: int) -> Iterator[str]:
+    """Each system once per repeat, alternating which goes first so drift hits all alike."""
+    for repeat in range(repeats):
+        yield from (systems if repeat % 2 == 0 else systems[::-1])
 
 
 def wait_line(word: str) -> None:
@@ -179,7 +186,13 @@ def save(workload: str, payload: dict[str, Any], quick: bool) -> Path:
     folder = results_dir(quick)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{workload}.json"
-    payload = {"workload": workload, "machine": machine(), "at": time.time(), **payload}
+    payload = {
+        "workload": workload,
+        "machine": machine(),
+        "at": time.time(),
+        "durability": DURABILITY,
+        **payload,
+    }
     path.write_text(json.dumps(payload, indent=2, default=str))
     return path
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import tempfile
 import uuid
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +16,9 @@ from rich.progress import Progress
 from rich.table import Table
 
 from .common import (
-    DURABILITY,
     Child,
     Series,
+    alternating,
     bar_chart,
     console,
     durability_modes,
@@ -70,15 +71,14 @@ def run(broker: Any | None, quick: bool, repeats: int) -> dict[str, Any]:
             for rate in RATES:
                 case = f"{rate:,}/s {mode}"
                 cases.append(case)
-                for repeat in range(repeats):
-                    for system in systems if repeat % 2 == 0 else systems[::-1]:
-                        if system == "streamq":
-                            with tempfile.TemporaryDirectory() as folder:
-                                figures = run_streamq(Path(folder), rate, seconds, mode)
-                        else:
-                            figures = run_kafka(mode_broker, rate, seconds)
-                        runs.setdefault((system, case), []).append(figures)
-                        progress.advance(task)
+                for system in alternating(systems, repeats):
+                    if system == "streamq":
+                        with tempfile.TemporaryDirectory() as folder:
+                            figures = run_streamq(Path(folder), rate, seconds, mode)
+                    else:
+                        figures = run_kafka(mode_broker, rate, seconds)
+                    runs.setdefault((system, case), []).append(figures)
+                    progress.advance(task)
 
     def median(system: str, case: str, i: int) -> int:
         values = sorted(r[i] for r in runs[(system, case)])
@@ -107,11 +107,8 @@ def run(broker: Any | None, quick: bool, repeats: int) -> dict[str, Any]:
         "microseconds",
     )
     results = {
-        "durability": DURABILITY,
         "seconds_per_run": seconds,
-        "series": [
-            {"system": s.system, "case": s.case, "unit": s.unit, "values": s.values} for s in series
-        ],
+        "series": [asdict(s) for s in series],
     }
     save("latency", results, quick)
     return results

@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import tempfile
 import uuid
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from rich.progress import Progress
 
 from .common import (
-    DURABILITY,
     Child,
     Series,
+    alternating,
     bar_chart,
     comparison_table,
     console,
@@ -70,16 +71,14 @@ def run(broker: Any | None, quick: bool, repeats: int) -> dict[str, Any]:
             for count, size in cases:
                 case = f"{count:,} x {size:,} B {mode}"
                 rates = {s: Series(s, case, "rec/s") for s in systems}
-                for repeat in range(repeats):
-                    # Alternate which system goes first, so drift hits both alike.
-                    for system in systems if repeat % 2 == 0 else systems[::-1]:
-                        with tempfile.TemporaryDirectory() as folder:
-                            if system == "streamq":
-                                seconds = run_streamq(Path(folder), count, size, mode)
-                            else:
-                                seconds = run_kafka(mode_broker, Path(folder), count, size, mode)
-                        rates[system].values.append(count / seconds)
-                        progress.advance(task)
+                for system in alternating(systems, repeats):
+                    with tempfile.TemporaryDirectory() as folder:
+                        if system == "streamq":
+                            seconds = run_streamq(Path(folder), count, size, mode)
+                        else:
+                            seconds = run_kafka(mode_broker, Path(folder), count, size, mode)
+                    rates[system].values.append(count / seconds)
+                    progress.advance(task)
                 series += rates.values()
     console.print(comparison_table("pipe: end-to-end records/s, applied exactly once", series))
     for s in series:
@@ -92,10 +91,7 @@ def run(broker: Any | None, quick: bool, repeats: int) -> dict[str, Any]:
         "records/s",
     )
     results = {
-        "durability": DURABILITY,
-        "series": [
-            {"system": s.system, "case": s.case, "unit": s.unit, "values": s.values} for s in series
-        ],
+        "series": [asdict(s) for s in series],
     }
     save("pipe", results, quick)
     return results

@@ -15,18 +15,10 @@ from typing import Any
 from rich.progress import Progress
 from rich.table import Table
 
-from .common import DURABILITY, Child, console, save
+from .common import Child, alternating, console, proc_kib, save
 
 FULL = (20_000, 60.0)
 QUICK = (5_000, 5.0)
-
-
-def _kib(pid: int, field: str) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
 
 
 def _run(
@@ -34,20 +26,21 @@ def _run(
 ) -> dict[str, Any]:
     consumer.expect("READY")
     before = {
-        "producer": _kib(producer.process.pid, "VmRSS"),
-        "broker": _kib(broker_pid, "VmRSS") if broker_pid else 0,
+        "producer": proc_kib(producer.process.pid, "VmRSS"),
+        "broker": proc_kib(broker_pid, "VmRSS") if broker_pid else 0,
     }
     producer.send("GO")
     achieved, worst = (float(v) for v in producer.expect("DONE", timeout=seconds + 300))
+    producer_peak = proc_kib(producer.process.pid, "VmHWM")
     figures = {
         "commit_rate": achieved,
         "worst_second": worst,
-        "producer_growth_mib": (_kib(producer.process.pid, "VmHWM") - before["producer"]) / 1024,
-        "producer_peak_mib": _kib(producer.process.pid, "VmHWM") / 1024,
-        "consumer_peak_mib": _kib(consumer.process.pid, "VmHWM") / 1024,
+        "producer_growth_mib": (producer_peak - before["producer"]) / 1024,
+        "producer_peak_mib": producer_peak / 1024,
+        "consumer_peak_mib": proc_kib(consumer.process.pid, "VmHWM") / 1024,
     }
     if broker_pid:
-        figures["broker_growth_mib"] = (_kib(broker_pid, "VmRSS") - before["broker"]) / 1024
+        figures["broker_growth_mib"] = (proc_kib(broker_pid, "VmRSS") - before["broker"]) / 1024
     producer.send("STOP")
     return figures
 
@@ -77,14 +70,13 @@ def run(broker: Any | None, quick: bool, repeats: int) -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("slow consumer", total=repeats * len(systems))
-        for repeat in range(repeats):
-            for system in systems if repeat % 2 == 0 else systems[::-1]:
-                with tempfile.TemporaryDirectory() as folder:
-                    if system == "streamq":
-                        runs[system].append(run_streamq(Path(folder), rate, seconds))
-                    else:
-                        runs[system].append(run_kafka(broker, Path(folder), rate, seconds))
-                progress.advance(task)
+        for system in alternating(systems, repeats):
+            with tempfile.TemporaryDirectory() as folder:
+                if system == "streamq":
+                    runs[system].append(run_streamq(Path(folder), rate, seconds))
+                else:
+                    runs[system].append(run_kafka(broker, Path(folder), rate, seconds))
+            progress.advance(task)
     table = Table(
         title=f"slow consumer: {rate:,}/s produced for {seconds:g} s, applied at {rate // 10:,}/s"
     )
@@ -103,6 +95,6 @@ def run(broker: Any | None, quick: bool, repeats: int) -> dict[str, Any]:
         for f in figures:
             table.add_row(system, *(f"{f[c]:,.0f}" if c in f else "-" for c in columns))
     console.print(table)
-    results = {"durability": DURABILITY, "rate": rate, "seconds": seconds, "runs": runs}
+    results = {"rate": rate, "seconds": seconds, "runs": runs}
     save("slow_consumer", results, quick)
     return results

@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 import uuid
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,15 @@ from rich.progress import Progress
 
 import streamq
 
-from .common import DURABILITY, Series, bar_chart, comparison_table, console, results_dir, save
+from .common import (
+    Series,
+    alternating,
+    bar_chart,
+    comparison_table,
+    console,
+    results_dir,
+    save,
+)
 
 SWEEP = [1, 4, 16, 64]
 RECORD = b"v" * 100
@@ -147,15 +156,14 @@ def run(broker: Any | None, quick: bool, repeats: int) -> dict[str, Any]:
                     s: Series(s, f"{n} producers" if n > 1 else "1 producer", "rows/s")
                     for s in systems
                 }
-                for repeat in range(repeats):
-                    for system in systems if repeat % 2 == 0 else systems[::-1]:
-                        with tempfile.TemporaryDirectory() as folder:
-                            if system == "streamq":
-                                rate = run_streamq(spark, Path(folder), n, total)
-                            else:
-                                rate = run_kafka(spark, broker, Path(folder), n, total)
-                        rates[system].values.append(rate)
-                        progress.advance(task)
+                for system in alternating(systems, repeats):
+                    with tempfile.TemporaryDirectory() as folder:
+                        if system == "streamq":
+                            rate = run_streamq(spark, Path(folder), n, total)
+                        else:
+                            rate = run_kafka(spark, broker, Path(folder), n, total)
+                    rates[system].values.append(rate)
+                    progress.advance(task)
                 series += rates.values()
     finally:
         spark.stop()
@@ -171,11 +179,8 @@ def run(broker: Any | None, quick: bool, repeats: int) -> dict[str, Any]:
         "rows/s",
     )
     results = {
-        "durability": DURABILITY,
         "rows": total,
-        "series": [
-            {"system": s.system, "case": s.case, "unit": s.unit, "values": s.values} for s in series
-        ],
+        "series": [asdict(s) for s in series],
     }
     save("spark", results, quick)
     return results

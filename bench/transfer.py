@@ -38,7 +38,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -49,9 +49,9 @@ from rich.table import Table
 from streamq.store import HEAD_QUERY
 
 from .common import (
-    DURABILITY,
     Child,
     Series,
+    alternating,
     bar_chart,
     comparison_table,
     console,
@@ -69,7 +69,6 @@ from .transfer_programs import (
 )
 
 PROGRAMS = "bench.transfer_programs"
-SYSTEMS = ("streamq", "kafka-outbox", "kafka-naive")
 LABELS = {
     "streamq": "streamq",
     "kafka-outbox": "Kafka + outbox",
@@ -595,23 +594,21 @@ def run(broker: Any | None, quick: bool, repeats: int, seed: int | None = None) 
     steps = 2 * repeats * len(flow_systems) + sizes.kills * len(crash_systems)
     with Progress(console=console, transient=True) as progress:
         task: TaskID = progress.add_task("transfer", total=steps)
-        for repeat in range(repeats):
-            for system in flow_systems if repeat % 2 == 0 else flow_systems[::-1]:
-                progress.update(task, description=f"transfer: throughput, {system}")
-                with _folder() as folder:
-                    measured = flow(system, broker, folder, sizes.transfers, 0)
-                throughput[system].values.append(sizes.transfers / measured.seconds)
-                committing[system].values.append(sizes.transfers / measured.producer_seconds)
-                latency.setdefault((_series_name(system), full_case), []).append(measured.latency)
-                progress.advance(task)
-        for repeat in range(repeats):
-            for system in flow_systems if repeat % 2 == 0 else flow_systems[::-1]:
-                progress.update(task, description=f"transfer: latency, {system}")
-                count = int(sizes.latency_rate * sizes.latency_seconds)
-                with _folder() as folder:
-                    measured = flow(system, broker, folder, count, sizes.latency_rate)
-                latency.setdefault((_series_name(system), paced_case), []).append(measured.latency)
-                progress.advance(task)
+        for system in alternating(flow_systems, repeats):
+            progress.update(task, description=f"transfer: throughput, {system}")
+            with _folder() as folder:
+                measured = flow(system, broker, folder, sizes.transfers, 0)
+            throughput[system].values.append(sizes.transfers / measured.seconds)
+            committing[system].values.append(sizes.transfers / measured.producer_seconds)
+            latency.setdefault((_series_name(system), full_case), []).append(measured.latency)
+            progress.advance(task)
+        for system in alternating(flow_systems, repeats):
+            progress.update(task, description=f"transfer: latency, {system}")
+            count = int(sizes.latency_rate * sizes.latency_seconds)
+            with _folder() as folder:
+                measured = flow(system, broker, folder, count, sizes.latency_rate)
+            latency.setdefault((_series_name(system), paced_case), []).append(measured.latency)
+            progress.advance(task)
         for number, system in enumerate(crash_systems):
             progress.update(task, description=f"transfer: kill -9, {system}")
             with _folder() as folder:
@@ -660,15 +657,11 @@ def run(broker: Any | None, quick: bool, repeats: int, seed: int | None = None) 
         "microseconds",
     )
     results = {
-        "durability": DURABILITY,
         "sizes": sizes.__dict__,
         "seed": seed,
         "kafka_producer": KAFKA_PRODUCER,
         "kafka_consumer": KAFKA_CONSUMER,
-        "series": [
-            {"system": s.system, "case": s.case, "unit": s.unit, "values": s.values}
-            for s in series + latency_series
-        ],
+        "series": [asdict(s) for s in series + latency_series],
         "crash": crashes,
     }
     save("transfer", results, quick)

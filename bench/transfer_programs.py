@@ -49,7 +49,7 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 from hdrh.histogram import HdrHistogram
@@ -58,6 +58,7 @@ import streamq
 from streamq import _loop
 
 from .common import say
+from .kafka_pipe import PRODUCER_THROUGHPUT, receive
 
 STREAM = "deposits"
 LEDGER = "ledger"  # the consumer's name, under which streamq stores its position
@@ -102,15 +103,7 @@ RECORD_CREDIT = "INSERT INTO credits (transfer_id, amount) VALUES (?, ?)"
 
 # Kafka clients. The relay and the naive producer: idempotent, acks=all, batching as in the
 # pipe workload (they wait for delivery of what they produced, which sends at once).
-KAFKA_PRODUCER = {
-    "enable.idempotence": True,
-    "acks": "all",
-    "linger.ms": 5,
-    "batch.size": 1_000_000,
-    "queue.buffering.max.messages": 1_000_000,
-    "queue.buffering.max.kbytes": 1_048_576,
-    "compression.type": "none",
-}
+KAFKA_PRODUCER = {**PRODUCER_THROUGHPUT, "enable.idempotence": True}
 KAFKA_CONSUMER = {
     "group.id": LEDGER,
     "enable.auto.commit": False,  # offsets live in the consumer's own database
@@ -329,29 +322,16 @@ async def sq_producer(db: str, port: int, total: int, rate: float, seed: int) ->
             await asyncio.sleep(0.05)
 
 
-async def _sq_connect(address: str, db: str) -> streamq.Consumer:
-    """Start the consumer, retrying while the producer is down (being restarted)."""
-    deadline = time.monotonic() + CONNECT_TIMEOUT
-    while True:
-        consumer = streamq.Consumer(
-            address, STREAM, db=db, name=LEDGER, reconnect_timeout=CONNECT_TIMEOUT
-        )
-        try:
-            await consumer.start()
-        except streamq.ConnectionLostError:
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.05)
-            continue
-        return consumer
-
-
 async def sq_consumer(address: str, db: str, target: int) -> None:
     control = Control()
     # A restarted producer makes the consumer log a reconnect warning: expected here.
     logging.getLogger("streamq").setLevel(logging.ERROR)
     setup_consumer_db(db, CONSUMER_SCHEMA)
-    consumer = await _sq_connect(address, db)
+    # reconnect_timeout: start() waits for a producer that is being restarted, too.
+    consumer = streamq.Consumer(
+        address, STREAM, db=db, name=LEDGER, reconnect_timeout=CONNECT_TIMEOUT
+    )
+    await consumer.start()
     latencies = Latencies()
     credited, finished = 0, time.time()
     try:
@@ -419,6 +399,20 @@ class KafkaSender:
             raise DeliveryFailed(f"{left} not delivered within 60 s; errors {self.errors[:3]}")
 
 
+def paced_transfers(
+    control: Control, rng: random.Random, rate: float, last: int, total: int
+) -> Iterator[tuple[list[Transfer], list[float] | None]]:
+    """The next batches of transfers (and their due times), on schedule, until ``total``."""
+    schedule = Schedule(rate, rng)
+    while last < total and not control.stop.is_set():
+        count, dues, wait = schedule.take(total - last)
+        if count == 0:
+            time.sleep(wait)
+            continue
+        yield make_transfers(rng, last + 1, count), dues
+        last += count
+
+
 def outbox_producer(db: str, total: int, rate: float, seed: int) -> None:
     control = Control()
     rng = random.Random(seed)
@@ -427,13 +421,7 @@ def outbox_producer(db: str, total: int, rate: float, seed: int) -> None:
     say("READY")
     control.wait_go()
     say("START", time.time())
-    schedule = Schedule(rate, rng)
-    while last < total and not control.stop.is_set():
-        count, dues, wait = schedule.take(total - last)
-        if count == 0:
-            time.sleep(wait)
-            continue
-        transfers = make_transfers(rng, last + 1, count)
+    for transfers, dues in paced_transfers(control, rng, rate, last, total):
         conn.execute("BEGIN IMMEDIATE")  # debit, journal and outbox rows: one commit
         conn.executemany(DEBIT, debits(transfers))
         conn.executemany(JOURNAL, transfers)
@@ -441,7 +429,6 @@ def outbox_producer(db: str, total: int, rate: float, seed: int) -> None:
             "INSERT INTO outbox (payload) VALUES (?)", [(p,) for p in payloads(transfers, dues)]
         )
         conn.execute("COMMIT")
-        last += count
         control.worst_moment()  # committed; the relay has not seen it yet
     say("DONE", time.time())
     control.wait_stop()
@@ -490,18 +477,11 @@ def naive_producer(db: str, bootstrap: str, topic: str, total: int, rate: float,
     say("READY")
     control.wait_go()
     say("START", time.time())
-    schedule = Schedule(rate, rng)
-    while last < total and not control.stop.is_set():
-        count, dues, wait = schedule.take(total - last)
-        if count == 0:
-            time.sleep(wait)
-            continue
-        transfers = make_transfers(rng, last + 1, count)
+    for transfers, dues in paced_transfers(control, rng, rate, last, total):
         conn.execute("BEGIN IMMEDIATE")
         conn.executemany(DEBIT, debits(transfers))
         conn.executemany(JOURNAL, transfers)
         conn.execute("COMMIT")
-        last += count
         control.worst_moment()  # committed, deposits not yet produced: the dual-write gap
         sender.send(payloads(transfers, dues))
     say("DONE", time.time())
@@ -512,8 +492,6 @@ def naive_producer(db: str, bootstrap: str, topic: str, total: int, rate: float,
 
 def kafka_consumer(bootstrap: str, topic: str, db: str, target: int, dedupe: bool) -> None:
     from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
-
-    from .kafka_pipe import receive
 
     control = Control()
     setup_consumer_db(db, KAFKA_CONSUMER_SCHEMA)

@@ -217,7 +217,10 @@ class Consumer:
                 await self._db.execute(f"PRAGMA synchronous={self._durability.upper()}")
                 await self._db.execute("PRAGMA busy_timeout=10000")
                 await self._db.execute(_POSITIONS_SCHEMA)
-            reader, conn = await self._connect()
+            # With a reconnect deadline, a producer that is down (restarting) is waited
+            # for, as it would be after a lost connection; without one, fail at once.
+            waits = self._reconnect and self._reconnect_timeout is not None
+            reader, conn = await (self._connect_retrying() if waits else self._connect())
         except BaseException:
             await self.close()
             raise
@@ -381,16 +384,18 @@ class Consumer:
                     return
                 logger.warning("connection to %s lost (%s); reconnecting", self.address, exc)
                 try:
-                    reader, conn = await self._reconnect_loop()
+                    reader, conn = await self._connect_retrying()
                 except BaseException as error:
                     await self._queue.put(error)
                     return
+                self.reconnects += 1
             except StreamQError as exc:
                 self._drop_connection()
                 await self._queue.put(exc)
                 return
 
-    async def _reconnect_loop(self) -> tuple[asyncio.StreamReader, ClientConnection]:
+    async def _connect_retrying(self) -> tuple[asyncio.StreamReader, ClientConnection]:
+        """Connect, retrying transient failures with backoff until ``reconnect_timeout``."""
         delay, deadline = 0.05, None
         if self._reconnect_timeout is not None:
             deadline = time.monotonic() + self._reconnect_timeout
@@ -405,7 +410,6 @@ class Consumer:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
                 continue
-            self.reconnects += 1
             return connection
 
     async def _pump(self, reader: asyncio.StreamReader, conn: ClientConnection) -> None:

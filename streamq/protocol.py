@@ -664,7 +664,7 @@ class ClientConnection(_Connection):
                     raise LocalProtocolError("SUBSCRIBE while requests are still pending")
                 self.our_state = State.STREAMING
                 self._subscribing = True
-                self.last_seq = message.start_seq - 1 if message.start_seq else 0
+                self.last_seq = max(0, message.start_seq - 1)
                 self._pending.append(message)
             elif isinstance(message, _REQUESTS):
                 self._pending.append(message)

@@ -286,6 +286,7 @@ class Server:
                 for (consumer, stream), (seq, at) in self.reported.items()
             ],
             "connections": self.connections,
+            "errors_sent": self.errors_sent,
         }
 
     def _check_start(self, stream: Stream, start: int, end: int | None = None) -> None:

@@ -224,3 +224,18 @@ def test_blocking_client_head_range_streams_status(producer_db: str) -> None:
             assert {s["stream"]: s["head"] for s in status["streams"]} == {"orders": 50, "audit": 1}
             with pytest.raises(UnknownStreamError):
                 client.head("missing")
+
+
+async def test_start_waits_for_a_producer_that_is_down(producer_db: str) -> None:
+    port = free_port()
+    with pytest.raises(streamq.ConnectionLostError, match="within 0.3 s"):
+        await Consumer(f"127.0.0.1:{port}", "orders", reconnect_timeout=0.3).start()
+    consumer = Consumer(f"127.0.0.1:{port}", "orders", reconnect_timeout=20)
+    starting = asyncio.create_task(consumer.start())
+    async with Producer(producer_db, port=port) as producer:
+        await producer.publish("orders", b"late producer")
+        await asyncio.wait_for(starting, 20)
+        try:
+            assert [r.value for r in await anext(consumer)] == [b"late producer"]
+        finally:
+            await consumer.close()

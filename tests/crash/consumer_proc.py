@@ -16,12 +16,10 @@ after each transaction, ``KILL-AFTER-COMMIT ...`` before killing itself and
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import signal
 import sqlite3
 import sys
-import time
 
 import streamq
 from streamq._loop import run
@@ -36,31 +34,18 @@ def create_table(path: str) -> None:
     db.close()
 
 
-async def connect(args: argparse.Namespace) -> streamq.Consumer:
-    """Start the consumer, retrying while the producer is down (e.g. being restarted)."""
-    deadline = time.monotonic() + args.connect_timeout
-    while True:
-        consumer = streamq.Consumer(
-            args.address,
-            STREAM,
-            db=args.db,
-            name=NAME,
-            reconnect_timeout=args.connect_timeout,
-            connect_timeout=5.0,
-        )
-        try:
-            await consumer.start()
-        except streamq.ConnectionLostError:
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.05)
-            continue
-        return consumer
-
-
 async def main(args: argparse.Namespace) -> int:
     create_table(args.db)
-    consumer = await connect(args)
+    # reconnect_timeout: start() also waits for a producer that is down (being restarted).
+    consumer = streamq.Consumer(
+        args.address,
+        STREAM,
+        db=args.db,
+        name=NAME,
+        reconnect_timeout=args.connect_timeout,
+        connect_timeout=5.0,
+    )
+    await consumer.start()
     try:
         print(f"SUBSCRIBED applied={consumer.applied}", flush=True)
         commits = 0
