@@ -228,7 +228,7 @@ def test_blocking_client_head_range_streams_status(producer_db: str) -> None:
 
 async def test_start_waits_for_a_producer_that_is_down(producer_db: str) -> None:
     port = free_port()
-    with pytest.raises(streamq.ConnectionLostError, match="within 0.3 s"):
+    with pytest.raises(streamq.ConnectionLostError, match=r"within 0\.3 s"):
         await Consumer(f"127.0.0.1:{port}", "orders", reconnect_timeout=0.3).start()
     consumer = Consumer(f"127.0.0.1:{port}", "orders", reconnect_timeout=20)
     starting = asyncio.create_task(consumer.start())
