@@ -284,6 +284,15 @@ def setup_consumer_db(path: str, schema: Sequence[str]) -> None:
 # --- streamq -----------------------------------------------------------------
 
 
+def transfer(
+    tx: streamq.BlockingTransaction, batch: list[Transfer], dues: list[float] | None
+) -> None:
+    """Debit, journal and deposit: one commit, run on the producer's writer thread."""
+    tx.executemany(DEBIT, debits(batch))
+    tx.executemany(JOURNAL, batch)
+    tx.publish_many(STREAM, payloads(batch, dues))
+
+
 async def sq_producer(db: str, port: int, total: int, rate: float, seed: int) -> None:
     control = Control()
     rng = random.Random(seed)
@@ -310,16 +319,21 @@ async def sq_producer(db: str, port: int, total: int, rate: float, seed: int) ->
                 await asyncio.sleep(wait)
                 continue
             transfers = make_transfers(rng, last + 1, count)
-            async with producer.transaction() as tx:  # debit, journal and deposit: one commit
-                await tx.executemany(DEBIT, debits(transfers))
-                await tx.executemany(JOURNAL, transfers)
-                await tx.publish_many(STREAM, payloads(transfers, dues))
+            await producer.run_in_transaction(transfer, transfers, dues)
             last += count
             control.worst_moment()  # committed; not yet pushed to the ledger
             await asyncio.sleep(0)  # let the server push between commits
         say("DONE", time.time())
         while not control.stop.is_set():  # keep serving until told to stop
             await asyncio.sleep(0.05)
+
+
+def credit(tx: streamq.BlockingSQL, batch: streamq.Batch) -> list[tuple[int, int, int, float]]:
+    """Credit a batch of deposits, on the ledger database's own thread; returns them."""
+    deposits = [DEPOSIT.unpack(record.value) for record in batch]
+    tx.executemany(CREDIT, [(amount, to) for _, to, amount, _ in deposits])
+    tx.executemany(RECORD_CREDIT, [(tid, amount) for tid, _, amount, _ in deposits])
+    return deposits
 
 
 async def sq_consumer(address: str, db: str, target: int) -> None:
@@ -337,12 +351,7 @@ async def sq_consumer(address: str, db: str, target: int) -> None:
     try:
         say("READY")
         async for batch in consumer:
-            deposits = [DEPOSIT.unpack(record.value) for record in batch]
-            async with consumer.transaction(batch) as tx:
-                await tx.executemany(CREDIT, [(amount, to) for _, to, amount, _ in deposits])
-                await tx.executemany(
-                    RECORD_CREDIT, [(tid, amount) for tid, _, amount, _ in deposits]
-                )
+            deposits = await consumer.apply(batch, credit)
             finished = time.time()
             latencies.record([due for *_, due in deposits], finished)
             credited += len(deposits)

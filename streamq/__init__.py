@@ -5,6 +5,7 @@ pushes committed records over TCP; consumers store their position in their
 own database, in the same transaction as their effects.
 """
 
+from .blocking import BlockingSQL
 from .client import Client
 from .consumer import Batch, Consumer, ConsumerTransaction
 from .errors import (
@@ -25,7 +26,7 @@ from .errors import (
     UnknownStreamError,
     VersionMismatchError,
 )
-from .producer import Producer, Transaction
+from .producer import BlockingTransaction, Producer, Transaction
 from .protocol import PROTOCOL_VERSION, Record, StreamInfo
 from .server import ServerSettings
 from .sync import SyncProducer, SyncTransaction
@@ -35,6 +36,8 @@ __version__ = "0.1.0"
 __all__ = [
     "PROTOCOL_VERSION",
     "Batch",
+    "BlockingSQL",
+    "BlockingTransaction",
     "Client",
     "ConcurrentWriterError",
     "ConnectionLostError",

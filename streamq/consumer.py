@@ -14,13 +14,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, overload
+from typing import Any, TypeVar, overload
 
 import aiosqlite
 
+from .blocking import BlockingSQL, in_transaction, raw_connection, run_on_thread
 from .errors import (
     ConnectionLostError,
     ConsumerPositionError,
@@ -51,6 +52,8 @@ from .protocol import (
     Subscribed,
 )
 from .store import Durability
+
+T = TypeVar("T")
 
 logger = logging.getLogger("streamq.consumer")
 
@@ -131,6 +134,11 @@ class ConsumerTransaction:
 
 
 _Item = Batch | BaseException
+
+_STORE_POSITION = (
+    "INSERT OR REPLACE INTO streamq_positions "
+    "(consumer, producer_id, stream, seq, endpoint, updated_at) VALUES (?, ?, ?, ?, ?, ?)"
+)
 
 # Failures a reconnect may cure; anything else stops the consumer with its error.
 _TRANSIENT = (
@@ -447,6 +455,48 @@ class Consumer:
     @contextlib.asynccontextmanager
     async def transaction(self, batch: Batch) -> AsyncIterator[ConsumerTransaction]:
         """Apply ``batch`` in one transaction that also stores its last seq as the position."""
+        db = self._check_turn(batch)
+        async with self._tx_lock:
+            await db.execute("BEGIN IMMEDIATE")
+            tx = ConsumerTransaction(db)
+            try:
+                yield tx
+                tx._closed = True
+                await db.execute(_STORE_POSITION, self._position_row(batch))
+                await db.execute("COMMIT")
+            except BaseException:
+                tx._closed = True
+                if db.in_transaction:
+                    await db.execute("ROLLBACK")
+                raise
+        self._applied(batch)
+
+    async def apply(self, batch: Batch, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(tx, batch, *args)`` in one transaction that also stores the position.
+
+        The blocking twin of ``transaction``: ``fn`` runs on the database's own thread
+        with plain ``execute``/``executemany`` calls, so the whole batch costs one
+        thread hop. ``fn`` must not touch the event loop; if it raises, nothing commits.
+        """
+        db = self._check_turn(batch)
+        position = self._position_row(batch)
+        async with self._tx_lock:
+            tx = BlockingSQL(raw_connection(db))
+
+            def body() -> T:
+                result = fn(tx, batch, *args)
+                tx._conn.execute(_STORE_POSITION, position)
+                return result
+
+            try:
+                result: T = await run_on_thread(db, in_transaction, tx._conn, body)
+            finally:
+                tx._closed = True
+        self._applied(batch)
+        return result
+
+    def _check_turn(self, batch: Batch) -> aiosqlite.Connection:
+        """The database to apply into, if ``batch`` is the next one to apply."""
         if self._db is None:
             raise RuntimeError("this consumer has no database (db=None): nothing to apply into")
         if batch.after != self.applied or batch.producer_id != self.producer_id:
@@ -454,31 +504,19 @@ class Consumer:
                 f"batch follows seq {batch.after}, but consumer {self.name!r} has applied up "
                 f"to {self.applied}: apply every batch once, in the order received"
             )
-        async with self._tx_lock:
-            await self._db.execute("BEGIN IMMEDIATE")
-            tx = ConsumerTransaction(self._db)
-            try:
-                yield tx
-                tx._closed = True
-                await self._db.execute(
-                    "INSERT OR REPLACE INTO streamq_positions "
-                    "(consumer, producer_id, stream, seq, endpoint, updated_at) "
-                    "VALUES (?, ?, ?, ?, ?, ?)",
-                    (
-                        self.name,
-                        batch.producer_id,
-                        self.stream,
-                        batch.last_seq,
-                        self.address,
-                        int(time.time() * 1000),
-                    ),
-                )
-                await self._db.execute("COMMIT")
-            except BaseException:
-                tx._closed = True
-                if self._db.in_transaction:
-                    await self._db.execute("ROLLBACK")
-                raise
+        return self._db
+
+    def _position_row(self, batch: Batch) -> tuple[Any, ...]:
+        return (
+            self.name,
+            batch.producer_id,
+            self.stream,
+            batch.last_seq,
+            self.address,
+            int(time.time() * 1000),
+        )
+
+    def _applied(self, batch: Batch) -> None:
         self.applied = batch.last_seq
         self._ack(batch.last_seq)
 

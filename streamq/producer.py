@@ -15,13 +15,14 @@ import asyncio
 import contextlib
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import aiosqlite
 
 from . import store
+from .blocking import BlockingSQL, in_transaction, raw_connection, run_on_thread
 from .errors import ConcurrentWriterError, RecordTooLargeError, TransactionClosedError
 from .log import RECORD_OVERHEAD, Log
 from .protocol import FRAME_OVERHEAD, encode_record
@@ -29,6 +30,8 @@ from .server import Server, ServerSettings
 from .store import Durability
 
 _MAX_STREAM_NAME = 255
+
+T = TypeVar("T")
 
 
 def _as_bytes(value: Any, what: str) -> bytes:
@@ -61,6 +64,87 @@ def check_stream_name(name: Any) -> str:
     return name
 
 
+def _checked_timestamp(timestamp: int | None) -> int:
+    if timestamp is None:
+        return int(time.time() * 1000)
+    if type(timestamp) is int:
+        return timestamp
+    raise TypeError(f"timestamp must be int milliseconds, not {type(timestamp).__name__}")
+
+
+class _Pending:
+    """A transaction's records: seqs assigned at publish, rows awaiting their INSERT, and
+    what the log learns at commit. Bookkeeping only, shared by both kinds of transaction."""
+
+    def __init__(self, producer: Producer) -> None:
+        self._producer = producer
+        self.rows: list[tuple[int, int, bytes]] = []  # not yet inserted
+        self.heads: dict[str, int] = {}  # stream name -> last seq published here
+        self.new_streams: dict[str, int] = {}  # stream name -> id, created here
+        self.kept: dict[str, list[bytes] | None] = {}  # for the tail; None once too big
+        self._kept_bytes: dict[str, int] = {}
+
+    def stream_id(self, stream: str) -> int | None:
+        """The stream's id, or None when it does not exist yet (the caller creates it)."""
+        if stream in self.new_streams:
+            return self.new_streams[stream]
+        existing = self._producer.log.streams.get(stream)
+        return None if existing is None else existing.id
+
+    def created(self, stream: str, stream_id: int) -> None:
+        self.new_streams[stream] = stream_id
+        self.heads[stream] = 0
+
+    def next_seq(self, stream: str) -> int:
+        head = self.heads.get(stream)
+        if head is None:
+            head = self.heads[stream] = self._producer.log.streams[stream].head
+        return head + 1
+
+    def append(
+        self,
+        stream: str,
+        stream_id: int,
+        value: bytes,
+        key: bytes | None,
+        headers: dict[str, bytes],
+        ts: int,
+    ) -> int:
+        """Encode the record under the stream's next seq and buffer its row; returns the seq."""
+        seq = self.next_seq(stream)
+        record = encode_record(seq, ts, key, value, headers)
+        if len(record) > self._producer.max_record_size:
+            raise RecordTooLargeError(
+                f"record of {len(record)} bytes exceeds the limit of "
+                f"{self._producer.max_record_size} (max_frame_size minus framing)"
+            )
+        if seq > store.MAX_STORED_SEQ:
+            raise OverflowError(f"stream {stream!r} has reached the last seq")
+        self.rows.append((store.pos(stream_id, seq), ts, record))
+        self.heads[stream] = seq
+        kept = self.kept.setdefault(stream, [])
+        if kept is not None:
+            size = self._kept_bytes.get(stream, 0) + len(record) + RECORD_OVERHEAD
+            if size > self._producer.log.tail_bytes:
+                self.kept[stream] = None
+            else:
+                kept.append(record)
+                self._kept_bytes[stream] = size
+        return seq
+
+    @property
+    def full(self) -> bool:
+        """Enough rows buffered to insert them now (bounds a huge transaction's memory)."""
+        return len(self.rows) >= self._producer.flush_records
+
+    def take_rows(self) -> list[tuple[int, int, bytes]]:
+        rows, self.rows = self.rows, []
+        return rows
+
+
+_CONCURRENT_WRITER = "another process appended to this producer's log during the transaction"
+
+
 class Transaction:
     """One SQLite transaction on the producer's database.
 
@@ -69,14 +153,9 @@ class Transaction:
     """
 
     def __init__(self, producer: Producer) -> None:
-        self._producer = producer
         self._conn = producer._conn
         self._closed = False
-        self._rows: list[tuple[int, int, bytes]] = []  # not yet inserted
-        self._heads: dict[str, int] = {}  # stream name -> last seq published here
-        self._new_streams: dict[str, int] = {}  # stream name -> id, created here
-        self._kept: dict[str, list[bytes] | None] = {}  # for the tail; None once too big
-        self._kept_bytes: dict[str, int] = {}
+        self._pending = _Pending(producer)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -105,82 +184,116 @@ class Transaction:
         value = _as_bytes(value, "value")
         key = None if key is None else _as_bytes(key, "key")
         checked_headers = _check_headers(headers)
-        stream_id, seq = await self._next_seq(stream)
-        if timestamp is None:
-            ts = int(time.time() * 1000)
-        elif type(timestamp) is int:
-            ts = timestamp
-        else:
-            raise TypeError(f"timestamp must be int milliseconds, not {type(timestamp).__name__}")
-        record = encode_record(seq, ts, key, value, checked_headers)
-        self._append(stream, stream_id, seq, ts, record)
-        if len(self._rows) >= self._producer.flush_records:
+        ts = _checked_timestamp(timestamp)
+        stream_id = await self._stream_id(stream)
+        seq = self._pending.append(stream, stream_id, value, key, checked_headers, ts)
+        if self._pending.full:
             await self._flush()
         return seq
 
     async def publish_many(self, stream: str, values: Iterable[bytes]) -> range:
         """Append one record per value (no key, no headers); returns their seqs."""
         self._check_open()
-        stream_id, first = await self._next_seq(stream)
-        ts = int(time.time() * 1000)
-        seq = first - 1
+        stream_id = await self._stream_id(stream)
+        first, ts = self._pending.next_seq(stream), _checked_timestamp(None)
         for value in values:
-            seq += 1
-            record = encode_record(seq, ts, None, _as_bytes(value, "value"), {})
-            self._append(stream, stream_id, seq, ts, record)
-            if len(self._rows) >= self._producer.flush_records:
+            self._pending.append(stream, stream_id, _as_bytes(value, "value"), None, {}, ts)
+            if self._pending.full:
                 await self._flush()
-        self._heads[stream] = seq
-        return range(first, seq + 1)
+        return range(first, self._pending.next_seq(stream))
 
-    async def _next_seq(self, stream: str) -> tuple[int, int]:
-        """The stream's id and the seq its next record gets, creating the stream if new."""
-        head = self._heads.get(stream)
-        if head is not None:
-            existing = self._producer.log.streams.get(stream)
-            return (existing.id if existing else self._new_streams[stream]), head + 1
-        existing = self._producer.log.streams.get(stream)
-        if existing is not None:
-            self._heads[stream] = existing.head
-            return existing.id, existing.head + 1
-        check_stream_name(stream)
-        self._new_streams[stream] = await store.create_stream(self._conn, stream)
-        self._heads[stream] = 0
-        return self._new_streams[stream], 1
-
-    def _append(self, stream: str, stream_id: int, seq: int, ts: int, record: bytes) -> None:
-        if len(record) > self._producer.max_record_size:
-            raise RecordTooLargeError(
-                f"record of {len(record)} bytes exceeds the limit of "
-                f"{self._producer.max_record_size} (max_frame_size minus framing)"
-            )
-        if seq > store.MAX_STORED_SEQ:
-            raise OverflowError(f"stream {stream!r} has reached the last seq")
-        self._rows.append((store.pos(stream_id, seq), ts, record))
-        self._heads[stream] = seq
-        kept = self._kept.setdefault(stream, [])
-        if kept is not None:
-            size = self._kept_bytes.get(stream, 0) + len(record) + RECORD_OVERHEAD
-            if size > self._producer.log.tail_bytes:
-                self._kept[stream] = None
-            else:
-                kept.append(record)
-                self._kept_bytes[stream] = size
+    async def _stream_id(self, stream: str) -> int:
+        stream_id = self._pending.stream_id(stream)
+        if stream_id is None:
+            check_stream_name(stream)
+            stream_id = await store.create_stream(self._conn, stream)
+            self._pending.created(stream, stream_id)
+        return stream_id
 
     async def _flush(self) -> None:
-        if not self._rows:
-            return
-        rows, self._rows = self._rows, []
-        try:
-            await self._conn.executemany(store.INSERT_RECORDS, rows)
-        except sqlite3.IntegrityError as exc:
-            raise ConcurrentWriterError(
-                "another process appended to this producer's log during the transaction"
-            ) from exc
+        if rows := self._pending.take_rows():
+            try:
+                await self._conn.executemany(store.INSERT_RECORDS, rows)
+            except sqlite3.IntegrityError as exc:
+                raise ConcurrentWriterError(_CONCURRENT_WRITER) from exc
 
     async def _commit(self) -> None:
         await self._flush()  # heads need no write of their own: see store.load_streams
         await self._conn.execute("COMMIT")
+
+
+class BlockingTransaction(BlockingSQL):
+    """A transaction run as one plain function on the writer's thread.
+
+    ``await producer.run_in_transaction(fn)`` calls ``fn(tx)`` there, between
+    BEGIN and COMMIT, so a transaction of many statements costs one thread hop
+    instead of one per statement. The same calls as ``Transaction``, not awaited;
+    ``execute`` returns a plain ``sqlite3.Cursor``.
+    """
+
+    def __init__(self, producer: Producer, conn: sqlite3.Connection) -> None:
+        super().__init__(conn)
+        self._pending = _Pending(producer)
+
+    def publish(
+        self,
+        stream: str,
+        value: bytes,
+        *,
+        key: bytes | None = None,
+        headers: Mapping[str, bytes] | None = None,
+        timestamp: int | None = None,
+    ) -> int:
+        """As ``Transaction.publish``."""
+        self._check_open()
+        value = _as_bytes(value, "value")
+        key = None if key is None else _as_bytes(key, "key")
+        checked_headers = _check_headers(headers)
+        ts = _checked_timestamp(timestamp)
+        stream_id = self._stream_id(stream)
+        seq = self._pending.append(stream, stream_id, value, key, checked_headers, ts)
+        if self._pending.full:
+            self._flush()
+        return seq
+
+    def publish_many(self, stream: str, values: Iterable[bytes]) -> range:
+        """As ``Transaction.publish_many``."""
+        self._check_open()
+        stream_id = self._stream_id(stream)
+        first, ts = self._pending.next_seq(stream), _checked_timestamp(None)
+        for value in values:
+            self._pending.append(stream, stream_id, _as_bytes(value, "value"), None, {}, ts)
+            if self._pending.full:
+                self._flush()
+        return range(first, self._pending.next_seq(stream))
+
+    def _stream_id(self, stream: str) -> int:
+        stream_id = self._pending.stream_id(stream)
+        if stream_id is None:
+            check_stream_name(stream)
+            stream_id = store.create_stream_blocking(self._conn, stream)
+            self._pending.created(stream, stream_id)
+        return stream_id
+
+    def _flush(self) -> None:
+        if rows := self._pending.take_rows():
+            try:
+                self._conn.executemany(store.INSERT_RECORDS, rows)
+            except sqlite3.IntegrityError as exc:
+                raise ConcurrentWriterError(_CONCURRENT_WRITER) from exc
+
+    def _run(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+        """``fn(self, *args)`` and the buffered records, in one transaction."""
+
+        def body() -> T:
+            result = fn(self, *args)
+            self._flush()
+            return result
+
+        try:
+            return in_transaction(self._conn, body)
+        finally:
+            self._closed = True
 
 
 class Producer:
@@ -280,8 +393,7 @@ class Producer:
     @contextlib.asynccontextmanager
     async def transaction(self) -> AsyncIterator[Transaction]:
         """One transaction: the application's SQL and its publishes commit together."""
-        if not self._started or self._closed:
-            raise RuntimeError("the producer is not running: use 'async with Producer(...)'")
+        self._check_running()
         async with self._lock:
             await self._conn.execute("BEGIN IMMEDIATE")
             tx = Transaction(self)
@@ -294,13 +406,36 @@ class Producer:
                     await self._conn.execute("ROLLBACK")
                 raise
             tx._closed = True
-            self._after_commit(tx)
+            self._after_commit(tx._pending)
 
-    def _after_commit(self, tx: Transaction) -> None:
-        for name, stream_id in tx._new_streams.items():
+    async def run_in_transaction(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(tx, *args)`` as one transaction on the writer's thread; returns its result.
+
+        ``tx`` is a ``BlockingTransaction``: the same calls as ``Transaction``, not
+        awaited. The whole transaction costs one thread hop, so prefer this on hot
+        paths. ``fn`` must not touch the event loop; if it raises, nothing commits.
+        """
+        self._check_running()
+        async with self._lock:
+            tx = BlockingTransaction(self, raw_connection(self._conn))
+            work = asyncio.ensure_future(run_on_thread(self._conn, tx._run, fn, args))
+            try:
+                return await asyncio.shield(work)
+            finally:
+                if not work.done():  # cancelled: the thread goes on; let it finish
+                    await asyncio.wait([work])
+                if not work.cancelled() and work.exception() is None:
+                    self._after_commit(tx._pending)
+
+    def _check_running(self) -> None:
+        if not self._started or self._closed:
+            raise RuntimeError("the producer is not running: use 'async with Producer(...)'")
+
+    def _after_commit(self, pending: _Pending) -> None:
+        for name, stream_id in pending.new_streams.items():
             self.log.add(store.StreamRow(stream_id, name, 0, 1))
-        for name, head in tx._heads.items():
-            self.log.committed(self.log.streams[name], head, tx._kept.get(name, []))
+        for name, head in pending.heads.items():
+            self.log.committed(self.log.streams[name], head, pending.kept.get(name, []))
 
     async def publish(
         self,
@@ -320,7 +455,7 @@ class Producer:
         if name in self.log.streams:
             return
         async with self.transaction() as tx:
-            await tx._next_seq(name)
+            await tx._stream_id(name)
 
     def head(self, stream: str) -> int:
         """The last committed seq of ``stream`` (0 if none yet)."""

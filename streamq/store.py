@@ -15,6 +15,7 @@ Three tables, all prefixed ``streamq_`` so they sit beside the application's own
 
 from __future__ import annotations
 
+import sqlite3
 import time
 import uuid
 from dataclasses import dataclass
@@ -151,9 +152,19 @@ async def data_version(conn: aiosqlite.Connection) -> int:
     return int(row[0])
 
 
+_CREATE_STREAM = "INSERT INTO streamq_streams (name) VALUES (?)"
+
+
 async def create_stream(conn: aiosqlite.Connection, name: str) -> int:
     """Insert a stream row inside the caller's transaction; returns its id."""
-    cursor = await conn.execute("INSERT INTO streamq_streams (name) VALUES (?)", (name,))
+    cursor = await conn.execute(_CREATE_STREAM, (name,))
+    assert cursor.lastrowid is not None
+    return cursor.lastrowid
+
+
+def create_stream_blocking(conn: sqlite3.Connection, name: str) -> int:
+    """``create_stream`` on the connection's own thread."""
+    cursor = conn.execute(_CREATE_STREAM, (name,))
     assert cursor.lastrowid is not None
     return cursor.lastrowid
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine, Iterable, Iterator, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager, contextmanager
 from types import TracebackType
 from typing import Any, TypeVar
@@ -136,6 +136,10 @@ class SyncProducer:
         headers: Mapping[str, bytes] | None = None,
     ) -> int:
         return self._call(self._producer.publish(stream, value, key=key, headers=headers))
+
+    def run_in_transaction(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(tx, *args)`` as one transaction on the writer's thread (see ``Producer``)."""
+        return self._call(self._producer.run_in_transaction(fn, *args))
 
     def query(self, sql: str, parameters: Iterable[Any] = ()) -> list[Any]:
         """Rows of a read-only query on the producer's database (in a transaction of its own)."""

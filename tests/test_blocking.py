@@ -1,0 +1,141 @@
+"""Transactions run as one function on the database's own thread: producer and consumer."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sqlite3
+import threading
+
+import pytest
+
+import streamq
+from streamq import BlockingSQL, BlockingTransaction, Consumer, Producer, SyncProducer
+from streamq.errors import OutOfOrderBatchError, TransactionClosedError
+
+from .test_producer import log_seqs
+
+
+def debit_and_publish(tx: BlockingTransaction, sku: str, count: int) -> range:
+    tx.execute("CREATE TABLE IF NOT EXISTS stock (sku TEXT PRIMARY KEY, n INTEGER)")
+    tx.execute("INSERT OR IGNORE INTO stock VALUES (?, 100)", (sku,))
+    tx.execute("UPDATE stock SET n = n - ? WHERE sku = ?", (count, sku))
+    first = tx.publish("orders", sku.encode(), key=sku.encode(), headers={"n": b"%d" % count})
+    rest = tx.publish_many("orders", [b"%s-%d" % (sku.encode(), i) for i in range(count - 1)])
+    return range(first, rest.stop)
+
+
+def read_all(address: str) -> list[streamq.Record]:
+    with streamq.Client(address) as client:
+        return [record for batch in client.read_range("orders", 1, 7) for record in batch]
+
+
+def stock(path: str) -> list[tuple[str, int]]:
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        return db.execute("SELECT sku, n FROM stock ORDER BY sku").fetchall()
+
+
+async def test_run_in_transaction_commits_sql_and_records_together(producer_db: str) -> None:
+    async with Producer(producer_db) as producer:
+        assert await producer.run_in_transaction(debit_and_publish, "a1", 3) == range(1, 4)
+        async with producer.transaction() as tx:  # both kinds share one dense seq line
+            assert await tx.publish("orders", b"async") == 4
+        assert await producer.run_in_transaction(debit_and_publish, "b2", 2) == range(5, 7)
+        assert producer.head("orders") == 6
+        records = await asyncio.to_thread(read_all, producer.address)
+    assert [r.seq for r in records] == [1, 2, 3, 4, 5, 6]
+    assert (records[0].key, records[0].headers) == (b"a1", {"n": b"3"})
+    assert [r.value for r in records[3:]] == [b"async", b"b2", b"b2-0"]
+    assert stock(producer_db) == [("a1", 97), ("b2", 98)]
+    assert log_seqs(producer_db) == [1, 2, 3, 4, 5, 6]
+
+
+async def test_run_in_transaction_that_raises_commits_nothing(producer_db: str) -> None:
+    def fails(tx: BlockingTransaction) -> None:
+        debit_and_publish(tx, "a1", 2)
+        tx.publish("new-stream", b"x")
+        raise ValueError("boom")
+
+    async with Producer(producer_db) as producer:
+        await producer.run_in_transaction(debit_and_publish, "a1", 1)
+        with pytest.raises(ValueError, match="boom"):
+            await producer.run_in_transaction(fails)
+        assert producer.head("orders") == 1
+        assert "new-stream" not in producer.log.streams
+        assert await producer.run_in_transaction(debit_and_publish, "a1", 1) == range(2, 3)
+    assert stock(producer_db) == [("a1", 98)]
+    assert log_seqs(producer_db) == [1, 2]
+
+
+async def test_transaction_cannot_be_used_after_it_ends(producer_db: str) -> None:
+    kept: list[BlockingTransaction] = []
+    async with Producer(producer_db) as producer:
+        await producer.run_in_transaction(lambda tx: kept.append(tx))
+        with pytest.raises(TransactionClosedError):
+            kept[0].publish("orders", b"late")
+        with pytest.raises(TransactionClosedError):
+            kept[0].execute("SELECT 1")
+        assert "orders" not in producer.log.streams
+
+
+async def test_cancelled_caller_still_sees_the_commit_through(producer_db: str) -> None:
+    """Cancelling the awaiting task cannot stop the thread: its records still reach the log."""
+    entered, release = threading.Event(), threading.Event()
+
+    def slow(tx: BlockingTransaction) -> None:
+        tx.publish("orders", b"slow")
+        entered.set()
+        release.wait(10)
+
+    async with Producer(producer_db) as producer:
+        task = asyncio.create_task(producer.run_in_transaction(slow))
+        assert await asyncio.to_thread(entered.wait, 10)
+        task.cancel()
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert producer.head("orders") == 1
+        assert await producer.publish("orders", b"next") == 2
+    assert log_seqs(producer_db) == [1, 2]
+
+
+def test_sync_producer_runs_a_transaction_function(producer_db: str) -> None:
+    with SyncProducer(producer_db) as producer:
+        assert producer.run_in_transaction(debit_and_publish, "c3", 2) == range(1, 3)
+        assert producer.head("orders") == 2
+    assert stock(producer_db) == [("c3", 98)]
+
+
+def credit(tx: BlockingSQL, batch: streamq.Batch, table: str) -> int:
+    tx.execute(f"CREATE TABLE IF NOT EXISTS {table} (seq INTEGER, value BLOB)")
+    tx.executemany(f"INSERT INTO {table} VALUES (?, ?)", [(r.seq, r.value) for r in batch])
+    return len(batch)
+
+
+def applied(path: str) -> tuple[list[int], int]:
+    """Seqs in the credits table, and the consumer's stored position."""
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        seqs = [seq for (seq,) in db.execute("SELECT seq FROM credits ORDER BY rowid")]
+        (position,) = db.execute("SELECT seq FROM streamq_positions").fetchone()
+    return seqs, position
+
+
+async def test_consumer_apply_stores_effects_and_position_together(
+    producer_db: str, consumer_db: str
+) -> None:
+    def fails(tx: BlockingSQL, batch: streamq.Batch) -> None:
+        credit(tx, batch, "credits")
+        raise ValueError("boom")
+
+    async with Producer(producer_db) as producer:
+        await producer.run_in_transaction(debit_and_publish, "a1", 5)
+        async with Consumer(producer.address, "orders", db=consumer_db, name="c") as consumer:
+            batch = await anext(aiter(consumer))
+            with pytest.raises(ValueError, match="boom"):
+                await consumer.apply(batch, fails)
+            assert consumer.applied == 0
+            assert await consumer.apply(batch, credit, "credits") == 5
+            with pytest.raises(OutOfOrderBatchError):
+                await consumer.apply(batch, credit, "credits")
+            assert consumer.applied == 5
+    assert applied(consumer_db) == ([1, 2, 3, 4, 5], 5)
