@@ -93,18 +93,14 @@ async def sq_consumer(address: str, total: int) -> None:
     latencies.report()
 
 
+# confluent-kafka's documented low-latency settings: send at once, no batching delay.
+PRODUCER_LATENCY = {"acks": "all", "linger.ms": 0, "socket.nagle.disable": True}
+
+
 def kafka_producer(bootstrap: str, topic: str, rate: float, seconds: float) -> None:
     from confluent_kafka import Producer
 
-    # confluent-kafka's documented low-latency settings: send at once, no batching delay.
-    producer = Producer(
-        {
-            "bootstrap.servers": bootstrap,
-            "acks": "all",
-            "linger.ms": 0,
-            "socket.nagle.disable": True,
-        }
-    )
+    producer = Producer({"bootstrap.servers": bootstrap, **PRODUCER_LATENCY})
     producer.list_topics(topic, timeout=30)
     say("READY")
     wait_line("GO")

@@ -3,6 +3,7 @@
 streamq: N producer processes (``streamq serve``), read directly by the ``streamq`` source.
 Kafka: one topic with N partitions holding the same records, read by Spark's own Kafka
 source (``spark-sql-kafka-0-10``, resolved through Maven). N sweeps 1, 4, 16, 64.
+Then micro-batch latency, publish to visible in the sink (``spark_latency``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from rich.progress import Progress
 
 import streamq
 
+from . import spark_latency
 from .common import (
     Series,
     alternating,
@@ -31,6 +33,9 @@ from .common import (
 )
 
 SWEEP = [1, 4, 16, 64]
+LATENCY_FULL = (1000, 20.0)  # records/s, seconds
+LATENCY_QUICK = (500, 6.0)
+PERCENTILES = {"p50": 50.0, "p99": 99.0, "max": 100.0}
 RECORD = b"v" * 100
 
 
@@ -132,6 +137,37 @@ def run_kafka(spark: Any, broker: Any, folder: Path, partitions: int, total: int
     return _time_query(spark, reader, folder / "ck")
 
 
+def _warm_up(spark: Any, broker: Any | None) -> None:
+    """One small query per source first: the session's first query pays JVM start-up costs
+    (class loading, JIT, Python workers) that would be charged to whichever system ran first."""
+    with tempfile.TemporaryDirectory() as folder:
+        run_streamq(spark, Path(folder), 1, 20_000)
+    if broker is not None:
+        with tempfile.TemporaryDirectory() as folder:
+            run_kafka(spark, broker, Path(folder), 1, 20_000)
+
+
+def _latency(
+    spark: Any, broker: Any | None, systems: list[str], quick: bool, repeats: int
+) -> list[Series]:
+    rate, seconds = LATENCY_QUICK if quick else LATENCY_FULL
+    series = {
+        (system, name): Series(system, f"{rate:,}/s {name}", "ms")
+        for system in systems
+        for name in PERCENTILES
+    }
+    for system in alternating(systems, repeats):
+        with tempfile.TemporaryDirectory() as folder:
+            if system == "streamq":
+                sink = spark_latency.run_streamq(spark, Path(folder), rate, seconds)
+            else:
+                sink = spark_latency.run_kafka(spark, broker, Path(folder), rate, seconds)
+        for name, percentile in PERCENTILES.items():
+            value = sink.histogram.get_value_at_percentile(percentile) / 1000
+            series[system, name].values.append(value)
+    return list(series.values())
+
+
 def spark_session(with_kafka: bool) -> Any:
     from spark_source.session import local_spark
 
@@ -148,7 +184,9 @@ def run(broker: Any | None, quick: bool, repeats: int) -> dict[str, Any]:
     systems = ["streamq"] + (["kafka"] if broker is not None else [])
     spark = spark_session(broker is not None)
     series: list[Series] = []
+    latency: list[Series] = []
     try:
+        _warm_up(spark, broker)
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task("spark", total=len(SWEEP) * repeats * len(systems))
             for n in SWEEP:
@@ -165,6 +203,7 @@ def run(broker: Any | None, quick: bool, repeats: int) -> dict[str, Any]:
                     rates[system].values.append(rate)
                     progress.advance(task)
                 series += rates.values()
+        latency = _latency(spark, broker, systems, quick, repeats)
     finally:
         spark.stop()
     console.print(
@@ -178,9 +217,19 @@ def run(broker: Any | None, quick: bool, repeats: int) -> dict[str, Any]:
         series,
         "rows/s",
     )
+    rate, seconds = LATENCY_QUICK if quick else LATENCY_FULL
+    console.print(
+        comparison_table(
+            f"spark: publish to visible in a foreachBatch sink, ms, {rate:,} records/s for "
+            f"{seconds:.0f} s (first {spark_latency.WARMUP:.0f} s not counted)",
+            latency,
+            better="lower",
+        )
+    )
     results = {
         "rows": total,
         "series": [asdict(s) for s in series],
+        "latency": {"rate": rate, "seconds": seconds, "series": [asdict(s) for s in latency]},
     }
     save("spark", results, quick)
     return results
