@@ -20,6 +20,7 @@ from streamq.store import Durability
 from .common import say, wait_line
 
 TRANSACTION_RECORDS = 5000
+TRANSACTION_BYTES = 1_000_000  # as the Kafka producer's batch.size: both send ~1 MB units
 
 
 async def producer(db: str, count: int, size: int, durability: Durability) -> None:
@@ -29,9 +30,10 @@ async def producer(db: str, count: int, size: int, durability: Durability) -> No
         say("READY", p.address)
         await asyncio.to_thread(wait_line, "GO")
         say("START", time.time())
-        for first in range(0, count, TRANSACTION_RECORDS):
+        per_transaction = max(1, min(TRANSACTION_RECORDS, TRANSACTION_BYTES // size))
+        for first in range(0, count, per_transaction):
             async with p.transaction() as tx:
-                await tx.publish_many("pipe", [value] * min(TRANSACTION_RECORDS, count - first))
+                await tx.publish_many("pipe", [value] * min(per_transaction, count - first))
         say("PRODUCED", time.time())
         await asyncio.to_thread(wait_line, "STOP")
 
