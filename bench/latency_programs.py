@@ -59,6 +59,11 @@ class Latencies:
         )
 
 
+def _publish(tx: streamq.BlockingTransaction, values: list[bytes]) -> None:
+    for value in values:  # one record each, as the Kafka producer sends them
+        tx.publish("latency", value)
+
+
 async def sq_producer(db: str, rate: float, seconds: float, durability: Durability) -> None:
     async with streamq.Producer(db, port=0, durability=durability) as producer:
         await producer.create_stream("latency")
@@ -70,9 +75,8 @@ async def sq_producer(db: str, rate: float, seconds: float, durability: Durabili
         while sent < total:
             due_now = min(total, int((time.time() - start) * rate) + 1)
             if due_now > sent:
-                async with producer.transaction() as tx:
-                    for number in range(sent, due_now):
-                        await tx.publish("latency", _value(start + number / rate, number))
+                values = [_value(start + n / rate, n) for n in range(sent, due_now)]
+                await producer.run_in_transaction(_publish, values)
                 sent = due_now
             else:
                 # Event-loop timers tick in milliseconds: sleep to just before the next
