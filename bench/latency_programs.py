@@ -114,7 +114,13 @@ def kafka_producer(bootstrap: str, topic: str, rate: float, seconds: float) -> N
     while sent < total:
         due_now = min(total, int((time.time() - start) * rate) + 1)
         for number in range(sent, due_now):
-            producer.produce(topic, _value(start + number / rate, number))
+            value = _value(start + number / rate, number)
+            while True:
+                try:
+                    producer.produce(topic, value)
+                    break
+                except BufferError:  # its queue is full: it is behind, and the latency shows it
+                    producer.poll(0.001)
         sent = max(sent, due_now)
         producer.poll(max(0.0, min(0.001, start + sent / rate - time.time())))
     producer.flush(60)
