@@ -8,10 +8,12 @@ own database, in the same transaction as their effects.
 from .client import Client
 from .consumer import Batch, Consumer, ConsumerTransaction
 from .errors import (
+    AuthenticationFailedError,
     ConcurrentWriterError,
     ConnectionLostError,
     ConsumerPositionError,
     LocalProtocolError,
+    NotAuthorizedError,
     OffsetOutOfRangeError,
     OutOfOrderBatchError,
     ProducerChangedError,
@@ -21,12 +23,14 @@ from .errors import (
     RemoteProtocolError,
     ServerError,
     StreamQError,
+    TLSError,
     TransactionClosedError,
     UnknownStreamError,
     VersionMismatchError,
 )
 from .producer import Producer, Transaction
 from .protocol import PROTOCOL_VERSION, Record, StreamInfo
+from .security import ClientTLS, ServerTLS, TokenAuth, make_token
 from .server import ServerSettings
 from .sync import SyncProducer, SyncTransaction
 
@@ -34,14 +38,17 @@ __version__ = "0.1.0"
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "AuthenticationFailedError",
     "Batch",
     "Client",
+    "ClientTLS",
     "ConcurrentWriterError",
     "ConnectionLostError",
     "Consumer",
     "ConsumerPositionError",
     "ConsumerTransaction",
     "LocalProtocolError",
+    "NotAuthorizedError",
     "OffsetOutOfRangeError",
     "OutOfOrderBatchError",
     "Producer",
@@ -53,12 +60,16 @@ __all__ = [
     "RemoteProtocolError",
     "ServerError",
     "ServerSettings",
+    "ServerTLS",
     "StreamInfo",
     "StreamQError",
     "SyncProducer",
     "SyncTransaction",
+    "TLSError",
+    "TokenAuth",
     "Transaction",
     "TransactionClosedError",
     "UnknownStreamError",
     "VersionMismatchError",
+    "make_token",
 ]
