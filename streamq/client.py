@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
-from .consumer import parse_address
+from .consumer import closed_by_producer, parse_address
 from .errors import ConnectionLostError, StreamQError, error_from_frame
 from .protocol import (
     DEFAULT_MAX_FRAME_SIZE,
@@ -37,7 +37,7 @@ from .protocol import (
     StreamInfo,
     StreamList,
 )
-from .security import ClientTLS, tls_error
+from .security import ClientTLS, tls_error, tls_refused
 
 _READ_SIZE = 256 * 1024
 
@@ -77,9 +77,11 @@ class Client:
                 server_hello = self._receive()
             else:
                 self._sock = self._wrap(tls, host)
-                # Read first: a producer that refuses this client's certificate says so
-                # right after the handshake, and nothing sent may make it reset the socket.
-                server_hello = self._receive()
+                # Read first: a producer refusing this client's certificate closes at once.
+                try:
+                    server_hello = self._receive()
+                except ConnectionLostError as exc:
+                    raise tls_refused(address, tls) from exc
                 self._send(hello)
             if token is not None:
                 authenticated = self._receive()
@@ -143,7 +145,7 @@ class Client:
                     f"reading from producer at {self.address} failed: {exc}"
                 ) from exc
             if not data:
-                raise ConnectionLostError(f"producer at {self.address} closed the connection")
+                raise closed_by_producer(self.address, self._conn)
             self._conn.receive_data(data)
         if isinstance(message, Error):
             raise error_from_frame(message.code, message.message, message.details)

@@ -49,10 +49,11 @@ from .protocol import (
     Record,
     Records,
     ServerHello,
+    State,
     Subscribe,
     Subscribed,
 )
-from .security import ClientTLS, tls_error
+from .security import ClientTLS, tls_error, tls_refused
 from .store import Durability
 
 logger = logging.getLogger("streamq.consumer")
@@ -77,6 +78,15 @@ def parse_address(address: str) -> tuple[str, int]:
     if not sep or not port.isdigit():
         raise ValueError(f"address must be HOST:PORT, not {address!r}")
     return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def closed_by_producer(address: str, conn: ClientConnection) -> ConnectionLostError:
+    """The error for an EOF from the producer, with a hint when it came before SERVER_HELLO:
+    that is how a producer serving TLS answers a plain connection."""
+    hint = " before its SERVER_HELLO (does it require TLS?)"
+    if conn.their_state is not State.AWAIT_HELLO:
+        hint = ""
+    return ConnectionLostError(f"producer at {address} closed the connection{hint}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,7 +304,7 @@ class Consumer:
         while (message := conn.next_event()) is None:
             data = await reader.read(_READ_SIZE)
             if not data:
-                raise ConnectionLostError(f"producer at {self.address} closed the connection")
+                raise closed_by_producer(self.address, conn)
             conn.receive_data(data)
         if isinstance(message, Error):
             raise _server_error(message)
@@ -326,11 +336,15 @@ class Consumer:
                 )
                 if tls is None:
                     writer.write(client_hello)
-                hello = await self._read_message(conn, reader)
-                assert isinstance(hello, ServerHello)
-                if tls is not None:
-                    # Read first (see Client): a refused certificate is reported cleanly.
+                    hello = await self._read_message(conn, reader)
+                else:
+                    # Read first: a producer refusing this client's certificate closes at once.
+                    try:
+                        hello = await self._read_message(conn, reader)
+                    except (ConnectionLostError, ConnectionError) as exc:
+                        raise tls_refused(self.address, tls) from exc
                     writer.write(client_hello)
+                assert isinstance(hello, ServerHello)
                 if self._token is not None:
                     assert isinstance(await self._read_message(conn, reader), Authenticated)
                 start = await self._start_position(hello.producer_id)

@@ -114,6 +114,23 @@ def tls_error(exc: ssl.SSLError, address: str) -> TLSError:
     return error
 
 
+def tls_refused(address: str, tls: ClientTLS) -> TLSError:
+    """The producer closed the connection right after the TLS handshake, before SERVER_HELLO.
+
+    With TLS 1.3 a server checks the client's certificate after the client's side of the
+    handshake is done, and asyncio closes without sending the TLS alert that says why: an
+    immediate close is how a producer refuses a client certificate.
+    """
+    if tls.cert is None:
+        why = "it requires a client certificate (mutual TLS); set cert and key"
+    else:
+        why = "it refused this client's certificate (expired, or not signed by a CA it trusts)"
+    return TLSError(
+        f"TLS with producer at {address} failed: the producer closed the connection right "
+        f"after the handshake: {why}"
+    )
+
+
 # --- Tokens and permissions -------------------------------------------------------------
 
 
