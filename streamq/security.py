@@ -209,7 +209,7 @@ def check_stream(principal: Principal | None, stream: str) -> None:
 def check_admin(principal: Principal | None, what: str) -> None:
     if principal is not None and not principal.admin:
         raise NotAuthorizedError(
-            f"consumer {principal.name!r} may not ask for {what} (an admin permission)",
+            f"consumer {principal.name!r} may not ask for {what}: that needs admin permission",
             {"consumer": principal.name},
         )
 
