@@ -7,15 +7,15 @@ peer got no data frame, and that an authorized consumer keeps receiving meanwhil
 from __future__ import annotations
 
 import asyncio
-import datetime
+import json
+import os
 import re
 import ssl
+import subprocess
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import trustme
 
 from streamq import (
     AuthenticationFailedError,
@@ -26,7 +26,6 @@ from streamq import (
     NotAuthorizedError,
     Producer,
     ServerSettings,
-    ServerTLS,
     StreamQError,
     TLSError,
     TokenAuth,
@@ -54,56 +53,19 @@ from streamq.protocol import (
 )
 from streamq.security import Principal
 
+from .certs import Certs, make_certs
+from .test_cli import STREAMQ, run
+
 SECRET = b"0123456789abcdef-test-secret"
 GRANTS = {"billing": ["orders", "refunds.*"], "ops": []}
 AUTH = TokenAuth(SECRET, GRANTS, admins=["ops"])
 BILLING = make_token(SECRET, "billing")
 OPS = make_token(SECRET, "ops")
-PAST = datetime.datetime(2020, 1, 1, tzinfo=datetime.UTC)
-
-
-@dataclass(frozen=True)
-class Certs:
-    """PEM files: a CA, the producer's certificate, client certificates good and bad."""
-
-    ca: str
-    other_ca: str
-    server: ServerTLS
-    expired_server: ServerTLS
-    client: ClientTLS
-    client_of_other_ca: ClientTLS
-    expired_client: ClientTLS
-
-
-def _write(cert: trustme.LeafCert, folder: Path, name: str) -> tuple[str, str]:
-    cert_path, key_path = folder / f"{name}.pem", folder / f"{name}.key"
-    cert.private_key_and_cert_chain_pem.write_to_path(str(cert_path))
-    cert.private_key_pem.write_to_path(str(key_path))
-    return str(cert_path), str(key_path)
 
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
-    folder = tmp_path_factory.mktemp("certs")
-    ca, other = trustme.CA(), trustme.CA()
-    ca.cert_pem.write_to_path(str(folder / "ca.pem"))
-    other.cert_pem.write_to_path(str(folder / "other-ca.pem"))
-    expired = {"not_before": PAST, "not_after": PAST + datetime.timedelta(days=1)}
-    server = _write(ca.issue_cert("127.0.0.1", "::1", "localhost"), folder, "server")
-    old_server = _write(ca.issue_cert("127.0.0.1", **expired), folder, "old-server")  # type: ignore[arg-type]
-    client = _write(ca.issue_cert("billing@example"), folder, "client")
-    stranger = _write(other.issue_cert("billing@example"), folder, "stranger")
-    old_client = _write(ca.issue_cert("billing@example", **expired), folder, "old-client")  # type: ignore[arg-type]
-    ca_path = str(folder / "ca.pem")
-    return Certs(
-        ca=ca_path,
-        other_ca=str(folder / "other-ca.pem"),
-        server=ServerTLS(*server, client_ca=ca_path),
-        expired_server=ServerTLS(*old_server),
-        client=ClientTLS(ca_path, *client),
-        client_of_other_ca=ClientTLS(ca_path, *stranger),
-        expired_client=ClientTLS(ca_path, *old_client),
-    )
+    return make_certs(tmp_path_factory.mktemp("certs"))
 
 
 @pytest.fixture
@@ -425,3 +387,61 @@ async def test_auth_without_tls(producer_db: str) -> None:
             assert (await anext(consumer)).last_seq == 1
         with pytest.raises(StreamQError, match="requires a token"):
             await Consumer(producer.address, "orders").start()
+
+
+# --- the command line ------------------------------------------------------------------------
+
+
+def test_cli_serves_tls_and_tokens(tmp_path: Path, certs: Certs) -> None:
+    """Secrets come from files and the environment; argv carries only their paths."""
+    secret_file = tmp_path / "secret"
+    secret_file.write_bytes(SECRET + b"\n")
+    db = str(tmp_path / "orders.db")
+    assert run("publish", db, "orders", "one", "two").returncode == 0
+    serve_env = {**os.environ, "STREAMQ_TOKEN_SECRET": SECRET.decode()}
+    server = certs.server
+    tls = ["--tls-cert", server.cert, "--tls-key", server.key, "--tls-client-ca", certs.ca]
+    grants = ["--grant", "billing=orders,refunds.*", "--admin", "ops"]
+    process = subprocess.Popen(
+        [*STREAMQ, "serve", db, "--port", "0", *tls, *grants],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=serve_env,
+    )
+    try:
+        assert process.stdout is not None
+        first = process.stdout.readline()
+        assert first.startswith("serving producer"), first + process.stderr.read()
+        address = first.rsplit(" on ", 1)[1].strip()
+
+        made = run("token", "billing", "--secret-file", str(secret_file))
+        assert made.stdout.strip() == BILLING
+        token_file = tmp_path / "billing.token"
+        token_file.write_text(made.stdout)
+        client = ["--tls-ca", certs.ca, "--tls-cert", certs.client.cert, "--tls-key"]
+        client.append(str(certs.client.key))
+        token = ["--token-file", str(token_file)]
+        tail = run("tail", address, "orders", "--from", "1", "--count", "2", *client, *token)
+        assert (tail.returncode, tail.stdout.count("\n")) == (0, 2), tail.stderr
+
+        refused = run("tail", address, "orders", *client)  # no token
+        assert refused.returncode == 1
+        assert "this producer requires a token; none was sent" in refused.stderr
+        not_admin = run("status", address, *client, "--token", BILLING)
+        assert "may not ask for the status report" in not_admin.stderr
+        no_cert = run("status", address, "--tls-ca", certs.ca, "--token", OPS)
+        assert "it requires a client certificate (mutual TLS)" in no_cert.stderr
+        status = subprocess.run(
+            [*STREAMQ, "status", address, *client, "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "STREAMQ_TOKEN": OPS},
+            check=False,
+        )
+        assert json.loads(status.stdout)["streams"][0]["head"] == 2, status.stderr
+    finally:
+        process.terminate()
+        process.communicate(timeout=30)
+    assert process.returncode == 0
