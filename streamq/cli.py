@@ -182,7 +182,7 @@ def _server_settings(args: argparse.Namespace) -> ServerSettings:
 def _client_security(args: argparse.Namespace) -> dict[str, Any]:
     """``tls`` and ``token`` keyword arguments for ``Client`` and ``Consumer``."""
     tls = None
-    if args.tls or args.tls_ca or args.tls_cert or args.tls_server_name:
+    if args.tls or args.tls_ca or args.tls_cert or args.tls_key or args.tls_server_name:
         try:
             tls = ClientTLS(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
         except ValueError as exc:
