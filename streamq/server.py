@@ -98,6 +98,7 @@ class Subscription:
     acked: int  # last seq the consumer reported as applied and committed
     transport: asyncio.BaseTransport | None = None
     since: float = field(default_factory=time.time)
+    principal: str | None = None  # the consumer its token named, when the producer checks tokens
 
     @property
     def buffered(self) -> int:
@@ -115,6 +116,7 @@ class Subscription:
             "acked": self.acked,
             "buffered": self.buffered,
             "connected_at": int(self.since * 1000),
+            "principal": self.principal,
         }
 
 
@@ -288,7 +290,7 @@ class Server:
             if isinstance(message, Subscribe | GetHead | GetRange | ReportPosition):
                 check_stream(principal, message.stream)
             if isinstance(message, Subscribe):
-                await self._subscription(conn, message, reader, writer)
+                await self._subscription(conn, message, reader, writer, principal)
                 return
             if isinstance(message, GetHead):
                 stream = self.log.stream(message.stream)
@@ -378,6 +380,7 @@ class Server:
         request: Subscribe,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
+        principal: Principal | None,
     ) -> None:
         if request.producer_id is not None and request.producer_id != self.producer_id:
             raise ProducerMismatchError(
@@ -389,7 +392,13 @@ class Server:
         writer.write(conn.send(Subscribed(stream.name, stream.head, stream.low)))
         position = request.start_seq - 1
         sub = Subscription(
-            request.consumer, stream.name, _peer_name(writer), position, position, writer.transport
+            request.consumer,
+            stream.name,
+            _peer_name(writer),
+            position,
+            position,
+            writer.transport,
+            principal=None if principal is None else principal.name,
         )
         self.subscriptions.add(sub)
         push = asyncio.create_task(self._push(conn, stream, sub, writer))

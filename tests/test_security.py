@@ -14,6 +14,7 @@ import ssl
 import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,6 +28,7 @@ from streamq import (
     Producer,
     ServerSettings,
     StreamQError,
+    SyncProducer,
     TLSError,
     TokenAuth,
     make_token,
@@ -357,13 +359,20 @@ async def test_clients_see_not_authorized(secured: Producer, certs: Certs) -> No
     await asyncio.to_thread(requests)
 
 
-async def test_admin_sees_status_and_every_stream(secured: Producer, certs: Certs) -> None:
-    def requests() -> tuple[dict[str, object], list[str]]:
+async def test_admin_sees_status_and_every_stream(
+    secured: Producer, bystander: Consumer, certs: Certs
+) -> None:
+    def requests() -> tuple[dict[str, Any], list[str]]:
         with Client(secured.address, tls=certs.client, token=OPS) as client:
             return client.status(), [s.stream for s in client.streams()]
 
     status, streams = await asyncio.to_thread(requests)
     assert status["producer_id"] == secured.producer_id
+    assert [s["stream"] for s in status["streams"]] == ["orders", "secret"]
+    # Who subscribed, as its token proved, beside the free name it gave.
+    assert [(c["consumer"], c["principal"]) for c in status["consumers"]] == [
+        ("anonymous", "billing")
+    ]
     assert streams == []  # "ops" may ask for the status, and may read no stream
 
 
@@ -391,6 +400,36 @@ async def test_auth_without_tls(producer_db: str) -> None:
             assert (await anext(consumer)).last_seq == 1
         with pytest.raises(StreamQError, match="requires a token"):
             await Consumer(producer.address, "orders").start()
+
+
+async def test_consumer_reconnects_over_tls_with_its_token(producer_db: str, certs: Certs) -> None:
+    settings = ServerSettings(tls=certs.server, auth=AUTH)
+    async with Producer(producer_db, settings=settings) as producer:
+        await producer.publish("orders", b"before")
+        address = producer.address
+        consumer = Consumer(address, "orders", tls=certs.client, token=BILLING)
+        await consumer.start()
+        assert [r.value for r in await anext(consumer)] == [b"before"]
+    port = int(address.rsplit(":", 1)[1])
+    try:
+        async with Producer(producer_db, port=port, settings=settings) as restarted:
+            await restarted.publish("orders", b"after")
+            batch = await asyncio.wait_for(anext(consumer), 20)
+            assert [(r.seq, r.value) for r in batch] == [(2, b"after")]
+            assert consumer.reconnects == 1
+    finally:
+        await consumer.close()
+
+
+def test_sync_producer_serves_tls_and_tokens(tmp_path: Path, certs: Certs) -> None:
+    settings = ServerSettings(tls=certs.server, auth=AUTH)
+    with SyncProducer(str(tmp_path / "sync.db"), settings=settings) as producer:
+        producer.publish("orders", b"x")
+        with Client(producer.address, tls=certs.client, token=BILLING) as client:
+            assert client.consumer == "billing"
+            assert [r.value for batch in client.read_range("orders", 1, 2) for r in batch] == [b"x"]
+        with pytest.raises(TLSError, match="requires a client certificate"):
+            Client(producer.address, tls=ClientTLS(certs.ca), token=BILLING)
 
 
 # --- the command line ------------------------------------------------------------------------
