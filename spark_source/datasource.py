@@ -24,6 +24,12 @@ maxRecordsPerPartition   split larger ranges (default 1,000,000)
 failOnDataLoss           ``true`` (default): fail if needed seqs are gone
 consumerName             name positions are reported under (default ``spark``)
 timeoutMs                connect and read timeout per request (default 30000)
+ssl.enabled              ``true``: TLS, trusting the system's CAs (implied by ssl.ca)
+ssl.ca                   PEM file of the CA that signed the producers' certificates
+ssl.cert, ssl.key        client certificate and key (mutual TLS)
+ssl.serverName           the name producers' certificates must have (default: the host)
+token, tokenFile         the token naming this query's consumer; tokenFile is read on the
+                         driver. Files given to ssl.* must exist on every executor.
 =======================  =============================================================
 """
 
@@ -48,10 +54,10 @@ from pyspark.sql.streaming.datasource import (
 )
 from pyspark.sql.types import StructType
 
-from streamq import Client, OffsetOutOfRangeError, StreamQError
+from streamq import ClientTLS, OffsetOutOfRangeError, StreamQError
 
 from . import planning
-from .planning import Offsets, ProducerState, Range, StreamQSourceError
+from .planning import Connect, Offsets, ProducerState, Range, StreamQSourceError
 from .schema import SCHEMA, to_arrow
 
 logger = logging.getLogger("spark_source")
@@ -81,6 +87,28 @@ def _int(options: Mapping[str, str], name: str, default: int | None) -> int | No
     return number
 
 
+def _tls(options: Mapping[str, str]) -> ClientTLS | None:
+    ca, cert, key = options.get("ssl.ca"), options.get("ssl.cert"), options.get("ssl.key")
+    server_name = options.get("ssl.serverName")
+    if not (_flag(options, "ssl.enabled", False) or ca or cert or key or server_name):
+        return None
+    try:
+        return ClientTLS(ca, cert, key, server_name)
+    except ValueError as exc:
+        raise StreamQSourceError(f"ssl options: {exc}") from None
+
+
+def _token(options: Mapping[str, str]) -> str | None:
+    token, token_file = options.get("token"), options.get("tokenFile")
+    if token_file is None:
+        return token
+    try:
+        with open(token_file) as file:
+            return file.readline().strip()
+    except OSError as exc:
+        raise StreamQSourceError(f"option tokenFile: {exc}") from None
+
+
 class _Settings:
     """The options, parsed and checked once."""
 
@@ -102,14 +130,15 @@ class _Settings:
         self.max_per_partition = _int(options, "maxRecordsPerPartition", 1_000_000) or 1_000_000
         self.fail_on_data_loss = _flag(options, "failOnDataLoss", True)
         self.consumer_name = options.get("consumerName", "spark")
-        self.timeout = (_int(options, "timeoutMs", 30_000) or 30_000) / 1000
+        timeout = (_int(options, "timeoutMs", 30_000) or 30_000) / 1000
+        self.connect = Connect(timeout, _tls(options), _token(options))
 
     def endpoints(self) -> list[str]:
         """Read anew at each call: a file or registry may list new producers."""
         return planning.parse_endpoints(*self._endpoint_options)
 
     def discover(self) -> dict[str, ProducerState]:
-        return planning.discover(self.endpoints(), self.stream, self.timeout)
+        return planning.discover(self.endpoints(), self.stream, self.connect)
 
 
 class StreamQPartition(InputPartition):
@@ -120,19 +149,19 @@ class StreamQPartition(InputPartition):
         rng: Range,
         stream: str,
         fail_on_data_loss: bool,
-        timeout: float,
+        connect: Connect,
     ) -> None:
         super().__init__(rng)
         self.range = rng
         self.stream = stream
         self.fail_on_data_loss = fail_on_data_loss
-        self.timeout = timeout
+        self.connect = connect
 
 
 def _partitions(settings: _Settings, ranges: Sequence[Range]) -> list[StreamQPartition]:
     planned = planning.plan(ranges, settings.min_partitions, settings.max_per_partition)
     return [
-        StreamQPartition(r, settings.stream, settings.fail_on_data_loss, settings.timeout)
+        StreamQPartition(r, settings.stream, settings.fail_on_data_loss, settings.connect)
         for r in planned
     ]
 
@@ -150,7 +179,7 @@ def read_partition(partition: StreamQPartition) -> Iterator[pa.RecordBatch]:
     start = rng.start
     while start < rng.end:
         try:
-            with Client(rng.endpoint, timeout=partition.timeout, name="spark executor") as client:
+            with partition.connect.client(rng.endpoint, "spark executor") as client:
                 if client.producer_id != rng.producer_id:
                     raise StreamQSourceError(
                         f"{rng.endpoint} now serves producer {client.producer_id}, not "
@@ -249,7 +278,7 @@ class StreamQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             if state is None or seq <= 1:
                 continue
             try:
-                with Client(state.endpoint, timeout=self.settings.timeout) as client:
+                with self.settings.connect.client(state.endpoint, "spark driver") as client:
                     if client.producer_id == pid:
                         client.report_position(
                             self.settings.stream, self.settings.consumer_name, seq - 1

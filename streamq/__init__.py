@@ -9,10 +9,12 @@ from .blocking import BlockingSQL
 from .client import Client
 from .consumer import Batch, Consumer, ConsumerTransaction
 from .errors import (
+    AuthenticationFailedError,
     ConcurrentWriterError,
     ConnectionLostError,
     ConsumerPositionError,
     LocalProtocolError,
+    NotAuthorizedError,
     OffsetOutOfRangeError,
     OutOfOrderBatchError,
     ProducerChangedError,
@@ -22,12 +24,14 @@ from .errors import (
     RemoteProtocolError,
     ServerError,
     StreamQError,
+    TLSError,
     TransactionClosedError,
     UnknownStreamError,
     VersionMismatchError,
 )
 from .producer import BlockingTransaction, Producer, Transaction
 from .protocol import PROTOCOL_VERSION, Record, StreamInfo
+from .security import ClientTLS, ServerTLS, TokenAuth, make_token
 from .server import ServerSettings
 from .sync import SyncProducer, SyncTransaction
 
@@ -35,16 +39,19 @@ __version__ = "0.1.0"
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "AuthenticationFailedError",
     "Batch",
     "BlockingSQL",
     "BlockingTransaction",
     "Client",
+    "ClientTLS",
     "ConcurrentWriterError",
     "ConnectionLostError",
     "Consumer",
     "ConsumerPositionError",
     "ConsumerTransaction",
     "LocalProtocolError",
+    "NotAuthorizedError",
     "OffsetOutOfRangeError",
     "OutOfOrderBatchError",
     "Producer",
@@ -56,12 +63,16 @@ __all__ = [
     "RemoteProtocolError",
     "ServerError",
     "ServerSettings",
+    "ServerTLS",
     "StreamInfo",
     "StreamQError",
     "SyncProducer",
     "SyncTransaction",
+    "TLSError",
+    "TokenAuth",
     "Transaction",
     "TransactionClosedError",
     "UnknownStreamError",
     "VersionMismatchError",
+    "make_token",
 ]

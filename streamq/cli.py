@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -20,8 +21,12 @@ from .consumer import Consumer
 from .errors import StreamQError
 from .producer import Producer
 from .protocol import Record
+from .security import ClientTLS, ServerTLS, TokenAuth, make_token, read_secret
+from .server import ServerSettings
 
 DEFAULT_PORT = 7400
+TOKEN_ENV = "STREAMQ_TOKEN"
+SECRET_ENV = "STREAMQ_TOKEN_SECRET"
 
 
 def _header(text: str) -> tuple[str, bytes]:
@@ -29,6 +34,55 @@ def _header(text: str) -> tuple[str, bytes]:
     if not sep or not name:
         raise argparse.ArgumentTypeError(f"header must be NAME=VALUE, not {text!r}")
     return name, value.encode()
+
+
+def _grant(text: str) -> tuple[str, list[str]]:
+    name, sep, patterns = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(
+            f"grant must be CONSUMER=PATTERN[,PATTERN...], not {text!r}"
+        )
+    return name, [p for p in patterns.split(",") if p]
+
+
+def _add_server_security(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "security", "TLS 1.3 and token authentication (default: plain TCP, no tokens)"
+    )
+    group.add_argument("--tls-cert", metavar="PEM", help="the producer's certificate chain")
+    group.add_argument("--tls-key", metavar="PEM", help="its private key")
+    group.add_argument(
+        "--tls-client-ca", metavar="PEM", help="require client certificates signed by this CA"
+    )
+    group.add_argument(
+        "--token-secret-file",
+        metavar="FILE",
+        help=f"require tokens made with this secret (or set ${SECRET_ENV}); needs --grant",
+    )
+    group.add_argument(
+        "--grant",
+        type=_grant,
+        action="append",
+        default=[],
+        metavar="CONSUMER=PATTERNS",
+        help="streams a consumer may read, comma-separated fnmatch patterns (repeatable)",
+    )
+    group.add_argument(
+        "--admin", action="append", default=[], metavar="CONSUMER", help="may read the status"
+    )
+
+
+def _add_client_security(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("security", "for producers serving TLS or requiring tokens")
+    group.add_argument("--tls", action="store_true", help="TLS, trusting the system's CAs")
+    group.add_argument("--tls-ca", metavar="PEM", help="TLS, trusting this CA (implies --tls)")
+    group.add_argument("--tls-cert", metavar="PEM", help="client certificate (mutual TLS)")
+    group.add_argument("--tls-key", metavar="PEM", help="its private key")
+    group.add_argument("--tls-server-name", metavar="NAME", help="name the certificate must have")
+    group.add_argument(
+        "--token-file", metavar="FILE", help=f"file holding the token (or set ${TOKEN_ENV})"
+    )
+    group.add_argument("--token", help="the token itself (visible to other users: prefer a file)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="SQLite synchronous mode: full survives power loss",
     )
     serve.add_argument("--create", action="store_true", help="create the database if missing")
+    _add_server_security(serve)
 
     publish = commands.add_parser("publish", help="publish records in one transaction")
     publish.add_argument("db", help="the producer's SQLite database (created if missing)")
@@ -77,10 +132,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tail.add_argument("--count", type=int, default=None, help="stop after this many records")
     tail.add_argument("--json", action="store_true", help="one JSON object per record")
+    _add_client_security(tail)
 
     status = commands.add_parser("status", help="streams, heads, consumers and their lag")
     status.add_argument("address", help="producer HOST:PORT")
     status.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    _add_client_security(status)
+
+    token = commands.add_parser("token", help="print the token naming a consumer")
+    token.add_argument("consumer", help="the consumer the token names")
+    token.add_argument(
+        "--secret-file", metavar="FILE", help=f"the producer's token secret (or set ${SECRET_ENV})"
+    )
 
     demo = commands.add_parser(
         "demo", help="an embedded producer and a crashing consumer, applied exactly once"
@@ -94,10 +157,50 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _server_settings(args: argparse.Namespace) -> ServerSettings:
+    tls = None
+    if args.tls_cert or args.tls_key:
+        if not (args.tls_cert and args.tls_key):
+            raise SystemExit("streamq serve: --tls-cert and --tls-key go together")
+        tls = ServerTLS(args.tls_cert, args.tls_key, args.tls_client_ca)
+    elif args.tls_client_ca:
+        raise SystemExit("streamq serve: --tls-client-ca needs --tls-cert and --tls-key")
+    auth = None
+    secret = read_secret(path=args.token_secret_file, env=SECRET_ENV)
+    if secret is not None:
+        if not args.grant and not args.admin:
+            raise SystemExit("streamq serve: tokens need at least one --grant or --admin")
+        try:
+            auth = TokenAuth(secret, dict(args.grant), args.admin)
+        except ValueError as exc:
+            raise SystemExit(f"streamq serve: {exc}") from None
+    elif args.grant or args.admin:
+        raise SystemExit(f"streamq serve: --grant needs --token-secret-file or ${SECRET_ENV}")
+    return ServerSettings(tls=tls, auth=auth)
+
+
+def _client_security(args: argparse.Namespace) -> dict[str, Any]:
+    """``tls`` and ``token`` keyword arguments for ``Client`` and ``Consumer``."""
+    tls = None
+    if args.tls or args.tls_ca or args.tls_cert or args.tls_key or args.tls_server_name:
+        try:
+            tls = ClientTLS(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+        except ValueError as exc:
+            raise SystemExit(f"streamq {args.command}: {exc}") from None
+    token = args.token
+    if token is None:
+        secret = read_secret(path=args.token_file, env=TOKEN_ENV)
+        token = None if secret is None else secret.decode()
+    return {"tls": tls, "token": token}
+
+
 async def _serve(args: argparse.Namespace) -> None:
     if not args.create and not os.path.exists(args.db):
         raise SystemExit(f"streamq serve: {args.db} does not exist (use --create to make it)")
-    async with Producer(args.db, host=args.host, port=args.port, durability=args.durability) as p:
+    settings = _server_settings(args)
+    async with Producer(
+        args.db, host=args.host, port=args.port, durability=args.durability, settings=settings
+    ) as p:
         streams = ", ".join(f"{s.name}@{s.head}" for s in p.log.streams.values()) or "none yet"
         print(f"serving producer {p.producer_id} (epoch {p.epoch}) on {p.address}", flush=True)
         print(f"streams: {streams}", flush=True)
@@ -139,9 +242,12 @@ def _format(record: Record, as_json: bool) -> str:
 async def _tail(args: argparse.Namespace) -> None:
     start = args.start
     if start is None:
-        start = await asyncio.to_thread(_head, args.address, args.stream) + 1
+        start = await asyncio.to_thread(_head, args) + 1
     printed = 0
-    async with Consumer(args.address, args.stream, start_seq=start, name="streamq-tail") as c:
+    security = _client_security(args)
+    async with Consumer(
+        args.address, args.stream, start_seq=start, name="streamq-tail", **security
+    ) as c:
         async for batch in c:
             for record in batch:
                 print(_format(record, args.json), flush=True)
@@ -150,13 +256,20 @@ async def _tail(args: argparse.Namespace) -> None:
                     return
 
 
-def _head(address: str, stream: str) -> int:
-    with Client(address) as client:
-        return client.head(stream).head
+def _head(args: argparse.Namespace) -> int:
+    with Client(args.address, **_client_security(args)) as client:
+        return int(client.head(args.stream).head)
+
+
+def _token(args: argparse.Namespace) -> None:
+    secret = read_secret(path=args.secret_file, env=SECRET_ENV)
+    if secret is None:
+        raise SystemExit(f"streamq token: give --secret-file or set ${SECRET_ENV}")
+    print(make_token(secret, args.consumer))
 
 
 def _status(args: argparse.Namespace) -> None:
-    with Client(args.address) as client:
+    with Client(args.address, **_client_security(args)) as client:
         status = client.status()
     if args.json:
         print(json.dumps(status, indent=2))
@@ -192,6 +305,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _loop.run(_tail(args))
         elif args.command == "status":
             _status(args)
+        elif args.command == "token":
+            _token(args)
         elif args.command == "demo":
             from .demo import run_demo
 

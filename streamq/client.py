@@ -8,15 +8,17 @@ a plain socket. One client, one connection; requests run one after another.
 from __future__ import annotations
 
 import socket
+import ssl
 from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
-from .consumer import parse_address
+from .consumer import closed_by_producer, parse_address
 from .errors import ConnectionLostError, StreamQError, error_from_frame
 from .protocol import (
     DEFAULT_MAX_FRAME_SIZE,
     PROTOCOL_VERSION,
+    Authenticated,
     ClientConnection,
     ClientHello,
     Error,
@@ -35,6 +37,7 @@ from .protocol import (
     StreamInfo,
     StreamList,
 )
+from .security import ClientTLS, tls_error, tls_refused
 
 _READ_SIZE = 256 * 1024
 
@@ -44,7 +47,8 @@ class Client:
 
     ``producer_id`` and ``epoch`` are known once connected. Errors from the
     producer raise the matching ``ServerError`` subclass; socket failures raise
-    ``ConnectionLostError``.
+    ``ConnectionLostError``; a failed TLS handshake ``TLSError``. With ``token``,
+    ``consumer`` is the name the producer authenticated (None if it checks no tokens).
     """
 
     def __init__(
@@ -54,6 +58,8 @@ class Client:
         timeout: float | None = 30.0,
         name: str = "client",
         max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+        tls: ClientTLS | None = None,
+        token: str | None = None,
     ) -> None:
         self.address = address
         host, port = parse_address(address)
@@ -62,16 +68,40 @@ class Client:
         except OSError as exc:
             raise ConnectionLostError(f"cannot connect to producer at {address}: {exc}") from exc
         self._conn = ClientConnection(max_frame_size)
+        self.consumer: str | None = None
         try:
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._send(ClientHello(PROTOCOL_VERSION, name))
-            hello = self._receive()
+            hello = ClientHello(PROTOCOL_VERSION, name, token)
+            if tls is None:
+                self._send(hello)
+                server_hello = self._receive()
+            else:
+                self._sock = self._wrap(tls, host)
+                # Read first: a producer refusing this client's certificate closes at once.
+                try:
+                    server_hello = self._receive()
+                except ConnectionLostError as exc:
+                    raise tls_refused(address, tls) from exc
+                self._send(hello)
+            if token is not None:
+                authenticated = self._receive()
+                assert isinstance(authenticated, Authenticated)
+                self.consumer = authenticated.consumer
         except BaseException:
             self._sock.close()
             raise
-        assert isinstance(hello, ServerHello)
-        self.producer_id = hello.producer_id
-        self.epoch = hello.epoch
+        assert isinstance(server_hello, ServerHello)
+        self.producer_id = server_hello.producer_id
+        self.epoch = server_hello.epoch
+
+    def _wrap(self, tls: ClientTLS, host: str) -> socket.socket:
+        context = tls.context()  # errors in this side's own files are not the handshake's
+        try:
+            return context.wrap_socket(self._sock, server_hostname=tls.server_name or host)
+        except ssl.SSLError as exc:
+            raise tls_error(exc, self.address) from exc
+        except OSError as exc:
+            raise ConnectionLostError(f"TLS with producer at {self.address}: {exc}") from exc
 
     def close(self) -> None:
         self._sock.close()
@@ -90,6 +120,8 @@ class Client:
     def _send(self, message: Message) -> None:
         try:
             self._sock.sendall(self._conn.send(message))
+        except ssl.SSLError as exc:
+            raise tls_error(exc, self.address) from exc
         except OSError as exc:
             raise ConnectionLostError(
                 f"sending to producer at {self.address} failed: {exc}"
@@ -106,12 +138,14 @@ class Client:
         while (message := self._conn.next_event()) is None:
             try:
                 data = self._sock.recv(_READ_SIZE)
+            except ssl.SSLError as exc:
+                raise tls_error(exc, self.address) from exc
             except OSError as exc:
                 raise ConnectionLostError(
                     f"reading from producer at {self.address} failed: {exc}"
                 ) from exc
             if not data:
-                raise ConnectionLostError(f"producer at {self.address} closed the connection")
+                raise closed_by_producer(self.address, self._conn)
             self._conn.receive_data(data)
         if isinstance(message, Error):
             raise error_from_frame(message.code, message.message, message.details)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from .protocol import (
     DEFAULT_MAX_FRAME_SIZE,
     PROTOCOL_VERSION,
     Ack,
+    Authenticated,
     ClientConnection,
     ClientHello,
     Error,
@@ -48,9 +50,11 @@ from .protocol import (
     Record,
     Records,
     ServerHello,
+    State,
     Subscribe,
     Subscribed,
 )
+from .security import ClientTLS, tls_error, tls_refused
 from .store import Durability
 
 T = TypeVar("T")
@@ -77,6 +81,15 @@ def parse_address(address: str) -> tuple[str, int]:
     if not sep or not port.isdigit():
         raise ValueError(f"address must be HOST:PORT, not {address!r}")
     return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def closed_by_producer(address: str, conn: ClientConnection) -> ConnectionLostError:
+    """The error for an EOF from the producer, with a hint when it came before SERVER_HELLO:
+    that is how a producer serving TLS answers a plain connection."""
+    hint = " before its SERVER_HELLO (does it require TLS?)"
+    if conn.their_state is not State.AWAIT_HELLO:
+        hint = ""
+    return ConnectionLostError(f"producer at {address} closed the connection{hint}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +176,11 @@ class Consumer:
     a power loss can only roll back the consumer's last commits, effects and position
     together, and those records are fetched from the producer again. ``"full"`` makes
     every applied batch survive power loss as soon as it commits.
+
+    ``tls`` connects over TLS 1.3 (``ClientTLS``); ``token`` authenticates to a producer
+    that requires tokens. A failed TLS handshake raises ``TLSError``, a refused token
+    ``AuthenticationFailedError``, a stream outside the token's grants ``NotAuthorizedError``;
+    none of them is retried.
     """
 
     def __init__(
@@ -181,6 +199,8 @@ class Consumer:
         heartbeat_timeout: float = 30.0,
         max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
         durability: Durability = "normal",
+        tls: ClientTLS | None = None,
+        token: str | None = None,
     ) -> None:
         if durability not in ("normal", "full"):
             raise ValueError(f"durability must be 'normal' or 'full', not {durability!r}")
@@ -201,6 +221,9 @@ class Consumer:
         self._heartbeat_timeout = heartbeat_timeout
         self._max_frame_size = max_frame_size
         self._durability = durability
+        self._tls = tls
+        self._ssl = None if tls is None else tls.context()
+        self._token = token
         self._tx_lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
         self._writer: asyncio.StreamWriter | None = None
@@ -289,7 +312,7 @@ class Consumer:
         while (message := conn.next_event()) is None:
             data = await reader.read(_READ_SIZE)
             if not data:
-                raise ConnectionLostError(f"producer at {self.address} closed the connection")
+                raise closed_by_producer(self.address, conn)
             conn.receive_data(data)
         if isinstance(message, Error):
             raise _server_error(message)
@@ -297,11 +320,18 @@ class Consumer:
 
     async def _connect(self) -> tuple[asyncio.StreamReader, ClientConnection]:
         """Connect, check the producer's identity and position, and subscribe."""
+        tls = self._tls
         try:
             async with asyncio.timeout(self._connect_timeout):
                 reader, writer = await asyncio.open_connection(
-                    self._host, self._port, limit=_READ_SIZE
+                    self._host,
+                    self._port,
+                    limit=_READ_SIZE,
+                    ssl=self._ssl,
+                    server_hostname=None if tls is None else tls.server_name or self._host,
                 )
+        except ssl.SSLError as exc:
+            raise tls_error(exc, self.address) from exc
         except (OSError, TimeoutError) as exc:
             raise ConnectionLostError(
                 f"cannot connect to producer at {self.address}: {exc}"
@@ -309,9 +339,22 @@ class Consumer:
         conn = ClientConnection(self._max_frame_size)
         try:
             async with asyncio.timeout(self._connect_timeout):
-                writer.write(conn.send(ClientHello(PROTOCOL_VERSION, f"consumer {self.name}")))
-                hello = await self._read_message(conn, reader)
+                client_hello = conn.send(
+                    ClientHello(PROTOCOL_VERSION, f"consumer {self.name}", self._token)
+                )
+                if tls is None:
+                    writer.write(client_hello)
+                    hello = await self._read_message(conn, reader)
+                else:
+                    # Read first: a producer refusing this client's certificate closes at once.
+                    try:
+                        hello = await self._read_message(conn, reader)
+                    except (ConnectionLostError, ConnectionError) as exc:
+                        raise tls_refused(self.address, tls) from exc
+                    writer.write(client_hello)
                 assert isinstance(hello, ServerHello)
+                if self._token is not None:
+                    assert isinstance(await self._read_message(conn, reader), Authenticated)
                 start = await self._start_position(hello.producer_id)
                 writer.write(conn.send(Subscribe(self.stream, start, self.name, hello.producer_id)))
                 try:
@@ -324,6 +367,9 @@ class Consumer:
                         raise self._regressed(head, start - 1) from exc
                     raise
                 assert isinstance(subscribed, Subscribed)
+        except ssl.SSLError as exc:
+            writer.close()
+            raise tls_error(exc, self.address) from exc
         except (OSError, TimeoutError) as exc:
             writer.close()
             raise ConnectionLostError(

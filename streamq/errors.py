@@ -14,11 +14,14 @@ which answered with an error frame (``ServerError`` and its subclasses)::
     │   ├── OffsetOutOfRangeError     a seq beyond the head or already deleted
     │   ├── ProducerMismatchError     the producer has another id than expected
     │   ├── TooManyConnectionsError
+    │   ├── AuthenticationFailedError no token, or a token the producer did not issue
+    │   ├── NotAuthorizedError        a stream (or the status) this consumer may not read
     │   └── ...                       one class per wire error code
     ├── ConsumerPositionError         the producer is behind what was already applied
     │   └── ProducerChangedError      another producer (database) than before
     ├── OutOfOrderBatchError          a batch applied twice or out of turn
     ├── ConnectionLostError           the TCP connection failed (cause chained)
+    ├── TLSError                      the TLS handshake failed; the message says why
     ├── TransactionClosedError        a transaction used after it ended
     ├── ConcurrentWriterError         another process appended to the same log
     └── RecordTooLargeError           a record that cannot fit in one frame
@@ -47,6 +50,8 @@ class ErrorCode(IntEnum):
     IDLE_TIMEOUT = 9
     SHUTTING_DOWN = 10
     INTERNAL_ERROR = 11
+    AUTHENTICATION_FAILED = 26
+    NOT_AUTHORIZED = 27
 
 
 class StreamQError(Exception):
@@ -128,6 +133,18 @@ class InternalServerError(ServerError):
     code = ErrorCode.INTERNAL_ERROR
 
 
+class AuthenticationFailedError(ServerError):
+    """The producer requires a token and got none, or one it did not issue."""
+
+    code = ErrorCode.AUTHENTICATION_FAILED
+
+
+class NotAuthorizedError(ServerError):
+    """The authenticated consumer asked for a stream (or the status) outside its grants."""
+
+    code = ErrorCode.NOT_AUTHORIZED
+
+
 ERROR_CLASSES: dict[ErrorCode, type[ServerError]] = {
     cls.code: cls
     for cls in (
@@ -142,6 +159,8 @@ ERROR_CLASSES: dict[ErrorCode, type[ServerError]] = {
         IdleTimeoutError,
         ShuttingDownError,
         InternalServerError,
+        AuthenticationFailedError,
+        NotAuthorizedError,
     )
 }
 
@@ -173,6 +192,11 @@ class OutOfOrderBatchError(StreamQError):
 
 class ConnectionLostError(StreamQError):
     """The connection to the peer failed; the underlying cause is chained."""
+
+
+class TLSError(StreamQError):
+    """The TLS handshake with the producer failed: wrong CA, expired or missing certificate,
+    no common TLS version, or TLS on one side only. Not retried: it needs a fix."""
 
 
 class TransactionClosedError(StreamQError):

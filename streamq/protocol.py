@@ -61,6 +61,7 @@ class MessageType(IntEnum):
     STATUS_REPORT = 15
     ERROR = 16
     REPORT_POSITION = 17
+    AUTHENTICATED = 26
 
 
 class Record(NamedTuple):
@@ -95,10 +96,13 @@ _packb: Callable[[Any], bytes] = msgpack.Packer(use_bin_type=True).pack
 
 @dataclass(frozen=True, slots=True)
 class ClientHello:
-    """First frame a client sends: its protocol version and a name for logs."""
+    """First frame a client sends: its protocol version, a name for logs and, for producers
+    that require one, a token naming the consumer ("Authentication"). Without a token the
+    frame has no third field, as before tokens existed."""
 
     version: int
     client: str
+    token: str | None = None
     TYPE: ClassVar[MessageType] = MessageType.CLIENT_HELLO
 
 
@@ -237,6 +241,15 @@ class ReportPosition:
 
 
 @dataclass(frozen=True, slots=True)
+class Authenticated:
+    """The answer to a CLIENT_HELLO that carried a token: the consumer it names, or nil from
+    a producer that does not check tokens."""
+
+    consumer: str | None
+    TYPE: ClassVar[MessageType] = MessageType.AUTHENTICATED
+
+
+@dataclass(frozen=True, slots=True)
 class Error:
     """The last frame on a connection: why the sender is closing it."""
 
@@ -264,6 +277,7 @@ Message = (
     | StatusReport
     | Error
     | ReportPosition
+    | Authenticated
     | RecordRows
 )
 Request = Subscribe | GetHead | GetRange | ListStreams | GetStatus | ReportPosition
@@ -305,6 +319,10 @@ def encode(message: Message) -> bytes:
         items: list[Any] = [[s.stream, s.head, s.low] for s in message.streams]
         return frame(_packb([message.TYPE.value, items]))
     values = [getattr(message, name) for name in _FIELD_NAMES[type(message)]]
+    for _ in range(_OMITTED_IF_NIL.get(type(message), 0)):
+        if values[-1] is not None:
+            break
+        values.pop()
     return frame(_packb([message.TYPE.value, *values]))
 
 
@@ -347,13 +365,14 @@ _CLASSES: dict[MessageType, type[Any]] = {
         StatusReport,
         Error,
         ReportPosition,
+        Authenticated,
     )
 }
 _FIELD_NAMES: dict[type[Any], tuple[str, ...]] = {
     cls: tuple(f.name for f in fields(cls)) for cls in _CLASSES.values()
 }
 _CHECKS: dict[type[Any], tuple[Callable[[Any], bool], ...]] = {
-    ClientHello: (_uint, _str),
+    ClientHello: (_uint, _str, _opt_str),
     ServerHello: (_uint, _str, _uint, _uint),
     Subscribe: (_str, _uint, _str, _opt_str),
     Subscribed: (_str, _uint, _uint),
@@ -368,7 +387,11 @@ _CHECKS: dict[type[Any], tuple[Callable[[Any], bool], ...]] = {
     StatusReport: (_map,),
     Error: (_uint, _str, _map),
     ReportPosition: (_str, _str, _uint),
+    Authenticated: (_opt_str,),
 }
+# Trailing fields that may be left out when nil, so frames stay as they were before the
+# field existed: CLIENT_HELLO without a token.
+_OMITTED_IF_NIL: dict[type[Any], int] = {ClientHello: 1}
 
 
 _REPR = reprlib.Repr()
@@ -480,12 +503,14 @@ def _decode_message(body: bytes, raw_records: bool) -> Message:
             ErrorCode.VERSION_MISMATCH,
         )
     checks = _CHECKS[cls]
-    if len(args) != len(checks):
-        raise _malformed(f"{cls.TYPE.name} takes {len(checks)} fields, got {len(args)}")
-    for name, check, value in zip(_FIELD_NAMES[cls], checks, args, strict=True):
+    omissible = _OMITTED_IF_NIL.get(cls, 0)
+    if not len(checks) - omissible <= len(args) <= len(checks):
+        expected = f"{len(checks) - omissible} to {len(checks)}" if omissible else len(checks)
+        raise _malformed(f"{cls.TYPE.name} takes {expected} fields, got {len(args)}")
+    for name, check, value in zip(_FIELD_NAMES[cls], checks, args, strict=False):
         if not check(value):
             raise _malformed(f"{cls.TYPE.name}.{name} has an invalid value: {_short(value)}")
-    message: Message = cls(*args)
+    message: Message = cls(*args)  # omitted trailing fields take their default, nil
     return message
 
 
@@ -608,12 +633,19 @@ class _Connection:
 class ServerConnection(_Connection):
     """The producer's side of one connection."""
 
+    def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
+        super().__init__(max_frame_size)
+        # "Authentication": a hello with a token is answered with AUTHENTICATED (or ERROR)
+        # before anything else.
+        self.authenticated_owed = False
+
     def _on_receive(self, message: Message) -> None:
         state = self.their_state
         if state is State.AWAIT_HELLO:
             if not isinstance(message, ClientHello):
                 raise self._unexpected(message, "CLIENT_HELLO")
             self.their_state = State.READY
+            self.authenticated_owed = message.token is not None
         elif state is State.READY:
             if isinstance(message, Subscribe):
                 self.their_state = State.STREAMING
@@ -630,10 +662,18 @@ class ServerConnection(_Connection):
             self.our_state = State.READY
         elif isinstance(message, ServerHello):
             raise LocalProtocolError("SERVER_HELLO was already sent")
+        elif isinstance(message, Authenticated) != self.authenticated_owed:
+            raise LocalProtocolError(
+                "AUTHENTICATED answers a CLIENT_HELLO with a token, before anything else"
+                if self.authenticated_owed
+                else "AUTHENTICATED is sent once, only after a CLIENT_HELLO with a token"
+            )
+        else:
+            self.authenticated_owed = False
 
     def send_records(self, encoded_records: Sequence[bytes]) -> bytes:
         """A RECORDS frame from stored record encodings (the hot path)."""
-        if self.our_state is not State.READY:
+        if self.our_state is not State.READY or self.authenticated_owed:
             raise LocalProtocolError(f"cannot send RECORDS while {self.our_state.value}")
         return records_frame(encoded_records)
 
@@ -650,6 +690,7 @@ class ClientConnection(_Connection):
         self._pending: deque[Request] = deque()
         self._subscribing = False  # SUBSCRIBE sent: the connection is a subscription for good
         self._subscribed_ack = False
+        self._authenticated_pending = False  # a token was sent; AUTHENTICATED comes first
         self.last_seq = 0
 
     def _on_send(self, message: Message) -> None:
@@ -658,6 +699,7 @@ class ClientConnection(_Connection):
             if not isinstance(message, ClientHello):
                 raise LocalProtocolError("the first frame a client sends must be CLIENT_HELLO")
             self.our_state = State.READY
+            self._authenticated_pending = message.token is not None
         elif state is State.READY:
             if isinstance(message, Subscribe):
                 if self._pending:
@@ -684,6 +726,13 @@ class ClientConnection(_Connection):
                 decoder.max_frame_size, min(message.max_frame_size, MAX_ACCEPTED_FRAME_SIZE)
             )
             return
+        if self._authenticated_pending:
+            if not isinstance(message, Authenticated):
+                raise self._unexpected(message, "AUTHENTICATED (a token was sent)")
+            self._authenticated_pending = False
+            return
+        if isinstance(message, Authenticated):
+            raise self._unexpected(message, "no AUTHENTICATED (no token was sent)")
         if self._subscribing:
             self._on_receive_streaming(message)
             return

@@ -32,6 +32,7 @@ from .protocol import (
     FRAME_OVERHEAD,
     PROTOCOL_VERSION,
     Ack,
+    Authenticated,
     ClientHello,
     Error,
     GetHead,
@@ -50,6 +51,7 @@ from .protocol import (
     Subscribe,
     Subscribed,
 )
+from .security import Principal, ServerTLS, TokenAuth, check_admin, check_stream
 
 logger = logging.getLogger("streamq.server")
 
@@ -60,7 +62,12 @@ _LINGER_BYTES = 1024 * 1024
 
 @dataclass(frozen=True)
 class ServerSettings:
-    """Limits and timings of the embedded server; the defaults suit most services."""
+    """Limits, timings and security of the embedded server; the defaults suit most services.
+
+    ``tls``: serve over TLS 1.3 (with ``ServerTLS(client_ca=...)``, mutual TLS).
+    ``auth``: require a token naming the consumer, and check its grants on every request.
+    Both off by default: plain TCP, anyone who can connect may read everything.
+    """
 
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
     max_connections: int = 1024
@@ -70,6 +77,8 @@ class ServerSettings:
     max_batch_records: int = 8192  # records per RECORDS frame
     max_batch_bytes: int = 1024 * 1024  # bytes per RECORDS frame (at least one record)
     write_buffer_high: int = 1024 * 1024  # transport buffer that makes the pusher wait
+    tls: ServerTLS | None = None
+    auth: TokenAuth | None = None
 
     def __post_init__(self) -> None:
         if self.max_batch_records < 1 or self.max_connections < 1:
@@ -89,6 +98,7 @@ class Subscription:
     acked: int  # last seq the consumer reported as applied and committed
     transport: asyncio.BaseTransport | None = None
     since: float = field(default_factory=time.time)
+    principal: str | None = None  # the consumer its token named, when the producer checks tokens
 
     @property
     def buffered(self) -> int:
@@ -106,6 +116,7 @@ class Subscription:
             "acked": self.acked,
             "buffered": self.buffered,
             "connected_at": int(self.since * 1000),
+            "principal": self.principal,
         }
 
 
@@ -136,7 +147,16 @@ class Server:
         self.address = ""  # host:port, once started
 
     async def start(self, host: str, port: int) -> None:
-        self._server = await asyncio.start_server(self._on_connection, host, port, limit=_READ_SIZE)
+        tls = self.settings.tls
+        self._server = await asyncio.start_server(
+            self._on_connection,
+            host,
+            port,
+            limit=_READ_SIZE,
+            ssl=None if tls is None else tls.context(),
+            # A TLS handshake counts against the same deadline as CLIENT_HELLO.
+            ssl_handshake_timeout=None if tls is None else self.settings.handshake_timeout,
+        )
         bound_host, bound_port = self._server.sockets[0].getsockname()[:2]
         self.address = (
             f"[{bound_host}]:{bound_port}" if ":" in bound_host else f"{bound_host}:{bound_port}"
@@ -248,14 +268,29 @@ class Server:
             return None  # the client is closing; "Errors"
         return message
 
+    def _authenticate(self, hello: ClientHello) -> Principal | None:
+        """Who the client is (None when this producer does not check tokens)."""
+        if self.settings.auth is None:
+            return None
+        return self.settings.auth.authenticate(hello.token)
+
     async def _serve(
         self, conn: ServerConnection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
+        # "Authentication": every request is checked against the grants of the consumer
+        # the hello's token names; nothing is answered before the token is checked.
+        principal: Principal | None = None
         while (message := await self._next_message(conn, reader)) is not None:
             if isinstance(message, ClientHello):
+                principal = self._authenticate(message)
+                if conn.authenticated_owed:
+                    name = None if principal is None else principal.name
+                    writer.write(conn.send(Authenticated(name)))
                 continue
+            if isinstance(message, Subscribe | GetHead | GetRange | ReportPosition):
+                check_stream(principal, message.stream)
             if isinstance(message, Subscribe):
-                await self._subscription(conn, message, reader, writer)
+                await self._subscription(conn, message, reader, writer, principal)
                 return
             if isinstance(message, GetHead):
                 stream = self.log.stream(message.stream)
@@ -263,9 +298,14 @@ class Server:
             elif isinstance(message, GetRange):
                 await self._send_range(conn, message, writer)
             elif isinstance(message, ListStreams):
-                infos = tuple(StreamInfo(s.name, s.head, s.low) for s in self.log.streams.values())
+                infos = tuple(
+                    StreamInfo(s.name, s.head, s.low)
+                    for s in self.log.streams.values()
+                    if principal is None or principal.may_read(s.name)
+                )
                 writer.write(conn.send(StreamList(infos)))
             elif isinstance(message, GetStatus):
+                check_admin(principal, "the status report")
                 writer.write(conn.send(StatusReport(self.status())))
             elif isinstance(message, ReportPosition):
                 stream = self.log.stream(message.stream)
@@ -340,6 +380,7 @@ class Server:
         request: Subscribe,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
+        principal: Principal | None,
     ) -> None:
         if request.producer_id is not None and request.producer_id != self.producer_id:
             raise ProducerMismatchError(
@@ -351,7 +392,13 @@ class Server:
         writer.write(conn.send(Subscribed(stream.name, stream.head, stream.low)))
         position = request.start_seq - 1
         sub = Subscription(
-            request.consumer, stream.name, _peer_name(writer), position, position, writer.transport
+            request.consumer,
+            stream.name,
+            _peer_name(writer),
+            position,
+            position,
+            writer.transport,
+            principal=None if principal is None else principal.name,
         )
         self.subscriptions.add(sub)
         push = asyncio.create_task(self._push(conn, stream, sub, writer))

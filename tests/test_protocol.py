@@ -25,6 +25,7 @@ from streamq.protocol import (
     MAX_SEQ,
     PROTOCOL_VERSION,
     Ack,
+    Authenticated,
     ClientConnection,
     ClientHello,
     Error,
@@ -110,7 +111,7 @@ record_tuples = (
 stream_infos = st.builds(StreamInfo, texts, uints, uints)
 
 MESSAGE_STRATEGIES: dict[type[Any], st.SearchStrategy[Any]] = {
-    ClientHello: st.builds(ClientHello, st.just(PROTOCOL_VERSION), texts),
+    ClientHello: st.builds(ClientHello, st.just(PROTOCOL_VERSION), texts, st.none() | texts),
     ServerHello: st.builds(ServerHello, st.just(PROTOCOL_VERSION), texts, uints, uints),
     Subscribe: st.builds(Subscribe, texts, uints, texts, st.none() | texts),
     Subscribed: st.builds(Subscribed, texts, uints, uints),
@@ -127,13 +128,14 @@ MESSAGE_STRATEGIES: dict[type[Any], st.SearchStrategy[Any]] = {
     ReportPosition: st.builds(ReportPosition, texts, texts, uints),
     StatusReport: st.builds(StatusReport, maps),
     Error: st.builds(Error, st.sampled_from(ErrorCode).map(int) | uints, texts, maps),
+    Authenticated: st.builds(Authenticated, st.none() | texts),
 }
 ALL_CLASSES = list(MESSAGE_STRATEGIES)
 messages = st.one_of(*MESSAGE_STRATEGIES.values())
 
 # The wire kind of each field after the message type, as the message docstrings describe.
 FIELD_KINDS: dict[type[Any], tuple[str, ...]] = {
-    ClientHello: ("version", "str"),
+    ClientHello: ("version", "str", "opt_str"),
     ServerHello: ("version", "str", "uint", "uint"),
     Subscribe: ("str", "uint", "str", "opt_str"),
     Subscribed: ("str", "uint", "uint"),
@@ -148,7 +150,10 @@ FIELD_KINDS: dict[type[Any], tuple[str, ...]] = {
     StatusReport: ("map",),
     Error: ("uint", "str", "map"),
     ReportPosition: ("str", "str", "uint"),
+    Authenticated: ("opt_str",),
 }
+# Trailing fields a frame may leave out when nil ("Handshake": CLIENT_HELLO's token).
+OMISSIBLE: dict[type[Any], int] = {ClientHello: 1}
 not_str = st.one_of(
     st.binary(max_size=8),
     msgpack_ints,
@@ -560,8 +565,10 @@ def test_wrong_field_count_is_malformed(cls: type[Any], data: st.DataObject) -> 
 @given(data=st.data())
 def test_hello_with_wrong_field_count_is_malformed(cls: type[Any], data: st.DataObject) -> None:
     items = msgpack.unpackb(body_of(data.draw(MESSAGE_STRATEGIES[cls])))
+    full = 1 + len(FIELD_KINDS[cls])
+    items += [None] * (full - len(items))  # omitted nil fields written out
     if data.draw(st.booleans(), label="drop"):
-        del items[data.draw(st.integers(2, len(items) - 1)) :]
+        del items[data.draw(st.integers(2, full - 1 - OMISSIBLE.get(cls, 0))) :]
     else:
         items.append(data.draw(values))
     assert decode_error(packb(items)).code is ErrorCode.MALFORMED_FRAME
@@ -576,6 +583,7 @@ def test_hello_with_wrong_field_count_is_malformed(cls: type[Any], data: st.Data
 def test_wrong_field_type_is_malformed(cls: type[Any], data: st.DataObject) -> None:
     items = msgpack.unpackb(body_of(data.draw(MESSAGE_STRATEGIES[cls])))
     kinds = FIELD_KINDS[cls]
+    items += [None] * (1 + len(kinds) - len(items))  # omitted nil fields written out
     index = data.draw(
         st.sampled_from([i for i, kind in enumerate(kinds) if kind != "version"]), label="field"
     )
@@ -755,6 +763,78 @@ def ready_server() -> ServerConnection:
     assert server.next_event() == ClientHello(PROTOCOL_VERSION, "client")
     assert server.their_state is State.READY
     return server
+
+
+# "Authentication": a token in CLIENT_HELLO, answered with AUTHENTICATED before all else.
+
+
+def test_hello_without_token_is_the_frame_old_clients_send() -> None:
+    old = bytes.fromhex("00000008930101a464656d6f")  # docs/protocol.md, "Worked example"
+    assert encode(ClientHello(PROTOCOL_VERSION, "demo")) == old
+    assert decode_message(old[4:]) == ClientHello(PROTOCOL_VERSION, "demo", None)
+    with_token = decode_message(body_of(ClientHello(PROTOCOL_VERSION, "demo", "billing:ab")))
+    assert with_token == ClientHello(PROTOCOL_VERSION, "demo", "billing:ab")
+
+
+def test_server_answers_a_token_first_and_once() -> None:
+    server = ServerConnection()
+    server.send(ServerHello(PROTOCOL_VERSION, "producer", 1, DEFAULT_MAX_FRAME_SIZE))
+    with pytest.raises(LocalProtocolError, match="only after a CLIENT_HELLO with a token"):
+        server.send(Authenticated("billing"))
+    server.receive_data(encode(ClientHello(PROTOCOL_VERSION, "c", "billing:ab")))
+    server.next_event()
+    with pytest.raises(LocalProtocolError, match="before anything else"):
+        server.send(StreamInfo("orders", 1, 1))
+    with pytest.raises(LocalProtocolError, match="cannot send RECORDS"):
+        server.send_records([])
+    server.send(Authenticated("billing"))
+    with pytest.raises(LocalProtocolError, match="sent once"):
+        server.send(Authenticated("billing"))
+    server.send(StreamInfo("orders", 1, 1))
+    assert ready_server().authenticated_owed is False  # no token, nothing owed
+
+
+def test_server_may_refuse_a_token_with_error() -> None:
+    server = ServerConnection()
+    server.receive_data(encode(ClientHello(PROTOCOL_VERSION, "c", "bad")))
+    server.next_event()
+    server.send(ServerHello(PROTOCOL_VERSION, "producer", 1, DEFAULT_MAX_FRAME_SIZE))
+    server.send(Error(int(ErrorCode.AUTHENTICATION_FAILED), "invalid token", {}))
+    assert server.our_state is State.CLOSED
+
+
+@pytest.mark.parametrize("token", [None, "billing:ab"])
+def test_client_expects_authenticated_exactly_when_it_sent_a_token(token: str | None) -> None:
+    client = ClientConnection()
+    client.send(ClientHello(PROTOCOL_VERSION, "c", token))
+    client.send(GetHead("orders"))  # pipelined before the answer to the token
+    hello = ServerHello(PROTOCOL_VERSION, "producer", 1, DEFAULT_MAX_FRAME_SIZE)
+    client.receive_data(encode(hello) + encode(StreamInfo("orders", 1, 1)))
+    assert client.next_event() == hello
+    error = remote_error(client.next_event) if token else None
+    if error is not None:
+        assert error.code is ErrorCode.UNEXPECTED_MESSAGE
+        assert "expected AUTHENTICATED" in str(error)
+        return
+    client.receive_data(encode(Authenticated("billing")))
+    assert client.next_event() == StreamInfo("orders", 1, 1)
+    error = remote_error(client.next_event)
+    assert "no AUTHENTICATED (no token was sent)" in str(error)
+
+
+def test_client_reads_authenticated_then_responses() -> None:
+    client = ClientConnection()
+    client.send(ClientHello(PROTOCOL_VERSION, "c", "billing:ab"))
+    client.send(GetHead("orders"))
+    hello = ServerHello(PROTOCOL_VERSION, "producer", 1, DEFAULT_MAX_FRAME_SIZE)
+    client.receive_data(
+        encode(hello) + encode(Authenticated("billing")) + encode(StreamInfo("orders", 1, 1))
+    )
+    assert [client.next_event() for _ in range(3)] == [
+        hello,
+        Authenticated("billing"),
+        StreamInfo("orders", 1, 1),
+    ]
 
 
 def ready_client(*requests: Message) -> ClientConnection:
@@ -1263,6 +1343,10 @@ def test_connected_pair_delivers_every_message_as_sent(data: st.DataObject) -> N
         client_sends(client_hello)
         some_traffic()
         server_sends(server_hello)
+    if client_hello.token is not None:
+        # "Authentication": the server answers a token, once it has read it, before all else.
+        to_server.deliver(data, everything=True)
+        server_sends(data.draw(MESSAGE_STRATEGIES[Authenticated], label="authenticated"))
     some_traffic()
     if maybe_error():
         return
