@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck bench bench-quick clean
+.PHONY: demo test lint typecheck bench bench-quick soak fuzz clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,9 @@ bench: $(STAMP)  # every workload at full size, against a real Kafka broker
 
 bench-quick: $(STAMP)  # every workload at small size, in a few minutes
 	$(BIN)/python -m bench --quick
+
+soak: $(STAMP)  # the crash test run after run: >= 1,000 kill -9 cycles, at most 30 min
+	$(BIN)/python -m tests.soak --kills 1000 --max-seconds 1800
 
 lint: $(STAMP)
 	$(BIN)/ruff check streamq spark_source bench tests
