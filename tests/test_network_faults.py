@@ -1,0 +1,185 @@
+"""Network faults between consumer and producer, through tests/faultproxy.py on loopback.
+
+For each toxic: a producer publishes (some transactions rolled back) while a consumer,
+connected through the proxy, applies with the oracle's non-idempotent effect; the toxic
+strikes for a while, then clears. The consumer must catch up with the head within a
+bounded time after the fault clears, and the oracle must find nothing: no record lost,
+duplicated, reordered or phantom, position and sum in agreement with the effects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sqlite3
+import time
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from streamq import Consumer, Producer, ServerSettings
+from streamq.consumer import parse_address
+
+from .conftest import wait_for
+from .faultproxy import (
+    Bandwidth,
+    FaultProxy,
+    Latency,
+    LimitData,
+    ResetPeer,
+    Slicer,
+    SlowClose,
+    Stall,
+    Toxic,
+)
+from .oracle import (
+    ADD_TO_SUM,
+    APPLY_ROWS,
+    EFFECT_SCHEMA,
+    History,
+    amount,
+    check,
+    read_effects,
+    read_log,
+)
+
+STREAM = "orders"
+NAME = "billing"
+# Small timeouts, so that faults are noticed quickly; recovery must follow within this.
+SETTINGS = ServerSettings(heartbeat_interval=0.1, handshake_timeout=1.0, idle_timeout=1.0)
+HEARTBEAT_TIMEOUT = 0.5
+CONNECT_TIMEOUT = 0.5
+RECOVERY_BOUND = 10.0  # seconds from the fault clearing to the consumer reaching the head
+
+
+class Pipeline:
+    """A producer, the proxy in front of it, and a consumer applying through the proxy."""
+
+    def __init__(self, tmp_path: Path, seed: int) -> None:
+        self.producer_db = str(tmp_path / "producer.db")
+        self.consumer_db = str(tmp_path / "consumer.db")
+        self.rng = random.Random(seed)
+        self.history = History(complete=True)
+        self.producer: Producer | None = None
+        self.port = 0
+        with sqlite3.connect(self.consumer_db) as db:
+            for statement in EFFECT_SCHEMA:
+                db.execute(statement)
+        db.close()
+
+    async def start_producer(self) -> Producer:
+        self.producer = Producer(self.producer_db, port=self.port, settings=SETTINGS)
+        await self.producer.start()
+        self.port = parse_address(self.producer.address)[1]
+        await self.producer.create_stream(STREAM)
+        return self.producer
+
+    async def publish(self, transactions: int, pause: float = 0.0) -> None:
+        """Transactions of 1 to 20 records, one in eight rolled back after publishing."""
+        assert self.producer is not None
+        for _ in range(transactions):
+            values = [b"v%d:%d" % (self.rng.randrange(10**6), self.rng.randint(1, 999))]
+            values *= self.rng.randint(1, 20)
+            roll_back = self.rng.random() < 0.125
+            try:
+                async with self.producer.transaction() as tx:
+                    seqs = await tx.publish_many(STREAM, values)
+                    for seq, value in zip(seqs, values, strict=True):
+                        self.history.attempt(seq, value)
+                    if roll_back:
+                        raise _RolledBack
+            except _RolledBack:
+                continue
+            self.history.acknowledged.update(zip(seqs, values, strict=True))
+            await asyncio.sleep(pause)
+
+    async def apply(self, consumer: Consumer) -> None:
+        async for batch in consumer:
+            rows = [(record.seq, record.value) for record in batch]
+            self.history.pushed.extend(rows)
+            async with consumer.transaction(batch) as tx:
+                await tx.executemany(APPLY_ROWS, rows)
+                await tx.execute(ADD_TO_SUM, (sum(amount(value) for _, value in rows),))
+
+    def check(self) -> None:
+        history = self.history
+        history.committed = read_log(self.producer_db, STREAM)
+        history.applied, history.position, history.stored_sum = read_effects(
+            self.consumer_db, NAME, STREAM
+        )
+        report = check(history)
+        assert report.ok and report.records == len(history.acknowledged) > 0, report
+        print(f"{report} ", end="")
+
+
+class _RolledBack(Exception):
+    pass
+
+
+# A link that breaks every connection: reconnects back off (0.05 s doubling), not a storm.
+MAX_FLAPPING_RECONNECTS = 12
+
+# name -> (toxic, how long it holds, the proxy statistic showing it struck, reconnects expected)
+TOXICS: dict[str, tuple[Callable[[], Toxic], float, str, bool]] = {
+    "latency": (lambda: Latency(0.05, jitter=0.04), 0.4, "delayed chunks", False),
+    "bandwidth": (lambda: Bandwidth(20_000), 0.4, "throttled bytes", False),
+    "slicer": (lambda: Slicer(1), 0.4, "slices", False),
+    "stall": (lambda: Stall(), 1.0, "stalled chunks", True),
+    "reset mid-frame": (lambda: ResetPeer(after=150), 0.5, "resets", True),
+    "close after N bytes": (lambda: LimitData(after=150), 0.5, "limited closes", True),
+    "slow close": (lambda: SlowClose(1.0), 0.3, "slow closes", True),
+}
+
+
+@pytest.mark.parametrize("name", list(TOXICS))
+async def test_consumer_recovers_from_network_fault(tmp_path: Path, name: str) -> None:
+    make_toxic, hold, statistic, reconnects = TOXICS[name]
+    pipeline = Pipeline(tmp_path, seed=zlib.crc32(name.encode()))
+    producer = await pipeline.start_producer()
+    try:
+        async with FaultProxy("127.0.0.1", pipeline.port) as proxy:
+            consumer = Consumer(
+                proxy.address,
+                STREAM,
+                db=pipeline.consumer_db,
+                name=NAME,
+                heartbeat_timeout=HEARTBEAT_TIMEOUT,
+                connect_timeout=CONNECT_TIMEOUT,
+            )
+            async with consumer:
+                applier = asyncio.create_task(pipeline.apply(consumer))
+                try:
+                    await pipeline.publish(10)
+                    await wait_for(lambda: consumer.applied == producer.head(STREAM), 10)
+
+                    proxy.toxic = make_toxic()
+                    if name == "slow close":  # a close to slow down: the producer restarts
+                        await producer.close()
+                        producer = await pipeline.start_producer()
+                    deadline = time.monotonic() + hold
+                    while time.monotonic() < deadline:
+                        await pipeline.publish(1, pause=0.02)
+                    proxy.toxic = None
+                    cleared = time.monotonic()
+
+                    await pipeline.publish(5)
+                    await wait_for(
+                        lambda: consumer.applied == producer.head(STREAM),
+                        RECOVERY_BOUND,
+                        f"the consumer to catch up after {name}",
+                    )
+                    recovery = time.monotonic() - cleared
+                finally:
+                    applier.cancel()
+                    await asyncio.gather(applier, return_exceptions=True)
+        assert proxy.stats[statistic] > 0, proxy.stats
+        assert (consumer.reconnects > 0) == reconnects, (consumer.reconnects, proxy.stats)
+        assert consumer.reconnects <= MAX_FLAPPING_RECONNECTS, (consumer.reconnects, proxy.stats)
+    finally:
+        await producer.close()
+    pipeline.check()
+    print(
+        f"{name}: {dict(proxy.stats)}, {consumer.reconnects} reconnects, caught up {recovery:.2f} s"
+    )
