@@ -139,7 +139,16 @@ class Server:
         self.address = ""  # host:port, once started
 
     async def start(self, host: str, port: int) -> None:
-        self._server = await asyncio.start_server(self._on_connection, host, port, limit=_READ_SIZE)
+        # A listen backlog as deep as the connection cap (the kernel caps it at somaxconn):
+        # with asyncio's default of 100, a burst of connections overflows the accept queue
+        # and every connect beyond it waits for a SYN retransmit (1 s, then 3 s, ...).
+        self._server = await asyncio.start_server(
+            self._on_connection,
+            host,
+            port,
+            limit=_READ_SIZE,
+            backlog=max(100, self.settings.max_connections),
+        )
         bound_host, bound_port = self._server.sockets[0].getsockname()[:2]
         self.address = (
             f"[{bound_host}]:{bound_port}" if ":" in bound_host else f"{bound_host}:{bound_port}"

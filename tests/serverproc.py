@@ -7,6 +7,7 @@ VmHWM, the peak) is its own, not the test's or hypothesis's.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ from pathlib import Path
 from types import TracebackType
 
 from bench.common import proc_kib
+from streamq.protocol import PROTOCOL_VERSION, ClientConnection, ClientHello, Records, Subscribe
 
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAM = Path(__file__).resolve().parent / "crash" / "server_proc.py"
@@ -69,3 +71,31 @@ class ServerProc:
     ) -> None:
         self.popen.kill()
         self.popen.wait(timeout=10)
+
+
+class Subscriber:
+    """A well-behaved blocking subscriber that must keep receiving throughout."""
+
+    def __init__(self, address: str, stream: str = "orders") -> None:
+        host, port = address.rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)), timeout=10)
+        self.conn = ClientConnection()
+        self.sock.sendall(self.conn.send(ClientHello(PROTOCOL_VERSION, "bystander")))
+        self.sock.sendall(self.conn.send(Subscribe(stream, 1, "bystander", None)))
+        self.last = 0
+
+    def __enter__(self) -> Subscriber:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.sock.close()
+
+    def receive_until(self, seq: int) -> None:
+        while self.last < seq:
+            message = self.conn.next_event()
+            if message is None:
+                data = self.sock.recv(65536)
+                assert data, "the server closed the bystander's subscription"
+                self.conn.receive_data(data)
+            elif isinstance(message, Records) and message.records:
+                self.last = message.records[-1].seq

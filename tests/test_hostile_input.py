@@ -14,10 +14,12 @@ receiving; nothing persisted changes; memory stays under a cap.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import struct
 import time
+import tracemalloc
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +31,7 @@ from hypothesis import strategies as st
 
 import streamq
 from streamq import SyncProducer
-from streamq.errors import ErrorCode
+from streamq.errors import ErrorCode, RemoteProtocolError
 from streamq.protocol import (
     PROTOCOL_VERSION,
     Ack,
@@ -46,6 +48,7 @@ from streamq.protocol import (
     RangeEnd,
     Records,
     ReportPosition,
+    ServerConnection,
     ServerHello,
     StreamInfo,
     Subscribe,
@@ -56,7 +59,7 @@ from streamq.protocol import (
 )
 
 from .oracle import read_log
-from .serverproc import ServerProc
+from .serverproc import ServerProc, Subscriber
 
 STREAM = "orders"
 HEAD = 20
@@ -150,28 +153,6 @@ sessions = st.builds(
 # --- the server under attack ---------------------------------------------------------
 
 
-class Subscriber:
-    """A well-behaved blocking subscriber that must keep receiving throughout."""
-
-    def __init__(self, address: str) -> None:
-        host, port = address.rsplit(":", 1)
-        self.sock = socket.create_connection((host, int(port)), timeout=10)
-        self.conn = ClientConnection()
-        self.sock.sendall(self.conn.send(ClientHello(PROTOCOL_VERSION, "bystander")))
-        self.sock.sendall(self.conn.send(Subscribe(STREAM, 1, "bystander", None)))
-        self.last = 0
-
-    def receive_until(self, seq: int) -> None:
-        while self.last < seq:
-            message = self.conn.next_event()
-            if message is None:
-                data = self.sock.recv(65536)
-                assert data, "the server closed the bystander's subscription"
-                self.conn.receive_data(data)
-            elif isinstance(message, Records) and message.records:
-                self.last = message.records[-1].seq
-
-
 @pytest.fixture(scope="module")
 def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProc, Path]]:
     db = tmp_path_factory.mktemp("hostile") / "producer.db"
@@ -260,3 +241,34 @@ def test_hostile_sessions_against_a_real_server(target: tuple[ServerProc, Path])
         f"{stats['errors']} ERRORs, 0 internal errors; server RSS +{growth} KiB, "
         f"peak {peak // 1024} MiB"
     )
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        struct.pack(">I", 16 * 1024 * 1024),  # a valid length prefix and no body yet
+        struct.pack(">I", 16 * 1024 * 1024) + b"\x92\x07",  # and the first bytes of one
+        frame(b"\x92\x07\xdd\xff\xff\xff\xff"),  # array32 claiming 2**32-1 elements
+        frame(b"\x92\x0f\xdf\xff\xff\xff\xff"),  # map32
+        frame(b"\x92\x08\xdb\xff\xff\xff\xff"),  # str32
+        frame(b"\x92\x05\x91\x95\x01\x00\xc0\xc6\xff\xff\xff\xff"),  # bin32
+        frame(b"\x92\x05\xdd\x00\xff\xff\xff" + b"\x95\x01\x00\xc0\xc4\x00\x80"),  # 16M records
+    ],
+    ids=["prefix", "prefix-and-start", "array32", "map32", "str32", "bin32", "records-array"],
+)
+def test_decoder_allocates_nothing_from_an_untrusted_header(data: bytes) -> None:
+    """Memory follows the bytes received, never a length or count the peer claims."""
+    tracemalloc.start()
+    try:
+        for conn in (ServerConnection(), ClientConnection()):
+            if isinstance(conn, ServerConnection):
+                conn.receive_data(HELLO)
+                assert isinstance(conn.next_event(), ClientHello)
+            conn.receive_data(data)
+            with contextlib.suppress(RemoteProtocolError):
+                while conn.next_event() is not None:
+                    pass
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 1024, f"peak {peak} bytes for {len(data)} bytes of input"
