@@ -8,11 +8,14 @@ acknowledged that was not committed.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import resource
 import selectors
 import socket
+import sqlite3
 import struct
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -21,7 +24,7 @@ from pathlib import Path
 import pytest
 
 import streamq
-from streamq import SyncProducer
+from streamq import Consumer, Producer, SyncProducer
 from streamq.errors import ErrorCode
 from streamq.protocol import (
     PROTOCOL_VERSION,
@@ -39,7 +42,9 @@ from streamq.protocol import (
 )
 from streamq.server import MAX_REPORTED_POSITIONS
 
+from .conftest import wait_for
 from .oracle import read_log
+from .pipeline import NAME, Pipeline
 from .serverproc import ServerProc, Subscriber
 
 STREAM = "orders"
@@ -245,3 +250,102 @@ def test_many_reported_names_do_not_grow_the_server(tmp_path: Path) -> None:
         f"reader-{n}" for n in range(names - MAX_REPORTED_POSITIONS, names)
     }
     assert read_log(db, STREAM) == {n + 1: b"%d" % n for n in range(20)}  # nothing persisted
+
+
+# --- the producer's disk fills up mid-commit ---------------------------------------
+
+
+class Disk:
+    """A small disk for the producer's database, which the test fills and frees.
+
+    A tmpfs of a few MiB mounted in the test's folder (the tests run as root), filled
+    with a file up to ENOSPC. Where mounting is not permitted, SQLite's
+    ``PRAGMA max_page_count`` on the producer's writer connection simulates it.
+    """
+
+    def __init__(self, path: Path, try_mount: bool) -> None:
+        self.path = path
+        path.mkdir()
+        mount = ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(path)]
+        self.mounted = try_mount and subprocess.run(mount, capture_output=True).returncode == 0
+        self.filler = path / "filler"
+        self._page_limit: tuple[Producer, int] | None = None
+
+    async def fill(self, producer: Producer) -> None:
+        if not self.mounted:
+            conn = producer._conn  # the simulation needs the writer connection itself
+            (pages,) = (await conn.execute_fetchall("PRAGMA page_count"))[0]
+            (limit,) = (await conn.execute_fetchall("PRAGMA max_page_count"))[0]
+            await conn.execute(f"PRAGMA max_page_count = {pages + 1}")
+            self._page_limit = (producer, int(limit))
+            return
+        with self.filler.open("wb") as f, contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+
+    async def free(self) -> None:
+        if self._page_limit is not None:
+            producer, limit = self._page_limit
+            await producer._conn.execute(f"PRAGMA max_page_count = {limit}")
+            self._page_limit = None
+        self.filler.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        if self.mounted:
+            subprocess.run(["umount", "-l", str(self.path)], check=True)
+
+
+@pytest.fixture(params=["tmpfs", "max_page_count"])
+def disk(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Disk]:
+    disk = Disk(tmp_path / "disk", try_mount=request.param == "tmpfs")
+    yield disk
+    disk.close()
+
+
+async def test_disk_full_mid_commit(tmp_path: Path, disk: Disk) -> None:
+    pipeline = Pipeline(tmp_path, seed=7, producer_db=disk.path / "producer.db")
+    producer = await pipeline.start_producer()
+    failures = 0
+    try:
+        async with Consumer(
+            producer.address, STREAM, db=pipeline.consumer_db, name=NAME
+        ) as consumer:
+            applier = asyncio.create_task(pipeline.apply(consumer))
+            try:
+                await pipeline.publish(20)
+                await disk.fill(producer)
+                # Publish until the disk refuses several transactions in a row.
+                streak = 0
+                for _ in range(400):
+                    try:
+                        await pipeline.publish(1, size=2000)
+                        streak = 0
+                    except sqlite3.OperationalError as exc:
+                        assert "full" in str(exc), exc
+                        failures += 1
+                        streak += 1
+                        if streak == 5:
+                            break
+                assert streak == 5, f"the disk never filled ({failures} failures)"
+                # Nothing acknowledged that was not committed; the consumer still follows.
+                acknowledged = max(pipeline.history.acknowledged)
+                assert producer.head(STREAM) == acknowledged
+                await wait_for(lambda: consumer.applied == acknowledged, 10, "catch up")
+
+                await disk.free()  # space returns: the producer commits again
+                await pipeline.publish(20, size=2000)
+                assert producer.head(STREAM) == max(pipeline.history.acknowledged)
+                await wait_for(lambda: consumer.applied == producer.head(STREAM), 10, "resume")
+            finally:
+                applier.cancel()
+                await asyncio.gather(applier, return_exceptions=True)
+    finally:
+        await producer.close()
+    report = pipeline.check()
+    assert set(pipeline.history.committed) == set(pipeline.history.acknowledged), report
+    # A restart finds the same head: what failed was never half-written.
+    async with Producer(pipeline.producer_db, serve=False) as reopened:
+        assert reopened.head(STREAM) == max(pipeline.history.acknowledged)
+    how = "a 4 MiB tmpfs, filled" if disk.mounted else "PRAGMA max_page_count"
+    print(f"disk full ({how}): {failures} transactions refused, {report}")

@@ -10,8 +10,6 @@ duplicated, reordered or phantom, position and sum in agreement with the effects
 from __future__ import annotations
 
 import asyncio
-import random
-import sqlite3
 import time
 import zlib
 from collections.abc import Callable
@@ -19,8 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from streamq import Consumer, Producer, ServerSettings
-from streamq.consumer import parse_address
+from streamq import Consumer
 
 from .conftest import wait_for
 from .faultproxy import (
@@ -34,89 +31,11 @@ from .faultproxy import (
     Stall,
     Toxic,
 )
-from .oracle import (
-    ADD_TO_SUM,
-    APPLY_ROWS,
-    EFFECT_SCHEMA,
-    History,
-    amount,
-    check,
-    read_effects,
-    read_log,
-)
+from .pipeline import NAME, STREAM, Pipeline
 
-STREAM = "orders"
-NAME = "billing"
-# Small timeouts, so that faults are noticed quickly; recovery must follow within this.
-SETTINGS = ServerSettings(heartbeat_interval=0.1, handshake_timeout=1.0, idle_timeout=1.0)
 HEARTBEAT_TIMEOUT = 0.5
 CONNECT_TIMEOUT = 0.5
 RECOVERY_BOUND = 10.0  # seconds from the fault clearing to the consumer reaching the head
-
-
-class Pipeline:
-    """A producer, the proxy in front of it, and a consumer applying through the proxy."""
-
-    def __init__(self, tmp_path: Path, seed: int) -> None:
-        self.producer_db = str(tmp_path / "producer.db")
-        self.consumer_db = str(tmp_path / "consumer.db")
-        self.rng = random.Random(seed)
-        self.history = History(complete=True)
-        self.producer: Producer | None = None
-        self.port = 0
-        with sqlite3.connect(self.consumer_db) as db:
-            for statement in EFFECT_SCHEMA:
-                db.execute(statement)
-        db.close()
-
-    async def start_producer(self) -> Producer:
-        self.producer = Producer(self.producer_db, port=self.port, settings=SETTINGS)
-        await self.producer.start()
-        self.port = parse_address(self.producer.address)[1]
-        await self.producer.create_stream(STREAM)
-        return self.producer
-
-    async def publish(self, transactions: int, pause: float = 0.0) -> None:
-        """Transactions of 1 to 20 records, one in eight rolled back after publishing."""
-        assert self.producer is not None
-        for _ in range(transactions):
-            values = [b"v%d:%d" % (self.rng.randrange(10**6), self.rng.randint(1, 999))]
-            values *= self.rng.randint(1, 20)
-            roll_back = self.rng.random() < 0.125
-            try:
-                async with self.producer.transaction() as tx:
-                    seqs = await tx.publish_many(STREAM, values)
-                    for seq, value in zip(seqs, values, strict=True):
-                        self.history.attempt(seq, value)
-                    if roll_back:
-                        raise _RolledBack
-            except _RolledBack:
-                continue
-            self.history.acknowledged.update(zip(seqs, values, strict=True))
-            await asyncio.sleep(pause)
-
-    async def apply(self, consumer: Consumer) -> None:
-        async for batch in consumer:
-            rows = [(record.seq, record.value) for record in batch]
-            self.history.pushed.extend(rows)
-            async with consumer.transaction(batch) as tx:
-                await tx.executemany(APPLY_ROWS, rows)
-                await tx.execute(ADD_TO_SUM, (sum(amount(value) for _, value in rows),))
-
-    def check(self) -> None:
-        history = self.history
-        history.committed = read_log(self.producer_db, STREAM)
-        history.applied, history.position, history.stored_sum = read_effects(
-            self.consumer_db, NAME, STREAM
-        )
-        report = check(history)
-        assert report.ok and report.records == len(history.acknowledged) > 0, report
-        print(f"{report} ", end="")
-
-
-class _RolledBack(Exception):
-    pass
-
 
 # A link that breaks every connection: reconnects back off (0.05 s doubling), not a storm.
 MAX_FLAPPING_RECONNECTS = 12
@@ -179,7 +98,8 @@ async def test_consumer_recovers_from_network_fault(tmp_path: Path, name: str) -
         assert consumer.reconnects <= MAX_FLAPPING_RECONNECTS, (consumer.reconnects, proxy.stats)
     finally:
         await producer.close()
-    pipeline.check()
+    report = pipeline.check()
     print(
-        f"{name}: {dict(proxy.stats)}, {consumer.reconnects} reconnects, caught up {recovery:.2f} s"
+        f"{name}: {dict(proxy.stats)}, {consumer.reconnects} reconnects, "
+        f"caught up {recovery:.2f} s after the fault cleared; {report}"
     )
