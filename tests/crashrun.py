@@ -457,9 +457,10 @@ def seed_from_env() -> int:
 
 
 def describe(figures: Figures) -> str:
+    """One run's figures, as the suites print them."""
     faults = ", ".join(f"{kind} {n}" for kind, n in sorted(figures.faults.items()))
     return (
-        f"seed {figures.seed}: {figures.kills} kills, {sum(figures.faults.values())} faults "
-        f"({faults}), {figures.records} records checked {figures.checks} times, "
-        f"{figures.anomalies} anomalies, {figures.seconds:.1f} s"
+        f"faults injected {sum(figures.faults.values())} ({figures.kills} kills; {faults}), "
+        f"records checked {figures.records} (oracle run {figures.checks} times), "
+        f"anomalies {figures.anomalies}; seed {figures.seed}, {figures.seconds:.1f} s"
     )

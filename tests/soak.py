@@ -51,9 +51,9 @@ def main() -> int:
     elapsed = time.monotonic() - started
     by_kind = ", ".join(f"{kind} {n}" for kind, n in sorted(faults.items()))
     print(
-        f"soak: {runs} runs, {kills} kill cycles, {sum(faults.values())} faults injected "
-        f"({by_kind}), {records} records checked (oracle run {checks} times), "
-        f"{anomalies} anomalies, {elapsed:.0f} s"
+        f"soak: runs {runs}, kill cycles {kills}, faults injected {sum(faults.values())} "
+        f"({by_kind}), records checked {records} (oracle run {checks} times), "
+        f"anomalies {anomalies}; {elapsed:.0f} s"
     )
     return 0 if anomalies == 0 and kills >= args.kills else 1
 

@@ -9,6 +9,7 @@ harness for at least 1,000 kill cycles.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,15 +18,17 @@ from .crashrun import CONSUMER_FAULTS, CrashRun, Plan, describe, seed_from_env
 
 
 @pytest.mark.timeout(150)
-def test_exactly_once_under_kill_9_and_pauses(tmp_path: Path) -> None:
+def test_exactly_once_under_kill_9_and_pauses(
+    tmp_path: Path, figures: Callable[[str], None]
+) -> None:
     plan = Plan()
     run = CrashRun(tmp_path, seed_from_env(), plan)
-    figures = run.run()
+    result = run.run()
     context = run.context()
-    faults = figures.faults
+    faults = result.faults
 
     # Every planned fault was delivered, and the oracle found nothing.
-    assert figures.anomalies == 0 and figures.records == plan.total, context
+    assert result.anomalies == 0 and result.records == plan.total, context
     assert run.consumer_kills() >= plan.consumer_kills, context
     for point in CONSUMER_FAULTS[1:]:
         assert faults[f"consumer {point}"] >= 3, context
@@ -34,5 +37,5 @@ def test_exactly_once_under_kill_9_and_pauses(tmp_path: Path) -> None:
     assert producer_kills - faults["producer pause"] >= len(plan.producer_lives), context
     assert faults["producer mid-tx"] >= 1 and faults["producer mid-push"] >= 1, context
     assert faults["producer pause"] == faults["consumer pause"] == 1, context
-    assert figures.checks > plan.consumer_kills, context
-    print(f"crash test: {describe(figures)}")
+    assert result.checks > plan.consumer_kills, context
+    figures("runs 1, " + describe(result))

@@ -20,7 +20,7 @@ import socket
 import struct
 import time
 import tracemalloc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -199,7 +199,9 @@ def check_answers(received: list[Message]) -> None:
         assert code is not ErrorCode.INTERNAL_ERROR, error
 
 
-def test_hostile_sessions_against_a_real_server(target: tuple[ServerProc, Path]) -> None:
+def test_hostile_sessions_against_a_real_server(
+    target: tuple[ServerProc, Path], figures: Callable[[str], None]
+) -> None:
     server, db = target
     address = server.address
     before = read_log(db, STREAM)
@@ -236,10 +238,11 @@ def test_hostile_sessions_against_a_real_server(target: tuple[ServerProc, Path])
     assert server.alive(), server.output()
     growth, peak = server.rss_kib() - rss_before, server.peak_kib()
     assert growth * 1024 < RSS_GROWTH_CAP and peak * 1024 < RSS_PEAK_CAP, (growth, peak)
-    print(
-        f"hostile input: {stats['sessions']} sessions, {stats['bytes']} bytes, "
-        f"{stats['errors']} ERRORs, 0 internal errors; server RSS +{growth} KiB, "
-        f"peak {peak // 1024} MiB"
+    figures(
+        f"runs {stats['sessions']} (hostile sessions of {stats['bytes']} bytes in all), "
+        f"faults injected {stats['sessions']}, records checked {len(before)} (unchanged), "
+        f"anomalies 0 ({stats['errors']} ERROR frames, none INTERNAL_ERROR, no crash); "
+        f"server RSS +{growth} KiB, peak {peak // 1024} MiB"
     )
 
 

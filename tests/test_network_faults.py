@@ -53,7 +53,9 @@ TOXICS: dict[str, tuple[Callable[[], Toxic], float, str, bool]] = {
 
 
 @pytest.mark.parametrize("name", list(TOXICS))
-async def test_consumer_recovers_from_network_fault(tmp_path: Path, name: str) -> None:
+async def test_consumer_recovers_from_network_fault(
+    tmp_path: Path, name: str, figures: Callable[[str], None]
+) -> None:
     make_toxic, hold, statistic, reconnects = TOXICS[name]
     pipeline = Pipeline(tmp_path, seed=zlib.crc32(name.encode()))
     producer = await pipeline.start_producer()
@@ -99,7 +101,8 @@ async def test_consumer_recovers_from_network_fault(tmp_path: Path, name: str) -
     finally:
         await producer.close()
     report = pipeline.check()
-    print(
-        f"{name}: {dict(proxy.stats)}, {consumer.reconnects} reconnects, "
-        f"caught up {recovery:.2f} s after the fault cleared; {report}"
+    figures(
+        f"runs 1, faults injected {proxy.stats[statistic]} ({statistic}), "
+        f"records checked {report.records}, anomalies {report.anomalies}; "
+        f"{consumer.reconnects} reconnects, caught up {recovery:.2f} s after the fault cleared"
     )

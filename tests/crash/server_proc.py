@@ -23,7 +23,8 @@ STREAM = "orders"
 async def main(args: argparse.Namespace) -> None:
     # Room for every connection the test opens (the hard limit is the container's).
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 65536)), hard))
+    room = 8192 if hard == resource.RLIM_INFINITY else min(hard, 8192)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, room), hard))
     settings = streamq.ServerSettings(
         max_frame_size=args.max_frame_size,
         max_batch_bytes=min(1024 * 1024, args.max_frame_size // 2),
