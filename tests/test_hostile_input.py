@@ -199,6 +199,50 @@ def check_answers(received: list[Message]) -> None:
         assert code is not ErrorCode.INTERNAL_ERROR, error
 
 
+SUBSCRIBE = encode(Subscribe(STREAM, 1, "hostile", None))
+OUT_OF_ORDER: dict[str, tuple[bytes, ErrorCode | type[Message]]] = {
+    # name -> (bytes after the hello, the ERROR code expected, or the last message type)
+    "ack before subscribe": (encode(Ack(3)), ErrorCode.UNEXPECTED_MESSAGE),
+    "two subscribes": (SUBSCRIBE + SUBSCRIBE, ErrorCode.UNEXPECTED_MESSAGE),
+    "request after subscribe": (SUBSCRIBE + encode(GetHead(STREAM)), ErrorCode.UNEXPECTED_MESSAGE),
+    "hello twice": (HELLO, ErrorCode.UNEXPECTED_MESSAGE),
+    "server message from a client": (encode(Heartbeat(1)), ErrorCode.UNEXPECTED_MESSAGE),
+    "negative ack": (SUBSCRIBE + frame(msgpack.packb([7, -1])), ErrorCode.MALFORMED_FRAME),
+    "negative start": (
+        frame(msgpack.packb([3, STREAM, -5, "hostile", None])),
+        ErrorCode.MALFORMED_FRAME,
+    ),
+    "subscribe in the future": (
+        encode(Subscribe(STREAM, 2**63 - 1, "hostile", None)),
+        ErrorCode.OFFSET_OUT_OF_RANGE,
+    ),
+    "range in the future": (
+        encode(GetRange(STREAM, 2**40, 2**63 - 1)),
+        ErrorCode.OFFSET_OUT_OF_RANGE,
+    ),
+    # ACKs and reported positions are informational: accepted, and they change nothing.
+    "ack in the future": (SUBSCRIBE + encode(Ack(2**63 - 1)), Records),
+    "report a future position": (encode(ReportPosition(STREAM, "h", 2**63 - 1)), StreamInfo),
+}
+
+
+@pytest.mark.parametrize("case", list(OUT_OF_ORDER))
+def test_requests_out_of_protocol_order(target: tuple[ServerProc, Path], case: str) -> None:
+    server, db = target
+    before = read_log(db, STREAM)
+    data, expected = OUT_OF_ORDER[case]
+    received = attack(server.address, Session(True, (data,), ()))
+    check_answers(received)
+    last = received[-1]
+    if isinstance(expected, ErrorCode):
+        assert isinstance(last, Error) and last.code == expected, received
+    else:
+        assert isinstance(last, expected), received
+    assert read_log(db, STREAM) == before
+    with streamq.Client(server.address) as client:
+        assert client.head(STREAM).head == len(before)
+
+
 def test_hostile_sessions_against_a_real_server(
     target: tuple[ServerProc, Path], figures: Callable[[str], None]
 ) -> None:
