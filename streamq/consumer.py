@@ -132,12 +132,6 @@ class ConsumerTransaction:
 
 _Item = Batch | BaseException
 
-# Reconnect backoff: the first retry after _FIRST_DELAY, doubling up to _MAX_DELAY. A
-# connection that lived _STABLE_CONNECTION seconds resets it (the next reconnect is at once).
-_FIRST_DELAY = 0.05
-_MAX_DELAY = 2.0
-_STABLE_CONNECTION = 1.0
-
 # Failures a reconnect may cure; anything else stops the consumer with its error.
 _TRANSIENT = (
     ConnectionLostError,
@@ -147,6 +141,12 @@ _TRANSIENT = (
     OSError,
     TimeoutError,
 )
+
+# Reconnect backoff: the first retry after _FIRST_DELAY, doubling up to _MAX_DELAY. A
+# connection that lived _STABLE_CONNECTION seconds resets it (the next reconnect is at once).
+_FIRST_DELAY = 0.05
+_MAX_DELAY = 2.0
+_STABLE_CONNECTION = 1.0
 
 
 class Consumer:
