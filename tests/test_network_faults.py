@@ -40,7 +40,7 @@ RECOVERY_BOUND = 10.0  # seconds from the fault clearing to the consumer reachin
 # A link that breaks every connection: reconnects back off (0.05 s doubling), not a storm.
 MAX_FLAPPING_RECONNECTS = 12
 
-# name -> (toxic, how long it holds, the proxy statistic showing it struck, reconnects expected)
+# name -> (toxic, how long it holds, the proxy statistic showing it struck, breaks connections)
 TOXICS: dict[str, tuple[Callable[[], Toxic], float, str, bool]] = {
     "latency": (lambda: Latency(0.05, jitter=0.04), 0.4, "delayed chunks", False),
     "bandwidth": (lambda: Bandwidth(20_000), 0.4, "throttled bytes", False),
@@ -96,7 +96,8 @@ async def test_consumer_recovers_from_network_fault(
                     applier.cancel()
                     await asyncio.gather(applier, return_exceptions=True)
         assert proxy.stats[statistic] > 0, proxy.stats
-        assert (consumer.reconnects > 0) == reconnects, (consumer.reconnects, proxy.stats)
+        if reconnects:  # the fault broke connections (others may, on a loaded machine)
+            assert consumer.reconnects > 0, proxy.stats
         assert consumer.reconnects <= MAX_FLAPPING_RECONNECTS, (consumer.reconnects, proxy.stats)
     finally:
         await producer.close()
