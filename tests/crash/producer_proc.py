@@ -127,7 +127,10 @@ async def main(args: argparse.Namespace) -> None:
         arm_mid_push()
     # Small timeouts, so that a pause (SIGSTOP) outlasts every one of them.
     settings = streamq.ServerSettings(
-        heartbeat_interval=args.heartbeat_interval, handshake_timeout=1.0, idle_timeout=1.0
+        heartbeat_interval=args.heartbeat_interval,
+        handshake_timeout=1.0,
+        idle_timeout=1.0,
+        frame_timeout=1.0,
     )
     async with streamq.Producer(
         args.db, host="127.0.0.1", port=args.port, flush_records=FLUSH_RECORDS, settings=settings
