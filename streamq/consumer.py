@@ -163,6 +163,12 @@ _TRANSIENT = (
     TimeoutError,
 )
 
+# Reconnect backoff: the first retry after _FIRST_DELAY, doubling up to _MAX_DELAY. A
+# connection that lived _STABLE_CONNECTION seconds resets it (the next reconnect is at once).
+_FIRST_DELAY = 0.05
+_MAX_DELAY = 2.0
+_STABLE_CONNECTION = 1.0
+
 
 class Consumer:
     """Subscribes to one stream of one producer and yields batches as they are pushed.
@@ -427,7 +433,13 @@ class Consumer:
         return self.received + 1
 
     async def _run(self, reader: asyncio.StreamReader, conn: ClientConnection) -> None:
-        """Read batches into the queue; reconnect after transient failures."""
+        """Read batches into the queue; reconnect after transient failures.
+
+        A connection lost soon after it was made (a link that resets every connection,
+        say) is not retried at once: the wait before reconnecting doubles each time, as
+        for failed connects, so a flapping link is not hammered with reconnects.
+        """
+        connected_at, flap_delay = time.monotonic(), 0.0
         while True:
             try:
                 await self._pump(reader, conn)
@@ -437,34 +449,45 @@ class Consumer:
                     await self._queue.put(_lost(exc, self.address))
                     return
                 logger.warning("connection to %s lost (%s); reconnecting", self.address, exc)
+                if time.monotonic() - connected_at >= _STABLE_CONNECTION:
+                    flap_delay = 0.0
+                else:
+                    flap_delay = min(max(flap_delay * 2, _FIRST_DELAY), _MAX_DELAY)
                 try:
-                    reader, conn = await self._connect_retrying()
+                    reader, conn = await self._connect_retrying(flap_delay)
                 except BaseException as error:
                     await self._queue.put(error)
                     return
+                connected_at = time.monotonic()
                 self.reconnects += 1
             except StreamQError as exc:
                 self._drop_connection()
                 await self._queue.put(exc)
                 return
 
-    async def _connect_retrying(self) -> tuple[asyncio.StreamReader, ClientConnection]:
-        """Connect, retrying transient failures with backoff until ``reconnect_timeout``."""
-        delay, deadline = 0.05, None
+    async def _connect_retrying(
+        self, delay: float = 0.0
+    ) -> tuple[asyncio.StreamReader, ClientConnection]:
+        """Connect, retrying transient failures with backoff until ``reconnect_timeout``.
+
+        ``delay``: wait this long before the first attempt (0: try at once).
+        """
+        deadline = None
         if self._reconnect_timeout is not None:
             deadline = time.monotonic() + self._reconnect_timeout
+        error: BaseException | None = None
         while True:
-            try:
-                connection = await self._connect()
-            except _TRANSIENT as exc:
+            if delay:
                 if deadline is not None and time.monotonic() + delay > deadline:
                     raise ConnectionLostError(
                         f"no connection to {self.address} within {self._reconnect_timeout:g} s"
-                    ) from exc
+                    ) from error
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
-                continue
-            return connection
+            try:
+                return await self._connect()
+            except _TRANSIENT as exc:
+                error = exc
+                delay = min(max(delay * 2, _FIRST_DELAY), _MAX_DELAY)
 
     async def _pump(self, reader: asyncio.StreamReader, conn: ClientConnection) -> None:
         while True:

@@ -58,6 +58,8 @@ logger = logging.getLogger("streamq.server")
 _READ_SIZE = 64 * 1024
 _LINGER_SECONDS = 1.0
 _LINGER_BYTES = 1024 * 1024
+# Positions reported by readers that do not subscribe, kept for the status report.
+MAX_REPORTED_POSITIONS = 1024
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,7 @@ class ServerSettings:
     max_connections: int = 1024
     handshake_timeout: float = 10.0  # from accept to CLIENT_HELLO
     idle_timeout: float = 300.0  # between requests on a request connection
+    frame_timeout: float = 30.0  # on a subscription, for the rest of a frame once begun
     heartbeat_interval: float = 5.0  # on a subscription with nothing to send
     max_batch_records: int = 8192  # records per RECORDS frame
     max_batch_bytes: int = 1024 * 1024  # bytes per RECORDS frame (at least one record)
@@ -148,6 +151,9 @@ class Server:
 
     async def start(self, host: str, port: int) -> None:
         tls = self.settings.tls
+        # A listen backlog as deep as the connection cap (the kernel caps it at somaxconn):
+        # with asyncio's default of 100, a burst of connections overflows the accept queue
+        # and every connect beyond it waits for a SYN retransmit (1 s, then 3 s, ...).
         self._server = await asyncio.start_server(
             self._on_connection,
             host,
@@ -156,6 +162,7 @@ class Server:
             ssl=None if tls is None else tls.context(),
             # A TLS handshake counts against the same deadline as CLIENT_HELLO.
             ssl_handshake_timeout=None if tls is None else self.settings.handshake_timeout,
+            backlog=max(100, self.settings.max_connections),
         )
         bound_host, bound_port = self._server.sockets[0].getsockname()[:2]
         self.address = (
@@ -309,9 +316,20 @@ class Server:
                 writer.write(conn.send(StatusReport(self.status())))
             elif isinstance(message, ReportPosition):
                 stream = self.log.stream(message.stream)
-                self.reported[(message.consumer, stream.name)] = (message.seq, time.time())
+                self._note_reported(message.consumer, stream.name, message.seq)
                 writer.write(conn.send(StreamInfo(stream.name, stream.head, stream.low)))
             await writer.drain()
+
+    def _note_reported(self, consumer: str, stream: str, seq: int) -> None:
+        """Keep a reader's reported position; the least recently reported go first.
+
+        Bounded because the names come from peers: unique names must not grow memory.
+        """
+        key = (consumer, stream)
+        self.reported.pop(key, None)
+        self.reported[key] = (seq, time.time())
+        while len(self.reported) > MAX_REPORTED_POSITIONS:
+            del self.reported[next(iter(self.reported))]
 
     def status(self) -> dict[str, Any]:
         return {
@@ -416,14 +434,31 @@ class Server:
     async def _read_acks(
         self, conn: ServerConnection, reader: asyncio.StreamReader, sub: Subscription
     ) -> None:
-        """Read the consumer's ACKs until it closes; anything else is a protocol error."""
+        """Read the consumer's ACKs until it closes; anything else is a protocol error.
+
+        A subscription may be quiet for ever, but a frame once begun must be complete
+        within ``frame_timeout``: a trickle of bytes cannot hold a buffer for ever.
+        """
+        loop = asyncio.get_running_loop()
+        deadline: float | None = None
         while True:
             while (message := conn.next_event()) is not None:
+                deadline = None  # a frame completed; the next one has its own deadline
                 if isinstance(message, Error):
                     return
                 if isinstance(message, Ack):
                     sub.acked = max(sub.acked, message.seq)
-            data = await reader.read(_READ_SIZE)
+            if not conn.buffered:
+                deadline = None
+            elif deadline is None:
+                deadline = loop.time() + self.settings.frame_timeout
+            try:
+                async with asyncio.timeout_at(deadline):
+                    data = await reader.read(_READ_SIZE)
+            except TimeoutError:
+                raise IdleTimeoutError(
+                    f"incomplete frame for {self.settings.frame_timeout:g} s; closing"
+                ) from None
             if not data:
                 return
             conn.receive_data(data)
