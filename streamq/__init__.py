@@ -25,8 +25,10 @@ from .errors import (
     UnknownStreamError,
     VersionMismatchError,
 )
+from .positions import ConsumerLag
 from .producer import Producer, Transaction
 from .protocol import PROTOCOL_VERSION, Record, StreamInfo
+from .retention import RetentionPolicy, Truncation
 from .server import ServerSettings
 from .sync import SyncProducer, SyncTransaction
 
@@ -39,6 +41,7 @@ __all__ = [
     "ConcurrentWriterError",
     "ConnectionLostError",
     "Consumer",
+    "ConsumerLag",
     "ConsumerPositionError",
     "ConsumerTransaction",
     "LocalProtocolError",
@@ -51,6 +54,7 @@ __all__ = [
     "Record",
     "RecordTooLargeError",
     "RemoteProtocolError",
+    "RetentionPolicy",
     "ServerError",
     "ServerSettings",
     "StreamInfo",
@@ -59,6 +63,7 @@ __all__ = [
     "SyncTransaction",
     "Transaction",
     "TransactionClosedError",
+    "Truncation",
     "UnknownStreamError",
     "VersionMismatchError",
 ]

@@ -206,6 +206,12 @@ class Consumer:
         self.applied = 0  # last seq committed (or delivered, without a database)
         self.reconnects = 0
 
+    @property
+    def lag(self) -> int:
+        """Records the producer has committed that this consumer has not yet applied, as of
+        the producer's last message (records and heartbeats carry the head)."""
+        return max(0, self.head - self.applied)
+
     # --- lifecycle -----------------------------------------------------------
 
     async def start(self) -> None:
@@ -330,6 +336,8 @@ class Consumer:
         self.producer_id, self.epoch, self.head = hello.producer_id, hello.epoch, subscribed.head
         self.received = start - 1
         self._writer, self._conn = writer, conn
+        if self._db is not None and self.applied > 0:
+            self._ack(self.applied)  # the producer learns where this consumer stands at once
         return reader, conn
 
     def _regressed(self, head: int, applied: int) -> ConsumerPositionError:

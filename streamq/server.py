@@ -27,6 +27,7 @@ from .errors import (
     TooManyConnectionsError,
 )
 from .log import Log, Stream
+from .positions import Positions
 from .protocol import (
     DEFAULT_MAX_FRAME_SIZE,
     FRAME_OVERHEAD,
@@ -117,14 +118,32 @@ def _peer_name(writer: asyncio.StreamWriter) -> str:
     return str(peer)
 
 
+@dataclass
+class Traffic:
+    """Records and bytes sent from one stream, counted per frame (not per record)."""
+
+    records: int = 0
+    bytes: int = 0
+
+
 class Server:
     """Accepts consumers and clients for one producer's log."""
 
-    def __init__(self, log: Log, producer_id: str, epoch: int, settings: ServerSettings) -> None:
+    def __init__(
+        self,
+        log: Log,
+        producer_id: str,
+        epoch: int,
+        settings: ServerSettings,
+        positions: Positions | None = None,
+    ) -> None:
         self.log = log
         self.producer_id = producer_id
         self.epoch = epoch
         self.settings = settings
+        # Durable positions consumers report (ACK, REPORT_POSITION): lag, waits, retention.
+        self.positions = positions or Positions()
+        self.traffic: dict[str, Traffic] = {}  # stream name -> what was sent from it
         self.subscriptions: set[Subscription] = set()
         # Positions reported by readers that do not subscribe: (consumer, stream) -> (seq, when)
         self.reported: dict[tuple[str, str], tuple[int, float]] = {}
@@ -270,6 +289,7 @@ class Server:
             elif isinstance(message, ReportPosition):
                 stream = self.log.stream(message.stream)
                 self.reported[(message.consumer, stream.name)] = (message.seq, time.time())
+                self.positions.report(message.consumer, stream.name, message.seq)
                 writer.write(conn.send(StreamInfo(stream.name, stream.head, stream.low)))
             await writer.drain()
 
@@ -285,9 +305,31 @@ class Server:
                 {"consumer": consumer, "stream": stream, "seq": seq, "at": int(at * 1000)}
                 for (consumer, stream), (seq, at) in self.reported.items()
             ],
+            "positions": [
+                {
+                    "consumer": p.consumer,
+                    "stream": p.stream,
+                    "applied": p.applied,
+                    "head": p.head,
+                    "lag": p.lag,
+                    "registered": p.registered,
+                    "lost": p.lost,
+                    "updated_at": int(p.updated_at * 1000),
+                }
+                for p in self.positions.lags(self.log.streams)
+            ],
+            "sent": {
+                name: {"records": t.records, "bytes": t.bytes} for name, t in self.traffic.items()
+            },
             "connections": self.connections,
             "errors_sent": self.errors_sent,
         }
+
+    def _traffic(self, stream: str) -> Traffic:
+        traffic = self.traffic.get(stream)
+        if traffic is None:
+            traffic = self.traffic[stream] = Traffic()
+        return traffic
 
     def _check_start(self, stream: Stream, start: int, end: int | None = None) -> None:
         """Reject a start seq, or a range [start, end), outside what the stream holds."""
@@ -320,6 +362,7 @@ class Server:
     ) -> None:
         stream = self.log.stream(request.stream)
         self._check_start(stream, request.start, request.end)
+        traffic = self._traffic(stream.name)
         seq = request.start
         while seq < request.end:
             records, last = await self.log.read(
@@ -330,6 +373,8 @@ class Server:
                 self.settings.max_batch_bytes,
             )
             writer.write(conn.send_records(records))
+            traffic.records += len(records)
+            traffic.bytes += sum(map(len, records))
             await writer.drain()
             seq = last + 1
         writer.write(conn.send(RangeEnd()))
@@ -376,6 +421,7 @@ class Server:
                     return
                 if isinstance(message, Ack):
                     sub.acked = max(sub.acked, message.seq)
+                    self.positions.report(sub.consumer, sub.stream, message.seq)
             data = await reader.read(_READ_SIZE)
             if not data:
                 return
@@ -390,6 +436,7 @@ class Server:
     ) -> None:
         """Catch up from SQLite or memory, then follow commits as they happen."""
         settings = self.settings
+        traffic = self._traffic(stream.name)
         seq = sub.sent + 1
         while True:
             records, last = await self.log.read(
@@ -401,6 +448,8 @@ class Server:
             )
             if records:
                 writer.write(conn.send_records(records))
+                traffic.records += len(records)
+                traffic.bytes += sum(map(len, records))
                 sub.sent = last
                 seq = last + 1
                 await writer.drain()

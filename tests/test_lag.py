@@ -1,0 +1,160 @@
+"""Lag you can see: positions consumers report, wait_applied, status and Prometheus metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sqlite3
+import urllib.request
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import streamq
+from streamq import Consumer, Producer
+
+from .conftest import wait_for
+
+
+async def apply_until(consumer: Consumer, until: int) -> None:
+    """Apply batches (into table ``seen``) until seq ``until`` is applied."""
+    async for batch in consumer:
+        async with consumer.transaction(batch) as tx:
+            await tx.execute("CREATE TABLE IF NOT EXISTS seen (seq INTEGER)")
+            await tx.executemany("INSERT INTO seen VALUES (?)", [(r.seq,) for r in batch])
+        if batch.last_seq >= until:
+            return
+
+
+def status(address: str) -> dict[str, Any]:
+    with streamq.Client(address) as client:
+        return client.status()
+
+
+def lag_of(producer: Producer, consumer: str, stream: str) -> streamq.ConsumerLag | None:
+    return next(
+        (p for p in producer.consumer_lags() if (p.consumer, p.stream) == (consumer, stream)), None
+    )
+
+
+async def test_producer_and_consumer_know_the_lag(producer_db: str, consumer_db: str) -> None:
+    async with Producer(producer_db) as producer:
+        async with producer.transaction() as tx:
+            await tx.publish_many("orders", [b"x"] * 100)
+        consumer = Consumer(
+            producer.address, "orders", db=consumer_db, name="billing", max_batch_records=40
+        )
+        async with consumer:
+            await wait_for(lambda: consumer.head == 100, what="the consumer to see the head")
+            assert consumer.lag == 100 and consumer.applied == 0
+            await apply_until(consumer, 40)
+            assert consumer.applied >= 40
+            assert consumer.lag == 100 - consumer.applied
+
+            def producer_sees_applied() -> bool:
+                lag = lag_of(producer, "billing", "orders")
+                return lag is not None and lag.applied == consumer.applied
+
+            await wait_for(producer_sees_applied, what="the ACK")
+            lag = lag_of(producer, "billing", "orders")
+            assert lag is not None and lag.head == 100 and lag.lag == 100 - consumer.applied
+            assert not lag.registered
+            (position,) = (await asyncio.to_thread(status, producer.address))["positions"]
+            assert position["consumer"] == "billing" and position["lag"] == lag.lag
+
+            await producer.publish("orders", b"y")
+            await wait_for(lambda: consumer.head == 101, what="the new head")
+            assert consumer.lag == 101 - consumer.applied
+
+
+async def test_wait_applied_resolves_on_the_report(producer_db: str, consumer_db: str) -> None:
+    async with Producer(producer_db) as producer:
+        await producer.create_stream("orders")
+        async with Consumer(producer.address, "orders", db=consumer_db, name="billing") as consumer:
+            seq = await producer.publish("orders", b"order 1")
+            waiter = asyncio.create_task(
+                producer.wait_applied("billing", "orders", seq, timeout=10)
+            )
+            await asyncio.sleep(0)
+            assert not waiter.done()  # nothing applied yet
+            await apply_until(consumer, seq)
+            assert await waiter >= seq
+            # Already applied: at once. Never applied: the timeout.
+            assert await producer.wait_applied("billing", "orders", seq, timeout=0) == seq
+            with pytest.raises(TimeoutError):
+                await producer.wait_applied("billing", "orders", seq + 1, timeout=0.05)
+            position = producer.positions.get("billing", "orders")
+            assert position is not None and position._waiters == []  # the timed-out waiter left
+
+
+async def test_spark_style_reports_count_as_positions(producer_db: str) -> None:
+    async with Producer(producer_db) as producer:
+        async with producer.transaction() as tx:
+            await tx.publish_many("orders", [b"x"] * 10)
+        waiter = asyncio.create_task(producer.wait_applied("spark", "orders", 7, timeout=10))
+
+        def report() -> None:
+            with streamq.Client(producer.address) as client:
+                client.report_position("orders", "spark", 8)
+
+        await asyncio.to_thread(report)
+        assert await waiter == 8
+        lag = lag_of(producer, "spark", "orders")
+        assert lag is not None and (lag.applied, lag.lag) == (8, 2)
+
+
+async def test_a_reconnecting_consumer_reports_its_position_at_once(
+    producer_db: str, consumer_db: str, unused_tcp_port: int
+) -> None:
+    async with Producer(producer_db, port=unused_tcp_port) as producer:
+        async with producer.transaction() as tx:
+            await tx.publish_many("orders", [b"x"] * 5)
+    consumer = Consumer(f"127.0.0.1:{unused_tcp_port}", "orders", db=consumer_db, name="billing")
+    async with Producer(producer_db, port=unused_tcp_port) as producer:
+        async with consumer:
+            await apply_until(consumer, 5)
+    # A new producer process knows nothing in memory; the consumer says where it is.
+    async with Producer(producer_db, port=unused_tcp_port) as producer:
+        assert lag_of(producer, "billing", "orders") is None
+        async with Consumer(producer.address, "orders", db=consumer_db, name="billing"):
+            await producer.wait_applied("billing", "orders", 5, timeout=10)
+
+
+def scrape(address: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+async def test_prometheus_metrics_read_live_state(producer_db: str, consumer_db: str) -> None:
+    async with Producer(producer_db, metrics_port=0) as producer:
+        assert producer.metrics_address.startswith("127.0.0.1:")
+        async with producer.transaction() as tx:
+            await tx.publish_many("orders", [b"0123456789"] * 50)
+        await producer.register_consumer("audit", "orders")
+        async with Consumer(producer.address, "orders", db=consumer_db, name="billing") as consumer:
+            await apply_until(consumer, 50)
+            await producer.wait_applied("billing", "orders", 50, timeout=10)
+            metrics = await asyncio.to_thread(scrape, producer.metrics_address)
+        stream = (("stream", "orders"),)
+        billing = (("consumer", "billing"), ("stream", "orders"))
+        audit = (("consumer", "audit"), ("stream", "orders"))
+        assert metrics[("streamq_stream_head", stream)] == 50
+        assert metrics[("streamq_stream_low", stream)] == 1
+        assert metrics[("streamq_consumer_applied", billing)] == 50
+        assert metrics[("streamq_consumer_lag", billing)] == 0
+        assert metrics[("streamq_consumer_lag", audit)] == 50
+        assert metrics[("streamq_consumer_registered", audit)] == 1
+        assert metrics[("streamq_sent_records_total", stream)] == 50
+        with contextlib.closing(sqlite3.connect(producer_db)) as db:
+            (stored,) = db.execute("SELECT sum(length(record)) FROM streamq_log").fetchone()
+        assert metrics[("streamq_sent_bytes_total", stream)] == stored
+        assert metrics[("streamq_connections", ())] >= 1
+        assert metrics[("streamq_errors_sent_total", ())] == 0
+        info = [k for k in metrics if k[0] == "streamq_producer_info"]
+        assert dict(info[0][1])["producer_id"] == producer.producer_id
