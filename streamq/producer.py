@@ -243,6 +243,7 @@ class Producer:
         self.producer_id = ""
         self.epoch = 0
         self._started = False
+        self._closing = False
         self._closed = False
 
     async def start(self) -> None:
@@ -269,9 +270,9 @@ class Producer:
         self._started = True
 
     async def close(self) -> None:
-        if self._closed:
+        if self._closed or self._closing:
             return
-        self._closed = True
+        self._closing = True
         for task in (self._watcher, self._retention_task):
             if task is not None:
                 task.cancel()
@@ -286,6 +287,7 @@ class Producer:
                 await self._save_positions()
             except (sqlite3.Error, ValueError):
                 logger.exception("could not save consumer positions at close")
+        self._closed = True
         await self.log.close()
         with contextlib.suppress(AttributeError):
             await self._conn.close()

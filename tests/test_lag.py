@@ -5,7 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sqlite3
+import subprocess
+import sys
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,6 +18,7 @@ import streamq
 from streamq import Consumer, Producer
 
 from .conftest import wait_for
+from .test_cli import wait_for_head
 
 
 async def apply_until(consumer: Consumer, until: int) -> None:
@@ -107,11 +111,10 @@ async def test_spark_style_reports_count_as_positions(producer_db: str) -> None:
 async def test_a_reconnecting_consumer_reports_its_position_at_once(
     producer_db: str, consumer_db: str, unused_tcp_port: int
 ) -> None:
+    consumer = Consumer(f"127.0.0.1:{unused_tcp_port}", "orders", db=consumer_db, name="billing")
     async with Producer(producer_db, port=unused_tcp_port) as producer:
         async with producer.transaction() as tx:
             await tx.publish_many("orders", [b"x"] * 5)
-    consumer = Consumer(f"127.0.0.1:{unused_tcp_port}", "orders", db=consumer_db, name="billing")
-    async with Producer(producer_db, port=unused_tcp_port) as producer:
         async with consumer:
             await apply_until(consumer, 5)
     # A new producer process knows nothing in memory; the consumer says where it is.
@@ -158,3 +161,42 @@ async def test_prometheus_metrics_read_live_state(producer_db: str, consumer_db:
         assert metrics[("streamq_errors_sent_total", ())] == 0
         info = [k for k in metrics if k[0] == "streamq_producer_info"]
         assert dict(info[0][1])["producer_id"] == producer.producer_id
+
+
+def test_serve_exports_metrics_and_status_shows_lag(tmp_path: Path) -> None:
+    db = str(tmp_path / "orders.db")
+    command = [sys.executable, "-m", "streamq"]
+    serving = subprocess.Popen(
+        [*command, "serve", db, "--create", "--port", "0", "--metrics-port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert serving.stdout is not None
+        first = serving.stdout.readline()
+        assert first.startswith("serving producer"), first + serving.stderr.read()
+        address = first.rsplit(" on ", 1)[1].strip()
+        serving.stdout.readline()  # streams
+        metrics_line = serving.stdout.readline()
+        assert metrics_line.startswith("metrics: http://127.0.0.1:"), metrics_line
+        metrics_address = metrics_line.split("//")[1].split("/")[0]
+        published = subprocess.run(
+            [*command, "publish", db, "orders", "a", "b", "c"], capture_output=True, timeout=60
+        )
+        assert published.returncode == 0
+        wait_for_head(address, "orders", 3)  # the server notices the other writer
+        with streamq.Client(address) as client:
+            client.report_position("orders", "spark", 1)
+        metrics = scrape(metrics_address)
+        assert metrics[("streamq_consumer_lag", (("consumer", "spark"), ("stream", "orders")))] == 2
+        table = subprocess.run(
+            [*command, "status", address], capture_output=True, text=True, timeout=60
+        )
+        assert table.returncode == 0, table.stderr
+        (row,) = [line for line in table.stdout.splitlines() if "spark" in line]
+        assert [cell.strip() for cell in row.split("│")[1:5]] == ["spark", "orders", "1", "2"]
+    finally:
+        serving.terminate()
+        serving.communicate(timeout=30)
+    assert serving.returncode == 0
