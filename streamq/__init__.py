@@ -25,6 +25,7 @@ from .errors import (
     UnknownStreamError,
     VersionMismatchError,
 )
+from .fanin import FanInConsumer
 from .positions import ConsumerLag
 from .producer import Producer, Transaction
 from .protocol import PROTOCOL_VERSION, Record, StreamInfo
@@ -44,6 +45,7 @@ __all__ = [
     "ConsumerLag",
     "ConsumerPositionError",
     "ConsumerTransaction",
+    "FanInConsumer",
     "LocalProtocolError",
     "OffsetOutOfRangeError",
     "OutOfOrderBatchError",

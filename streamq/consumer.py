@@ -68,6 +68,20 @@ CREATE TABLE IF NOT EXISTS streamq_positions (
 )"""
 
 
+async def open_database(path: str, durability: Durability) -> aiosqlite.Connection:
+    """A consumer's database connection, with the positions table."""
+    db = await aiosqlite.connect(path, isolation_level=None)
+    try:
+        await db.execute("PRAGMA journal_mode=WAL")
+        await db.execute(f"PRAGMA synchronous={durability.upper()}")
+        await db.execute("PRAGMA busy_timeout=10000")
+        await db.execute(_POSITIONS_SCHEMA)
+    except BaseException:
+        await db.close()
+        raise
+    return db
+
+
 def parse_address(address: str) -> tuple[str, int]:
     """``host:port`` or ``[v6]:port`` into (host, port)."""
     host, sep, port = address.rpartition(":")
@@ -194,6 +208,7 @@ class Consumer:
         self._max_frame_size = max_frame_size
         self._durability = durability
         self._tx_lock = asyncio.Lock()
+        self._owns_db = True
         self._task: asyncio.Task[None] | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._conn: ClientConnection | None = None
@@ -206,6 +221,10 @@ class Consumer:
         self.applied = 0  # last seq committed (or delivered, without a database)
         self.reconnects = 0
 
+    def _share_database(self, db: aiosqlite.Connection, lock: asyncio.Lock, path: str) -> None:
+        """Apply into ``db``, opened by someone else (``FanInConsumer``), serialized by ``lock``."""
+        self._db, self._tx_lock, self._db_path, self._owns_db = db, lock, path, False
+
     @property
     def lag(self) -> int:
         """Records the producer has committed that this consumer has not yet applied, as of
@@ -217,12 +236,8 @@ class Consumer:
     async def start(self) -> None:
         """Open the database, connect and subscribe; raises if the producer refuses."""
         try:
-            if self._db_path is not None:
-                self._db = await aiosqlite.connect(self._db_path, isolation_level=None)
-                await self._db.execute("PRAGMA journal_mode=WAL")
-                await self._db.execute(f"PRAGMA synchronous={self._durability.upper()}")
-                await self._db.execute("PRAGMA busy_timeout=10000")
-                await self._db.execute(_POSITIONS_SCHEMA)
+            if self._db_path is not None and self._db is None:
+                self._db = await open_database(self._db_path, self._durability)
             # With a reconnect deadline, a producer that is down (restarting) is waited
             # for, as it would be after a lost connection; without one, fail at once.
             waits = self._reconnect and self._reconnect_timeout is not None
@@ -241,7 +256,7 @@ class Consumer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         self._drop_connection()
-        if self._db is not None:
+        if self._db is not None and self._owns_db:
             await self._db.close()
 
     async def __aenter__(self) -> Consumer:
