@@ -14,9 +14,10 @@ import asyncio
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-from .log import Stream
+if TYPE_CHECKING:
+    from .log import Stream
 
 Key = tuple[str, str]  # (consumer name, stream name)
 

@@ -382,7 +382,10 @@ class Producer:
             return
         async with self.transaction() as tx:
             await store.truncate(tx._conn, target.id, before)
-        target.low = before
+        low, target.low = target.low, before
+        for position in self.positions.registered(stream):
+            if max(low, position.applied + 1) < before:
+                position.lost += before - max(low, position.applied + 1)
 
     # --- consumers: positions, lag, registrations --------------------------------
 
@@ -450,6 +453,9 @@ class Producer:
         now = int(time.time() * 1000)
         unsaved = self.positions.unsaved()
         done: list[Truncation] = []
+        capped = self.retention.default != RetentionPolicy() or self.retention.per_stream
+        if not (capped or unsaved or any(p.registered for p in self.positions.all())):
+            return done  # nothing to delete, nothing to save: no transaction
         async with self.transaction() as tx:
             plans = []
             for stream in list(self.log.streams.values()):

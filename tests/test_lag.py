@@ -200,3 +200,18 @@ def test_serve_exports_metrics_and_status_shows_lag(tmp_path: Path) -> None:
         serving.terminate()
         serving.communicate(timeout=30)
     assert serving.returncode == 0
+
+
+def test_sync_producer_waits_for_a_consumer(producer_db: str) -> None:
+    with streamq.SyncProducer(producer_db) as producer:
+        seq = producer.publish("orders", b"order 1")
+        producer.register_consumer("spark", "orders")
+        with pytest.raises(TimeoutError):
+            producer.wait_applied("spark", "orders", seq, timeout=0.01)
+        with streamq.Client(producer.address) as client:
+            client.report_position("orders", "spark", seq)
+        assert producer.wait_applied("spark", "orders", seq, timeout=10) == seq
+        (lag,) = producer.consumer_lags()
+        assert (lag.consumer, lag.applied, lag.lag, lag.registered) == ("spark", 1, 0, True)
+        assert producer.apply_retention()[0].low == 2  # the one registered consumer applied it
+        assert producer.unregister_consumer("spark", "orders")

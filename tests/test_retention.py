@@ -179,3 +179,12 @@ async def test_consumers_command_line(tmp_path: Path) -> None:
     assert "consumers" in run("--help").stdout
     absent = run("consumers", "list", str(tmp_path / "absent.db"))
     assert absent.returncode != 0 and "does not exist" in absent.stderr
+
+
+async def test_manual_truncate_counts_what_registered_consumers_lose(producer_db: str) -> None:
+    async with Producer(producer_db) as producer:
+        await publish(producer, 10)
+        await producer.register_consumer("billing", "orders")
+        await producer.truncate("orders", 4)
+        (lag,) = producer.consumer_lags()
+        assert lag.lost == 3
