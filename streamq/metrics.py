@@ -75,7 +75,7 @@ class ProducerCollector(Collector):
             "streamq_sent_records", "Records sent to consumers and readers", labels=["stream"]
         )
         sent_bytes = CounterMetricFamily(
-            "streamq_sent_bytes", "Bytes of records sent", labels=["stream"]
+            "streamq_sent_bytes", "Bytes of RECORDS frames sent", labels=["stream"]
         )
         for name, traffic in list(server.traffic.items()):
             records.add_metric([name], traffic.records)

@@ -120,7 +120,7 @@ def _peer_name(writer: asyncio.StreamWriter) -> str:
 
 @dataclass
 class Traffic:
-    """Records and bytes sent from one stream, counted per frame (not per record)."""
+    """Records sent from one stream and the bytes of their RECORDS frames, counted per frame."""
 
     records: int = 0
     bytes: int = 0
@@ -372,9 +372,10 @@ class Server:
                 self.settings.max_batch_records,
                 self.settings.max_batch_bytes,
             )
-            writer.write(conn.send_records(records))
+            frame = conn.send_records(records)
+            writer.write(frame)
             traffic.records += len(records)
-            traffic.bytes += sum(map(len, records))
+            traffic.bytes += len(frame)
             await writer.drain()
             seq = last + 1
         writer.write(conn.send(RangeEnd()))
@@ -447,9 +448,10 @@ class Server:
                 settings.max_batch_bytes,
             )
             if records:
-                writer.write(conn.send_records(records))
+                frame = conn.send_records(records)
+                writer.write(frame)
                 traffic.records += len(records)
-                traffic.bytes += sum(map(len, records))
+                traffic.bytes += len(frame)
                 sub.sent = last
                 seq = last + 1
                 await writer.drain()
