@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
@@ -33,7 +33,6 @@ class Position:
     registered: bool = False  # retention keeps what it has not applied
     saved: int = 0  # the applied seq last written to the producer's database
     lost: int = 0  # records retention deleted before this consumer applied them
-    _waiters: list[tuple[int, asyncio.Future[int]]] = field(default_factory=list)
 
 
 class ConsumerLag(NamedTuple):
@@ -54,6 +53,8 @@ class Positions:
 
     def __init__(self) -> None:
         self._positions: dict[Key, Position] = {}
+        # Waiters apart from positions: waiting for a name never heard of invents no consumer.
+        self._waiters: dict[Key, list[tuple[int, asyncio.Future[int]]]] = {}
 
     def get(self, consumer: str, stream: str) -> Position | None:
         return self._positions.get((consumer, stream))
@@ -78,15 +79,12 @@ class Positions:
         if seq <= position.applied:
             return
         position.applied = seq
-        if position._waiters:
-            waiting = []
-            for target, future in position._waiters:
-                if target <= seq:
-                    if not future.done():
-                        future.set_result(seq)
-                else:
-                    waiting.append((target, future))
-            position._waiters = waiting
+        waiters = self._waiters.get((consumer, stream))
+        if waiters:
+            for target, future in waiters:
+                if target <= seq and not future.done():
+                    future.set_result(seq)
+            waiters[:] = [w for w in waiters if not w[1].done()]
 
     def register(self, consumer: str, stream: str, applied: int = 0) -> Position:
         """Make retention keep what ``consumer`` has not applied; ``applied`` as stored."""
@@ -140,12 +138,21 @@ class Positions:
 
     async def wait(self, consumer: str, stream: str, seq: int) -> int:
         """Wait until ``consumer`` reports ``stream`` applied up to ``seq``; its position."""
-        position = self._entry(consumer, stream)
-        if position.applied >= seq:
+        key = (consumer, stream)
+        position = self._positions.get(key)
+        if position is not None and position.applied >= seq:
             return position.applied
         future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        position._waiters.append((seq, future))
+        self._waiters.setdefault(key, []).append((seq, future))
         try:
             return await future
         finally:  # resolved, cancelled or timed out: no longer a waiter
-            position._waiters = [w for w in position._waiters if w[1] is not future]
+            waiters = [w for w in self._waiters.get(key, ()) if w[1] is not future]
+            if waiters:
+                self._waiters[key] = waiters
+            else:
+                self._waiters.pop(key, None)
+
+    def waiting(self) -> int:
+        """How many waits are pending (for tests and status)."""
+        return sum(map(len, self._waiters.values()))

@@ -88,8 +88,11 @@ async def test_wait_applied_resolves_on_the_report(producer_db: str, consumer_db
             assert await producer.wait_applied("billing", "orders", seq, timeout=0) == seq
             with pytest.raises(TimeoutError):
                 await producer.wait_applied("billing", "orders", seq + 1, timeout=0.05)
-            position = producer.positions.get("billing", "orders")
-            assert position is not None and position._waiters == []  # the timed-out waiter left
+            assert producer.positions.waiting() == 0  # the timed-out waiter left
+            # Waiting for a consumer never heard of invents no consumer.
+            with pytest.raises(TimeoutError):
+                await producer.wait_applied("nobody", "orders", 1, timeout=0.01)
+            assert {p.consumer for p in producer.consumer_lags()} == {"billing"}
 
 
 async def test_spark_style_reports_count_as_positions(producer_db: str) -> None:
