@@ -231,6 +231,18 @@ class Consumer:
         the producer's last message (records and heartbeats carry the head)."""
         return max(0, self.head - self.applied)
 
+    async def fetch_lag(self) -> int:
+        """The exact lag now: asks the producer for its head on a connection of its own
+        (``lag`` may be stale while this consumer is behind and its socket is full)."""
+        from .client import Client  # the blocking client builds on this module
+
+        def head() -> int:
+            with Client(self.address, timeout=self._connect_timeout, name=self.name) as client:
+                return client.head(self.stream).head
+
+        self.head = max(self.head, await asyncio.to_thread(head))
+        return self.lag
+
     # --- lifecycle -----------------------------------------------------------
 
     async def start(self) -> None:

@@ -139,6 +139,10 @@ class FanInConsumer:
         """Records committed by all the producers and not yet applied here."""
         return sum(consumer.lag for consumer in self.consumers)
 
+    async def fetch_lag(self) -> int:
+        """The exact lag now, asking every producer for its head (see ``Consumer.fetch_lag``)."""
+        return sum(await asyncio.gather(*(c.fetch_lag() for c in self.consumers)))
+
     @property
     def applied(self) -> dict[str, int]:
         """Producer address -> last seq applied from it."""

@@ -59,10 +59,12 @@ async def test_three_producers_into_one_database(tmp_path: Path, consumer_db: st
             while applied < 300:
                 applied += await apply(fanin, last)
             assert fanin.lag == 0
+            await producers[0].publish(STREAM, b"unread")
+            assert await fanin.fetch_lag() == 1
             assert fanin.applied == {p.address: 50 * (i + 1) for i, p in enumerate(producers)}
-            for producer in producers:
-                await producer.wait_applied("billing", STREAM, producer.head(STREAM), timeout=10)
-        for producer in producers:
+            for i, producer in enumerate(producers):
+                await producer.wait_applied("billing", STREAM, 50 * (i + 1), timeout=10)
+        for producer in producers[1:]:
             await producer.publish(STREAM, b"after")
         # Restarted: each producer resumes from its own stored position.
         async with FanInConsumer(addresses, STREAM, db=consumer_db, name="billing") as fanin:
@@ -104,28 +106,36 @@ async def test_batches_stay_with_their_producer(tmp_path: Path, consumer_db: str
                         pass
 
 
-TOTAL = 1_500  # records per producer process
-PACE = 1_500  # records per second each publishes, at most
+TOTAL = 2_000  # records per producer process
+PACE = 2_000  # records per second each publishes, at most
 
 
 async def test_kill_9_one_producer_while_the_others_go_on(tmp_path: Path, consumer_db: str) -> None:
     ports = [free_port() for _ in range(3)]
     dbs = [str(tmp_path / f"producer{i}.db") for i in range(3)]
+    allow = [tmp_path / f"allow{i}" for i in range(3)]  # how far each producer may publish
+
+    def release(i: int, upto: int) -> None:
+        allow[i].write_text(str(upto))
 
     def start(i: int, life: int) -> Proc:
         args = [dbs[i], str(ports[i]), str(TOTAL), "--pace", str(PACE), "--seed", str(i)]
+        args += ["--allow", str(allow[i])]
         proc = Proc("producer_proc.py", args, tmp_path / f"producer{i}-{life}.log")
         proc.wait_line("READY", 20, proc.tail)
         return proc
 
+    release(0, 400)
+    release(1, TOTAL)  # the victim publishes all along, so it dies mid-publishing
+    release(2, 400)
     procs = [start(i, 0) for i in range(3)]
     try:
         addresses = [f"127.0.0.1:{port}" for port in ports]
         last: dict[str, int] = {}
         async with FanInConsumer(addresses, STREAM, db=consumer_db, name="billing") as fanin:
-            ids = {c.address: c.producer_id for c in fanin.consumers}
-            victim = ids[addresses[1]]
-            assert victim is not None
+            ids = [c.producer_id for c in fanin.consumers]
+            victim = ids[1]
+            assert victim is not None and None not in ids
 
             async def apply_until(done: Callable[[], bool]) -> None:
                 async with asyncio.timeout(60):
@@ -133,19 +143,23 @@ async def test_kill_9_one_producer_while_the_others_go_on(tmp_path: Path, consum
                         await apply(fanin, last)
 
             await apply_until(lambda: last.get(victim, 0) >= 300)
-            assert procs[1].kill()  # kill -9, mid-publishing
-            others = {p: last.get(p, 0) for p in ids.values() if p != victim}
+            assert procs[1].kill()  # kill -9
             with contextlib.closing(sqlite3.connect(dbs[1])) as db:
                 (head_at_kill,) = db.execute(HEAD_QUERY, (STREAM,)).fetchone()
             # The others go on while it is down.
-            await apply_until(lambda: all(last.get(p, 0) >= s + 200 for p, s in others.items()))
+            release(0, 1_000)
+            release(2, 1_000)
+            await apply_until(lambda: last.get(ids[0], 0) >= 1_000 and last.get(ids[2], 0) >= 1_000)
             assert last.get(victim, 0) <= head_at_kill  # only what it had committed
             procs[1] = start(1, 1)  # same files, same port
-            await apply_until(lambda: all(last.get(p, 0) >= TOTAL for p in ids.values()))
+            release(0, TOTAL)
+            release(2, TOTAL)
+            await apply_until(lambda: all(last.get(p, 0) >= TOTAL for p in ids if p))
             assert fanin.consumers[1].reconnects >= 1
+            assert fanin.consumers[0].reconnects == fanin.consumers[2].reconnects == 0
             await wait_for(lambda: fanin.lag == 0, what="no lag")
         rows = applied_rows(consumer_db)
-        for producer_id in ids.values():
+        for producer_id in ids:
             assert producer_id is not None
             assert rows[producer_id] == list(range(1, TOTAL + 1))  # once each, in order
     finally:

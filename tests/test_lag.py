@@ -70,6 +70,10 @@ async def test_producer_and_consumer_know_the_lag(producer_db: str, consumer_db:
             await producer.publish("orders", b"y")
             await wait_for(lambda: consumer.head == 101, what="the new head")
             assert consumer.lag == 101 - consumer.applied
+            # Asked, the producer tells the head even before pushing it.
+            async with producer.transaction() as tx:
+                await tx.publish_many("orders", [b"z"] * 5)
+            assert await consumer.fetch_lag() == 106 - consumer.applied
 
 
 async def test_wait_applied_resolves_on_the_report(producer_db: str, consumer_db: str) -> None:
