@@ -84,7 +84,7 @@ class ProducerCollector(Collector):
         yield sent_bytes
         yield GaugeMetricFamily("streamq_connections", "Open connections", server.connections)
         yield GaugeMetricFamily(
-            "streamq_subscriptions", "Active subscriptions", len(list(server.subscriptions))
+            "streamq_subscriptions", "Active subscriptions", len(server.subscriptions)
         )
         yield CounterMetricFamily(
             "streamq_errors_sent", "ERROR frames sent to peers", server.errors_sent

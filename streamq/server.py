@@ -306,16 +306,7 @@ class Server:
                 for (consumer, stream), (seq, at) in self.reported.items()
             ],
             "positions": [
-                {
-                    "consumer": p.consumer,
-                    "stream": p.stream,
-                    "applied": p.applied,
-                    "head": p.head,
-                    "lag": p.lag,
-                    "registered": p.registered,
-                    "lost": p.lost,
-                    "updated_at": int(p.updated_at * 1000),
-                }
+                {**p._asdict(), "updated_at": int(p.updated_at * 1000)}
                 for p in self.positions.lags(self.log.streams)
             ],
             "sent": {
@@ -324,12 +315,6 @@ class Server:
             "connections": self.connections,
             "errors_sent": self.errors_sent,
         }
-
-    def _traffic(self, stream: str) -> Traffic:
-        traffic = self.traffic.get(stream)
-        if traffic is None:
-            traffic = self.traffic[stream] = Traffic()
-        return traffic
 
     def _check_start(self, stream: Stream, start: int, end: int | None = None) -> None:
         """Reject a start seq, or a range [start, end), outside what the stream holds."""
@@ -362,7 +347,7 @@ class Server:
     ) -> None:
         stream = self.log.stream(request.stream)
         self._check_start(stream, request.start, request.end)
-        traffic = self._traffic(stream.name)
+        traffic = self.traffic.setdefault(stream.name, Traffic())
         seq = request.start
         while seq < request.end:
             records, last = await self.log.read(
@@ -437,7 +422,7 @@ class Server:
     ) -> None:
         """Catch up from SQLite or memory, then follow commits as they happen."""
         settings = self.settings
-        traffic = self._traffic(stream.name)
+        traffic = self.traffic.setdefault(stream.name, Traffic())
         seq = sub.sent + 1
         while True:
             records, last = await self.log.read(
