@@ -140,8 +140,9 @@ class Positions:
         """Wait until ``consumer`` reports ``stream`` applied up to ``seq``; its position."""
         key = (consumer, stream)
         position = self._positions.get(key)
-        if position is not None and position.applied >= seq:
-            return position.applied
+        applied = 0 if position is None else position.applied
+        if applied >= seq:
+            return applied
         future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._waiters.setdefault(key, []).append((seq, future))
         try:

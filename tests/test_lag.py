@@ -12,10 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 import streamq
 from streamq import Consumer, Producer
+from streamq.positions import Positions
 
 from .conftest import wait_for
 from .test_cli import wait_for_head
@@ -223,3 +226,34 @@ def test_sync_producer_waits_for_a_consumer(producer_db: str) -> None:
         assert (lag.consumer, lag.applied, lag.lag, lag.registered) == ("spark", 1, 0, True)
         assert producer.apply_retention()[0].low == 2  # the one registered consumer applied it
         assert producer.unregister_consumer("spark", "orders")
+
+
+@given(
+    st.lists(st.tuples(st.sampled_from(["a", "b"]), st.integers(0, 50)), max_size=40),
+    st.lists(st.tuples(st.sampled_from(["a", "b"]), st.integers(0, 60)), max_size=6),
+)
+def test_positions_move_forward_and_wake_exactly_the_reached_waits(
+    reports: list[tuple[str, int]], waits: list[tuple[str, int]]
+) -> None:
+    async def scenario() -> None:
+        positions = Positions()
+        tasks = [asyncio.create_task(positions.wait(c, "s", seq)) for c, seq in waits]
+        await asyncio.sleep(0)  # every wait registered
+        best: dict[str, int] = {}
+        for consumer, seq in reports:
+            positions.report(consumer, "s", seq)
+            best[consumer] = max(best.get(consumer, 0), seq)
+            position = positions.get(consumer, "s")
+            assert position is not None and position.applied == best[consumer]
+        await asyncio.sleep(0)  # resolved futures wake their tasks
+        for task, (consumer, seq) in zip(tasks, waits, strict=True):
+            reached = best.get(consumer, 0) >= seq
+            assert task.done() == reached
+            if reached:
+                assert task.result() >= seq
+            else:
+                task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        assert positions.waiting() == 0  # resolved and cancelled waits leave nothing behind
+
+    asyncio.run(scenario())

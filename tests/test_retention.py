@@ -6,13 +6,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import streamq
 from streamq import Consumer, OffsetOutOfRangeError, Producer
@@ -188,3 +192,71 @@ async def test_manual_truncate_counts_what_registered_consumers_lose(producer_db
         await producer.truncate("orders", 4)
         (lag,) = producer.consumer_lags()
         assert lag.lost == 3
+
+
+def expected_low(
+    path: str, low: int, cap_bytes: int | None, since_ms: int | None, keep: int
+) -> int:
+    """The retention rules computed the slow way, from every row of the stream."""
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        rows = db.execute(
+            "SELECT pos & 1099511627775, ts, length(record) FROM streamq_log ORDER BY pos"
+        ).fetchall()
+    end = rows[-1][0] + 1 if rows else low
+    target = low
+    if since_ms is not None:
+        target = max(target, next((seq for seq, ts, _ in rows if ts >= since_ms), end))
+    if cap_bytes is not None:
+        sizes = {seq: size for seq, _, size in rows}
+        start = low
+        while start < end and sum(sizes[s] for s in range(start, end)) > cap_bytes:
+            start += 1
+        target = max(target, start)
+    return max(target, min(keep, end))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.lists(  # passes: (record sizes with ages in minutes, the consumer's applied seq)
+        st.tuples(
+            st.lists(st.tuples(st.integers(1, 300), st.integers(0, 120)), max_size=12),
+            st.integers(0, 80),
+        ),
+        min_size=1,
+        max_size=5,
+    ),
+    st.one_of(st.none(), st.integers(0, 2_000)),
+    st.one_of(st.none(), st.integers(1, 100)),
+    st.booleans(),
+)
+def test_each_pass_deletes_exactly_what_the_rules_say(
+    passes: list[tuple[list[tuple[int, int]], int]],
+    cap_bytes: int | None,
+    cap_minutes: int | None,
+    registered: bool,
+) -> None:
+    async def scenario(path: str) -> None:
+        cap_ms = None if cap_minutes is None else cap_minutes * 60_000
+        async with Producer(path, serve=False, retention_bytes=cap_bytes, retention_ms=cap_ms) as p:
+            await p.create_stream("orders")
+            if registered:
+                await p.register_consumer("billing", "orders")
+            reported = 0  # positions only move forward
+            for records, applied in passes:
+                now = int(time.time() * 1000)
+                async with p.transaction() as tx:
+                    for size, minutes in records:
+                        await tx.publish("orders", b"v" * size, timestamp=now - minutes * 60_000)
+                if registered:
+                    p.positions.report("billing", "orders", applied)
+                    reported = max(reported, applied)
+                stream = p.log.stream("orders")
+                since = None if cap_ms is None else int(time.time() * 1000) - cap_ms
+                keep = min(reported, stream.head) + 1 if registered else stream.low
+                # Timestamps are minutes apart: the second between here and the pass is safe.
+                expected = expected_low(path, stream.low, cap_bytes, since, keep)
+                await p.apply_retention()
+                assert stream.low == expected
+
+    with tempfile.TemporaryDirectory() as folder:
+        asyncio.run(scenario(os.path.join(folder, "p.db")))
