@@ -260,3 +260,27 @@ def test_each_pass_deletes_exactly_what_the_rules_say(
 
     with tempfile.TemporaryDirectory() as folder:
         asyncio.run(scenario(os.path.join(folder, "p.db")))
+
+
+async def test_a_connected_consumer_behind_a_forced_cap_gets_the_gone_seqs(
+    producer_db: str, consumer_db: str
+) -> None:
+    settings = streamq.ServerSettings(max_batch_records=50)
+    async with Producer(producer_db, settings=settings) as producer:
+        await producer.register_consumer("billing", "orders")
+        async with producer.transaction() as tx:  # 40 MB: more than the sockets' buffers hold
+            await tx.publish_many("orders", [b"v" * 1000] * 40_000)
+        consumer = Consumer(
+            producer.address, "orders", db=consumer_db, name="billing", queue_batches=1
+        )
+        async with consumer:
+            await wait_for(lambda: consumer.received > 0, what="the first records")
+            # The push is stuck on full socket buffers (a few MB) far below the cap's cut.
+            producer.set_retention("orders", bytes=5_000_000)
+            (truncation,) = await producer.apply_retention()
+            assert truncation.lost == {"billing": truncation.low - 1}  # it had applied nothing
+            with pytest.raises(OffsetOutOfRangeError, match="no longer held"):
+                async for batch in consumer:  # what was in flight, then the loss
+                    async with consumer.transaction(batch):
+                        pass
+            assert 0 < consumer.applied < truncation.low - 1  # nothing skipped silently
