@@ -29,8 +29,11 @@ from .errors import (
     UnknownStreamError,
     VersionMismatchError,
 )
+from .fanin import FanInConsumer
+from .positions import ConsumerLag
 from .producer import BlockingTransaction, Producer, Transaction
 from .protocol import PROTOCOL_VERSION, Record, StreamInfo
+from .retention import RetentionPolicy, Truncation
 from .security import ClientTLS, ServerTLS, TokenAuth, make_token
 from .server import ServerSettings
 from .sync import SyncProducer, SyncTransaction
@@ -48,8 +51,10 @@ __all__ = [
     "ConcurrentWriterError",
     "ConnectionLostError",
     "Consumer",
+    "ConsumerLag",
     "ConsumerPositionError",
     "ConsumerTransaction",
+    "FanInConsumer",
     "LocalProtocolError",
     "NotAuthorizedError",
     "OffsetOutOfRangeError",
@@ -61,6 +66,7 @@ __all__ = [
     "Record",
     "RecordTooLargeError",
     "RemoteProtocolError",
+    "RetentionPolicy",
     "ServerError",
     "ServerSettings",
     "ServerTLS",
@@ -72,6 +78,7 @@ __all__ = [
     "TokenAuth",
     "Transaction",
     "TransactionClosedError",
+    "Truncation",
     "UnknownStreamError",
     "VersionMismatchError",
     "make_token",

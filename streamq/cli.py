@@ -1,4 +1,4 @@
-"""``streamq`` (also ``python -m streamq``): serve, publish, tail, status, demo."""
+"""``streamq`` (also ``python -m streamq``): serve, publish, tail, status, consumers, demo."""
 
 from __future__ import annotations
 
@@ -104,6 +104,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--create", action="store_true", help="create the database if missing")
     _add_server_security(serve)
+    serve.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (0 picks a free port)",
+    )
+    serve.add_argument(
+        "--metrics-host", default="127.0.0.1", help="address for metrics (default: loopback)"
+    )
+    serve.add_argument(
+        "--retention-ms",
+        type=int,
+        default=None,
+        metavar="MS",
+        help="delete records older than this",
+    )
+    serve.add_argument(
+        "--retention-bytes",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="delete the oldest records while a stream holds more than this",
+    )
 
     publish = commands.add_parser("publish", help="publish records in one transaction")
     publish.add_argument("db", help="the producer's SQLite database (created if missing)")
@@ -144,6 +168,22 @@ def build_parser() -> argparse.ArgumentParser:
     token.add_argument(
         "--secret-file", metavar="FILE", help=f"the producer's token secret (or set ${SECRET_ENV})"
     )
+
+    consumers = commands.add_parser(
+        "consumers",
+        help="register consumers whose unapplied records retention keeps",
+        description="Registered consumers: retention keeps every record a registered consumer "
+        "has not applied, unless --retention-ms/--retention-bytes force it.",
+    )
+    actions = consumers.add_subparsers(dest="action", required=True, metavar="ACTION")
+    for action, text in (("add", "register a consumer"), ("remove", "remove a registration")):
+        parser_for = actions.add_parser(action, help=text)
+        parser_for.add_argument("db", help="the producer's SQLite database")
+        parser_for.add_argument("consumer", help="the consumer's name (Spark: consumerName)")
+        parser_for.add_argument("stream")
+    listing = actions.add_parser("list", help="registered consumers, their position and lag")
+    listing.add_argument("db", help="the producer's SQLite database")
+    listing.add_argument("--json", action="store_true", help="one JSON object per consumer")
 
     demo = commands.add_parser(
         "demo", help="an embedded producer and a crashing consumer, applied exactly once"
@@ -199,11 +239,21 @@ async def _serve(args: argparse.Namespace) -> None:
         raise SystemExit(f"streamq serve: {args.db} does not exist (use --create to make it)")
     settings = _server_settings(args)
     async with Producer(
-        args.db, host=args.host, port=args.port, durability=args.durability, settings=settings
+        args.db,
+        host=args.host,
+        port=args.port,
+        durability=args.durability,
+        settings=settings,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+        retention_ms=args.retention_ms,
+        retention_bytes=args.retention_bytes,
     ) as p:
         streams = ", ".join(f"{s.name}@{s.head}" for s in p.log.streams.values()) or "none yet"
         print(f"serving producer {p.producer_id} (epoch {p.epoch}) on {p.address}", flush=True)
         print(f"streams: {streams}", flush=True)
+        if args.metrics_port is not None:
+            print(f"metrics: http://{p.metrics_address}/metrics", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
@@ -284,13 +334,54 @@ def _status(args: argparse.Namespace) -> None:
     for s in status["streams"]:
         streams.add_row(s["stream"], str(s["head"]), str(s["low"]))
     console.print(streams)
-    consumers = Table("consumer", "stream", "peer", "sent", "applied", "lag", title="consumers")
+    peers: dict[tuple[str, str], list[str]] = {}
     for c in status["consumers"]:
-        lag = heads.get(c["stream"], 0) - c["acked"]
+        peers.setdefault((c["consumer"], c["stream"]), []).append(c["peer"])
+    consumers = Table(
+        "consumer", "stream", "applied", "lag", "registered", "lost", "connected", title="consumers"
+    )
+    for p in status.get("positions", []):
+        connected = peers.pop((p["consumer"], p["stream"]), [])
         consumers.add_row(
-            c["consumer"], c["stream"], c["peer"], str(c["sent"]), str(c["acked"]), str(lag)
+            p["consumer"],
+            p["stream"],
+            str(p["applied"]),
+            str(p["lag"]),
+            "yes" if p["registered"] else "",
+            str(p["lost"] or ""),
+            ", ".join(connected),
         )
+    for (consumer, stream), connected in peers.items():  # connected, nothing applied yet
+        lag = heads.get(stream, 0)
+        consumers.add_row(consumer, stream, "", str(lag), "", "", ", ".join(connected))
     console.print(consumers)
+
+
+async def _consumers(args: argparse.Namespace) -> None:
+    if not os.path.exists(args.db):
+        raise SystemExit(f"streamq consumers: {args.db} does not exist")
+    async with Producer(args.db, serve=False) as producer:
+        if args.action == "add":
+            await producer.register_consumer(args.consumer, args.stream)
+            print(f"registered {args.consumer!r} on {args.stream!r}")
+        elif args.action == "remove":
+            if not await producer.unregister_consumer(args.consumer, args.stream):
+                raise SystemExit(
+                    f"streamq consumers: {args.consumer!r} on {args.stream!r} is not registered"
+                )
+            print(f"removed {args.consumer!r} from {args.stream!r}")
+        else:
+            registered = [p for p in producer.consumer_lags() if p.registered]
+            if args.json:
+                for p in registered:
+                    print(json.dumps(p._asdict()))
+                return
+            table = Table(
+                "consumer", "stream", "applied", "head", "lag", title="registered consumers"
+            )
+            for p in registered:
+                table.add_row(p.consumer, p.stream, str(p.applied), str(p.head), str(p.lag))
+            Console().print(table)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -307,6 +398,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             _status(args)
         elif args.command == "token":
             _token(args)
+        elif args.command == "consumers":
+            _loop.run(_consumers(args))
         elif args.command == "demo":
             from .demo import run_demo
 

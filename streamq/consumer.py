@@ -75,6 +75,20 @@ CREATE TABLE IF NOT EXISTS streamq_positions (
 )"""
 
 
+async def open_database(path: str, durability: Durability) -> aiosqlite.Connection:
+    """A consumer's database connection, with the positions table."""
+    db = await aiosqlite.connect(path, isolation_level=None)
+    try:
+        await db.execute("PRAGMA journal_mode=WAL")
+        await db.execute(f"PRAGMA synchronous={durability.upper()}")
+        await db.execute("PRAGMA busy_timeout=10000")
+        await db.execute(_POSITIONS_SCHEMA)
+    except BaseException:
+        await db.close()
+        raise
+    return db
+
+
 def parse_address(address: str) -> tuple[str, int]:
     """``host:port`` or ``[v6]:port`` into (host, port)."""
     host, sep, port = address.rpartition(":")
@@ -231,6 +245,7 @@ class Consumer:
         self._ssl = None if tls is None else tls.context()
         self._token = token
         self._tx_lock = asyncio.Lock()
+        self._owns_db = True
         self._task: asyncio.Task[None] | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._conn: ClientConnection | None = None
@@ -243,17 +258,35 @@ class Consumer:
         self.applied = 0  # last seq committed (or delivered, without a database)
         self.reconnects = 0
 
+    def _share_database(self, db: aiosqlite.Connection, lock: asyncio.Lock, path: str) -> None:
+        """Apply into ``db``, opened by someone else (``FanInConsumer``), serialized by ``lock``."""
+        self._db, self._tx_lock, self._db_path, self._owns_db = db, lock, path, False
+
+    @property
+    def lag(self) -> int:
+        """Records the producer has committed that this consumer has not yet applied, as of
+        the producer's last message (records and heartbeats carry the head)."""
+        return max(0, self.head - self.applied)
+
+    async def fetch_lag(self) -> int:
+        """The exact lag now: asks the producer for its head on a connection of its own
+        (``lag`` may be stale while this consumer is behind and its socket is full)."""
+        from .client import Client  # the blocking client builds on this module
+
+        def head() -> int:
+            with Client(self.address, timeout=self._connect_timeout, name=self.name) as client:
+                return client.head(self.stream).head
+
+        self.head = max(self.head, await asyncio.to_thread(head))
+        return self.lag
+
     # --- lifecycle -----------------------------------------------------------
 
     async def start(self) -> None:
         """Open the database, connect and subscribe; raises if the producer refuses."""
         try:
-            if self._db_path is not None:
-                self._db = await aiosqlite.connect(self._db_path, isolation_level=None)
-                await self._db.execute("PRAGMA journal_mode=WAL")
-                await self._db.execute(f"PRAGMA synchronous={self._durability.upper()}")
-                await self._db.execute("PRAGMA busy_timeout=10000")
-                await self._db.execute(_POSITIONS_SCHEMA)
+            if self._db_path is not None and self._db is None:
+                self._db = await open_database(self._db_path, self._durability)
             # With a reconnect deadline, a producer that is down (restarting) is waited
             # for, as it would be after a lost connection; without one, fail at once.
             waits = self._reconnect and self._reconnect_timeout is not None
@@ -272,7 +305,7 @@ class Consumer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         self._drop_connection()
-        if self._db is not None:
+        if self._db is not None and self._owns_db:
             await self._db.close()
 
     async def __aenter__(self) -> Consumer:
@@ -390,6 +423,8 @@ class Consumer:
         self.producer_id, self.epoch, self.head = hello.producer_id, hello.epoch, subscribed.head
         self.received = start - 1
         self._writer, self._conn = writer, conn
+        if self._db is not None and self.applied > 0:
+            self._ack(self.applied)  # the producer learns where this consumer stands at once
         return reader, conn
 
     def _regressed(self, head: int, applied: int) -> ConsumerPositionError:

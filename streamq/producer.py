@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
@@ -25,9 +26,14 @@ from . import store
 from .blocking import BlockingSQL, in_transaction, raw_connection, run_on_thread
 from .errors import ConcurrentWriterError, RecordTooLargeError, TransactionClosedError
 from .log import RECORD_OVERHEAD, Log
+from .metrics import MetricsServer
+from .positions import ConsumerLag, Positions
 from .protocol import FRAME_OVERHEAD, encode_record
+from .retention import Retention, RetentionPolicy, Truncation
 from .server import Server, ServerSettings
 from .store import Durability
+
+logger = logging.getLogger("streamq.producer")
 
 _MAX_STREAM_NAME = 255
 
@@ -302,6 +308,11 @@ class Producer:
     ``async with Producer("orders.db") as producer`` opens (or creates) the
     database and starts serving; ``producer.address`` says where.
     Set ``serve=False`` to write without serving (e.g. a batch job).
+
+    ``retention_ms`` / ``retention_bytes`` cap every stream (``set_retention`` per
+    stream); retention runs every ``retention_interval`` seconds and on
+    ``apply_retention()``. ``metrics_port`` serves Prometheus metrics on
+    ``metrics_host`` (loopback by default; 0 picks a free port).
     """
 
     def __init__(
@@ -316,6 +327,11 @@ class Producer:
         tail_bytes: int = 16 * 1024 * 1024,
         flush_records: int = 10_000,
         watch_interval: float = 0.2,
+        retention_ms: int | None = None,
+        retention_bytes: int | None = None,
+        retention_interval: float = 30.0,
+        metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
     ) -> None:
         if durability not in ("normal", "full"):
             raise ValueError(f"durability must be 'normal' or 'full', not {durability!r}")
@@ -327,6 +343,12 @@ class Producer:
         self.log = Log(self.path, tail_bytes=tail_bytes)
         self._host, self._port, self._serve = host, port, serve
         self._watch_interval = watch_interval
+        self.positions = Positions()
+        self.retention = Retention(RetentionPolicy(retention_ms, retention_bytes))
+        self._retention_interval = retention_interval
+        self._retention_task: asyncio.Task[None] | None = None
+        self._metrics_port, self._metrics_host = metrics_port, metrics_host
+        self._metrics: MetricsServer | None = None
         self._conn: aiosqlite.Connection
         self._lock = asyncio.Lock()
         self._server: Server | None = None
@@ -334,6 +356,7 @@ class Producer:
         self.producer_id = ""
         self.epoch = 0
         self._started = False
+        self._closing = False
         self._closed = False
 
     async def start(self) -> None:
@@ -344,25 +367,40 @@ class Producer:
             # The version before loading the streams: any later commit by another process is seen.
             version = await store.data_version(self._conn)
             await self.log.open(await store.load_streams(self._conn))
+            await self._load_registrations()
             if self._serve:
-                self._server = Server(self.log, self.producer_id, self.epoch, self.settings)
+                self._server = Server(
+                    self.log, self.producer_id, self.epoch, self.settings, self.positions
+                )
                 await self._server.start(self._host, self._port)
+            if self._metrics_port is not None:
+                self._metrics = MetricsServer(self, self._metrics_host, self._metrics_port)
             self._watcher = asyncio.create_task(self._watch_other_writers(version))
+            self._retention_task = asyncio.create_task(self._retain_periodically())
         except BaseException:
             await self.close()
             raise
         self._started = True
 
     async def close(self) -> None:
-        if self._closed:
+        if self._closed or self._closing:
             return
-        self._closed = True
-        if self._watcher is not None:
-            self._watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watcher
+        self._closing = True
+        for task in (self._watcher, self._retention_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if self._metrics is not None:
+            await asyncio.to_thread(self._metrics.close)  # waits for its serving thread
         if self._server is not None:
             await self._server.close()
+        if self._started:
+            try:
+                await self._save_positions()
+            except (sqlite3.Error, ValueError):
+                logger.exception("could not save consumer positions at close")
+        self._closed = True
         await self.log.close()
         with contextlib.suppress(AttributeError):
             await self._conn.close()
@@ -389,6 +427,13 @@ class Producer:
     @property
     def server(self) -> Server | None:
         return self._server
+
+    @property
+    def metrics_address(self) -> str:
+        """``host:port`` of the Prometheus endpoint (``/metrics``)."""
+        if self._metrics is None:
+            raise RuntimeError("this producer serves no metrics (metrics_port=None)")
+        return self._metrics.address
 
     @contextlib.asynccontextmanager
     async def transaction(self) -> AsyncIterator[Transaction]:
@@ -472,7 +517,115 @@ class Producer:
             return
         async with self.transaction() as tx:
             await store.truncate(tx._conn, target.id, before)
-        target.low = before
+        low, target.low = target.low, before
+        for position in self.positions.registered(stream):
+            if max(low, position.applied + 1) < before:
+                position.lost += before - max(low, position.applied + 1)
+
+    # --- consumers: positions, lag, registrations --------------------------------
+
+    def consumer_lags(self) -> list[ConsumerLag]:
+        """Every consumer that reported a position or is registered, with its lag."""
+        return self.positions.lags(self.log.streams)
+
+    async def wait_applied(
+        self, consumer: str, stream: str, seq: int, *, timeout: float | None = None
+    ) -> int:
+        """Wait until ``consumer`` reports ``stream`` applied up to ``seq`` (read your writes
+        across services); returns its position. Raises ``TimeoutError`` after ``timeout``."""
+        async with asyncio.timeout(timeout):
+            return await self.positions.wait(consumer, stream, seq)
+
+    async def register_consumer(self, consumer: str, stream: str) -> None:
+        """Keep ``stream``'s records until ``consumer`` has applied them (see retention)."""
+        if not consumer:
+            raise ValueError("a registered consumer needs a name")
+        check_stream_name(stream)
+        known = self.positions.get(consumer, stream)
+        async with self.transaction() as tx:
+            applied = await store.register_consumer(
+                tx._conn, consumer, stream, known.applied if known else 0
+            )
+        self.positions.register(consumer, stream, applied)
+
+    async def unregister_consumer(self, consumer: str, stream: str) -> bool:
+        """Stop keeping records for ``consumer``; False if it was not registered."""
+        async with self.transaction() as tx:
+            removed = await store.unregister_consumer(tx._conn, consumer, stream)
+        self.positions.unregister(consumer, stream)
+        return removed
+
+    async def _load_registrations(self) -> None:
+        """Registrations in the database, which other processes may change (the CLI)."""
+        rows = await store.load_consumers(self._conn)
+        stored = {(row.consumer, row.stream) for row in rows}
+        for position in self.positions.all():
+            if position.registered and (position.consumer, position.stream) not in stored:
+                self.positions.unregister(position.consumer, position.stream)
+        for row in rows:
+            self.positions.register(row.consumer, row.stream, row.applied)
+
+    async def _save_positions(self) -> None:
+        unsaved = self.positions.unsaved()
+        if unsaved:
+            async with self.transaction() as tx:
+                await store.save_positions(tx._conn, unsaved)
+            self.positions.mark_saved(unsaved)
+
+    # --- retention -----------------------------------------------------------------
+
+    def set_retention(
+        self, stream: str, *, ms: int | None = None, bytes: int | None = None
+    ) -> None:
+        """Caps for ``stream`` (age in milliseconds, stored bytes) instead of the producer's."""
+        self.retention.per_stream[check_stream_name(stream)] = RetentionPolicy(ms, bytes)
+
+    async def apply_retention(self) -> list[Truncation]:
+        """Delete what retention allows now, and save consumers' reported positions.
+
+        Returns what was deleted from each stream that lost records.
+        """
+        now = int(time.time() * 1000)
+        unsaved = self.positions.unsaved()
+        done: list[Truncation] = []
+        capped = self.retention.default != RetentionPolicy() or self.retention.per_stream
+        if not (capped or unsaved or any(p.registered for p in self.positions.all())):
+            return done  # nothing to delete, nothing to save: no transaction
+        async with self.transaction() as tx:
+            plans = []
+            for stream in list(self.log.streams.values()):
+                registered = self.positions.registered(stream.name)
+                plan = await self.retention.plan(tx._conn, stream, registered, now)
+                if plan.before > stream.low:
+                    await store.truncate(tx._conn, stream.id, plan.before)
+                plans.append((stream, stream.head, plan))
+            await store.save_positions(tx._conn, unsaved)
+        self.positions.mark_saved(unsaved)
+        for stream, head, plan in plans:
+            deleted = plan.before - stream.low
+            stream.low = max(stream.low, plan.before)
+            self.retention.committed(stream, head, plan.size_after)
+            if deleted > 0:
+                done.append(Truncation(stream.name, stream.low, deleted, plan.lost))
+            for consumer, count in plan.lost.items():
+                self.positions.lost(consumer, stream.name, count)
+                logger.warning(
+                    "retention deleted %d record(s) of %r before registered consumer %r "
+                    "applied them (first held is now %d)",
+                    count,
+                    stream.name,
+                    consumer,
+                    stream.low,
+                )
+        return done
+
+    async def _retain_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(self._retention_interval)
+            try:
+                await self.apply_retention()
+            except (sqlite3.Error, ConcurrentWriterError):
+                logger.exception("retention pass failed; trying again next interval")
 
     async def _watch_other_writers(self, seen: int) -> None:
         """Notice commits made to this database by other processes (e.g. ``streamq publish``).
@@ -489,6 +642,7 @@ class Producer:
                 if version == seen:
                     continue
                 seen = version
+                await self._load_registrations()
                 for row in await store.load_streams(self._conn):
                     stream = self.log.streams.get(row.name) or self.log.add(row)
                     stream.low = max(stream.low, row.low)

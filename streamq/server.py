@@ -27,6 +27,7 @@ from .errors import (
     TooManyConnectionsError,
 )
 from .log import Log, Stream
+from .positions import Positions
 from .protocol import (
     DEFAULT_MAX_FRAME_SIZE,
     FRAME_OVERHEAD,
@@ -58,8 +59,6 @@ logger = logging.getLogger("streamq.server")
 _READ_SIZE = 64 * 1024
 _LINGER_SECONDS = 1.0
 _LINGER_BYTES = 1024 * 1024
-# Positions reported by readers that do not subscribe, kept for the status report.
-MAX_REPORTED_POSITIONS = 1024
 
 
 @dataclass(frozen=True)
@@ -131,17 +130,33 @@ def _peer_name(writer: asyncio.StreamWriter) -> str:
     return str(peer)
 
 
+@dataclass
+class Traffic:
+    """Records sent from one stream and the bytes of their RECORDS frames, counted per frame."""
+
+    records: int = 0
+    bytes: int = 0
+
+
 class Server:
     """Accepts consumers and clients for one producer's log."""
 
-    def __init__(self, log: Log, producer_id: str, epoch: int, settings: ServerSettings) -> None:
+    def __init__(
+        self,
+        log: Log,
+        producer_id: str,
+        epoch: int,
+        settings: ServerSettings,
+        positions: Positions | None = None,
+    ) -> None:
         self.log = log
         self.producer_id = producer_id
         self.epoch = epoch
         self.settings = settings
+        # Durable positions consumers report (ACK, REPORT_POSITION): lag, waits, retention.
+        self.positions = positions or Positions()
+        self.traffic: dict[str, Traffic] = {}  # stream name -> what was sent from it
         self.subscriptions: set[Subscription] = set()
-        # Positions reported by readers that do not subscribe: (consumer, stream) -> (seq, when)
-        self.reported: dict[tuple[str, str], tuple[int, float]] = {}
         self.connections = 0
         self.errors_sent = 0
         self._server: asyncio.Server | None = None
@@ -316,20 +331,9 @@ class Server:
                 writer.write(conn.send(StatusReport(self.status())))
             elif isinstance(message, ReportPosition):
                 stream = self.log.stream(message.stream)
-                self._note_reported(message.consumer, stream.name, message.seq)
+                self.positions.report(message.consumer, stream.name, message.seq)
                 writer.write(conn.send(StreamInfo(stream.name, stream.head, stream.low)))
             await writer.drain()
-
-    def _note_reported(self, consumer: str, stream: str, seq: int) -> None:
-        """Keep a reader's reported position; the least recently reported go first.
-
-        Bounded because the names come from peers: unique names must not grow memory.
-        """
-        key = (consumer, stream)
-        self.reported.pop(key, None)
-        self.reported[key] = (seq, time.time())
-        while len(self.reported) > MAX_REPORTED_POSITIONS:
-            del self.reported[next(iter(self.reported))]
 
     def status(self) -> dict[str, Any]:
         return {
@@ -339,10 +343,13 @@ class Server:
                 {"stream": s.name, "head": s.head, "low": s.low} for s in self.log.streams.values()
             ],
             "consumers": [sub.describe() for sub in self.subscriptions],
-            "reported": [
-                {"consumer": consumer, "stream": stream, "seq": seq, "at": int(at * 1000)}
-                for (consumer, stream), (seq, at) in self.reported.items()
+            "positions": [
+                {**p._asdict(), "updated_at": int(p.updated_at * 1000)}
+                for p in self.positions.lags(self.log.streams)
             ],
+            "sent": {
+                name: {"records": t.records, "bytes": t.bytes} for name, t in self.traffic.items()
+            },
             "connections": self.connections,
             "errors_sent": self.errors_sent,
         }
@@ -378,6 +385,7 @@ class Server:
     ) -> None:
         stream = self.log.stream(request.stream)
         self._check_start(stream, request.start, request.end)
+        traffic = self.traffic.setdefault(stream.name, Traffic())
         seq = request.start
         while seq < request.end:
             records, last = await self.log.read(
@@ -387,7 +395,10 @@ class Server:
                 self.settings.max_batch_records,
                 self.settings.max_batch_bytes,
             )
-            writer.write(conn.send_records(records))
+            frame = conn.send_records(records)
+            writer.write(frame)
+            traffic.records += len(records)
+            traffic.bytes += len(frame)
             await writer.drain()
             seq = last + 1
         writer.write(conn.send(RangeEnd()))
@@ -448,6 +459,7 @@ class Server:
                     return
                 if isinstance(message, Ack):
                     sub.acked = max(sub.acked, message.seq)
+                    self.positions.report(sub.consumer, sub.stream, message.seq)
             if not conn.buffered:
                 deadline = None
             elif deadline is None:
@@ -472,6 +484,7 @@ class Server:
     ) -> None:
         """Catch up from SQLite or memory, then follow commits as they happen."""
         settings = self.settings
+        traffic = self.traffic.setdefault(stream.name, Traffic())
         seq = sub.sent + 1
         while True:
             records, last = await self.log.read(
@@ -482,7 +495,10 @@ class Server:
                 settings.max_batch_bytes,
             )
             if records:
-                writer.write(conn.send_records(records))
+                frame = conn.send_records(records)
+                writer.write(frame)
+                traffic.records += len(records)
+                traffic.bytes += len(frame)
                 sub.sent = last
                 seq = last + 1
                 await writer.drain()

@@ -1,6 +1,6 @@
 """The SQL behind the log, in the producer's own SQLite database.
 
-Three tables, all prefixed ``streamq_`` so they sit beside the application's own:
+Four tables, all prefixed ``streamq_`` so they sit beside the application's own:
 
 - ``streamq_meta``: the producer's stable id (made once, when the database is
   created) and its epoch (bumped at every start).
@@ -11,6 +11,10 @@ Three tables, all prefixed ``streamq_`` so they sit beside the application's own
   rowid, so appends and range scans are rowid b-tree operations with no second
   index (measured: ~25 % faster inserts than a composite primary key). ``record``
   holds the record's wire encoding (``protocol.encode_record``), sent as is.
+- ``streamq_consumers``: registered consumers, whose unapplied records retention
+  keeps, with the last position each reported (saved lazily, never per commit).
+  Added after the first release: ``CREATE TABLE IF NOT EXISTS`` adds it to older
+  databases when a producer starts, or when a registration is first made.
 """
 
 from __future__ import annotations
@@ -29,6 +33,15 @@ MAX_STORED_SEQ = (1 << SEQ_BITS) - 1
 
 Durability = Literal["normal", "full"]
 
+CONSUMERS_SCHEMA = """CREATE TABLE IF NOT EXISTS streamq_consumers (
+    consumer TEXT NOT NULL,
+    stream TEXT NOT NULL,
+    applied INTEGER NOT NULL DEFAULT 0,  -- last seq the consumer reported applied
+    registered_at INTEGER NOT NULL,      -- milliseconds since the Unix epoch
+    updated_at INTEGER NOT NULL,         -- when applied was last saved
+    PRIMARY KEY (consumer, stream)
+)"""
+
 _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS streamq_meta (key TEXT PRIMARY KEY, value NOT NULL)",
     """CREATE TABLE IF NOT EXISTS streamq_streams (
@@ -41,6 +54,7 @@ _SCHEMA = (
         ts INTEGER NOT NULL,      -- milliseconds since the Unix epoch
         record BLOB NOT NULL      -- protocol.encode_record(...)
     )""",
+    CONSUMERS_SCHEMA,
 )
 
 INSERT_RECORDS = "INSERT INTO streamq_log (pos, ts, record) VALUES (?, ?, ?)"
@@ -189,3 +203,111 @@ async def truncate(conn: aiosqlite.Connection, stream_id: int, before: int) -> N
     await conn.execute(
         "UPDATE streamq_streams SET low = max(low, ?) WHERE id = ?", (before, stream_id)
     )
+
+
+# --- registered consumers -----------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerRow:
+    consumer: str
+    stream: str
+    applied: int
+
+
+async def load_consumers(conn: aiosqlite.Connection) -> list[ConsumerRow]:
+    rows = await conn.execute_fetchall("SELECT consumer, stream, applied FROM streamq_consumers")
+    return [ConsumerRow(str(c), str(s), int(a)) for c, s, a in rows]
+
+
+async def register_consumer(
+    conn: aiosqlite.Connection, consumer: str, stream: str, applied: int
+) -> int:
+    """Register inside the caller's transaction; returns the stored position (an existing
+    registration keeps its own, or ``applied`` if that is further)."""
+    await conn.execute(CONSUMERS_SCHEMA)  # a database made before registrations existed
+    now = int(time.time() * 1000)
+    await conn.execute(
+        "INSERT INTO streamq_consumers (consumer, stream, applied, registered_at, updated_at) "
+        "VALUES (?, ?, ?, ?, ?) ON CONFLICT (consumer, stream) DO UPDATE "
+        "SET applied = max(applied, excluded.applied)",
+        (consumer, stream, applied, now, now),
+    )
+    rows = await conn.execute_fetchall(
+        "SELECT applied FROM streamq_consumers WHERE consumer = ? AND stream = ?",
+        (consumer, stream),
+    )
+    return int(next(iter(rows))[0])
+
+
+async def unregister_consumer(conn: aiosqlite.Connection, consumer: str, stream: str) -> bool:
+    """Remove a registration inside the caller's transaction; False if there was none."""
+    await conn.execute(CONSUMERS_SCHEMA)
+    cursor = await conn.execute(
+        "DELETE FROM streamq_consumers WHERE consumer = ? AND stream = ?", (consumer, stream)
+    )
+    return cursor.rowcount > 0
+
+
+async def save_positions(conn: aiosqlite.Connection, positions: list[tuple[str, str, int]]) -> None:
+    """Store reported (consumer, stream, applied) positions of registered consumers.
+
+    An UPDATE, never an insert: a registration removed by another process stays removed.
+    """
+    now = int(time.time() * 1000)
+    await conn.executemany(
+        "UPDATE streamq_consumers SET applied = max(applied, ?), updated_at = ? "
+        "WHERE consumer = ? AND stream = ?",
+        [(applied, now, consumer, stream) for consumer, stream, applied in positions],
+    )
+
+
+# --- retention ------------------------------------------------------------------
+
+
+async def first_seq_since(
+    conn: aiosqlite.Connection, stream_id: int, start: int, end: int, since_ms: int
+) -> int:
+    """The first seq in ``[start, end)`` published at or after ``since_ms`` (``end`` if none).
+
+    Reads forward from ``start`` and stops at the first young record, so it costs
+    what retention deletes, not the stream's size.
+    """
+    rows = await conn.execute_fetchall(
+        "SELECT pos FROM streamq_log WHERE pos >= ? AND pos < ? AND ts >= ? ORDER BY pos LIMIT 1",
+        (pos(stream_id, start), pos(stream_id, end), since_ms),
+    )
+    for (found,) in rows:
+        return int(found) & MAX_STORED_SEQ
+    return end
+
+
+async def bytes_between(conn: aiosqlite.Connection, stream_id: int, start: int, end: int) -> int:
+    """The stored size of the records with ``start <= seq < end``."""
+    rows = await conn.execute_fetchall(
+        "SELECT coalesce(sum(length(record)), 0) FROM streamq_log WHERE pos >= ? AND pos < ?",
+        (pos(stream_id, start), pos(stream_id, end)),
+    )
+    return int(next(iter(rows))[0])
+
+
+async def seq_after_bytes(
+    conn: aiosqlite.Connection, stream_id: int, start: int, end: int, excess: int
+) -> tuple[int, int]:
+    """Dropping records from ``start`` until at least ``excess`` bytes are gone: the first
+    seq kept, and the bytes dropped. Reads only the records it drops (plus a few)."""
+    dropped, seq = 0, start
+    async with conn.execute(
+        "SELECT pos, length(record) FROM streamq_log WHERE pos >= ? AND pos < ? ORDER BY pos",
+        (pos(stream_id, start), pos(stream_id, end)),
+    ) as cursor:
+        while dropped < excess:
+            rows = await cursor.fetchmany(1024)
+            if not rows:
+                return end, dropped
+            for position, size in rows:
+                if dropped >= excess:
+                    return int(position) & MAX_STORED_SEQ, dropped
+                dropped += int(size)
+                seq = (int(position) & MAX_STORED_SEQ) + 1
+    return seq, dropped

@@ -14,7 +14,9 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from ._loop import loop_factory
+from .positions import ConsumerLag
 from .producer import Producer, Transaction
+from .retention import Truncation
 
 T = TypeVar("T")
 
@@ -148,3 +150,21 @@ class SyncProducer:
 
     def create_stream(self, name: str) -> None:
         self._call(self._producer.create_stream(name))
+
+    def wait_applied(
+        self, consumer: str, stream: str, seq: int, *, timeout: float | None = None
+    ) -> int:
+        """Block until ``consumer`` reports ``stream`` applied up to ``seq``; see ``Producer``."""
+        return self._call(self._producer.wait_applied(consumer, stream, seq, timeout=timeout))
+
+    def consumer_lags(self) -> list[ConsumerLag]:
+        return self._producer.consumer_lags()
+
+    def register_consumer(self, consumer: str, stream: str) -> None:
+        self._call(self._producer.register_consumer(consumer, stream))
+
+    def unregister_consumer(self, consumer: str, stream: str) -> bool:
+        return self._call(self._producer.unregister_consumer(consumer, stream))
+
+    def apply_retention(self) -> list[Truncation]:
+        return self._call(self._producer.apply_retention())

@@ -26,6 +26,7 @@ import pytest
 import streamq
 from streamq import Consumer, Producer, SyncProducer
 from streamq.errors import ErrorCode
+from streamq.positions import MAX_UNREGISTERED
 from streamq.protocol import (
     PROTOCOL_VERSION,
     Ack,
@@ -40,7 +41,6 @@ from streamq.protocol import (
     decode_message,
     encode,
 )
-from streamq.server import MAX_REPORTED_POSITIONS
 
 from .conftest import wait_for
 from .oracle import read_log
@@ -245,7 +245,7 @@ def test_slowloris_and_bodiless_frames_meet_their_deadlines(
 
 def test_many_reported_names_do_not_grow_the_server(tmp_path: Path) -> None:
     db = tmp_path / "producer.db"
-    names = 5 * MAX_REPORTED_POSITIONS
+    names = 5 * MAX_UNREGISTERED
     with ServerProc(db) as server:
         host, port = server.address.rsplit(":", 1)
         requests = b"".join(
@@ -257,10 +257,10 @@ def test_many_reported_names_do_not_grow_the_server(tmp_path: Path) -> None:
             while sock.recv(1 << 20):
                 pass
         with streamq.Client(server.address) as client:
-            reported = client.status()["reported"]
-    assert len(reported) == MAX_REPORTED_POSITIONS
+            reported = client.status()["positions"]
+    assert len(reported) == MAX_UNREGISTERED
     assert {r["consumer"] for r in reported} == {
-        f"reader-{n}" for n in range(names - MAX_REPORTED_POSITIONS, names)
+        f"reader-{n}" for n in range(names - MAX_UNREGISTERED, names)
     }
     assert read_log(db, STREAM) == {n + 1: b"%d" % n for n in range(20)}  # nothing persisted
 
