@@ -5,7 +5,7 @@ pushes committed records over TCP; consumers store their position in their
 own database, in the same transaction as their effects.
 """
 
-from .client import Client
+from .client import Client, history
 from .consumer import Batch, Consumer, ConsumerTransaction
 from .errors import (
     ConcurrentWriterError,
@@ -26,7 +26,7 @@ from .errors import (
     VersionMismatchError,
 )
 from .producer import Producer, Transaction
-from .protocol import PROTOCOL_VERSION, Record, StreamInfo
+from .protocol import PROTOCOL_VERSION, Record, StreamInfo, TimePosition
 from .server import ServerSettings
 from .sync import SyncProducer, SyncTransaction
 
@@ -57,8 +57,10 @@ __all__ = [
     "StreamQError",
     "SyncProducer",
     "SyncTransaction",
+    "TimePosition",
     "Transaction",
     "TransactionClosedError",
     "UnknownStreamError",
     "VersionMismatchError",
+    "history",
 ]

@@ -7,6 +7,7 @@ a plain socket. One client, one connection; requests run one after another.
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from collections.abc import Iterator
 from types import TracebackType
@@ -21,6 +22,7 @@ from .protocol import (
     ClientHello,
     Error,
     GetHead,
+    GetHistory,
     GetRange,
     GetStatus,
     ListStreams,
@@ -30,10 +32,12 @@ from .protocol import (
     RecordRows,
     Records,
     ReportPosition,
+    SeekTime,
     ServerHello,
     StatusReport,
     StreamInfo,
     StreamList,
+    TimePosition,
 )
 
 _READ_SIZE = 256 * 1024
@@ -154,6 +158,24 @@ class Client:
             assert isinstance(message, Records)
             yield message.records
 
+    def history(self, stream: str, key: bytes, from_seq: int = 1) -> list[Record]:
+        """The records of ``stream`` with this ``key`` from ``from_seq`` on, in seq order
+        (an index seek on the producer, not a scan of the stream)."""
+        self._send(GetHistory(stream, key, from_seq))
+        found: list[Record] = []
+        while not isinstance(message := self._receive(), RangeEnd):
+            assert isinstance(message, Records)
+            found += message.records
+        return found
+
+    def seek_time(self, stream: str, timestamp: int) -> TimePosition:
+        """The first seq whose timestamp is >= ``timestamp`` (ms since the epoch), as
+        ``TimePosition.seq``; the head + 1 when no record is that late."""
+        self._send(SeekTime(stream, timestamp))
+        position = self._receive()
+        assert isinstance(position, TimePosition)
+        return position
+
     def read_range_rows(self, stream: str, start: int, end: int) -> Iterator[list[list[Any]]]:
         """Like ``read_range``, as raw rows [seq, timestamp, key, value, headers] for columnar
         readers: no object per record; field types and order are the caller's to check."""
@@ -165,3 +187,15 @@ class Client:
                 yield message.rows
         finally:
             self._conn.raw_records = False
+
+
+async def history(
+    address: str, stream: str, key: bytes, *, from_seq: int = 1, timeout: float | None = 30.0
+) -> list[Record]:
+    """``Client.history`` for asyncio code: one request on a connection of its own."""
+
+    def fetch() -> list[Record]:
+        with Client(address, timeout=timeout, name="history") as client:
+            return client.history(stream, key, from_seq)
+
+    return await asyncio.to_thread(fetch)

@@ -24,7 +24,7 @@ import aiosqlite
 from . import store
 from .errors import ConcurrentWriterError, RecordTooLargeError, TransactionClosedError
 from .log import RECORD_OVERHEAD, Log
-from .protocol import FRAME_OVERHEAD, encode_record
+from .protocol import FRAME_OVERHEAD, Record, decode_record, encode_record
 from .server import Server, ServerSettings
 from .store import Durability
 
@@ -72,8 +72,11 @@ class Transaction:
         self._producer = producer
         self._conn = producer._conn
         self._closed = False
-        self._rows: list[tuple[int, int, bytes]] = []  # not yet inserted
+        self._rows: list[tuple[int, int, bytes, bytes | None]] = []  # not yet inserted
+        self._times: list[tuple[int, int, int]] = []  # streamq_time rows not yet inserted
         self._heads: dict[str, int] = {}  # stream name -> last seq published here
+        self._max_ts: dict[str, int | None] = {}  # stream name -> largest timestamp so far
+        self._key_index: dict[str, bool] = {}  # stream name -> its records' keys are indexed
         self._new_streams: dict[str, int] = {}  # stream name -> id, created here
         self._kept: dict[str, list[bytes] | None] = {}  # for the tail; None once too big
         self._kept_bytes: dict[str, int] = {}
@@ -113,7 +116,7 @@ class Transaction:
         else:
             raise TypeError(f"timestamp must be int milliseconds, not {type(timestamp).__name__}")
         record = encode_record(seq, ts, key, value, checked_headers)
-        self._append(stream, stream_id, seq, ts, record)
+        self._append(stream, stream_id, seq, ts, record, key)
         if len(self._rows) >= self._producer.flush_records:
             await self._flush()
         return seq
@@ -127,14 +130,15 @@ class Transaction:
         for value in values:
             seq += 1
             record = encode_record(seq, ts, None, _as_bytes(value, "value"), {})
-            self._append(stream, stream_id, seq, ts, record)
+            self._append(stream, stream_id, seq, ts, record, None)
             if len(self._rows) >= self._producer.flush_records:
                 await self._flush()
         self._heads[stream] = seq
         return range(first, seq + 1)
 
-    async def _next_seq(self, stream: str) -> tuple[int, int]:
-        """The stream's id and the seq its next record gets, creating the stream if new."""
+    async def _next_seq(self, stream: str, *, key_index: bool = True) -> tuple[int, int]:
+        """The stream's id and the seq its next record gets, creating the stream if new
+        (with ``key_index``)."""
         head = self._heads.get(stream)
         if head is not None:
             existing = self._producer.log.streams.get(stream)
@@ -142,13 +146,21 @@ class Transaction:
         existing = self._producer.log.streams.get(stream)
         if existing is not None:
             self._heads[stream] = existing.head
+            self._max_ts[stream] = existing.max_ts
+            self._key_index[stream] = existing.key_index
             return existing.id, existing.head + 1
         check_stream_name(stream)
-        self._new_streams[stream] = await store.create_stream(self._conn, stream)
+        self._new_streams[stream] = await store.create_stream(
+            self._conn, stream, key_index=key_index
+        )
         self._heads[stream] = 0
+        self._max_ts[stream] = None
+        self._key_index[stream] = key_index
         return self._new_streams[stream], 1
 
-    def _append(self, stream: str, stream_id: int, seq: int, ts: int, record: bytes) -> None:
+    def _append(
+        self, stream: str, stream_id: int, seq: int, ts: int, record: bytes, key: bytes | None
+    ) -> None:
         if len(record) > self._producer.max_record_size:
             raise RecordTooLargeError(
                 f"record of {len(record)} bytes exceeds the limit of "
@@ -156,7 +168,12 @@ class Transaction:
             )
         if seq > store.MAX_STORED_SEQ:
             raise OverflowError(f"stream {stream!r} has reached the last seq")
-        self._rows.append((store.pos(stream_id, seq), ts, record))
+        position = store.pos(stream_id, seq)
+        self._rows.append((position, ts, record, key if self._key_index[stream] else None))
+        max_ts = self._max_ts[stream]
+        if max_ts is None or ts > max_ts:  # "streamq_time" in store: a new largest timestamp
+            self._max_ts[stream] = ts
+            self._times.append((stream_id, ts, position))
         self._heads[stream] = seq
         kept = self._kept.setdefault(stream, [])
         if kept is not None:
@@ -171,8 +188,10 @@ class Transaction:
         if not self._rows:
             return
         rows, self._rows = self._rows, []
+        times, self._times = self._times, []
         try:
             await self._conn.executemany(store.INSERT_RECORDS, rows)
+            await self._conn.executemany(store.INSERT_TIMES, times)
         except sqlite3.IntegrityError as exc:
             raise ConcurrentWriterError(
                 "another process appended to this producer's log during the transaction"
@@ -298,9 +317,11 @@ class Producer:
 
     def _after_commit(self, tx: Transaction) -> None:
         for name, stream_id in tx._new_streams.items():
-            self.log.add(store.StreamRow(stream_id, name, 0, 1))
+            self.log.add(store.StreamRow(stream_id, name, 0, 1, tx._key_index[name]))
         for name, head in tx._heads.items():
-            self.log.committed(self.log.streams[name], head, tx._kept.get(name, []))
+            stream = self.log.streams[name]
+            stream.max_ts = tx._max_ts[name]
+            self.log.committed(stream, head, tx._kept.get(name, []))
 
     async def publish(
         self,
@@ -314,17 +335,37 @@ class Producer:
         async with self.transaction() as tx:
             return await tx.publish(stream, value, key=key, headers=headers)
 
-    async def create_stream(self, name: str) -> None:
-        """Make ``name`` exist (head 0) so consumers can subscribe before the first publish."""
+    async def create_stream(self, name: str, *, key_index: bool = True) -> None:
+        """Make ``name`` exist (head 0) so consumers can subscribe before the first publish.
+
+        ``key_index=False`` leaves its keys out of the index: publishing keyed records
+        gets cheaper (measured in ``bench/key_index.py``), and ``history`` scans the
+        stream instead of seeking. Settings are fixed when the stream is created.
+        """
         check_stream_name(name)
         if name in self.log.streams:
             return
         async with self.transaction() as tx:
-            await tx._next_seq(name)
+            await tx._next_seq(name, key_index=key_index)
 
     def head(self, stream: str) -> int:
         """The last committed seq of ``stream`` (0 if none yet)."""
         return self.log.stream(stream).head
+
+    async def history(self, stream: str, key: bytes, from_seq: int | None = None) -> list[Record]:
+        """The records of ``stream`` with this ``key``, in seq order, from ``from_seq`` on
+        (default: the first held): an entity's events without reading the whole stream."""
+        if from_seq is not None and from_seq < 1:
+            raise ValueError(f"seqs start at 1, not {from_seq}")
+        encoded = await self.log.full_history(
+            self.log.stream(stream), _as_bytes(key, "key"), from_seq or 1
+        )
+        return [decode_record(record) for record in encoded]
+
+    async def seek_time(self, stream: str, timestamp: int) -> int:
+        """The first seq of ``stream`` whose timestamp is >= ``timestamp`` (ms since the
+        epoch), or the head + 1 if none is; an index seek, never a scan."""
+        return await self.log.seek_time(self.log.stream(stream), timestamp)
 
     async def truncate(self, stream: str, before: int) -> None:
         """Delete ``stream``'s records with seq < ``before`` (retention).
@@ -357,5 +398,6 @@ class Producer:
                 for row in await store.load_streams(self._conn):
                     stream = self.log.streams.get(row.name) or self.log.add(row)
                     stream.low = max(stream.low, row.low)
+                    stream.max_ts = row.max_ts
                     if row.head > stream.head:
                         self.log.committed(stream, row.head, None)

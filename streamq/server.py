@@ -35,12 +35,14 @@ from .protocol import (
     ClientHello,
     Error,
     GetHead,
+    GetHistory,
     GetRange,
     GetStatus,
     Heartbeat,
     ListStreams,
     RangeEnd,
     ReportPosition,
+    SeekTime,
     ServerConnection,
     ServerHello,
     State,
@@ -49,6 +51,7 @@ from .protocol import (
     StreamList,
     Subscribe,
     Subscribed,
+    TimePosition,
 )
 
 logger = logging.getLogger("streamq.server")
@@ -262,6 +265,12 @@ class Server:
                 writer.write(conn.send(StreamInfo(stream.name, stream.head, stream.low)))
             elif isinstance(message, GetRange):
                 await self._send_range(conn, message, writer)
+            elif isinstance(message, GetHistory):
+                await self._send_history(conn, message, writer)
+            elif isinstance(message, SeekTime):
+                stream = self.log.stream(message.stream)
+                seq = await self.log.seek_time(stream, message.timestamp)
+                writer.write(conn.send(TimePosition(stream.name, seq, stream.head, stream.low)))
             elif isinstance(message, ListStreams):
                 infos = tuple(StreamInfo(s.name, s.head, s.low) for s in self.log.streams.values())
                 writer.write(conn.send(StreamList(infos)))
@@ -332,6 +341,27 @@ class Server:
             writer.write(conn.send_records(records))
             await writer.drain()
             seq = last + 1
+        writer.write(conn.send(RangeEnd()))
+
+    async def _send_history(
+        self, conn: ServerConnection, request: GetHistory, writer: asyncio.StreamWriter
+    ) -> None:
+        """One key's records held from ``request.start`` up to the head, then RANGE_END."""
+        stream = self.log.stream(request.stream)
+        if request.start < 1:
+            raise OffsetOutOfRangeError(
+                f"seqs start at 1, not {request.start}",
+                {"stream": stream.name, "requested": 0, "low": stream.low, "head": stream.head},
+            )
+        seq, end = request.start, stream.head + 1
+        settings = self.settings
+        while seq < end:
+            records, seq = await self.log.history(
+                stream, request.key, seq, end, settings.max_batch_records, settings.max_batch_bytes
+            )
+            if records:
+                writer.write(conn.send_records(records))
+                await writer.drain()
         writer.write(conn.send(RangeEnd()))
 
     async def _subscription(

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 from ._loop import loop_factory
 from .producer import Producer, Transaction
+from .protocol import Record
 
 T = TypeVar("T")
 
@@ -142,5 +143,11 @@ class SyncProducer:
         with self.transaction() as tx:
             return tx.execute(sql, parameters).fetchall()
 
-    def create_stream(self, name: str) -> None:
-        self._call(self._producer.create_stream(name))
+    def create_stream(self, name: str, *, key_index: bool = True) -> None:
+        self._call(self._producer.create_stream(name, key_index=key_index))
+
+    def history(self, stream: str, key: bytes, from_seq: int | None = None) -> list[Record]:
+        return self._call(self._producer.history(stream, key, from_seq))
+
+    def seek_time(self, stream: str, timestamp: int) -> int:
+        return self._call(self._producer.seek_time(stream, timestamp))
