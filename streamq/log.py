@@ -100,7 +100,7 @@ class Stream:
     head: int
     low: int
     tail: TailBuffer
-    key_index: bool = True  # keys are in the index: ``history`` seeks instead of scanning
+    key_index: bool = False  # keys are in the index: ``history`` seeks instead of scanning
     max_ts: int | None = None  # largest timestamp committed so far (the time index's top)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 

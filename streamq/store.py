@@ -12,9 +12,10 @@ Four tables, all prefixed ``streamq_`` so they sit beside the application's own:
   rowid, so appends and range scans are rowid b-tree operations with no second
   index (measured: ~25 % faster inserts than a composite primary key). ``record``
   holds the record's wire encoding (``protocol.encode_record``), sent as is.
-  ``key`` repeats the record's key for streams with ``key_index`` (NULL
+  ``key`` repeats the record's key for streams created with ``key_index`` (NULL
   otherwise), and a partial index on it finds one key's records (``history``)
-  without a scan; records without a key cost the index nothing.
+  without a scan. Opt-in per stream: each keyed record dirties a random index
+  page, which costs a bulk keyed publish ~4x (``bench/key_index.py``).
 - ``streamq_time``: a sparse time index. A row (stream, ts, pos) is written each
   time a record's timestamp exceeds every earlier one of its stream, so the
   first row with ``ts >= T`` names the first seq whose timestamp reaches T:
@@ -30,8 +31,6 @@ from typing import Any, Literal
 
 import aiosqlite
 
-from .protocol import record_key
-
 SCHEMA_VERSION = 2
 SEQ_BITS = 40
 MAX_STORED_SEQ = (1 << SEQ_BITS) - 1
@@ -44,7 +43,7 @@ _SCHEMA = (
         id INTEGER PRIMARY KEY,
         name TEXT NOT NULL UNIQUE,
         low INTEGER NOT NULL DEFAULT 1,
-        key_index INTEGER NOT NULL DEFAULT 1  -- 1: records' keys are indexed (history)
+        key_index INTEGER NOT NULL DEFAULT 0  -- 1: records' keys are indexed (history)
     )""",
     """CREATE TABLE IF NOT EXISTS streamq_log (
         pos INTEGER PRIMARY KEY,  -- stream id << 40 | seq
@@ -91,7 +90,7 @@ class StreamRow:
     name: str
     head: int
     low: int
-    key_index: bool = True
+    key_index: bool = False
     max_ts: int | None = None  # the stream's largest timestamp so far (streamq_time)
 
 
@@ -171,30 +170,27 @@ async def initialize(conn: aiosqlite.Connection, durability: Durability) -> Iden
 
 
 async def _migrate_from_1(conn: aiosqlite.Connection) -> None:
-    """Version 1 had no key column and no time index: add both, filled from the records."""
+    """Version 1 had no key column and no time index: add both. Its streams keep no key
+    index (the default); the time index is filled from the records."""
     await conn.execute("ALTER TABLE streamq_log ADD COLUMN key BLOB")
     await conn.execute(
-        "ALTER TABLE streamq_streams ADD COLUMN key_index INTEGER NOT NULL DEFAULT 1"
+        "ALTER TABLE streamq_streams ADD COLUMN key_index INTEGER NOT NULL DEFAULT 0"
     )
     await conn.execute(_INDEXES[1])
     max_ts: dict[int, int] = {}
     last = -1
     while rows := list(
         await conn.execute_fetchall(
-            "SELECT pos, ts, record FROM streamq_log WHERE pos > ? ORDER BY pos LIMIT 10000",
+            "SELECT pos, ts FROM streamq_log WHERE pos > ? ORDER BY pos LIMIT 10000",
             (last,),
         )
     ):
-        keys, times = [], []
-        for p, ts, record in rows:
-            key = record_key(record)
-            if key is not None:
-                keys.append((key, p))
+        times = []
+        for p, ts in rows:
             stream_id = p >> SEQ_BITS
             if ts > max_ts.get(stream_id, ts - 1):
                 max_ts[stream_id] = ts
                 times.append((stream_id, ts, p))
-        await conn.executemany("UPDATE streamq_log SET key = ? WHERE pos = ?", keys)
         await conn.executemany(INSERT_TIMES, times)
         last = rows[-1][0]
 
@@ -215,7 +211,7 @@ async def data_version(conn: aiosqlite.Connection) -> int:
     return int(row[0])
 
 
-async def create_stream(conn: aiosqlite.Connection, name: str, *, key_index: bool = True) -> int:
+async def create_stream(conn: aiosqlite.Connection, name: str, *, key_index: bool = False) -> int:
     """Insert a stream row inside the caller's transaction; returns its id."""
     cursor = await conn.execute(
         "INSERT INTO streamq_streams (name, key_index) VALUES (?, ?)", (name, int(key_index))

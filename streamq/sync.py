@@ -143,7 +143,7 @@ class SyncProducer:
         with self.transaction() as tx:
             return tx.execute(sql, parameters).fetchall()
 
-    def create_stream(self, name: str, *, key_index: bool = True) -> None:
+    def create_stream(self, name: str, *, key_index: bool = False) -> None:
         self._call(self._producer.create_stream(name, key_index=key_index))
 
     def history(self, stream: str, key: bytes, from_seq: int | None = None) -> list[Record]:
