@@ -17,6 +17,7 @@ from .consumer import parse_address
 from .errors import ConnectionLostError, StreamQError, error_from_frame
 from .protocol import (
     DEFAULT_MAX_FRAME_SIZE,
+    MAX_SEQ,
     PROTOCOL_VERSION,
     ClientConnection,
     ClientHello,
@@ -158,10 +159,13 @@ class Client:
             assert isinstance(message, Records)
             yield message.records
 
-    def history(self, stream: str, key: bytes, from_seq: int = 1) -> list[Record]:
-        """The records of ``stream`` with this ``key`` from ``from_seq`` on, in seq order
-        (an index seek on the producer, not a scan of the stream)."""
-        self._send(GetHistory(stream, key, from_seq))
+    def history(
+        self, stream: str, key: bytes, from_seq: int = 1, to_seq: int | None = None
+    ) -> list[Record]:
+        """The records of ``stream`` with this ``key`` and ``from_seq <= seq < to_seq``
+        (default: up to the head), in seq order: an index seek on the producer for a
+        stream created with ``key_index=True``, a scan there otherwise."""
+        self._send(GetHistory(stream, key, from_seq, MAX_SEQ if to_seq is None else to_seq))
         found: list[Record] = []
         while not isinstance(message := self._receive(), RangeEnd):
             assert isinstance(message, Records)
@@ -190,12 +194,18 @@ class Client:
 
 
 async def history(
-    address: str, stream: str, key: bytes, *, from_seq: int = 1, timeout: float | None = 30.0
+    address: str,
+    stream: str,
+    key: bytes,
+    *,
+    from_seq: int = 1,
+    to_seq: int | None = None,
+    timeout: float | None = 30.0,
 ) -> list[Record]:
     """``Client.history`` for asyncio code: one request on a connection of its own."""
 
     def fetch() -> list[Record]:
         with Client(address, timeout=timeout, name="history") as client:
-            return client.history(stream, key, from_seq)
+            return client.history(stream, key, from_seq, to_seq)
 
     return await asyncio.to_thread(fetch)

@@ -252,12 +252,14 @@ class ReportPosition:
 
 @dataclass(frozen=True, slots=True)
 class GetHistory:
-    """Send the records of ``stream`` whose key is ``key``, from seq ``start`` on, in seq
-    order, then RANGE_END: one entity's events without reading the whole stream."""
+    """Send the records of ``stream`` whose key is ``key`` with ``start <= seq < end``
+    (``end`` capped at the head + 1), in seq order, then RANGE_END: one entity's
+    events without reading the whole stream."""
 
     stream: str
     key: bytes
     start: int
+    end: int
     TYPE: ClassVar[MessageType] = MessageType.GET_HISTORY
 
 
@@ -436,7 +438,7 @@ _CHECKS: dict[type[Any], tuple[Callable[[Any], bool], ...]] = {
     StatusReport: (_map,),
     Error: (_uint, _str, _map),
     ReportPosition: (_str, _str, _uint),
-    GetHistory: (_str, _bin, _uint),
+    GetHistory: (_str, _bin, _uint, _uint),
     SeekTime: (_str, _int),
     TimePosition: (_str, _uint, _uint, _uint),
 }
@@ -767,13 +769,12 @@ class ClientConnection(_Connection):
         if not isinstance(message, allowed):
             raise self._unexpected(message, " or ".join(c.TYPE.name for c in allowed))
         if isinstance(message, Records | RecordRows):
-            # A range holds only seqs in [start, end), a history only seqs from start on,
-            # in increasing order.
+            # A range or a history holds only seqs in [start, end), in increasing order.
             seqs = _first_and_last_seq(message)
             if seqs is not None:
                 first, last = seqs
-                end = request.end if isinstance(request, GetRange) else MAX_SEQ + 1
                 assert isinstance(request, GetRange | GetHistory)
+                end = request.end
                 if not (request.start <= first and last < end and first > self.last_seq):
                     raise _malformed(
                         f"RECORDS outside the requested range [{request.start}, {end})"

@@ -346,14 +346,14 @@ class Server:
     async def _send_history(
         self, conn: ServerConnection, request: GetHistory, writer: asyncio.StreamWriter
     ) -> None:
-        """One key's records held from ``request.start`` up to the head, then RANGE_END."""
+        """One key's records held in [start, min(end, head + 1)), then RANGE_END."""
         stream = self.log.stream(request.stream)
         if request.start < 1:
             raise OffsetOutOfRangeError(
                 f"seqs start at 1, not {request.start}",
                 {"stream": stream.name, "requested": 0, "low": stream.low, "head": stream.head},
             )
-        seq, end = request.start, stream.head + 1
+        seq, end = request.start, min(request.end, stream.head + 1)
         settings = self.settings
         while seq < end:
             records, seq = await self.log.history(

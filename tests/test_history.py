@@ -64,9 +64,13 @@ async def test_history_returns_one_keys_records_in_seq_order(
             with Client(producer.address) as client:
                 history_a = client.history("orders", b"a")
                 history_b = client.history("orders", b"b", 30)
-                return history_a, history_b, client.head("orders").head  # the connection goes on
+                window = client.history("orders", b"a", 5, 20)
+                return history_a, history_b + window, client.head("orders").head
 
         history_a, history_b, head = await asyncio.to_thread(remote)
+        window = [r for r in local if 5 <= r.seq < 20]
+        assert window and history_b[-len(window) :] == window
+        history_b = history_b[: -len(window)]
         assert history_a == local
         assert history_b == [r for r in await producer.history("orders", b"b") if r.seq >= 30]
         assert head == len(keys)

@@ -128,7 +128,7 @@ MESSAGE_STRATEGIES: dict[type[Any], st.SearchStrategy[Any]] = {
     StreamList: st.builds(StreamList, st.lists(stream_infos, max_size=5).map(tuple)),
     GetStatus: st.builds(GetStatus),
     ReportPosition: st.builds(ReportPosition, texts, texts, uints),
-    GetHistory: st.builds(GetHistory, texts, st.binary(max_size=12), uints),
+    GetHistory: st.builds(GetHistory, texts, st.binary(max_size=12), uints, uints),
     SeekTime: st.builds(SeekTime, texts, msgpack_ints),
     TimePosition: st.builds(TimePosition, texts, uints, uints, uints),
     StatusReport: st.builds(StatusReport, maps),
@@ -154,7 +154,7 @@ FIELD_KINDS: dict[type[Any], tuple[str, ...]] = {
     StatusReport: ("map",),
     Error: ("uint", "str", "map"),
     ReportPosition: ("str", "str", "uint"),
-    GetHistory: ("str", "bin", "uint"),
+    GetHistory: ("str", "bin", "uint", "uint"),
     SeekTime: ("str", "int"),
     TimePosition: ("str", "uint", "uint", "uint"),
 }
@@ -829,7 +829,7 @@ def test_server_needs_client_hello_first(first: Message) -> None:
         GetRange("s", 1, 10),
         ListStreams(),
         GetStatus(),
-        GetHistory("s", b"k", 1),
+        GetHistory("s", b"k", 1, 10),
         SeekTime("s", 1700000000000),
     ],
     ids=lambda m: m.TYPE.name,
@@ -943,8 +943,8 @@ def test_client_rejects_responses_with_no_request_pending(response: Message) -> 
         (GetHead("s"), ServerHello(PROTOCOL_VERSION, "p", 1, 1024)),
         (SeekTime("s", 0), StreamInfo("s", 1, 1)),
         (GetHead("s"), TimePosition("s", 1, 1, 1)),
-        (GetHistory("s", b"k", 1), StreamInfo("s", 1, 1)),
-        (GetHistory("s", b"k", 1), TimePosition("s", 1, 1, 1)),
+        (GetHistory("s", b"k", 1, 5), StreamInfo("s", 1, 1)),
+        (GetHistory("s", b"k", 1, 5), TimePosition("s", 1, 1, 1)),
     ],
     ids=str,
 )
@@ -995,21 +995,21 @@ def test_client_rejects_records_outside_the_range(
     rejected(client, bad)
 
 
-def test_client_history_accepts_records_with_gaps_from_start_on() -> None:
-    client = ready_client(GetHistory("s", b"k", 10), SeekTime("s", 5))
+def test_client_history_accepts_records_with_gaps_within_the_range() -> None:
+    client = ready_client(GetHistory("s", b"k", 10, 2**40 + 1), SeekTime("s", 5))
     for message in (recs(10, 12), recs(), recs(40, 2**40), RangeEnd(), TimePosition("s", 7, 9, 1)):
         assert receive(client, message) == message
 
 
 @pytest.mark.parametrize(
     ("before", "bad"),
-    [((), recs(9)), ((recs(12),), recs(11)), ((recs(12),), recs(12))],
+    [((), recs(9)), ((), recs(20)), ((recs(12),), recs(11)), ((recs(12),), recs(12))],
     ids=str,
 )
-def test_client_rejects_history_records_before_start_or_backwards(
+def test_client_rejects_history_records_outside_the_range_or_backwards(
     before: tuple[Records, ...], bad: Records
 ) -> None:
-    client = ready_client(GetHistory("s", b"k", 10))
+    client = ready_client(GetHistory("s", b"k", 10, 20))
     for message in before:
         assert receive(client, message) == message
     rejected(client, bad)
@@ -1230,7 +1230,7 @@ def responses_to(data: st.DataObject, request: Message) -> Iterator[tuple[Messag
     elif isinstance(request, SeekTime):
         yield TimePosition(request.stream, *data.draw(st.tuples(uints, uints, uints))), False
     elif isinstance(request, GetHistory):
-        yield from data.draw(range_responses(GetRange(request.stream, request.start, MAX_SEQ)))
+        yield from data.draw(range_responses(GetRange(request.stream, request.start, request.end)))
     elif isinstance(request, ListStreams):
         yield data.draw(MESSAGE_STRATEGIES[StreamList]), False
     elif isinstance(request, GetStatus):
@@ -1252,7 +1252,13 @@ pair_requests = st.one_of(
     MESSAGE_STRATEGIES[GetStatus],
     MESSAGE_STRATEGIES[ReportPosition],
     MESSAGE_STRATEGIES[SeekTime],
-    st.builds(GetHistory, texts, st.binary(max_size=4), st.integers(1, MAX_SEQ - 64)),
+    st.builds(
+        lambda stream, key, start, length: GetHistory(stream, key, start, start + length),
+        texts,
+        st.binary(max_size=4),
+        st.integers(1, MAX_SEQ - 64),
+        st.integers(0, 40),
+    ),
 )
 
 
