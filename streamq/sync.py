@@ -57,8 +57,11 @@ class SyncTransaction:
         *,
         key: bytes | None = None,
         headers: Mapping[str, bytes] | None = None,
+        timestamp: int | None = None,
     ) -> int:
-        return self._producer._call(self._tx.publish(stream, value, key=key, headers=headers))
+        return self._producer._call(
+            self._tx.publish(stream, value, key=key, headers=headers, timestamp=timestamp)
+        )
 
     def publish_many(self, stream: str, values: Iterable[bytes]) -> range:
         return self._producer._call(self._tx.publish_many(stream, values))
