@@ -6,6 +6,7 @@ own database, in the same transaction as their effects.
 """
 
 from .client import Client, history
+from .compaction import Compacted
 from .consumer import Batch, Consumer, ConsumerTransaction
 from .errors import (
     ConcurrentWriterError,
@@ -36,6 +37,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "Batch",
     "Client",
+    "Compacted",
     "ConcurrentWriterError",
     "ConnectionLostError",
     "Consumer",

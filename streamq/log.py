@@ -100,8 +100,9 @@ class Stream:
     head: int
     low: int
     tail: TailBuffer
-    key_index: bool = False  # keys are in the index: ``history`` seeks instead of scanning
+    settings: store.StreamSettings = field(default_factory=store.StreamSettings)
     max_ts: int | None = None  # largest timestamp committed so far (the time index's top)
+    compacted: int = 0  # compaction ran up to this seq: seqs from low to it may be absent
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def notify(self) -> None:
@@ -156,8 +157,9 @@ class Log:
             row.head,
             row.low,
             TailBuffer(self.tail_bytes, row.head + 1),
-            row.key_index,
+            row.settings,
             row.max_ts,
+            row.compacted,
         )
         self.streams[row.name] = stream
         return stream
@@ -211,7 +213,8 @@ class Log:
     ) -> tuple[Sequence[bytes], int]:
         """Encoded records with ``seq <= s < min(end, head + 1)``, and the last seq read.
 
-        Returns an empty batch once caught up with the head.
+        Returns an empty batch once caught up with the head, or, with a last seq
+        at or beyond ``seq``, when compaction removed every record of ``[seq, end)``.
         """
         self.check_available(stream, seq)
         end = min(end, stream.head + 1)
@@ -223,11 +226,17 @@ class Log:
         limit = max(1, min(max_records, max_bytes // max(1, self._avg_record_size)))
         async with self._reader() as conn:
             rows = await store.read_records(conn, stream.id, seq, end, limit)
-        if not rows or rows[0][0] != seq:  # deleted after the check above
+        # Retention raises ``low`` before it commits (Producer.truncate): seqs it deleted
+        # while this read ran are reported as lost, never taken for a compaction gap.
+        self.check_available(stream, seq)
+        first = rows[0][0] if rows else end
+        if first != seq and first - 1 > stream.compacted:  # deleted after the check above
             raise OffsetOutOfRangeError(
                 f"stream {stream.name!r}: seqs from {seq} were deleted while being read",
                 {"stream": stream.name, "requested": seq, "low": stream.low, "head": stream.head},
             )
+        if not rows:  # compaction removed all of [seq, end)
+            return (), end - 1
         records = take([record for _, record in rows], max_records, max_bytes)
         self._note_sizes(records)
         return records, rows[len(records) - 1][0]
@@ -245,7 +254,7 @@ class Log:
         if seq >= end:
             return (), end
         async with self._reader() as conn:
-            if stream.key_index:
+            if stream.settings.key_index:
                 rows = await store.read_key_records(conn, stream.id, key, seq, end, max_records)
                 scanned_to = rows[-1][0] if len(rows) == max_records else end - 1
             else:

@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
+import logging
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from types import TracebackType
 from typing import Any
 
 import aiosqlite
 
 from . import store
+from .compaction import NOTIFICATION_SUFFIX, Compacted, superseded
 from .errors import ConcurrentWriterError, RecordTooLargeError, TransactionClosedError
 from .log import RECORD_OVERHEAD, Log
 from .protocol import FRAME_OVERHEAD, Record, decode_record, encode_record
@@ -29,6 +32,11 @@ from .server import Server, ServerSettings
 from .store import Durability
 
 _MAX_STREAM_NAME = 255
+
+logger = logging.getLogger("streamq.producer")
+
+# Told what compaction removed from a stream, once the deletion has committed.
+OnCompacted = Callable[[str, list[Compacted]], Awaitable[None] | None]
 
 
 def _as_bytes(value: Any, what: str) -> bytes:
@@ -76,7 +84,7 @@ class Transaction:
         self._times: list[tuple[int, int, int]] = []  # streamq_time rows not yet inserted
         self._heads: dict[str, int] = {}  # stream name -> last seq published here
         self._max_ts: dict[str, int | None] = {}  # stream name -> largest timestamp so far
-        self._key_index: dict[str, bool] = {}  # stream name -> its records' keys are indexed
+        self._settings: dict[str, store.StreamSettings] = {}  # stream name -> its settings
         self._new_streams: dict[str, int] = {}  # stream name -> id, created here
         self._kept: dict[str, list[bytes] | None] = {}  # for the tail; None once too big
         self._kept_bytes: dict[str, int] = {}
@@ -136,9 +144,11 @@ class Transaction:
         self._heads[stream] = seq
         return range(first, seq + 1)
 
-    async def _next_seq(self, stream: str, *, key_index: bool = False) -> tuple[int, int]:
+    async def _next_seq(
+        self, stream: str, settings: store.StreamSettings | None = None
+    ) -> tuple[int, int]:
         """The stream's id and the seq its next record gets, creating the stream if new
-        (with ``key_index``)."""
+        (with ``settings``, default ones if None)."""
         head = self._heads.get(stream)
         if head is not None:
             existing = self._producer.log.streams.get(stream)
@@ -147,15 +157,14 @@ class Transaction:
         if existing is not None:
             self._heads[stream] = existing.head
             self._max_ts[stream] = existing.max_ts
-            self._key_index[stream] = existing.key_index
+            self._settings[stream] = existing.settings
             return existing.id, existing.head + 1
         check_stream_name(stream)
-        self._new_streams[stream] = await store.create_stream(
-            self._conn, stream, key_index=key_index
-        )
+        settings = settings or store.StreamSettings()
+        self._new_streams[stream] = await store.create_stream(self._conn, stream, settings)
         self._heads[stream] = 0
         self._max_ts[stream] = None
-        self._key_index[stream] = key_index
+        self._settings[stream] = settings
         return self._new_streams[stream], 1
 
     def _append(
@@ -169,7 +178,7 @@ class Transaction:
         if seq > store.MAX_STORED_SEQ:
             raise OverflowError(f"stream {stream!r} has reached the last seq")
         position = store.pos(stream_id, seq)
-        self._rows.append((position, ts, record, key if self._key_index[stream] else None))
+        self._rows.append((position, ts, record, key if self._settings[stream].key_index else None))
         max_ts = self._max_ts[stream]
         if max_ts is None or ts > max_ts:  # "streamq_time" in store: a new largest timestamp
             self._max_ts[stream] = ts
@@ -222,6 +231,8 @@ class Producer:
         tail_bytes: int = 16 * 1024 * 1024,
         flush_records: int = 10_000,
         watch_interval: float = 0.2,
+        compact_interval: float = 60.0,
+        on_compacted: OnCompacted | None = None,
     ) -> None:
         if durability not in ("normal", "full"):
             raise ValueError(f"durability must be 'normal' or 'full', not {durability!r}")
@@ -233,10 +244,13 @@ class Producer:
         self.log = Log(self.path, tail_bytes=tail_bytes)
         self._host, self._port, self._serve = host, port, serve
         self._watch_interval = watch_interval
+        self._compact_interval = compact_interval
+        self._on_compacted = on_compacted
         self._conn: aiosqlite.Connection
         self._lock = asyncio.Lock()
         self._server: Server | None = None
         self._watcher: asyncio.Task[None] | None = None
+        self._compactor: asyncio.Task[None] | None = None
         self.producer_id = ""
         self.epoch = 0
         self._started = False
@@ -254,6 +268,7 @@ class Producer:
                 self._server = Server(self.log, self.producer_id, self.epoch, self.settings)
                 await self._server.start(self._host, self._port)
             self._watcher = asyncio.create_task(self._watch_other_writers(version))
+            self._compactor = asyncio.create_task(self._compact_periodically())
         except BaseException:
             await self.close()
             raise
@@ -263,10 +278,11 @@ class Producer:
         if self._closed:
             return
         self._closed = True
-        if self._watcher is not None:
-            self._watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watcher
+        for task in (self._watcher, self._compactor):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._server is not None:
             await self._server.close()
         await self.log.close()
@@ -317,7 +333,7 @@ class Producer:
 
     def _after_commit(self, tx: Transaction) -> None:
         for name, stream_id in tx._new_streams.items():
-            self.log.add(store.StreamRow(stream_id, name, 0, 1, tx._key_index[name]))
+            self.log.add(store.StreamRow(stream_id, name, 0, 1, tx._settings[name]))
         for name, head in tx._heads.items():
             stream = self.log.streams[name]
             stream.max_ts = tx._max_ts[name]
@@ -335,19 +351,35 @@ class Producer:
         async with self.transaction() as tx:
             return await tx.publish(stream, value, key=key, headers=headers)
 
-    async def create_stream(self, name: str, *, key_index: bool = False) -> None:
+    async def create_stream(
+        self,
+        name: str,
+        *,
+        key_index: bool = False,
+        compact: bool = False,
+        notify_compacted: bool = False,
+    ) -> None:
         """Make ``name`` exist (head 0) so consumers can subscribe before the first publish.
 
         ``key_index=True`` indexes its records' keys: ``history`` seeks instead of
         scanning the stream, and publishing keyed records costs more (a bulk keyed
         publish ~4x, one record per transaction ~15 %: ``bench/key_index.py``).
-        Settings are fixed when the stream is created.
+        ``compact=True`` has it compacted every ``compact_interval`` (``compact``);
+        ``notify_compacted=True`` publishes what compaction removes to
+        ``"<name>.compacted"``. Compaction needs the key index. Settings are fixed
+        when the stream is created.
         """
         check_stream_name(name)
+        if (compact or notify_compacted) and not key_index:
+            raise ValueError(
+                "compaction finds each key's records through the key index: "
+                "create the stream with key_index=True"
+            )
         if name in self.log.streams:
             return
+        settings = store.StreamSettings(key_index, compact, notify_compacted)
         async with self.transaction() as tx:
-            await tx._next_seq(name, key_index=key_index)
+            await tx._next_seq(name, settings)
 
     def head(self, stream: str) -> int:
         """The last committed seq of ``stream`` (0 if none yet)."""
@@ -377,9 +409,63 @@ class Producer:
         before = min(before, target.head + 1)
         if before <= target.low:
             return
+        low = target.low
+        try:
+            async with self.transaction() as tx:
+                await store.truncate(tx._conn, target.id, before)
+                # Raised before COMMIT: a reader that sees the deletion also sees the new
+                # low, and reports the seqs as lost rather than as a compaction gap.
+                target.low = before
+        except BaseException:
+            target.low = low
+            raise
+
+    async def compact(self, stream: str) -> list[Compacted]:
+        """Keep only the latest record of each key of ``stream``; returns what was removed.
+
+        Records without a key are kept. The removed records' seqs become gaps:
+        consumers and range reads skip them (seqs stay numbered as they were), while
+        seqs deleted by ``truncate`` are still reported as lost. What was removed goes,
+        in the same transaction as the deletion, to ``"<stream>.compacted"`` if the
+        stream was created with ``notify_compacted=True``, and, once committed, to
+        ``on_compacted``.
+        """
+        target = self.log.stream(stream)
+        if not target.settings.key_index:
+            raise ValueError(
+                f"stream {stream!r} has no key index; compaction needs one "
+                "(create_stream(..., key_index=True))"
+            )
         async with self.transaction() as tx:
-            await store.truncate(tx._conn, target.id, before)
-        target.low = before
+            through, compacted = target.head, target.compacted
+            candidates = await store.compaction_candidates(
+                tx._conn, target.id, target.low, compacted, through
+            )
+            removed = superseded(stream, candidates)
+            await store.delete_compacted(
+                tx._conn, target.id, [entry.old_seq for entry in removed], through
+            )
+            if target.settings.notify_compacted:
+                for entry in removed:
+                    await tx.publish(stream + NOTIFICATION_SUFFIX, entry.to_value(), key=entry.key)
+            target.compacted = through  # before COMMIT, as truncate does with low
+        target.tail.reset(target.head + 1)  # it may hold removed records
+        if removed and self._on_compacted is not None:
+            result = self._on_compacted(stream, removed)
+            if inspect.isawaitable(result):
+                await result
+        return removed
+
+    async def _compact_periodically(self) -> None:
+        """Compact the streams created with ``compact=True`` that have new records."""
+        while True:
+            await asyncio.sleep(self._compact_interval)
+            for stream in list(self.log.streams.values()):
+                if stream.settings.compact and stream.head > stream.compacted:
+                    try:
+                        await self.compact(stream.name)
+                    except Exception:
+                        logger.exception("compacting stream %r failed", stream.name)
 
     async def _watch_other_writers(self, seen: int) -> None:
         """Notice commits made to this database by other processes (e.g. ``streamq publish``).

@@ -338,8 +338,9 @@ class Server:
                 self.settings.max_batch_records,
                 self.settings.max_batch_bytes,
             )
-            writer.write(conn.send_records(records))
-            await writer.drain()
+            if records:  # none when compaction removed the rest of the range
+                writer.write(conn.send_records(records))
+                await writer.drain()
             seq = last + 1
         writer.write(conn.send(RangeEnd()))
 
@@ -434,6 +435,8 @@ class Server:
                 sub.sent = last
                 seq = last + 1
                 await writer.drain()
+            elif last >= seq:  # a compacted stream's gap: nothing to send, nothing lost
+                seq = last + 1
             elif not await stream.wait_beyond(seq - 1, settings.heartbeat_interval):
                 writer.write(conn.send(Heartbeat(stream.head)))
                 await writer.drain()

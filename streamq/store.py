@@ -43,7 +43,10 @@ _SCHEMA = (
         id INTEGER PRIMARY KEY,
         name TEXT NOT NULL UNIQUE,
         low INTEGER NOT NULL DEFAULT 1,
-        key_index INTEGER NOT NULL DEFAULT 0  -- 1: records' keys are indexed (history)
+        key_index INTEGER NOT NULL DEFAULT 0,  -- 1: records' keys are indexed (history)
+        compact INTEGER NOT NULL DEFAULT 0,    -- 1: compacted periodically
+        notify_compacted INTEGER NOT NULL DEFAULT 0,  -- 1: removals go to "<name>.compacted"
+        compacted INTEGER NOT NULL DEFAULT 0   -- compaction ran up to this seq: gaps below
     )""",
     """CREATE TABLE IF NOT EXISTS streamq_log (
         pos INTEGER PRIMARY KEY,  -- stream id << 40 | seq
@@ -73,7 +76,7 @@ SELECT id, name, low, max(low - 1, coalesce(
     (SELECT max(pos) FROM streamq_log
      WHERE pos > (id << {SEQ_BITS}) AND pos < ((id + 1) << {SEQ_BITS})),
     0) & {(1 << SEQ_BITS) - 1}) AS head,
-    key_index,
+    key_index, compact, notify_compacted, compacted,
     (SELECT max(ts) FROM streamq_time WHERE stream_id = id) AS max_ts
 FROM streamq_streams"""
 HEAD_QUERY = f"SELECT head FROM ({STREAMS_QUERY}) WHERE name = ?"
@@ -85,13 +88,23 @@ def pos(stream_id: int, seq: int) -> int:
 
 
 @dataclass(frozen=True, slots=True)
+class StreamSettings:
+    """Chosen when a stream is created (``Producer.create_stream``), fixed afterwards."""
+
+    key_index: bool = False  # keys indexed: ``history`` seeks instead of scanning
+    compact: bool = False  # compacted periodically: only each key's latest record is kept
+    notify_compacted: bool = False  # what compaction removes is published to "<name>.compacted"
+
+
+@dataclass(frozen=True, slots=True)
 class StreamRow:
     id: int
     name: str
     head: int
     low: int
-    key_index: bool = False
+    settings: StreamSettings = StreamSettings()
     max_ts: int | None = None  # the stream's largest timestamp so far (streamq_time)
+    compacted: int = 0  # compaction ran up to this seq: seqs up to it may be absent
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,9 +186,10 @@ async def _migrate_from_1(conn: aiosqlite.Connection) -> None:
     """Version 1 had no key column and no time index: add both. Its streams keep no key
     index (the default); the time index is filled from the records."""
     await conn.execute("ALTER TABLE streamq_log ADD COLUMN key BLOB")
-    await conn.execute(
-        "ALTER TABLE streamq_streams ADD COLUMN key_index INTEGER NOT NULL DEFAULT 0"
-    )
+    for column in ("key_index", "compact", "notify_compacted", "compacted"):
+        await conn.execute(
+            f"ALTER TABLE streamq_streams ADD COLUMN {column} INTEGER NOT NULL DEFAULT 0"
+        )
     await conn.execute(_INDEXES[1])
     max_ts: dict[int, int] = {}
     last = -1
@@ -198,8 +212,10 @@ async def _migrate_from_1(conn: aiosqlite.Connection) -> None:
 async def load_streams(conn: aiosqlite.Connection) -> list[StreamRow]:
     rows = await conn.execute_fetchall(STREAMS_QUERY)
     return [
-        StreamRow(stream_id, name, head, low, bool(key_index), max_ts)
-        for stream_id, name, low, head, key_index, max_ts in rows
+        StreamRow(
+            stream_id, name, head, low, StreamSettings(bool(k), bool(c), bool(n)), max_ts, compacted
+        )
+        for stream_id, name, low, head, k, c, n, compacted, max_ts in rows
     ]
 
 
@@ -211,10 +227,12 @@ async def data_version(conn: aiosqlite.Connection) -> int:
     return int(row[0])
 
 
-async def create_stream(conn: aiosqlite.Connection, name: str, *, key_index: bool = False) -> int:
+async def create_stream(conn: aiosqlite.Connection, name: str, settings: StreamSettings) -> int:
     """Insert a stream row inside the caller's transaction; returns its id."""
     cursor = await conn.execute(
-        "INSERT INTO streamq_streams (name, key_index) VALUES (?, ?)", (name, int(key_index))
+        "INSERT INTO streamq_streams (name, key_index, compact, notify_compacted) "
+        "VALUES (?, ?, ?, ?)",
+        (name, settings.key_index, settings.compact, settings.notify_compacted),
     )
     assert cursor.lastrowid is not None
     return cursor.lastrowid
@@ -278,4 +296,38 @@ async def truncate(conn: aiosqlite.Connection, stream_id: int, before: int) -> N
     )
     await conn.execute(
         "UPDATE streamq_streams SET low = max(low, ?) WHERE id = ?", (before, stream_id)
+    )
+
+
+# Every held record of the keys written in (lo, hi], oldest first per key: what a
+# compaction of those seqs must look at. One index seek per key.
+_COMPACTION_QUERY = """
+WITH dirty(key) AS (
+    SELECT DISTINCT key FROM streamq_log WHERE pos > ?1 AND pos <= ?2 AND key IS NOT NULL)
+SELECT l.pos, l.key, l.record FROM dirty JOIN streamq_log AS l
+    ON l.key = dirty.key AND l.pos >= ?3 AND l.pos <= ?2
+ORDER BY l.key, l.pos"""
+
+
+async def compaction_candidates(
+    conn: aiosqlite.Connection, stream_id: int, low: int, after: int, through: int
+) -> list[tuple[int, bytes, bytes]]:
+    """(seq, key, encoded record) of every held record whose key reappears in
+    ``(after, through]``, grouped by key, in seq order within each key."""
+    rows = await conn.execute_fetchall(
+        _COMPACTION_QUERY, (pos(stream_id, after), pos(stream_id, through), pos(stream_id, low))
+    )
+    return [(p & MAX_STORED_SEQ, key, record) for p, key, record in rows]
+
+
+async def delete_compacted(
+    conn: aiosqlite.Connection, stream_id: int, seqs: list[int], through: int
+) -> None:
+    """Delete records compaction removed, and note how far it ran, in the caller's transaction."""
+    await conn.executemany(
+        "DELETE FROM streamq_log WHERE pos = ?", [(pos(stream_id, seq),) for seq in seqs]
+    )
+    await conn.execute(
+        "UPDATE streamq_streams SET compacted = max(compacted, ?) WHERE id = ?",
+        (through, stream_id),
     )

@@ -14,6 +14,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from ._loop import loop_factory
+from .compaction import Compacted
 from .producer import Producer, Transaction
 from .protocol import Record
 
@@ -146,8 +147,25 @@ class SyncProducer:
         with self.transaction() as tx:
             return tx.execute(sql, parameters).fetchall()
 
-    def create_stream(self, name: str, *, key_index: bool = False) -> None:
-        self._call(self._producer.create_stream(name, key_index=key_index))
+    def create_stream(
+        self,
+        name: str,
+        *,
+        key_index: bool = False,
+        compact: bool = False,
+        notify_compacted: bool = False,
+    ) -> None:
+        self._call(
+            self._producer.create_stream(
+                name, key_index=key_index, compact=compact, notify_compacted=notify_compacted
+            )
+        )
+
+    def compact(self, stream: str) -> list[Compacted]:
+        return self._call(self._producer.compact(stream))
+
+    def truncate(self, stream: str, before: int) -> None:
+        self._call(self._producer.truncate(stream, before))
 
     def history(self, stream: str, key: bytes, from_seq: int | None = None) -> list[Record]:
         return self._call(self._producer.history(stream, key, from_seq))

@@ -298,8 +298,8 @@ async def test_key_index_is_opt_in_and_survives_restarts(producer_db: str) -> No
         await producer.publish("indexed", b"v", key=b"k")
         await producer.publish("implicit", b"v", key=b"k")  # created by its first publish
     async with Producer(producer_db) as producer:
-        assert producer.log.streams["indexed"].key_index
-        assert not producer.log.streams["implicit"].key_index
+        assert producer.log.streams["indexed"].settings.key_index
+        assert not producer.log.streams["implicit"].settings.key_index
         await producer.publish("indexed", b"w", key=b"k")
         assert [r.value for r in await producer.history("indexed", b"k")] == [b"v", b"w"]
         assert [r.value for r in await producer.history("implicit", b"k")] == [b"v"]
