@@ -486,5 +486,6 @@ class Producer:
                     stream = self.log.streams.get(row.name) or self.log.add(row)
                     stream.low = max(stream.low, row.low)
                     stream.max_ts = row.max_ts
+                    stream.compacted = max(stream.compacted, row.compacted)
                     if row.head > stream.head:
                         self.log.committed(stream, row.head, None)
