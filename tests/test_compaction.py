@@ -166,3 +166,26 @@ def test_compaction_query_seeks_the_key_index(tmp_path: Path) -> None:
         ).fetchall()
     plan = " | ".join(str(row[-1]) for row in rows)
     assert "SEARCH l USING INDEX streamq_log_key" in plan, plan
+
+
+async def test_compaction_in_windows_removes_the_same(
+    producer_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Long streams are compacted a window of seqs per transaction: same result."""
+    monkeypatch.setattr(streamq.producer, "_COMPACTION_WINDOW", 3)
+    told: list[list[int]] = []
+    async with Producer(
+        producer_db, on_compacted=lambda s, r: told.append([c.old_seq for c in r])
+    ) as p:
+        await p.create_stream("accounts", key_index=True)
+        await fill(p)
+        removed = await p.compact("accounts")
+        # Seqs 1..3 (a, b: nothing yet), then 4..6 (a twice), then 7..8 (b again).
+        assert told == [[1, 4], [2]]
+        assert sorted((c.old_seq, c.new_seq) for c in removed) == [(1, 4), (2, 7), (4, 6)]
+        assert p.log.streams["accounts"].compacted == 8
+        async with Consumer(p.address, "accounts") as tail:
+            got: list[int] = []
+            while not got or got[-1] < 8:
+                got += [r.seq for r in await anext(tail)]
+        assert got == SURVIVORS
