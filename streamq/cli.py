@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     tail.add_argument("--json", action="store_true", help="one JSON object per record")
 
     history = commands.add_parser(
-        "history", help="every record of one key, in seq order (an index seek, not a scan)"
+        "history",
+        help="every record of one key, in seq order (an index seek if the stream has key_index)",
     )
     history.add_argument("source", metavar="DB_OR_ADDRESS", help="database file or HOST:PORT")
     history.add_argument("stream")
