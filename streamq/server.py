@@ -287,7 +287,15 @@ class Server:
             "producer_id": self.producer_id,
             "epoch": self.epoch,
             "streams": [
-                {"stream": s.name, "head": s.head, "low": s.low} for s in self.log.streams.values()
+                {
+                    "stream": s.name,
+                    "head": s.head,
+                    "low": s.low,
+                    "key_index": s.settings.key_index,
+                    "compact": s.settings.compact,
+                    "compacted": s.compacted,
+                }
+                for s in self.log.streams.values()
             ],
             "consumers": [sub.describe() for sub in self.subscriptions],
             "reported": [

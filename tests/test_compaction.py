@@ -144,6 +144,11 @@ async def test_periodic_compaction_and_its_async_hook(producer_db: str) -> None:
         await wait_for(lambda: producer.log.streams["accounts"].compacted == 8, what="compaction")
         assert sorted(told) == [1, 2, 4]
         assert len(await producer.history("kept", b"a")) == 3
+        assert producer.server is not None
+        streams = {s["stream"]: s for s in producer.server.status()["streams"]}
+        assert (streams["accounts"]["compact"], streams["accounts"]["compacted"]) == (True, 8)
+        assert (streams["kept"]["compact"], streams["kept"]["compacted"]) == (False, 0)
+        assert streams["kept"]["key_index"] is True
 
 
 async def test_compaction_needs_the_key_index(producer_db: str) -> None:
