@@ -130,3 +130,19 @@ def test_starting_timestamp(
     )
     written = spark.read.parquet(str(tmp_path / "out"))
     assert seqs_by_producer(written) == {p.producer_id: list(range(96, 101)) for p in keyed}
+
+
+def test_compacted_stream_reads_without_data_loss(
+    spark: SparkSession, keyed: list[streamq.SyncProducer]
+) -> None:
+    """Compaction gaps are skipped by range reads (no failOnDataLoss error), retention's not."""
+    a = keyed[0]  # its stream has the key index
+    removed = a.compact("orders")
+    assert len(removed) == 93  # 100 records of 7 keys: the latest of each stays
+    survivors = list(range(94, 101))
+    assert seqs_by_producer(read(spark, [a])) == {a.producer_id: survivors}
+    assert seqs_by_producer(read(spark, [a]).filter("seq >= 50")) == {a.producer_id: survivors}
+    a.truncate("orders", 97)
+    starting = json.dumps({a.producer_id: 1})
+    with pytest.raises(PySparkException, match=r"seqs 1\.\.96 are gone"):
+        read(spark, [a], startingOffsets=starting).count()
