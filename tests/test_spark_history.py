@@ -144,5 +144,5 @@ def test_compacted_stream_reads_without_data_loss(
     assert seqs_by_producer(read(spark, [a]).filter("seq >= 50")) == {a.producer_id: survivors}
     a.truncate("orders", 97)
     starting = json.dumps({a.producer_id: 1})
-    with pytest.raises(PySparkException, match=r"seqs 1\.\.96 are gone"):
+    with pytest.raises(PySparkException, match=r"seqs \d+\.\.96 are gone"):
         read(spark, [a], startingOffsets=starting).count()
