@@ -130,6 +130,33 @@ def discover(endpoints: Sequence[str], stream: str, connect: Connect) -> dict[st
     return by_id
 
 
+def _seek(state: ProducerState, stream: str, timestamp: int, connect: Connect) -> int:
+    try:
+        with connect.client(state.endpoint, "spark driver") as client:
+            if client.producer_id != state.producer_id:
+                raise StreamQSourceError(
+                    f"{state.endpoint} now serves producer {client.producer_id}, "
+                    f"not {state.producer_id}"
+                )
+            return client.seek_time(stream, timestamp).seq
+    except UnknownStreamError:
+        return state.low  # nothing published yet: its first record will be late enough
+    except StreamQError as exc:
+        raise StreamQSourceError(f"producer at {state.endpoint}: {exc}") from exc
+
+
+def seek_time(
+    states: Mapping[str, ProducerState], stream: str, timestamp: int, connect: Connect
+) -> Offsets:
+    """Each producer's first seq stamped at or after ``timestamp`` (its head + 1 if none):
+    one index seek per producer, asked in parallel."""
+    if not states:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(32, len(states))) as pool:
+        seqs = pool.map(lambda s: _seek(s, stream, timestamp, connect), states.values())
+        return dict(zip(states, seqs, strict=True))
+
+
 def resolve(
     spec: str, states: Mapping[str, ProducerState], option: str, missing: int = EARLIEST
 ) -> Offsets:

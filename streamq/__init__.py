@@ -6,7 +6,8 @@ own database, in the same transaction as their effects.
 """
 
 from .blocking import BlockingSQL
-from .client import Client
+from .client import Client, history
+from .compaction import Compacted
 from .consumer import Batch, Consumer, ConsumerTransaction
 from .errors import (
     AuthenticationFailedError,
@@ -32,7 +33,7 @@ from .errors import (
 from .fanin import FanInConsumer
 from .positions import ConsumerLag
 from .producer import BlockingTransaction, Producer, Transaction
-from .protocol import PROTOCOL_VERSION, Record, StreamInfo
+from .protocol import PROTOCOL_VERSION, Record, StreamInfo, TimePosition
 from .retention import RetentionPolicy, Truncation
 from .security import ClientTLS, ServerTLS, TokenAuth, make_token
 from .server import ServerSettings
@@ -48,6 +49,7 @@ __all__ = [
     "BlockingTransaction",
     "Client",
     "ClientTLS",
+    "Compacted",
     "ConcurrentWriterError",
     "ConnectionLostError",
     "Consumer",
@@ -75,11 +77,13 @@ __all__ = [
     "SyncProducer",
     "SyncTransaction",
     "TLSError",
+    "TimePosition",
     "TokenAuth",
     "Transaction",
     "TransactionClosedError",
     "Truncation",
     "UnknownStreamError",
     "VersionMismatchError",
+    "history",
     "make_token",
 ]

@@ -1,4 +1,5 @@
-"""``streamq`` (also ``python -m streamq``): serve, publish, tail, status, consumers, demo."""
+"""``streamq`` (also ``python -m streamq``): serve, publish, tail, history, status, consumers,
+token, demo."""
 
 from __future__ import annotations
 
@@ -8,19 +9,22 @@ import contextlib
 import json
 import os
 import signal
+import sqlite3
 import sys
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from . import _loop
+from . import _loop, store
 from .client import Client
-from .consumer import Consumer
+from .consumer import Consumer, parse_address
 from .errors import StreamQError
+from .log import Log
 from .producer import Producer
-from .protocol import Record
+from .protocol import Record, decode_record
 from .security import ClientTLS, ServerTLS, TokenAuth, make_token, read_secret
 from .server import ServerSettings
 
@@ -34,6 +38,21 @@ def _header(text: str) -> tuple[str, bytes]:
     if not sep or not name:
         raise argparse.ArgumentTypeError(f"header must be NAME=VALUE, not {text!r}")
     return name, value.encode()
+
+
+def _timestamp(text: str) -> int:
+    """Milliseconds since the epoch, or an ISO 8601 date-time (UTC unless it names a zone)."""
+    if text.lstrip("-").isdigit():
+        return int(text)
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"time must be milliseconds since the epoch or ISO 8601, not {text!r}"
+        ) from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return int(when.timestamp() * 1000)
 
 
 def _grant(text: str) -> tuple[str, list[str]]:
@@ -154,9 +173,31 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SEQ",
         help="first seq (default: only new records)",
     )
+    tail.add_argument(
+        "--from-time",
+        dest="start_time",
+        type=_timestamp,
+        default=None,
+        metavar="TIME",
+        help="start at the first record stamped at or after TIME "
+        "(ms since the epoch, or ISO 8601 such as 2026-11-22T09:00, UTC unless given)",
+    )
     tail.add_argument("--count", type=int, default=None, help="stop after this many records")
     tail.add_argument("--json", action="store_true", help="one JSON object per record")
     _add_client_security(tail)
+
+    history = commands.add_parser(
+        "history",
+        help="every record of one key, in seq order (an index seek if the stream has key_index)",
+    )
+    history.add_argument("source", metavar="DB_OR_ADDRESS", help="database file or HOST:PORT")
+    history.add_argument("stream")
+    history.add_argument("key", help="the key (UTF-8)")
+    history.add_argument(
+        "--from", dest="start", type=int, default=1, metavar="SEQ", help="first seq to consider"
+    )
+    history.add_argument("--json", action="store_true", help="one JSON object per record")
+    _add_client_security(history)
 
     status = commands.add_parser("status", help="streams, heads, consumers and their lag")
     status.add_argument("address", help="producer HOST:PORT")
@@ -290,13 +331,20 @@ def _format(record: Record, as_json: bool) -> str:
 
 
 async def _tail(args: argparse.Namespace) -> None:
+    if args.start is not None and args.start_time is not None:
+        raise SystemExit("streamq tail: give --from or --from-time, not both")
     start = args.start
-    if start is None:
+    if start is None and args.start_time is None:
         start = await asyncio.to_thread(_head, args) + 1
     printed = 0
     security = _client_security(args)
     async with Consumer(
-        args.address, args.stream, start_seq=start, name="streamq-tail", **security
+        args.address,
+        args.stream,
+        start_seq=start or 1,
+        start_time=args.start_time,
+        name="streamq-tail",
+        **security,
     ) as c:
         async for batch in c:
             for record in batch:
@@ -316,6 +364,39 @@ def _token(args: argparse.Namespace) -> None:
     if secret is None:
         raise SystemExit(f"streamq token: give --secret-file or set ${SECRET_ENV}")
     print(make_token(secret, args.consumer))
+
+
+async def _history_from_file(path: str, stream: str, key: bytes, start: int) -> list[Record]:
+    """Read a producer's database directly, read-only: no producer needs to run."""
+    log = Log(path, tail_bytes=0, readers=1)
+    try:
+        conn = await store.open_reader(path)
+        try:
+            rows = await store.load_streams(conn)
+        finally:
+            await conn.close()
+        await log.open(rows)
+        encoded = await log.full_history(log.stream(stream), key, start)
+    finally:
+        await log.close()
+    return [decode_record(record) for record in encoded]
+
+
+def _history(args: argparse.Namespace) -> None:
+    key = args.key.encode()
+    if os.path.exists(args.source):
+        records = _loop.run(_history_from_file(args.source, args.stream, key, args.start))
+    else:
+        try:
+            parse_address(args.source)
+        except ValueError:
+            raise SystemExit(
+                f"streamq history: {args.source} is neither a database file nor HOST:PORT"
+            ) from None
+        with Client(args.source, **_client_security(args)) as client:
+            records = client.history(args.stream, key, args.start)
+    for record in records:
+        print(_format(record, args.json))
 
 
 def _status(args: argparse.Namespace) -> None:
@@ -394,6 +475,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "tail":
             with contextlib.suppress(KeyboardInterrupt):
                 _loop.run(_tail(args))
+        elif args.command == "history":
+            _history(args)
         elif args.command == "status":
             _status(args)
         elif args.command == "token":
@@ -408,7 +491,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .demo import consumer_main
 
             _loop.run(consumer_main(args.address, args.db))
-    except (StreamQError, OSError) as exc:
+    except (StreamQError, OSError, sqlite3.Error) as exc:
         print(f"streamq {args.command}: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -7,6 +7,7 @@ a plain socket. One client, one connection; requests run one after another.
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import ssl
 from collections.abc import Iterator
@@ -17,12 +18,14 @@ from .consumer import closed_by_producer, parse_address
 from .errors import ConnectionLostError, StreamQError, error_from_frame
 from .protocol import (
     DEFAULT_MAX_FRAME_SIZE,
+    MAX_SEQ,
     PROTOCOL_VERSION,
     Authenticated,
     ClientConnection,
     ClientHello,
     Error,
     GetHead,
+    GetHistory,
     GetRange,
     GetStatus,
     ListStreams,
@@ -32,10 +35,12 @@ from .protocol import (
     RecordRows,
     Records,
     ReportPosition,
+    SeekTime,
     ServerHello,
     StatusReport,
     StreamInfo,
     StreamList,
+    TimePosition,
 )
 from .security import ClientTLS, tls_error, tls_refused
 
@@ -188,6 +193,27 @@ class Client:
             assert isinstance(message, Records)
             yield message.records
 
+    def history(
+        self, stream: str, key: bytes, from_seq: int = 1, to_seq: int | None = None
+    ) -> list[Record]:
+        """The records of ``stream`` with this ``key`` and ``from_seq <= seq < to_seq``
+        (default: up to the head), in seq order: an index seek on the producer for a
+        stream created with ``key_index=True``, a scan there otherwise."""
+        self._send(GetHistory(stream, key, from_seq, MAX_SEQ if to_seq is None else to_seq))
+        found: list[Record] = []
+        while not isinstance(message := self._receive(), RangeEnd):
+            assert isinstance(message, Records)
+            found += message.records
+        return found
+
+    def seek_time(self, stream: str, timestamp: int) -> TimePosition:
+        """The first seq whose timestamp is >= ``timestamp`` (ms since the epoch), as
+        ``TimePosition.seq``; the head + 1 when no record is that late."""
+        self._send(SeekTime(stream, timestamp))
+        position = self._receive()
+        assert isinstance(position, TimePosition)
+        return position
+
     def read_range_rows(self, stream: str, start: int, end: int) -> Iterator[list[list[Any]]]:
         """Like ``read_range``, as raw rows [seq, timestamp, key, value, headers] for columnar
         readers: no object per record; field types and order are the caller's to check."""
@@ -199,3 +225,21 @@ class Client:
                 yield message.rows
         finally:
             self._conn.raw_records = False
+
+
+async def history(
+    address: str,
+    stream: str,
+    key: bytes,
+    *,
+    from_seq: int = 1,
+    to_seq: int | None = None,
+    timeout: float | None = 30.0,
+) -> list[Record]:
+    """``Client.history`` for asyncio code: one request on a connection of its own."""
+
+    def fetch() -> list[Record]:
+        with Client(address, timeout=timeout, name="history") as client:
+            return client.history(stream, key, from_seq, to_seq)
+
+    return await asyncio.to_thread(fetch)

@@ -49,10 +49,12 @@ from .protocol import (
     Message,
     Record,
     Records,
+    SeekTime,
     ServerHello,
     State,
     Subscribe,
     Subscribed,
+    TimePosition,
 )
 from .security import ClientTLS, tls_error, tls_refused
 from .store import Durability
@@ -192,6 +194,10 @@ class Consumer:
     consumer starts at ``start_seq`` and keeps its position in memory only
     (for tools such as ``streamq tail``).
 
+    ``start_time`` (milliseconds since the epoch) starts, instead of ``start_seq``, at
+    the first record whose timestamp is at least that (the producer seeks its time
+    index); like ``start_seq``, it applies only when no position is stored.
+
     ``durability="normal"`` (SQLite ``synchronous=NORMAL``) is safe for exactly-once here:
     a power loss can only roll back the consumer's last commits, effects and position
     together, and those records are fetched from the producer again. ``"full"`` makes
@@ -211,6 +217,7 @@ class Consumer:
         db: str | None = None,
         name: str | None = None,
         start_seq: int = 1,
+        start_time: int | None = None,
         queue_batches: int = 16,
         max_batch_records: int = 65536,
         reconnect: bool = True,
@@ -233,6 +240,7 @@ class Consumer:
         self._db_path = db
         self._db: aiosqlite.Connection | None = None
         self._start_seq = start_seq
+        self._start_time = start_time
         self._queue: asyncio.Queue[_Item] = asyncio.Queue(maxsize=queue_batches)
         self._max_batch_records = max_batch_records
         self._reconnect = reconnect
@@ -395,6 +403,8 @@ class Consumer:
                 if self._token is not None:
                     assert isinstance(await self._read_message(conn, reader), Authenticated)
                 start = await self._start_position(hello.producer_id)
+                if start is None:
+                    start = await self._configured_start(conn, reader, writer)
                 writer.write(conn.send(Subscribe(self.stream, start, self.name, hello.producer_id)))
                 try:
                     subscribed = await self._read_message(conn, reader)
@@ -435,8 +445,22 @@ class Consumer:
             "re-apply records; reset this consumer's position to go on."
         )
 
-    async def _start_position(self, producer_id: str) -> int:
-        """The first seq to ask for, after checking this is the expected producer."""
+    async def _configured_start(
+        self, conn: ClientConnection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> int:
+        """``start_seq``, or the seq ``start_time`` leads to, asked on this connection."""
+        start = self._start_seq
+        if self._start_time is not None:
+            writer.write(conn.send(SeekTime(self.stream, self._start_time)))
+            position = await self._read_message(conn, reader)
+            assert isinstance(position, TimePosition)
+            start = position.seq
+        self.applied = start - 1
+        return start
+
+    async def _start_position(self, producer_id: str) -> int | None:
+        """The first seq to ask for, after checking this is the expected producer;
+        None when nothing was applied yet (the configured start applies)."""
         if self.producer_id is not None:
             if producer_id != self.producer_id:
                 raise ProducerChangedError(
@@ -445,8 +469,7 @@ class Consumer:
                 )
             return self.received + 1
         if self._db is None:
-            self.applied = self._start_seq - 1
-            return self._start_seq
+            return None
         rows = await self._db.execute_fetchall(
             "SELECT producer_id, seq FROM streamq_positions "
             "WHERE consumer = ? AND stream = ? AND (producer_id = ? OR endpoint = ?)",
@@ -463,8 +486,7 @@ class Consumer:
                 "the producer's database was replaced. Refusing to mix two logs."
             )
         else:
-            self.applied = self._start_seq - 1
-            return self._start_seq
+            return None
         return self.received + 1
 
     async def _run(self, reader: asyncio.StreamReader, conn: ClientConnection) -> None:

@@ -61,6 +61,9 @@ class MessageType(IntEnum):
     STATUS_REPORT = 15
     ERROR = 16
     REPORT_POSITION = 17
+    GET_HISTORY = 18
+    SEEK_TIME = 19
+    TIME_POSITION = 20
     AUTHENTICATED = 26
 
 
@@ -89,6 +92,17 @@ def encode_record(
 
 
 _packb: Callable[[Any], bytes] = msgpack.Packer(use_bin_type=True).pack
+
+
+def decode_record(encoded: bytes) -> Record:
+    """A stored record back as a ``Record`` (the producer's own bytes: trusted)."""
+    return Record._make(msgpack.unpackb(encoded, raw=False))
+
+
+def record_key(encoded: bytes) -> bytes | None:
+    """The key of a stored record."""
+    key: bytes | None = msgpack.unpackb(encoded, raw=False)[2]
+    return key
 
 
 # --- Messages ("Messages" in docs/protocol.md) -------------------------------
@@ -241,6 +255,39 @@ class ReportPosition:
 
 
 @dataclass(frozen=True, slots=True)
+class GetHistory:
+    """Send the records of ``stream`` whose key is ``key`` with ``start <= seq < end``
+    (``end`` capped at the head + 1), in seq order, then RANGE_END: one entity's
+    events without reading the whole stream."""
+
+    stream: str
+    key: bytes
+    start: int
+    end: int
+    TYPE: ClassVar[MessageType] = MessageType.GET_HISTORY
+
+
+@dataclass(frozen=True, slots=True)
+class SeekTime:
+    """Ask for the first seq of ``stream`` whose timestamp is >= ``timestamp`` (ms)."""
+
+    stream: str
+    timestamp: int
+    TYPE: ClassVar[MessageType] = MessageType.SEEK_TIME
+
+
+@dataclass(frozen=True, slots=True)
+class TimePosition:
+    """Answer to SEEK_TIME: ``seq`` to start from (``head + 1`` if no record is that late)."""
+
+    stream: str
+    seq: int
+    head: int
+    low: int
+    TYPE: ClassVar[MessageType] = MessageType.TIME_POSITION
+
+
+@dataclass(frozen=True, slots=True)
 class Authenticated:
     """The answer to a CLIENT_HELLO that carried a token: the consumer it names, or nil from
     a producer that does not check tokens."""
@@ -279,8 +326,20 @@ Message = (
     | ReportPosition
     | Authenticated
     | RecordRows
+    | GetHistory
+    | SeekTime
+    | TimePosition
 )
-Request = Subscribe | GetHead | GetRange | ListStreams | GetStatus | ReportPosition
+Request = (
+    Subscribe
+    | GetHead
+    | GetRange
+    | ListStreams
+    | GetStatus
+    | ReportPosition
+    | GetHistory
+    | SeekTime
+)
 
 
 # --- Encoding -----------------------------------------------------------------
@@ -345,6 +404,14 @@ def _map(v: Any) -> bool:
     return type(v) is dict
 
 
+def _bin(v: Any) -> bool:
+    return type(v) is bytes
+
+
+def _int(v: Any) -> bool:
+    return type(v) is int
+
+
 _CLASSES: dict[MessageType, type[Any]] = {
     cls.TYPE: cls
     for cls in (
@@ -365,6 +432,9 @@ _CLASSES: dict[MessageType, type[Any]] = {
         StatusReport,
         Error,
         ReportPosition,
+        GetHistory,
+        SeekTime,
+        TimePosition,
         Authenticated,
     )
 }
@@ -387,6 +457,9 @@ _CHECKS: dict[type[Any], tuple[Callable[[Any], bool], ...]] = {
     StatusReport: (_map,),
     Error: (_uint, _str, _map),
     ReportPosition: (_str, _str, _uint),
+    GetHistory: (_str, _bin, _uint, _uint),
+    SeekTime: (_str, _int),
+    TimePosition: (_str, _uint, _uint, _uint),
     Authenticated: (_opt_str,),
 }
 # Trailing fields that may be left out when nil, so frames stay as they were before the
@@ -562,7 +635,7 @@ class State(Enum):
     CLOSED = "closed"
 
 
-_REQUESTS = (GetHead, GetRange, ListStreams, GetStatus, ReportPosition)
+_REQUESTS = (GetHead, GetRange, ListStreams, GetStatus, ReportPosition, GetHistory, SeekTime)
 # What the client may receive while the oldest pending request is of each kind.
 _RESPONSES: dict[type[Any], tuple[type[Any], ...]] = {
     GetHead: (StreamInfo,),
@@ -570,8 +643,10 @@ _RESPONSES: dict[type[Any], tuple[type[Any], ...]] = {
     ListStreams: (StreamList,),
     GetStatus: (StatusReport,),
     ReportPosition: (StreamInfo,),
+    GetHistory: (Records, RecordRows, RangeEnd),
+    SeekTime: (TimePosition,),
 }
-_FINAL_RESPONSES = (StreamInfo, RangeEnd, StreamList, StatusReport)
+_FINAL_RESPONSES = (StreamInfo, RangeEnd, StreamList, StatusReport, TimePosition)
 
 
 class _Connection:
@@ -742,14 +817,16 @@ class ClientConnection(_Connection):
         allowed = _RESPONSES[type(request)]
         if not isinstance(message, allowed):
             raise self._unexpected(message, " or ".join(c.TYPE.name for c in allowed))
-        if isinstance(message, Records | RecordRows) and isinstance(request, GetRange):
-            # A range holds only seqs in [start, end), in increasing order.
+        if isinstance(message, Records | RecordRows):
+            # A range or a history holds only seqs in [start, end), in increasing order.
             seqs = _first_and_last_seq(message)
             if seqs is not None:
                 first, last = seqs
-                if not (request.start <= first and last < request.end and first > self.last_seq):
+                assert isinstance(request, GetRange | GetHistory)
+                end = request.end
+                if not (request.start <= first and last < end and first > self.last_seq):
                     raise _malformed(
-                        f"RECORDS outside the requested range [{request.start}, {request.end})"
+                        f"RECORDS outside the requested range [{request.start}, {end})"
                     )
                 self.last_seq = last
         if isinstance(message, _FINAL_RESPONSES):

@@ -37,12 +37,14 @@ from .protocol import (
     ClientHello,
     Error,
     GetHead,
+    GetHistory,
     GetRange,
     GetStatus,
     Heartbeat,
     ListStreams,
     RangeEnd,
     ReportPosition,
+    SeekTime,
     ServerConnection,
     ServerHello,
     State,
@@ -51,6 +53,7 @@ from .protocol import (
     StreamList,
     Subscribe,
     Subscribed,
+    TimePosition,
 )
 from .security import Principal, ServerTLS, TokenAuth, check_admin, check_stream
 
@@ -309,7 +312,9 @@ class Server:
                     name = None if principal is None else principal.name
                     writer.write(conn.send(Authenticated(name)))
                 continue
-            if isinstance(message, Subscribe | GetHead | GetRange | ReportPosition):
+            if isinstance(
+                message, Subscribe | GetHead | GetRange | GetHistory | SeekTime | ReportPosition
+            ):
                 check_stream(principal, message.stream)
             if isinstance(message, Subscribe):
                 await self._subscription(conn, message, reader, writer, principal)
@@ -319,6 +324,12 @@ class Server:
                 writer.write(conn.send(StreamInfo(stream.name, stream.head, stream.low)))
             elif isinstance(message, GetRange):
                 await self._send_range(conn, message, writer)
+            elif isinstance(message, GetHistory):
+                await self._send_history(conn, message, writer)
+            elif isinstance(message, SeekTime):
+                stream = self.log.stream(message.stream)
+                seq = await self.log.seek_time(stream, message.timestamp)
+                writer.write(conn.send(TimePosition(stream.name, seq, stream.head, stream.low)))
             elif isinstance(message, ListStreams):
                 infos = tuple(
                     StreamInfo(s.name, s.head, s.low)
@@ -340,7 +351,15 @@ class Server:
             "producer_id": self.producer_id,
             "epoch": self.epoch,
             "streams": [
-                {"stream": s.name, "head": s.head, "low": s.low} for s in self.log.streams.values()
+                {
+                    "stream": s.name,
+                    "head": s.head,
+                    "low": s.low,
+                    "key_index": s.settings.key_index,
+                    "compact": s.settings.compact,
+                    "compacted": s.compacted,
+                }
+                for s in self.log.streams.values()
             ],
             "consumers": [sub.describe() for sub in self.subscriptions],
             "positions": [
@@ -395,12 +414,34 @@ class Server:
                 self.settings.max_batch_records,
                 self.settings.max_batch_bytes,
             )
-            frame = conn.send_records(records)
-            writer.write(frame)
-            traffic.records += len(records)
-            traffic.bytes += len(frame)
-            await writer.drain()
+            if records:  # none when compaction removed the rest of the range
+                frame = conn.send_records(records)
+                writer.write(frame)
+                traffic.records += len(records)
+                traffic.bytes += len(frame)
+                await writer.drain()
             seq = last + 1
+        writer.write(conn.send(RangeEnd()))
+
+    async def _send_history(
+        self, conn: ServerConnection, request: GetHistory, writer: asyncio.StreamWriter
+    ) -> None:
+        """One key's records held in [start, min(end, head + 1)), then RANGE_END."""
+        stream = self.log.stream(request.stream)
+        if request.start < 1:
+            raise OffsetOutOfRangeError(
+                f"seqs start at 1, not {request.start}",
+                {"stream": stream.name, "requested": 0, "low": stream.low, "head": stream.head},
+            )
+        seq, end = request.start, min(request.end, stream.head + 1)
+        settings = self.settings
+        while seq < end:
+            records, seq = await self.log.history(
+                stream, request.key, seq, end, settings.max_batch_records, settings.max_batch_bytes
+            )
+            if records:
+                writer.write(conn.send_records(records))
+                await writer.drain()
         writer.write(conn.send(RangeEnd()))
 
     async def _subscription(
@@ -502,6 +543,8 @@ class Server:
                 sub.sent = last
                 seq = last + 1
                 await writer.drain()
+            elif last >= seq:  # a compacted stream's gap: nothing to send, nothing lost
+                seq = last + 1
             elif not await stream.wait_beyond(seq - 1, settings.heartbeat_interval):
                 writer.write(conn.send(Heartbeat(stream.head)))
                 await writer.drain()

@@ -31,6 +31,7 @@ from streamq.protocol import (
     Error,
     FrameDecoder,
     GetHead,
+    GetHistory,
     GetRange,
     GetStatus,
     Heartbeat,
@@ -42,6 +43,7 @@ from streamq.protocol import (
     RecordRows,
     Records,
     ReportPosition,
+    SeekTime,
     ServerConnection,
     ServerHello,
     State,
@@ -50,6 +52,7 @@ from streamq.protocol import (
     StreamList,
     Subscribe,
     Subscribed,
+    TimePosition,
     decode_message,
     encode,
     encode_record,
@@ -126,6 +129,9 @@ MESSAGE_STRATEGIES: dict[type[Any], st.SearchStrategy[Any]] = {
     StreamList: st.builds(StreamList, st.lists(stream_infos, max_size=5).map(tuple)),
     GetStatus: st.builds(GetStatus),
     ReportPosition: st.builds(ReportPosition, texts, texts, uints),
+    GetHistory: st.builds(GetHistory, texts, st.binary(max_size=12), uints, uints),
+    SeekTime: st.builds(SeekTime, texts, msgpack_ints),
+    TimePosition: st.builds(TimePosition, texts, uints, uints, uints),
     StatusReport: st.builds(StatusReport, maps),
     Error: st.builds(Error, st.sampled_from(ErrorCode).map(int) | uints, texts, maps),
     Authenticated: st.builds(Authenticated, st.none() | texts),
@@ -150,6 +156,9 @@ FIELD_KINDS: dict[type[Any], tuple[str, ...]] = {
     StatusReport: ("map",),
     Error: ("uint", "str", "map"),
     ReportPosition: ("str", "str", "uint"),
+    GetHistory: ("str", "bin", "uint", "uint"),
+    SeekTime: ("str", "int"),
+    TimePosition: ("str", "uint", "uint", "uint"),
     Authenticated: ("opt_str",),
 }
 # Trailing fields a frame may leave out when nil ("Handshake": CLIENT_HELLO's token).
@@ -179,6 +188,8 @@ BAD_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "map": st.one_of(
         st.none(), msgpack_ints, texts, st.binary(max_size=8), st.lists(scalars, max_size=3)
     ),
+    "bin": st.one_of(st.none(), texts, msgpack_ints, st.booleans(), st.lists(scalars, max_size=2)),
+    "int": st.one_of(st.none(), texts, st.booleans(), st.floats(), st.binary(max_size=8)),
 }
 
 
@@ -330,6 +341,8 @@ client_requests = st.one_of(
     MESSAGE_STRATEGIES[ListStreams],
     MESSAGE_STRATEGIES[GetStatus],
     MESSAGE_STRATEGIES[ReportPosition],
+    MESSAGE_STRATEGIES[GetHistory],
+    MESSAGE_STRATEGIES[SeekTime],
 )
 
 
@@ -891,7 +904,14 @@ def test_server_needs_client_hello_first(first: Message) -> None:
 
 @pytest.mark.parametrize(
     "request_",
-    [GetHead("s"), GetRange("s", 1, 10), ListStreams(), GetStatus()],
+    [
+        GetHead("s"),
+        GetRange("s", 1, 10),
+        ListStreams(),
+        GetStatus(),
+        GetHistory("s", b"k", 1, 10),
+        SeekTime("s", 1700000000000),
+    ],
     ids=lambda m: m.TYPE.name,
 )
 def test_server_accepts_requests_when_ready(request_: Message) -> None:
@@ -1001,6 +1021,10 @@ def test_client_rejects_responses_with_no_request_pending(response: Message) -> 
         (GetRange("s", 1, 5), Subscribed("s", 1, 1)),
         (GetHead("s"), Heartbeat(1)),
         (GetHead("s"), ServerHello(PROTOCOL_VERSION, "p", 1, 1024)),
+        (SeekTime("s", 0), StreamInfo("s", 1, 1)),
+        (GetHead("s"), TimePosition("s", 1, 1, 1)),
+        (GetHistory("s", b"k", 1, 5), StreamInfo("s", 1, 1)),
+        (GetHistory("s", b"k", 1, 5), TimePosition("s", 1, 1, 1)),
     ],
     ids=str,
 )
@@ -1046,6 +1070,26 @@ def test_client_rejects_records_outside_the_range(
     before: tuple[Records, ...], bad: Records
 ) -> None:
     client = ready_client(GetRange("s", 10, 20))
+    for message in before:
+        assert receive(client, message) == message
+    rejected(client, bad)
+
+
+def test_client_history_accepts_records_with_gaps_within_the_range() -> None:
+    client = ready_client(GetHistory("s", b"k", 10, 2**40 + 1), SeekTime("s", 5))
+    for message in (recs(10, 12), recs(), recs(40, 2**40), RangeEnd(), TimePosition("s", 7, 9, 1)):
+        assert receive(client, message) == message
+
+
+@pytest.mark.parametrize(
+    ("before", "bad"),
+    [((), recs(9)), ((), recs(20)), ((recs(12),), recs(11)), ((recs(12),), recs(12))],
+    ids=str,
+)
+def test_client_rejects_history_records_outside_the_range_or_backwards(
+    before: tuple[Records, ...], bad: Records
+) -> None:
+    client = ready_client(GetHistory("s", b"k", 10, 20))
     for message in before:
         assert receive(client, message) == message
     rejected(client, bad)
@@ -1263,6 +1307,10 @@ def range_responses(draw: st.DrawFn, request: GetRange) -> list[tuple[Message, b
 def responses_to(data: st.DataObject, request: Message) -> Iterator[tuple[Message, bool]]:
     if isinstance(request, GetHead | ReportPosition):
         yield StreamInfo(request.stream, data.draw(uints), data.draw(uints)), False
+    elif isinstance(request, SeekTime):
+        yield TimePosition(request.stream, *data.draw(st.tuples(uints, uints, uints))), False
+    elif isinstance(request, GetHistory):
+        yield from data.draw(range_responses(GetRange(request.stream, request.start, request.end)))
     elif isinstance(request, ListStreams):
         yield data.draw(MESSAGE_STRATEGIES[StreamList]), False
     elif isinstance(request, GetStatus):
@@ -1283,6 +1331,14 @@ pair_requests = st.one_of(
     MESSAGE_STRATEGIES[ListStreams],
     MESSAGE_STRATEGIES[GetStatus],
     MESSAGE_STRATEGIES[ReportPosition],
+    MESSAGE_STRATEGIES[SeekTime],
+    st.builds(
+        lambda stream, key, start, length: GetHistory(stream, key, start, start + length),
+        texts,
+        st.binary(max_size=4),
+        st.integers(1, MAX_SEQ - 64),
+        st.integers(0, 40),
+    ),
 )
 
 
