@@ -28,6 +28,7 @@ from .errors import (
     OffsetOutOfRangeError,
     OutOfOrderBatchError,
     ProducerChangedError,
+    SeqsReusedError,
     ServerError,
     ShuttingDownError,
     StreamQError,
@@ -62,6 +63,7 @@ CREATE TABLE IF NOT EXISTS streamq_positions (
     producer_id TEXT NOT NULL,
     stream TEXT NOT NULL,
     seq INTEGER NOT NULL,         -- last applied seq
+    epoch INTEGER,                -- the producer epoch that wrote it (NULL or 0: unknown)
     endpoint TEXT NOT NULL,       -- where that producer was last reached
     updated_at INTEGER NOT NULL,  -- milliseconds since the Unix epoch
     PRIMARY KEY (consumer, producer_id, stream)
@@ -81,12 +83,15 @@ class Batch(Sequence[Record]):
     """Records pushed by a producer, in seq order, to be applied together.
 
     ``after`` is the seq this batch follows: the consumer's position before it.
+    ``epoch`` is the producer epoch that wrote its last record (0 if unknown), stored
+    with the position so a producer that lost and reused seqs is caught ("Epochs").
     """
 
     stream: str
     producer_id: str
     after: int
     records: tuple[Record, ...]
+    epoch: int = 0
 
     @property
     def first_seq(self) -> int:
@@ -203,6 +208,7 @@ class Consumer:
         self.epoch = 0
         self.head = 0  # the producer's head as last reported
         self.received = 0  # last seq read from the socket
+        self.received_epoch = 0  # the producer epoch that wrote it (0: unknown)
         self.applied = 0  # last seq committed (or delivered, without a database)
         self.reconnects = 0
 
@@ -217,6 +223,9 @@ class Consumer:
                 await self._db.execute(f"PRAGMA synchronous={self._durability.upper()}")
                 await self._db.execute("PRAGMA busy_timeout=10000")
                 await self._db.execute(_POSITIONS_SCHEMA)
+                columns = await self._db.execute_fetchall("PRAGMA table_info(streamq_positions)")
+                if "epoch" not in {column[1] for column in columns}:  # made by an older streamq
+                    await self._db.execute("ALTER TABLE streamq_positions ADD COLUMN epoch INTEGER")
             # With a reconnect deadline, a producer that is down (restarting) is waited
             # for, as it would be after a lost connection; without one, fail at once.
             waits = self._reconnect and self._reconnect_timeout is not None
@@ -265,14 +274,15 @@ class Consumer:
         if isinstance(item, BaseException):
             raise item
         # Merge what else is already queued: fewer, larger transactions.
-        records = item.records
+        records, epoch = item.records, item.epoch
         while len(records) < self._max_batch_records and not self._queue.empty():
             more = self._queue.get_nowait()
             if isinstance(more, BaseException):
                 self._pending_error = more
                 break
             records += more.records
-        batch = Batch(item.stream, item.producer_id, item.after, records)
+            epoch = more.epoch
+        batch = Batch(item.stream, item.producer_id, item.after, records, epoch)
         if self._db is None:
             self.applied = batch.last_seq
         return batch
@@ -305,7 +315,9 @@ class Consumer:
                 hello = await self._read_message(conn, reader)
                 assert isinstance(hello, ServerHello)
                 start = await self._start_position(hello.producer_id)
-                writer.write(conn.send(Subscribe(self.stream, start, self.name, hello.producer_id)))
+                after_epoch = self.received_epoch if start - 1 == self.received else 0
+                subscribe = Subscribe(self.stream, start, self.name, hello.producer_id, after_epoch)
+                writer.write(conn.send(subscribe))
                 try:
                     subscribed = await self._read_message(conn, reader)
                 except OffsetOutOfRangeError as exc:
@@ -313,9 +325,12 @@ class Consumer:
                     # follows what was applied, the caller's mistake otherwise.
                     head = exc.details.get("head", start)
                     if head < start - 1 and start - 1 == self.received and self.received > 0:
-                        raise self._regressed(head, start - 1) from exc
+                        rewritten = exc.details.get("rewritten_from", 0)
+                        raise self._regressed(head, start - 1, rewritten) from exc
                     raise
                 assert isinstance(subscribed, Subscribed)
+                if subscribed.rewritten_from and after_epoch:
+                    raise self._seqs_reused(subscribed, start - 1, after_epoch)
         except (OSError, TimeoutError) as exc:
             writer.close()
             raise ConnectionLostError(
@@ -328,16 +343,37 @@ class Consumer:
             writer.close()
             raise self._regressed(subscribed.head, start - 1)
         self.producer_id, self.epoch, self.head = hello.producer_id, hello.epoch, subscribed.head
+        if start - 1 != self.received or not self.received_epoch:
+            self.received_epoch = subscribed.after_epoch or 0
         self.received = start - 1
         self._writer, self._conn = writer, conn
         return reader, conn
 
-    def _regressed(self, head: int, applied: int) -> ConsumerPositionError:
+    def _regressed(self, head: int, applied: int, rewritten_from: int = 0) -> ConsumerPositionError:
+        reused = (
+            f"; seqs {rewritten_from}..{head} were re-used for other records too"
+            if 0 < rewritten_from <= head
+            else ""
+        )
         return ConsumerPositionError(
             f"producer at {self.address} has head {head} for stream {self.stream!r}, "
-            f"but consumer {self.name!r} already applied up to seq {applied}: the producer's "
-            "database was restored from an older copy or lost commits. Refusing to skip or "
-            "re-apply records; reset this consumer's position to go on."
+            f"but consumer {self.name!r} already applied up to seq {applied}: seqs "
+            f"{head + 1}..{applied} are no longer in the producer's log{reused}. The "
+            "producer's database was restored from an older copy or lost commits. Refusing to "
+            "skip or re-apply records; reset this consumer's position to go on.",
+            range(min(rewritten_from or head + 1, head + 1), applied + 1),
+        )
+
+    def _seqs_reused(self, subscribed: Subscribed, applied: int, epoch: int) -> SeqsReusedError:
+        first = subscribed.rewritten_from or applied
+        return SeqsReusedError(
+            f"producer at {self.address} lost commits of stream {self.stream!r} and re-used "
+            f"their seqs: consumer {self.name!r} has seqs {first}..{applied} as written by "
+            f"producer epoch {epoch}, but the producer's log now holds other records there "
+            f"(seq {applied} written by epoch {subscribed.after_epoch}; head {subscribed.head})."
+            " A power loss rolled back commits that were not yet synced (durability='normal')."
+            " Refusing to skip or re-apply records; reset this consumer's position to go on.",
+            range(first, applied + 1),
         )
 
     async def _start_position(self, producer_id: str) -> int:
@@ -353,15 +389,16 @@ class Consumer:
             self.applied = self._start_seq - 1
             return self._start_seq
         rows = await self._db.execute_fetchall(
-            "SELECT producer_id, seq FROM streamq_positions "
+            "SELECT producer_id, seq, epoch FROM streamq_positions "
             "WHERE consumer = ? AND stream = ? AND (producer_id = ? OR endpoint = ?)",
             (self.name, self.stream, producer_id, self.address),
         )
-        positions: dict[str, int] = {str(p): int(q) for p, q in rows}
+        positions: dict[str, tuple[int, int]] = {str(p): (int(q), int(e or 0)) for p, q, e in rows}
         if producer_id in positions:
-            self.received = self.applied = int(positions[producer_id])
+            self.received, self.received_epoch = positions[producer_id]
+            self.applied = self.received
         elif positions:
-            other, seq = next(iter(positions.items()))
+            other, (seq, _) = next(iter(positions.items()))
             raise ProducerChangedError(
                 f"{self.address} now serves producer {producer_id}, but consumer {self.name!r} "
                 f"applied stream {self.stream!r} there from producer {other} up to seq {seq}: "
@@ -418,8 +455,14 @@ class Consumer:
                 if isinstance(message, Records):
                     if message.records:
                         assert self.producer_id is not None
-                        batch = Batch(self.stream, self.producer_id, self.received, message.records)
-                        self.received = batch.last_seq
+                        batch = Batch(
+                            self.stream,
+                            self.producer_id,
+                            self.received,
+                            message.records,
+                            message.epoch or 0,
+                        )
+                        self.received, self.received_epoch = batch.last_seq, batch.epoch
                         self.head = max(self.head, self.received)
                         await self._queue.put(batch)
                 elif isinstance(message, Heartbeat):
@@ -462,13 +505,14 @@ class Consumer:
                 tx._closed = True
                 await self._db.execute(
                     "INSERT OR REPLACE INTO streamq_positions "
-                    "(consumer, producer_id, stream, seq, endpoint, updated_at) "
-                    "VALUES (?, ?, ?, ?, ?, ?)",
+                    "(consumer, producer_id, stream, seq, epoch, endpoint, updated_at) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?)",
                     (
                         self.name,
                         batch.producer_id,
                         self.stream,
                         batch.last_seq,
+                        batch.epoch,
                         self.address,
                         int(time.time() * 1000),
                     ),

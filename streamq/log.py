@@ -10,6 +10,7 @@ read-only connections.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -90,6 +91,51 @@ class TailBuffer:
         return take(self._records[i : i + count], count, max_bytes)
 
 
+class Epochs:
+    """Which producer instance (epoch) appended which seqs of a stream: the rows of
+    ``streamq_epochs`` ("Epochs" in docs/protocol.md). Epoch 0 means unknown: records
+    written before epochs were recorded."""
+
+    def __init__(self) -> None:
+        self._firsts: list[int] = []
+        self._epochs: list[int] = []
+
+    def add(self, first_seq: int, epoch: int) -> None:
+        """Seqs from ``first_seq`` on were appended by ``epoch`` (rows come in seq order)."""
+        if not self._firsts or first_seq > self._firsts[-1]:
+            self._firsts.append(first_seq)
+            self._epochs.append(epoch)
+
+    @property
+    def last_first_seq(self) -> int:
+        return self._firsts[-1] if self._firsts else 0
+
+    def epoch_of(self, seq: int) -> int:
+        """The epoch that appended ``seq``; 0 if unknown."""
+        i = bisect.bisect_right(self._firsts, seq) - 1
+        return self._epochs[i] if i >= 0 else 0
+
+    def segment_end(self, seq: int) -> int:
+        """The first seq after ``seq`` appended by another epoch than ``seq`` (or a huge seq)."""
+        i = bisect.bisect_right(self._firsts, seq)
+        return self._firsts[i] if i < len(self._firsts) else 1 << 63
+
+    def rewritten_from(self, seq: int, epoch: int) -> int:
+        """Where the log stops holding what a reader at (``epoch``, ``seq``) read; 0 if nowhere.
+
+        A power loss removes a suffix of the log, and every producer starting after it has a
+        higher epoch than any before it, so the re-used seqs are the run of segments of
+        epochs above ``epoch`` that ends at ``seq``. (Exact for one writing process; with
+        several, another process's segment just before the loss may be counted in.)
+        """
+        i = bisect.bisect_right(self._firsts, seq) - 1
+        if i < 0 or epoch == 0 or self._epochs[i] in (0, epoch):
+            return 0
+        while i > 0 and self._epochs[i - 1] > epoch:
+            i -= 1
+        return self._firsts[i]
+
+
 @dataclass(eq=False)
 class Stream:
     """A stream's committed state, shared by the producer and its readers."""
@@ -99,6 +145,7 @@ class Stream:
     head: int
     low: int
     tail: TailBuffer
+    epochs: Epochs = field(default_factory=Epochs)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def notify(self) -> None:

@@ -23,7 +23,7 @@ import aiosqlite
 
 from . import store
 from .errors import ConcurrentWriterError, RecordTooLargeError, TransactionClosedError
-from .log import RECORD_OVERHEAD, Log
+from .log import RECORD_OVERHEAD, Log, Stream
 from .protocol import FRAME_OVERHEAD, encode_record
 from .server import Server, ServerSettings
 from .store import Durability
@@ -77,6 +77,9 @@ class Transaction:
         self._new_streams: dict[str, int] = {}  # stream name -> id, created here
         self._kept: dict[str, list[bytes] | None] = {}  # for the tail; None once too big
         self._kept_bytes: dict[str, int] = {}
+        # stream name -> (id, first seq) where this transaction starts a segment of this
+        # producer's epoch (see store.py, streamq_epochs), if it appends to that stream
+        self._segments: dict[str, tuple[int, int]] = {}
 
     def _check_open(self) -> None:
         if self._closed:
@@ -142,11 +145,24 @@ class Transaction:
         existing = self._producer.log.streams.get(stream)
         if existing is not None:
             self._heads[stream] = existing.head
+            if self._producer._appended.get(stream) != existing.head:
+                # The head was appended by another producer (or before this one started).
+                self._segments[stream] = (existing.id, existing.head + 1)
             return existing.id, existing.head + 1
         check_stream_name(stream)
         self._new_streams[stream] = await store.create_stream(self._conn, stream)
         self._heads[stream] = 0
+        self._segments[stream] = (self._new_streams[stream], 1)
         return self._new_streams[stream], 1
+
+    def _segment_rows(self) -> dict[str, tuple[int, int, int]]:
+        """The streamq_epochs rows this transaction adds: one per segment it appended to."""
+        epoch = self._producer.epoch
+        return {
+            name: (stream_id, first, epoch)
+            for name, (stream_id, first) in self._segments.items()
+            if self._heads[name] >= first
+        }
 
     def _append(self, stream: str, stream_id: int, seq: int, ts: int, record: bytes) -> None:
         if len(record) > self._producer.max_record_size:
@@ -167,19 +183,22 @@ class Transaction:
                 kept.append(record)
                 self._kept_bytes[stream] = size
 
-    async def _flush(self) -> None:
-        if not self._rows:
-            return
+    async def _flush(self, segments: Iterable[tuple[int, int, int]] = ()) -> None:
         rows, self._rows = self._rows, []
         try:
-            await self._conn.executemany(store.INSERT_RECORDS, rows)
+            if rows:
+                await self._conn.executemany(store.INSERT_RECORDS, rows)
+            if segments:
+                await self._conn.executemany(store.INSERT_EPOCHS, segments)
         except sqlite3.IntegrityError as exc:
             raise ConcurrentWriterError(
                 "another process appended to this producer's log during the transaction"
             ) from exc
 
     async def _commit(self) -> None:
-        await self._flush()  # heads need no write of their own: see store.load_streams
+        # Heads need no write of their own (see store.load_streams); epoch rows are written
+        # only by a transaction that starts a segment, and commit with its records.
+        await self._flush(list(self._segment_rows().values()))
         await self._conn.execute("COMMIT")
 
 
@@ -220,6 +239,7 @@ class Producer:
         self._watcher: asyncio.Task[None] | None = None
         self.producer_id = ""
         self.epoch = 0
+        self._appended: dict[str, int] = {}  # stream -> last seq this producer appended
         self._started = False
         self._closed = False
 
@@ -231,6 +251,7 @@ class Producer:
             # The version before loading the streams: any later commit by another process is seen.
             version = await store.data_version(self._conn)
             await self.log.open(await store.load_streams(self._conn))
+            await self._load_epochs()
             if self._serve:
                 self._server = Server(self.log, self.producer_id, self.epoch, self.settings)
                 await self._server.start(self._host, self._port)
@@ -299,8 +320,23 @@ class Producer:
     def _after_commit(self, tx: Transaction) -> None:
         for name, stream_id in tx._new_streams.items():
             self.log.add(store.StreamRow(stream_id, name, 0, 1))
+        for name, (_, first, epoch) in tx._segment_rows().items():
+            self.log.streams[name].epochs.add(first, epoch)  # before subscribers wake
         for name, head in tx._heads.items():
+            if name in tx._kept:
+                self._appended[name] = head
             self.log.committed(self.log.streams[name], head, tx._kept.get(name, []))
+
+    async def _load_epochs(self, stream: Stream | None = None) -> None:
+        """Load streamq_epochs rows into memory: all of them, or one stream's new rows."""
+        by_id = {s.id: s for s in self.log.streams.values()}
+        if stream is None:
+            rows = await store.load_epochs(self._conn)
+        else:
+            rows = await store.load_epochs(self._conn, stream.id, stream.epochs.last_first_seq)
+        for stream_id, first_seq, epoch in rows:
+            if stream_id in by_id:
+                by_id[stream_id].epochs.add(first_seq, epoch)
 
     async def publish(
         self,
@@ -358,4 +394,6 @@ class Producer:
                     stream = self.log.streams.get(row.name) or self.log.add(row)
                     stream.low = max(stream.low, row.low)
                     if row.head > stream.head:
+                        # Their epoch rows first: subscribers woken next send epochs.
+                        await self._load_epochs(stream)
                         self.log.committed(stream, row.head, None)

@@ -347,14 +347,30 @@ class Server:
                 {"producer_id": self.producer_id, "expected": request.producer_id},
             )
         stream = self.log.stream(request.stream)
-        self._check_start(stream, request.start_seq)
-        writer.write(conn.send(Subscribed(stream.name, stream.head, stream.low)))
         position = request.start_seq - 1
+        with_epochs = request.after_epoch is not None
+        rewritten = 0
+        if request.after_epoch:
+            # "Epochs": where this log stops holding what the client read up to its position.
+            last_held = min(position, stream.head)
+            rewritten = stream.epochs.rewritten_from(last_held, request.after_epoch)
+        try:
+            self._check_start(stream, request.start_seq)
+        except OffsetOutOfRangeError as exc:
+            if rewritten:
+                exc.details["rewritten_from"] = rewritten
+            raise
+        if with_epochs:
+            after_epoch = stream.epochs.epoch_of(position) if position else 0
+            subscribed = Subscribed(stream.name, stream.head, stream.low, after_epoch, rewritten)
+        else:
+            subscribed = Subscribed(stream.name, stream.head, stream.low)
+        writer.write(conn.send(subscribed))
         sub = Subscription(
             request.consumer, stream.name, _peer_name(writer), position, position, writer.transport
         )
         self.subscriptions.add(sub)
-        push = asyncio.create_task(self._push(conn, stream, sub, writer))
+        push = asyncio.create_task(self._push(conn, stream, sub, writer, with_epochs))
         acks = asyncio.create_task(self._read_acks(conn, reader, sub))
         try:
             done, _ = await asyncio.wait({push, acks}, return_when=asyncio.FIRST_COMPLETED)
@@ -387,20 +403,25 @@ class Server:
         stream: Stream,
         sub: Subscription,
         writer: asyncio.StreamWriter,
+        with_epochs: bool = False,
     ) -> None:
-        """Catch up from SQLite or memory, then follow commits as they happen."""
+        """Catch up from SQLite or memory, then follow commits as they happen.
+
+        With epochs, a frame never spans two epochs' segments: it carries its writer's epoch.
+        """
         settings = self.settings
         seq = sub.sent + 1
+        epochs = stream.epochs
         while True:
+            end = seq + settings.max_batch_records
+            if with_epochs:
+                end = min(end, epochs.segment_end(seq))
             records, last = await self.log.read(
-                stream,
-                seq,
-                seq + settings.max_batch_records,
-                settings.max_batch_records,
-                settings.max_batch_bytes,
+                stream, seq, end, settings.max_batch_records, settings.max_batch_bytes
             )
             if records:
-                writer.write(conn.send_records(records))
+                epoch = epochs.epoch_of(seq) if with_epochs else None
+                writer.write(conn.send_records(records, epoch))
                 sub.sent = last
                 seq = last + 1
                 await writer.drain()
