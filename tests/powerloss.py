@@ -102,9 +102,11 @@ async def _apply_until(consumer: Consumer, seq: int) -> None:
 
 
 def _backup(source: Path, target: Path) -> None:
-    with contextlib.closing(sqlite3.connect(source)) as src:
-        with contextlib.closing(sqlite3.connect(target)) as dst:
-            src.backup(dst)
+    with (
+        contextlib.closing(sqlite3.connect(source)) as src,
+        contextlib.closing(sqlite3.connect(target)) as dst,
+    ):
+        src.backup(dst)
 
 
 async def record_workload(
