@@ -70,6 +70,13 @@ CREATE TABLE IF NOT EXISTS streamq_positions (
 )"""
 
 
+def lost_seqs(position: int, head: int, rewritten_from: int) -> range | None:
+    """The seqs up to ``position`` that the producer's log no longer holds ("Epochs"): those
+    beyond its ``head``, and those from ``rewritten_from`` (if not 0) on; None if none."""
+    first = rewritten_from or head + 1
+    return range(first, position + 1) if 0 < first <= position else None
+
+
 def parse_address(address: str) -> tuple[str, int]:
     """``host:port`` or ``[v6]:port`` into (host, port)."""
     host, sep, port = address.rpartition(":")
@@ -318,19 +325,23 @@ class Consumer:
                 after_epoch = self.received_epoch if start - 1 == self.received else 0
                 subscribe = Subscribe(self.stream, start, self.name, hello.producer_id, after_epoch)
                 writer.write(conn.send(subscribe))
+                # The position to check: one this consumer had (stored or received), not
+                # a configured start_seq, whose errors are the caller's.
+                position = start - 1 if start - 1 == self.received and self.received else 0
                 try:
                     subscribed = await self._read_message(conn, reader)
                 except OffsetOutOfRangeError as exc:
-                    # Past the head is the producer's regression when ``start``
-                    # follows what was applied, the caller's mistake otherwise.
-                    head = exc.details.get("head", start)
-                    if head < start - 1 and start - 1 == self.received and self.received > 0:
-                        rewritten = exc.details.get("rewritten_from", 0)
-                        raise self._regressed(head, start - 1, rewritten) from exc
+                    details = exc.details
+                    head = details.get("head", start)
+                    lost = lost_seqs(position, head, details.get("rewritten_from", 0))
+                    if lost is not None:
+                        raise self._lost(lost, head) from exc
                     raise
                 assert isinstance(subscribed, Subscribed)
-                if subscribed.rewritten_from and after_epoch:
-                    raise self._seqs_reused(subscribed, start - 1, after_epoch)
+                rewritten = subscribed.rewritten_from if after_epoch else 0
+                lost = lost_seqs(max(position, start - 1), subscribed.head, rewritten or 0)
+                if lost is not None:
+                    raise self._lost(lost, subscribed.head)
         except (OSError, TimeoutError) as exc:
             writer.close()
             raise ConnectionLostError(
@@ -339,9 +350,6 @@ class Consumer:
         except BaseException:
             writer.close()
             raise
-        if subscribed.head < start - 1:
-            writer.close()
-            raise self._regressed(subscribed.head, start - 1)
         self.producer_id, self.epoch, self.head = hello.producer_id, hello.epoch, subscribed.head
         if start - 1 != self.received or not self.received_epoch:
             self.received_epoch = subscribed.after_epoch or 0
@@ -349,31 +357,27 @@ class Consumer:
         self._writer, self._conn = writer, conn
         return reader, conn
 
-    def _regressed(self, head: int, applied: int, rewritten_from: int = 0) -> ConsumerPositionError:
-        reused = (
-            f"; seqs {rewritten_from}..{head} were re-used for other records too"
-            if 0 < rewritten_from <= head
-            else ""
-        )
+    def _lost(self, lost: range, head: int) -> ConsumerPositionError:
+        """The error for a producer whose log no longer holds the seqs ``lost`` that this
+        consumer has: ``SeqsReusedError`` if it holds other records under some of them."""
+        first, applied = lost[0], lost[-1]
+        if first <= head:
+            return SeqsReusedError(
+                f"producer at {self.address} lost commits of stream {self.stream!r} and re-used "
+                f"their seqs: consumer {self.name!r} already applied up to seq {applied}, but "
+                f"the producer's log no longer holds seqs {first}..{applied} as it read them "
+                f"(head {head}; other records now stand under seqs {first}..{min(head, applied)})."
+                " A power loss rolled back commits that were not synced (durability='normal')."
+                " Refusing to skip or re-apply records; reset this consumer's position to go on.",
+                lost,
+            )
         return ConsumerPositionError(
             f"producer at {self.address} has head {head} for stream {self.stream!r}, "
             f"but consumer {self.name!r} already applied up to seq {applied}: seqs "
-            f"{head + 1}..{applied} are no longer in the producer's log{reused}. The "
-            "producer's database was restored from an older copy or lost commits. Refusing to "
-            "skip or re-apply records; reset this consumer's position to go on.",
-            range(min(rewritten_from or head + 1, head + 1), applied + 1),
-        )
-
-    def _seqs_reused(self, subscribed: Subscribed, applied: int, epoch: int) -> SeqsReusedError:
-        first = subscribed.rewritten_from or applied
-        return SeqsReusedError(
-            f"producer at {self.address} lost commits of stream {self.stream!r} and re-used "
-            f"their seqs: consumer {self.name!r} has seqs {first}..{applied} as written by "
-            f"producer epoch {epoch}, but the producer's log now holds other records there "
-            f"(seq {applied} written by epoch {subscribed.after_epoch}; head {subscribed.head})."
-            " A power loss rolled back commits that were not yet synced (durability='normal')."
-            " Refusing to skip or re-apply records; reset this consumer's position to go on.",
-            range(first, applied + 1),
+            f"{first}..{applied} are no longer in the producer's log. The producer's database "
+            "was restored from an older copy or lost commits. Refusing to skip or re-apply "
+            "records; reset this consumer's position to go on.",
+            lost,
         )
 
     async def _start_position(self, producer_id: str) -> int:

@@ -120,6 +120,13 @@ class Epochs:
         i = bisect.bisect_right(self._firsts, seq)
         return self._firsts[i] if i < len(self._firsts) else 1 << 63
 
+    def vouch(self, position: int, head: int, client_epoch: int) -> tuple[int, int]:
+        """SUBSCRIBED's (after_epoch, rewritten_from) for a client that read up to
+        ``position`` with ``position`` written by ``client_epoch`` (0: unknown)."""
+        after_epoch = self.epoch_of(position) if 0 < position <= head else 0
+        rewritten = self.rewritten_from(min(position, head), client_epoch) if position else 0
+        return after_epoch, rewritten
+
     def rewritten_from(self, seq: int, epoch: int) -> int:
         """Where the log stops holding what a reader at (``epoch``, ``seq``) read; 0 if nowhere.
 

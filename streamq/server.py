@@ -349,11 +349,11 @@ class Server:
         stream = self.log.stream(request.stream)
         position = request.start_seq - 1
         with_epochs = request.after_epoch is not None
-        rewritten = 0
-        if request.after_epoch:
-            # "Epochs": where this log stops holding what the client read up to its position.
-            last_held = min(position, stream.head)
-            rewritten = stream.epochs.rewritten_from(last_held, request.after_epoch)
+        # "Epochs": the epoch that wrote the client's position here, and where this log
+        # stops holding what the client read.
+        after_epoch, rewritten = stream.epochs.vouch(
+            position, stream.head, request.after_epoch or 0
+        )
         try:
             self._check_start(stream, request.start_seq)
         except OffsetOutOfRangeError as exc:
@@ -361,7 +361,6 @@ class Server:
                 exc.details["rewritten_from"] = rewritten
             raise
         if with_epochs:
-            after_epoch = stream.epochs.epoch_of(position) if position else 0
             subscribed = Subscribed(stream.name, stream.head, stream.low, after_epoch, rewritten)
         else:
             subscribed = Subscribed(stream.name, stream.head, stream.low)
