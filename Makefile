@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck bench bench-quick clean
+.PHONY: demo test lint typecheck bench bench-quick powerloss simulate clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,13 @@ bench: $(STAMP)  # every workload at full size, against a real Kafka broker
 
 bench-quick: $(STAMP)  # every workload at small size, in a few minutes
 	$(BIN)/python -m bench --quick
+
+powerloss: $(STAMP)  # power-loss images of a producer's database, 60 commits each mode: figures
+	$(BIN)/python -m tests.powerloss --commits 60
+
+simulate: $(STAMP)  # the protocol and storage simulation, 10,000 generated programs
+	STREAMQ_SIM_EXAMPLES=10000 $(BIN)/python -m pytest -q -p no:cacheprovider \
+		tests/test_simulation.py::test_simulation --hypothesis-show-statistics
 
 lint: $(STAMP)
 	$(BIN)/ruff check streamq spark_source bench tests

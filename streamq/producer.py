@@ -327,16 +327,22 @@ class Producer:
                 self._appended[name] = head
             self.log.committed(self.log.streams[name], head, tx._kept.get(name, []))
 
-    async def _load_epochs(self, stream: Stream | None = None) -> None:
-        """Load streamq_epochs rows into memory: all of them, or one stream's new rows."""
+    async def _load_epochs(self) -> None:
+        """Load every streamq_epochs row into memory."""
         by_id = {s.id: s for s in self.log.streams.values()}
-        if stream is None:
-            rows = await store.load_epochs(self._conn)
-        else:
-            rows = await store.load_epochs(self._conn, stream.id, stream.epochs.last_first_seq)
-        for stream_id, first_seq, epoch in rows:
+        for stream_id, first_seq, epoch in await store.load_epochs(self._conn):
             if stream_id in by_id:
                 by_id[stream_id].epochs.add(first_seq, epoch)
+
+    async def _load_new_epochs(self, row: store.StreamRow) -> Stream:
+        """The stream of ``row`` (added if new) with the epoch rows other processes wrote."""
+        known = self.log.streams.get(row.name)
+        after = known.epochs.last_first_seq if known is not None else 0
+        rows = await store.load_epochs(self._conn, row.id, after)
+        stream = self.log.streams.get(row.name) or self.log.add(row)
+        for _, first_seq, epoch in rows:
+            stream.epochs.add(first_seq, epoch)
+        return stream
 
     async def publish(
         self,
@@ -391,9 +397,10 @@ class Producer:
                     continue
                 seen = version
                 for row in await store.load_streams(self._conn):
-                    stream = self.log.streams.get(row.name) or self.log.add(row)
+                    stream = self.log.streams.get(row.name)
+                    if stream is None or row.head > stream.head:
+                        # Their epoch rows first: subscribers woken next send epochs.
+                        stream = await self._load_new_epochs(row)
                     stream.low = max(stream.low, row.low)
                     if row.head > stream.head:
-                        # Their epoch rows first: subscribers woken next send epochs.
-                        await self._load_epochs(stream)
                         self.log.committed(stream, row.head, None)

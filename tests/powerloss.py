@@ -50,8 +50,10 @@ class Figures:
     commits: int = 0  # acknowledged commits in the workload
     images: int = 0  # post-crash images built and checked
     integrity_ok: int = 0  # images where PRAGMA integrity_check said ok
+    torn: int = 0  # images whose WAL ends in a torn frame or has a hole
+    images_with_loss: int = 0  # images missing commits acknowledged before them
     commits_lost: int = 0  # acknowledged commits missing, summed over images
-    acknowledged_lost: int = 0  # commits lost that were acknowledged before the image: FULL 0
+    acknowledged_lost: int = 0  # ... with FULL, where none may be: must be 0
     regressions: int = 0  # consumers that had applied beyond what the image kept
     detected: int = 0  # ... stopped with ConsumerPositionError naming exactly the lost seqs
     reused_detected: int = 0  # ... of which the producer had re-used the seqs (SeqsReusedError)
@@ -61,12 +63,13 @@ class Figures:
 
     def report(self) -> str:
         return (
-            f"durability={self.durability}: {self.commits} commits, {self.images} images built "
-            f"({self.integrity_ok} integrity ok), {self.commits_lost} commits lost "
-            f"({self.acknowledged_lost} acknowledged before the image), {self.regressions} "
-            f"regressions: {self.detected} detected ({self.reused_detected} with seqs re-used),"
-            f" {self.undetected} undetected; {self.resumed} consumers below the loss resumed "
-            f"correctly; {self.seconds:.1f} s"
+            f"durability={self.durability}: {self.commits} commits; {self.images} images built "
+            f"({self.torn} torn or with a hole), integrity_check ok in {self.integrity_ok}; "
+            f"{self.images_with_loss} images lost acknowledged commits ({self.commits_lost} "
+            f"commits in all); {self.regressions} regressions (consumers that had applied "
+            f"beyond the loss): {self.detected} detected ({self.reused_detected} with the seqs "
+            f"re-used), {self.undetected} undetected; {self.resumed} consumers at or below "
+            f"the loss resumed with exactly the producer's log; {self.seconds:.1f} s"
         )
 
 
@@ -206,9 +209,11 @@ async def check_image(
     _check_file(path, image, work)
     figures.images += 1
     figures.integrity_ok += 1
+    figures.torn += image.hole or image.cut not in (work.base, *ends(work))
     lost = image.acknowledged - image.kept_commits
-    figures.commits_lost += max(0, lost)
-    figures.acknowledged_lost += max(0, lost) if figures.durability == "full" else 0
+    figures.images_with_loss += lost > 0
+    figures.commits_lost += lost
+    figures.acknowledged_lost += lost if figures.durability == "full" else 0
     kept = image.kept_head
     applied_max = work.commits[image.acknowledged - 1].head if image.acknowledged else 0
     async with Producer(str(path)) as producer:  # restarted: a new epoch
@@ -245,6 +250,10 @@ async def check_image(
                 credits = dict(db.execute("SELECT seq, value FROM credits"))
             assert credits == log, (image, position)
             figures.resumed += 1
+
+
+def ends(work: Workload) -> list[int]:
+    return [commit.end for commit in work.commits]
 
 
 def _log(path: Path) -> dict[int, bytes]:

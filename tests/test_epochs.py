@@ -173,3 +173,15 @@ async def test_positions_table_of_an_older_streamq_gets_the_epoch_column(
             assert db.execute("SELECT seq, epoch FROM streamq_positions").fetchall() == [
                 (2, producer.epoch)
             ]
+
+
+async def test_a_stream_made_by_another_process_is_served_with_its_epoch(
+    producer_db: str,
+) -> None:
+    async with Producer(producer_db, watch_interval=0.02) as server:
+        async with Producer(producer_db, serve=False) as other:
+            await other.publish("audit", b"1")
+        await wait_for(lambda: "audit" in server.log.streams)
+        async with Consumer(server.address, "audit") as consumer:
+            batch = await anext(consumer)
+        assert (batch.last_seq, batch.epoch) == (1, other.epoch)
