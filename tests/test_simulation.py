@@ -458,7 +458,7 @@ class Simulation(RuleBasedStateMachine):
             assert [value for _, value in consumer.applied] == self.disk.log
             _event("outcome: caught up")
         else:
-            assert self._diverged_from() is not None  # a regression, detected
+            self.a_stop_names_exactly_what_was_lost()  # a regression, detected and named
             reused = consumer.stopped.lost[0] <= self.disk.log.__len__()
             _event(f"outcome: regression detected ({'seqs re-used' if reused else 'head behind'})")
         if self.disk.durability == "full":
@@ -508,3 +508,33 @@ def test_power_loss_after_the_consumer_applied(regrow: int) -> None:
     )
     assert machine.consumer.stopped is not None
     assert machine.consumer.stopped.lost == range(3, 6)
+
+
+# Programs the simulation found when a check was broken (the epoch check disabled, the
+# producer not vouching), kept so that breaking it again fails at once, shrunk as found.
+FOUND: list[list[tuple[str, dict[str, Any]]]] = [
+    [  # one record applied, lost, its seq re-used; the consumer reconnects at once
+        ("commit", {"n": 1, "live": True}),
+        ("power_loss", {}),
+        ("connect", {}),
+        ("commit", {"n": 1, "live": True}),
+    ],
+    [  # the same, the consumer reconnecting only after the seq was re-used
+        ("commit", {"n": 1, "live": True}),
+        ("power_loss", {}),
+        ("commit", {"n": 1, "live": False}),
+    ],
+    [  # another process wrote first; both lost, a third process re-uses seq 1
+        ("other_process_publishes", {"n": 1}),
+        ("commit", {"n": 1, "live": True}),
+        ("power_loss", {}),
+        ("other_process_publishes", {"n": 1}),
+        ("checkpoint", {}),
+    ],
+]
+
+
+@pytest.mark.parametrize("steps", FOUND)
+def test_found_programs(steps: list[tuple[str, dict[str, Any]]]) -> None:
+    machine = replay(steps)
+    assert machine.consumer.stopped is not None
