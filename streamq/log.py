@@ -122,22 +122,30 @@ class Epochs:
 
     def vouch(self, position: int, head: int, client_epoch: int) -> tuple[int, int]:
         """SUBSCRIBED's (after_epoch, rewritten_from) for a client that read up to
-        ``position`` with ``position`` written by ``client_epoch`` (0: unknown)."""
+        ``position``, that seq written by ``client_epoch`` (0: unknown).
+
+        A power loss removes a suffix of the log, and every producer started after it has a
+        higher epoch than any before it. So the client's records are no longer in the log
+        from where the log's last seq up to ``position`` (or the head, if lower) was written
+        by another epoch than the client saw: at ``position`` itself any other epoch, below
+        it (the head went back) only a higher one, as a lower one wrote it before the client
+        read it.
+        """
         after_epoch = self.epoch_of(position) if 0 < position <= head else 0
-        rewritten = self.rewritten_from(min(position, head), client_epoch) if position else 0
-        return after_epoch, rewritten
+        if not position or not client_epoch:
+            return after_epoch, 0
+        last = min(position, head)
+        writer = self.epoch_of(last)
+        if writer == 0 or writer == client_epoch or (writer < client_epoch and last < position):
+            return after_epoch, 0
+        return after_epoch, self.rewritten_from(last, client_epoch)
 
     def rewritten_from(self, seq: int, epoch: int) -> int:
-        """Where the log stops holding what a reader at (``epoch``, ``seq``) read; 0 if nowhere.
-
-        A power loss removes a suffix of the log, and every producer starting after it has a
-        higher epoch than any before it, so the re-used seqs are the run of segments of
-        epochs above ``epoch`` that ends at ``seq``. (Exact for one writing process; with
-        several, another process's segment just before the loss may be counted in.)
-        """
+        """The first seq of the run of segments, ending with the one holding ``seq``, written
+        by epochs above ``epoch``: the producers started after a loss. (Exact for one writing
+        process; with several, another process's segment just before the loss may be counted
+        in.)"""
         i = bisect.bisect_right(self._firsts, seq) - 1
-        if i < 0 or epoch == 0 or self._epochs[i] in (0, epoch):
-            return 0
         while i > 0 and self._epochs[i - 1] > epoch:
             i -= 1
         return self._firsts[i]

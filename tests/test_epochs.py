@@ -45,17 +45,23 @@ def restore(image: str, path: str) -> None:
 
 def test_epochs_lookup() -> None:
     epochs = Epochs()
-    assert epochs.epoch_of(5) == 0 and epochs.rewritten_from(5, 1) == 0
+    assert epochs.epoch_of(5) == 0 and epochs.vouch(5, 5, 1) == (0, 0)
     for first, epoch in ((1, 1), (11, 3), (21, 4), (31, 2), (41, 5)):
         epochs.add(first, epoch)
     epochs.add(41, 9)  # an older row loaded again is ignored
     assert [epochs.epoch_of(s) for s in (1, 10, 11, 30, 31, 45)] == [1, 1, 3, 4, 2, 5]
     assert epochs.segment_end(12) == 21 and epochs.segment_end(41) == 1 << 63
-    assert epochs.rewritten_from(15, 3) == 0  # same epoch: intact
-    assert epochs.rewritten_from(15, 1) == 11  # seqs 11.. rewritten by epoch 3
-    assert epochs.rewritten_from(25, 1) == 11  # by epochs 3 and 4
-    assert epochs.rewritten_from(45, 4) == 41  # epoch 2's segment is older: it stops there
-    assert epochs.rewritten_from(45, 0) == 0  # the reader's epoch unknown: nothing to say
+    # vouch(position, head, the client's epoch for position) -> (after_epoch, rewritten_from)
+    assert epochs.vouch(15, 50, 3) == (3, 0)  # same epoch: intact
+    assert epochs.vouch(15, 50, 1) == (3, 11)  # seqs 11.. rewritten by epoch 3
+    assert epochs.vouch(25, 50, 1) == (4, 11)  # by epochs 3 and 4
+    assert epochs.vouch(45, 50, 4) == (5, 41)  # epoch 2's segment is older: it stops there
+    assert epochs.vouch(45, 50, 0) == (5, 0)  # the client's epoch unknown: nothing to say
+    assert epochs.vouch(0, 50, 0) == (0, 0)
+    # The head went back below the position: seqs written by lower epochs are intact ...
+    assert epochs.vouch(60, 15, 4) == (0, 0)
+    # ... those by higher ones were written after the loss.
+    assert epochs.vouch(60, 45, 4) == (0, 41)
 
 
 async def test_each_writer_process_is_recorded_and_no_false_alarm(
