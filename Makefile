@@ -35,7 +35,7 @@ powerloss: $(STAMP)  # power-loss images of a producer's database, 60 commits ea
 	$(BIN)/python -m tests.powerloss --commits 60
 
 simulate: $(STAMP)  # the protocol and storage simulation, 10,000 generated programs
-	STREAMQ_SIM_EXAMPLES=10000 $(BIN)/python -m pytest -q -p no:cacheprovider \
+	STREAMQ_SIM_EXAMPLES=10500 $(BIN)/python -m pytest -q -p no:cacheprovider \
 		tests/test_simulation.py::test_simulation --hypothesis-show-statistics
 
 lint: $(STAMP)
