@@ -63,7 +63,7 @@ CREATE TABLE IF NOT EXISTS streamq_positions (
     producer_id TEXT NOT NULL,
     stream TEXT NOT NULL,
     seq INTEGER NOT NULL,         -- last applied seq
-    epoch INTEGER,                -- the producer epoch that wrote it (NULL or 0: unknown)
+    epoch INTEGER,                -- highest producer epoch that wrote up to seq (0: unknown)
     endpoint TEXT NOT NULL,       -- where that producer was last reached
     updated_at INTEGER NOT NULL,  -- milliseconds since the Unix epoch
     PRIMARY KEY (consumer, producer_id, stream)
@@ -90,8 +90,9 @@ class Batch(Sequence[Record]):
     """Records pushed by a producer, in seq order, to be applied together.
 
     ``after`` is the seq this batch follows: the consumer's position before it.
-    ``epoch`` is the producer epoch that wrote its last record (0 if unknown), stored
-    with the position so a producer that lost and reused seqs is caught ("Epochs").
+    ``epoch`` is the highest producer epoch that wrote any record up to its last (0 if
+    unknown), stored with the position so a producer that lost and reused seqs is caught
+    ("Epochs").
     """
 
     stream: str
@@ -215,7 +216,9 @@ class Consumer:
         self.epoch = 0
         self.head = 0  # the producer's head as last reported
         self.received = 0  # last seq read from the socket
-        self.received_epoch = 0  # the producer epoch that wrote it (0: unknown)
+        # The highest producer epoch that wrote any record up to ``received`` (0: unknown):
+        # a producer that later holds a higher one there lost and re-used seqs ("Epochs").
+        self.seen_epoch = 0
         self.applied = 0  # last seq committed (or delivered, without a database)
         self.reconnects = 0
 
@@ -322,8 +325,8 @@ class Consumer:
                 hello = await self._read_message(conn, reader)
                 assert isinstance(hello, ServerHello)
                 start = await self._start_position(hello.producer_id)
-                after_epoch = self.received_epoch if start - 1 == self.received else 0
-                subscribe = Subscribe(self.stream, start, self.name, hello.producer_id, after_epoch)
+                seen = self.seen_epoch if start - 1 == self.received else 0
+                subscribe = Subscribe(self.stream, start, self.name, hello.producer_id, seen)
                 writer.write(conn.send(subscribe))
                 # The position to check: one this consumer had (stored or received), not
                 # a configured start_seq, whose errors are the caller's.
@@ -338,7 +341,7 @@ class Consumer:
                         raise self._lost(lost, head) from exc
                     raise
                 assert isinstance(subscribed, Subscribed)
-                rewritten = subscribed.rewritten_from if after_epoch else 0
+                rewritten = subscribed.rewritten_from if seen else 0
                 lost = lost_seqs(max(position, start - 1), subscribed.head, rewritten or 0)
                 if lost is not None:
                     raise self._lost(lost, subscribed.head)
@@ -351,8 +354,9 @@ class Consumer:
             writer.close()
             raise
         self.producer_id, self.epoch, self.head = hello.producer_id, hello.epoch, subscribed.head
-        if start - 1 != self.received or not self.received_epoch:
-            self.received_epoch = subscribed.after_epoch or 0
+        if start - 1 != self.received:
+            self.seen_epoch = 0
+        self.seen_epoch = max(self.seen_epoch, subscribed.after_epoch or 0)
         self.received = start - 1
         self._writer, self._conn = writer, conn
         return reader, conn
@@ -399,7 +403,7 @@ class Consumer:
         )
         positions: dict[str, tuple[int, int]] = {str(p): (int(q), int(e or 0)) for p, q, e in rows}
         if producer_id in positions:
-            self.received, self.received_epoch = positions[producer_id]
+            self.received, self.seen_epoch = positions[producer_id]
             self.applied = self.received
         elif positions:
             other, (seq, _) = next(iter(positions.items()))
@@ -459,14 +463,15 @@ class Consumer:
                 if isinstance(message, Records):
                     if message.records:
                         assert self.producer_id is not None
+                        self.seen_epoch = max(self.seen_epoch, message.epoch or 0)
                         batch = Batch(
                             self.stream,
                             self.producer_id,
                             self.received,
                             message.records,
-                            message.epoch or 0,
+                            self.seen_epoch,
                         )
-                        self.received, self.received_epoch = batch.last_seq, batch.epoch
+                        self.received = batch.last_seq
                         self.head = max(self.head, self.received)
                         await self._queue.put(batch)
                 elif isinstance(message, Heartbeat):

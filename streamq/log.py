@@ -120,35 +120,25 @@ class Epochs:
         i = bisect.bisect_right(self._firsts, seq)
         return self._firsts[i] if i < len(self._firsts) else 1 << 63
 
-    def vouch(self, position: int, head: int, client_epoch: int) -> tuple[int, int]:
+    def vouch(self, position: int, head: int, seen_epoch: int) -> tuple[int, int]:
         """SUBSCRIBED's (after_epoch, rewritten_from) for a client that read up to
-        ``position``, that seq written by ``client_epoch`` (0: unknown).
+        ``position`` records written by epochs up to ``seen_epoch`` (0: unknown).
 
         A power loss removes a suffix of the log, and every producer started after it has a
-        higher epoch than any before it. So the client's records are no longer in the log
-        from where the log's last seq up to ``position`` (or the head, if lower) was written
-        by another epoch than the client saw: at ``position`` itself any other epoch, below
-        it (the head went back) only a higher one, as a lower one wrote it before the client
-        read it.
+        higher epoch than any started before it, so than any epoch that wrote what the
+        client read. The segments written by higher epochs than ``seen_epoch``, ending with
+        the one holding ``position`` (or the head, if lower), are therefore the seqs
+        written again after the loss: the client's records there are gone.
         """
         after_epoch = self.epoch_of(position) if 0 < position <= head else 0
-        if not position or not client_epoch:
+        if not position or not seen_epoch:
             return after_epoch, 0
-        last = min(position, head)
-        writer = self.epoch_of(last)
-        if writer == 0 or writer == client_epoch or (writer < client_epoch and last < position):
+        i = bisect.bisect_right(self._firsts, min(position, head)) - 1
+        if i < 0 or self._epochs[i] <= seen_epoch:
             return after_epoch, 0
-        return after_epoch, self.rewritten_from(last, client_epoch)
-
-    def rewritten_from(self, seq: int, epoch: int) -> int:
-        """The first seq of the run of segments, ending with the one holding ``seq``, written
-        by epochs above ``epoch``: the producers started after a loss. (Exact for one writing
-        process; with several, another process's segment just before the loss may be counted
-        in.)"""
-        i = bisect.bisect_right(self._firsts, seq) - 1
-        while i > 0 and self._epochs[i - 1] > epoch:
+        while i > 0 and self._epochs[i - 1] > seen_epoch:
             i -= 1
-        return self._firsts[i]
+        return after_epoch, self._firsts[i]
 
 
 @dataclass(eq=False)

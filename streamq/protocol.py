@@ -117,16 +117,16 @@ class ServerHello:
 class Subscribe:
     """Push ``stream`` from ``start_seq`` on, forever; ``producer_id`` is checked if set.
 
-    ``after_epoch`` (optional, "Epochs"): the epoch that wrote seq ``start_seq - 1`` as the
-    client recorded it, 0 if unknown. Sending it (even 0) asks for epochs in SUBSCRIBED and
-    RECORDS; None leaves the field off the wire.
+    ``seen_epoch`` (optional, "Epochs"): the highest epoch that wrote any record the client
+    read up to seq ``start_seq - 1``, 0 if unknown. Sending it (even 0) asks for epochs in
+    SUBSCRIBED and RECORDS; None leaves the field off the wire.
     """
 
     stream: str
     start_seq: int
     consumer: str
     producer_id: str | None
-    after_epoch: int | None = None
+    seen_epoch: int | None = None
     TYPE: ClassVar[MessageType] = MessageType.SUBSCRIBE
 
 
@@ -134,8 +134,8 @@ class Subscribe:
 class Subscribed:
     """The subscription is accepted. With epochs ("Epochs"): ``after_epoch`` is the epoch that
     wrote seq ``start_seq - 1`` in the producer's log now (0 if unknown or none), and
-    ``rewritten_from`` the first seq whose record differs from what a client at
-    (``Subscribe.after_epoch``, ``start_seq - 1``) read (0 if none)."""
+    ``rewritten_from`` the first seq whose record differs from what the client read
+    (0 if none)."""
 
     stream: str
     head: int

@@ -348,12 +348,10 @@ class Server:
             )
         stream = self.log.stream(request.stream)
         position = request.start_seq - 1
-        with_epochs = request.after_epoch is not None
+        with_epochs = request.seen_epoch is not None
         # "Epochs": the epoch that wrote the client's position here, and where this log
         # stops holding what the client read.
-        after_epoch, rewritten = stream.epochs.vouch(
-            position, stream.head, request.after_epoch or 0
-        )
+        after_epoch, rewritten = stream.epochs.vouch(position, stream.head, request.seen_epoch or 0)
         try:
             self._check_start(stream, request.start_seq)
         except OffsetOutOfRangeError as exc:

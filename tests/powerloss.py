@@ -43,6 +43,7 @@ import msgpack
 from streamq import Consumer, ConsumerPositionError, Producer, SeqsReusedError
 from streamq.store import HEAD_QUERY, Durability
 
+from .conftest import wait_for
 from .walimage import FRAME_HEADER, WAL_HEADER, commit_ends, valid_frames, write_image
 
 STREAM = "orders"
@@ -88,6 +89,7 @@ class Workload:
     db: Path  # the database file as the producer left it (never checkpointed)
     wal: bytes
     base: int  # WAL length once the stream and the business table were made
+    sync_bound: tuple[int, int, int]  # another producer started: (WAL synced, head, commits)
     commits: list[Commit]
     values: dict[int, bytes]  # seq -> value, as published
     snapshots: dict[int, Path] = field(default_factory=dict)  # consumer position -> its db
@@ -127,7 +129,7 @@ async def record_workload(
     done: list[Commit] = []
     values: dict[int, bytes] = {}
     snapshots: dict[int, Path] = {}
-    async with Producer(str(db), durability=durability) as producer:
+    async with Producer(str(db), durability=durability, watch_interval=0.01) as producer:
         synced = wal_path.stat().st_size
         header = wal_path.read_bytes()[:WAL_HEADER]
         async with producer._conn.execute("PRAGMA synchronous") as cursor:
@@ -139,6 +141,10 @@ async def record_workload(
         base = wal_path.stat().st_size  # images start here: stream and table exist
         async with Consumer(producer.address, STREAM, db=str(consumer_db), name="c") as consumer:
             for k in range(commits):
+                if k == commits // 4:
+                    sync_bound = await _other_process_commits(db, wal_path, done, values)
+                    await wait_for(lambda: producer.head(STREAM) == done[-1].head)
+                    await _apply_until(consumer, producer.head(STREAM))
                 async with producer.transaction() as tx:
                     for i in range(rng.randint(1, 4)):
                         value = b"epoch%d-commit%d-%d" % (producer.epoch, k, i)
@@ -157,9 +163,28 @@ async def record_workload(
     assert wal[:WAL_HEADER] == header, "the WAL was restarted: a checkpoint ran"
     # ... and each acknowledged commit ended exactly at a valid commit frame.
     ends = [end for end in commit_ends(wal) if end > synced]
-    assert ends[-commits:] == [c.end for c in done], "commits and WAL commit frames differ"
-    assert len(ends) == commits + 2 and base == ends[1]  # the stream, the table, the commits
-    return Workload(image_db, wal, base, done, values, snapshots)
+    assert set(ends) - {c.end for c in done} == {ends[0], base, sync_bound[0]}, (
+        "commits and WAL commit frames differ"  # besides: the stream, the table, the epoch
+    )
+    return Workload(image_db, wal, base, sync_bound, done, values, snapshots)
+
+
+async def _other_process_commits(
+    db: Path, wal_path: Path, done: list[Commit], values: dict[int, bytes]
+) -> tuple[int, int, int]:
+    """Another producer (``streamq publish``) commits into the served database; returns
+    the WAL bound its start synced (its epoch's commit): (WAL length, head, commits)."""
+    async with Producer(str(db), serve=False) as other:
+        head = other.head(STREAM)
+        bound = (wal_path.stat().st_size, head, len(done))
+        async with other.transaction() as tx:
+            for i in range(2):
+                value = b"other-epoch%d-%d" % (other.epoch, i)
+                seq = await tx.publish(STREAM, value)
+                await tx.execute("INSERT INTO orders VALUES (?, ?)", (seq, value))
+                values[seq] = value
+        done.append(Commit(wal_path.stat().st_size, other.head(STREAM)))
+    return bound
 
 
 @dataclass(frozen=True)
@@ -176,11 +201,13 @@ def images(work: Workload, durability: Durability) -> list[Image]:
     after commit k returned, for every k (FULL)."""
     frames = valid_frames(work.wal)
     page = frames[0].end - frames[0].offset - FRAME_HEADER
-    bounds = [(work.base, 0, 0)] + [
+    bounds = [(work.base, 0, 0), work.sync_bound] + [
         (c.end, c.head, k + 1) for k, c in enumerate(work.commits)
     ]  # (WAL length, head, commits kept)
     result: list[Image] = []
-    for cut, head, kept in bounds:
+    for cut, head, kept in sorted(bounds):
+        if durability == "normal" and cut < work.sync_bound[0]:
+            continue  # synced by the other producer's start: no power loss undoes it
         acknowledged = len(work.commits) if durability == "normal" else kept
         result.append(Image(cut, False, head, kept, acknowledged))
         if cut < len(work.wal):

@@ -51,8 +51,9 @@ def test_epochs_lookup() -> None:
     epochs.add(41, 9)  # an older row loaded again is ignored
     assert [epochs.epoch_of(s) for s in (1, 10, 11, 30, 31, 45)] == [1, 1, 3, 4, 2, 5]
     assert epochs.segment_end(12) == 21 and epochs.segment_end(41) == 1 << 63
-    # vouch(position, head, the client's epoch for position) -> (after_epoch, rewritten_from)
+    # vouch(position, head, the highest epoch the client read) -> (after_epoch, rewritten_from)
     assert epochs.vouch(15, 50, 3) == (3, 0)  # same epoch: intact
+    assert epochs.vouch(35, 50, 4) == (2, 0)  # a lower one: written before the client read it
     assert epochs.vouch(15, 50, 1) == (3, 11)  # seqs 11.. rewritten by epoch 3
     assert epochs.vouch(25, 50, 1) == (4, 11)  # by epochs 3 and 4
     assert epochs.vouch(45, 50, 4) == (5, 41)  # epoch 2's segment is older: it stops there
@@ -91,7 +92,8 @@ async def test_each_writer_process_is_recorded_and_no_false_alarm(
                 if batch.last_seq == 5:
                     break
         e = server.epoch
-        assert epochs == [e, e, e + 1, e, e]  # frames split at each writer's segment
+        # Frames split at each writer's segment; a batch carries the highest epoch so far.
+        assert epochs == [e, e, e + 1, e + 1, e + 1]
     assert epoch_rows(producer_db) == [(1, e), (3, e + 1), (4, e)]
     async with Producer(producer_db, port=port) as restarted:
         await restarted.publish("orders", b"a6")
