@@ -2,15 +2,18 @@
 restarted, with real consumers that had applied records the image lost.
 
 1. A real Producer (in WAL, ``durability`` normal or full) commits records with business
-   rows; a real Consumer applies each commit, and its database is snapshotted after each.
-   The test notes the WAL's length when the producer has started (its epoch is committed
-   with a full sync) and after each commit returned.
+   rows, and a quarter of the way through a second Producer process commits once into the
+   same database (as ``streamq publish`` does); a real Consumer applies each commit, and its
+   database is snapshotted after each. The test notes the WAL's length when a producer has
+   started (its epoch is committed with a full sync) and after each commit returned.
 2. From the final WAL it builds images (``walimage``): the WAL cut at every commit frame,
    torn in the middle of the next frame, or with the next frame zeroed (a page the OS never
-   wrote back). With ``synchronous=NORMAL`` nothing after the start is synced (no
-   checkpoint runs: the test checks the WAL was never restarted), so every image is a
-   possible post-power-loss state. With ``synchronous=FULL`` each commit is synced before it
-   returns, so the images possible after commit k returned are those cut at or after it.
+   wrote back). With ``synchronous=NORMAL`` nothing after the second producer's start is
+   synced (no checkpoint runs: the test checks the WAL was never restarted), so every image
+   from there is a possible post-power-loss state (``make powerloss`` checks these sync
+   points against the system calls, with strace). With ``synchronous=FULL`` each commit is
+   synced before it returns, so the images possible after commit k returned are those cut
+   at or after it.
 3. Each image must pass ``PRAGMA integrity_check``, hold exactly the commits before the cut
    (log and business rows together), and, with FULL, every commit acknowledged before the
    image. Then a real Producer restarts on it (a new epoch) and writes other records under
