@@ -34,7 +34,7 @@ bench-quick: $(STAMP)  # every workload at small size, in a few minutes
 powerloss: $(STAMP)  # power-loss images of a producer's database, 60 commits each mode: figures
 	$(BIN)/python -m tests.powerloss --commits 60
 
-simulate: $(STAMP)  # the protocol and storage simulation, 10,000 generated programs
+simulate: $(STAMP)  # the protocol and storage simulation, 10,500 generated programs
 	STREAMQ_SIM_EXAMPLES=10500 $(BIN)/python -m pytest -q -p no:cacheprovider \
 		tests/test_simulation.py::test_simulation --hypothesis-show-statistics
 
