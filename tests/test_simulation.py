@@ -7,8 +7,10 @@ consumer-side check (``consumer.lost_seqs``), around a model of the producer's s
 commits, syncs and power losses per durability mode, epochs committed with a full sync at
 every start, and ``streamq_epochs`` rows written as ``Producer`` writes them. Faults:
 connections dropped, a consumer reconnecting while its old connection is still served
-(the two byte streams then arrive interleaved in any order), producer processes killed,
-power losses, consumer crashes, another process publishing into the served database.
+(the same subscription twice, the two byte streams arriving interleaved in any order; TCP
+never reorders within one), producer processes killed, power losses, consumer crashes
+(records received and not applied are sent again: duplicates the consumer must not apply
+twice), another process publishing into the served database.
 
 Checked after every step: the consumer's records are dense and each was committed under
 that seq; while the consumer is subscribed to the running producer, its records are a
