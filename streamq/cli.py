@@ -119,7 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--durability",
         choices=["normal", "full"],
         default="normal",
-        help="SQLite synchronous mode: full survives power loss",
+        help="full: every commit synced before it returns, survives power loss; normal "
+        "(default): survives process crashes, a power loss may roll back the last commits "
+        "(consumers that applied them stop with an error naming the seqs)",
     )
     serve.add_argument("--create", action="store_true", help="create the database if missing")
     _add_server_security(serve)

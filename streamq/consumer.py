@@ -30,6 +30,7 @@ from .errors import (
     OffsetOutOfRangeError,
     OutOfOrderBatchError,
     ProducerChangedError,
+    SeqsReusedError,
     ServerError,
     ShuttingDownError,
     StreamQError,
@@ -71,6 +72,7 @@ CREATE TABLE IF NOT EXISTS streamq_positions (
     producer_id TEXT NOT NULL,
     stream TEXT NOT NULL,
     seq INTEGER NOT NULL,         -- last applied seq
+    epoch INTEGER,                -- highest producer epoch that wrote up to seq (0: unknown)
     endpoint TEXT NOT NULL,       -- where that producer was last reached
     updated_at INTEGER NOT NULL,  -- milliseconds since the Unix epoch
     PRIMARY KEY (consumer, producer_id, stream)
@@ -85,10 +87,20 @@ async def open_database(path: str, durability: Durability) -> aiosqlite.Connecti
         await db.execute(f"PRAGMA synchronous={durability.upper()}")
         await db.execute("PRAGMA busy_timeout=10000")
         await db.execute(_POSITIONS_SCHEMA)
+        columns = await db.execute_fetchall("PRAGMA table_info(streamq_positions)")
+        if "epoch" not in {column[1] for column in columns}:  # made by an older streamq
+            await db.execute("ALTER TABLE streamq_positions ADD COLUMN epoch INTEGER")
     except BaseException:
         await db.close()
         raise
     return db
+
+
+def lost_seqs(position: int, head: int, rewritten_from: int) -> range | None:
+    """The seqs up to ``position`` that the producer's log no longer holds ("Epochs"): those
+    beyond its ``head``, and those from ``rewritten_from`` (if not 0) on; None if none."""
+    first = rewritten_from or head + 1
+    return range(first, position + 1) if 0 < first <= position else None
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -113,12 +125,16 @@ class Batch(Sequence[Record]):
     """Records pushed by a producer, in seq order, to be applied together.
 
     ``after`` is the seq this batch follows: the consumer's position before it.
+    ``epoch`` is the highest producer epoch that wrote any record up to its last (0 if
+    unknown), stored with the position so a producer that lost and reused seqs is caught
+    ("Epochs").
     """
 
     stream: str
     producer_id: str
     after: int
     records: tuple[Record, ...]
+    epoch: int = 0
 
     @property
     def first_seq(self) -> int:
@@ -166,7 +182,8 @@ _Item = Batch | BaseException
 
 _STORE_POSITION = (
     "INSERT OR REPLACE INTO streamq_positions "
-    "(consumer, producer_id, stream, seq, endpoint, updated_at) VALUES (?, ?, ?, ?, ?, ?)"
+    "(consumer, producer_id, stream, seq, epoch, endpoint, updated_at) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?)"
 )
 
 # Failures a reconnect may cure; anything else stops the consumer with its error.
@@ -263,6 +280,9 @@ class Consumer:
         self.epoch = 0
         self.head = 0  # the producer's head as last reported
         self.received = 0  # last seq read from the socket
+        # The highest producer epoch that wrote any record up to ``received`` (0: unknown):
+        # a producer that later holds a higher one there lost and re-used seqs ("Epochs").
+        self.seen_epoch = 0
         self.applied = 0  # last seq committed (or delivered, without a database)
         self.reconnects = 0
 
@@ -343,14 +363,15 @@ class Consumer:
         if isinstance(item, BaseException):
             raise item
         # Merge what else is already queued: fewer, larger transactions.
-        records = item.records
+        records, epoch = item.records, item.epoch
         while len(records) < self._max_batch_records and not self._queue.empty():
             more = self._queue.get_nowait()
             if isinstance(more, BaseException):
                 self._pending_error = more
                 break
             records += more.records
-        batch = Batch(item.stream, item.producer_id, item.after, records)
+            epoch = more.epoch
+        batch = Batch(item.stream, item.producer_id, item.after, records, epoch)
         if self._db is None:
             self.applied = batch.last_seq
         return batch
@@ -405,17 +426,26 @@ class Consumer:
                 start = await self._start_position(hello.producer_id)
                 if start is None:
                     start = await self._configured_start(conn, reader, writer)
-                writer.write(conn.send(Subscribe(self.stream, start, self.name, hello.producer_id)))
+                seen = self.seen_epoch if start - 1 == self.received else 0
+                subscribe = Subscribe(self.stream, start, self.name, hello.producer_id, seen)
+                writer.write(conn.send(subscribe))
+                # The position to check: one this consumer had (stored or received), not
+                # a configured start_seq, whose errors are the caller's.
+                position = start - 1 if start - 1 == self.received and self.received else 0
                 try:
                     subscribed = await self._read_message(conn, reader)
                 except OffsetOutOfRangeError as exc:
-                    # Past the head is the producer's regression when ``start``
-                    # follows what was applied, the caller's mistake otherwise.
-                    head = exc.details.get("head", start)
-                    if head < start - 1 and start - 1 == self.received and self.received > 0:
-                        raise self._regressed(head, start - 1) from exc
+                    details = exc.details
+                    head = details.get("head", start)
+                    lost = lost_seqs(position, head, details.get("rewritten_from", 0))
+                    if lost is not None:
+                        raise self._lost(lost, head) from exc
                     raise
                 assert isinstance(subscribed, Subscribed)
+                rewritten = subscribed.rewritten_from if seen else 0
+                lost = lost_seqs(max(position, start - 1), subscribed.head, rewritten or 0)
+                if lost is not None:
+                    raise self._lost(lost, subscribed.head)
         except ssl.SSLError as exc:
             writer.close()
             raise tls_error(exc, self.address) from exc
@@ -427,22 +457,37 @@ class Consumer:
         except BaseException:
             writer.close()
             raise
-        if subscribed.head < start - 1:
-            writer.close()
-            raise self._regressed(subscribed.head, start - 1)
         self.producer_id, self.epoch, self.head = hello.producer_id, hello.epoch, subscribed.head
+        if start - 1 != self.received:
+            self.seen_epoch = 0
+        self.seen_epoch = max(self.seen_epoch, subscribed.after_epoch or 0)
         self.received = start - 1
         self._writer, self._conn = writer, conn
         if self._db is not None and self.applied > 0:
             self._ack(self.applied)  # the producer learns where this consumer stands at once
         return reader, conn
 
-    def _regressed(self, head: int, applied: int) -> ConsumerPositionError:
+    def _lost(self, lost: range, head: int) -> ConsumerPositionError:
+        """The error for a producer whose log no longer holds the seqs ``lost`` that this
+        consumer has: ``SeqsReusedError`` if it holds other records under some of them."""
+        first, applied = lost[0], lost[-1]
+        if first <= head:
+            return SeqsReusedError(
+                f"producer at {self.address} lost commits of stream {self.stream!r} and re-used "
+                f"their seqs: consumer {self.name!r} already applied up to seq {applied}, but "
+                f"the producer's log no longer holds seqs {first}..{applied} as it read them "
+                f"(head {head}; other records now stand under seqs {first}..{min(head, applied)})."
+                " A power loss rolled back commits that were not synced (durability='normal')."
+                " Refusing to skip or re-apply records; reset this consumer's position to go on.",
+                lost,
+            )
         return ConsumerPositionError(
             f"producer at {self.address} has head {head} for stream {self.stream!r}, "
-            f"but consumer {self.name!r} already applied up to seq {applied}: the producer's "
-            "database was restored from an older copy or lost commits. Refusing to skip or "
-            "re-apply records; reset this consumer's position to go on."
+            f"but consumer {self.name!r} already applied up to seq {applied}: seqs "
+            f"{first}..{applied} are no longer in the producer's log. The producer's database "
+            "was restored from an older copy or lost commits. Refusing to skip or re-apply "
+            "records; reset this consumer's position to go on.",
+            lost,
         )
 
     async def _configured_start(
@@ -471,15 +516,16 @@ class Consumer:
         if self._db is None:
             return None
         rows = await self._db.execute_fetchall(
-            "SELECT producer_id, seq FROM streamq_positions "
+            "SELECT producer_id, seq, epoch FROM streamq_positions "
             "WHERE consumer = ? AND stream = ? AND (producer_id = ? OR endpoint = ?)",
             (self.name, self.stream, producer_id, self.address),
         )
-        positions: dict[str, int] = {str(p): int(q) for p, q in rows}
+        positions: dict[str, tuple[int, int]] = {str(p): (int(q), int(e or 0)) for p, q, e in rows}
         if producer_id in positions:
-            self.received = self.applied = int(positions[producer_id])
+            self.received, self.seen_epoch = positions[producer_id]
+            self.applied = self.received
         elif positions:
-            other, seq = next(iter(positions.items()))
+            other, (seq, _) = next(iter(positions.items()))
             raise ProducerChangedError(
                 f"{self.address} now serves producer {producer_id}, but consumer {self.name!r} "
                 f"applied stream {self.stream!r} there from producer {other} up to seq {seq}: "
@@ -552,7 +598,14 @@ class Consumer:
                 if isinstance(message, Records):
                     if message.records:
                         assert self.producer_id is not None
-                        batch = Batch(self.stream, self.producer_id, self.received, message.records)
+                        self.seen_epoch = max(self.seen_epoch, message.epoch or 0)
+                        batch = Batch(
+                            self.stream,
+                            self.producer_id,
+                            self.received,
+                            message.records,
+                            self.seen_epoch,
+                        )
                         self.received = batch.last_seq
                         self.head = max(self.head, self.received)
                         await self._queue.put(batch)
@@ -638,6 +691,7 @@ class Consumer:
             batch.producer_id,
             self.stream,
             batch.last_seq,
+            batch.epoch,
             self.address,
             int(time.time() * 1000),
         )

@@ -18,7 +18,8 @@ which answered with an error frame (``ServerError`` and its subclasses)::
     │   ├── NotAuthorizedError        a stream (or the status) this consumer may not read
     │   └── ...                       one class per wire error code
     ├── ConsumerPositionError         the producer is behind what was already applied
-    │   └── ProducerChangedError      another producer (database) than before
+    │   ├── ProducerChangedError      another producer (database) than before
+    │   └── SeqsReusedError           the producer lost commits and reused their seqs
     ├── OutOfOrderBatchError          a batch applied twice or out of turn
     ├── ConnectionLostError           the TCP connection failed (cause chained)
     ├── TLSError                      the TLS handshake failed; the message says why
@@ -178,7 +179,21 @@ class ConsumerPositionError(StreamQError):
     """The producer's log ends before what this consumer already applied.
 
     Raised instead of silently skipping or re-applying records when a producer
-    database was restored from an older copy or replaced.
+    database was restored from an older copy or replaced. ``lost`` is the seqs this
+    consumer has that the producer's log no longer holds, when known.
+    """
+
+    def __init__(self, message: str, lost: range | None = None) -> None:
+        super().__init__(message)
+        self.lost = lost
+
+
+class SeqsReusedError(ConsumerPositionError):
+    """The producer lost commits whose records this consumer had (a power loss with
+    ``durability="normal"``) and has since written other records under those seqs.
+
+    Told apart from an intact log by the epoch that wrote the consumer's last seq
+    (docs/protocol.md, "Epochs"); ``lost`` names the seqs.
     """
 
 

@@ -10,6 +10,7 @@ read-only connections.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -91,6 +92,56 @@ class TailBuffer:
         return take(self._records[i : i + count], count, max_bytes)
 
 
+class Epochs:
+    """Which producer instance (epoch) appended which seqs of a stream: the rows of
+    ``streamq_epochs`` ("Epochs" in docs/protocol.md). Epoch 0 means unknown: records
+    written before epochs were recorded."""
+
+    def __init__(self) -> None:
+        self._firsts: list[int] = []
+        self._epochs: list[int] = []
+
+    def add(self, first_seq: int, epoch: int) -> None:
+        """Seqs from ``first_seq`` on were appended by ``epoch`` (rows come in seq order)."""
+        if not self._firsts or first_seq > self._firsts[-1]:
+            self._firsts.append(first_seq)
+            self._epochs.append(epoch)
+
+    @property
+    def last_first_seq(self) -> int:
+        return self._firsts[-1] if self._firsts else 0
+
+    def epoch_of(self, seq: int) -> int:
+        """The epoch that appended ``seq``; 0 if unknown."""
+        i = bisect.bisect_right(self._firsts, seq) - 1
+        return self._epochs[i] if i >= 0 else 0
+
+    def segment_end(self, seq: int) -> int:
+        """The first seq after ``seq`` appended by another epoch than ``seq`` (or a huge seq)."""
+        i = bisect.bisect_right(self._firsts, seq)
+        return self._firsts[i] if i < len(self._firsts) else 1 << 63
+
+    def vouch(self, position: int, head: int, seen_epoch: int) -> tuple[int, int]:
+        """SUBSCRIBED's (after_epoch, rewritten_from) for a client that read up to
+        ``position`` records written by epochs up to ``seen_epoch`` (0: unknown).
+
+        A power loss removes a suffix of the log, and every producer started after it has a
+        higher epoch than any started before it, so than any epoch that wrote what the
+        client read. The segments written by higher epochs than ``seen_epoch``, ending with
+        the one holding ``position`` (or the head, if lower), are therefore the seqs
+        written again after the loss: the client's records there are gone.
+        """
+        after_epoch = self.epoch_of(position) if 0 < position <= head else 0
+        if not position or not seen_epoch:
+            return after_epoch, 0
+        i = bisect.bisect_right(self._firsts, min(position, head)) - 1
+        if i < 0 or self._epochs[i] <= seen_epoch:
+            return after_epoch, 0
+        while i > 0 and self._epochs[i - 1] > seen_epoch:
+            i -= 1
+        return after_epoch, self._firsts[i]
+
+
 @dataclass(eq=False)
 class Stream:
     """A stream's committed state, shared by the producer and its readers."""
@@ -103,6 +154,7 @@ class Stream:
     settings: store.StreamSettings = field(default_factory=store.StreamSettings)
     max_ts: int | None = None  # largest timestamp committed so far (the time index's top)
     compacted: int = 0  # compaction ran up to this seq: seqs from low to it may be absent
+    epochs: Epochs = field(default_factory=Epochs)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def notify(self) -> None:

@@ -101,6 +101,9 @@ class _Pending:
         self.new_streams: dict[str, int] = {}  # stream name -> id, created here
         self.kept: dict[str, list[bytes] | None] = {}  # for the tail; None once too big
         self._kept_bytes: dict[str, int] = {}
+        # stream name -> (id, first seq) where this transaction starts a segment of this
+        # producer's epoch (see store.py, streamq_epochs), if it appends to that stream
+        self._segments: dict[str, tuple[int, int]] = {}
 
     def stream_id(self, stream: str) -> int | None:
         """The stream's id, or None when it does not exist yet (the caller creates it)."""
@@ -114,6 +117,7 @@ class _Pending:
         self.heads[stream] = 0
         self.max_ts[stream] = None
         self.settings[stream] = settings
+        self._segments[stream] = (stream_id, 1)
 
     def next_seq(self, stream: str) -> int:
         head = self.heads.get(stream)
@@ -122,6 +126,9 @@ class _Pending:
             head = self.heads[stream] = existing.head
             self.max_ts[stream] = existing.max_ts
             self.settings[stream] = existing.settings
+            if self._producer._appended.get(stream) != head:
+                # The head was appended by another producer (or before this one started).
+                self._segments[stream] = (existing.id, head + 1)
         return head + 1
 
     def append(
@@ -164,6 +171,15 @@ class _Pending:
     def full(self) -> bool:
         """Enough rows buffered to insert them now (bounds a huge transaction's memory)."""
         return len(self.rows) >= self._producer.flush_records
+
+    def segment_rows(self) -> dict[str, tuple[int, int, int]]:
+        """The streamq_epochs rows this transaction adds: one per segment it appended to."""
+        epoch = self._producer.epoch
+        return {
+            name: (stream_id, first, epoch)
+            for name, (stream_id, first) in self._segments.items()
+            if self.heads[name] >= first
+        }
 
     def take_rows(self) -> tuple[list[tuple[int, int, bytes, bytes | None]], list[Any]]:
         """The log rows and time-index rows to insert now."""
@@ -252,7 +268,11 @@ class Transaction:
                 raise ConcurrentWriterError(_CONCURRENT_WRITER) from exc
 
     async def _commit(self) -> None:
-        await self._flush()  # heads need no write of their own: see store.load_streams
+        # Heads need no write of their own (see store.load_streams); epoch rows are written
+        # only by a transaction that starts a segment, and commit with its records.
+        await self._flush()
+        if segments := list(self._pending.segment_rows().values()):
+            await self._conn.executemany(store.INSERT_EPOCHS, segments)
         await self._conn.execute("COMMIT")
 
 
@@ -325,6 +345,8 @@ class BlockingTransaction(BlockingSQL):
         def body() -> T:
             result = fn(self, *args)
             self._flush()
+            if segments := list(self._pending.segment_rows().values()):
+                self._conn.executemany(store.INSERT_EPOCHS, segments)
             return result
 
         try:
@@ -389,6 +411,7 @@ class Producer:
         self._lock = asyncio.Lock()
         self._server: Server | None = None
         self._watcher: asyncio.Task[None] | None = None
+        self._appended: dict[str, int] = {}  # stream -> last seq this producer appended
         self.producer_id = ""
         self.epoch = 0
         self._started = False
@@ -403,6 +426,7 @@ class Producer:
             # The version before loading the streams: any later commit by another process is seen.
             version = await store.data_version(self._conn)
             await self.log.open(await store.load_streams(self._conn))
+            await self._load_epochs()
             await self._load_registrations()
             if self._serve:
                 self._server = Server(
@@ -516,9 +540,13 @@ class Producer:
     def _after_commit(self, pending: _Pending) -> None:
         for name, stream_id in pending.new_streams.items():
             self.log.add(store.StreamRow(stream_id, name, 0, 1, pending.settings[name]))
+        for name, (_, first, epoch) in pending.segment_rows().items():
+            self.log.streams[name].epochs.add(first, epoch)  # before subscribers wake
         for name, head in pending.heads.items():
             stream = self.log.streams[name]
             stream.max_ts = pending.max_ts[name]
+            if name in pending.kept:
+                self._appended[name] = head
             self.log.committed(stream, head, pending.kept.get(name, []))
 
     async def publish(
@@ -562,6 +590,23 @@ class Producer:
         settings = store.StreamSettings(key_index, compact, notify_compacted)
         async with self.transaction() as tx:
             await tx._stream_id(name, settings)
+
+    async def _load_epochs(self) -> None:
+        """Load every streamq_epochs row into memory."""
+        by_id = {s.id: s for s in self.log.streams.values()}
+        for stream_id, first_seq, epoch in await store.load_epochs(self._conn):
+            if stream_id in by_id:
+                by_id[stream_id].epochs.add(first_seq, epoch)
+
+    async def _load_new_epochs(self, row: store.StreamRow) -> Stream:
+        """The stream of ``row`` (added if new) with the epoch rows other processes wrote."""
+        known = self.log.streams.get(row.name)
+        after = known.epochs.last_first_seq if known is not None else 0
+        rows = await store.load_epochs(self._conn, row.id, after)
+        stream = self.log.streams.get(row.name) or self.log.add(row)
+        for _, first_seq, epoch in rows:
+            stream.epochs.add(first_seq, epoch)
+        return stream
 
     def head(self, stream: str) -> int:
         """The last committed seq of ``stream`` (0 if none yet)."""
@@ -797,7 +842,10 @@ class Producer:
                 seen = version
                 await self._load_registrations()
                 for row in await store.load_streams(self._conn):
-                    stream = self.log.streams.get(row.name) or self.log.add(row)
+                    stream = self.log.streams.get(row.name)
+                    if stream is None or row.head > stream.head:
+                        # Their epoch rows first: subscribers woken next send epochs.
+                        stream = await self._load_new_epochs(row)
                     stream.low = max(stream.low, row.low)
                     stream.max_ts = row.max_ts
                     stream.compacted = max(stream.compacted, row.compacted)

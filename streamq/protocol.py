@@ -133,28 +133,46 @@ class ServerHello:
 
 @dataclass(frozen=True, slots=True)
 class Subscribe:
-    """Push ``stream`` from ``start_seq`` on, forever; ``producer_id`` is checked if set."""
+    """Push ``stream`` from ``start_seq`` on, forever; ``producer_id`` is checked if set.
+
+    ``seen_epoch`` (optional, "Epochs"): the highest epoch that wrote any record the client
+    read up to seq ``start_seq - 1``, 0 if unknown. Sending it (even 0) asks for epochs in
+    SUBSCRIBED and RECORDS; None leaves the field off the wire.
+    """
 
     stream: str
     start_seq: int
     consumer: str
     producer_id: str | None
+    seen_epoch: int | None = None
     TYPE: ClassVar[MessageType] = MessageType.SUBSCRIBE
 
 
 @dataclass(frozen=True, slots=True)
 class Subscribed:
+    """The subscription is accepted. With epochs ("Epochs"): ``after_epoch`` is the epoch that
+    wrote seq ``start_seq - 1`` in the producer's log now (0 if unknown or none), and
+    ``rewritten_from`` the first seq whose record differs from what the client read
+    (0 if none)."""
+
     stream: str
     head: int
     low: int
+    after_epoch: int | None = None
+    rewritten_from: int | None = None
     TYPE: ClassVar[MessageType] = MessageType.SUBSCRIBED
 
 
 @dataclass(frozen=True, slots=True)
 class Records:
-    """Records in increasing seq order. Servers send them with ``records_frame``."""
+    """Records in increasing seq order. Servers send them with ``records_frame``.
+
+    ``epoch`` (optional, "Epochs"): the producer instance that wrote every record of the
+    frame, 0 if unknown; None leaves the field off the wire.
+    """
 
     records: tuple[Record, ...]
+    epoch: int | None = None
     TYPE: ClassVar[MessageType] = MessageType.RECORDS
 
 
@@ -167,6 +185,7 @@ class RecordRows:
     """
 
     rows: list[list[Any]]
+    epoch: int | None = None
     TYPE: ClassVar[MessageType] = MessageType.RECORDS
 
 
@@ -359,11 +378,23 @@ def _array_header(n: int) -> bytes:
 
 
 _RECORDS_PREFIX = b"\x92" + _packb(MessageType.RECORDS.value)
+_RECORDS_PREFIX_WITH_EPOCH = b"\x93" + _packb(MessageType.RECORDS.value)
 
 
-def records_frame(encoded_records: Sequence[bytes]) -> bytes:
-    """A RECORDS frame built from records already encoded by ``encode_record``."""
-    body_parts = [_RECORDS_PREFIX, _array_header(len(encoded_records)), *encoded_records]
+def records_frame(encoded_records: Sequence[bytes], epoch: int | None = None) -> bytes:
+    """A RECORDS frame built from records already encoded by ``encode_record``.
+
+    With ``epoch``, the frame ends with it ("Epochs"): one more array element after the records.
+    """
+    if epoch is None:
+        body_parts = [_RECORDS_PREFIX, _array_header(len(encoded_records)), *encoded_records]
+    else:
+        body_parts = [
+            _RECORDS_PREFIX_WITH_EPOCH,
+            _array_header(len(encoded_records)),
+            *encoded_records,
+            _packb(epoch),
+        ]
     size = sum(map(len, body_parts))
     return FRAME_HEADER.pack(size) + b"".join(body_parts)
 
@@ -371,16 +402,17 @@ def records_frame(encoded_records: Sequence[bytes]) -> bytes:
 def encode(message: Message) -> bytes:
     """One framed message."""
     if isinstance(message, Records):
-        return records_frame([encode_record(*r) for r in message.records])
+        return records_frame([encode_record(*r) for r in message.records], message.epoch)
     if isinstance(message, RecordRows):
-        return records_frame([_packb(row) for row in message.rows])
+        return records_frame([_packb(row) for row in message.rows], message.epoch)
     if isinstance(message, StreamList):
         items: list[Any] = [[s.stream, s.head, s.low] for s in message.streams]
         return frame(_packb([message.TYPE.value, items]))
-    values = [getattr(message, name) for name in _FIELD_NAMES[type(message)]]
-    for _ in range(_OMITTED_IF_NIL.get(type(message), 0)):
-        if values[-1] is not None:
-            break
+    cls = type(message)
+    values = [getattr(message, name) for name in _FIELD_NAMES[cls]]
+    # Optional trailing fields left as None are not sent ("Optional fields").
+    required = len(values) - _OPTIONAL_FIELDS.get(cls, 0)
+    while len(values) > required and values[-1] is None:
         values.pop()
     return frame(_packb([message.TYPE.value, *values]))
 
@@ -444,8 +476,8 @@ _FIELD_NAMES: dict[type[Any], tuple[str, ...]] = {
 _CHECKS: dict[type[Any], tuple[Callable[[Any], bool], ...]] = {
     ClientHello: (_uint, _str, _opt_str),
     ServerHello: (_uint, _str, _uint, _uint),
-    Subscribe: (_str, _uint, _str, _opt_str),
-    Subscribed: (_str, _uint, _uint),
+    Subscribe: (_str, _uint, _str, _opt_str, _uint),
+    Subscribed: (_str, _uint, _uint, _uint, _uint),
     Heartbeat: (_uint,),
     Ack: (_uint,),
     GetHead: (_str,),
@@ -462,9 +494,10 @@ _CHECKS: dict[type[Any], tuple[Callable[[Any], bool], ...]] = {
     TimePosition: (_str, _uint, _uint, _uint),
     Authenticated: (_opt_str,),
 }
-# Trailing fields that may be left out when nil, so frames stay as they were before the
-# field existed: CLIENT_HELLO without a token.
-_OMITTED_IF_NIL: dict[type[Any], int] = {ClientHello: 1}
+# How many of a message's last fields are optional ("Optional fields"): a frame may end
+# before them, and they are then None; left as None they are not sent, so frames stay as
+# they were before the fields existed.
+_OPTIONAL_FIELDS: dict[type[Any], int] = {ClientHello: 1, Subscribe: 1, Subscribed: 2}
 
 
 _REPR = reprlib.Repr()
@@ -562,12 +595,19 @@ def _decode_message(body: bytes, raw_records: bool) -> Message:
     except ValueError:
         raise _malformed(f"unknown message type {obj[0]}") from None
     args = obj[1:]
-    if cls is Records or cls is StreamList:
+    if cls is StreamList:
         if len(args) != 1:
             raise _malformed(f"{cls.TYPE.name} takes 1 field, got {len(args)}")
-        if cls is StreamList:
-            return _decode_stream_list(args[0])
-        return _decode_record_rows(args[0]) if raw_records else _decode_records(args[0])
+        return _decode_stream_list(args[0])
+    if cls is Records:
+        if len(args) not in (1, 2):
+            raise _malformed(f"RECORDS takes 1 or 2 fields, got {len(args)}")
+        epoch = args[1] if len(args) == 2 else None
+        if len(args) == 2 and not _uint(epoch):
+            raise _malformed(f"RECORDS.epoch has an invalid value: {_short(epoch)}")
+        if raw_records:
+            return RecordRows(_decode_record_rows(args[0]).rows, epoch)
+        return Records(_decode_records(args[0]).records, epoch)
     if cls in (ClientHello, ServerHello) and args and args[0] != PROTOCOL_VERSION:
         # "Handshake": the version is checked before anything else in a hello,
         # whose other fields may differ in other versions.
@@ -576,9 +616,9 @@ def _decode_message(body: bytes, raw_records: bool) -> Message:
             ErrorCode.VERSION_MISMATCH,
         )
     checks = _CHECKS[cls]
-    omissible = _OMITTED_IF_NIL.get(cls, 0)
-    if not len(checks) - omissible <= len(args) <= len(checks):
-        expected = f"{len(checks) - omissible} to {len(checks)}" if omissible else len(checks)
+    optional = _OPTIONAL_FIELDS.get(cls, 0)
+    if not len(checks) - optional <= len(args) <= len(checks):
+        expected = f"{len(checks) - optional} to {len(checks)}" if optional else len(checks)
         raise _malformed(f"{cls.TYPE.name} takes {expected} fields, got {len(args)}")
     for name, check, value in zip(_FIELD_NAMES[cls], checks, args, strict=False):
         if not check(value):
@@ -746,11 +786,11 @@ class ServerConnection(_Connection):
         else:
             self.authenticated_owed = False
 
-    def send_records(self, encoded_records: Sequence[bytes]) -> bytes:
+    def send_records(self, encoded_records: Sequence[bytes], epoch: int | None = None) -> bytes:
         """A RECORDS frame from stored record encodings (the hot path)."""
         if self.our_state is not State.READY or self.authenticated_owed:
             raise LocalProtocolError(f"cannot send RECORDS while {self.our_state.value}")
-        return records_frame(encoded_records)
+        return records_frame(encoded_records, epoch)
 
 
 class ClientConnection(_Connection):

@@ -458,9 +458,22 @@ class Server:
                 {"producer_id": self.producer_id, "expected": request.producer_id},
             )
         stream = self.log.stream(request.stream)
-        self._check_start(stream, request.start_seq)
-        writer.write(conn.send(Subscribed(stream.name, stream.head, stream.low)))
         position = request.start_seq - 1
+        with_epochs = request.seen_epoch is not None
+        # "Epochs": the epoch that wrote the client's position here, and where this log
+        # stops holding what the client read.
+        after_epoch, rewritten = stream.epochs.vouch(position, stream.head, request.seen_epoch or 0)
+        try:
+            self._check_start(stream, request.start_seq)
+        except OffsetOutOfRangeError as exc:
+            if rewritten:
+                exc.details["rewritten_from"] = rewritten
+            raise
+        if with_epochs:
+            subscribed = Subscribed(stream.name, stream.head, stream.low, after_epoch, rewritten)
+        else:
+            subscribed = Subscribed(stream.name, stream.head, stream.low)
+        writer.write(conn.send(subscribed))
         sub = Subscription(
             request.consumer,
             stream.name,
@@ -471,7 +484,7 @@ class Server:
             principal=None if principal is None else principal.name,
         )
         self.subscriptions.add(sub)
-        push = asyncio.create_task(self._push(conn, stream, sub, writer))
+        push = asyncio.create_task(self._push(conn, stream, sub, writer, with_epochs))
         acks = asyncio.create_task(self._read_acks(conn, reader, sub))
         try:
             done, _ = await asyncio.wait({push, acks}, return_when=asyncio.FIRST_COMPLETED)
@@ -522,21 +535,26 @@ class Server:
         stream: Stream,
         sub: Subscription,
         writer: asyncio.StreamWriter,
+        with_epochs: bool = False,
     ) -> None:
-        """Catch up from SQLite or memory, then follow commits as they happen."""
+        """Catch up from SQLite or memory, then follow commits as they happen.
+
+        With epochs, a frame never spans two epochs' segments: it carries its writer's epoch.
+        """
         settings = self.settings
         traffic = self.traffic.setdefault(stream.name, Traffic())
         seq = sub.sent + 1
+        epochs = stream.epochs
         while True:
+            end = seq + settings.max_batch_records
+            if with_epochs:
+                end = min(end, epochs.segment_end(seq))
             records, last = await self.log.read(
-                stream,
-                seq,
-                seq + settings.max_batch_records,
-                settings.max_batch_records,
-                settings.max_batch_bytes,
+                stream, seq, end, settings.max_batch_records, settings.max_batch_bytes
             )
             if records:
-                frame = conn.send_records(records)
+                epoch = epochs.epoch_of(seq) if with_epochs else None
+                frame = conn.send_records(records, epoch)
                 writer.write(frame)
                 traffic.records += len(records)
                 traffic.bytes += len(frame)

@@ -1,6 +1,6 @@
 """The SQL behind the log, in the producer's own SQLite database.
 
-Five tables, all prefixed ``streamq_`` so they sit beside the application's own:
+Six tables, all prefixed ``streamq_`` so they sit beside the application's own:
 
 - ``streamq_meta``: the producer's stable id (made once, when the database is
   created) and its epoch (bumped at every start).
@@ -24,6 +24,16 @@ Five tables, all prefixed ``streamq_`` so they sit beside the application's own:
   keeps, with the last position each reported (saved lazily, never per commit).
   Added after the first release: ``CREATE TABLE IF NOT EXISTS`` adds it to older
   databases when a producer starts, or when a registration is first made.
+- ``streamq_epochs``: which producer instance (epoch) appended which seqs. A row
+  (stream, first_seq, epoch) says: from ``first_seq`` up to the next row's, that
+  stream's records were appended by the producer that started with ``epoch``. An
+  instance writes a row in the same transaction as its first record after a record it
+  did not append itself (after its start, or another process's records), so a row
+  exists exactly when its record does: a power loss that rolls back records rolls back
+  their rows too, and the seqs re-used after it get the new epoch's row. That is how a
+  consumer that remembers (epoch, seq) tells a re-used seq from the one it applied
+  (docs/protocol.md, "Epochs"). Rows are not written at start: another process
+  starting while this one serves would then claim seqs it never wrote.
 """
 
 from __future__ import annotations
@@ -68,6 +78,12 @@ _SCHEMA = (
         record BLOB NOT NULL,     -- protocol.encode_record(...)
         key BLOB                  -- the record's key if its stream has key_index, else NULL
     )""",
+    """CREATE TABLE IF NOT EXISTS streamq_epochs (
+        stream_id INTEGER NOT NULL,
+        first_seq INTEGER NOT NULL,  -- this epoch appended from here to the next row
+        epoch INTEGER NOT NULL,
+        PRIMARY KEY (stream_id, first_seq)
+    ) WITHOUT ROWID""",
     CONSUMERS_SCHEMA,
 )
 # After the migration from version 1, which adds the columns these need.
@@ -83,6 +99,7 @@ _INDEXES = (
 
 INSERT_RECORDS = "INSERT INTO streamq_log (pos, ts, record, key) VALUES (?, ?, ?, ?)"
 INSERT_TIMES = "INSERT INTO streamq_time (stream_id, ts, pos) VALUES (?, ?, ?)"
+INSERT_EPOCHS = "INSERT INTO streamq_epochs (stream_id, first_seq, epoch) VALUES (?, ?, ?)"
 
 # Each stream's id, name, low and head, the head derived as the docstring says. Plain SQL,
 # so tools reading a producer's file with sqlite3 get the same answer.
@@ -232,6 +249,23 @@ async def load_streams(conn: aiosqlite.Connection) -> list[StreamRow]:
         )
         for stream_id, name, low, head, k, c, n, compacted, max_ts in rows
     ]
+
+
+async def load_epochs(
+    conn: aiosqlite.Connection, stream_id: int | None = None, after: int = 0
+) -> list[tuple[int, int, int]]:
+    """(stream id, first seq, epoch) rows in seq order: every stream's, or one stream's
+    rows with first seq > ``after``."""
+    if stream_id is None:
+        sql = "SELECT stream_id, first_seq, epoch FROM streamq_epochs ORDER BY stream_id, first_seq"
+        rows = await conn.execute_fetchall(sql)
+    else:
+        rows = await conn.execute_fetchall(
+            "SELECT stream_id, first_seq, epoch FROM streamq_epochs "
+            "WHERE stream_id = ? AND first_seq > ? ORDER BY first_seq",
+            (stream_id, after),
+        )
+    return [(int(s), int(f), int(e)) for s, f, e in rows]
 
 
 async def data_version(conn: aiosqlite.Connection) -> int:

@@ -116,9 +116,10 @@ stream_infos = st.builds(StreamInfo, texts, uints, uints)
 MESSAGE_STRATEGIES: dict[type[Any], st.SearchStrategy[Any]] = {
     ClientHello: st.builds(ClientHello, st.just(PROTOCOL_VERSION), texts, st.none() | texts),
     ServerHello: st.builds(ServerHello, st.just(PROTOCOL_VERSION), texts, uints, uints),
-    Subscribe: st.builds(Subscribe, texts, uints, texts, st.none() | texts),
-    Subscribed: st.builds(Subscribed, texts, uints, uints),
-    Records: st.builds(Records, record_tuples),
+    Subscribe: st.builds(Subscribe, texts, uints, texts, st.none() | texts, st.none() | uints),
+    Subscribed: st.builds(Subscribed, texts, uints, uints)
+    | st.builds(Subscribed, texts, uints, uints, uints, uints),
+    Records: st.builds(Records, record_tuples, st.none() | uints),
     Heartbeat: st.builds(Heartbeat, uints),
     Ack: st.builds(Ack, uints),
     GetHead: st.builds(GetHead, texts),
@@ -139,12 +140,14 @@ MESSAGE_STRATEGIES: dict[type[Any], st.SearchStrategy[Any]] = {
 ALL_CLASSES = list(MESSAGE_STRATEGIES)
 messages = st.one_of(*MESSAGE_STRATEGIES.values())
 
+# "Optional fields": how many of each message's last fields may be left off.
+OPTIONAL_FIELDS: dict[type[Any], int] = {ClientHello: 1, Subscribe: 1, Subscribed: 2, Records: 1}
 # The wire kind of each field after the message type, as the message docstrings describe.
 FIELD_KINDS: dict[type[Any], tuple[str, ...]] = {
     ClientHello: ("version", "str", "opt_str"),
     ServerHello: ("version", "str", "uint", "uint"),
-    Subscribe: ("str", "uint", "str", "opt_str"),
-    Subscribed: ("str", "uint", "uint"),
+    Subscribe: ("str", "uint", "str", "opt_str", "uint"),
+    Subscribed: ("str", "uint", "uint", "uint", "uint"),
     Heartbeat: ("uint",),
     Ack: ("uint",),
     GetHead: ("str",),
@@ -161,8 +164,6 @@ FIELD_KINDS: dict[type[Any], tuple[str, ...]] = {
     TimePosition: ("str", "uint", "uint", "uint"),
     Authenticated: ("opt_str",),
 }
-# Trailing fields a frame may leave out when nil ("Handshake": CLIENT_HELLO's token).
-OMISSIBLE: dict[type[Any], int] = {ClientHello: 1}
 not_str = st.one_of(
     st.binary(max_size=8),
     msgpack_ints,
@@ -566,9 +567,12 @@ def test_body_that_is_not_a_typed_array_is_malformed(body: bytes) -> None:
 def test_wrong_field_count_is_malformed(cls: type[Any], data: st.DataObject) -> None:
     items = msgpack.unpackb(body_of(data.draw(MESSAGE_STRATEGIES[cls])))
     extra = data.draw(values, label="extra field")
-    if len(items) > 1 and data.draw(st.booleans(), label="drop a field"):
-        items.pop()
+    total = len(FIELD_KINDS.get(cls, ("array", "uint") if cls is Records else ("array",)))
+    required = total - OPTIONAL_FIELDS.get(cls, 0)
+    if required > 0 and data.draw(st.booleans(), label="drop a field"):
+        del items[required:]  # one field short of the required ones
     else:
+        items += [0] * (1 + total - len(items))  # every optional field given
         items.append(extra)
     assert decode_error(packb(items)).code is ErrorCode.MALFORMED_FRAME
 
@@ -581,7 +585,7 @@ def test_hello_with_wrong_field_count_is_malformed(cls: type[Any], data: st.Data
     full = 1 + len(FIELD_KINDS[cls])
     items += [None] * (full - len(items))  # omitted nil fields written out
     if data.draw(st.booleans(), label="drop"):
-        del items[data.draw(st.integers(2, full - 1 - OMISSIBLE.get(cls, 0))) :]
+        del items[data.draw(st.integers(2, full - 1 - OPTIONAL_FIELDS.get(cls, 0))) :]
     else:
         items.append(data.draw(values))
     assert decode_error(packb(items)).code is ErrorCode.MALFORMED_FRAME
@@ -596,7 +600,8 @@ def test_hello_with_wrong_field_count_is_malformed(cls: type[Any], data: st.Data
 def test_wrong_field_type_is_malformed(cls: type[Any], data: st.DataObject) -> None:
     items = msgpack.unpackb(body_of(data.draw(MESSAGE_STRATEGIES[cls])))
     kinds = FIELD_KINDS[cls]
-    items += [None] * (1 + len(kinds) - len(items))  # omitted nil fields written out
+    # Optional fields left off: give them (nil where nil is what leaving them off means).
+    items += [None if kind.startswith("opt") else 0 for kind in kinds[len(items) - 1 :]]
     index = data.draw(
         st.sampled_from([i for i, kind in enumerate(kinds) if kind != "version"]), label="field"
     )
