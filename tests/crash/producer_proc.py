@@ -72,8 +72,10 @@ def arm_mid_push() -> None:
     """Cut the N-th RECORDS frame in half and die once its first half is written."""
     send_records = ServerConnection.send_records
 
-    def cut(self: ServerConnection, encoded_records: Sequence[bytes]) -> bytes:
-        data = send_records(self, encoded_records)
+    def cut(
+        self: ServerConnection, encoded_records: Sequence[bytes], epoch: int | None = None
+    ) -> bytes:
+        data = send_records(self, encoded_records, epoch)
         if FAULTS.due("mid-push"):
             last = len(encoded_records)
             detail = f"frame={len(data)} bytes records={last}"
