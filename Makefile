@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck bench bench-quick clean
+.PHONY: demo test lint typecheck bench bench-quick soak fuzz powerloss simulate clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,22 @@ bench: $(STAMP)  # every workload at full size, against a real Kafka broker
 
 bench-quick: $(STAMP)  # every workload at small size, in a few minutes
 	$(BIN)/python -m bench --quick
+
+soak: $(STAMP)  # the crash test run after run: >= 1,000 kill -9 cycles, at most 30 min
+	$(BIN)/python -m tests.soak --kills 1000 --max-seconds 1800
+
+FUZZ_SECONDS ?= 300
+fuzz: $(STAMP)  # atheris on the decoder and state machines, then 20,000 hostile sessions on a socket
+	$(BIN)/pip install --quiet -e '.[fuzz]'
+	$(BIN)/python tests/fuzz_protocol.py -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=1024
+	STREAMQ_FUZZ_EXAMPLES=20000 $(BIN)/python -m pytest -q -s -p no:cacheprovider tests/test_hostile_input.py
+
+powerloss: $(STAMP)  # power-loss images of a producer's database, 60 commits each mode: figures
+	$(BIN)/python -m tests.powerloss --commits 60
+
+simulate: $(STAMP)  # the protocol and storage simulation, 10,500 generated programs
+	STREAMQ_SIM_EXAMPLES=10500 $(BIN)/python -m pytest -q -p no:cacheprovider \
+		tests/test_simulation.py::test_simulation --hypothesis-show-statistics
 
 lint: $(STAMP)
 	$(BIN)/ruff check streamq spark_source bench tests

@@ -17,6 +17,12 @@ stream                   the stream to read
 startingOffsets          ``earliest``, ``latest`` or JSON ``{producer id: seq}``
                          (-2 earliest, -1 latest); default: latest (stream),
                          earliest (batch)
+startingTimestamp        ms since the epoch: start each producer at its first record
+                         stamped at or after it (an index seek); wins over
+                         startingOffsets
+filterPushdown           batch only: ``true`` (default) hands filters on ``key`` and
+                         ``seq`` to the producers (needs Spark's
+                         ``spark.sql.python.filterPushdown.enabled``); ``false``: off
 endingOffsets            batch only: ``latest`` or JSON; default latest
 maxRecordsPerTrigger     at most this many records per micro-batch, in all
 minPartitions            at least this many Spark partitions per batch
@@ -24,6 +30,12 @@ maxRecordsPerPartition   split larger ranges (default 1,000,000)
 failOnDataLoss           ``true`` (default): fail if needed seqs are gone
 consumerName             name positions are reported under (default ``spark``)
 timeoutMs                connect and read timeout per request (default 30000)
+ssl.enabled              ``true``: TLS, trusting the system's CAs (implied by ssl.ca)
+ssl.ca                   PEM file of the CA that signed the producers' certificates
+ssl.cert, ssl.key        client certificate and key (mutual TLS)
+ssl.serverName           the name producers' certificates must have (default: the host)
+token, tokenFile         the token naming this query's consumer; tokenFile is read on the
+                         driver. Files given to ssl.* must exist on every executor.
 =======================  =============================================================
 """
 
@@ -38,7 +50,14 @@ from pyspark.sql.datasource import (
     DataSource,
     DataSourceReader,
     DataSourceStreamReader,
+    EqualTo,
+    Filter,
+    GreaterThan,
+    GreaterThanOrEqual,
+    In,
     InputPartition,
+    LessThan,
+    LessThanOrEqual,
 )
 from pyspark.sql.streaming.datasource import (
     ReadAllAvailable,
@@ -48,10 +67,10 @@ from pyspark.sql.streaming.datasource import (
 )
 from pyspark.sql.types import StructType
 
-from streamq import Client, OffsetOutOfRangeError, StreamQError
+from streamq import Client, ClientTLS, OffsetOutOfRangeError, StreamQError
 
 from . import planning
-from .planning import Offsets, ProducerState, Range, StreamQSourceError
+from .planning import Connect, Offsets, ProducerState, Range, StreamQSourceError
 from .schema import SCHEMA, to_arrow
 
 logger = logging.getLogger("spark_source")
@@ -81,6 +100,28 @@ def _int(options: Mapping[str, str], name: str, default: int | None) -> int | No
     return number
 
 
+def _tls(options: Mapping[str, str]) -> ClientTLS | None:
+    ca, cert, key = options.get("ssl.ca"), options.get("ssl.cert"), options.get("ssl.key")
+    server_name = options.get("ssl.serverName")
+    if not (_flag(options, "ssl.enabled", False) or ca or cert or key or server_name):
+        return None
+    try:
+        return ClientTLS(ca, cert, key, server_name)
+    except ValueError as exc:
+        raise StreamQSourceError(f"ssl options: {exc}") from None
+
+
+def _token(options: Mapping[str, str]) -> str | None:
+    token, token_file = options.get("token"), options.get("tokenFile")
+    if token_file is None:
+        return token
+    try:
+        with open(token_file) as file:
+            return file.readline().strip()
+    except OSError as exc:
+        raise StreamQSourceError(f"option tokenFile: {exc}") from None
+
+
 class _Settings:
     """The options, parsed and checked once."""
 
@@ -96,20 +137,29 @@ class _Settings:
             raise StreamQSourceError("set option 'stream'")
         self.stream = stream
         self.starting = options.get("startingOffsets")
+        self.starting_timestamp = _int(options, "startingTimestamp", None)
+        self.filter_pushdown = _flag(options, "filterPushdown", True)
         self.ending = options.get("endingOffsets", "latest")
         self.max_per_trigger = _int(options, "maxRecordsPerTrigger", None)
         self.min_partitions = _int(options, "minPartitions", 1) or 1
         self.max_per_partition = _int(options, "maxRecordsPerPartition", 1_000_000) or 1_000_000
         self.fail_on_data_loss = _flag(options, "failOnDataLoss", True)
         self.consumer_name = options.get("consumerName", "spark")
-        self.timeout = (_int(options, "timeoutMs", 30_000) or 30_000) / 1000
+        timeout = (_int(options, "timeoutMs", 30_000) or 30_000) / 1000
+        self.connect = Connect(timeout, _tls(options), _token(options))
 
     def endpoints(self) -> list[str]:
         """Read anew at each call: a file or registry may list new producers."""
         return planning.parse_endpoints(*self._endpoint_options)
 
     def discover(self) -> dict[str, ProducerState]:
-        return planning.discover(self.endpoints(), self.stream, self.timeout)
+        return planning.discover(self.endpoints(), self.stream, self.connect)
+
+    def initial(self, states: Mapping[str, ProducerState], default: str) -> Offsets:
+        """Where a query starts: ``startingTimestamp`` if set, else ``startingOffsets``."""
+        if self.starting_timestamp is not None:
+            return planning.seek_time(states, self.stream, self.starting_timestamp, self.connect)
+        return planning.resolve(self.starting or default, states, "startingOffsets")
 
 
 class StreamQPartition(InputPartition):
@@ -120,20 +170,27 @@ class StreamQPartition(InputPartition):
         rng: Range,
         stream: str,
         fail_on_data_loss: bool,
-        timeout: float,
+        connect: Connect,
+        keys: frozenset[bytes] | None = None,
     ) -> None:
         super().__init__(rng)
         self.range = rng
         self.stream = stream
         self.fail_on_data_loss = fail_on_data_loss
-        self.timeout = timeout
+        self.connect = connect
+        self.keys = keys  # only these keys' records (a pushed-down filter), read by history
 
 
-def _partitions(settings: _Settings, ranges: Sequence[Range]) -> list[StreamQPartition]:
-    planned = planning.plan(ranges, settings.min_partitions, settings.max_per_partition)
+def _partitions(
+    settings: _Settings, ranges: Sequence[Range], keys: frozenset[bytes] | None = None
+) -> list[StreamQPartition]:
+    if keys is None:
+        ranges = planning.plan(ranges, settings.min_partitions, settings.max_per_partition)
+    else:  # a few keys' records: one history request per producer and key
+        ranges = [r for r in ranges if r.size > 0 and keys]
     return [
-        StreamQPartition(r, settings.stream, settings.fail_on_data_loss, settings.timeout)
-        for r in planned
+        StreamQPartition(r, settings.stream, settings.fail_on_data_loss, settings.connect, keys)
+        for r in ranges
     ]
 
 
@@ -144,19 +201,46 @@ def _batch(rng: Range, stream: str, rows: list[list[Any]]) -> pa.RecordBatch:
         raise StreamQSourceError(f"producer at {rng.endpoint}: {exc}") from exc
 
 
+def _check_producer(client: Client, rng: Range) -> None:
+    if client.producer_id != rng.producer_id:
+        raise StreamQSourceError(
+            f"{rng.endpoint} now serves producer {client.producer_id}, not "
+            f"{rng.producer_id} whose seqs [{rng.start}, {rng.end}) this task reads: "
+            "was its database replaced?"
+        )
+
+
+def _read_keys(partition: StreamQPartition, keys: frozenset[bytes]) -> Iterator[pa.RecordBatch]:
+    """The records of a few keys in the partition's range, by history requests."""
+    rng, stream = partition.range, partition.stream
+    try:
+        with partition.connect.client(rng.endpoint, "spark executor") as client:
+            _check_producer(client, rng)
+            low = client.head(stream).low
+            if low > rng.start and partition.fail_on_data_loss:
+                raise StreamQSourceError(
+                    f"producer {rng.producer_id} at {rng.endpoint}, stream {stream!r}: seqs "
+                    f"{rng.start}..{low - 1} are gone (retention); set failOnDataLoss=false "
+                    "to skip them."
+                )
+            records = [r for key in keys for r in client.history(stream, key, rng.start, rng.end)]
+    except StreamQError as exc:
+        raise StreamQSourceError(f"producer at {rng.endpoint}: {exc}") from exc
+    records.sort(key=lambda record: record.seq)
+    yield _batch(rng, stream, [list(record) for record in records])
+
+
 def read_partition(partition: StreamQPartition) -> Iterator[pa.RecordBatch]:
     """Read exactly the partition's range from its producer, as Arrow batches."""
+    if partition.keys is not None:
+        yield from _read_keys(partition, partition.keys)
+        return
     rng, stream = partition.range, partition.stream
     start = rng.start
     while start < rng.end:
         try:
-            with Client(rng.endpoint, timeout=partition.timeout, name="spark executor") as client:
-                if client.producer_id != rng.producer_id:
-                    raise StreamQSourceError(
-                        f"{rng.endpoint} now serves producer {client.producer_id}, not "
-                        f"{rng.producer_id} whose seqs [{rng.start}, {rng.end}) this task reads: "
-                        "was its database replaced?"
-                    )
+            with partition.connect.client(rng.endpoint, "spark executor") as client:
+                _check_producer(client, rng)
                 pending: list[list[Any]] = []
                 for rows in client.read_range_rows(stream, start, rng.end):
                     pending += rows
@@ -194,9 +278,7 @@ class StreamQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return self._states
 
     def initialOffset(self) -> dict[str, int]:
-        return planning.resolve(
-            self.settings.starting or "latest", self._refresh(), "startingOffsets"
-        )
+        return self.settings.initial(self._refresh(), "latest")
 
     def getDefaultReadLimit(self) -> ReadLimit:
         if self.settings.max_per_trigger is None:
@@ -249,7 +331,7 @@ class StreamQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             if state is None or seq <= 1:
                 continue
             try:
-                with Client(state.endpoint, timeout=self.settings.timeout) as client:
+                with self.settings.connect.client(state.endpoint, "spark driver") as client:
                     if client.producer_id == pid:
                         client.report_position(
                             self.settings.stream, self.settings.consumer_name, seq - 1
@@ -264,9 +346,10 @@ class StreamQBatchReader(DataSourceReader):
     def __init__(self, settings: _Settings) -> None:
         self.settings = settings
 
-    def partitions(self) -> Sequence[InputPartition]:
+    def _ranges(self, first: int = 1, stop: int | None = None) -> list[Range]:
+        """Each producer's range, narrowed to seqs ``first <= seq < stop``."""
         states = self.settings.discover()
-        start = planning.resolve(self.settings.starting or "earliest", states, "startingOffsets")
+        start = self.settings.initial(states, "earliest")
         end = planning.resolve(self.settings.ending, states, "endingOffsets", planning.LATEST)
         ranges = [Range(pid, states[pid].endpoint, start[pid], end[pid]) for pid in states]
         for r in ranges:
@@ -275,11 +358,77 @@ class StreamQBatchReader(DataSourceReader):
                     f"endingOffsets {r.end} for producer {r.producer_id} is beyond its head "
                     f"({states[r.producer_id].head})"
                 )
-        return _partitions(self.settings, ranges)
+        narrowed = []
+        for r in ranges:
+            a = max(r.start, first)
+            b = max(a, r.end if stop is None else min(r.end, stop))
+            narrowed.append(Range(r.producer_id, r.endpoint, a, b))
+        return narrowed
+
+    def partitions(self) -> Sequence[InputPartition]:
+        return _partitions(self.settings, self._ranges())
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        assert isinstance(partition, StreamQPartition)
+        if not isinstance(partition, StreamQPartition):
+            # Spark turns an empty list of partitions into one InputPartition(None).
+            return iter(())
         return read_partition(partition)
+
+
+def _seq_bounds(pushed: Filter) -> tuple[int, int | None] | None:
+    """``seq`` comparisons as seqs ``[first, stop)`` (stop None: no bound)."""
+    comparisons = (EqualTo, GreaterThan, GreaterThanOrEqual, LessThan, LessThanOrEqual)
+    if not isinstance(pushed, comparisons) or pushed.attribute != ("seq",):
+        return None
+    value = pushed.value
+    if type(value) is not int:
+        return None
+    if isinstance(pushed, EqualTo):
+        return value, value + 1
+    if isinstance(pushed, GreaterThan):
+        return value + 1, None
+    if isinstance(pushed, GreaterThanOrEqual):
+        return value, None
+    if isinstance(pushed, LessThan):
+        return 1, value
+    return 1, value + 1
+
+
+class StreamQFilteringBatchReader(StreamQBatchReader):
+    """A batch read that hands Spark's filters on ``key`` and ``seq`` to the producers:
+    a key's records are found by a history request (an index seek with ``key_index``),
+    a seq bound narrows every range. Other filters stay with Spark."""
+
+    def __init__(self, settings: _Settings) -> None:
+        super().__init__(settings)
+        self.keys: frozenset[bytes] | None = None  # None: every key
+        self.first = 1
+        self.stop: int | None = None  # exclusive
+
+    def pushFilters(self, filters: list[Filter]) -> Iterator[Filter]:
+        for pushed in filters:
+            if not self._push(pushed):
+                yield pushed
+
+    def _push(self, pushed: Filter) -> bool:
+        """Apply a filter this source evaluates exactly; False leaves it to Spark."""
+        if isinstance(pushed, EqualTo | In) and pushed.attribute == ("key",):
+            keys = pushed.value if isinstance(pushed, In) else (pushed.value,)
+            if not all(isinstance(k, bytes | bytearray) for k in keys):
+                return False
+            wanted = frozenset(bytes(k) for k in keys)
+            self.keys = wanted if self.keys is None else self.keys & wanted
+            return True
+        bounds = _seq_bounds(pushed)
+        if bounds is None:
+            return False
+        self.first = max(self.first, bounds[0])
+        if bounds[1] is not None:
+            self.stop = bounds[1] if self.stop is None else min(self.stop, bounds[1])
+        return True
+
+    def partitions(self) -> Sequence[InputPartition]:
+        return _partitions(self.settings, self._ranges(self.first, self.stop), self.keys)
 
 
 class StreamQDataSource(DataSource):
@@ -293,7 +442,10 @@ class StreamQDataSource(DataSource):
         return SCHEMA
 
     def reader(self, schema: StructType) -> DataSourceReader:
-        return StreamQBatchReader(_Settings(self.options))
+        settings = _Settings(self.options)
+        if settings.filter_pushdown:
+            return StreamQFilteringBatchReader(settings)
+        return StreamQBatchReader(settings)
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
         return StreamQStreamReader(_Settings(self.options))

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import cast
 
-from streamq import Client, StreamQError, UnknownStreamError
+from streamq import Client, ClientTLS, StreamQError, UnknownStreamError
 
 Offsets = dict[str, int]
 
@@ -26,6 +26,19 @@ EARLIEST, LATEST = -2, -1  # in JSON offsets, as in Spark's Kafka source
 
 class StreamQSourceError(Exception):
     """A streamq source cannot go on; the message says which producer and why."""
+
+
+@dataclass(frozen=True, slots=True)
+class Connect:
+    """How the driver and executors reach producers. Plain data: it is pickled into every
+    partition, so certificate files (``tls``) must exist on the executors too."""
+
+    timeout: float = 30.0  # per request, connect included
+    tls: ClientTLS | None = None
+    token: str | None = None
+
+    def client(self, endpoint: str, name: str) -> Client:
+        return Client(endpoint, timeout=self.timeout, name=name, tls=self.tls, token=self.token)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,9 +102,9 @@ def _load_provider(spec: str) -> Callable[[], Iterable[str]]:
     return cast(Callable[[], Iterable[str]], provider)
 
 
-def _probe(endpoint: str, stream: str, timeout: float) -> ProducerState:
+def _probe(endpoint: str, stream: str, connect: Connect) -> ProducerState:
     try:
-        with Client(endpoint, timeout=timeout, name="spark driver") as client:
+        with connect.client(endpoint, "spark driver") as client:
             producer_id = client.producer_id
             try:
                 info = client.head(stream)
@@ -102,10 +115,10 @@ def _probe(endpoint: str, stream: str, timeout: float) -> ProducerState:
     return ProducerState(producer_id, endpoint, info.head, info.low)
 
 
-def discover(endpoints: Sequence[str], stream: str, timeout: float) -> dict[str, ProducerState]:
+def discover(endpoints: Sequence[str], stream: str, connect: Connect) -> dict[str, ProducerState]:
     """Every producer's id, head and low, asked in parallel; raises naming what failed."""
     with ThreadPoolExecutor(max_workers=min(32, len(endpoints))) as pool:
-        states = list(pool.map(lambda e: _probe(e, stream, timeout), endpoints))
+        states = list(pool.map(lambda e: _probe(e, stream, connect), endpoints))
     by_id: dict[str, ProducerState] = {}
     for state in states:
         if state.producer_id in by_id:
@@ -115,6 +128,33 @@ def discover(endpoints: Sequence[str], stream: str, timeout: float) -> dict[str,
             )
         by_id[state.producer_id] = state
     return by_id
+
+
+def _seek(state: ProducerState, stream: str, timestamp: int, connect: Connect) -> int:
+    try:
+        with connect.client(state.endpoint, "spark driver") as client:
+            if client.producer_id != state.producer_id:
+                raise StreamQSourceError(
+                    f"{state.endpoint} now serves producer {client.producer_id}, "
+                    f"not {state.producer_id}"
+                )
+            return client.seek_time(stream, timestamp).seq
+    except UnknownStreamError:
+        return state.low  # nothing published yet: its first record will be late enough
+    except StreamQError as exc:
+        raise StreamQSourceError(f"producer at {state.endpoint}: {exc}") from exc
+
+
+def seek_time(
+    states: Mapping[str, ProducerState], stream: str, timestamp: int, connect: Connect
+) -> Offsets:
+    """Each producer's first seq stamped at or after ``timestamp`` (its head + 1 if none):
+    one index seek per producer, asked in parallel."""
+    if not states:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(32, len(states))) as pool:
+        seqs = pool.map(lambda s: _seek(s, stream, timestamp, connect), states.values())
+        return dict(zip(states, seqs, strict=True))
 
 
 def resolve(

@@ -28,6 +28,8 @@ def local_spark(
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.shuffle.partitions", "2")
         .config("spark.driver.memory", driver_memory)
+        # Filters on key and seq reach the producers (StreamQBatchReader.pushFilters).
+        .config("spark.sql.python.filterPushdown.enabled", "true")
     )
     if jars:
         builder = builder.config("spark.jars", ",".join(jars))

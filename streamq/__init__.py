@@ -6,13 +6,16 @@ own database, in the same transaction as their effects.
 """
 
 from .blocking import BlockingSQL
-from .client import Client
+from .client import Client, history
+from .compaction import Compacted
 from .consumer import Batch, Consumer, ConsumerTransaction
 from .errors import (
+    AuthenticationFailedError,
     ConcurrentWriterError,
     ConnectionLostError,
     ConsumerPositionError,
     LocalProtocolError,
+    NotAuthorizedError,
     OffsetOutOfRangeError,
     OutOfOrderBatchError,
     ProducerChangedError,
@@ -20,14 +23,20 @@ from .errors import (
     ProtocolError,
     RecordTooLargeError,
     RemoteProtocolError,
+    SeqsReusedError,
     ServerError,
     StreamQError,
+    TLSError,
     TransactionClosedError,
     UnknownStreamError,
     VersionMismatchError,
 )
+from .fanin import FanInConsumer
+from .positions import ConsumerLag
 from .producer import BlockingTransaction, Producer, Transaction
-from .protocol import PROTOCOL_VERSION, Record, StreamInfo
+from .protocol import PROTOCOL_VERSION, Record, StreamInfo, TimePosition
+from .retention import RetentionPolicy, Truncation
+from .security import ClientTLS, ServerTLS, TokenAuth, make_token
 from .server import ServerSettings
 from .sync import SyncProducer, SyncTransaction
 
@@ -35,16 +44,22 @@ __version__ = "0.1.0"
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "AuthenticationFailedError",
     "Batch",
     "BlockingSQL",
     "BlockingTransaction",
     "Client",
+    "ClientTLS",
+    "Compacted",
     "ConcurrentWriterError",
     "ConnectionLostError",
     "Consumer",
+    "ConsumerLag",
     "ConsumerPositionError",
     "ConsumerTransaction",
+    "FanInConsumer",
     "LocalProtocolError",
+    "NotAuthorizedError",
     "OffsetOutOfRangeError",
     "OutOfOrderBatchError",
     "Producer",
@@ -54,14 +69,23 @@ __all__ = [
     "Record",
     "RecordTooLargeError",
     "RemoteProtocolError",
+    "RetentionPolicy",
+    "SeqsReusedError",
     "ServerError",
     "ServerSettings",
+    "ServerTLS",
     "StreamInfo",
     "StreamQError",
     "SyncProducer",
     "SyncTransaction",
+    "TLSError",
+    "TimePosition",
+    "TokenAuth",
     "Transaction",
     "TransactionClosedError",
+    "Truncation",
     "UnknownStreamError",
     "VersionMismatchError",
+    "history",
+    "make_token",
 ]

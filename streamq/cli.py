@@ -1,4 +1,5 @@
-"""``streamq`` (also ``python -m streamq``): serve, publish, tail, status, demo."""
+"""``streamq`` (also ``python -m streamq``): serve, publish, tail, history, status, consumers,
+token, demo."""
 
 from __future__ import annotations
 
@@ -8,20 +9,28 @@ import contextlib
 import json
 import os
 import signal
+import sqlite3
 import sys
 from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from . import _loop
+from . import _loop, store
 from .client import Client
-from .consumer import Consumer
+from .consumer import Consumer, parse_address
 from .errors import StreamQError
+from .log import Log
 from .producer import Producer
-from .protocol import Record
+from .protocol import Record, decode_record
+from .security import ClientTLS, ServerTLS, TokenAuth, make_token, read_secret
+from .server import ServerSettings
 
 DEFAULT_PORT = 7400
+TOKEN_ENV = "STREAMQ_TOKEN"
+SECRET_ENV = "STREAMQ_TOKEN_SECRET"
 
 
 def _header(text: str) -> tuple[str, bytes]:
@@ -29,6 +38,70 @@ def _header(text: str) -> tuple[str, bytes]:
     if not sep or not name:
         raise argparse.ArgumentTypeError(f"header must be NAME=VALUE, not {text!r}")
     return name, value.encode()
+
+
+def _timestamp(text: str) -> int:
+    """Milliseconds since the epoch, or an ISO 8601 date-time (UTC unless it names a zone)."""
+    if text.lstrip("-").isdigit():
+        return int(text)
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"time must be milliseconds since the epoch or ISO 8601, not {text!r}"
+        ) from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return int(when.timestamp() * 1000)
+
+
+def _grant(text: str) -> tuple[str, list[str]]:
+    name, sep, patterns = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(
+            f"grant must be CONSUMER=PATTERN[,PATTERN...], not {text!r}"
+        )
+    return name, [p for p in patterns.split(",") if p]
+
+
+def _add_server_security(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "security", "TLS 1.3 and token authentication (default: plain TCP, no tokens)"
+    )
+    group.add_argument("--tls-cert", metavar="PEM", help="the producer's certificate chain")
+    group.add_argument("--tls-key", metavar="PEM", help="its private key")
+    group.add_argument(
+        "--tls-client-ca", metavar="PEM", help="require client certificates signed by this CA"
+    )
+    group.add_argument(
+        "--token-secret-file",
+        metavar="FILE",
+        help=f"require tokens made with this secret (or set ${SECRET_ENV}); needs --grant",
+    )
+    group.add_argument(
+        "--grant",
+        type=_grant,
+        action="append",
+        default=[],
+        metavar="CONSUMER=PATTERNS",
+        help="streams a consumer may read, comma-separated fnmatch patterns (repeatable)",
+    )
+    group.add_argument(
+        "--admin", action="append", default=[], metavar="CONSUMER", help="may read the status"
+    )
+
+
+def _add_client_security(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("security", "for producers serving TLS or requiring tokens")
+    group.add_argument("--tls", action="store_true", help="TLS, trusting the system's CAs")
+    group.add_argument("--tls-ca", metavar="PEM", help="TLS, trusting this CA (implies --tls)")
+    group.add_argument("--tls-cert", metavar="PEM", help="client certificate (mutual TLS)")
+    group.add_argument("--tls-key", metavar="PEM", help="its private key")
+    group.add_argument("--tls-server-name", metavar="NAME", help="name the certificate must have")
+    group.add_argument(
+        "--token-file", metavar="FILE", help=f"file holding the token (or set ${TOKEN_ENV})"
+    )
+    group.add_argument("--token", help="the token itself (visible to other users: prefer a file)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,9 +119,36 @@ def build_parser() -> argparse.ArgumentParser:
         "--durability",
         choices=["normal", "full"],
         default="normal",
-        help="SQLite synchronous mode: full survives power loss",
+        help="full: every commit synced before it returns, survives power loss; normal "
+        "(default): survives process crashes, a power loss may roll back the last commits "
+        "(consumers that applied them stop with an error naming the seqs)",
     )
     serve.add_argument("--create", action="store_true", help="create the database if missing")
+    _add_server_security(serve)
+    serve.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (0 picks a free port)",
+    )
+    serve.add_argument(
+        "--metrics-host", default="127.0.0.1", help="address for metrics (default: loopback)"
+    )
+    serve.add_argument(
+        "--retention-ms",
+        type=int,
+        default=None,
+        metavar="MS",
+        help="delete records older than this",
+    )
+    serve.add_argument(
+        "--retention-bytes",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="delete the oldest records while a stream holds more than this",
+    )
 
     publish = commands.add_parser("publish", help="publish records in one transaction")
     publish.add_argument("db", help="the producer's SQLite database (created if missing)")
@@ -75,12 +175,58 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SEQ",
         help="first seq (default: only new records)",
     )
+    tail.add_argument(
+        "--from-time",
+        dest="start_time",
+        type=_timestamp,
+        default=None,
+        metavar="TIME",
+        help="start at the first record stamped at or after TIME "
+        "(ms since the epoch, or ISO 8601 such as 2026-11-22T09:00, UTC unless given)",
+    )
     tail.add_argument("--count", type=int, default=None, help="stop after this many records")
     tail.add_argument("--json", action="store_true", help="one JSON object per record")
+    _add_client_security(tail)
+
+    history = commands.add_parser(
+        "history",
+        help="every record of one key, in seq order (an index seek if the stream has key_index)",
+    )
+    history.add_argument("source", metavar="DB_OR_ADDRESS", help="database file or HOST:PORT")
+    history.add_argument("stream")
+    history.add_argument("key", help="the key (UTF-8)")
+    history.add_argument(
+        "--from", dest="start", type=int, default=1, metavar="SEQ", help="first seq to consider"
+    )
+    history.add_argument("--json", action="store_true", help="one JSON object per record")
+    _add_client_security(history)
 
     status = commands.add_parser("status", help="streams, heads, consumers and their lag")
     status.add_argument("address", help="producer HOST:PORT")
     status.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    _add_client_security(status)
+
+    token = commands.add_parser("token", help="print the token naming a consumer")
+    token.add_argument("consumer", help="the consumer the token names")
+    token.add_argument(
+        "--secret-file", metavar="FILE", help=f"the producer's token secret (or set ${SECRET_ENV})"
+    )
+
+    consumers = commands.add_parser(
+        "consumers",
+        help="register consumers whose unapplied records retention keeps",
+        description="Registered consumers: retention keeps every record a registered consumer "
+        "has not applied, unless --retention-ms/--retention-bytes force it.",
+    )
+    actions = consumers.add_subparsers(dest="action", required=True, metavar="ACTION")
+    for action, text in (("add", "register a consumer"), ("remove", "remove a registration")):
+        parser_for = actions.add_parser(action, help=text)
+        parser_for.add_argument("db", help="the producer's SQLite database")
+        parser_for.add_argument("consumer", help="the consumer's name (Spark: consumerName)")
+        parser_for.add_argument("stream")
+    listing = actions.add_parser("list", help="registered consumers, their position and lag")
+    listing.add_argument("db", help="the producer's SQLite database")
+    listing.add_argument("--json", action="store_true", help="one JSON object per consumer")
 
     demo = commands.add_parser(
         "demo", help="an embedded producer and a crashing consumer, applied exactly once"
@@ -94,13 +240,63 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _server_settings(args: argparse.Namespace) -> ServerSettings:
+    tls = None
+    if args.tls_cert or args.tls_key:
+        if not (args.tls_cert and args.tls_key):
+            raise SystemExit("streamq serve: --tls-cert and --tls-key go together")
+        tls = ServerTLS(args.tls_cert, args.tls_key, args.tls_client_ca)
+    elif args.tls_client_ca:
+        raise SystemExit("streamq serve: --tls-client-ca needs --tls-cert and --tls-key")
+    auth = None
+    secret = read_secret(path=args.token_secret_file, env=SECRET_ENV)
+    if secret is not None:
+        if not args.grant and not args.admin:
+            raise SystemExit("streamq serve: tokens need at least one --grant or --admin")
+        try:
+            auth = TokenAuth(secret, dict(args.grant), args.admin)
+        except ValueError as exc:
+            raise SystemExit(f"streamq serve: {exc}") from None
+    elif args.grant or args.admin:
+        raise SystemExit(f"streamq serve: --grant needs --token-secret-file or ${SECRET_ENV}")
+    return ServerSettings(tls=tls, auth=auth)
+
+
+def _client_security(args: argparse.Namespace) -> dict[str, Any]:
+    """``tls`` and ``token`` keyword arguments for ``Client`` and ``Consumer``."""
+    tls = None
+    if args.tls or args.tls_ca or args.tls_cert or args.tls_key or args.tls_server_name:
+        try:
+            tls = ClientTLS(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+        except ValueError as exc:
+            raise SystemExit(f"streamq {args.command}: {exc}") from None
+    token = args.token
+    if token is None:
+        secret = read_secret(path=args.token_file, env=TOKEN_ENV)
+        token = None if secret is None else secret.decode()
+    return {"tls": tls, "token": token}
+
+
 async def _serve(args: argparse.Namespace) -> None:
     if not args.create and not os.path.exists(args.db):
         raise SystemExit(f"streamq serve: {args.db} does not exist (use --create to make it)")
-    async with Producer(args.db, host=args.host, port=args.port, durability=args.durability) as p:
+    settings = _server_settings(args)
+    async with Producer(
+        args.db,
+        host=args.host,
+        port=args.port,
+        durability=args.durability,
+        settings=settings,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+        retention_ms=args.retention_ms,
+        retention_bytes=args.retention_bytes,
+    ) as p:
         streams = ", ".join(f"{s.name}@{s.head}" for s in p.log.streams.values()) or "none yet"
         print(f"serving producer {p.producer_id} (epoch {p.epoch}) on {p.address}", flush=True)
         print(f"streams: {streams}", flush=True)
+        if args.metrics_port is not None:
+            print(f"metrics: http://{p.metrics_address}/metrics", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
@@ -137,11 +333,21 @@ def _format(record: Record, as_json: bool) -> str:
 
 
 async def _tail(args: argparse.Namespace) -> None:
+    if args.start is not None and args.start_time is not None:
+        raise SystemExit("streamq tail: give --from or --from-time, not both")
     start = args.start
-    if start is None:
-        start = await asyncio.to_thread(_head, args.address, args.stream) + 1
+    if start is None and args.start_time is None:
+        start = await asyncio.to_thread(_head, args) + 1
     printed = 0
-    async with Consumer(args.address, args.stream, start_seq=start, name="streamq-tail") as c:
+    security = _client_security(args)
+    async with Consumer(
+        args.address,
+        args.stream,
+        start_seq=start or 1,
+        start_time=args.start_time,
+        name="streamq-tail",
+        **security,
+    ) as c:
         async for batch in c:
             for record in batch:
                 print(_format(record, args.json), flush=True)
@@ -150,13 +356,53 @@ async def _tail(args: argparse.Namespace) -> None:
                     return
 
 
-def _head(address: str, stream: str) -> int:
-    with Client(address) as client:
-        return client.head(stream).head
+def _head(args: argparse.Namespace) -> int:
+    with Client(args.address, **_client_security(args)) as client:
+        return int(client.head(args.stream).head)
+
+
+def _token(args: argparse.Namespace) -> None:
+    secret = read_secret(path=args.secret_file, env=SECRET_ENV)
+    if secret is None:
+        raise SystemExit(f"streamq token: give --secret-file or set ${SECRET_ENV}")
+    print(make_token(secret, args.consumer))
+
+
+async def _history_from_file(path: str, stream: str, key: bytes, start: int) -> list[Record]:
+    """Read a producer's database directly, read-only: no producer needs to run."""
+    log = Log(path, tail_bytes=0, readers=1)
+    try:
+        conn = await store.open_reader(path)
+        try:
+            rows = await store.load_streams(conn)
+        finally:
+            await conn.close()
+        await log.open(rows)
+        encoded = await log.full_history(log.stream(stream), key, start)
+    finally:
+        await log.close()
+    return [decode_record(record) for record in encoded]
+
+
+def _history(args: argparse.Namespace) -> None:
+    key = args.key.encode()
+    if os.path.exists(args.source):
+        records = _loop.run(_history_from_file(args.source, args.stream, key, args.start))
+    else:
+        try:
+            parse_address(args.source)
+        except ValueError:
+            raise SystemExit(
+                f"streamq history: {args.source} is neither a database file nor HOST:PORT"
+            ) from None
+        with Client(args.source, **_client_security(args)) as client:
+            records = client.history(args.stream, key, args.start)
+    for record in records:
+        print(_format(record, args.json))
 
 
 def _status(args: argparse.Namespace) -> None:
-    with Client(args.address) as client:
+    with Client(args.address, **_client_security(args)) as client:
         status = client.status()
     if args.json:
         print(json.dumps(status, indent=2))
@@ -171,13 +417,54 @@ def _status(args: argparse.Namespace) -> None:
     for s in status["streams"]:
         streams.add_row(s["stream"], str(s["head"]), str(s["low"]))
     console.print(streams)
-    consumers = Table("consumer", "stream", "peer", "sent", "applied", "lag", title="consumers")
+    peers: dict[tuple[str, str], list[str]] = {}
     for c in status["consumers"]:
-        lag = heads.get(c["stream"], 0) - c["acked"]
+        peers.setdefault((c["consumer"], c["stream"]), []).append(c["peer"])
+    consumers = Table(
+        "consumer", "stream", "applied", "lag", "registered", "lost", "connected", title="consumers"
+    )
+    for p in status.get("positions", []):
+        connected = peers.pop((p["consumer"], p["stream"]), [])
         consumers.add_row(
-            c["consumer"], c["stream"], c["peer"], str(c["sent"]), str(c["acked"]), str(lag)
+            p["consumer"],
+            p["stream"],
+            str(p["applied"]),
+            str(p["lag"]),
+            "yes" if p["registered"] else "",
+            str(p["lost"] or ""),
+            ", ".join(connected),
         )
+    for (consumer, stream), connected in peers.items():  # connected, nothing applied yet
+        lag = heads.get(stream, 0)
+        consumers.add_row(consumer, stream, "", str(lag), "", "", ", ".join(connected))
     console.print(consumers)
+
+
+async def _consumers(args: argparse.Namespace) -> None:
+    if not os.path.exists(args.db):
+        raise SystemExit(f"streamq consumers: {args.db} does not exist")
+    async with Producer(args.db, serve=False) as producer:
+        if args.action == "add":
+            await producer.register_consumer(args.consumer, args.stream)
+            print(f"registered {args.consumer!r} on {args.stream!r}")
+        elif args.action == "remove":
+            if not await producer.unregister_consumer(args.consumer, args.stream):
+                raise SystemExit(
+                    f"streamq consumers: {args.consumer!r} on {args.stream!r} is not registered"
+                )
+            print(f"removed {args.consumer!r} from {args.stream!r}")
+        else:
+            registered = [p for p in producer.consumer_lags() if p.registered]
+            if args.json:
+                for p in registered:
+                    print(json.dumps(p._asdict()))
+                return
+            table = Table(
+                "consumer", "stream", "applied", "head", "lag", title="registered consumers"
+            )
+            for p in registered:
+                table.add_row(p.consumer, p.stream, str(p.applied), str(p.head), str(p.lag))
+            Console().print(table)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -190,8 +477,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "tail":
             with contextlib.suppress(KeyboardInterrupt):
                 _loop.run(_tail(args))
+        elif args.command == "history":
+            _history(args)
         elif args.command == "status":
             _status(args)
+        elif args.command == "token":
+            _token(args)
+        elif args.command == "consumers":
+            _loop.run(_consumers(args))
         elif args.command == "demo":
             from .demo import run_demo
 
@@ -200,7 +493,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .demo import consumer_main
 
             _loop.run(consumer_main(args.address, args.db))
-    except (StreamQError, OSError) as exc:
+    except (StreamQError, OSError, sqlite3.Error) as exc:
         print(f"streamq {args.command}: {exc}", file=sys.stderr)
         return 1
     return 0

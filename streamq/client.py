@@ -7,20 +7,25 @@ a plain socket. One client, one connection; requests run one after another.
 
 from __future__ import annotations
 
+import asyncio
 import socket
+import ssl
 from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
-from .consumer import parse_address
+from .consumer import closed_by_producer, parse_address
 from .errors import ConnectionLostError, StreamQError, error_from_frame
 from .protocol import (
     DEFAULT_MAX_FRAME_SIZE,
+    MAX_SEQ,
     PROTOCOL_VERSION,
+    Authenticated,
     ClientConnection,
     ClientHello,
     Error,
     GetHead,
+    GetHistory,
     GetRange,
     GetStatus,
     ListStreams,
@@ -30,11 +35,14 @@ from .protocol import (
     RecordRows,
     Records,
     ReportPosition,
+    SeekTime,
     ServerHello,
     StatusReport,
     StreamInfo,
     StreamList,
+    TimePosition,
 )
+from .security import ClientTLS, tls_error, tls_refused
 
 _READ_SIZE = 256 * 1024
 
@@ -44,7 +52,8 @@ class Client:
 
     ``producer_id`` and ``epoch`` are known once connected. Errors from the
     producer raise the matching ``ServerError`` subclass; socket failures raise
-    ``ConnectionLostError``.
+    ``ConnectionLostError``; a failed TLS handshake ``TLSError``. With ``token``,
+    ``consumer`` is the name the producer authenticated (None if it checks no tokens).
     """
 
     def __init__(
@@ -54,6 +63,8 @@ class Client:
         timeout: float | None = 30.0,
         name: str = "client",
         max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+        tls: ClientTLS | None = None,
+        token: str | None = None,
     ) -> None:
         self.address = address
         host, port = parse_address(address)
@@ -62,16 +73,40 @@ class Client:
         except OSError as exc:
             raise ConnectionLostError(f"cannot connect to producer at {address}: {exc}") from exc
         self._conn = ClientConnection(max_frame_size)
+        self.consumer: str | None = None
         try:
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._send(ClientHello(PROTOCOL_VERSION, name))
-            hello = self._receive()
+            hello = ClientHello(PROTOCOL_VERSION, name, token)
+            if tls is None:
+                self._send(hello)
+                server_hello = self._receive()
+            else:
+                self._sock = self._wrap(tls, host)
+                # Read first: a producer refusing this client's certificate closes at once.
+                try:
+                    server_hello = self._receive()
+                except ConnectionLostError as exc:
+                    raise tls_refused(address, tls) from exc
+                self._send(hello)
+            if token is not None:
+                authenticated = self._receive()
+                assert isinstance(authenticated, Authenticated)
+                self.consumer = authenticated.consumer
         except BaseException:
             self._sock.close()
             raise
-        assert isinstance(hello, ServerHello)
-        self.producer_id = hello.producer_id
-        self.epoch = hello.epoch
+        assert isinstance(server_hello, ServerHello)
+        self.producer_id = server_hello.producer_id
+        self.epoch = server_hello.epoch
+
+    def _wrap(self, tls: ClientTLS, host: str) -> socket.socket:
+        context = tls.context()  # errors in this side's own files are not the handshake's
+        try:
+            return context.wrap_socket(self._sock, server_hostname=tls.server_name or host)
+        except ssl.SSLError as exc:
+            raise tls_error(exc, self.address) from exc
+        except OSError as exc:
+            raise ConnectionLostError(f"TLS with producer at {self.address}: {exc}") from exc
 
     def close(self) -> None:
         self._sock.close()
@@ -90,6 +125,8 @@ class Client:
     def _send(self, message: Message) -> None:
         try:
             self._sock.sendall(self._conn.send(message))
+        except ssl.SSLError as exc:
+            raise tls_error(exc, self.address) from exc
         except OSError as exc:
             raise ConnectionLostError(
                 f"sending to producer at {self.address} failed: {exc}"
@@ -106,12 +143,14 @@ class Client:
         while (message := self._conn.next_event()) is None:
             try:
                 data = self._sock.recv(_READ_SIZE)
+            except ssl.SSLError as exc:
+                raise tls_error(exc, self.address) from exc
             except OSError as exc:
                 raise ConnectionLostError(
                     f"reading from producer at {self.address} failed: {exc}"
                 ) from exc
             if not data:
-                raise ConnectionLostError(f"producer at {self.address} closed the connection")
+                raise closed_by_producer(self.address, self._conn)
             self._conn.receive_data(data)
         if isinstance(message, Error):
             raise error_from_frame(message.code, message.message, message.details)
@@ -154,6 +193,27 @@ class Client:
             assert isinstance(message, Records)
             yield message.records
 
+    def history(
+        self, stream: str, key: bytes, from_seq: int = 1, to_seq: int | None = None
+    ) -> list[Record]:
+        """The records of ``stream`` with this ``key`` and ``from_seq <= seq < to_seq``
+        (default: up to the head), in seq order: an index seek on the producer for a
+        stream created with ``key_index=True``, a scan there otherwise."""
+        self._send(GetHistory(stream, key, from_seq, MAX_SEQ if to_seq is None else to_seq))
+        found: list[Record] = []
+        while not isinstance(message := self._receive(), RangeEnd):
+            assert isinstance(message, Records)
+            found += message.records
+        return found
+
+    def seek_time(self, stream: str, timestamp: int) -> TimePosition:
+        """The first seq whose timestamp is >= ``timestamp`` (ms since the epoch), as
+        ``TimePosition.seq``; the head + 1 when no record is that late."""
+        self._send(SeekTime(stream, timestamp))
+        position = self._receive()
+        assert isinstance(position, TimePosition)
+        return position
+
     def read_range_rows(self, stream: str, start: int, end: int) -> Iterator[list[list[Any]]]:
         """Like ``read_range``, as raw rows [seq, timestamp, key, value, headers] for columnar
         readers: no object per record; field types and order are the caller's to check."""
@@ -165,3 +225,21 @@ class Client:
                 yield message.rows
         finally:
             self._conn.raw_records = False
+
+
+async def history(
+    address: str,
+    stream: str,
+    key: bytes,
+    *,
+    from_seq: int = 1,
+    to_seq: int | None = None,
+    timeout: float | None = 30.0,
+) -> list[Record]:
+    """``Client.history`` for asyncio code: one request on a connection of its own."""
+
+    def fetch() -> list[Record]:
+        with Client(address, timeout=timeout, name="history") as client:
+            return client.history(stream, key, from_seq, to_seq)
+
+    return await asyncio.to_thread(fetch)

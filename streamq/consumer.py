@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from .errors import (
     OffsetOutOfRangeError,
     OutOfOrderBatchError,
     ProducerChangedError,
+    SeqsReusedError,
     ServerError,
     ShuttingDownError,
     StreamQError,
@@ -40,6 +42,7 @@ from .protocol import (
     DEFAULT_MAX_FRAME_SIZE,
     PROTOCOL_VERSION,
     Ack,
+    Authenticated,
     ClientConnection,
     ClientHello,
     Error,
@@ -47,10 +50,14 @@ from .protocol import (
     Message,
     Record,
     Records,
+    SeekTime,
     ServerHello,
+    State,
     Subscribe,
     Subscribed,
+    TimePosition,
 )
+from .security import ClientTLS, tls_error, tls_refused
 from .store import Durability
 
 T = TypeVar("T")
@@ -65,10 +72,35 @@ CREATE TABLE IF NOT EXISTS streamq_positions (
     producer_id TEXT NOT NULL,
     stream TEXT NOT NULL,
     seq INTEGER NOT NULL,         -- last applied seq
+    epoch INTEGER,                -- highest producer epoch that wrote up to seq (0: unknown)
     endpoint TEXT NOT NULL,       -- where that producer was last reached
     updated_at INTEGER NOT NULL,  -- milliseconds since the Unix epoch
     PRIMARY KEY (consumer, producer_id, stream)
 )"""
+
+
+async def open_database(path: str, durability: Durability) -> aiosqlite.Connection:
+    """A consumer's database connection, with the positions table."""
+    db = await aiosqlite.connect(path, isolation_level=None)
+    try:
+        await db.execute("PRAGMA journal_mode=WAL")
+        await db.execute(f"PRAGMA synchronous={durability.upper()}")
+        await db.execute("PRAGMA busy_timeout=10000")
+        await db.execute(_POSITIONS_SCHEMA)
+        columns = await db.execute_fetchall("PRAGMA table_info(streamq_positions)")
+        if "epoch" not in {column[1] for column in columns}:  # made by an older streamq
+            await db.execute("ALTER TABLE streamq_positions ADD COLUMN epoch INTEGER")
+    except BaseException:
+        await db.close()
+        raise
+    return db
+
+
+def lost_seqs(position: int, head: int, rewritten_from: int) -> range | None:
+    """The seqs up to ``position`` that the producer's log no longer holds ("Epochs"): those
+    beyond its ``head``, and those from ``rewritten_from`` (if not 0) on; None if none."""
+    first = rewritten_from or head + 1
+    return range(first, position + 1) if 0 < first <= position else None
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -79,17 +111,30 @@ def parse_address(address: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
+def closed_by_producer(address: str, conn: ClientConnection) -> ConnectionLostError:
+    """The error for an EOF from the producer, with a hint when it came before SERVER_HELLO:
+    that is how a producer serving TLS answers a plain connection."""
+    hint = " before its SERVER_HELLO (does it require TLS?)"
+    if conn.their_state is not State.AWAIT_HELLO:
+        hint = ""
+    return ConnectionLostError(f"producer at {address} closed the connection{hint}")
+
+
 @dataclass(frozen=True, slots=True)
 class Batch(Sequence[Record]):
     """Records pushed by a producer, in seq order, to be applied together.
 
     ``after`` is the seq this batch follows: the consumer's position before it.
+    ``epoch`` is the highest producer epoch that wrote any record up to its last (0 if
+    unknown), stored with the position so a producer that lost and reused seqs is caught
+    ("Epochs").
     """
 
     stream: str
     producer_id: str
     after: int
     records: tuple[Record, ...]
+    epoch: int = 0
 
     @property
     def first_seq(self) -> int:
@@ -137,7 +182,8 @@ _Item = Batch | BaseException
 
 _STORE_POSITION = (
     "INSERT OR REPLACE INTO streamq_positions "
-    "(consumer, producer_id, stream, seq, endpoint, updated_at) VALUES (?, ?, ?, ?, ?, ?)"
+    "(consumer, producer_id, stream, seq, epoch, endpoint, updated_at) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?)"
 )
 
 # Failures a reconnect may cure; anything else stops the consumer with its error.
@@ -150,6 +196,12 @@ _TRANSIENT = (
     TimeoutError,
 )
 
+# Reconnect backoff: the first retry after _FIRST_DELAY, doubling up to _MAX_DELAY. A
+# connection that lived _STABLE_CONNECTION seconds resets it (the next reconnect is at once).
+_FIRST_DELAY = 0.05
+_MAX_DELAY = 2.0
+_STABLE_CONNECTION = 1.0
+
 
 class Consumer:
     """Subscribes to one stream of one producer and yields batches as they are pushed.
@@ -159,10 +211,19 @@ class Consumer:
     consumer starts at ``start_seq`` and keeps its position in memory only
     (for tools such as ``streamq tail``).
 
+    ``start_time`` (milliseconds since the epoch) starts, instead of ``start_seq``, at
+    the first record whose timestamp is at least that (the producer seeks its time
+    index); like ``start_seq``, it applies only when no position is stored.
+
     ``durability="normal"`` (SQLite ``synchronous=NORMAL``) is safe for exactly-once here:
     a power loss can only roll back the consumer's last commits, effects and position
     together, and those records are fetched from the producer again. ``"full"`` makes
     every applied batch survive power loss as soon as it commits.
+
+    ``tls`` connects over TLS 1.3 (``ClientTLS``); ``token`` authenticates to a producer
+    that requires tokens. A failed TLS handshake raises ``TLSError``, a refused token
+    ``AuthenticationFailedError``, a stream outside the token's grants ``NotAuthorizedError``;
+    none of them is retried.
     """
 
     def __init__(
@@ -173,6 +234,7 @@ class Consumer:
         db: str | None = None,
         name: str | None = None,
         start_seq: int = 1,
+        start_time: int | None = None,
         queue_batches: int = 16,
         max_batch_records: int = 65536,
         reconnect: bool = True,
@@ -181,6 +243,8 @@ class Consumer:
         heartbeat_timeout: float = 30.0,
         max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
         durability: Durability = "normal",
+        tls: ClientTLS | None = None,
+        token: str | None = None,
     ) -> None:
         if durability not in ("normal", "full"):
             raise ValueError(f"durability must be 'normal' or 'full', not {durability!r}")
@@ -193,6 +257,7 @@ class Consumer:
         self._db_path = db
         self._db: aiosqlite.Connection | None = None
         self._start_seq = start_seq
+        self._start_time = start_time
         self._queue: asyncio.Queue[_Item] = asyncio.Queue(maxsize=queue_batches)
         self._max_batch_records = max_batch_records
         self._reconnect = reconnect
@@ -201,7 +266,11 @@ class Consumer:
         self._heartbeat_timeout = heartbeat_timeout
         self._max_frame_size = max_frame_size
         self._durability = durability
+        self._tls = tls
+        self._ssl = None if tls is None else tls.context()
+        self._token = token
         self._tx_lock = asyncio.Lock()
+        self._owns_db = True
         self._task: asyncio.Task[None] | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._conn: ClientConnection | None = None
@@ -211,20 +280,41 @@ class Consumer:
         self.epoch = 0
         self.head = 0  # the producer's head as last reported
         self.received = 0  # last seq read from the socket
+        # The highest producer epoch that wrote any record up to ``received`` (0: unknown):
+        # a producer that later holds a higher one there lost and re-used seqs ("Epochs").
+        self.seen_epoch = 0
         self.applied = 0  # last seq committed (or delivered, without a database)
         self.reconnects = 0
+
+    def _share_database(self, db: aiosqlite.Connection, lock: asyncio.Lock, path: str) -> None:
+        """Apply into ``db``, opened by someone else (``FanInConsumer``), serialized by ``lock``."""
+        self._db, self._tx_lock, self._db_path, self._owns_db = db, lock, path, False
+
+    @property
+    def lag(self) -> int:
+        """Records the producer has committed that this consumer has not yet applied, as of
+        the producer's last message (records and heartbeats carry the head)."""
+        return max(0, self.head - self.applied)
+
+    async def fetch_lag(self) -> int:
+        """The exact lag now: asks the producer for its head on a connection of its own
+        (``lag`` may be stale while this consumer is behind and its socket is full)."""
+        from .client import Client  # the blocking client builds on this module
+
+        def head() -> int:
+            with Client(self.address, timeout=self._connect_timeout, name=self.name) as client:
+                return client.head(self.stream).head
+
+        self.head = max(self.head, await asyncio.to_thread(head))
+        return self.lag
 
     # --- lifecycle -----------------------------------------------------------
 
     async def start(self) -> None:
         """Open the database, connect and subscribe; raises if the producer refuses."""
         try:
-            if self._db_path is not None:
-                self._db = await aiosqlite.connect(self._db_path, isolation_level=None)
-                await self._db.execute("PRAGMA journal_mode=WAL")
-                await self._db.execute(f"PRAGMA synchronous={self._durability.upper()}")
-                await self._db.execute("PRAGMA busy_timeout=10000")
-                await self._db.execute(_POSITIONS_SCHEMA)
+            if self._db_path is not None and self._db is None:
+                self._db = await open_database(self._db_path, self._durability)
             # With a reconnect deadline, a producer that is down (restarting) is waited
             # for, as it would be after a lost connection; without one, fail at once.
             waits = self._reconnect and self._reconnect_timeout is not None
@@ -243,7 +333,7 @@ class Consumer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         self._drop_connection()
-        if self._db is not None:
+        if self._db is not None and self._owns_db:
             await self._db.close()
 
     async def __aenter__(self) -> Consumer:
@@ -273,14 +363,15 @@ class Consumer:
         if isinstance(item, BaseException):
             raise item
         # Merge what else is already queued: fewer, larger transactions.
-        records = item.records
+        records, epoch = item.records, item.epoch
         while len(records) < self._max_batch_records and not self._queue.empty():
             more = self._queue.get_nowait()
             if isinstance(more, BaseException):
                 self._pending_error = more
                 break
             records += more.records
-        batch = Batch(item.stream, item.producer_id, item.after, records)
+            epoch = more.epoch
+        batch = Batch(item.stream, item.producer_id, item.after, records, epoch)
         if self._db is None:
             self.applied = batch.last_seq
         return batch
@@ -289,7 +380,7 @@ class Consumer:
         while (message := conn.next_event()) is None:
             data = await reader.read(_READ_SIZE)
             if not data:
-                raise ConnectionLostError(f"producer at {self.address} closed the connection")
+                raise closed_by_producer(self.address, conn)
             conn.receive_data(data)
         if isinstance(message, Error):
             raise _server_error(message)
@@ -297,11 +388,18 @@ class Consumer:
 
     async def _connect(self) -> tuple[asyncio.StreamReader, ClientConnection]:
         """Connect, check the producer's identity and position, and subscribe."""
+        tls = self._tls
         try:
             async with asyncio.timeout(self._connect_timeout):
                 reader, writer = await asyncio.open_connection(
-                    self._host, self._port, limit=_READ_SIZE
+                    self._host,
+                    self._port,
+                    limit=_READ_SIZE,
+                    ssl=self._ssl,
+                    server_hostname=None if tls is None else tls.server_name or self._host,
                 )
+        except ssl.SSLError as exc:
+            raise tls_error(exc, self.address) from exc
         except (OSError, TimeoutError) as exc:
             raise ConnectionLostError(
                 f"cannot connect to producer at {self.address}: {exc}"
@@ -309,21 +407,48 @@ class Consumer:
         conn = ClientConnection(self._max_frame_size)
         try:
             async with asyncio.timeout(self._connect_timeout):
-                writer.write(conn.send(ClientHello(PROTOCOL_VERSION, f"consumer {self.name}")))
-                hello = await self._read_message(conn, reader)
+                client_hello = conn.send(
+                    ClientHello(PROTOCOL_VERSION, f"consumer {self.name}", self._token)
+                )
+                if tls is None:
+                    writer.write(client_hello)
+                    hello = await self._read_message(conn, reader)
+                else:
+                    # Read first: a producer refusing this client's certificate closes at once.
+                    try:
+                        hello = await self._read_message(conn, reader)
+                    except (ConnectionLostError, ConnectionError) as exc:
+                        raise tls_refused(self.address, tls) from exc
+                    writer.write(client_hello)
                 assert isinstance(hello, ServerHello)
+                if self._token is not None:
+                    assert isinstance(await self._read_message(conn, reader), Authenticated)
                 start = await self._start_position(hello.producer_id)
-                writer.write(conn.send(Subscribe(self.stream, start, self.name, hello.producer_id)))
+                if start is None:
+                    start = await self._configured_start(conn, reader, writer)
+                seen = self.seen_epoch if start - 1 == self.received else 0
+                subscribe = Subscribe(self.stream, start, self.name, hello.producer_id, seen)
+                writer.write(conn.send(subscribe))
+                # The position to check: one this consumer had (stored or received), not
+                # a configured start_seq, whose errors are the caller's.
+                position = start - 1 if start - 1 == self.received and self.received else 0
                 try:
                     subscribed = await self._read_message(conn, reader)
                 except OffsetOutOfRangeError as exc:
-                    # Past the head is the producer's regression when ``start``
-                    # follows what was applied, the caller's mistake otherwise.
-                    head = exc.details.get("head", start)
-                    if head < start - 1 and start - 1 == self.received and self.received > 0:
-                        raise self._regressed(head, start - 1) from exc
+                    details = exc.details
+                    head = details.get("head", start)
+                    lost = lost_seqs(position, head, details.get("rewritten_from", 0))
+                    if lost is not None:
+                        raise self._lost(lost, head) from exc
                     raise
                 assert isinstance(subscribed, Subscribed)
+                rewritten = subscribed.rewritten_from if seen else 0
+                lost = lost_seqs(max(position, start - 1), subscribed.head, rewritten or 0)
+                if lost is not None:
+                    raise self._lost(lost, subscribed.head)
+        except ssl.SSLError as exc:
+            writer.close()
+            raise tls_error(exc, self.address) from exc
         except (OSError, TimeoutError) as exc:
             writer.close()
             raise ConnectionLostError(
@@ -332,24 +457,55 @@ class Consumer:
         except BaseException:
             writer.close()
             raise
-        if subscribed.head < start - 1:
-            writer.close()
-            raise self._regressed(subscribed.head, start - 1)
         self.producer_id, self.epoch, self.head = hello.producer_id, hello.epoch, subscribed.head
+        if start - 1 != self.received:
+            self.seen_epoch = 0
+        self.seen_epoch = max(self.seen_epoch, subscribed.after_epoch or 0)
         self.received = start - 1
         self._writer, self._conn = writer, conn
+        if self._db is not None and self.applied > 0:
+            self._ack(self.applied)  # the producer learns where this consumer stands at once
         return reader, conn
 
-    def _regressed(self, head: int, applied: int) -> ConsumerPositionError:
+    def _lost(self, lost: range, head: int) -> ConsumerPositionError:
+        """The error for a producer whose log no longer holds the seqs ``lost`` that this
+        consumer has: ``SeqsReusedError`` if it holds other records under some of them."""
+        first, applied = lost[0], lost[-1]
+        if first <= head:
+            return SeqsReusedError(
+                f"producer at {self.address} lost commits of stream {self.stream!r} and re-used "
+                f"their seqs: consumer {self.name!r} already applied up to seq {applied}, but "
+                f"the producer's log no longer holds seqs {first}..{applied} as it read them "
+                f"(head {head}; other records now stand under seqs {first}..{min(head, applied)})."
+                " A power loss rolled back commits that were not synced (durability='normal')."
+                " Refusing to skip or re-apply records; reset this consumer's position to go on.",
+                lost,
+            )
         return ConsumerPositionError(
             f"producer at {self.address} has head {head} for stream {self.stream!r}, "
-            f"but consumer {self.name!r} already applied up to seq {applied}: the producer's "
-            "database was restored from an older copy or lost commits. Refusing to skip or "
-            "re-apply records; reset this consumer's position to go on."
+            f"but consumer {self.name!r} already applied up to seq {applied}: seqs "
+            f"{first}..{applied} are no longer in the producer's log. The producer's database "
+            "was restored from an older copy or lost commits. Refusing to skip or re-apply "
+            "records; reset this consumer's position to go on.",
+            lost,
         )
 
-    async def _start_position(self, producer_id: str) -> int:
-        """The first seq to ask for, after checking this is the expected producer."""
+    async def _configured_start(
+        self, conn: ClientConnection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> int:
+        """``start_seq``, or the seq ``start_time`` leads to, asked on this connection."""
+        start = self._start_seq
+        if self._start_time is not None:
+            writer.write(conn.send(SeekTime(self.stream, self._start_time)))
+            position = await self._read_message(conn, reader)
+            assert isinstance(position, TimePosition)
+            start = position.seq
+        self.applied = start - 1
+        return start
+
+    async def _start_position(self, producer_id: str) -> int | None:
+        """The first seq to ask for, after checking this is the expected producer;
+        None when nothing was applied yet (the configured start applies)."""
         if self.producer_id is not None:
             if producer_id != self.producer_id:
                 raise ProducerChangedError(
@@ -358,30 +514,35 @@ class Consumer:
                 )
             return self.received + 1
         if self._db is None:
-            self.applied = self._start_seq - 1
-            return self._start_seq
+            return None
         rows = await self._db.execute_fetchall(
-            "SELECT producer_id, seq FROM streamq_positions "
+            "SELECT producer_id, seq, epoch FROM streamq_positions "
             "WHERE consumer = ? AND stream = ? AND (producer_id = ? OR endpoint = ?)",
             (self.name, self.stream, producer_id, self.address),
         )
-        positions: dict[str, int] = {str(p): int(q) for p, q in rows}
+        positions: dict[str, tuple[int, int]] = {str(p): (int(q), int(e or 0)) for p, q, e in rows}
         if producer_id in positions:
-            self.received = self.applied = int(positions[producer_id])
+            self.received, self.seen_epoch = positions[producer_id]
+            self.applied = self.received
         elif positions:
-            other, seq = next(iter(positions.items()))
+            other, (seq, _) = next(iter(positions.items()))
             raise ProducerChangedError(
                 f"{self.address} now serves producer {producer_id}, but consumer {self.name!r} "
                 f"applied stream {self.stream!r} there from producer {other} up to seq {seq}: "
                 "the producer's database was replaced. Refusing to mix two logs."
             )
         else:
-            self.applied = self._start_seq - 1
-            return self._start_seq
+            return None
         return self.received + 1
 
     async def _run(self, reader: asyncio.StreamReader, conn: ClientConnection) -> None:
-        """Read batches into the queue; reconnect after transient failures."""
+        """Read batches into the queue; reconnect after transient failures.
+
+        A connection lost soon after it was made (a link that resets every connection,
+        say) is not retried at once: the wait before reconnecting doubles each time, as
+        for failed connects, so a flapping link is not hammered with reconnects.
+        """
+        connected_at, flap_delay = time.monotonic(), 0.0
         while True:
             try:
                 await self._pump(reader, conn)
@@ -391,34 +552,45 @@ class Consumer:
                     await self._queue.put(_lost(exc, self.address))
                     return
                 logger.warning("connection to %s lost (%s); reconnecting", self.address, exc)
+                if time.monotonic() - connected_at >= _STABLE_CONNECTION:
+                    flap_delay = 0.0
+                else:
+                    flap_delay = min(max(flap_delay * 2, _FIRST_DELAY), _MAX_DELAY)
                 try:
-                    reader, conn = await self._connect_retrying()
+                    reader, conn = await self._connect_retrying(flap_delay)
                 except BaseException as error:
                     await self._queue.put(error)
                     return
+                connected_at = time.monotonic()
                 self.reconnects += 1
             except StreamQError as exc:
                 self._drop_connection()
                 await self._queue.put(exc)
                 return
 
-    async def _connect_retrying(self) -> tuple[asyncio.StreamReader, ClientConnection]:
-        """Connect, retrying transient failures with backoff until ``reconnect_timeout``."""
-        delay, deadline = 0.05, None
+    async def _connect_retrying(
+        self, delay: float = 0.0
+    ) -> tuple[asyncio.StreamReader, ClientConnection]:
+        """Connect, retrying transient failures with backoff until ``reconnect_timeout``.
+
+        ``delay``: wait this long before the first attempt (0: try at once).
+        """
+        deadline = None
         if self._reconnect_timeout is not None:
             deadline = time.monotonic() + self._reconnect_timeout
+        error: BaseException | None = None
         while True:
-            try:
-                connection = await self._connect()
-            except _TRANSIENT as exc:
+            if delay:
                 if deadline is not None and time.monotonic() + delay > deadline:
                     raise ConnectionLostError(
                         f"no connection to {self.address} within {self._reconnect_timeout:g} s"
-                    ) from exc
+                    ) from error
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
-                continue
-            return connection
+            try:
+                return await self._connect()
+            except _TRANSIENT as exc:
+                error = exc
+                delay = min(max(delay * 2, _FIRST_DELAY), _MAX_DELAY)
 
     async def _pump(self, reader: asyncio.StreamReader, conn: ClientConnection) -> None:
         while True:
@@ -426,7 +598,14 @@ class Consumer:
                 if isinstance(message, Records):
                     if message.records:
                         assert self.producer_id is not None
-                        batch = Batch(self.stream, self.producer_id, self.received, message.records)
+                        self.seen_epoch = max(self.seen_epoch, message.epoch or 0)
+                        batch = Batch(
+                            self.stream,
+                            self.producer_id,
+                            self.received,
+                            message.records,
+                            self.seen_epoch,
+                        )
                         self.received = batch.last_seq
                         self.head = max(self.head, self.received)
                         await self._queue.put(batch)
@@ -512,6 +691,7 @@ class Consumer:
             batch.producer_id,
             self.stream,
             batch.last_seq,
+            batch.epoch,
             self.address,
             int(time.time() * 1000),
         )

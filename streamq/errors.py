@@ -14,11 +14,15 @@ which answered with an error frame (``ServerError`` and its subclasses)::
     │   ├── OffsetOutOfRangeError     a seq beyond the head or already deleted
     │   ├── ProducerMismatchError     the producer has another id than expected
     │   ├── TooManyConnectionsError
+    │   ├── AuthenticationFailedError no token, or a token the producer did not issue
+    │   ├── NotAuthorizedError        a stream (or the status) this consumer may not read
     │   └── ...                       one class per wire error code
     ├── ConsumerPositionError         the producer is behind what was already applied
-    │   └── ProducerChangedError      another producer (database) than before
+    │   ├── ProducerChangedError      another producer (database) than before
+    │   └── SeqsReusedError           the producer lost commits and reused their seqs
     ├── OutOfOrderBatchError          a batch applied twice or out of turn
     ├── ConnectionLostError           the TCP connection failed (cause chained)
+    ├── TLSError                      the TLS handshake failed; the message says why
     ├── TransactionClosedError        a transaction used after it ended
     ├── ConcurrentWriterError         another process appended to the same log
     └── RecordTooLargeError           a record that cannot fit in one frame
@@ -47,6 +51,8 @@ class ErrorCode(IntEnum):
     IDLE_TIMEOUT = 9
     SHUTTING_DOWN = 10
     INTERNAL_ERROR = 11
+    AUTHENTICATION_FAILED = 26
+    NOT_AUTHORIZED = 27
 
 
 class StreamQError(Exception):
@@ -128,6 +134,18 @@ class InternalServerError(ServerError):
     code = ErrorCode.INTERNAL_ERROR
 
 
+class AuthenticationFailedError(ServerError):
+    """The producer requires a token and got none, or one it did not issue."""
+
+    code = ErrorCode.AUTHENTICATION_FAILED
+
+
+class NotAuthorizedError(ServerError):
+    """The authenticated consumer asked for a stream (or the status) outside its grants."""
+
+    code = ErrorCode.NOT_AUTHORIZED
+
+
 ERROR_CLASSES: dict[ErrorCode, type[ServerError]] = {
     cls.code: cls
     for cls in (
@@ -142,6 +160,8 @@ ERROR_CLASSES: dict[ErrorCode, type[ServerError]] = {
         IdleTimeoutError,
         ShuttingDownError,
         InternalServerError,
+        AuthenticationFailedError,
+        NotAuthorizedError,
     )
 }
 
@@ -159,7 +179,21 @@ class ConsumerPositionError(StreamQError):
     """The producer's log ends before what this consumer already applied.
 
     Raised instead of silently skipping or re-applying records when a producer
-    database was restored from an older copy or replaced.
+    database was restored from an older copy or replaced. ``lost`` is the seqs this
+    consumer has that the producer's log no longer holds, when known.
+    """
+
+    def __init__(self, message: str, lost: range | None = None) -> None:
+        super().__init__(message)
+        self.lost = lost
+
+
+class SeqsReusedError(ConsumerPositionError):
+    """The producer lost commits whose records this consumer had (a power loss with
+    ``durability="normal"``) and has since written other records under those seqs.
+
+    Told apart from an intact log by the epoch that wrote the consumer's last seq
+    (docs/protocol.md, "Epochs"); ``lost`` names the seqs.
     """
 
 
@@ -173,6 +207,11 @@ class OutOfOrderBatchError(StreamQError):
 
 class ConnectionLostError(StreamQError):
     """The connection to the peer failed; the underlying cause is chained."""
+
+
+class TLSError(StreamQError):
+    """The TLS handshake with the producer failed: wrong CA, expired or missing certificate,
+    no common TLS version, or TLS on one side only. Not retried: it needs a fix."""
 
 
 class TransactionClosedError(StreamQError):

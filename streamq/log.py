@@ -10,6 +10,7 @@ read-only connections.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ import aiosqlite
 
 from . import store
 from .errors import OffsetOutOfRangeError, UnknownStreamError
+from .protocol import record_key
 
 
 def take(records: Sequence[bytes], max_records: int, max_bytes: int) -> Sequence[bytes]:
@@ -90,6 +92,56 @@ class TailBuffer:
         return take(self._records[i : i + count], count, max_bytes)
 
 
+class Epochs:
+    """Which producer instance (epoch) appended which seqs of a stream: the rows of
+    ``streamq_epochs`` ("Epochs" in docs/protocol.md). Epoch 0 means unknown: records
+    written before epochs were recorded."""
+
+    def __init__(self) -> None:
+        self._firsts: list[int] = []
+        self._epochs: list[int] = []
+
+    def add(self, first_seq: int, epoch: int) -> None:
+        """Seqs from ``first_seq`` on were appended by ``epoch`` (rows come in seq order)."""
+        if not self._firsts or first_seq > self._firsts[-1]:
+            self._firsts.append(first_seq)
+            self._epochs.append(epoch)
+
+    @property
+    def last_first_seq(self) -> int:
+        return self._firsts[-1] if self._firsts else 0
+
+    def epoch_of(self, seq: int) -> int:
+        """The epoch that appended ``seq``; 0 if unknown."""
+        i = bisect.bisect_right(self._firsts, seq) - 1
+        return self._epochs[i] if i >= 0 else 0
+
+    def segment_end(self, seq: int) -> int:
+        """The first seq after ``seq`` appended by another epoch than ``seq`` (or a huge seq)."""
+        i = bisect.bisect_right(self._firsts, seq)
+        return self._firsts[i] if i < len(self._firsts) else 1 << 63
+
+    def vouch(self, position: int, head: int, seen_epoch: int) -> tuple[int, int]:
+        """SUBSCRIBED's (after_epoch, rewritten_from) for a client that read up to
+        ``position`` records written by epochs up to ``seen_epoch`` (0: unknown).
+
+        A power loss removes a suffix of the log, and every producer started after it has a
+        higher epoch than any started before it, so than any epoch that wrote what the
+        client read. The segments written by higher epochs than ``seen_epoch``, ending with
+        the one holding ``position`` (or the head, if lower), are therefore the seqs
+        written again after the loss: the client's records there are gone.
+        """
+        after_epoch = self.epoch_of(position) if 0 < position <= head else 0
+        if not position or not seen_epoch:
+            return after_epoch, 0
+        i = bisect.bisect_right(self._firsts, min(position, head)) - 1
+        if i < 0 or self._epochs[i] <= seen_epoch:
+            return after_epoch, 0
+        while i > 0 and self._epochs[i - 1] > seen_epoch:
+            i -= 1
+        return after_epoch, self._firsts[i]
+
+
 @dataclass(eq=False)
 class Stream:
     """A stream's committed state, shared by the producer and its readers."""
@@ -99,6 +151,10 @@ class Stream:
     head: int
     low: int
     tail: TailBuffer
+    settings: store.StreamSettings = field(default_factory=store.StreamSettings)
+    max_ts: int | None = None  # largest timestamp committed so far (the time index's top)
+    compacted: int = 0  # compaction ran up to this seq: seqs from low to it may be absent
+    epochs: Epochs = field(default_factory=Epochs)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def notify(self) -> None:
@@ -148,7 +204,14 @@ class Log:
 
     def add(self, row: store.StreamRow) -> Stream:
         stream = Stream(
-            row.id, row.name, row.head, row.low, TailBuffer(self.tail_bytes, row.head + 1)
+            row.id,
+            row.name,
+            row.head,
+            row.low,
+            TailBuffer(self.tail_bytes, row.head + 1),
+            row.settings,
+            row.max_ts,
+            row.compacted,
         )
         self.streams[row.name] = stream
         return stream
@@ -202,7 +265,8 @@ class Log:
     ) -> tuple[Sequence[bytes], int]:
         """Encoded records with ``seq <= s < min(end, head + 1)``, and the last seq read.
 
-        Returns an empty batch once caught up with the head.
+        Returns an empty batch once caught up with the head, or, with a last seq
+        at or beyond ``seq``, when compaction removed every record of ``[seq, end)``.
         """
         self.check_available(stream, seq)
         end = min(end, stream.head + 1)
@@ -214,11 +278,60 @@ class Log:
         limit = max(1, min(max_records, max_bytes // max(1, self._avg_record_size)))
         async with self._reader() as conn:
             rows = await store.read_records(conn, stream.id, seq, end, limit)
-        if not rows or rows[0][0] != seq:  # deleted after the check above
+        # Retention raises ``low`` before it commits (Producer.truncate): seqs it deleted
+        # while this read ran are reported as lost, never taken for a compaction gap.
+        self.check_available(stream, seq)
+        first = rows[0][0] if rows else end
+        if first != seq and first - 1 > stream.compacted:  # deleted after the check above
             raise OffsetOutOfRangeError(
                 f"stream {stream.name!r}: seqs from {seq} were deleted while being read",
                 {"stream": stream.name, "requested": seq, "low": stream.low, "head": stream.head},
             )
+        if not rows:  # compaction removed all of [seq, end)
+            return (), end - 1
         records = take([record for _, record in rows], max_records, max_bytes)
         self._note_sizes(records)
         return records, rows[len(records) - 1][0]
+
+    async def history(
+        self, stream: Stream, key: bytes, seq: int, end: int, max_records: int, max_bytes: int
+    ) -> tuple[Sequence[bytes], int]:
+        """Encoded records of ``key`` with ``seq <= s < end`` (records still held), at most
+        one frame's worth, and the seq to continue from (``end`` once done).
+
+        Streams with ``key_index`` seek in the index; others are scanned (the same
+        answer, at the cost of reading every record of the range).
+        """
+        seq = max(seq, stream.low)
+        if seq >= end:
+            return (), end
+        async with self._reader() as conn:
+            if stream.settings.key_index:
+                rows = await store.read_key_records(conn, stream.id, key, seq, end, max_records)
+                scanned_to = rows[-1][0] if len(rows) == max_records else end - 1
+            else:
+                limit = max(1, max_bytes // max(1, self._avg_record_size))
+                rows = await store.read_records(conn, stream.id, seq, end, limit)
+                scanned_to = rows[-1][0] if len(rows) == limit else end - 1
+                rows = [(s, record) for s, record in rows if record_key(record) == key]
+        records = take([record for _, record in rows], max_records, max_bytes)
+        if len(records) < len(rows):
+            return records, rows[len(records)][0]
+        return records, scanned_to + 1
+
+    async def full_history(self, stream: Stream, key: bytes, start: int = 1) -> list[bytes]:
+        """Every encoded record of ``key`` held from ``start`` up to the head."""
+        seq, end = start, stream.head + 1
+        found: list[bytes] = []
+        while seq < end:
+            records, seq = await self.history(stream, key, seq, end, 8192, 1 << 20)
+            found += records
+        return found
+
+    async def seek_time(self, stream: Stream, timestamp: int) -> int:
+        """The first seq held whose timestamp is >= ``timestamp``; ``head + 1`` if none."""
+        async with self._reader() as conn:
+            seq = await store.seek_time(conn, stream.id, timestamp)
+        if seq is None:
+            return stream.head + 1
+        return min(max(seq, stream.low), stream.head + 1)

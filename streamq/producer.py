@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
+import logging
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -23,15 +25,28 @@ import aiosqlite
 
 from . import store
 from .blocking import BlockingSQL, in_transaction, raw_connection, run_on_thread
+from .compaction import NOTIFICATION_SUFFIX, Compacted, superseded
 from .errors import ConcurrentWriterError, RecordTooLargeError, TransactionClosedError
-from .log import RECORD_OVERHEAD, Log
-from .protocol import FRAME_OVERHEAD, encode_record
+from .log import RECORD_OVERHEAD, Log, Stream
+from .metrics import MetricsServer
+from .positions import ConsumerLag, Positions
+from .protocol import FRAME_OVERHEAD, Record, decode_record, encode_record
+from .retention import Retention, RetentionPolicy, Truncation
 from .server import Server, ServerSettings
 from .store import Durability
+
+logger = logging.getLogger("streamq.producer")
 
 _MAX_STREAM_NAME = 255
 
 T = TypeVar("T")
+
+# Seqs compacted per transaction: bounds the records one compaction step holds in memory
+# and how long it keeps the writer.
+_COMPACTION_WINDOW = 100_000
+
+# Told what compaction removed from a stream, once the deletion has committed.
+OnCompacted = Callable[[str, list[Compacted]], Awaitable[None] | None]
 
 
 def _as_bytes(value: Any, what: str) -> bytes:
@@ -78,11 +93,17 @@ class _Pending:
 
     def __init__(self, producer: Producer) -> None:
         self._producer = producer
-        self.rows: list[tuple[int, int, bytes]] = []  # not yet inserted
+        self.rows: list[tuple[int, int, bytes, bytes | None]] = []  # not yet inserted
+        self.times: list[tuple[int, int, int]] = []  # streamq_time rows not yet inserted
         self.heads: dict[str, int] = {}  # stream name -> last seq published here
+        self.max_ts: dict[str, int | None] = {}  # stream name -> largest timestamp so far
+        self.settings: dict[str, store.StreamSettings] = {}  # stream name -> its settings
         self.new_streams: dict[str, int] = {}  # stream name -> id, created here
         self.kept: dict[str, list[bytes] | None] = {}  # for the tail; None once too big
         self._kept_bytes: dict[str, int] = {}
+        # stream name -> (id, first seq) where this transaction starts a segment of this
+        # producer's epoch (see store.py, streamq_epochs), if it appends to that stream
+        self._segments: dict[str, tuple[int, int]] = {}
 
     def stream_id(self, stream: str) -> int | None:
         """The stream's id, or None when it does not exist yet (the caller creates it)."""
@@ -91,14 +112,23 @@ class _Pending:
         existing = self._producer.log.streams.get(stream)
         return None if existing is None else existing.id
 
-    def created(self, stream: str, stream_id: int) -> None:
+    def created(self, stream: str, stream_id: int, settings: store.StreamSettings) -> None:
         self.new_streams[stream] = stream_id
         self.heads[stream] = 0
+        self.max_ts[stream] = None
+        self.settings[stream] = settings
+        self._segments[stream] = (stream_id, 1)
 
     def next_seq(self, stream: str) -> int:
         head = self.heads.get(stream)
         if head is None:
-            head = self.heads[stream] = self._producer.log.streams[stream].head
+            existing = self._producer.log.streams[stream]
+            head = self.heads[stream] = existing.head
+            self.max_ts[stream] = existing.max_ts
+            self.settings[stream] = existing.settings
+            if self._producer._appended.get(stream) != head:
+                # The head was appended by another producer (or before this one started).
+                self._segments[stream] = (existing.id, head + 1)
         return head + 1
 
     def append(
@@ -120,7 +150,12 @@ class _Pending:
             )
         if seq > store.MAX_STORED_SEQ:
             raise OverflowError(f"stream {stream!r} has reached the last seq")
-        self.rows.append((store.pos(stream_id, seq), ts, record))
+        position = store.pos(stream_id, seq)
+        self.rows.append((position, ts, record, key if self.settings[stream].key_index else None))
+        max_ts = self.max_ts[stream]
+        if max_ts is None or ts > max_ts:  # "streamq_time" in store: a new largest timestamp
+            self.max_ts[stream] = ts
+            self.times.append((stream_id, ts, position))
         self.heads[stream] = seq
         kept = self.kept.setdefault(stream, [])
         if kept is not None:
@@ -137,9 +172,20 @@ class _Pending:
         """Enough rows buffered to insert them now (bounds a huge transaction's memory)."""
         return len(self.rows) >= self._producer.flush_records
 
-    def take_rows(self) -> list[tuple[int, int, bytes]]:
+    def segment_rows(self) -> dict[str, tuple[int, int, int]]:
+        """The streamq_epochs rows this transaction adds: one per segment it appended to."""
+        epoch = self._producer.epoch
+        return {
+            name: (stream_id, first, epoch)
+            for name, (stream_id, first) in self._segments.items()
+            if self.heads[name] >= first
+        }
+
+    def take_rows(self) -> tuple[list[tuple[int, int, bytes, bytes | None]], list[Any]]:
+        """The log rows and time-index rows to insert now."""
         rows, self.rows = self.rows, []
-        return rows
+        times, self.times = self.times, []
+        return rows, times
 
 
 _CONCURRENT_WRITER = "another process appended to this producer's log during the transaction"
@@ -202,23 +248,31 @@ class Transaction:
                 await self._flush()
         return range(first, self._pending.next_seq(stream))
 
-    async def _stream_id(self, stream: str) -> int:
+    async def _stream_id(self, stream: str, settings: store.StreamSettings | None = None) -> int:
+        """The stream's id, creating the stream (with ``settings``) if it is new."""
         stream_id = self._pending.stream_id(stream)
         if stream_id is None:
             check_stream_name(stream)
-            stream_id = await store.create_stream(self._conn, stream)
-            self._pending.created(stream, stream_id)
+            settings = settings or store.StreamSettings()
+            stream_id = await store.create_stream(self._conn, stream, settings)
+            self._pending.created(stream, stream_id, settings)
         return stream_id
 
     async def _flush(self) -> None:
-        if rows := self._pending.take_rows():
+        rows, times = self._pending.take_rows()
+        if rows:
             try:
                 await self._conn.executemany(store.INSERT_RECORDS, rows)
+                await self._conn.executemany(store.INSERT_TIMES, times)
             except sqlite3.IntegrityError as exc:
                 raise ConcurrentWriterError(_CONCURRENT_WRITER) from exc
 
     async def _commit(self) -> None:
-        await self._flush()  # heads need no write of their own: see store.load_streams
+        # Heads need no write of their own (see store.load_streams); epoch rows are written
+        # only by a transaction that starts a segment, and commit with its records.
+        await self._flush()
+        if segments := list(self._pending.segment_rows().values()):
+            await self._conn.executemany(store.INSERT_EPOCHS, segments)
         await self._conn.execute("COMMIT")
 
 
@@ -271,14 +325,17 @@ class BlockingTransaction(BlockingSQL):
         stream_id = self._pending.stream_id(stream)
         if stream_id is None:
             check_stream_name(stream)
-            stream_id = store.create_stream_blocking(self._conn, stream)
-            self._pending.created(stream, stream_id)
+            settings = store.StreamSettings()
+            stream_id = store.create_stream_blocking(self._conn, stream, settings)
+            self._pending.created(stream, stream_id, settings)
         return stream_id
 
     def _flush(self) -> None:
-        if rows := self._pending.take_rows():
+        rows, times = self._pending.take_rows()
+        if rows:
             try:
                 self._conn.executemany(store.INSERT_RECORDS, rows)
+                self._conn.executemany(store.INSERT_TIMES, times)
             except sqlite3.IntegrityError as exc:
                 raise ConcurrentWriterError(_CONCURRENT_WRITER) from exc
 
@@ -288,6 +345,8 @@ class BlockingTransaction(BlockingSQL):
         def body() -> T:
             result = fn(self, *args)
             self._flush()
+            if segments := list(self._pending.segment_rows().values()):
+                self._conn.executemany(store.INSERT_EPOCHS, segments)
             return result
 
         try:
@@ -302,6 +361,11 @@ class Producer:
     ``async with Producer("orders.db") as producer`` opens (or creates) the
     database and starts serving; ``producer.address`` says where.
     Set ``serve=False`` to write without serving (e.g. a batch job).
+
+    ``retention_ms`` / ``retention_bytes`` cap every stream (``set_retention`` per
+    stream); retention runs every ``retention_interval`` seconds and on
+    ``apply_retention()``. ``metrics_port`` serves Prometheus metrics on
+    ``metrics_host`` (loopback by default; 0 picks a free port).
     """
 
     def __init__(
@@ -316,6 +380,13 @@ class Producer:
         tail_bytes: int = 16 * 1024 * 1024,
         flush_records: int = 10_000,
         watch_interval: float = 0.2,
+        retention_ms: int | None = None,
+        retention_bytes: int | None = None,
+        retention_interval: float = 30.0,
+        metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
+        compact_interval: float = 60.0,
+        on_compacted: OnCompacted | None = None,
     ) -> None:
         if durability not in ("normal", "full"):
             raise ValueError(f"durability must be 'normal' or 'full', not {durability!r}")
@@ -327,13 +398,24 @@ class Producer:
         self.log = Log(self.path, tail_bytes=tail_bytes)
         self._host, self._port, self._serve = host, port, serve
         self._watch_interval = watch_interval
+        self.positions = Positions()
+        self.retention = Retention(RetentionPolicy(retention_ms, retention_bytes))
+        self._retention_interval = retention_interval
+        self._retention_task: asyncio.Task[None] | None = None
+        self._metrics_port, self._metrics_host = metrics_port, metrics_host
+        self._metrics: MetricsServer | None = None
+        self._compact_interval = compact_interval
+        self._on_compacted = on_compacted
+        self._compactor: asyncio.Task[None] | None = None
         self._conn: aiosqlite.Connection
         self._lock = asyncio.Lock()
         self._server: Server | None = None
         self._watcher: asyncio.Task[None] | None = None
+        self._appended: dict[str, int] = {}  # stream -> last seq this producer appended
         self.producer_id = ""
         self.epoch = 0
         self._started = False
+        self._closing = False
         self._closed = False
 
     async def start(self) -> None:
@@ -344,25 +426,42 @@ class Producer:
             # The version before loading the streams: any later commit by another process is seen.
             version = await store.data_version(self._conn)
             await self.log.open(await store.load_streams(self._conn))
+            await self._load_epochs()
+            await self._load_registrations()
             if self._serve:
-                self._server = Server(self.log, self.producer_id, self.epoch, self.settings)
+                self._server = Server(
+                    self.log, self.producer_id, self.epoch, self.settings, self.positions
+                )
                 await self._server.start(self._host, self._port)
+            if self._metrics_port is not None:
+                self._metrics = MetricsServer(self, self._metrics_host, self._metrics_port)
             self._watcher = asyncio.create_task(self._watch_other_writers(version))
+            self._retention_task = asyncio.create_task(self._retain_periodically())
+            self._compactor = asyncio.create_task(self._compact_periodically())
         except BaseException:
             await self.close()
             raise
         self._started = True
 
     async def close(self) -> None:
-        if self._closed:
+        if self._closed or self._closing:
             return
-        self._closed = True
-        if self._watcher is not None:
-            self._watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watcher
+        self._closing = True
+        for task in (self._watcher, self._retention_task, self._compactor):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if self._metrics is not None:
+            await asyncio.to_thread(self._metrics.close)  # waits for its serving thread
         if self._server is not None:
             await self._server.close()
+        if self._started:
+            try:
+                await self._save_positions()
+            except (sqlite3.Error, ValueError):
+                logger.exception("could not save consumer positions at close")
+        self._closed = True
         await self.log.close()
         with contextlib.suppress(AttributeError):
             await self._conn.close()
@@ -389,6 +488,13 @@ class Producer:
     @property
     def server(self) -> Server | None:
         return self._server
+
+    @property
+    def metrics_address(self) -> str:
+        """``host:port`` of the Prometheus endpoint (``/metrics``)."""
+        if self._metrics is None:
+            raise RuntimeError("this producer serves no metrics (metrics_port=None)")
+        return self._metrics.address
 
     @contextlib.asynccontextmanager
     async def transaction(self) -> AsyncIterator[Transaction]:
@@ -433,9 +539,15 @@ class Producer:
 
     def _after_commit(self, pending: _Pending) -> None:
         for name, stream_id in pending.new_streams.items():
-            self.log.add(store.StreamRow(stream_id, name, 0, 1))
+            self.log.add(store.StreamRow(stream_id, name, 0, 1, pending.settings[name]))
+        for name, (_, first, epoch) in pending.segment_rows().items():
+            self.log.streams[name].epochs.add(first, epoch)  # before subscribers wake
         for name, head in pending.heads.items():
-            self.log.committed(self.log.streams[name], head, pending.kept.get(name, []))
+            stream = self.log.streams[name]
+            stream.max_ts = pending.max_ts[name]
+            if name in pending.kept:
+                self._appended[name] = head
+            self.log.committed(stream, head, pending.kept.get(name, []))
 
     async def publish(
         self,
@@ -449,17 +561,71 @@ class Producer:
         async with self.transaction() as tx:
             return await tx.publish(stream, value, key=key, headers=headers)
 
-    async def create_stream(self, name: str) -> None:
-        """Make ``name`` exist (head 0) so consumers can subscribe before the first publish."""
+    async def create_stream(
+        self,
+        name: str,
+        *,
+        key_index: bool = False,
+        compact: bool = False,
+        notify_compacted: bool = False,
+    ) -> None:
+        """Make ``name`` exist (head 0) so consumers can subscribe before the first publish.
+
+        ``key_index=True`` indexes its records' keys: ``history`` seeks instead of
+        scanning the stream, and publishing keyed records costs more (a bulk keyed
+        publish 3.5-4x; one record per transaction: within the noise; ``bench/key_index.py``).
+        ``compact=True`` has it compacted every ``compact_interval`` (``compact``);
+        ``notify_compacted=True`` publishes what compaction removes to
+        ``"<name>.compacted"``. Compaction needs the key index. Settings are fixed
+        when the stream is created.
+        """
         check_stream_name(name)
+        if (compact or notify_compacted) and not key_index:
+            raise ValueError(
+                "compaction finds each key's records through the key index: "
+                "create the stream with key_index=True"
+            )
         if name in self.log.streams:
             return
+        settings = store.StreamSettings(key_index, compact, notify_compacted)
         async with self.transaction() as tx:
-            await tx._stream_id(name)
+            await tx._stream_id(name, settings)
+
+    async def _load_epochs(self) -> None:
+        """Load every streamq_epochs row into memory."""
+        by_id = {s.id: s for s in self.log.streams.values()}
+        for stream_id, first_seq, epoch in await store.load_epochs(self._conn):
+            if stream_id in by_id:
+                by_id[stream_id].epochs.add(first_seq, epoch)
+
+    async def _load_new_epochs(self, row: store.StreamRow) -> Stream:
+        """The stream of ``row`` (added if new) with the epoch rows other processes wrote."""
+        known = self.log.streams.get(row.name)
+        after = known.epochs.last_first_seq if known is not None else 0
+        rows = await store.load_epochs(self._conn, row.id, after)
+        stream = self.log.streams.get(row.name) or self.log.add(row)
+        for _, first_seq, epoch in rows:
+            stream.epochs.add(first_seq, epoch)
+        return stream
 
     def head(self, stream: str) -> int:
         """The last committed seq of ``stream`` (0 if none yet)."""
         return self.log.stream(stream).head
+
+    async def history(self, stream: str, key: bytes, from_seq: int | None = None) -> list[Record]:
+        """The records of ``stream`` with this ``key``, in seq order, from ``from_seq`` on
+        (default: the first held): an entity's events without reading the whole stream."""
+        if from_seq is not None and from_seq < 1:
+            raise ValueError(f"seqs start at 1, not {from_seq}")
+        encoded = await self.log.full_history(
+            self.log.stream(stream), _as_bytes(key, "key"), from_seq or 1
+        )
+        return [decode_record(record) for record in encoded]
+
+    async def seek_time(self, stream: str, timestamp: int) -> int:
+        """The first seq of ``stream`` whose timestamp is >= ``timestamp`` (ms since the
+        epoch), or the head + 1 if none is; an index seek, never a scan."""
+        return await self.log.seek_time(self.log.stream(stream), timestamp)
 
     async def truncate(self, stream: str, before: int) -> None:
         """Delete ``stream``'s records with seq < ``before`` (retention).
@@ -470,9 +636,194 @@ class Producer:
         before = min(before, target.head + 1)
         if before <= target.low:
             return
+        low = target.low
+        try:
+            async with self.transaction() as tx:
+                await store.truncate(tx._conn, target.id, before)
+                # Raised before COMMIT: a reader that sees the deletion also sees the new
+                # low, and reports the seqs as lost rather than as a compaction gap.
+                target.low = before
+        except BaseException:
+            target.low = low
+            raise
+        for position in self.positions.registered(stream):
+            if max(low, position.applied + 1) < before:
+                position.lost += before - max(low, position.applied + 1)
+
+    # --- consumers: positions, lag, registrations --------------------------------
+
+    def consumer_lags(self) -> list[ConsumerLag]:
+        """Every consumer that reported a position or is registered, with its lag."""
+        return self.positions.lags(self.log.streams)
+
+    async def wait_applied(
+        self, consumer: str, stream: str, seq: int, *, timeout: float | None = None
+    ) -> int:
+        """Wait until ``consumer`` reports ``stream`` applied up to ``seq`` (read your writes
+        across services); returns its position. Raises ``TimeoutError`` after ``timeout``."""
+        async with asyncio.timeout(timeout):
+            return await self.positions.wait(consumer, stream, seq)
+
+    async def register_consumer(self, consumer: str, stream: str) -> None:
+        """Keep ``stream``'s records until ``consumer`` has applied them (see retention)."""
+        if not consumer:
+            raise ValueError("a registered consumer needs a name")
+        check_stream_name(stream)
+        known = self.positions.get(consumer, stream)
         async with self.transaction() as tx:
-            await store.truncate(tx._conn, target.id, before)
-        target.low = before
+            applied = await store.register_consumer(
+                tx._conn, consumer, stream, known.applied if known else 0
+            )
+        self.positions.register(consumer, stream, applied)
+
+    async def unregister_consumer(self, consumer: str, stream: str) -> bool:
+        """Stop keeping records for ``consumer``; False if it was not registered."""
+        async with self.transaction() as tx:
+            removed = await store.unregister_consumer(tx._conn, consumer, stream)
+        self.positions.unregister(consumer, stream)
+        return removed
+
+    async def _load_registrations(self) -> None:
+        """Registrations in the database, which other processes may change (the CLI)."""
+        rows = await store.load_consumers(self._conn)
+        stored = {(row.consumer, row.stream) for row in rows}
+        for position in self.positions.all():
+            if position.registered and (position.consumer, position.stream) not in stored:
+                self.positions.unregister(position.consumer, position.stream)
+        for row in rows:
+            self.positions.register(row.consumer, row.stream, row.applied)
+
+    async def _save_positions(self) -> None:
+        unsaved = self.positions.unsaved()
+        if unsaved:
+            async with self.transaction() as tx:
+                await store.save_positions(tx._conn, unsaved)
+            self.positions.mark_saved(unsaved)
+
+    # --- retention -----------------------------------------------------------------
+
+    def set_retention(
+        self, stream: str, *, ms: int | None = None, bytes: int | None = None
+    ) -> None:
+        """Caps for ``stream`` (age in milliseconds, stored bytes) instead of the producer's."""
+        self.retention.per_stream[check_stream_name(stream)] = RetentionPolicy(ms, bytes)
+
+    async def apply_retention(self) -> list[Truncation]:
+        """Delete what retention allows now, and save consumers' reported positions.
+
+        Returns what was deleted from each stream that lost records.
+        """
+        now = int(time.time() * 1000)
+        unsaved = self.positions.unsaved()
+        done: list[Truncation] = []
+        capped = self.retention.default != RetentionPolicy() or self.retention.per_stream
+        if not (capped or unsaved or any(p.registered for p in self.positions.all())):
+            return done  # nothing to delete, nothing to save: no transaction
+        plans: list[tuple[Stream, int, int, Any]] = []  # stream, its low before, head, plan
+        try:
+            async with self.transaction() as tx:
+                for stream in list(self.log.streams.values()):
+                    registered = self.positions.registered(stream.name)
+                    plan = await self.retention.plan(tx._conn, stream, registered, now)
+                    plans.append((stream, stream.low, stream.head, plan))
+                    if plan.before > stream.low:
+                        await store.truncate(tx._conn, stream.id, plan.before)
+                        stream.low = plan.before  # before COMMIT, as in truncate
+                await store.save_positions(tx._conn, unsaved)
+        except BaseException:
+            for stream, low, _, _ in plans:
+                stream.low = low
+            raise
+        self.positions.mark_saved(unsaved)
+        for stream, low, head, plan in plans:
+            deleted = max(0, plan.before - low)
+            self.retention.committed(stream, head, plan.size_after)
+            if deleted > 0:
+                done.append(Truncation(stream.name, stream.low, deleted, plan.lost))
+            for consumer, count in plan.lost.items():
+                self.positions.lost(consumer, stream.name, count)
+                logger.warning(
+                    "retention deleted %d record(s) of %r before registered consumer %r "
+                    "applied them (first held is now %d)",
+                    count,
+                    stream.name,
+                    consumer,
+                    stream.low,
+                )
+        return done
+
+    async def _retain_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(self._retention_interval)
+            try:
+                await self.apply_retention()
+            except (sqlite3.Error, ConcurrentWriterError):
+                logger.exception("retention pass failed; trying again next interval")
+
+    # --- compaction ------------------------------------------------------------------
+
+    async def compact(self, stream: str) -> list[Compacted]:
+        """Keep only the latest record of each key of ``stream``; returns what was removed.
+
+        Records without a key are kept. The removed records' seqs become gaps:
+        consumers and range reads skip them (seqs stay numbered as they were), while
+        seqs deleted by ``truncate`` are still reported as lost. What was removed goes,
+        in the same transaction as the deletion, to ``"<stream>.compacted"`` if the
+        stream was created with ``notify_compacted=True``, and, once committed, to
+        ``on_compacted`` (whose exceptions propagate here; what was compacted stays
+        compacted). Long streams are compacted 100,000 seqs per transaction.
+        """
+        target = self.log.stream(stream)
+        if not target.settings.key_index:
+            raise ValueError(
+                f"stream {stream!r} has no key index; compaction needs one "
+                "(create_stream(..., key_index=True))"
+            )
+        removed: list[Compacted] = []
+        end = target.head
+        while target.compacted < end:
+            removed += await self._compact_window(target, _COMPACTION_WINDOW)
+        return removed
+
+    async def _compact_window(self, target: Stream, window: int) -> list[Compacted]:
+        """Compact the next ``window`` seqs after the compaction point, in one transaction:
+        it looks only at the keys written there (and their older records)."""
+        compacted = target.compacted
+        try:
+            async with self.transaction() as tx:
+                through = min(target.head, target.compacted + window)
+                candidates = await store.compaction_candidates(
+                    tx._conn, target.id, target.low, target.compacted, through
+                )
+                removed = superseded(target.name, candidates)
+                await store.delete_compacted(
+                    tx._conn, target.id, [entry.old_seq for entry in removed], through
+                )
+                if target.settings.notify_compacted:
+                    notifications = target.name + NOTIFICATION_SUFFIX
+                    for entry in removed:
+                        await tx.publish(notifications, entry.to_value(), key=entry.key)
+                target.compacted = through  # before COMMIT, as truncate does with low
+        except BaseException:
+            target.compacted = compacted
+            raise
+        target.tail.reset(target.head + 1)  # it may hold removed records
+        if removed and self._on_compacted is not None:
+            result = self._on_compacted(target.name, removed)
+            if inspect.isawaitable(result):
+                await result
+        return removed
+
+    async def _compact_periodically(self) -> None:
+        """Compact the streams created with ``compact=True`` that have new records."""
+        while True:
+            await asyncio.sleep(self._compact_interval)
+            for stream in list(self.log.streams.values()):
+                if stream.settings.compact and stream.head > stream.compacted:
+                    try:
+                        await self.compact(stream.name)
+                    except Exception:
+                        logger.exception("compacting stream %r failed", stream.name)
 
     async def _watch_other_writers(self, seen: int) -> None:
         """Notice commits made to this database by other processes (e.g. ``streamq publish``).
@@ -489,8 +840,14 @@ class Producer:
                 if version == seen:
                     continue
                 seen = version
+                await self._load_registrations()
                 for row in await store.load_streams(self._conn):
-                    stream = self.log.streams.get(row.name) or self.log.add(row)
+                    stream = self.log.streams.get(row.name)
+                    if stream is None or row.head > stream.head:
+                        # Their epoch rows first: subscribers woken next send epochs.
+                        stream = await self._load_new_epochs(row)
                     stream.low = max(stream.low, row.low)
+                    stream.max_ts = row.max_ts
+                    stream.compacted = max(stream.compacted, row.compacted)
                     if row.head > stream.head:
                         self.log.committed(stream, row.head, None)

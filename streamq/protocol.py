@@ -61,6 +61,10 @@ class MessageType(IntEnum):
     STATUS_REPORT = 15
     ERROR = 16
     REPORT_POSITION = 17
+    GET_HISTORY = 18
+    SEEK_TIME = 19
+    TIME_POSITION = 20
+    AUTHENTICATED = 26
 
 
 class Record(NamedTuple):
@@ -90,15 +94,29 @@ def encode_record(
 _packb: Callable[[Any], bytes] = msgpack.Packer(use_bin_type=True).pack
 
 
+def decode_record(encoded: bytes) -> Record:
+    """A stored record back as a ``Record`` (the producer's own bytes: trusted)."""
+    return Record._make(msgpack.unpackb(encoded, raw=False))
+
+
+def record_key(encoded: bytes) -> bytes | None:
+    """The key of a stored record."""
+    key: bytes | None = msgpack.unpackb(encoded, raw=False)[2]
+    return key
+
+
 # --- Messages ("Messages" in docs/protocol.md) -------------------------------
 
 
 @dataclass(frozen=True, slots=True)
 class ClientHello:
-    """First frame a client sends: its protocol version and a name for logs."""
+    """First frame a client sends: its protocol version, a name for logs and, for producers
+    that require one, a token naming the consumer ("Authentication"). Without a token the
+    frame has no third field, as before tokens existed."""
 
     version: int
     client: str
+    token: str | None = None
     TYPE: ClassVar[MessageType] = MessageType.CLIENT_HELLO
 
 
@@ -115,28 +133,46 @@ class ServerHello:
 
 @dataclass(frozen=True, slots=True)
 class Subscribe:
-    """Push ``stream`` from ``start_seq`` on, forever; ``producer_id`` is checked if set."""
+    """Push ``stream`` from ``start_seq`` on, forever; ``producer_id`` is checked if set.
+
+    ``seen_epoch`` (optional, "Epochs"): the highest epoch that wrote any record the client
+    read up to seq ``start_seq - 1``, 0 if unknown. Sending it (even 0) asks for epochs in
+    SUBSCRIBED and RECORDS; None leaves the field off the wire.
+    """
 
     stream: str
     start_seq: int
     consumer: str
     producer_id: str | None
+    seen_epoch: int | None = None
     TYPE: ClassVar[MessageType] = MessageType.SUBSCRIBE
 
 
 @dataclass(frozen=True, slots=True)
 class Subscribed:
+    """The subscription is accepted. With epochs ("Epochs"): ``after_epoch`` is the epoch that
+    wrote seq ``start_seq - 1`` in the producer's log now (0 if unknown or none), and
+    ``rewritten_from`` the first seq whose record differs from what the client read
+    (0 if none)."""
+
     stream: str
     head: int
     low: int
+    after_epoch: int | None = None
+    rewritten_from: int | None = None
     TYPE: ClassVar[MessageType] = MessageType.SUBSCRIBED
 
 
 @dataclass(frozen=True, slots=True)
 class Records:
-    """Records in increasing seq order. Servers send them with ``records_frame``."""
+    """Records in increasing seq order. Servers send them with ``records_frame``.
+
+    ``epoch`` (optional, "Epochs"): the producer instance that wrote every record of the
+    frame, 0 if unknown; None leaves the field off the wire.
+    """
 
     records: tuple[Record, ...]
+    epoch: int | None = None
     TYPE: ClassVar[MessageType] = MessageType.RECORDS
 
 
@@ -149,6 +185,7 @@ class RecordRows:
     """
 
     rows: list[list[Any]]
+    epoch: int | None = None
     TYPE: ClassVar[MessageType] = MessageType.RECORDS
 
 
@@ -237,6 +274,48 @@ class ReportPosition:
 
 
 @dataclass(frozen=True, slots=True)
+class GetHistory:
+    """Send the records of ``stream`` whose key is ``key`` with ``start <= seq < end``
+    (``end`` capped at the head + 1), in seq order, then RANGE_END: one entity's
+    events without reading the whole stream."""
+
+    stream: str
+    key: bytes
+    start: int
+    end: int
+    TYPE: ClassVar[MessageType] = MessageType.GET_HISTORY
+
+
+@dataclass(frozen=True, slots=True)
+class SeekTime:
+    """Ask for the first seq of ``stream`` whose timestamp is >= ``timestamp`` (ms)."""
+
+    stream: str
+    timestamp: int
+    TYPE: ClassVar[MessageType] = MessageType.SEEK_TIME
+
+
+@dataclass(frozen=True, slots=True)
+class TimePosition:
+    """Answer to SEEK_TIME: ``seq`` to start from (``head + 1`` if no record is that late)."""
+
+    stream: str
+    seq: int
+    head: int
+    low: int
+    TYPE: ClassVar[MessageType] = MessageType.TIME_POSITION
+
+
+@dataclass(frozen=True, slots=True)
+class Authenticated:
+    """The answer to a CLIENT_HELLO that carried a token: the consumer it names, or nil from
+    a producer that does not check tokens."""
+
+    consumer: str | None
+    TYPE: ClassVar[MessageType] = MessageType.AUTHENTICATED
+
+
+@dataclass(frozen=True, slots=True)
 class Error:
     """The last frame on a connection: why the sender is closing it."""
 
@@ -264,9 +343,22 @@ Message = (
     | StatusReport
     | Error
     | ReportPosition
+    | Authenticated
     | RecordRows
+    | GetHistory
+    | SeekTime
+    | TimePosition
 )
-Request = Subscribe | GetHead | GetRange | ListStreams | GetStatus | ReportPosition
+Request = (
+    Subscribe
+    | GetHead
+    | GetRange
+    | ListStreams
+    | GetStatus
+    | ReportPosition
+    | GetHistory
+    | SeekTime
+)
 
 
 # --- Encoding -----------------------------------------------------------------
@@ -286,11 +378,23 @@ def _array_header(n: int) -> bytes:
 
 
 _RECORDS_PREFIX = b"\x92" + _packb(MessageType.RECORDS.value)
+_RECORDS_PREFIX_WITH_EPOCH = b"\x93" + _packb(MessageType.RECORDS.value)
 
 
-def records_frame(encoded_records: Sequence[bytes]) -> bytes:
-    """A RECORDS frame built from records already encoded by ``encode_record``."""
-    body_parts = [_RECORDS_PREFIX, _array_header(len(encoded_records)), *encoded_records]
+def records_frame(encoded_records: Sequence[bytes], epoch: int | None = None) -> bytes:
+    """A RECORDS frame built from records already encoded by ``encode_record``.
+
+    With ``epoch``, the frame ends with it ("Epochs"): one more array element after the records.
+    """
+    if epoch is None:
+        body_parts = [_RECORDS_PREFIX, _array_header(len(encoded_records)), *encoded_records]
+    else:
+        body_parts = [
+            _RECORDS_PREFIX_WITH_EPOCH,
+            _array_header(len(encoded_records)),
+            *encoded_records,
+            _packb(epoch),
+        ]
     size = sum(map(len, body_parts))
     return FRAME_HEADER.pack(size) + b"".join(body_parts)
 
@@ -298,13 +402,18 @@ def records_frame(encoded_records: Sequence[bytes]) -> bytes:
 def encode(message: Message) -> bytes:
     """One framed message."""
     if isinstance(message, Records):
-        return records_frame([encode_record(*r) for r in message.records])
+        return records_frame([encode_record(*r) for r in message.records], message.epoch)
     if isinstance(message, RecordRows):
-        return records_frame([_packb(row) for row in message.rows])
+        return records_frame([_packb(row) for row in message.rows], message.epoch)
     if isinstance(message, StreamList):
         items: list[Any] = [[s.stream, s.head, s.low] for s in message.streams]
         return frame(_packb([message.TYPE.value, items]))
-    values = [getattr(message, name) for name in _FIELD_NAMES[type(message)]]
+    cls = type(message)
+    values = [getattr(message, name) for name in _FIELD_NAMES[cls]]
+    # Optional trailing fields left as None are not sent ("Optional fields").
+    required = len(values) - _OPTIONAL_FIELDS.get(cls, 0)
+    while len(values) > required and values[-1] is None:
+        values.pop()
     return frame(_packb([message.TYPE.value, *values]))
 
 
@@ -327,6 +436,14 @@ def _map(v: Any) -> bool:
     return type(v) is dict
 
 
+def _bin(v: Any) -> bool:
+    return type(v) is bytes
+
+
+def _int(v: Any) -> bool:
+    return type(v) is int
+
+
 _CLASSES: dict[MessageType, type[Any]] = {
     cls.TYPE: cls
     for cls in (
@@ -347,16 +464,20 @@ _CLASSES: dict[MessageType, type[Any]] = {
         StatusReport,
         Error,
         ReportPosition,
+        GetHistory,
+        SeekTime,
+        TimePosition,
+        Authenticated,
     )
 }
 _FIELD_NAMES: dict[type[Any], tuple[str, ...]] = {
     cls: tuple(f.name for f in fields(cls)) for cls in _CLASSES.values()
 }
 _CHECKS: dict[type[Any], tuple[Callable[[Any], bool], ...]] = {
-    ClientHello: (_uint, _str),
+    ClientHello: (_uint, _str, _opt_str),
     ServerHello: (_uint, _str, _uint, _uint),
-    Subscribe: (_str, _uint, _str, _opt_str),
-    Subscribed: (_str, _uint, _uint),
+    Subscribe: (_str, _uint, _str, _opt_str, _uint),
+    Subscribed: (_str, _uint, _uint, _uint, _uint),
     Heartbeat: (_uint,),
     Ack: (_uint,),
     GetHead: (_str,),
@@ -368,7 +489,15 @@ _CHECKS: dict[type[Any], tuple[Callable[[Any], bool], ...]] = {
     StatusReport: (_map,),
     Error: (_uint, _str, _map),
     ReportPosition: (_str, _str, _uint),
+    GetHistory: (_str, _bin, _uint, _uint),
+    SeekTime: (_str, _int),
+    TimePosition: (_str, _uint, _uint, _uint),
+    Authenticated: (_opt_str,),
 }
+# How many of a message's last fields are optional ("Optional fields"): a frame may end
+# before them, and they are then None; left as None they are not sent, so frames stay as
+# they were before the fields existed.
+_OPTIONAL_FIELDS: dict[type[Any], int] = {ClientHello: 1, Subscribe: 1, Subscribed: 2}
 
 
 _REPR = reprlib.Repr()
@@ -466,12 +595,19 @@ def _decode_message(body: bytes, raw_records: bool) -> Message:
     except ValueError:
         raise _malformed(f"unknown message type {obj[0]}") from None
     args = obj[1:]
-    if cls is Records or cls is StreamList:
+    if cls is StreamList:
         if len(args) != 1:
             raise _malformed(f"{cls.TYPE.name} takes 1 field, got {len(args)}")
-        if cls is StreamList:
-            return _decode_stream_list(args[0])
-        return _decode_record_rows(args[0]) if raw_records else _decode_records(args[0])
+        return _decode_stream_list(args[0])
+    if cls is Records:
+        if len(args) not in (1, 2):
+            raise _malformed(f"RECORDS takes 1 or 2 fields, got {len(args)}")
+        epoch = args[1] if len(args) == 2 else None
+        if len(args) == 2 and not _uint(epoch):
+            raise _malformed(f"RECORDS.epoch has an invalid value: {_short(epoch)}")
+        if raw_records:
+            return RecordRows(_decode_record_rows(args[0]).rows, epoch)
+        return Records(_decode_records(args[0]).records, epoch)
     if cls in (ClientHello, ServerHello) and args and args[0] != PROTOCOL_VERSION:
         # "Handshake": the version is checked before anything else in a hello,
         # whose other fields may differ in other versions.
@@ -480,12 +616,14 @@ def _decode_message(body: bytes, raw_records: bool) -> Message:
             ErrorCode.VERSION_MISMATCH,
         )
     checks = _CHECKS[cls]
-    if len(args) != len(checks):
-        raise _malformed(f"{cls.TYPE.name} takes {len(checks)} fields, got {len(args)}")
-    for name, check, value in zip(_FIELD_NAMES[cls], checks, args, strict=True):
+    optional = _OPTIONAL_FIELDS.get(cls, 0)
+    if not len(checks) - optional <= len(args) <= len(checks):
+        expected = f"{len(checks) - optional} to {len(checks)}" if optional else len(checks)
+        raise _malformed(f"{cls.TYPE.name} takes {expected} fields, got {len(args)}")
+    for name, check, value in zip(_FIELD_NAMES[cls], checks, args, strict=False):
         if not check(value):
             raise _malformed(f"{cls.TYPE.name}.{name} has an invalid value: {_short(value)}")
-    message: Message = cls(*args)
+    message: Message = cls(*args)  # omitted trailing fields take their default, nil
     return message
 
 
@@ -537,7 +675,7 @@ class State(Enum):
     CLOSED = "closed"
 
 
-_REQUESTS = (GetHead, GetRange, ListStreams, GetStatus, ReportPosition)
+_REQUESTS = (GetHead, GetRange, ListStreams, GetStatus, ReportPosition, GetHistory, SeekTime)
 # What the client may receive while the oldest pending request is of each kind.
 _RESPONSES: dict[type[Any], tuple[type[Any], ...]] = {
     GetHead: (StreamInfo,),
@@ -545,8 +683,10 @@ _RESPONSES: dict[type[Any], tuple[type[Any], ...]] = {
     ListStreams: (StreamList,),
     GetStatus: (StatusReport,),
     ReportPosition: (StreamInfo,),
+    GetHistory: (Records, RecordRows, RangeEnd),
+    SeekTime: (TimePosition,),
 }
-_FINAL_RESPONSES = (StreamInfo, RangeEnd, StreamList, StatusReport)
+_FINAL_RESPONSES = (StreamInfo, RangeEnd, StreamList, StatusReport, TimePosition)
 
 
 class _Connection:
@@ -608,12 +748,19 @@ class _Connection:
 class ServerConnection(_Connection):
     """The producer's side of one connection."""
 
+    def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
+        super().__init__(max_frame_size)
+        # "Authentication": a hello with a token is answered with AUTHENTICATED (or ERROR)
+        # before anything else.
+        self.authenticated_owed = False
+
     def _on_receive(self, message: Message) -> None:
         state = self.their_state
         if state is State.AWAIT_HELLO:
             if not isinstance(message, ClientHello):
                 raise self._unexpected(message, "CLIENT_HELLO")
             self.their_state = State.READY
+            self.authenticated_owed = message.token is not None
         elif state is State.READY:
             if isinstance(message, Subscribe):
                 self.their_state = State.STREAMING
@@ -630,12 +777,20 @@ class ServerConnection(_Connection):
             self.our_state = State.READY
         elif isinstance(message, ServerHello):
             raise LocalProtocolError("SERVER_HELLO was already sent")
+        elif isinstance(message, Authenticated) != self.authenticated_owed:
+            raise LocalProtocolError(
+                "AUTHENTICATED answers a CLIENT_HELLO with a token, before anything else"
+                if self.authenticated_owed
+                else "AUTHENTICATED is sent once, only after a CLIENT_HELLO with a token"
+            )
+        else:
+            self.authenticated_owed = False
 
-    def send_records(self, encoded_records: Sequence[bytes]) -> bytes:
+    def send_records(self, encoded_records: Sequence[bytes], epoch: int | None = None) -> bytes:
         """A RECORDS frame from stored record encodings (the hot path)."""
-        if self.our_state is not State.READY:
+        if self.our_state is not State.READY or self.authenticated_owed:
             raise LocalProtocolError(f"cannot send RECORDS while {self.our_state.value}")
-        return records_frame(encoded_records)
+        return records_frame(encoded_records, epoch)
 
 
 class ClientConnection(_Connection):
@@ -650,6 +805,7 @@ class ClientConnection(_Connection):
         self._pending: deque[Request] = deque()
         self._subscribing = False  # SUBSCRIBE sent: the connection is a subscription for good
         self._subscribed_ack = False
+        self._authenticated_pending = False  # a token was sent; AUTHENTICATED comes first
         self.last_seq = 0
 
     def _on_send(self, message: Message) -> None:
@@ -658,6 +814,7 @@ class ClientConnection(_Connection):
             if not isinstance(message, ClientHello):
                 raise LocalProtocolError("the first frame a client sends must be CLIENT_HELLO")
             self.our_state = State.READY
+            self._authenticated_pending = message.token is not None
         elif state is State.READY:
             if isinstance(message, Subscribe):
                 if self._pending:
@@ -684,6 +841,13 @@ class ClientConnection(_Connection):
                 decoder.max_frame_size, min(message.max_frame_size, MAX_ACCEPTED_FRAME_SIZE)
             )
             return
+        if self._authenticated_pending:
+            if not isinstance(message, Authenticated):
+                raise self._unexpected(message, "AUTHENTICATED (a token was sent)")
+            self._authenticated_pending = False
+            return
+        if isinstance(message, Authenticated):
+            raise self._unexpected(message, "no AUTHENTICATED (no token was sent)")
         if self._subscribing:
             self._on_receive_streaming(message)
             return
@@ -693,14 +857,16 @@ class ClientConnection(_Connection):
         allowed = _RESPONSES[type(request)]
         if not isinstance(message, allowed):
             raise self._unexpected(message, " or ".join(c.TYPE.name for c in allowed))
-        if isinstance(message, Records | RecordRows) and isinstance(request, GetRange):
-            # A range holds only seqs in [start, end), in increasing order.
+        if isinstance(message, Records | RecordRows):
+            # A range or a history holds only seqs in [start, end), in increasing order.
             seqs = _first_and_last_seq(message)
             if seqs is not None:
                 first, last = seqs
-                if not (request.start <= first and last < request.end and first > self.last_seq):
+                assert isinstance(request, GetRange | GetHistory)
+                end = request.end
+                if not (request.start <= first and last < end and first > self.last_seq):
                     raise _malformed(
-                        f"RECORDS outside the requested range [{request.start}, {request.end})"
+                        f"RECORDS outside the requested range [{request.start}, {end})"
                     )
                 self.last_seq = last
         if isinstance(message, _FINAL_RESPONSES):

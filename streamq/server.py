@@ -27,20 +27,24 @@ from .errors import (
     TooManyConnectionsError,
 )
 from .log import Log, Stream
+from .positions import Positions
 from .protocol import (
     DEFAULT_MAX_FRAME_SIZE,
     FRAME_OVERHEAD,
     PROTOCOL_VERSION,
     Ack,
+    Authenticated,
     ClientHello,
     Error,
     GetHead,
+    GetHistory,
     GetRange,
     GetStatus,
     Heartbeat,
     ListStreams,
     RangeEnd,
     ReportPosition,
+    SeekTime,
     ServerConnection,
     ServerHello,
     State,
@@ -49,7 +53,9 @@ from .protocol import (
     StreamList,
     Subscribe,
     Subscribed,
+    TimePosition,
 )
+from .security import Principal, ServerTLS, TokenAuth, check_admin, check_stream
 
 logger = logging.getLogger("streamq.server")
 
@@ -60,16 +66,24 @@ _LINGER_BYTES = 1024 * 1024
 
 @dataclass(frozen=True)
 class ServerSettings:
-    """Limits and timings of the embedded server; the defaults suit most services."""
+    """Limits, timings and security of the embedded server; the defaults suit most services.
+
+    ``tls``: serve over TLS 1.3 (with ``ServerTLS(client_ca=...)``, mutual TLS).
+    ``auth``: require a token naming the consumer, and check its grants on every request.
+    Both off by default: plain TCP, anyone who can connect may read everything.
+    """
 
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
     max_connections: int = 1024
     handshake_timeout: float = 10.0  # from accept to CLIENT_HELLO
     idle_timeout: float = 300.0  # between requests on a request connection
+    frame_timeout: float = 30.0  # on a subscription, for the rest of a frame once begun
     heartbeat_interval: float = 5.0  # on a subscription with nothing to send
     max_batch_records: int = 8192  # records per RECORDS frame
     max_batch_bytes: int = 1024 * 1024  # bytes per RECORDS frame (at least one record)
     write_buffer_high: int = 1024 * 1024  # transport buffer that makes the pusher wait
+    tls: ServerTLS | None = None
+    auth: TokenAuth | None = None
 
     def __post_init__(self) -> None:
         if self.max_batch_records < 1 or self.max_connections < 1:
@@ -89,6 +103,7 @@ class Subscription:
     acked: int  # last seq the consumer reported as applied and committed
     transport: asyncio.BaseTransport | None = None
     since: float = field(default_factory=time.time)
+    principal: str | None = None  # the consumer its token named, when the producer checks tokens
 
     @property
     def buffered(self) -> int:
@@ -106,6 +121,7 @@ class Subscription:
             "acked": self.acked,
             "buffered": self.buffered,
             "connected_at": int(self.since * 1000),
+            "principal": self.principal,
         }
 
 
@@ -117,17 +133,33 @@ def _peer_name(writer: asyncio.StreamWriter) -> str:
     return str(peer)
 
 
+@dataclass
+class Traffic:
+    """Records sent from one stream and the bytes of their RECORDS frames, counted per frame."""
+
+    records: int = 0
+    bytes: int = 0
+
+
 class Server:
     """Accepts consumers and clients for one producer's log."""
 
-    def __init__(self, log: Log, producer_id: str, epoch: int, settings: ServerSettings) -> None:
+    def __init__(
+        self,
+        log: Log,
+        producer_id: str,
+        epoch: int,
+        settings: ServerSettings,
+        positions: Positions | None = None,
+    ) -> None:
         self.log = log
         self.producer_id = producer_id
         self.epoch = epoch
         self.settings = settings
+        # Durable positions consumers report (ACK, REPORT_POSITION): lag, waits, retention.
+        self.positions = positions or Positions()
+        self.traffic: dict[str, Traffic] = {}  # stream name -> what was sent from it
         self.subscriptions: set[Subscription] = set()
-        # Positions reported by readers that do not subscribe: (consumer, stream) -> (seq, when)
-        self.reported: dict[tuple[str, str], tuple[int, float]] = {}
         self.connections = 0
         self.errors_sent = 0
         self._server: asyncio.Server | None = None
@@ -136,7 +168,20 @@ class Server:
         self.address = ""  # host:port, once started
 
     async def start(self, host: str, port: int) -> None:
-        self._server = await asyncio.start_server(self._on_connection, host, port, limit=_READ_SIZE)
+        tls = self.settings.tls
+        # A listen backlog as deep as the connection cap (the kernel caps it at somaxconn):
+        # with asyncio's default of 100, a burst of connections overflows the accept queue
+        # and every connect beyond it waits for a SYN retransmit (1 s, then 3 s, ...).
+        self._server = await asyncio.start_server(
+            self._on_connection,
+            host,
+            port,
+            limit=_READ_SIZE,
+            ssl=None if tls is None else tls.context(),
+            # A TLS handshake counts against the same deadline as CLIENT_HELLO.
+            ssl_handshake_timeout=None if tls is None else self.settings.handshake_timeout,
+            backlog=max(100, self.settings.max_connections),
+        )
         bound_host, bound_port = self._server.sockets[0].getsockname()[:2]
         self.address = (
             f"[{bound_host}]:{bound_port}" if ":" in bound_host else f"{bound_host}:{bound_port}"
@@ -248,28 +293,56 @@ class Server:
             return None  # the client is closing; "Errors"
         return message
 
+    def _authenticate(self, hello: ClientHello) -> Principal | None:
+        """Who the client is (None when this producer does not check tokens)."""
+        if self.settings.auth is None:
+            return None
+        return self.settings.auth.authenticate(hello.token)
+
     async def _serve(
         self, conn: ServerConnection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
+        # "Authentication": every request is checked against the grants of the consumer
+        # the hello's token names; nothing is answered before the token is checked.
+        principal: Principal | None = None
         while (message := await self._next_message(conn, reader)) is not None:
             if isinstance(message, ClientHello):
+                principal = self._authenticate(message)
+                if conn.authenticated_owed:
+                    name = None if principal is None else principal.name
+                    writer.write(conn.send(Authenticated(name)))
                 continue
+            if isinstance(
+                message, Subscribe | GetHead | GetRange | GetHistory | SeekTime | ReportPosition
+            ):
+                check_stream(principal, message.stream)
             if isinstance(message, Subscribe):
-                await self._subscription(conn, message, reader, writer)
+                await self._subscription(conn, message, reader, writer, principal)
                 return
             if isinstance(message, GetHead):
                 stream = self.log.stream(message.stream)
                 writer.write(conn.send(StreamInfo(stream.name, stream.head, stream.low)))
             elif isinstance(message, GetRange):
                 await self._send_range(conn, message, writer)
+            elif isinstance(message, GetHistory):
+                await self._send_history(conn, message, writer)
+            elif isinstance(message, SeekTime):
+                stream = self.log.stream(message.stream)
+                seq = await self.log.seek_time(stream, message.timestamp)
+                writer.write(conn.send(TimePosition(stream.name, seq, stream.head, stream.low)))
             elif isinstance(message, ListStreams):
-                infos = tuple(StreamInfo(s.name, s.head, s.low) for s in self.log.streams.values())
+                infos = tuple(
+                    StreamInfo(s.name, s.head, s.low)
+                    for s in self.log.streams.values()
+                    if principal is None or principal.may_read(s.name)
+                )
                 writer.write(conn.send(StreamList(infos)))
             elif isinstance(message, GetStatus):
+                check_admin(principal, "the status report")
                 writer.write(conn.send(StatusReport(self.status())))
             elif isinstance(message, ReportPosition):
                 stream = self.log.stream(message.stream)
-                self.reported[(message.consumer, stream.name)] = (message.seq, time.time())
+                self.positions.report(message.consumer, stream.name, message.seq)
                 writer.write(conn.send(StreamInfo(stream.name, stream.head, stream.low)))
             await writer.drain()
 
@@ -278,13 +351,24 @@ class Server:
             "producer_id": self.producer_id,
             "epoch": self.epoch,
             "streams": [
-                {"stream": s.name, "head": s.head, "low": s.low} for s in self.log.streams.values()
+                {
+                    "stream": s.name,
+                    "head": s.head,
+                    "low": s.low,
+                    "key_index": s.settings.key_index,
+                    "compact": s.settings.compact,
+                    "compacted": s.compacted,
+                }
+                for s in self.log.streams.values()
             ],
             "consumers": [sub.describe() for sub in self.subscriptions],
-            "reported": [
-                {"consumer": consumer, "stream": stream, "seq": seq, "at": int(at * 1000)}
-                for (consumer, stream), (seq, at) in self.reported.items()
+            "positions": [
+                {**p._asdict(), "updated_at": int(p.updated_at * 1000)}
+                for p in self.positions.lags(self.log.streams)
             ],
+            "sent": {
+                name: {"records": t.records, "bytes": t.bytes} for name, t in self.traffic.items()
+            },
             "connections": self.connections,
             "errors_sent": self.errors_sent,
         }
@@ -320,6 +404,7 @@ class Server:
     ) -> None:
         stream = self.log.stream(request.stream)
         self._check_start(stream, request.start, request.end)
+        traffic = self.traffic.setdefault(stream.name, Traffic())
         seq = request.start
         while seq < request.end:
             records, last = await self.log.read(
@@ -329,9 +414,34 @@ class Server:
                 self.settings.max_batch_records,
                 self.settings.max_batch_bytes,
             )
-            writer.write(conn.send_records(records))
-            await writer.drain()
+            if records:  # none when compaction removed the rest of the range
+                frame = conn.send_records(records)
+                writer.write(frame)
+                traffic.records += len(records)
+                traffic.bytes += len(frame)
+                await writer.drain()
             seq = last + 1
+        writer.write(conn.send(RangeEnd()))
+
+    async def _send_history(
+        self, conn: ServerConnection, request: GetHistory, writer: asyncio.StreamWriter
+    ) -> None:
+        """One key's records held in [start, min(end, head + 1)), then RANGE_END."""
+        stream = self.log.stream(request.stream)
+        if request.start < 1:
+            raise OffsetOutOfRangeError(
+                f"seqs start at 1, not {request.start}",
+                {"stream": stream.name, "requested": 0, "low": stream.low, "head": stream.head},
+            )
+        seq, end = request.start, min(request.end, stream.head + 1)
+        settings = self.settings
+        while seq < end:
+            records, seq = await self.log.history(
+                stream, request.key, seq, end, settings.max_batch_records, settings.max_batch_bytes
+            )
+            if records:
+                writer.write(conn.send_records(records))
+                await writer.drain()
         writer.write(conn.send(RangeEnd()))
 
     async def _subscription(
@@ -340,6 +450,7 @@ class Server:
         request: Subscribe,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
+        principal: Principal | None,
     ) -> None:
         if request.producer_id is not None and request.producer_id != self.producer_id:
             raise ProducerMismatchError(
@@ -347,14 +458,33 @@ class Server:
                 {"producer_id": self.producer_id, "expected": request.producer_id},
             )
         stream = self.log.stream(request.stream)
-        self._check_start(stream, request.start_seq)
-        writer.write(conn.send(Subscribed(stream.name, stream.head, stream.low)))
         position = request.start_seq - 1
+        with_epochs = request.seen_epoch is not None
+        # "Epochs": the epoch that wrote the client's position here, and where this log
+        # stops holding what the client read.
+        after_epoch, rewritten = stream.epochs.vouch(position, stream.head, request.seen_epoch or 0)
+        try:
+            self._check_start(stream, request.start_seq)
+        except OffsetOutOfRangeError as exc:
+            if rewritten:
+                exc.details["rewritten_from"] = rewritten
+            raise
+        if with_epochs:
+            subscribed = Subscribed(stream.name, stream.head, stream.low, after_epoch, rewritten)
+        else:
+            subscribed = Subscribed(stream.name, stream.head, stream.low)
+        writer.write(conn.send(subscribed))
         sub = Subscription(
-            request.consumer, stream.name, _peer_name(writer), position, position, writer.transport
+            request.consumer,
+            stream.name,
+            _peer_name(writer),
+            position,
+            position,
+            writer.transport,
+            principal=None if principal is None else principal.name,
         )
         self.subscriptions.add(sub)
-        push = asyncio.create_task(self._push(conn, stream, sub, writer))
+        push = asyncio.create_task(self._push(conn, stream, sub, writer, with_epochs))
         acks = asyncio.create_task(self._read_acks(conn, reader, sub))
         try:
             done, _ = await asyncio.wait({push, acks}, return_when=asyncio.FIRST_COMPLETED)
@@ -369,14 +499,32 @@ class Server:
     async def _read_acks(
         self, conn: ServerConnection, reader: asyncio.StreamReader, sub: Subscription
     ) -> None:
-        """Read the consumer's ACKs until it closes; anything else is a protocol error."""
+        """Read the consumer's ACKs until it closes; anything else is a protocol error.
+
+        A subscription may be quiet for ever, but a frame once begun must be complete
+        within ``frame_timeout``: a trickle of bytes cannot hold a buffer for ever.
+        """
+        loop = asyncio.get_running_loop()
+        deadline: float | None = None
         while True:
             while (message := conn.next_event()) is not None:
+                deadline = None  # a frame completed; the next one has its own deadline
                 if isinstance(message, Error):
                     return
                 if isinstance(message, Ack):
                     sub.acked = max(sub.acked, message.seq)
-            data = await reader.read(_READ_SIZE)
+                    self.positions.report(sub.consumer, sub.stream, message.seq)
+            if not conn.buffered:
+                deadline = None
+            elif deadline is None:
+                deadline = loop.time() + self.settings.frame_timeout
+            try:
+                async with asyncio.timeout_at(deadline):
+                    data = await reader.read(_READ_SIZE)
+            except TimeoutError:
+                raise IdleTimeoutError(
+                    f"incomplete frame for {self.settings.frame_timeout:g} s; closing"
+                ) from None
             if not data:
                 return
             conn.receive_data(data)
@@ -387,23 +535,34 @@ class Server:
         stream: Stream,
         sub: Subscription,
         writer: asyncio.StreamWriter,
+        with_epochs: bool = False,
     ) -> None:
-        """Catch up from SQLite or memory, then follow commits as they happen."""
+        """Catch up from SQLite or memory, then follow commits as they happen.
+
+        With epochs, a frame never spans two epochs' segments: it carries its writer's epoch.
+        """
         settings = self.settings
+        traffic = self.traffic.setdefault(stream.name, Traffic())
         seq = sub.sent + 1
+        epochs = stream.epochs
         while True:
+            end = seq + settings.max_batch_records
+            if with_epochs:
+                end = min(end, epochs.segment_end(seq))
             records, last = await self.log.read(
-                stream,
-                seq,
-                seq + settings.max_batch_records,
-                settings.max_batch_records,
-                settings.max_batch_bytes,
+                stream, seq, end, settings.max_batch_records, settings.max_batch_bytes
             )
             if records:
-                writer.write(conn.send_records(records))
+                epoch = epochs.epoch_of(seq) if with_epochs else None
+                frame = conn.send_records(records, epoch)
+                writer.write(frame)
+                traffic.records += len(records)
+                traffic.bytes += len(frame)
                 sub.sent = last
                 seq = last + 1
                 await writer.drain()
+            elif last >= seq:  # a compacted stream's gap: nothing to send, nothing lost
+                seq = last + 1
             elif not await stream.wait_beyond(seq - 1, settings.heartbeat_interval):
                 writer.write(conn.send(Heartbeat(stream.head)))
                 await writer.drain()

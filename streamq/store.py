@@ -1,16 +1,39 @@
 """The SQL behind the log, in the producer's own SQLite database.
 
-Three tables, all prefixed ``streamq_`` so they sit beside the application's own:
+Six tables, all prefixed ``streamq_`` so they sit beside the application's own:
 
 - ``streamq_meta``: the producer's stable id (made once, when the database is
   created) and its epoch (bumped at every start).
 - ``streamq_streams``: one row per stream with its ``low`` (first seq still
-  held). The head is derived, never written per commit: the last seq in the log,
-  or ``low - 1`` when retention emptied the stream, so seqs are never reused.
+  held) and its settings (``key_index``). The head is derived, never written per
+  commit: the last seq in the log, or ``low - 1`` when retention emptied the
+  stream, so seqs are never reused.
 - ``streamq_log``: the records. ``pos`` packs (stream id, seq) into SQLite's
   rowid, so appends and range scans are rowid b-tree operations with no second
   index (measured: ~25 % faster inserts than a composite primary key). ``record``
   holds the record's wire encoding (``protocol.encode_record``), sent as is.
+  ``key`` repeats the record's key for streams created with ``key_index`` (NULL
+  otherwise), and a partial index on it finds one key's records (``history``)
+  without a scan. Opt-in per stream: each keyed record dirties a random index
+  page, which costs a bulk keyed publish ~4x (``bench/key_index.py``).
+- ``streamq_time``: a sparse time index. A row (stream, ts, pos) is written each
+  time a record's timestamp exceeds every earlier one of its stream, so the
+  first row with ``ts >= T`` names the first seq whose timestamp reaches T:
+  one b-tree seek (``seek_time``), a handful of rows per millisecond at most.
+- ``streamq_consumers``: registered consumers, whose unapplied records retention
+  keeps, with the last position each reported (saved lazily, never per commit).
+  Added after the first release: ``CREATE TABLE IF NOT EXISTS`` adds it to older
+  databases when a producer starts, or when a registration is first made.
+- ``streamq_epochs``: which producer instance (epoch) appended which seqs. A row
+  (stream, first_seq, epoch) says: from ``first_seq`` up to the next row's, that
+  stream's records were appended by the producer that started with ``epoch``. An
+  instance writes a row in the same transaction as its first record after a record it
+  did not append itself (after its start, or another process's records), so a row
+  exists exactly when its record does: a power loss that rolls back records rolls back
+  their rows too, and the seqs re-used after it get the new epoch's row. That is how a
+  consumer that remembers (epoch, seq) tells a re-used seq from the one it applied
+  (docs/protocol.md, "Epochs"). Rows are not written at start: another process
+  starting while this one serves would then claim seqs it never wrote.
 """
 
 from __future__ import annotations
@@ -23,27 +46,60 @@ from typing import Any, Literal
 
 import aiosqlite
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 SEQ_BITS = 40
 MAX_STORED_SEQ = (1 << SEQ_BITS) - 1
 
 Durability = Literal["normal", "full"]
+
+CONSUMERS_SCHEMA = """CREATE TABLE IF NOT EXISTS streamq_consumers (
+    consumer TEXT NOT NULL,
+    stream TEXT NOT NULL,
+    applied INTEGER NOT NULL DEFAULT 0,  -- last seq the consumer reported applied
+    registered_at INTEGER NOT NULL,      -- milliseconds since the Unix epoch
+    updated_at INTEGER NOT NULL,         -- when applied was last saved
+    PRIMARY KEY (consumer, stream)
+)"""
 
 _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS streamq_meta (key TEXT PRIMARY KEY, value NOT NULL)",
     """CREATE TABLE IF NOT EXISTS streamq_streams (
         id INTEGER PRIMARY KEY,
         name TEXT NOT NULL UNIQUE,
-        low INTEGER NOT NULL DEFAULT 1
+        low INTEGER NOT NULL DEFAULT 1,
+        key_index INTEGER NOT NULL DEFAULT 0,  -- 1: records' keys are indexed (history)
+        compact INTEGER NOT NULL DEFAULT 0,    -- 1: compacted periodically
+        notify_compacted INTEGER NOT NULL DEFAULT 0,  -- 1: removals go to "<name>.compacted"
+        compacted INTEGER NOT NULL DEFAULT 0   -- compaction ran up to this seq: gaps below
     )""",
     """CREATE TABLE IF NOT EXISTS streamq_log (
         pos INTEGER PRIMARY KEY,  -- stream id << 40 | seq
         ts INTEGER NOT NULL,      -- milliseconds since the Unix epoch
-        record BLOB NOT NULL      -- protocol.encode_record(...)
+        record BLOB NOT NULL,     -- protocol.encode_record(...)
+        key BLOB                  -- the record's key if its stream has key_index, else NULL
     )""",
+    """CREATE TABLE IF NOT EXISTS streamq_epochs (
+        stream_id INTEGER NOT NULL,
+        first_seq INTEGER NOT NULL,  -- this epoch appended from here to the next row
+        epoch INTEGER NOT NULL,
+        PRIMARY KEY (stream_id, first_seq)
+    ) WITHOUT ROWID""",
+    CONSUMERS_SCHEMA,
+)
+# After the migration from version 1, which adds the columns these need.
+_INDEXES = (
+    "CREATE INDEX IF NOT EXISTS streamq_log_key ON streamq_log (key) WHERE key IS NOT NULL",
+    """CREATE TABLE IF NOT EXISTS streamq_time (
+        stream_id INTEGER NOT NULL,
+        ts INTEGER NOT NULL,      -- a timestamp above every earlier one of the stream
+        pos INTEGER NOT NULL,     -- the first record that reached it
+        PRIMARY KEY (stream_id, ts)
+    ) WITHOUT ROWID""",
 )
 
-INSERT_RECORDS = "INSERT INTO streamq_log (pos, ts, record) VALUES (?, ?, ?)"
+INSERT_RECORDS = "INSERT INTO streamq_log (pos, ts, record, key) VALUES (?, ?, ?, ?)"
+INSERT_TIMES = "INSERT INTO streamq_time (stream_id, ts, pos) VALUES (?, ?, ?)"
+INSERT_EPOCHS = "INSERT INTO streamq_epochs (stream_id, first_seq, epoch) VALUES (?, ?, ?)"
 
 # Each stream's id, name, low and head, the head derived as the docstring says. Plain SQL,
 # so tools reading a producer's file with sqlite3 get the same answer.
@@ -51,7 +107,9 @@ STREAMS_QUERY = f"""
 SELECT id, name, low, max(low - 1, coalesce(
     (SELECT max(pos) FROM streamq_log
      WHERE pos > (id << {SEQ_BITS}) AND pos < ((id + 1) << {SEQ_BITS})),
-    0) & {(1 << SEQ_BITS) - 1}) AS head
+    0) & {(1 << SEQ_BITS) - 1}) AS head,
+    key_index, compact, notify_compacted, compacted,
+    (SELECT max(ts) FROM streamq_time WHERE stream_id = id) AS max_ts
 FROM streamq_streams"""
 HEAD_QUERY = f"SELECT head FROM ({STREAMS_QUERY}) WHERE name = ?"
 
@@ -62,11 +120,23 @@ def pos(stream_id: int, seq: int) -> int:
 
 
 @dataclass(frozen=True, slots=True)
+class StreamSettings:
+    """Chosen when a stream is created (``Producer.create_stream``), fixed afterwards."""
+
+    key_index: bool = False  # keys indexed: ``history`` seeks instead of scanning
+    compact: bool = False  # compacted periodically: only each key's latest record is kept
+    notify_compacted: bool = False  # what compaction removes is published to "<name>.compacted"
+
+
+@dataclass(frozen=True, slots=True)
 class StreamRow:
     id: int
     name: str
     head: int
     low: int
+    settings: StreamSettings = StreamSettings()
+    max_ts: int | None = None  # the stream's largest timestamp so far (streamq_time)
+    compacted: int = 0  # compaction ran up to this seq: seqs up to it may be absent
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,11 +190,16 @@ async def initialize(conn: aiosqlite.Connection, durability: Durability) -> Iden
                 "created_at": int(time.time() * 1000),
                 "epoch": 0,
             }
+        elif meta.get("schema_version") == 1:
+            await _migrate_from_1(conn)
+            meta["schema_version"] = SCHEMA_VERSION
         elif meta.get("schema_version") != SCHEMA_VERSION:
             raise OSError(
                 f"database has streamq schema version {meta.get('schema_version')!r}, "
                 f"this streamq needs {SCHEMA_VERSION}"
             )
+        for statement in _INDEXES:
+            await conn.execute(statement)
         meta["epoch"] = int(meta["epoch"]) + 1
         await conn.executemany(
             "INSERT OR REPLACE INTO streamq_meta (key, value) VALUES (?, ?)", meta.items()
@@ -139,9 +214,58 @@ async def initialize(conn: aiosqlite.Connection, durability: Durability) -> Iden
     return Identity(str(meta["producer_id"]), int(meta["epoch"]), created)
 
 
+async def _migrate_from_1(conn: aiosqlite.Connection) -> None:
+    """Version 1 had no key column and no time index: add both. Its streams keep no key
+    index (the default); the time index is filled from the records."""
+    await conn.execute("ALTER TABLE streamq_log ADD COLUMN key BLOB")
+    for column in ("key_index", "compact", "notify_compacted", "compacted"):
+        await conn.execute(
+            f"ALTER TABLE streamq_streams ADD COLUMN {column} INTEGER NOT NULL DEFAULT 0"
+        )
+    await conn.execute(_INDEXES[1])
+    max_ts: dict[int, int] = {}
+    last = -1
+    while rows := list(
+        await conn.execute_fetchall(
+            "SELECT pos, ts FROM streamq_log WHERE pos > ? ORDER BY pos LIMIT 10000",
+            (last,),
+        )
+    ):
+        times = []
+        for p, ts in rows:
+            stream_id = p >> SEQ_BITS
+            if ts > max_ts.get(stream_id, ts - 1):
+                max_ts[stream_id] = ts
+                times.append((stream_id, ts, p))
+        await conn.executemany(INSERT_TIMES, times)
+        last = rows[-1][0]
+
+
 async def load_streams(conn: aiosqlite.Connection) -> list[StreamRow]:
     rows = await conn.execute_fetchall(STREAMS_QUERY)
-    return [StreamRow(stream_id, name, head, low) for stream_id, name, low, head in rows]
+    return [
+        StreamRow(
+            stream_id, name, head, low, StreamSettings(bool(k), bool(c), bool(n)), max_ts, compacted
+        )
+        for stream_id, name, low, head, k, c, n, compacted, max_ts in rows
+    ]
+
+
+async def load_epochs(
+    conn: aiosqlite.Connection, stream_id: int | None = None, after: int = 0
+) -> list[tuple[int, int, int]]:
+    """(stream id, first seq, epoch) rows in seq order: every stream's, or one stream's
+    rows with first seq > ``after``."""
+    if stream_id is None:
+        sql = "SELECT stream_id, first_seq, epoch FROM streamq_epochs ORDER BY stream_id, first_seq"
+        rows = await conn.execute_fetchall(sql)
+    else:
+        rows = await conn.execute_fetchall(
+            "SELECT stream_id, first_seq, epoch FROM streamq_epochs "
+            "WHERE stream_id = ? AND first_seq > ? ORDER BY first_seq",
+            (stream_id, after),
+        )
+    return [(int(s), int(f), int(e)) for s, f, e in rows]
 
 
 async def data_version(conn: aiosqlite.Connection) -> int:
@@ -152,19 +276,25 @@ async def data_version(conn: aiosqlite.Connection) -> int:
     return int(row[0])
 
 
-_CREATE_STREAM = "INSERT INTO streamq_streams (name) VALUES (?)"
+_CREATE_STREAM = (
+    "INSERT INTO streamq_streams (name, key_index, compact, notify_compacted) VALUES (?, ?, ?, ?)"
+)
 
 
-async def create_stream(conn: aiosqlite.Connection, name: str) -> int:
+def _stream_row(name: str, settings: StreamSettings) -> tuple[Any, ...]:
+    return (name, settings.key_index, settings.compact, settings.notify_compacted)
+
+
+async def create_stream(conn: aiosqlite.Connection, name: str, settings: StreamSettings) -> int:
     """Insert a stream row inside the caller's transaction; returns its id."""
-    cursor = await conn.execute(_CREATE_STREAM, (name,))
+    cursor = await conn.execute(_CREATE_STREAM, _stream_row(name, settings))
     assert cursor.lastrowid is not None
     return cursor.lastrowid
 
 
-def create_stream_blocking(conn: sqlite3.Connection, name: str) -> int:
+def create_stream_blocking(conn: sqlite3.Connection, name: str, settings: StreamSettings) -> int:
     """``create_stream`` on the connection's own thread."""
-    cursor = conn.execute(_CREATE_STREAM, (name,))
+    cursor = conn.execute(_CREATE_STREAM, _stream_row(name, settings))
     assert cursor.lastrowid is not None
     return cursor.lastrowid
 
@@ -180,12 +310,193 @@ async def read_records(
     return [(p & MAX_STORED_SEQ, record) for p, record in rows]
 
 
+async def read_key_records(
+    conn: aiosqlite.Connection, stream_id: int, key: bytes, start: int, end: int, limit: int
+) -> list[tuple[int, bytes]]:
+    """Up to ``limit`` (seq, encoded record) pairs of ``key`` with ``start <= seq < end``.
+
+    A seek in the partial index ``streamq_log_key`` (key, then rowid): no scan.
+    """
+    rows = await conn.execute_fetchall(
+        KEY_RECORDS_QUERY, (key, pos(stream_id, start), pos(stream_id, end), limit)
+    )
+    return [(p & MAX_STORED_SEQ, record) for p, record in rows]
+
+
+KEY_RECORDS_QUERY = (
+    "SELECT pos, record FROM streamq_log WHERE key = ? AND pos >= ? AND pos < ? "
+    "ORDER BY pos LIMIT ?"
+)
+SEEK_TIME_QUERY = "SELECT pos FROM streamq_time WHERE stream_id = ? AND ts >= ? ORDER BY ts LIMIT 1"
+
+
+async def seek_time(conn: aiosqlite.Connection, stream_id: int, timestamp: int) -> int | None:
+    """The first seq whose timestamp is >= ``timestamp``, None if no record's is.
+
+    Timestamps are read as a running maximum, as Kafka's time index does: a record
+    stamped earlier than one before it never moves the answer back.
+    """
+    async with conn.execute(SEEK_TIME_QUERY, (stream_id, timestamp)) as cursor:
+        row = await cursor.fetchone()
+    return None if row is None else int(row[0]) & MAX_STORED_SEQ
+
+
 async def truncate(conn: aiosqlite.Connection, stream_id: int, before: int) -> None:
     """Delete a stream's records with seq < ``before`` inside the caller's transaction."""
     await conn.execute(
         "DELETE FROM streamq_log WHERE pos >= ? AND pos < ?",
         (pos(stream_id, 0), pos(stream_id, before)),
     )
+    # Time rows of deleted records go too, but the last of them: it holds the largest
+    # timestamp before ``before``, which seeks need (they clamp it to ``low``) and later
+    # records must exceed to be indexed.
+    await conn.execute(
+        "DELETE FROM streamq_time WHERE stream_id = ?1 AND pos < ?2 AND ts < "
+        "(SELECT max(ts) FROM streamq_time WHERE stream_id = ?1 AND pos < ?2)",
+        (stream_id, pos(stream_id, before)),
+    )
     await conn.execute(
         "UPDATE streamq_streams SET low = max(low, ?) WHERE id = ?", (before, stream_id)
+    )
+
+
+# --- registered consumers -----------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerRow:
+    consumer: str
+    stream: str
+    applied: int
+
+
+async def load_consumers(conn: aiosqlite.Connection) -> list[ConsumerRow]:
+    rows = await conn.execute_fetchall("SELECT consumer, stream, applied FROM streamq_consumers")
+    return [ConsumerRow(str(c), str(s), int(a)) for c, s, a in rows]
+
+
+async def register_consumer(
+    conn: aiosqlite.Connection, consumer: str, stream: str, applied: int
+) -> int:
+    """Register inside the caller's transaction; returns the stored position (an existing
+    registration keeps its own, or ``applied`` if that is further)."""
+    await conn.execute(CONSUMERS_SCHEMA)  # a database made before registrations existed
+    now = int(time.time() * 1000)
+    await conn.execute(
+        "INSERT INTO streamq_consumers (consumer, stream, applied, registered_at, updated_at) "
+        "VALUES (?, ?, ?, ?, ?) ON CONFLICT (consumer, stream) DO UPDATE "
+        "SET applied = max(applied, excluded.applied)",
+        (consumer, stream, applied, now, now),
+    )
+    rows = await conn.execute_fetchall(
+        "SELECT applied FROM streamq_consumers WHERE consumer = ? AND stream = ?",
+        (consumer, stream),
+    )
+    return int(next(iter(rows))[0])
+
+
+async def unregister_consumer(conn: aiosqlite.Connection, consumer: str, stream: str) -> bool:
+    """Remove a registration inside the caller's transaction; False if there was none."""
+    await conn.execute(CONSUMERS_SCHEMA)
+    cursor = await conn.execute(
+        "DELETE FROM streamq_consumers WHERE consumer = ? AND stream = ?", (consumer, stream)
+    )
+    return cursor.rowcount > 0
+
+
+async def save_positions(conn: aiosqlite.Connection, positions: list[tuple[str, str, int]]) -> None:
+    """Store reported (consumer, stream, applied) positions of registered consumers.
+
+    An UPDATE, never an insert: a registration removed by another process stays removed.
+    """
+    now = int(time.time() * 1000)
+    await conn.executemany(
+        "UPDATE streamq_consumers SET applied = max(applied, ?), updated_at = ? "
+        "WHERE consumer = ? AND stream = ?",
+        [(applied, now, consumer, stream) for consumer, stream, applied in positions],
+    )
+
+
+# --- retention ------------------------------------------------------------------
+
+
+async def first_seq_since(
+    conn: aiosqlite.Connection, stream_id: int, start: int, end: int, since_ms: int
+) -> int:
+    """The first seq in ``[start, end)`` published at or after ``since_ms`` (``end`` if none).
+
+    Reads forward from ``start`` and stops at the first young record, so it costs
+    what retention deletes, not the stream's size.
+    """
+    rows = await conn.execute_fetchall(
+        "SELECT pos FROM streamq_log WHERE pos >= ? AND pos < ? AND ts >= ? ORDER BY pos LIMIT 1",
+        (pos(stream_id, start), pos(stream_id, end), since_ms),
+    )
+    for (found,) in rows:
+        return int(found) & MAX_STORED_SEQ
+    return end
+
+
+async def bytes_between(conn: aiosqlite.Connection, stream_id: int, start: int, end: int) -> int:
+    """The stored size of the records with ``start <= seq < end``."""
+    rows = await conn.execute_fetchall(
+        "SELECT coalesce(sum(length(record)), 0) FROM streamq_log WHERE pos >= ? AND pos < ?",
+        (pos(stream_id, start), pos(stream_id, end)),
+    )
+    return int(next(iter(rows))[0])
+
+
+async def seq_after_bytes(
+    conn: aiosqlite.Connection, stream_id: int, start: int, end: int, excess: int
+) -> tuple[int, int]:
+    """Dropping records from ``start`` until at least ``excess`` bytes are gone: the first
+    seq kept, and the bytes dropped. Reads only the records it drops (plus a few)."""
+    dropped, seq = 0, start
+    async with conn.execute(
+        "SELECT pos, length(record) FROM streamq_log WHERE pos >= ? AND pos < ? ORDER BY pos",
+        (pos(stream_id, start), pos(stream_id, end)),
+    ) as cursor:
+        while dropped < excess:
+            rows = await cursor.fetchmany(1024)
+            if not rows:
+                return end, dropped
+            for position, size in rows:
+                if dropped >= excess:
+                    return int(position) & MAX_STORED_SEQ, dropped
+                dropped += int(size)
+                seq = (int(position) & MAX_STORED_SEQ) + 1
+    return seq, dropped
+
+
+# Every held record of the keys written in (lo, hi], oldest first per key: what a
+# compaction of those seqs must look at. One index seek per key.
+_COMPACTION_QUERY = """
+WITH dirty(key) AS (
+    SELECT DISTINCT key FROM streamq_log WHERE pos > ?1 AND pos <= ?2 AND key IS NOT NULL)
+SELECT l.pos, l.key, l.record FROM dirty JOIN streamq_log AS l
+    ON l.key = dirty.key AND l.pos >= ?3 AND l.pos <= ?2
+ORDER BY l.key, l.pos"""
+
+
+async def compaction_candidates(
+    conn: aiosqlite.Connection, stream_id: int, low: int, after: int, through: int
+) -> list[tuple[int, bytes, bytes]]:
+    """(seq, key, encoded record) of every held record whose key reappears in
+    ``(after, through]``, grouped by key, in seq order within each key."""
+    rows = await conn.execute_fetchall(
+        _COMPACTION_QUERY, (pos(stream_id, after), pos(stream_id, through), pos(stream_id, low))
+    )
+    return [(p & MAX_STORED_SEQ, key, record) for p, key, record in rows]
+
+
+async def delete_compacted(
+    conn: aiosqlite.Connection, stream_id: int, seqs: list[int], through: int
+) -> None:
+    """Delete records compaction removed, and note how far it ran, in the caller's transaction."""
+    await conn.executemany(
+        "DELETE FROM streamq_log WHERE pos = ?", [(pos(stream_id, seq),) for seq in seqs]
+    )
+    await conn.execute(
+        "UPDATE streamq_streams SET compacted = max(compacted, ?) WHERE id = ?",
+        (through, stream_id),
     )

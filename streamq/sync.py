@@ -14,7 +14,11 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from ._loop import loop_factory
+from .compaction import Compacted
+from .positions import ConsumerLag
 from .producer import Producer, Transaction
+from .protocol import Record
+from .retention import Truncation
 
 T = TypeVar("T")
 
@@ -56,8 +60,11 @@ class SyncTransaction:
         *,
         key: bytes | None = None,
         headers: Mapping[str, bytes] | None = None,
+        timestamp: int | None = None,
     ) -> int:
-        return self._producer._call(self._tx.publish(stream, value, key=key, headers=headers))
+        return self._producer._call(
+            self._tx.publish(stream, value, key=key, headers=headers, timestamp=timestamp)
+        )
 
     def publish_many(self, stream: str, values: Iterable[bytes]) -> range:
         return self._producer._call(self._tx.publish_many(stream, values))
@@ -146,5 +153,46 @@ class SyncProducer:
         with self.transaction() as tx:
             return tx.execute(sql, parameters).fetchall()
 
-    def create_stream(self, name: str) -> None:
-        self._call(self._producer.create_stream(name))
+    def create_stream(
+        self,
+        name: str,
+        *,
+        key_index: bool = False,
+        compact: bool = False,
+        notify_compacted: bool = False,
+    ) -> None:
+        self._call(
+            self._producer.create_stream(
+                name, key_index=key_index, compact=compact, notify_compacted=notify_compacted
+            )
+        )
+
+    def compact(self, stream: str) -> list[Compacted]:
+        return self._call(self._producer.compact(stream))
+
+    def truncate(self, stream: str, before: int) -> None:
+        self._call(self._producer.truncate(stream, before))
+
+    def history(self, stream: str, key: bytes, from_seq: int | None = None) -> list[Record]:
+        return self._call(self._producer.history(stream, key, from_seq))
+
+    def seek_time(self, stream: str, timestamp: int) -> int:
+        return self._call(self._producer.seek_time(stream, timestamp))
+
+    def wait_applied(
+        self, consumer: str, stream: str, seq: int, *, timeout: float | None = None
+    ) -> int:
+        """Block until ``consumer`` reports ``stream`` applied up to ``seq``; see ``Producer``."""
+        return self._call(self._producer.wait_applied(consumer, stream, seq, timeout=timeout))
+
+    def consumer_lags(self) -> list[ConsumerLag]:
+        return self._producer.consumer_lags()
+
+    def register_consumer(self, consumer: str, stream: str) -> None:
+        self._call(self._producer.register_consumer(consumer, stream))
+
+    def unregister_consumer(self, consumer: str, stream: str) -> bool:
+        return self._call(self._producer.unregister_consumer(consumer, stream))
+
+    def apply_retention(self) -> list[Truncation]:
+        return self._call(self._producer.apply_retention())

@@ -58,3 +58,28 @@ async def wait_for(
         if loop.time() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what or condition}")
         await asyncio.sleep(0.01)
+
+
+# --- figures of the reliability suites ---------------------------------------------
+
+_FIGURES = pytest.StashKey[list[str]]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_FIGURES] = []
+
+
+@pytest.fixture
+def figures(request: pytest.FixtureRequest) -> Callable[[str], None]:
+    """Report what a fault suite did (runs, faults injected, records checked, anomalies);
+    the lines are printed together at the end of the pytest run."""
+    lines = request.config.stash[_FIGURES]
+    return lambda line: lines.append(f"{request.node.name}: {line}")
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    lines = config.stash.get(_FIGURES, [])
+    if lines:
+        terminalreporter.section("reliability figures")
+        for line in lines:
+            terminalreporter.write_line(line)

@@ -77,7 +77,16 @@ def test_publish_tail_status(served: tuple[str, str]) -> None:
     status = run("status", address, "--json")
     assert status.returncode == 0, status.stderr
     report = json.loads(status.stdout)
-    assert report["streams"] == [{"stream": "orders", "head": 3, "low": 1}]
+    assert report["streams"] == [
+        {
+            "stream": "orders",
+            "head": 3,
+            "low": 1,
+            "key_index": False,
+            "compact": False,
+            "compacted": 0,
+        }
+    ]
     table = run("status", address)
     assert "orders" in table.stdout and "consumers" in table.stdout
 

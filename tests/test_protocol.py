@@ -25,11 +25,13 @@ from streamq.protocol import (
     MAX_SEQ,
     PROTOCOL_VERSION,
     Ack,
+    Authenticated,
     ClientConnection,
     ClientHello,
     Error,
     FrameDecoder,
     GetHead,
+    GetHistory,
     GetRange,
     GetStatus,
     Heartbeat,
@@ -41,6 +43,7 @@ from streamq.protocol import (
     RecordRows,
     Records,
     ReportPosition,
+    SeekTime,
     ServerConnection,
     ServerHello,
     State,
@@ -49,6 +52,7 @@ from streamq.protocol import (
     StreamList,
     Subscribe,
     Subscribed,
+    TimePosition,
     decode_message,
     encode,
     encode_record,
@@ -110,11 +114,12 @@ record_tuples = (
 stream_infos = st.builds(StreamInfo, texts, uints, uints)
 
 MESSAGE_STRATEGIES: dict[type[Any], st.SearchStrategy[Any]] = {
-    ClientHello: st.builds(ClientHello, st.just(PROTOCOL_VERSION), texts),
+    ClientHello: st.builds(ClientHello, st.just(PROTOCOL_VERSION), texts, st.none() | texts),
     ServerHello: st.builds(ServerHello, st.just(PROTOCOL_VERSION), texts, uints, uints),
-    Subscribe: st.builds(Subscribe, texts, uints, texts, st.none() | texts),
-    Subscribed: st.builds(Subscribed, texts, uints, uints),
-    Records: st.builds(Records, record_tuples),
+    Subscribe: st.builds(Subscribe, texts, uints, texts, st.none() | texts, st.none() | uints),
+    Subscribed: st.builds(Subscribed, texts, uints, uints)
+    | st.builds(Subscribed, texts, uints, uints, uints, uints),
+    Records: st.builds(Records, record_tuples, st.none() | uints),
     Heartbeat: st.builds(Heartbeat, uints),
     Ack: st.builds(Ack, uints),
     GetHead: st.builds(GetHead, texts),
@@ -125,18 +130,24 @@ MESSAGE_STRATEGIES: dict[type[Any], st.SearchStrategy[Any]] = {
     StreamList: st.builds(StreamList, st.lists(stream_infos, max_size=5).map(tuple)),
     GetStatus: st.builds(GetStatus),
     ReportPosition: st.builds(ReportPosition, texts, texts, uints),
+    GetHistory: st.builds(GetHistory, texts, st.binary(max_size=12), uints, uints),
+    SeekTime: st.builds(SeekTime, texts, msgpack_ints),
+    TimePosition: st.builds(TimePosition, texts, uints, uints, uints),
     StatusReport: st.builds(StatusReport, maps),
     Error: st.builds(Error, st.sampled_from(ErrorCode).map(int) | uints, texts, maps),
+    Authenticated: st.builds(Authenticated, st.none() | texts),
 }
 ALL_CLASSES = list(MESSAGE_STRATEGIES)
 messages = st.one_of(*MESSAGE_STRATEGIES.values())
 
+# "Optional fields": how many of each message's last fields may be left off.
+OPTIONAL_FIELDS: dict[type[Any], int] = {ClientHello: 1, Subscribe: 1, Subscribed: 2, Records: 1}
 # The wire kind of each field after the message type, as the message docstrings describe.
 FIELD_KINDS: dict[type[Any], tuple[str, ...]] = {
-    ClientHello: ("version", "str"),
+    ClientHello: ("version", "str", "opt_str"),
     ServerHello: ("version", "str", "uint", "uint"),
-    Subscribe: ("str", "uint", "str", "opt_str"),
-    Subscribed: ("str", "uint", "uint"),
+    Subscribe: ("str", "uint", "str", "opt_str", "uint"),
+    Subscribed: ("str", "uint", "uint", "uint", "uint"),
     Heartbeat: ("uint",),
     Ack: ("uint",),
     GetHead: ("str",),
@@ -148,6 +159,10 @@ FIELD_KINDS: dict[type[Any], tuple[str, ...]] = {
     StatusReport: ("map",),
     Error: ("uint", "str", "map"),
     ReportPosition: ("str", "str", "uint"),
+    GetHistory: ("str", "bin", "uint", "uint"),
+    SeekTime: ("str", "int"),
+    TimePosition: ("str", "uint", "uint", "uint"),
+    Authenticated: ("opt_str",),
 }
 not_str = st.one_of(
     st.binary(max_size=8),
@@ -174,6 +189,8 @@ BAD_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "map": st.one_of(
         st.none(), msgpack_ints, texts, st.binary(max_size=8), st.lists(scalars, max_size=3)
     ),
+    "bin": st.one_of(st.none(), texts, msgpack_ints, st.booleans(), st.lists(scalars, max_size=2)),
+    "int": st.one_of(st.none(), texts, st.booleans(), st.floats(), st.binary(max_size=8)),
 }
 
 
@@ -325,6 +342,8 @@ client_requests = st.one_of(
     MESSAGE_STRATEGIES[ListStreams],
     MESSAGE_STRATEGIES[GetStatus],
     MESSAGE_STRATEGIES[ReportPosition],
+    MESSAGE_STRATEGIES[GetHistory],
+    MESSAGE_STRATEGIES[SeekTime],
 )
 
 
@@ -548,9 +567,12 @@ def test_body_that_is_not_a_typed_array_is_malformed(body: bytes) -> None:
 def test_wrong_field_count_is_malformed(cls: type[Any], data: st.DataObject) -> None:
     items = msgpack.unpackb(body_of(data.draw(MESSAGE_STRATEGIES[cls])))
     extra = data.draw(values, label="extra field")
-    if len(items) > 1 and data.draw(st.booleans(), label="drop a field"):
-        items.pop()
+    total = len(FIELD_KINDS.get(cls, ("array", "uint") if cls is Records else ("array",)))
+    required = total - OPTIONAL_FIELDS.get(cls, 0)
+    if required > 0 and data.draw(st.booleans(), label="drop a field"):
+        del items[required:]  # one field short of the required ones
     else:
+        items += [0] * (1 + total - len(items))  # every optional field given
         items.append(extra)
     assert decode_error(packb(items)).code is ErrorCode.MALFORMED_FRAME
 
@@ -560,8 +582,10 @@ def test_wrong_field_count_is_malformed(cls: type[Any], data: st.DataObject) -> 
 @given(data=st.data())
 def test_hello_with_wrong_field_count_is_malformed(cls: type[Any], data: st.DataObject) -> None:
     items = msgpack.unpackb(body_of(data.draw(MESSAGE_STRATEGIES[cls])))
+    full = 1 + len(FIELD_KINDS[cls])
+    items += [None] * (full - len(items))  # omitted nil fields written out
     if data.draw(st.booleans(), label="drop"):
-        del items[data.draw(st.integers(2, len(items) - 1)) :]
+        del items[data.draw(st.integers(2, full - 1 - OPTIONAL_FIELDS.get(cls, 0))) :]
     else:
         items.append(data.draw(values))
     assert decode_error(packb(items)).code is ErrorCode.MALFORMED_FRAME
@@ -576,6 +600,8 @@ def test_hello_with_wrong_field_count_is_malformed(cls: type[Any], data: st.Data
 def test_wrong_field_type_is_malformed(cls: type[Any], data: st.DataObject) -> None:
     items = msgpack.unpackb(body_of(data.draw(MESSAGE_STRATEGIES[cls])))
     kinds = FIELD_KINDS[cls]
+    # Optional fields left off: give them (nil where nil is what leaving them off means).
+    items += [None if kind.startswith("opt") else 0 for kind in kinds[len(items) - 1 :]]
     index = data.draw(
         st.sampled_from([i for i, kind in enumerate(kinds) if kind != "version"]), label="field"
     )
@@ -757,6 +783,78 @@ def ready_server() -> ServerConnection:
     return server
 
 
+# "Authentication": a token in CLIENT_HELLO, answered with AUTHENTICATED before all else.
+
+
+def test_hello_without_token_is_the_frame_old_clients_send() -> None:
+    old = bytes.fromhex("00000008930101a464656d6f")  # docs/protocol.md, "Worked example"
+    assert encode(ClientHello(PROTOCOL_VERSION, "demo")) == old
+    assert decode_message(old[4:]) == ClientHello(PROTOCOL_VERSION, "demo", None)
+    with_token = decode_message(body_of(ClientHello(PROTOCOL_VERSION, "demo", "billing:ab")))
+    assert with_token == ClientHello(PROTOCOL_VERSION, "demo", "billing:ab")
+
+
+def test_server_answers_a_token_first_and_once() -> None:
+    server = ServerConnection()
+    server.send(ServerHello(PROTOCOL_VERSION, "producer", 1, DEFAULT_MAX_FRAME_SIZE))
+    with pytest.raises(LocalProtocolError, match="only after a CLIENT_HELLO with a token"):
+        server.send(Authenticated("billing"))
+    server.receive_data(encode(ClientHello(PROTOCOL_VERSION, "c", "billing:ab")))
+    server.next_event()
+    with pytest.raises(LocalProtocolError, match="before anything else"):
+        server.send(StreamInfo("orders", 1, 1))
+    with pytest.raises(LocalProtocolError, match="cannot send RECORDS"):
+        server.send_records([])
+    server.send(Authenticated("billing"))
+    with pytest.raises(LocalProtocolError, match="sent once"):
+        server.send(Authenticated("billing"))
+    server.send(StreamInfo("orders", 1, 1))
+    assert ready_server().authenticated_owed is False  # no token, nothing owed
+
+
+def test_server_may_refuse_a_token_with_error() -> None:
+    server = ServerConnection()
+    server.receive_data(encode(ClientHello(PROTOCOL_VERSION, "c", "bad")))
+    server.next_event()
+    server.send(ServerHello(PROTOCOL_VERSION, "producer", 1, DEFAULT_MAX_FRAME_SIZE))
+    server.send(Error(int(ErrorCode.AUTHENTICATION_FAILED), "invalid token", {}))
+    assert server.our_state is State.CLOSED
+
+
+@pytest.mark.parametrize("token", [None, "billing:ab"])
+def test_client_expects_authenticated_exactly_when_it_sent_a_token(token: str | None) -> None:
+    client = ClientConnection()
+    client.send(ClientHello(PROTOCOL_VERSION, "c", token))
+    client.send(GetHead("orders"))  # pipelined before the answer to the token
+    hello = ServerHello(PROTOCOL_VERSION, "producer", 1, DEFAULT_MAX_FRAME_SIZE)
+    client.receive_data(encode(hello) + encode(StreamInfo("orders", 1, 1)))
+    assert client.next_event() == hello
+    error = remote_error(client.next_event) if token else None
+    if error is not None:
+        assert error.code is ErrorCode.UNEXPECTED_MESSAGE
+        assert "expected AUTHENTICATED" in str(error)
+        return
+    client.receive_data(encode(Authenticated("billing")))
+    assert client.next_event() == StreamInfo("orders", 1, 1)
+    error = remote_error(client.next_event)
+    assert "no AUTHENTICATED (no token was sent)" in str(error)
+
+
+def test_client_reads_authenticated_then_responses() -> None:
+    client = ClientConnection()
+    client.send(ClientHello(PROTOCOL_VERSION, "c", "billing:ab"))
+    client.send(GetHead("orders"))
+    hello = ServerHello(PROTOCOL_VERSION, "producer", 1, DEFAULT_MAX_FRAME_SIZE)
+    client.receive_data(
+        encode(hello) + encode(Authenticated("billing")) + encode(StreamInfo("orders", 1, 1))
+    )
+    assert [client.next_event() for _ in range(3)] == [
+        hello,
+        Authenticated("billing"),
+        StreamInfo("orders", 1, 1),
+    ]
+
+
 def ready_client(*requests: Message) -> ClientConnection:
     client = ClientConnection()
     client.send(ClientHello(PROTOCOL_VERSION, "client"))
@@ -811,7 +909,14 @@ def test_server_needs_client_hello_first(first: Message) -> None:
 
 @pytest.mark.parametrize(
     "request_",
-    [GetHead("s"), GetRange("s", 1, 10), ListStreams(), GetStatus()],
+    [
+        GetHead("s"),
+        GetRange("s", 1, 10),
+        ListStreams(),
+        GetStatus(),
+        GetHistory("s", b"k", 1, 10),
+        SeekTime("s", 1700000000000),
+    ],
     ids=lambda m: m.TYPE.name,
 )
 def test_server_accepts_requests_when_ready(request_: Message) -> None:
@@ -921,6 +1026,10 @@ def test_client_rejects_responses_with_no_request_pending(response: Message) -> 
         (GetRange("s", 1, 5), Subscribed("s", 1, 1)),
         (GetHead("s"), Heartbeat(1)),
         (GetHead("s"), ServerHello(PROTOCOL_VERSION, "p", 1, 1024)),
+        (SeekTime("s", 0), StreamInfo("s", 1, 1)),
+        (GetHead("s"), TimePosition("s", 1, 1, 1)),
+        (GetHistory("s", b"k", 1, 5), StreamInfo("s", 1, 1)),
+        (GetHistory("s", b"k", 1, 5), TimePosition("s", 1, 1, 1)),
     ],
     ids=str,
 )
@@ -966,6 +1075,26 @@ def test_client_rejects_records_outside_the_range(
     before: tuple[Records, ...], bad: Records
 ) -> None:
     client = ready_client(GetRange("s", 10, 20))
+    for message in before:
+        assert receive(client, message) == message
+    rejected(client, bad)
+
+
+def test_client_history_accepts_records_with_gaps_within_the_range() -> None:
+    client = ready_client(GetHistory("s", b"k", 10, 2**40 + 1), SeekTime("s", 5))
+    for message in (recs(10, 12), recs(), recs(40, 2**40), RangeEnd(), TimePosition("s", 7, 9, 1)):
+        assert receive(client, message) == message
+
+
+@pytest.mark.parametrize(
+    ("before", "bad"),
+    [((), recs(9)), ((), recs(20)), ((recs(12),), recs(11)), ((recs(12),), recs(12))],
+    ids=str,
+)
+def test_client_rejects_history_records_outside_the_range_or_backwards(
+    before: tuple[Records, ...], bad: Records
+) -> None:
+    client = ready_client(GetHistory("s", b"k", 10, 20))
     for message in before:
         assert receive(client, message) == message
     rejected(client, bad)
@@ -1183,6 +1312,10 @@ def range_responses(draw: st.DrawFn, request: GetRange) -> list[tuple[Message, b
 def responses_to(data: st.DataObject, request: Message) -> Iterator[tuple[Message, bool]]:
     if isinstance(request, GetHead | ReportPosition):
         yield StreamInfo(request.stream, data.draw(uints), data.draw(uints)), False
+    elif isinstance(request, SeekTime):
+        yield TimePosition(request.stream, *data.draw(st.tuples(uints, uints, uints))), False
+    elif isinstance(request, GetHistory):
+        yield from data.draw(range_responses(GetRange(request.stream, request.start, request.end)))
     elif isinstance(request, ListStreams):
         yield data.draw(MESSAGE_STRATEGIES[StreamList]), False
     elif isinstance(request, GetStatus):
@@ -1203,6 +1336,14 @@ pair_requests = st.one_of(
     MESSAGE_STRATEGIES[ListStreams],
     MESSAGE_STRATEGIES[GetStatus],
     MESSAGE_STRATEGIES[ReportPosition],
+    MESSAGE_STRATEGIES[SeekTime],
+    st.builds(
+        lambda stream, key, start, length: GetHistory(stream, key, start, start + length),
+        texts,
+        st.binary(max_size=4),
+        st.integers(1, MAX_SEQ - 64),
+        st.integers(0, 40),
+    ),
 )
 
 
@@ -1263,6 +1404,10 @@ def test_connected_pair_delivers_every_message_as_sent(data: st.DataObject) -> N
         client_sends(client_hello)
         some_traffic()
         server_sends(server_hello)
+    if client_hello.token is not None:
+        # "Authentication": the server answers a token, once it has read it, before all else.
+        to_server.deliver(data, everything=True)
+        server_sends(data.draw(MESSAGE_STRATEGIES[Authenticated], label="authenticated"))
     some_traffic()
     if maybe_error():
         return

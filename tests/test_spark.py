@@ -130,8 +130,10 @@ def test_available_now_with_admission_control(
     assert spark.read.parquet(str(tmp_path / "out")).count() == 6001
     # commit(end) reported the query's durable position to the producers.
     with streamq.Client(producers[1].address) as client:
-        reported = client.status()["reported"]
-    assert [(r["consumer"], r["stream"], r["seq"]) for r in reported] == [("spark", "orders", 2000)]
+        reported = client.status()["positions"]
+    assert [(r["consumer"], r["stream"], r["applied"]) for r in reported] == [
+        ("spark", "orders", 2000)
+    ]
 
 
 def test_failures_name_the_producer(

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import streamq
 from spark_source import planning
-from spark_source.planning import ProducerState, Range, StreamQSourceError
+from spark_source.planning import Connect, ProducerState, Range, StreamQSourceError
 
 STATES = {
     "a": ProducerState("a", "h:1", head=100, low=1),
@@ -94,17 +94,17 @@ def test_discover_real_producers(tmp_path: Path) -> None:
     ):
         a.publish("orders", b"x")
         b.create_stream("other")
-        states = planning.discover([a.address, b.address], "orders", timeout=10)
+        states = planning.discover([a.address, b.address], "orders", Connect(timeout=10))
         assert states == {
             a.producer_id: ProducerState(a.producer_id, a.address, 1, 1),
             b.producer_id: ProducerState(b.producer_id, b.address, 0, 1),  # no stream yet
         }
         with pytest.raises(StreamQSourceError, match="serve the same producer"):
             planning.discover(
-                [a.address, a.address.replace("127.0.0.1", "localhost")], "orders", 10
+                [a.address, a.address.replace("127.0.0.1", "localhost")], "orders", Connect(10)
             )
     with pytest.raises(StreamQSourceError, match=f"producer at {a.address}: cannot connect"):
-        planning.discover([a.address], "orders", timeout=10)
+        planning.discover([a.address], "orders", Connect(timeout=10))
 
 
 def registry() -> list[str]:

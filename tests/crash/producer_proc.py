@@ -1,6 +1,6 @@
-"""A producer process for the crash test (tests/test_crash.py).
+"""A producer process for the crash tests (tests/crashrun.py).
 
-    producer_proc.py DB PORT TOTAL [--kill-mid-tx-after N] [--allow FILE] [--seed S]
+    producer_proc.py DB PORT TOTAL [--allow FILE] [--seed S] [--journal FILE]
 
 Serves DB on 127.0.0.1:PORT and runs transactions that each insert orders
 (business rows: ``orders`` and the running ``totals``) and publish one record
@@ -10,26 +10,33 @@ serving until it is killed.
 
 ``--allow FILE``: never publish beyond the number written in FILE (the test
 releases records a little at a time, so the consumer always has work while it
-is being killed). ``--kill-mid-tx-after N``: the N-th transaction of this
-process SIGKILLs the process after its business SQL and its publishes, before
+is being killed). ``--journal FILE``: every record published (``publish``) and
+every transaction that committed (``commit``) is journalled for the oracle.
+
+Fault points (``STREAMQ_FAULT=POINT:N``, see faults.py): ``mid-tx``: the N-th
+transaction kills the process after its business SQL and its publishes, before
 COMMIT (whatever the allowance; sooner if all TOTAL records are published).
+``mid-push``: the N-th RECORDS frame pushed to a consumer is cut in half and the
+process dies right after writing the first half.
 
 Prints ``READY <port> head=<head>`` once serving, and
-``KILL-MID-TX tx=<n> head=<head> records=<k>`` just before killing itself.
+``FAULT mid-tx <n> head=<head> records=<k>`` just before killing itself mid-transaction.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
-import signal
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import streamq
 from streamq._loop import run
+from streamq.protocol import ServerConnection
+from tests.crash.faults import FAULTS
+from tests.oracle import Journal
 
 STREAM = "orders"
 MAX_BATCH = 200
@@ -61,8 +68,30 @@ async def setup(producer: streamq.Producer) -> None:
     await producer.create_stream(STREAM)
 
 
+def arm_mid_push() -> None:
+    """Cut the N-th RECORDS frame in half and die once its first half is written."""
+    send_records = ServerConnection.send_records
+
+    def cut(
+        self: ServerConnection, encoded_records: Sequence[bytes], epoch: int | None = None
+    ) -> bytes:
+        data = send_records(self, encoded_records, epoch)
+        if FAULTS.due("mid-push"):
+            last = len(encoded_records)
+            detail = f"frame={len(data)} bytes records={last}"
+            asyncio.get_running_loop().call_soon(FAULTS.fire, "mid-push", detail)
+            return data[: len(data) // 2]
+        return data
+
+    ServerConnection.send_records = cut  # type: ignore[method-assign]
+
+
 async def one_transaction(
-    producer: streamq.Producer, rng: random.Random, count: int, kill: bool, txno: int
+    producer: streamq.Producer,
+    rng: random.Random,
+    count: int,
+    kill: bool,
+    journal: Journal,
 ) -> None:
     async with producer.transaction() as tx:
         cursor = await tx.execute("SELECT COALESCE(MAX(id), 0) FROM orders")
@@ -78,9 +107,10 @@ async def one_transaction(
         if business_first:
             await tx.executemany("INSERT INTO orders (id, amount) VALUES (?, ?)", orders)
         if count == 1:
-            await tx.publish(STREAM, values[0], key=b"%d" % orders[0][0])
+            seqs: Sequence[int] = [await tx.publish(STREAM, values[0], key=b"%d" % orders[0][0])]
         else:
-            await tx.publish_many(STREAM, values)
+            seqs = await tx.publish_many(STREAM, values)
+        journal.write("publish", zip(seqs, values, strict=True))
         if not business_first:
             await tx.executemany("INSERT INTO orders (id, amount) VALUES (?, ?)", orders)
         await tx.execute(
@@ -88,35 +118,42 @@ async def one_transaction(
             (count, sum(amount for _, amount in orders)),
         )
         if kill:
-            print(f"KILL-MID-TX tx={txno} head={producer.head(STREAM)} records={count}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
+            FAULTS.fire("mid-tx", f"head={producer.head(STREAM)} records={count}")
+    journal.write("commit", zip(seqs, values, strict=True))
 
 
 async def main(args: argparse.Namespace) -> None:
     rng = random.Random(args.seed)
+    journal = Journal(args.journal)
+    if FAULTS.armed("mid-push"):
+        arm_mid_push()
+    # Small timeouts, so that a pause (SIGSTOP) outlasts every one of them.
+    settings = streamq.ServerSettings(
+        heartbeat_interval=args.heartbeat_interval,
+        handshake_timeout=1.0,
+        idle_timeout=1.0,
+        frame_timeout=1.0,
+    )
     async with streamq.Producer(
-        args.db, host="127.0.0.1", port=args.port, flush_records=FLUSH_RECORDS
+        args.db, host="127.0.0.1", port=args.port, flush_records=FLUSH_RECORDS, settings=settings
     ) as producer:
         await setup(producer)
         print(f"READY {args.port} head={producer.head(STREAM)}", flush=True)
-        txno = 0
         while True:
             head = producer.head(STREAM)
             # The N-th transaction is killed; so is the next one once all is published.
-            kill = args.kill_mid_tx_after > 0 and (
-                args.kill_mid_tx_after == txno + 1 or head >= args.total
-            )
+            kill = FAULTS.armed("mid-tx") and head >= args.total
             limit = allowance(args.allow, args.total)
             if head >= limit and not kill:
                 if head >= args.total:
                     break
                 await asyncio.sleep(0.005)
                 continue
-            txno += 1
+            kill = FAULTS.due("mid-tx") or kill
             count = rng.randint(1, MAX_BATCH)
             if not kill:
                 count = min(count, limit - head)
-            await one_transaction(producer, rng, count, kill, txno)
+            await one_transaction(producer, rng, count, kill, journal)
             if args.pace:
                 await asyncio.sleep(count / args.pace * rng.uniform(0.5, 1.5))
         print(f"COMPLETE head={producer.head(STREAM)}", flush=True)
@@ -128,7 +165,8 @@ if __name__ == "__main__":
     parser.add_argument("db")
     parser.add_argument("port", type=int)
     parser.add_argument("total", type=int)
-    parser.add_argument("--kill-mid-tx-after", type=int, default=0)
+    parser.add_argument("--journal", default=None)
+    parser.add_argument("--heartbeat-interval", type=float, default=0.2)
     parser.add_argument("--allow", default=None)
     parser.add_argument("--pace", type=float, default=0.0, help="records per second (0: no pause)")
     parser.add_argument("--seed", type=int, default=None)

@@ -1,0 +1,113 @@
+"""Retention: which old records a producer deletes, and whom that costs records.
+
+Three rules, as in Kafka plus one: records older than ``ms`` go, and the oldest go
+while a stream holds more than ``bytes`` (both caps, per producer or per stream);
+and on a stream with registered consumers, records every one of them has applied go.
+Nothing a registered consumer has not applied is deleted unless a cap forces it; then
+the records it loses are counted here, and the consumer itself gets the gone-seqs
+error (``OFFSET_OUT_OF_RANGE``) if it asks for them. Every step reads only what it
+deletes or what was committed since the previous pass, never the whole stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import aiosqlite
+
+from . import store
+from .log import Stream
+from .positions import Position
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionPolicy:
+    """Caps on a stream's records: by age in milliseconds, by stored bytes. None: no cap."""
+
+    ms: int | None = None
+    bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("ms", "bytes"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < 0):
+                raise ValueError(f"retention {name} must be a non-negative int or None: {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Truncation:
+    """What one retention pass deleted from one stream."""
+
+    stream: str
+    low: int  # the first seq still held
+    deleted: int  # records deleted by this pass
+    lost: dict[str, int]  # registered consumer -> records deleted before it applied them
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    before: int
+    lost: dict[str, int]
+    size_after: int | None
+
+
+class Retention:
+    """The policies of one producer, and the stream sizes it keeps track of."""
+
+    def __init__(self, default: RetentionPolicy) -> None:
+        self.default = default
+        self.per_stream: dict[str, RetentionPolicy] = {}
+        self._sizes: dict[str, tuple[int, int, int]] = {}  # stream -> (low, head, bytes)
+
+    def policy(self, stream: str) -> RetentionPolicy:
+        return self.per_stream.get(stream, self.default)
+
+    async def _size(self, conn: aiosqlite.Connection, stream: Stream) -> int:
+        """Bytes held in ``[low, head]``: the last pass's count plus what came since."""
+        cached = self._sizes.get(stream.name)
+        if cached is not None and cached[0] == stream.low and cached[1] <= stream.head:
+            return cached[2] + await store.bytes_between(
+                conn, stream.id, cached[1] + 1, stream.head + 1
+            )
+        return await store.bytes_between(conn, stream.id, stream.low, stream.head + 1)
+
+    async def plan(
+        self, conn: aiosqlite.Connection, stream: Stream, registered: list[Position], now_ms: int
+    ) -> _Plan:
+        """Where ``stream`` should start now, read inside the caller's transaction."""
+        low, end = stream.low, stream.head + 1
+        policy = self.policy(stream.name)
+        forced = low  # what the caps delete, needed or not
+        if policy.ms is not None:
+            since = now_ms - policy.ms
+            forced = max(forced, await store.first_seq_since(conn, stream.id, low, end, since))
+        size = dropped_at = dropped = None
+        if policy.bytes is not None:
+            size = await self._size(conn, stream)
+            if size > policy.bytes:
+                dropped_at, dropped = await store.seq_after_bytes(
+                    conn, stream.id, low, end, size - policy.bytes
+                )
+                forced = max(forced, dropped_at)
+        before = forced
+        if registered:  # keep until every registered consumer has applied
+            before = max(before, min(min(p.applied for p in registered) + 1, end))
+        lost = {
+            p.consumer: forced - max(low, p.applied + 1)
+            for p in registered
+            if max(low, p.applied + 1) < forced
+        }
+        size_after = None
+        if size is not None:
+            if before == dropped_at and dropped is not None:
+                size_after = size - dropped
+            else:
+                size_after = size - await store.bytes_between(conn, stream.id, low, before)
+        return _Plan(before, lost, size_after)
+
+    def committed(self, stream: Stream, head: int, size_after: int | None) -> None:
+        """The plan for ``stream`` was carried out at ``head``."""
+        if size_after is None:
+            self._sizes.pop(stream.name, None)
+        else:
+            self._sizes[stream.name] = (stream.low, head, size_after)
