@@ -87,6 +87,18 @@ def _checked_timestamp(timestamp: int | None) -> int:
     raise TypeError(f"timestamp must be int milliseconds, not {type(timestamp).__name__}")
 
 
+def _checked_record(
+    value: Any, key: Any, headers: Mapping[str, Any] | None, timestamp: int | None
+) -> tuple[bytes, bytes | None, dict[str, bytes], int]:
+    """A record's fields as ``_Pending.append`` takes them, or a TypeError naming the bad one."""
+    return (
+        _as_bytes(value, "value"),
+        None if key is None else _as_bytes(key, "key"),
+        _check_headers(headers),
+        _checked_timestamp(timestamp),
+    )
+
+
 class _Pending:
     """A transaction's records: seqs assigned at publish, rows awaiting their INSERT, and
     what the log learns at commit. Bookkeeping only, shared by both kinds of transaction."""
@@ -227,12 +239,9 @@ class Transaction:
     ) -> int:
         """Append a record to ``stream``; returns its seq. Visible to consumers at commit."""
         self._check_open()
-        value = _as_bytes(value, "value")
-        key = None if key is None else _as_bytes(key, "key")
-        checked_headers = _check_headers(headers)
-        ts = _checked_timestamp(timestamp)
+        checked = _checked_record(value, key, headers, timestamp)
         stream_id = await self._stream_id(stream)
-        seq = self._pending.append(stream, stream_id, value, key, checked_headers, ts)
+        seq = self._pending.append(stream, stream_id, *checked)
         if self._pending.full:
             await self._flush()
         return seq
@@ -300,12 +309,9 @@ class BlockingTransaction(BlockingSQL):
     ) -> int:
         """As ``Transaction.publish``."""
         self._check_open()
-        value = _as_bytes(value, "value")
-        key = None if key is None else _as_bytes(key, "key")
-        checked_headers = _check_headers(headers)
-        ts = _checked_timestamp(timestamp)
+        checked = _checked_record(value, key, headers, timestamp)
         stream_id = self._stream_id(stream)
-        seq = self._pending.append(stream, stream_id, value, key, checked_headers, ts)
+        seq = self._pending.append(stream, stream_id, *checked)
         if self._pending.full:
             self._flush()
         return seq
