@@ -156,10 +156,8 @@ class Stall(Toxic):
         await link.send(data)
 
 
-class ResetPeer(Toxic):
-    """Resets both sides of a connection once ``after`` bytes went by (mid-frame, typically)."""
-
-    name = "reset"
+class _AfterBytes(Toxic):
+    """Passes ``after`` bytes of a connection, then strikes (mid-frame, typically)."""
 
     def __init__(self, after: int, direction: Direction | None = "downstream") -> None:
         super().__init__(direction)
@@ -172,28 +170,30 @@ class ResetPeer(Toxic):
             return
         if room > 0:
             await link.send(data[:room])
-        link.connection.proxy.stats["resets"] += 1
-        link.connection.reset()
+        self.strike(link.connection)
+
+    def strike(self, connection: Connection) -> None:
+        raise NotImplementedError
 
 
-class LimitData(Toxic):
+class ResetPeer(_AfterBytes):
+    """Resets both sides of a connection once ``after`` bytes went by."""
+
+    name = "reset"
+
+    def strike(self, connection: Connection) -> None:
+        connection.proxy.stats["resets"] += 1
+        connection.reset()
+
+
+class LimitData(_AfterBytes):
     """Closes a connection (a clean FIN) once ``after`` bytes went by."""
 
     name = "limit"
 
-    def __init__(self, after: int, direction: Direction | None = "downstream") -> None:
-        super().__init__(direction)
-        self.after = after
-
-    async def forward(self, link: Link, data: bytes) -> None:
-        room = self.after - link.forwarded
-        if room > len(data):
-            await link.send(data)
-            return
-        if room > 0:
-            await link.send(data[:room])
-        link.connection.proxy.stats["limited closes"] += 1
-        link.connection.close()
+    def strike(self, connection: Connection) -> None:
+        connection.proxy.stats["limited closes"] += 1
+        connection.close()
 
 
 class SlowClose(Toxic):
