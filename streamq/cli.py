@@ -104,10 +104,23 @@ def _add_client_security(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--token", help="the token itself (visible to other users: prefer a file)")
 
 
+_EPILOG = """\
+beyond a broker:
+  one key's events      streamq history DB_OR_ADDRESS STREAM KEY
+  start at a time       streamq tail ADDRESS STREAM --from-time 2026-11-22T10:00
+  lag per consumer      streamq status ADDRESS; Prometheus: serve --metrics-port PORT
+  keep until applied    streamq consumers add DB CONSUMER STREAM; serve --retention-ms/-bytes
+  TLS and tokens        serve --tls-cert/--tls-key/--token-secret-file/--grant; streamq token
+In Python: compaction (create_stream(compact=True)), wait_applied, FanInConsumer; see README.
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="streamq",
         description="Producer-owned streams: the log lives in the producer's SQLite database.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=_EPILOG,
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
