@@ -292,10 +292,11 @@ class Disk:
             await conn.execute(f"PRAGMA max_page_count = {pages + 1}")
             self._page_limit = (producer, int(limit))
             return
-        with self.filler.open("wb") as f, contextlib.suppress(OSError):
-            while True:
+        # Unbuffered, and ENOSPC suppressed around the file too: nothing left to flush at
+        # close, where a buffered file would raise it again. Bounded: 64 MiB at most.
+        with contextlib.suppress(OSError), self.filler.open("wb", buffering=0) as f:
+            for _ in range(1024):
                 f.write(b"\0" * 65536)
-                f.flush()
 
     async def free(self) -> None:
         if self._page_limit is not None:
