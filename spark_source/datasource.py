@@ -20,9 +20,11 @@ startingOffsets          ``earliest``, ``latest`` or JSON ``{producer id: seq}``
 startingTimestamp        ms since the epoch: start each producer at its first record
                          stamped at or after it (an index seek); wins over
                          startingOffsets
-filterPushdown           batch only: ``true`` (default) hands filters on ``key`` and
-                         ``seq`` to the producers (needs Spark's
-                         ``spark.sql.python.filterPushdown.enabled``); ``false``: off
+filterPushdown           batch only: ``true`` hands filters on ``key`` and ``seq`` to
+                         the producers (needs Spark's
+                         ``spark.sql.python.filterPushdown.enabled``, without which
+                         Spark refuses every read of a source offering pushdown);
+                         ``false`` (default): Spark filters
 endingOffsets            batch only: ``latest`` or JSON; default latest
 maxRecordsPerTrigger     at most this many records per micro-batch, in all
 minPartitions            at least this many Spark partitions per batch
@@ -138,7 +140,7 @@ class _Settings:
         self.stream = stream
         self.starting = options.get("startingOffsets")
         self.starting_timestamp = _int(options, "startingTimestamp", None)
-        self.filter_pushdown = _flag(options, "filterPushdown", True)
+        self.filter_pushdown = _flag(options, "filterPushdown", False)
         self.ending = options.get("endingOffsets", "latest")
         self.max_per_trigger = _int(options, "maxRecordsPerTrigger", None)
         self.min_partitions = _int(options, "minPartitions", 1) or 1

@@ -43,7 +43,7 @@ def read(spark: SparkSession, producers: list[streamq.SyncProducer], **options: 
         .option("stream", "orders")
         .option("minPartitions", "6")
     )
-    for name, value in options.items():
+    for name, value in {"filterPushdown": "true", **options}.items():
         reader = reader.option(name, value)
     return reader.load()
 
