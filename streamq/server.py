@@ -106,6 +106,12 @@ class Subscription:
     principal: str | None = None  # the consumer its token named, when the producer checks tokens
 
     @property
+    def reporter(self) -> str:
+        """Whose position its ACKs move: with tokens, the consumer the token proved, never a
+        name the peer chose (it could move a registered consumer's position and retention)."""
+        return self.consumer if self.principal is None else self.principal
+
+    @property
     def buffered(self) -> int:
         """Bytes written for this consumer and not yet taken by the kernel."""
         if isinstance(self.transport, asyncio.WriteTransport):
@@ -342,7 +348,8 @@ class Server:
                 writer.write(conn.send(StatusReport(self.status())))
             elif isinstance(message, ReportPosition):
                 stream = self.log.stream(message.stream)
-                self.positions.report(message.consumer, stream.name, message.seq)
+                reporter = message.consumer if principal is None else principal.name
+                self.positions.report(reporter, stream.name, message.seq)
                 writer.write(conn.send(StreamInfo(stream.name, stream.head, stream.low)))
             await writer.drain()
 
@@ -513,7 +520,7 @@ class Server:
                     return
                 if isinstance(message, Ack):
                     sub.acked = max(sub.acked, message.seq)
-                    self.positions.report(sub.consumer, sub.stream, message.seq)
+                    self.positions.report(sub.reporter, sub.stream, message.seq)
             if not conn.buffered:
                 deadline = None
             elif deadline is None:

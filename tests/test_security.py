@@ -492,3 +492,29 @@ def test_cli_serves_tls_and_tokens(tmp_path: Path, certs: Certs) -> None:
         process.terminate()
         process.communicate(timeout=30)
     assert process.returncode == 0
+
+
+async def test_positions_are_reported_under_the_token_name(secured: Producer, certs: Certs) -> None:
+    """A token holder cannot move another consumer's position (and with it, retention):
+    with tokens, ACKs and REPORT_POSITION count for the consumer the token proved."""
+    await secured.register_consumer("ledger", "orders")
+
+    def report_as_ledger() -> None:
+        with Client(secured.address, tls=certs.client, token=BILLING) as client:
+            client.report_position("orders", "ledger", 20)
+
+    await asyncio.to_thread(report_as_ledger)
+    async with Consumer(
+        secured.address,
+        "orders",
+        db=str(Path(secured.path).with_name("c.db")),
+        name="ledger",
+        tls=certs.client,
+        token=BILLING,
+    ) as consumer:
+        batch = await anext(consumer)
+        await consumer.apply(batch, lambda tx, batch: None)
+        await secured.wait_applied("billing", "orders", 20, timeout=10)
+    positions = {(p.consumer, p.applied) for p in secured.consumer_lags()}
+    assert ("ledger", 0) in positions  # untouched by billing's reports
+    assert ("billing", 20) in positions
