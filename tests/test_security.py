@@ -24,6 +24,7 @@ from streamq import (
     ClientTLS,
     ConnectionLostError,
     Consumer,
+    FanInConsumer,
     NotAuthorizedError,
     Producer,
     ServerSettings,
@@ -518,3 +519,15 @@ async def test_positions_are_reported_under_the_token_name(secured: Producer, ce
     positions = {(p.consumer, p.applied) for p in secured.consumer_lags()}
     assert ("ledger", 0) in positions  # untouched by billing's reports
     assert ("billing", 20) in positions
+
+
+async def test_fetch_lag_and_fan_in_lag_use_tls_and_token(secured: Producer, certs: Certs) -> None:
+    """``fetch_lag`` asks on a connection of its own: with the consumer's TLS and token."""
+    async with Consumer(secured.address, "orders", tls=certs.client, token=BILLING) as consumer:
+        assert (await anext(consumer)).last_seq == 20
+        await secured.publish("orders", b"one more")
+        assert await asyncio.wait_for(consumer.fetch_lag(), 10) == 1
+    async with FanInConsumer(
+        [secured.address], "orders", tls=certs.client, token=BILLING
+    ) as fan_in:
+        assert await asyncio.wait_for(fan_in.fetch_lag(), 10) == 21
