@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+import streamq
 from streamq import (
     AuthenticationFailedError,
     Client,
@@ -531,3 +532,12 @@ async def test_fetch_lag_and_fan_in_lag_use_tls_and_token(secured: Producer, cer
         [secured.address], "orders", tls=certs.client, token=BILLING
     ) as fan_in:
         assert await asyncio.wait_for(fan_in.fetch_lag(), 10) == 21
+
+
+async def test_asyncio_history_takes_tls_and_token(secured: Producer, certs: Certs) -> None:
+    async with secured.transaction() as tx:
+        await tx.publish("orders", b"v", key=b"k")
+    found = await streamq.history(
+        secured.address, "orders", b"k", tls=certs.client, token=BILLING, timeout=10
+    )
+    assert [r.value for r in found] == [b"v"]
