@@ -432,7 +432,9 @@ def _status(args: argparse.Namespace) -> None:
     console.print(streams)
     peers: dict[tuple[str, str], list[str]] = {}
     for c in status["consumers"]:
-        peers.setdefault((c["consumer"], c["stream"]), []).append(c["peer"])
+        # With tokens, positions count under the name the token proved ("principal").
+        name = c.get("principal") or c["consumer"]
+        peers.setdefault((name, c["stream"]), []).append(c["peer"])
     consumers = Table(
         "consumer", "stream", "applied", "lag", "registered", "lost", "connected", title="consumers"
     )

@@ -33,6 +33,7 @@ from streamq import (
     SyncProducer,
     TLSError,
     TokenAuth,
+    cli,
     make_token,
 )
 from streamq.errors import ErrorCode
@@ -541,3 +542,31 @@ async def test_asyncio_history_takes_tls_and_token(secured: Producer, certs: Cer
         secured.address, "orders", b"k", tls=certs.client, token=BILLING, timeout=10
     )
     assert [r.value for r in found] == [b"v"]
+
+
+async def test_cli_status_joins_connections_to_token_positions(
+    secured: Producer,
+    certs: Certs,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With tokens, positions count under the token's name, not the free name a consumer
+    subscribes with: the status table still shows one row per consumer, connected."""
+    async with Consumer(
+        secured.address,
+        "orders",
+        db=str(tmp_path / "c.db"),
+        name="billing-app",
+        tls=certs.client,
+        token=BILLING,
+    ) as consumer:
+        await consumer.apply(await anext(consumer), lambda tx, batch: None)
+        await secured.wait_applied("billing", "orders", 20, timeout=10)
+        client = ["--tls-ca", certs.ca, "--tls-cert", certs.client.cert]
+        client += ["--tls-key", str(certs.client.key), "--token", OPS]
+        argv = ["status", secured.address, *client]
+        monkeypatch.setenv("COLUMNS", "200")  # the table on one line per row
+        assert await asyncio.to_thread(cli.main, argv) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if "billing" in line]
+    assert len(rows) == 1 and "127.0.0.1:" in rows[0], rows
