@@ -25,6 +25,7 @@ from .errors import (
     RemoteProtocolError,
     ServerError,
     TooManyConnectionsError,
+    UnknownStreamError,
 )
 from .log import Log, Stream
 from .positions import Positions
@@ -322,6 +323,7 @@ class Server:
                 message, Subscribe | GetHead | GetRange | GetHistory | SeekTime | ReportPosition
             ):
                 check_stream(principal, message.stream)
+                self._check_known(principal, message.stream)
             if isinstance(message, Subscribe):
                 await self._subscription(conn, message, reader, writer, principal)
                 return
@@ -352,6 +354,17 @@ class Server:
                 self.positions.report(reporter, stream.name, message.seq)
                 writer.write(conn.send(StreamInfo(stream.name, stream.head, stream.low)))
             await writer.drain()
+
+    def _check_known(self, principal: Principal | None, name: str) -> None:
+        """With tokens, the error for an unknown stream names only the streams the consumer
+        may read: ``Log.stream``'s names them all, which LIST_STREAMS hides."""
+        if principal is not None and name not in self.log.streams:
+            granted = sorted(s for s in self.log.streams if principal.may_read(s))
+            raise UnknownStreamError(
+                f"unknown stream {name!r}; this producer has "
+                f"{granted or 'no streams this consumer may read'}",
+                {"stream": name},
+            )
 
     def status(self) -> dict[str, Any]:
         return {

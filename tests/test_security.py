@@ -33,6 +33,7 @@ from streamq import (
     SyncProducer,
     TLSError,
     TokenAuth,
+    UnknownStreamError,
     cli,
     make_token,
 )
@@ -570,3 +571,24 @@ async def test_cli_status_joins_connections_to_token_positions(
         assert await asyncio.to_thread(cli.main, argv) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if "billing" in line]
     assert len(rows) == 1 and "127.0.0.1:" in rows[0], rows
+
+
+async def test_unknown_stream_errors_name_only_granted_streams(
+    secured: Producer, certs: Certs
+) -> None:
+    """An unknown stream within the grants names the producer's streams: only those the
+    consumer may read, or the error would list the streams LIST_STREAMS hides."""
+
+    def ask() -> None:
+        with (
+            Client(secured.address, tls=certs.client, token=BILLING) as client,
+            pytest.raises(UnknownStreamError) as raised,
+        ):
+            client.head("refunds.eu")
+        assert "secret" not in str(raised.value)
+        assert "'orders'" in str(raised.value)
+
+    await asyncio.to_thread(ask)
+    with pytest.raises(UnknownStreamError) as raised:
+        await Consumer(secured.address, "refunds.eu", tls=certs.client, token=BILLING).start()
+    assert "secret" not in str(raised.value)
