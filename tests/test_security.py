@@ -29,6 +29,7 @@ from streamq import (
     NotAuthorizedError,
     Producer,
     ServerSettings,
+    ServerTLS,
     StreamQError,
     SyncProducer,
     TLSError,
@@ -592,3 +593,16 @@ async def test_unknown_stream_errors_name_only_granted_streams(
     with pytest.raises(UnknownStreamError) as raised:
         await Consumer(secured.address, "refunds.eu", tls=certs.client, token=BILLING).start()
     assert "secret" not in str(raised.value)
+
+
+@pytest.mark.parametrize("field", ["ca", "cert", "key"])
+def test_a_missing_pem_file_is_named(field: str, certs: Certs, tmp_path: Path) -> None:
+    """OpenSSL's error for a missing file names no file: the user could not tell which."""
+    missing = str(tmp_path / f"missing-{field}.pem")
+    files = {"ca": certs.ca, "cert": certs.client.cert, "key": certs.client.key, field: missing}
+    with pytest.raises(FileNotFoundError, match=re.escape(missing)):
+        ClientTLS(**files).context()
+    server = {"cert": certs.server.cert, "key": certs.server.key, "client_ca": certs.ca}
+    server[{"ca": "client_ca"}.get(field, field)] = missing
+    with pytest.raises(FileNotFoundError, match=re.escape(missing)):
+        ServerTLS(**server).context()
