@@ -565,7 +565,7 @@ async def test_cli_status_joins_connections_to_token_positions(
     ) as consumer:
         await consumer.apply(await anext(consumer), lambda tx, batch: None)
         await secured.wait_applied("billing", "orders", 20, timeout=10)
-        client = ["--tls-ca", certs.ca, "--tls-cert", certs.client.cert]
+        client = ["--tls-ca", certs.ca, "--tls-cert", str(certs.client.cert)]
         client += ["--tls-key", str(certs.client.key), "--token", OPS]
         argv = ["status", secured.address, *client]
         monkeypatch.setenv("COLUMNS", "200")  # the table on one line per row
