@@ -20,6 +20,7 @@ from typing import Any
 from .errors import (
     ErrorCode,
     IdleTimeoutError,
+    MalformedFrameError,
     OffsetOutOfRangeError,
     ProducerMismatchError,
     RemoteProtocolError,
@@ -61,6 +62,9 @@ from .security import Principal, ServerTLS, TokenAuth, check_admin, check_stream
 logger = logging.getLogger("streamq.server")
 
 _READ_SIZE = 64 * 1024
+# Positions keep the consumer names peers report (status, metrics labels); their number is
+# capped (positions.MAX_UNREGISTERED), and so is each name's length.
+MAX_CONSUMER_NAME = 255
 _LINGER_SECONDS = 1.0
 _LINGER_BYTES = 1024 * 1024
 
@@ -138,6 +142,14 @@ def _peer_name(writer: asyncio.StreamWriter) -> str:
         host = f"[{peer[0]}]" if ":" in peer[0] else peer[0]
         return f"{host}:{peer[1]}"
     return str(peer)
+
+
+def _check_consumer_name(name: str) -> None:
+    if len(name) > MAX_CONSUMER_NAME:
+        raise MalformedFrameError(
+            f"consumer name of {len(name)} characters: at most {MAX_CONSUMER_NAME} characters",
+            {"length": len(name)},
+        )
 
 
 @dataclass
@@ -349,6 +361,7 @@ class Server:
                 check_admin(principal, "the status report")
                 writer.write(conn.send(StatusReport(self.status())))
             elif isinstance(message, ReportPosition):
+                _check_consumer_name(message.consumer)
                 stream = self.log.stream(message.stream)
                 reporter = message.consumer if principal is None else principal.name
                 self.positions.report(reporter, stream.name, message.seq)
@@ -477,6 +490,7 @@ class Server:
                 f"this is producer {self.producer_id}, not {request.producer_id}",
                 {"producer_id": self.producer_id, "expected": request.producer_id},
             )
+        _check_consumer_name(request.consumer)
         stream = self.log.stream(request.stream)
         position = request.start_seq - 1
         with_epochs = request.seen_epoch is not None
