@@ -30,7 +30,8 @@ maxRecordsPerTrigger     at most this many records per micro-batch, in all
 minPartitions            at least this many Spark partitions per batch
 maxRecordsPerPartition   split larger ranges (default 1,000,000)
 failOnDataLoss           ``true`` (default): fail if needed seqs are gone
-consumerName             name positions are reported under (default ``spark``)
+consumerName             name positions are reported under (default ``spark``;
+                         with a token, the producer counts them under its name)
 timeoutMs                connect and read timeout per request (default 30000)
 ssl.enabled              ``true``: TLS, trusting the system's CAs (implied by ssl.ca)
 ssl.ca                   PEM file of the CA that signed the producers' certificates

@@ -278,11 +278,10 @@ def _server_settings(args: argparse.Namespace) -> ServerSettings:
 def _client_security(args: argparse.Namespace) -> dict[str, Any]:
     """``tls`` and ``token`` keyword arguments for ``Client`` and ``Consumer``."""
     tls = None
+    if args.tls_key and not args.tls_cert:
+        raise SystemExit(f"streamq {args.command}: --tls-key needs --tls-cert")
     if args.tls or args.tls_ca or args.tls_cert or args.tls_key or args.tls_server_name:
-        try:
-            tls = ClientTLS(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
-        except ValueError as exc:
-            raise SystemExit(f"streamq {args.command}: {exc}") from None
+        tls = ClientTLS(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
     token = args.token
     if token is None:
         secret = read_secret(path=args.token_file, env=TOKEN_ENV)
@@ -432,7 +431,9 @@ def _status(args: argparse.Namespace) -> None:
     console.print(streams)
     peers: dict[tuple[str, str], list[str]] = {}
     for c in status["consumers"]:
-        peers.setdefault((c["consumer"], c["stream"]), []).append(c["peer"])
+        # With tokens, positions count under the name the token proved ("principal").
+        name = c.get("principal") or c["consumer"]
+        peers.setdefault((name, c["stream"]), []).append(c["peer"])
     consumers = Table(
         "consumer", "stream", "applied", "lag", "registered", "lost", "connected", title="consumers"
     )

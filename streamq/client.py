@@ -235,11 +235,13 @@ async def history(
     from_seq: int = 1,
     to_seq: int | None = None,
     timeout: float | None = 30.0,
+    tls: ClientTLS | None = None,
+    token: str | None = None,
 ) -> list[Record]:
     """``Client.history`` for asyncio code: one request on a connection of its own."""
 
     def fetch() -> list[Record]:
-        with Client(address, timeout=timeout, name="history") as client:
+        with Client(address, timeout=timeout, name="history", tls=tls, token=token) as client:
             return client.history(stream, key, from_seq, to_seq)
 
     return await asyncio.to_thread(fetch)

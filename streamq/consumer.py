@@ -302,7 +302,13 @@ class Consumer:
         from .client import Client  # the blocking client builds on this module
 
         def head() -> int:
-            with Client(self.address, timeout=self._connect_timeout, name=self.name) as client:
+            with Client(
+                self.address,
+                timeout=self._connect_timeout,
+                name=self.name,
+                tls=self._tls,
+                token=self._token,
+            ) as client:
                 return client.head(self.stream).head
 
         self.head = max(self.head, await asyncio.to_thread(head))

@@ -20,7 +20,7 @@ import hashlib
 import hmac
 import os
 import ssl
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from .errors import AuthenticationFailedError, NotAuthorizedError, TLSError
@@ -38,6 +38,19 @@ def _tls13_context(purpose: ssl.Purpose) -> ssl.SSLContext:
     return context
 
 
+def _load(load: Callable[..., None], *paths: str | None) -> None:
+    """``load(*paths)``; a file that cannot be read is named (OpenSSL's error names none)."""
+    try:
+        load(*paths)
+    except OSError as exc:
+        if isinstance(exc, ssl.SSLError) or exc.filename is not None:
+            raise
+        unreadable = next((p for p in paths if p and not os.access(p, os.R_OK)), None)
+        if unreadable is None:
+            raise
+        raise type(exc)(exc.errno, exc.strerror, unreadable) from exc
+
+
 @dataclass(frozen=True, slots=True)
 class ServerTLS:
     """The producer's certificate chain and key (PEM files); with ``client_ca``, clients must
@@ -49,9 +62,9 @@ class ServerTLS:
 
     def context(self) -> ssl.SSLContext:
         context = _tls13_context(ssl.Purpose.CLIENT_AUTH)
-        context.load_cert_chain(self.cert, self.key)
+        _load(context.load_cert_chain, self.cert, self.key)
         if self.client_ca is not None:
-            context.load_verify_locations(self.client_ca)
+            _load(context.load_verify_locations, self.client_ca)
             context.verify_mode = ssl.CERT_REQUIRED
         return context
 
@@ -77,9 +90,9 @@ class ClientTLS:
     def context(self) -> ssl.SSLContext:
         context = _tls13_context(ssl.Purpose.SERVER_AUTH)
         if self.ca is not None:
-            context.load_verify_locations(self.ca)
+            _load(context.load_verify_locations, self.ca)
         if self.cert is not None:
-            context.load_cert_chain(self.cert, self.key)
+            _load(context.load_cert_chain, self.cert, self.key)
         return context
 
 

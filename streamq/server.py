@@ -20,11 +20,13 @@ from typing import Any
 from .errors import (
     ErrorCode,
     IdleTimeoutError,
+    MalformedFrameError,
     OffsetOutOfRangeError,
     ProducerMismatchError,
     RemoteProtocolError,
     ServerError,
     TooManyConnectionsError,
+    UnknownStreamError,
 )
 from .log import Log, Stream
 from .positions import Positions
@@ -60,6 +62,9 @@ from .security import Principal, ServerTLS, TokenAuth, check_admin, check_stream
 logger = logging.getLogger("streamq.server")
 
 _READ_SIZE = 64 * 1024
+# Positions keep the consumer names peers report (status, metrics labels); their number is
+# capped (positions.MAX_UNREGISTERED), and so is each name's length.
+MAX_CONSUMER_NAME = 255
 _LINGER_SECONDS = 1.0
 _LINGER_BYTES = 1024 * 1024
 
@@ -137,6 +142,14 @@ def _peer_name(writer: asyncio.StreamWriter) -> str:
         host = f"[{peer[0]}]" if ":" in peer[0] else peer[0]
         return f"{host}:{peer[1]}"
     return str(peer)
+
+
+def _check_consumer_name(name: str) -> None:
+    if len(name) > MAX_CONSUMER_NAME:
+        raise MalformedFrameError(
+            f"consumer name of {len(name)} characters: at most {MAX_CONSUMER_NAME} characters",
+            {"length": len(name)},
+        )
 
 
 @dataclass
@@ -322,6 +335,7 @@ class Server:
                 message, Subscribe | GetHead | GetRange | GetHistory | SeekTime | ReportPosition
             ):
                 check_stream(principal, message.stream)
+                self._check_known(principal, message.stream)
             if isinstance(message, Subscribe):
                 await self._subscription(conn, message, reader, writer, principal)
                 return
@@ -347,11 +361,23 @@ class Server:
                 check_admin(principal, "the status report")
                 writer.write(conn.send(StatusReport(self.status())))
             elif isinstance(message, ReportPosition):
+                _check_consumer_name(message.consumer)
                 stream = self.log.stream(message.stream)
                 reporter = message.consumer if principal is None else principal.name
                 self.positions.report(reporter, stream.name, message.seq)
                 writer.write(conn.send(StreamInfo(stream.name, stream.head, stream.low)))
             await writer.drain()
+
+    def _check_known(self, principal: Principal | None, name: str) -> None:
+        """With tokens, the error for an unknown stream names only the streams the consumer
+        may read: ``Log.stream``'s names them all, which LIST_STREAMS hides."""
+        if principal is not None and name not in self.log.streams:
+            granted = sorted(s for s in self.log.streams if principal.may_read(s))
+            raise UnknownStreamError(
+                f"unknown stream {name!r}; this producer has "
+                f"{granted or 'no streams this consumer may read'}",
+                {"stream": name},
+            )
 
     def status(self) -> dict[str, Any]:
         return {
@@ -464,6 +490,7 @@ class Server:
                 f"this is producer {self.producer_id}, not {request.producer_id}",
                 {"producer_id": self.producer_id, "expected": request.producer_id},
             )
+        _check_consumer_name(request.consumer)
         stream = self.log.stream(request.stream)
         position = request.start_seq - 1
         with_epochs = request.seen_epoch is not None

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import streamq
+from streamq import cli
 
 STREAMQ = [sys.executable, "-m", "streamq"]
 
@@ -136,3 +137,9 @@ def test_demo_moves_money_exactly_once(tmp_path: Path) -> None:
     assert demo.returncode == 0, demo.stdout + demo.stderr
     assert demo.stdout.count("ok ") == 4
     assert "FAIL" not in demo.stdout
+
+
+def test_client_tls_options_are_checked_in_cli_terms() -> None:
+    """A key without a certificate is refused naming the flags, before connecting."""
+    with pytest.raises(SystemExit, match="streamq status: --tls-key needs --tls-cert"):
+        cli.main(["status", "127.0.0.1:1", "--tls-key", "client.key"])

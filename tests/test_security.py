@@ -18,19 +18,24 @@ from typing import Any
 
 import pytest
 
+import streamq
 from streamq import (
     AuthenticationFailedError,
     Client,
     ClientTLS,
     ConnectionLostError,
     Consumer,
+    FanInConsumer,
     NotAuthorizedError,
     Producer,
     ServerSettings,
+    ServerTLS,
     StreamQError,
     SyncProducer,
     TLSError,
     TokenAuth,
+    UnknownStreamError,
+    cli,
     make_token,
 )
 from streamq.errors import ErrorCode
@@ -518,3 +523,86 @@ async def test_positions_are_reported_under_the_token_name(secured: Producer, ce
     positions = {(p.consumer, p.applied) for p in secured.consumer_lags()}
     assert ("ledger", 0) in positions  # untouched by billing's reports
     assert ("billing", 20) in positions
+
+
+async def test_fetch_lag_and_fan_in_lag_use_tls_and_token(secured: Producer, certs: Certs) -> None:
+    """``fetch_lag`` asks on a connection of its own: with the consumer's TLS and token."""
+    async with Consumer(secured.address, "orders", tls=certs.client, token=BILLING) as consumer:
+        assert (await anext(consumer)).last_seq == 20
+        await secured.publish("orders", b"one more")
+        assert await asyncio.wait_for(consumer.fetch_lag(), 10) == 1
+    async with FanInConsumer(
+        [secured.address], "orders", tls=certs.client, token=BILLING
+    ) as fan_in:
+        assert await asyncio.wait_for(fan_in.fetch_lag(), 10) == 21
+
+
+async def test_asyncio_history_takes_tls_and_token(secured: Producer, certs: Certs) -> None:
+    async with secured.transaction() as tx:
+        await tx.publish("orders", b"v", key=b"k")
+    found = await streamq.history(
+        secured.address, "orders", b"k", tls=certs.client, token=BILLING, timeout=10
+    )
+    assert [r.value for r in found] == [b"v"]
+
+
+async def test_cli_status_joins_connections_to_token_positions(
+    secured: Producer,
+    certs: Certs,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With tokens, positions count under the token's name, not the free name a consumer
+    subscribes with: the status table still shows one row per consumer, connected."""
+    async with Consumer(
+        secured.address,
+        "orders",
+        db=str(tmp_path / "c.db"),
+        name="billing-app",
+        tls=certs.client,
+        token=BILLING,
+    ) as consumer:
+        await consumer.apply(await anext(consumer), lambda tx, batch: None)
+        await secured.wait_applied("billing", "orders", 20, timeout=10)
+        client = ["--tls-ca", certs.ca, "--tls-cert", str(certs.client.cert)]
+        client += ["--tls-key", str(certs.client.key), "--token", OPS]
+        argv = ["status", secured.address, *client]
+        monkeypatch.setenv("COLUMNS", "200")  # the table on one line per row
+        assert await asyncio.to_thread(cli.main, argv) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if "billing" in line]
+    assert len(rows) == 1 and "127.0.0.1:" in rows[0], rows
+
+
+async def test_unknown_stream_errors_name_only_granted_streams(
+    secured: Producer, certs: Certs
+) -> None:
+    """An unknown stream within the grants names the producer's streams: only those the
+    consumer may read, or the error would list the streams LIST_STREAMS hides."""
+
+    def ask() -> None:
+        with (
+            Client(secured.address, tls=certs.client, token=BILLING) as client,
+            pytest.raises(UnknownStreamError) as raised,
+        ):
+            client.head("refunds.eu")
+        assert "secret" not in str(raised.value)
+        assert "'orders'" in str(raised.value)
+
+    await asyncio.to_thread(ask)
+    with pytest.raises(UnknownStreamError) as raised:
+        await Consumer(secured.address, "refunds.eu", tls=certs.client, token=BILLING).start()
+    assert "secret" not in str(raised.value)
+
+
+@pytest.mark.parametrize("field", ["ca", "cert", "key"])
+def test_a_missing_pem_file_is_named(field: str, certs: Certs, tmp_path: Path) -> None:
+    """OpenSSL's error for a missing file names no file: the user could not tell which."""
+    missing = str(tmp_path / f"missing-{field}.pem")
+    files = {"ca": certs.ca, "cert": certs.client.cert, "key": certs.client.key, field: missing}
+    with pytest.raises(FileNotFoundError, match=re.escape(missing)):
+        ClientTLS(**files).context()
+    server = {"cert": certs.server.cert, "key": certs.server.key, "client_ca": certs.ca}
+    server[{"ca": "client_ca"}.get(field, field)] = missing
+    with pytest.raises(FileNotFoundError, match=re.escape(missing)):
+        ServerTLS(**server).context()

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import msgpack
 import pytest
 
-from streamq import Consumer, Producer, ServerSettings
+from streamq import Client, Consumer, Producer, ServerSettings
 from streamq.errors import ErrorCode
 from streamq.protocol import (
     PROTOCOL_VERSION,
@@ -20,12 +20,14 @@ from streamq.protocol import (
     GetHead,
     GetRange,
     Message,
+    ReportPosition,
     ServerHello,
     Subscribe,
     decode_message,
     encode,
     frame,
 )
+from streamq.server import MAX_CONSUMER_NAME
 
 from .conftest import wait_for
 
@@ -222,3 +224,25 @@ async def test_connection_limit_and_handshake_timeout(producer_db: str) -> None:
             await producer.publish("orders", b"y")
             assert [r.seq for r in await asyncio.wait_for(anext(first), 10)] == [2]
         await wait_for(lambda: producer.server is not None and producer.server.connections == 0)
+
+
+async def test_overlong_consumer_names_are_refused(producer: Producer, bystander: Consumer) -> None:
+    """Positions keep the names peers report (status, metrics labels): their number is
+    capped, so must each name's length be, or 1,024 names of a frame's size fill memory."""
+    long_name = "c" * (MAX_CONSUMER_NAME + 1)
+    requests = [
+        encode(ReportPosition("orders", long_name, 5)),
+        encode(Subscribe("orders", 1, long_name, None)) + encode(Ack(5)),
+    ]
+    for request in requests:
+        error = error_of(await exchange(producer.address, HELLO + request))
+        assert error.code == ErrorCode.MALFORMED_FRAME
+        assert f"at most {MAX_CONSUMER_NAME} characters" in error.message
+    assert all(p.consumer != long_name for p in producer.consumer_lags())
+
+    def report_longest() -> None:
+        with Client(producer.address, timeout=10) as client:
+            client.report_position("orders", "c" * MAX_CONSUMER_NAME, 5)
+
+    await asyncio.to_thread(report_longest)
+    await check_unharmed(producer, bystander)

@@ -119,3 +119,32 @@ def test_endpoints_from_a_provider() -> None:
         planning.parse_endpoints(None, None, "no_colon")
     with pytest.raises(StreamQSourceError, match="No module named"):
         planning.parse_endpoints(None, None, "no_such_module_xyz:f")
+
+
+def test_time_seek_and_key_reads_over_tls_with_a_token(tmp_path: Path) -> None:
+    """startingTimestamp's seeks and a pushed-down key filter's history reads go through
+    ``Connect`` (TLS and token), and the key reads still report records retention deleted."""
+    from spark_source.datasource import StreamQPartition, read_partition
+
+    from .certs import make_certs
+
+    certs = make_certs(tmp_path)
+    secret = b"planning-test-secret-0123"
+    auth = streamq.TokenAuth(secret, {"analytics": ["orders"]})
+    settings = streamq.ServerSettings(tls=certs.server, auth=auth)
+    with streamq.SyncProducer(str(tmp_path / "p.db"), settings=settings) as producer:
+        with producer.transaction() as tx:
+            for n in range(1, 11):
+                tx.publish("orders", b"%d" % n, key=b"k%d" % (n % 2), timestamp=1000 * n)
+        connect = Connect(10, certs.client, streamq.make_token(secret, "analytics"))
+        states = planning.discover([producer.address], "orders", connect)
+        assert planning.seek_time(states, "orders", 4500, connect) == {producer.producer_id: 5}
+        rng = Range(producer.producer_id, producer.address, 3, 9)
+        keys = frozenset({b"k0"})
+        batches = list(read_partition(StreamQPartition(rng, "orders", True, connect, keys)))
+        assert [seq for batch in batches for seq in batch.column("seq").to_pylist()] == [4, 6, 8]
+        producer.truncate("orders", 5)
+        with pytest.raises(StreamQSourceError, match=r"seqs 3\.\.4 are gone"):
+            list(read_partition(StreamQPartition(rng, "orders", True, connect, keys)))
+        lenient = read_partition(StreamQPartition(rng, "orders", False, connect, keys))
+        assert [seq for batch in lenient for seq in batch.column("seq").to_pylist()] == [6, 8]
