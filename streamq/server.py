@@ -364,7 +364,9 @@ class Server:
                 _check_consumer_name(message.consumer)
                 stream = self.log.stream(message.stream)
                 reporter = message.consumer if principal is None else principal.name
-                self.positions.report(reporter, stream.name, message.seq)
+                # Nothing beyond the head can have been applied: a report claiming more would
+                # let retention delete what a registered consumer still needs.
+                self.positions.report(reporter, stream.name, min(message.seq, stream.head))
                 writer.write(conn.send(StreamInfo(stream.name, stream.head, stream.low)))
             await writer.drain()
 
@@ -546,8 +548,9 @@ class Server:
                 if isinstance(message, Error):
                     return
                 if isinstance(message, Ack):
-                    sub.acked = max(sub.acked, message.seq)
-                    self.positions.report(sub.reporter, sub.stream, message.seq)
+                    seq = min(message.seq, sub.sent)  # it cannot have applied what it was not sent
+                    sub.acked = max(sub.acked, seq)
+                    self.positions.report(sub.reporter, sub.stream, seq)
             if not conn.buffered:
                 deadline = None
             elif deadline is None:

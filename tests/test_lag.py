@@ -118,6 +118,28 @@ async def test_spark_style_reports_count_as_positions(producer_db: str) -> None:
         assert lag is not None and (lag.applied, lag.lag) == (8, 2)
 
 
+async def test_positions_beyond_what_was_sent_are_clamped(producer_db: str) -> None:
+    """A report past the head (or an ACK past what was sent) would let retention delete
+    what a registered consumer still needs: the producer counts no more than it holds."""
+    async with Producer(producer_db) as producer:
+        await producer.register_consumer("ledger", "orders")
+        async with producer.transaction() as tx:
+            await tx.publish_many("orders", [b"x"] * 10)
+
+        def report() -> None:
+            with streamq.Client(producer.address) as client:
+                client.report_position("orders", "ledger", 1_000_000)
+
+        await asyncio.to_thread(report)
+        lag = lag_of(producer, "ledger", "orders")
+        assert lag is not None and (lag.applied, lag.lag) == (10, 0)
+        async with producer.transaction() as tx:
+            await tx.publish_many("orders", [b"y"] * 5)
+        assert lag_of(producer, "ledger", "orders").lag == 5  # type: ignore[union-attr]
+        await producer.apply_retention()
+        assert producer.log.stream("orders").low == 11  # the 5 new records are kept
+
+
 async def test_a_reconnecting_consumer_reports_its_position_at_once(
     producer_db: str, consumer_db: str, unused_tcp_port: int
 ) -> None:
