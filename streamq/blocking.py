@@ -9,6 +9,8 @@ function on that thread costs one hop. Both sides use it: the producer's
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import sqlite3
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar, cast
@@ -33,6 +35,15 @@ async def run_on_thread(conn: aiosqlite.Connection, fn: Callable[..., T], *args:
     """
     execute = cast(Callable[..., Awaitable[T]], conn._execute)
     return await execute(fn, *args)
+
+
+async def finish(work: asyncio.Future[Any]) -> None:
+    """Wait until ``work`` is done, however often the caller is cancelled meanwhile: a
+    transaction running on a connection's thread cannot be stopped, and whether it
+    committed must be known before anyone goes on (the caller's cancel is re-raised)."""
+    while not work.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait([work])
 
 
 def in_transaction(conn: sqlite3.Connection, body: Callable[[], T]) -> T:

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import aiosqlite
 
 from . import store
-from .blocking import BlockingSQL, in_transaction, raw_connection, run_on_thread
+from .blocking import BlockingSQL, finish, in_transaction, raw_connection, run_on_thread
 from .compaction import NOTIFICATION_SUFFIX, Compacted, superseded
 from .errors import ConcurrentWriterError, RecordTooLargeError, TransactionClosedError
 from .log import RECORD_OVERHEAD, Log, Stream
@@ -534,8 +534,7 @@ class Producer:
             try:
                 return await asyncio.shield(work)
             finally:
-                if not work.done():  # cancelled: the thread goes on; let it finish
-                    await asyncio.wait([work])
+                await finish(work)  # cancelled: the thread goes on; let it finish
                 if not work.cancelled() and work.exception() is None:
                     self._after_commit(tx._pending)
 

@@ -139,3 +139,29 @@ async def test_consumer_apply_stores_effects_and_position_together(
                 await consumer.apply(batch, credit, "credits")
             assert consumer.applied == 5
     assert applied(consumer_db) == ([1, 2, 3, 4, 5], 5)
+
+
+async def test_caller_cancelled_twice_still_sees_the_commit_through(producer_db: str) -> None:
+    """A second cancel while waiting for the thread must not skip the in-memory commit:
+    the next transaction would re-use the committed seqs."""
+    entered, release = threading.Event(), threading.Event()
+
+    def slow(tx: BlockingTransaction) -> None:
+        tx.publish("orders", b"slow")
+        entered.set()
+        release.wait(10)
+
+    async with Producer(producer_db) as producer:
+        await producer.publish("orders", b"first")
+        task = asyncio.create_task(producer.run_in_transaction(slow))
+        assert await asyncio.to_thread(entered.wait, 10)
+        task.cancel()
+        await asyncio.sleep(0)  # the task is now waiting for the thread
+        task.cancel()
+        await asyncio.sleep(0)
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert producer.head("orders") == 2
+        assert await producer.publish("orders", b"next") == 3
+    assert log_seqs(producer_db) == [1, 2, 3]
