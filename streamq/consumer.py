@@ -22,7 +22,7 @@ from typing import Any, TypeVar, overload
 
 import aiosqlite
 
-from .blocking import BlockingSQL, in_transaction, raw_connection, run_on_thread
+from .blocking import BlockingSQL, finish, in_transaction, raw_connection, run_on_thread
 from .errors import (
     ConnectionLostError,
     ConsumerPositionError,
@@ -667,11 +667,14 @@ class Consumer:
                 tx._conn.execute(_STORE_POSITION, position)
                 return result
 
+            work = asyncio.ensure_future(run_on_thread(db, in_transaction, tx._conn, body))
             try:
-                result: T = await run_on_thread(db, in_transaction, tx._conn, body)
+                result: T = await asyncio.shield(work)
             finally:
+                await finish(work)  # cancelled: the thread goes on and may commit
                 tx._closed = True
-        self._applied(batch)
+                if not work.cancelled() and work.exception() is None:
+                    self._applied(batch)
         return result
 
     def _check_turn(self, batch: Batch) -> aiosqlite.Connection:
