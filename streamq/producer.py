@@ -214,6 +214,7 @@ class Transaction:
         self._conn = producer._conn
         self._closed = False
         self._pending = _Pending(producer)
+        self.committed = False  # set once COMMIT returned, even to a cancelled caller
 
     def _check_open(self) -> None:
         if self._closed:
@@ -282,7 +283,12 @@ class Transaction:
         await self._flush()
         if segments := list(self._pending.segment_rows().values()):
             await self._conn.executemany(store.INSERT_EPOCHS, segments)
-        await self._conn.execute("COMMIT")
+        commit = asyncio.ensure_future(self._conn.execute("COMMIT"))
+        try:
+            await asyncio.shield(commit)
+        finally:
+            await finish(commit)  # a COMMIT sent to the thread happens: know its outcome
+            self.committed = not commit.cancelled() and commit.exception() is None
 
 
 class BlockingTransaction(BlockingSQL):
@@ -514,7 +520,9 @@ class Producer:
                 await tx._commit()
             except BaseException:
                 tx._closed = True
-                if self._conn.in_transaction:
+                if tx.committed:  # cancelled while COMMIT ran: it committed all the same
+                    self._after_commit(tx._pending)
+                elif self._conn.in_transaction:
                     await self._conn.execute("ROLLBACK")
                 raise
             tx._closed = True
@@ -642,6 +650,7 @@ class Producer:
         if before <= target.low:
             return
         low = target.low
+        tx: Transaction | None = None
         try:
             async with self.transaction() as tx:
                 await store.truncate(tx._conn, target.id, before)
@@ -649,7 +658,8 @@ class Producer:
                 # low, and reports the seqs as lost rather than as a compaction gap.
                 target.low = before
         except BaseException:
-            target.low = low
+            if tx is None or not tx.committed:
+                target.low = low
             raise
         for position in self.positions.registered(stream):
             if max(low, position.applied + 1) < before:
@@ -725,6 +735,7 @@ class Producer:
         if not (capped or unsaved or any(p.registered for p in self.positions.all())):
             return done  # nothing to delete, nothing to save: no transaction
         plans: list[tuple[Stream, int, int, Any]] = []  # stream, its low before, head, plan
+        tx: Transaction | None = None
         try:
             async with self.transaction() as tx:
                 for stream in list(self.log.streams.values()):
@@ -736,8 +747,9 @@ class Producer:
                         stream.low = plan.before  # before COMMIT, as in truncate
                 await store.save_positions(tx._conn, unsaved)
         except BaseException:
-            for stream, low, _, _ in plans:
-                stream.low = low
+            if tx is None or not tx.committed:
+                for stream, low, _, _ in plans:
+                    stream.low = low
             raise
         self.positions.mark_saved(unsaved)
         for stream, low, head, plan in plans:
@@ -794,6 +806,7 @@ class Producer:
         """Compact the next ``window`` seqs after the compaction point, in one transaction:
         it looks only at the keys written there (and their older records)."""
         compacted = target.compacted
+        tx: Transaction | None = None
         try:
             async with self.transaction() as tx:
                 through = min(target.head, target.compacted + window)
@@ -810,7 +823,8 @@ class Producer:
                         await tx.publish(notifications, entry.to_value(), key=entry.key)
                 target.compacted = through  # before COMMIT, as truncate does with low
         except BaseException:
-            target.compacted = compacted
+            if tx is None or not tx.committed:
+                target.compacted = compacted
             raise
         target.tail.reset(target.head + 1)  # it may hold removed records
         if removed and self._on_compacted is not None:
