@@ -37,13 +37,19 @@ async def run_on_thread(conn: aiosqlite.Connection, fn: Callable[..., T], *args:
     return await execute(fn, *args)
 
 
-async def finish(work: asyncio.Future[Any]) -> None:
-    """Wait until ``work`` is done, however often the caller is cancelled meanwhile: a
-    transaction running on a connection's thread cannot be stopped, and whether it
-    committed must be known before anyone goes on (the caller's cancel is re-raised)."""
-    while not work.done():
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait([work])
+async def to_the_end(work: Awaitable[T], succeeded: Callable[[], None]) -> T:
+    """Await ``work``, then call ``succeeded()`` if it did, even if the caller is cancelled
+    meanwhile (then its cancel is re-raised after): what was sent to a connection's thread
+    cannot be stopped, and whether it committed must be known before anyone goes on."""
+    future = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(future)
+    finally:
+        while not future.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait([future])
+        if not future.cancelled() and future.exception() is None:
+            succeeded()
 
 
 def in_transaction(conn: sqlite3.Connection, body: Callable[[], T]) -> T:

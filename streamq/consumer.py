@@ -22,7 +22,7 @@ from typing import Any, TypeVar, overload
 
 import aiosqlite
 
-from .blocking import BlockingSQL, finish, in_transaction, raw_connection, run_on_thread
+from .blocking import BlockingSQL, in_transaction, raw_connection, run_on_thread, to_the_end
 from .errors import (
     ConnectionLostError,
     ConsumerPositionError,
@@ -642,13 +642,12 @@ class Consumer:
                 yield tx
                 tx._closed = True
                 await db.execute(_STORE_POSITION, self._position_row(batch))
-                await db.execute("COMMIT")
+                await to_the_end(db.execute("COMMIT"), lambda: self._applied(batch))
             except BaseException:
                 tx._closed = True
                 if db.in_transaction:
                     await db.execute("ROLLBACK")
                 raise
-        self._applied(batch)
 
     async def apply(self, batch: Batch, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(tx, batch, *args)`` in one transaction that also stores the position.
@@ -667,15 +666,13 @@ class Consumer:
                 tx._conn.execute(_STORE_POSITION, position)
                 return result
 
-            work = asyncio.ensure_future(run_on_thread(db, in_transaction, tx._conn, body))
             try:
-                result: T = await asyncio.shield(work)
+                return await to_the_end(
+                    run_on_thread(db, in_transaction, tx._conn, body),
+                    lambda: self._applied(batch),
+                )
             finally:
-                await finish(work)  # cancelled: the thread goes on and may commit
                 tx._closed = True
-                if not work.cancelled() and work.exception() is None:
-                    self._applied(batch)
-        return result
 
     def _check_turn(self, batch: Batch) -> aiosqlite.Connection:
         """The database to apply into, if ``batch`` is the next one to apply."""

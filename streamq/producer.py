@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import aiosqlite
 
 from . import store
-from .blocking import BlockingSQL, finish, in_transaction, raw_connection, run_on_thread
+from .blocking import BlockingSQL, in_transaction, raw_connection, run_on_thread, to_the_end
 from .compaction import NOTIFICATION_SUFFIX, Compacted, superseded
 from .errors import ConcurrentWriterError, RecordTooLargeError, TransactionClosedError
 from .log import RECORD_OVERHEAD, Log, Stream
@@ -283,12 +283,10 @@ class Transaction:
         await self._flush()
         if segments := list(self._pending.segment_rows().values()):
             await self._conn.executemany(store.INSERT_EPOCHS, segments)
-        commit = asyncio.ensure_future(self._conn.execute("COMMIT"))
-        try:
-            await asyncio.shield(commit)
-        finally:
-            await finish(commit)  # a COMMIT sent to the thread happens: know its outcome
-            self.committed = not commit.cancelled() and commit.exception() is None
+        await to_the_end(self._conn.execute("COMMIT"), self._mark_committed)
+
+    def _mark_committed(self) -> None:
+        self.committed = True
 
 
 class BlockingTransaction(BlockingSQL):
@@ -538,13 +536,10 @@ class Producer:
         self._check_running()
         async with self._lock:
             tx = BlockingTransaction(self, raw_connection(self._conn))
-            work = asyncio.ensure_future(run_on_thread(self._conn, tx._run, fn, args))
-            try:
-                return await asyncio.shield(work)
-            finally:
-                await finish(work)  # cancelled: the thread goes on; let it finish
-                if not work.cancelled() and work.exception() is None:
-                    self._after_commit(tx._pending)
+            return await to_the_end(
+                run_on_thread(self._conn, tx._run, fn, args),
+                lambda: self._after_commit(tx._pending),
+            )
 
     def _check_running(self) -> None:
         if not self._started or self._closed:
