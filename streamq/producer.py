@@ -862,6 +862,8 @@ class Producer:
                         stream = await self._load_new_epochs(row)
                     stream.low = max(stream.low, row.low)
                     stream.max_ts = row.max_ts
-                    stream.compacted = max(stream.compacted, row.compacted)
+                    if row.compacted > stream.compacted:  # its tail may hold removed records
+                        stream.compacted = row.compacted
+                        stream.tail.reset(stream.head + 1)
                     if row.head > stream.head:
                         self.log.committed(stream, row.head, None)

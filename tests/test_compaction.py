@@ -194,3 +194,20 @@ async def test_compaction_in_windows_removes_the_same(
             while not got or got[-1] < 8:
                 got += [r.seq for r in await anext(tail)]
         assert got == SURVIVORS
+
+
+async def test_compaction_by_another_process_is_not_served_from_memory(producer_db: str) -> None:
+    """Records another process compacted away leave the serving producer's tail too."""
+    async with Producer(producer_db, watch_interval=0.02) as served:
+        await served.create_stream("accounts", key_index=True)
+        await fill(served)
+        async with Producer(producer_db, serve=False) as other:
+            await other.compact("accounts")
+        stream = served.log.streams["accounts"]
+        await wait_for(lambda: stream.compacted == len(KEYS), what="compaction seen")
+
+        def read() -> list[int]:
+            with Client(served.address) as client:
+                return [r.seq for batch in client.read_range("accounts", 1, 9) for r in batch]
+
+        assert await asyncio.to_thread(read) == SURVIVORS
