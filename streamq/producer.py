@@ -821,7 +821,10 @@ class Producer:
             if tx is None or not tx.committed:
                 target.compacted = compacted
             raise
-        target.tail.reset(target.head + 1)  # it may hold removed records
+        finally:
+            if tx is not None and tx.committed:
+                target.tail.reset(target.head + 1)  # it may hold removed records
+                self.retention.forget(target.name)  # its size shrank
         if removed and self._on_compacted is not None:
             result = self._on_compacted(target.name, removed)
             if inspect.isawaitable(result):
@@ -865,5 +868,6 @@ class Producer:
                     if row.compacted > stream.compacted:  # its tail may hold removed records
                         stream.compacted = row.compacted
                         stream.tail.reset(stream.head + 1)
+                        self.retention.forget(stream.name)
                     if row.head > stream.head:
                         self.log.committed(stream, row.head, None)
