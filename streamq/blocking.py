@@ -9,6 +9,8 @@ function on that thread costs one hop. Both sides use it: the producer's
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import sqlite3
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar, cast
@@ -33,6 +35,21 @@ async def run_on_thread(conn: aiosqlite.Connection, fn: Callable[..., T], *args:
     """
     execute = cast(Callable[..., Awaitable[T]], conn._execute)
     return await execute(fn, *args)
+
+
+async def to_the_end(work: Awaitable[T], succeeded: Callable[[], None]) -> T:
+    """Await ``work``, then call ``succeeded()`` if it did, even if the caller is cancelled
+    meanwhile (then its cancel is re-raised after): what was sent to a connection's thread
+    cannot be stopped, and whether it committed must be known before anyone goes on."""
+    future = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(future)
+    finally:
+        while not future.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait([future])
+        if not future.cancelled() and future.exception() is None:
+            succeeded()
 
 
 def in_transaction(conn: sqlite3.Connection, body: Callable[[], T]) -> T:

@@ -22,7 +22,7 @@ from typing import Any, TypeVar, overload
 
 import aiosqlite
 
-from .blocking import BlockingSQL, in_transaction, raw_connection, run_on_thread
+from .blocking import BlockingSQL, in_transaction, raw_connection, run_on_thread, to_the_end
 from .errors import (
     ConnectionLostError,
     ConsumerPositionError,
@@ -648,13 +648,12 @@ class Consumer:
                 yield tx
                 tx._closed = True
                 await db.execute(_STORE_POSITION, self._position_row(batch))
-                await db.execute("COMMIT")
+                await to_the_end(db.execute("COMMIT"), lambda: self._applied(batch))
             except BaseException:
                 tx._closed = True
                 if db.in_transaction:
                     await db.execute("ROLLBACK")
                 raise
-        self._applied(batch)
 
     async def apply(self, batch: Batch, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(tx, batch, *args)`` in one transaction that also stores the position.
@@ -674,11 +673,12 @@ class Consumer:
                 return result
 
             try:
-                result: T = await run_on_thread(db, in_transaction, tx._conn, body)
+                return await to_the_end(
+                    run_on_thread(db, in_transaction, tx._conn, body),
+                    lambda: self._applied(batch),
+                )
             finally:
                 tx._closed = True
-        self._applied(batch)
-        return result
 
     def _check_turn(self, batch: Batch) -> aiosqlite.Connection:
         """The database to apply into, if ``batch`` is the next one to apply."""

@@ -278,14 +278,19 @@ class Log:
         limit = max(1, min(max_records, max_bytes // max(1, self._avg_record_size)))
         async with self._reader() as conn:
             rows = await store.read_records(conn, stream.id, seq, end, limit)
+            first = rows[0][0] if rows else end
+            low, compacted = stream.low, stream.compacted
+            if first != seq and first - 1 > compacted:
+                # Another process may have compacted (or truncated) before this one's watch
+                # noticed: the database says which.
+                low, compacted = await store.low_and_compacted(conn, stream.id)
         # Retention raises ``low`` before it commits (Producer.truncate): seqs it deleted
         # while this read ran are reported as lost, never taken for a compaction gap.
         self.check_available(stream, seq)
-        first = rows[0][0] if rows else end
-        if first != seq and first - 1 > stream.compacted:  # deleted after the check above
+        if seq < low or (first != seq and first - 1 > compacted):  # deleted after the check
             raise OffsetOutOfRangeError(
                 f"stream {stream.name!r}: seqs from {seq} were deleted while being read",
-                {"stream": stream.name, "requested": seq, "low": stream.low, "head": stream.head},
+                {"stream": stream.name, "requested": seq, "low": low, "head": stream.head},
             )
         if not rows:  # compaction removed all of [seq, end)
             return (), end - 1

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import aiosqlite
 
 from . import store
-from .blocking import BlockingSQL, in_transaction, raw_connection, run_on_thread
+from .blocking import BlockingSQL, in_transaction, raw_connection, run_on_thread, to_the_end
 from .compaction import NOTIFICATION_SUFFIX, Compacted, superseded
 from .errors import ConcurrentWriterError, RecordTooLargeError, TransactionClosedError
 from .log import RECORD_OVERHEAD, Log, Stream
@@ -214,6 +214,7 @@ class Transaction:
         self._conn = producer._conn
         self._closed = False
         self._pending = _Pending(producer)
+        self.committed = False  # set once COMMIT returned, even to a cancelled caller
 
     def _check_open(self) -> None:
         if self._closed:
@@ -282,7 +283,10 @@ class Transaction:
         await self._flush()
         if segments := list(self._pending.segment_rows().values()):
             await self._conn.executemany(store.INSERT_EPOCHS, segments)
-        await self._conn.execute("COMMIT")
+        await to_the_end(self._conn.execute("COMMIT"), self._mark_committed)
+
+    def _mark_committed(self) -> None:
+        self.committed = True
 
 
 class BlockingTransaction(BlockingSQL):
@@ -514,7 +518,9 @@ class Producer:
                 await tx._commit()
             except BaseException:
                 tx._closed = True
-                if self._conn.in_transaction:
+                if tx.committed:  # cancelled while COMMIT ran: it committed all the same
+                    self._after_commit(tx._pending)
+                elif self._conn.in_transaction:
                     await self._conn.execute("ROLLBACK")
                 raise
             tx._closed = True
@@ -530,14 +536,10 @@ class Producer:
         self._check_running()
         async with self._lock:
             tx = BlockingTransaction(self, raw_connection(self._conn))
-            work = asyncio.ensure_future(run_on_thread(self._conn, tx._run, fn, args))
-            try:
-                return await asyncio.shield(work)
-            finally:
-                if not work.done():  # cancelled: the thread goes on; let it finish
-                    await asyncio.wait([work])
-                if not work.cancelled() and work.exception() is None:
-                    self._after_commit(tx._pending)
+            return await to_the_end(
+                run_on_thread(self._conn, tx._run, fn, args),
+                lambda: self._after_commit(tx._pending),
+            )
 
     def _check_running(self) -> None:
         if not self._started or self._closed:
@@ -643,6 +645,7 @@ class Producer:
         if before <= target.low:
             return
         low = target.low
+        tx: Transaction | None = None
         try:
             async with self.transaction() as tx:
                 await store.truncate(tx._conn, target.id, before)
@@ -650,7 +653,8 @@ class Producer:
                 # low, and reports the seqs as lost rather than as a compaction gap.
                 target.low = before
         except BaseException:
-            target.low = low
+            if tx is None or not tx.committed:
+                target.low = low
             raise
         for position in self.positions.registered(stream):
             if max(low, position.applied + 1) < before:
@@ -726,6 +730,7 @@ class Producer:
         if not (capped or unsaved or any(p.registered for p in self.positions.all())):
             return done  # nothing to delete, nothing to save: no transaction
         plans: list[tuple[Stream, int, int, Any]] = []  # stream, its low before, head, plan
+        tx: Transaction | None = None
         try:
             async with self.transaction() as tx:
                 for stream in list(self.log.streams.values()):
@@ -737,8 +742,9 @@ class Producer:
                         stream.low = plan.before  # before COMMIT, as in truncate
                 await store.save_positions(tx._conn, unsaved)
         except BaseException:
-            for stream, low, _, _ in plans:
-                stream.low = low
+            if tx is None or not tx.committed:
+                for stream, low, _, _ in plans:
+                    stream.low = low
             raise
         self.positions.mark_saved(unsaved)
         for stream, low, head, plan in plans:
@@ -795,6 +801,7 @@ class Producer:
         """Compact the next ``window`` seqs after the compaction point, in one transaction:
         it looks only at the keys written there (and their older records)."""
         compacted = target.compacted
+        tx: Transaction | None = None
         try:
             async with self.transaction() as tx:
                 through = min(target.head, target.compacted + window)
@@ -811,9 +818,13 @@ class Producer:
                         await tx.publish(notifications, entry.to_value(), key=entry.key)
                 target.compacted = through  # before COMMIT, as truncate does with low
         except BaseException:
-            target.compacted = compacted
+            if tx is None or not tx.committed:
+                target.compacted = compacted
             raise
-        target.tail.reset(target.head + 1)  # it may hold removed records
+        finally:
+            if tx is not None and tx.committed:
+                target.tail.reset(target.head + 1)  # it may hold removed records
+                self.retention.forget(target.name)  # its size shrank
         if removed and self._on_compacted is not None:
             result = self._on_compacted(target.name, removed)
             if inspect.isawaitable(result):
@@ -854,6 +865,9 @@ class Producer:
                         stream = await self._load_new_epochs(row)
                     stream.low = max(stream.low, row.low)
                     stream.max_ts = row.max_ts
-                    stream.compacted = max(stream.compacted, row.compacted)
+                    if row.compacted > stream.compacted:  # its tail may hold removed records
+                        stream.compacted = row.compacted
+                        stream.tail.reset(stream.head + 1)
+                        self.retention.forget(stream.name)
                     if row.head > stream.head:
                         self.log.committed(stream, row.head, None)

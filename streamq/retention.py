@@ -105,6 +105,10 @@ class Retention:
                 size_after = size - await store.bytes_between(conn, stream.id, low, before)
         return _Plan(before, lost, size_after)
 
+    def forget(self, stream: str) -> None:
+        """``stream`` lost records retention did not delete (compaction): count it anew."""
+        self._sizes.pop(stream, None)
+
     def committed(self, stream: Stream, head: int, size_after: int | None) -> None:
         """The plan for ``stream`` was carried out at ``head``."""
         if size_after is None:

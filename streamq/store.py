@@ -489,6 +489,16 @@ async def compaction_candidates(
     return [(p & MAX_STORED_SEQ, key, record) for p, key, record in rows]
 
 
+async def low_and_compacted(conn: aiosqlite.Connection, stream_id: int) -> tuple[int, int]:
+    """A stream's first held seq and compaction point as committed, by any process."""
+    rows = await conn.execute_fetchall(
+        "SELECT low, compacted FROM streamq_streams WHERE id = ?", (stream_id,)
+    )
+    for low, compacted in rows:
+        return int(low), int(compacted)
+    raise LookupError(f"no stream with id {stream_id}")
+
+
 async def delete_compacted(
     conn: aiosqlite.Connection, stream_id: int, seqs: list[int], through: int
 ) -> None:

@@ -194,3 +194,38 @@ async def test_compaction_in_windows_removes_the_same(
             while not got or got[-1] < 8:
                 got += [r.seq for r in await anext(tail)]
         assert got == SURVIVORS
+
+
+async def test_compaction_by_another_process_is_not_served_from_memory(producer_db: str) -> None:
+    """Records another process compacted away leave the serving producer's tail too."""
+    async with Producer(producer_db, watch_interval=0.02) as served:
+        await served.create_stream("accounts", key_index=True)
+        await fill(served)
+        async with Producer(producer_db, serve=False) as other:
+            await other.compact("accounts")
+        stream = served.log.streams["accounts"]
+        await wait_for(lambda: stream.compacted == len(KEYS), what="compaction seen")
+
+        def read() -> list[int]:
+            with Client(served.address) as client:
+                return [r.seq for batch in client.read_range("accounts", 1, 9) for r in batch]
+
+        assert await asyncio.to_thread(read) == SURVIVORS
+
+
+async def test_gaps_compacted_by_another_process_are_skipped_before_the_watch_sees_them(
+    producer_db: str,
+) -> None:
+    """A reader meeting a gap its producer has not heard of yet asks the database whether
+    compaction made it, rather than failing the consumer as if retention had."""
+    async with Producer(producer_db, tail_bytes=0, watch_interval=3600) as served:
+        await served.create_stream("accounts", key_index=True)
+        await fill(served)
+        async with Producer(producer_db, serve=False) as other:
+            await other.compact("accounts")
+
+        def read() -> list[int]:
+            with Client(served.address) as client:
+                return [r.seq for batch in client.read_range("accounts", 1, 9) for r in batch]
+
+        assert await asyncio.to_thread(read) == SURVIVORS

@@ -22,6 +22,7 @@ from streamq.errors import (
 )
 
 from .conftest import wait_for
+from .test_producer import commit_holder
 
 
 def free_port() -> int:
@@ -239,3 +240,34 @@ async def test_start_waits_for_a_producer_that_is_down(producer_db: str) -> None
             assert [r.value for r in await anext(consumer)] == [b"late producer"]
         finally:
             await consumer.close()
+
+
+async def test_transaction_cancelled_during_commit_counts_the_commit(
+    producer_db: str, consumer_db: str
+) -> None:
+    """A COMMIT already on the database's thread happens: a cancel arriving meanwhile must
+    still move ``applied``, or the same batch could be applied a second time."""
+    async with Producer(producer_db) as producer:
+        await producer.publish("orders", b"a")
+        async with Consumer(producer.address, "orders", db=consumer_db, name="c") as consumer:
+            batch = await anext(consumer)
+            assert consumer._db is not None
+            hold_commit, entered, release = commit_holder()
+            await consumer._db.set_trace_callback(hold_commit)
+
+            async def apply() -> None:
+                async with consumer.transaction(batch) as tx:
+                    await tx.execute("CREATE TABLE effects (seq INTEGER)")
+                    await tx.execute("INSERT INTO effects VALUES (?)", (batch.last_seq,))
+
+            task = asyncio.create_task(apply())
+            assert await asyncio.to_thread(entered.wait, 10)
+            task.cancel()
+            release.set()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert consumer.applied == 1
+            with pytest.raises(OutOfOrderBatchError):
+                await apply()
+    with contextlib.closing(sqlite3.connect(consumer_db)) as db:
+        assert db.execute("SELECT seq FROM effects").fetchall() == [(1,)]

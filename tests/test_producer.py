@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import sqlite3
 import threading
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -204,3 +205,46 @@ def test_sync_producer_for_blocking_code(producer_db: str) -> None:
             records = [r for batch in client.read_range("orders", 1, 82) for r in batch]
         assert [r.seq for r in records] == list(range(1, 82))
         assert records[0].value == b"reserved"
+
+
+def commit_holder() -> tuple[Callable[[str], None], threading.Event, threading.Event]:
+    """A trace callback that holds the next COMMIT on the writer's thread until released."""
+    entered, release = threading.Event(), threading.Event()
+
+    def hold_commit(statement: str) -> None:
+        if statement == "COMMIT" and not release.is_set():
+            entered.set()
+            release.wait(10)
+
+    return hold_commit, entered, release
+
+
+async def cancel_during_commit(producer: Producer, work: Awaitable[object]) -> None:
+    """Run ``work``, cancel it while its COMMIT runs, and expect the cancellation."""
+    hold_commit, entered, release = commit_holder()
+    await producer._conn.set_trace_callback(hold_commit)
+    task = asyncio.ensure_future(work)
+    assert await asyncio.to_thread(entered.wait, 10)
+    task.cancel()
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await producer._conn.set_trace_callback(None)
+
+
+async def test_caller_cancelled_during_commit_still_sees_the_commit_through(
+    producer_db: str,
+) -> None:
+    """A COMMIT already sent to the writer's thread happens whatever the caller does: a
+    cancel arriving meanwhile must leave the in-memory log matching the database."""
+    async with Producer(producer_db) as producer:
+        await producer.publish("orders", b"first")
+        await cancel_during_commit(producer, producer.publish("orders", b"second"))
+        assert log_seqs(producer_db) == [1, 2]
+        assert producer.head("orders") == 2
+        assert await producer.publish("orders", b"third") == 3
+        # Retention raises low before COMMIT; a cancelled truncate that committed keeps it.
+        await cancel_during_commit(producer, producer.truncate("orders", 3))
+        assert log_seqs(producer_db) == [3]
+        assert producer.log.streams["orders"].low == 3
+    assert log_seqs(producer_db) == [3]

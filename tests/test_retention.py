@@ -284,3 +284,23 @@ async def test_a_connected_consumer_behind_a_forced_cap_gets_the_gone_seqs(
                     async with consumer.transaction(batch):
                         pass
             assert 0 < consumer.applied < truncation.low - 1  # nothing skipped silently
+
+
+async def test_size_cap_counts_what_compaction_removed(producer_db: str) -> None:
+    """Compaction shrinks a stream: the size retention remembers must shrink with it, or
+    the cap deletes records the stream has room for."""
+    async with Producer(producer_db, serve=False) as producer:
+        await producer.create_stream("orders", key_index=True)
+        async with producer.transaction() as tx:
+            for _ in range(10):
+                await tx.publish("orders", b"x" * 90, key=b"same")
+        cap = stored_bytes(producer_db)
+        producer.set_retention("orders", bytes=cap)
+        assert await producer.apply_retention() == []  # at the cap: nothing to delete
+        assert len(await producer.compact("orders")) == 9
+        async with producer.transaction() as tx:  # back to ten records: still at the cap
+            for i in range(9):
+                await tx.publish("orders", b"x" * 90, key=b"k%d" % i)
+        assert stored_bytes(producer_db) <= cap
+        assert await producer.apply_retention() == []
+        assert producer.log.streams["orders"].low == 1
