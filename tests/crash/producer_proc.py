@@ -72,14 +72,17 @@ def arm_mid_push() -> None:
     """Cut the N-th RECORDS frame in half and die once its first half is written."""
     send_records = ServerConnection.send_records
 
+    dying: list[str] = []  # the fault's detail, once the half frame is out
+
     def cut(
         self: ServerConnection, encoded_records: Sequence[bytes], epoch: int | None = None
     ) -> bytes:
+        if dying:  # the half frame was handed to the socket: die before any further frame
+            FAULTS.fire("mid-push", dying[0])
         data = send_records(self, encoded_records, epoch)
         if FAULTS.due("mid-push"):
-            last = len(encoded_records)
-            detail = f"frame={len(data)} bytes records={last}"
-            asyncio.get_running_loop().call_soon(FAULTS.fire, "mid-push", detail)
+            dying.append(f"frame={len(data)} bytes records={len(encoded_records)}")
+            asyncio.get_running_loop().call_soon(FAULTS.fire, "mid-push", dying[0])
             return data[: len(data) // 2]
         return data
 
