@@ -640,8 +640,8 @@ class Consumer:
     @contextlib.asynccontextmanager
     async def transaction(self, batch: Batch) -> AsyncIterator[ConsumerTransaction]:
         """Apply ``batch`` in one transaction that also stores its last seq as the position."""
-        db = self._check_turn(batch)
-        async with self._tx_lock:
+        async with self._tx_lock:  # the turn is checked under the lock: one apply per batch
+            db = self._check_turn(batch)
             await db.execute("BEGIN IMMEDIATE")
             tx = ConsumerTransaction(db)
             try:
@@ -662,9 +662,9 @@ class Consumer:
         with plain ``execute``/``executemany`` calls, so the whole batch costs one
         thread hop. ``fn`` must not touch the event loop; if it raises, nothing commits.
         """
-        db = self._check_turn(batch)
         position = self._position_row(batch)
         async with self._tx_lock:
+            db = self._check_turn(batch)
             tx = BlockingSQL(raw_connection(db))
 
             def body() -> T:

@@ -193,3 +193,19 @@ async def test_consumer_apply_cancelled_still_counts_the_commit(
             with pytest.raises(OutOfOrderBatchError):
                 await consumer.apply(batch, credit, "credits")
     assert applied(consumer_db) == ([1, 2, 3], 3)
+
+
+async def test_the_same_batch_applied_concurrently_is_applied_once(
+    producer_db: str, consumer_db: str
+) -> None:
+    async with Producer(producer_db) as producer:
+        await producer.run_in_transaction(debit_and_publish, "a1", 3)
+        async with Consumer(producer.address, "orders", db=consumer_db, name="c") as consumer:
+            batch = await anext(aiter(consumer))
+            results = await asyncio.gather(
+                consumer.apply(batch, credit, "credits"),
+                consumer.apply(batch, credit, "credits"),
+                return_exceptions=True,
+            )
+    assert sorted(type(r).__name__ for r in results) == ["OutOfOrderBatchError", "int"]
+    assert applied(consumer_db) == ([1, 2, 3], 3)
