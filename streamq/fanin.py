@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import aiosqlite
 
 from .consumer import Batch, Consumer, ConsumerTransaction, open_database
 from .store import Durability
+
+T = TypeVar("T")
 
 
 class FanInConsumer:
@@ -127,6 +129,10 @@ class FanInConsumer:
         """Apply ``batch`` and store its producer's position, in one transaction."""
         async with self._consumer_of(batch).transaction(batch) as tx:
             yield tx
+
+    async def apply(self, batch: Batch, fn: Callable[..., T], *args: Any) -> T:
+        """``Consumer.apply`` on the consumer of the producer ``batch`` came from."""
+        return await self._consumer_of(batch).apply(batch, fn, *args)
 
     def _consumer_of(self, batch: Batch) -> Consumer:
         try:

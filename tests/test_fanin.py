@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from streamq import Consumer, FanInConsumer, OutOfOrderBatchError, Producer
+from streamq import Batch, BlockingSQL, Consumer, FanInConsumer, OutOfOrderBatchError, Producer
 from streamq.store import HEAD_QUERY
 
 from .conftest import wait_for
@@ -34,6 +34,12 @@ async def apply(fanin: FanInConsumer, last: dict[str, int]) -> int:
         )
     last[batch.producer_id] = batch.last_seq
     return len(batch)
+
+
+def insert_rows(tx: BlockingSQL, batch: Batch) -> None:
+    tx.executemany(
+        "INSERT INTO applied VALUES (?, ?, ?)", [(batch.producer_id, r.seq, r.value) for r in batch]
+    )
 
 
 def applied_rows(path: str) -> dict[str, list[int]]:
@@ -66,10 +72,14 @@ async def test_three_producers_into_one_database(tmp_path: Path, consumer_db: st
                 await producer.wait_applied("billing", STREAM, 50 * (i + 1), timeout=10)
         for producer in producers[1:]:
             await producer.publish(STREAM, b"after")
-        # Restarted: each producer resumes from its own stored position.
+        # Restarted: each producer resumes from its own stored position (applied in one hop).
         async with FanInConsumer(addresses, STREAM, db=consumer_db, name="billing") as fanin:
             for _ in range(3):
-                await apply(fanin, last)
+                batch = await anext(fanin)
+                assert batch.first_seq == last[batch.producer_id] + 1
+                await fanin.apply(batch, insert_rows)
+                with pytest.raises(OutOfOrderBatchError):
+                    await fanin.apply(batch, insert_rows)
         rows = applied_rows(consumer_db)
         for i, producer in enumerate(producers):
             assert rows[producer.producer_id] == list(range(1, 50 * (i + 1) + 2))
