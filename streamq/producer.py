@@ -17,7 +17,7 @@ import inspect
 import logging
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -193,11 +193,25 @@ class _Pending:
             if self.heads[name] >= first
         }
 
-    def take_rows(self) -> tuple[list[tuple[int, int, bytes, bytes | None]], list[Any]]:
-        """The log rows and time-index rows to insert now."""
-        rows, self.rows = self.rows, []
-        times, self.times = self.times, []
-        return rows, times
+    def append_many(self, stream: str, stream_id: int, values: Iterable[bytes]) -> Iterator[None]:
+        """``append`` each value (no key, no headers, one timestamp); yields whenever
+        ``full``, so the caller inserts the buffered rows before going on."""
+        ts = _checked_timestamp(None)
+        for value in values:
+            self.append(stream, stream_id, _as_bytes(value, "value"), None, {}, ts)
+            if self.full:
+                yield
+
+    def take_inserts(self, closing: bool = False) -> list[tuple[str, list[Any]]]:
+        """The INSERTs due now: the buffered log and time-index rows and, when ``closing``
+        (just before COMMIT), the epoch rows of the segments this transaction started."""
+        inserts: list[tuple[str, list[Any]]] = []
+        if self.rows:
+            inserts += [(store.INSERT_RECORDS, self.rows), (store.INSERT_TIMES, self.times)]
+            self.rows, self.times = [], []
+        if closing and (segments := list(self.segment_rows().values())):
+            inserts.append((store.INSERT_EPOCHS, segments))
+        return inserts
 
 
 _CONCURRENT_WRITER = "another process appended to this producer's log during the transaction"
@@ -251,11 +265,9 @@ class Transaction:
         """Append one record per value (no key, no headers); returns their seqs."""
         self._check_open()
         stream_id = await self._stream_id(stream)
-        first, ts = self._pending.next_seq(stream), _checked_timestamp(None)
-        for value in values:
-            self._pending.append(stream, stream_id, _as_bytes(value, "value"), None, {}, ts)
-            if self._pending.full:
-                await self._flush()
+        first = self._pending.next_seq(stream)
+        for _ in self._pending.append_many(stream, stream_id, values):
+            await self._flush()
         return range(first, self._pending.next_seq(stream))
 
     async def _stream_id(self, stream: str, settings: store.StreamSettings | None = None) -> int:
@@ -268,21 +280,17 @@ class Transaction:
             self._pending.created(stream, stream_id, settings)
         return stream_id
 
-    async def _flush(self) -> None:
-        rows, times = self._pending.take_rows()
-        if rows:
-            try:
-                await self._conn.executemany(store.INSERT_RECORDS, rows)
-                await self._conn.executemany(store.INSERT_TIMES, times)
-            except sqlite3.IntegrityError as exc:
-                raise ConcurrentWriterError(_CONCURRENT_WRITER) from exc
+    async def _flush(self, closing: bool = False) -> None:
+        try:
+            for sql, rows in self._pending.take_inserts(closing):
+                await self._conn.executemany(sql, rows)
+        except sqlite3.IntegrityError as exc:
+            raise ConcurrentWriterError(_CONCURRENT_WRITER) from exc
 
     async def _commit(self) -> None:
         # Heads need no write of their own (see store.load_streams); epoch rows are written
         # only by a transaction that starts a segment, and commit with its records.
-        await self._flush()
-        if segments := list(self._pending.segment_rows().values()):
-            await self._conn.executemany(store.INSERT_EPOCHS, segments)
+        await self._flush(closing=True)
         await to_the_end(self._conn.execute("COMMIT"), self._mark_committed)
 
     def _mark_committed(self) -> None:
@@ -324,11 +332,9 @@ class BlockingTransaction(BlockingSQL):
         """As ``Transaction.publish_many``."""
         self._check_open()
         stream_id = self._stream_id(stream)
-        first, ts = self._pending.next_seq(stream), _checked_timestamp(None)
-        for value in values:
-            self._pending.append(stream, stream_id, _as_bytes(value, "value"), None, {}, ts)
-            if self._pending.full:
-                self._flush()
+        first = self._pending.next_seq(stream)
+        for _ in self._pending.append_many(stream, stream_id, values):
+            self._flush()
         return range(first, self._pending.next_seq(stream))
 
     def _stream_id(self, stream: str) -> int:
@@ -340,23 +346,19 @@ class BlockingTransaction(BlockingSQL):
             self._pending.created(stream, stream_id, settings)
         return stream_id
 
-    def _flush(self) -> None:
-        rows, times = self._pending.take_rows()
-        if rows:
-            try:
-                self._conn.executemany(store.INSERT_RECORDS, rows)
-                self._conn.executemany(store.INSERT_TIMES, times)
-            except sqlite3.IntegrityError as exc:
-                raise ConcurrentWriterError(_CONCURRENT_WRITER) from exc
+    def _flush(self, closing: bool = False) -> None:
+        try:
+            for sql, rows in self._pending.take_inserts(closing):
+                self._conn.executemany(sql, rows)
+        except sqlite3.IntegrityError as exc:
+            raise ConcurrentWriterError(_CONCURRENT_WRITER) from exc
 
     def _run(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
         """``fn(self, *args)`` and the buffered records, in one transaction."""
 
         def body() -> T:
             result = fn(self, *args)
-            self._flush()
-            if segments := list(self._pending.segment_rows().values()):
-                self._conn.executemany(store.INSERT_EPOCHS, segments)
+            self._flush(closing=True)
             return result
 
         try:
