@@ -22,7 +22,14 @@ from typing import Any, TypeVar, overload
 
 import aiosqlite
 
-from .blocking import BlockingSQL, in_transaction, raw_connection, run_on_thread, to_the_end
+from .blocking import (
+    AsyncSQL,
+    BlockingSQL,
+    in_transaction,
+    raw_connection,
+    run_on_thread,
+    to_the_end,
+)
 from .errors import (
     ConnectionLostError,
     ConsumerPositionError,
@@ -35,7 +42,6 @@ from .errors import (
     ShuttingDownError,
     StreamQError,
     TooManyConnectionsError,
-    TransactionClosedError,
     error_from_frame,
 )
 from .protocol import (
@@ -158,24 +164,8 @@ class Batch(Sequence[Record]):
         return self.records[index]
 
 
-class ConsumerTransaction:
+class ConsumerTransaction(AsyncSQL):
     """One transaction on the consumer's database, committed with the batch's position."""
-
-    def __init__(self, conn: aiosqlite.Connection) -> None:
-        self._conn = conn
-        self._closed = False
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TransactionClosedError("this transaction has already committed or rolled back")
-
-    async def execute(self, sql: str, parameters: Any = ()) -> aiosqlite.Cursor:
-        self._check_open()
-        return await self._conn.execute(sql, parameters)
-
-    async def executemany(self, sql: str, parameters: Any) -> aiosqlite.Cursor:
-        self._check_open()
-        return await self._conn.executemany(sql, parameters)
 
 
 _Item = Batch | BaseException

@@ -24,9 +24,16 @@ from typing import Any, TypeVar
 import aiosqlite
 
 from . import store
-from .blocking import BlockingSQL, in_transaction, raw_connection, run_on_thread, to_the_end
+from .blocking import (
+    AsyncSQL,
+    BlockingSQL,
+    in_transaction,
+    raw_connection,
+    run_on_thread,
+    to_the_end,
+)
 from .compaction import NOTIFICATION_SUFFIX, Compacted, superseded
-from .errors import ConcurrentWriterError, RecordTooLargeError, TransactionClosedError
+from .errors import ConcurrentWriterError, RecordTooLargeError
 from .log import RECORD_OVERHEAD, Log, Stream
 from .metrics import MetricsServer
 from .positions import ConsumerLag, Positions
@@ -217,7 +224,7 @@ class _Pending:
 _CONCURRENT_WRITER = "another process appended to this producer's log during the transaction"
 
 
-class Transaction:
+class Transaction(AsyncSQL):
     """One SQLite transaction on the producer's database.
 
     Use ``execute`` for the application's own SQL and ``publish`` for records;
@@ -225,23 +232,9 @@ class Transaction:
     """
 
     def __init__(self, producer: Producer) -> None:
-        self._conn = producer._conn
-        self._closed = False
+        super().__init__(producer._conn)
         self._pending = _Pending(producer)
         self.committed = False  # set once COMMIT returned, even to a cancelled caller
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TransactionClosedError("this transaction has already committed or rolled back")
-
-    async def execute(self, sql: str, parameters: Iterable[Any] = ()) -> aiosqlite.Cursor:
-        """Run the application's SQL inside this transaction."""
-        self._check_open()
-        return await self._conn.execute(sql, parameters)
-
-    async def executemany(self, sql: str, parameters: Iterable[Iterable[Any]]) -> aiosqlite.Cursor:
-        self._check_open()
-        return await self._conn.executemany(sql, parameters)
 
     async def publish(
         self,
