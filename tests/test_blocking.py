@@ -78,25 +78,42 @@ async def test_transaction_cannot_be_used_after_it_ends(producer_db: str) -> Non
         assert "orders" not in producer.log.streams
 
 
-async def test_cancelled_caller_still_sees_the_commit_through(producer_db: str) -> None:
-    """Cancelling the awaiting task cannot stop the thread: its records still reach the log."""
-    entered, release = threading.Event(), threading.Event()
+class Held:
+    """Holds a transaction function on the database thread until released."""
+
+    def __init__(self) -> None:
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def hold(self) -> None:
+        self.entered.set()
+        self.release.wait(10)
+
+
+@pytest.mark.parametrize("cancels", [1, 2])
+async def test_cancelled_caller_still_sees_the_commit_through(
+    producer_db: str, cancels: int
+) -> None:
+    """Cancelling the awaiting task (once, or again while it waits for the thread) cannot
+    stop the thread: its records reach the log, and the next transaction follows them."""
+    held = Held()
 
     def slow(tx: BlockingTransaction) -> None:
         tx.publish("orders", b"slow")
-        entered.set()
-        release.wait(10)
+        held.hold()
 
     async with Producer(producer_db) as producer:
+        await producer.publish("orders", b"first")
         task = asyncio.create_task(producer.run_in_transaction(slow))
-        assert await asyncio.to_thread(entered.wait, 10)
-        task.cancel()
-        release.set()
+        assert await asyncio.to_thread(held.entered.wait, 10)
+        for _ in range(cancels):
+            task.cancel()
+            await asyncio.sleep(0)  # the task takes the cancel and waits for the thread again
+        held.release.set()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert producer.head("orders") == 1
-        assert await producer.publish("orders", b"next") == 2
-    assert log_seqs(producer_db) == [1, 2]
+        assert producer.head("orders") == 2
+        assert await producer.publish("orders", b"next") == 3
+    assert log_seqs(producer_db) == [1, 2, 3]
 
 
 def test_sync_producer_runs_a_transaction_function(producer_db: str) -> None:
@@ -141,52 +158,25 @@ async def test_consumer_apply_stores_effects_and_position_together(
     assert applied(consumer_db) == ([1, 2, 3, 4, 5], 5)
 
 
-async def test_caller_cancelled_twice_still_sees_the_commit_through(producer_db: str) -> None:
-    """A second cancel while waiting for the thread must not skip the in-memory commit:
-    the next transaction would re-use the committed seqs."""
-    entered, release = threading.Event(), threading.Event()
-
-    def slow(tx: BlockingTransaction) -> None:
-        tx.publish("orders", b"slow")
-        entered.set()
-        release.wait(10)
-
-    async with Producer(producer_db) as producer:
-        await producer.publish("orders", b"first")
-        task = asyncio.create_task(producer.run_in_transaction(slow))
-        assert await asyncio.to_thread(entered.wait, 10)
-        task.cancel()
-        await asyncio.sleep(0)  # the task is now waiting for the thread
-        task.cancel()
-        await asyncio.sleep(0)
-        release.set()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        assert producer.head("orders") == 2
-        assert await producer.publish("orders", b"next") == 3
-    assert log_seqs(producer_db) == [1, 2, 3]
-
-
 async def test_consumer_apply_cancelled_still_counts_the_commit(
     producer_db: str, consumer_db: str
 ) -> None:
     """The thread commits the batch and its position even if the caller is cancelled: the
     consumer must know, or the same batch would be applied twice."""
-    entered, release = threading.Event(), threading.Event()
+    held = Held()
 
     def slow(tx: BlockingSQL, batch: streamq.Batch) -> None:
         credit(tx, batch, "credits")
-        entered.set()
-        release.wait(10)
+        held.hold()
 
     async with Producer(producer_db) as producer:
         await producer.run_in_transaction(debit_and_publish, "a1", 3)
         async with Consumer(producer.address, "orders", db=consumer_db, name="c") as consumer:
             batch = await anext(aiter(consumer))
             task = asyncio.create_task(consumer.apply(batch, slow))
-            assert await asyncio.to_thread(entered.wait, 10)
+            assert await asyncio.to_thread(held.entered.wait, 10)
             task.cancel()
-            release.set()
+            held.release.set()
             with pytest.raises(asyncio.CancelledError):
                 await task
             assert consumer.applied == 3
