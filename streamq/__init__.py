@@ -1,6 +1,7 @@
 """streamq: each producer owns its stream, in its own SQLite database.
 
-Publishing is part of the producer's own transaction; an embedded server
+Publishing is part of the producer's own transaction (``Producer.transaction``, or
+``streamq.publish`` on the application's own connection, ORM session included); an embedded server
 pushes committed records over TCP; consumers store their position in their
 own database, in the same transaction as their effects.
 """
@@ -10,12 +11,15 @@ from .client import Client, history
 from .compaction import Compacted
 from .consumer import Batch, Consumer, ConsumerTransaction
 from .errors import (
+    AlreadyServedError,
     AuthenticationFailedError,
     ConcurrentWriterError,
     ConnectionLostError,
     ConsumerPositionError,
+    DatabaseOpenError,
     LocalProtocolError,
     NotAuthorizedError,
+    NotInTransactionError,
     OffsetOutOfRangeError,
     OutOfOrderBatchError,
     ProducerChangedError,
@@ -23,18 +27,21 @@ from .errors import (
     ProtocolError,
     RecordTooLargeError,
     RemoteProtocolError,
+    SchemaMissingError,
     SeqsReusedError,
     ServerError,
     StreamQError,
     TLSError,
     TransactionClosedError,
     UnknownStreamError,
+    UnsupportedConnectionError,
     VersionMismatchError,
 )
 from .fanin import FanInConsumer
 from .positions import ConsumerLag
 from .producer import BlockingTransaction, Producer, Transaction
 from .protocol import PROTOCOL_VERSION, Record, StreamInfo, TimePosition
+from .publishing import publish, publish_async, publish_many
 from .retention import RetentionPolicy, Truncation
 from .security import ClientTLS, ServerTLS, TokenAuth, make_token
 from .server import ServerSettings
@@ -44,6 +51,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "AlreadyServedError",
     "AuthenticationFailedError",
     "Batch",
     "BlockingSQL",
@@ -57,9 +65,11 @@ __all__ = [
     "ConsumerLag",
     "ConsumerPositionError",
     "ConsumerTransaction",
+    "DatabaseOpenError",
     "FanInConsumer",
     "LocalProtocolError",
     "NotAuthorizedError",
+    "NotInTransactionError",
     "OffsetOutOfRangeError",
     "OutOfOrderBatchError",
     "Producer",
@@ -70,6 +80,7 @@ __all__ = [
     "RecordTooLargeError",
     "RemoteProtocolError",
     "RetentionPolicy",
+    "SchemaMissingError",
     "SeqsReusedError",
     "ServerError",
     "ServerSettings",
@@ -85,7 +96,11 @@ __all__ = [
     "TransactionClosedError",
     "Truncation",
     "UnknownStreamError",
+    "UnsupportedConnectionError",
     "VersionMismatchError",
     "history",
     "make_token",
+    "publish",
+    "publish_async",
+    "publish_many",
 ]

@@ -53,9 +53,11 @@ async def to_the_end(work: Awaitable[T], succeeded: Callable[[], None]) -> T:
             succeeded()
 
 
-def in_transaction(conn: sqlite3.Connection, body: Callable[[], T]) -> T:
-    """BEGIN IMMEDIATE, ``body()``, COMMIT; ROLLBACK if it raises. On the connection's thread."""
-    conn.execute("BEGIN IMMEDIATE")
+def in_transaction(conn: sqlite3.Connection, body: Callable[[], T], begun: bool = False) -> T:
+    """BEGIN IMMEDIATE (unless ``begun``), ``body()``, COMMIT; ROLLBACK if it raises.
+    On the connection's thread."""
+    if not begun:
+        conn.execute("BEGIN IMMEDIATE")
     try:
         result = body()
         conn.execute("COMMIT")

@@ -24,7 +24,12 @@ which answered with an error frame (``ServerError`` and its subclasses)::
     ├── ConnectionLostError           the TCP connection failed (cause chained)
     ├── TLSError                      the TLS handshake failed; the message says why
     ├── TransactionClosedError        a transaction used after it ended
-    ├── ConcurrentWriterError         another process appended to the same log
+    ├── NotInTransactionError         publish on a connection outside a transaction
+    ├── UnsupportedConnectionError    publish through an object it cannot write through
+    ├── SchemaMissingError            a database without the log tables
+    ├── DatabaseOpenError             a file that cannot be opened or is no database
+    ├── AlreadyServedError            a second process serving one producer database
+    ├── ConcurrentWriterError         the log written by something outside streamq
     └── RecordTooLargeError           a record that cannot fit in one frame
 
 Wire error codes map to classes through ``ERROR_CLASSES``, so a client turns an
@@ -219,10 +224,34 @@ class TransactionClosedError(StreamQError):
 
 
 class ConcurrentWriterError(StreamQError):
-    """Another process appended to this producer's log while this one was writing.
+    """Something outside streamq wrote this producer's log rows while a transaction ran.
 
-    The transaction was rolled back; it can be retried.
+    streamq's own writers (any process, any connection) take seqs under the database's
+    write lock and never cause it. The transaction was rolled back; it can be retried.
     """
+
+
+class DatabaseOpenError(StreamQError, OSError):
+    """A database that cannot be opened, or is not a database: the message names the file."""
+
+
+class AlreadyServedError(StreamQError):
+    """Another process already serves this producer database: one process serves it,
+    the others publish (``serve=False``, ``streamq.publish``). The message names both."""
+
+
+class SchemaMissingError(StreamQError):
+    """The database has no streamq log tables (or an older version of them): create
+    them with ``streamq init DB``, by starting a ``Producer`` on it, or by a migration."""
+
+
+class NotInTransactionError(StreamQError):
+    """``streamq.publish`` or ``save_position`` on a connection outside a transaction:
+    the record would commit alone, apart from the application's writes."""
+
+
+class UnsupportedConnectionError(StreamQError, TypeError):
+    """An object ``streamq.publish`` cannot write through: the message lists what can."""
 
 
 class RecordTooLargeError(StreamQError, ValueError):

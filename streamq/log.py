@@ -108,6 +108,11 @@ class Epochs:
             self._epochs.append(epoch)
 
     @property
+    def last_epoch(self) -> int | None:
+        """The epoch of the last segment; None before any."""
+        return self._epochs[-1] if self._epochs else None
+
+    @property
     def last_first_seq(self) -> int:
         return self._firsts[-1] if self._firsts else 0
 

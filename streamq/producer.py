@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import logging
 import sqlite3
@@ -38,13 +39,14 @@ from .log import RECORD_OVERHEAD, Log, Stream
 from .metrics import MetricsServer
 from .positions import ConsumerLag, Positions
 from .protocol import FRAME_OVERHEAD, Record, decode_record, encode_record
+from .records import as_bytes, check_stream_name, checked_record, checked_timestamp
 from .retention import Retention, RetentionPolicy, Truncation
+from .servelock import ServeLock
 from .server import Server, ServerSettings
 from .store import Durability
+from .walwatch import WalWatch
 
 logger = logging.getLogger("streamq.producer")
-
-_MAX_STREAM_NAME = 255
 
 T = TypeVar("T")
 
@@ -54,56 +56,6 @@ _COMPACTION_WINDOW = 100_000
 
 # Told what compaction removed from a stream, once the deletion has committed.
 OnCompacted = Callable[[str, list[Compacted]], Awaitable[None] | None]
-
-
-def _as_bytes(value: Any, what: str) -> bytes:
-    if type(value) is bytes:
-        return value
-    if isinstance(value, bytes | bytearray | memoryview):
-        return bytes(value)
-    hint = "; encode it first, e.g. value.encode()" if isinstance(value, str) else ""
-    raise TypeError(f"{what} must be bytes, not {type(value).__name__}{hint}")
-
-
-def _check_headers(headers: Mapping[str, Any] | None) -> dict[str, bytes]:
-    if not headers:
-        return {}
-    if not isinstance(headers, Mapping):
-        raise TypeError(f"headers must be a mapping of str to bytes, not {type(headers).__name__}")
-    checked = {}
-    for name, value in headers.items():
-        if not isinstance(name, str):
-            raise TypeError(f"header names must be str, not {type(name).__name__}")
-        checked[name] = _as_bytes(value, f"header {name!r}")
-    return checked
-
-
-def check_stream_name(name: Any) -> str:
-    if not isinstance(name, str):
-        raise TypeError(f"stream name must be str, not {type(name).__name__}")
-    if not name or len(name) > _MAX_STREAM_NAME:
-        raise ValueError(f"stream name must have 1 to {_MAX_STREAM_NAME} characters: {name!r}")
-    return name
-
-
-def _checked_timestamp(timestamp: int | None) -> int:
-    if timestamp is None:
-        return int(time.time() * 1000)
-    if type(timestamp) is int:
-        return timestamp
-    raise TypeError(f"timestamp must be int milliseconds, not {type(timestamp).__name__}")
-
-
-def _checked_record(
-    value: Any, key: Any, headers: Mapping[str, Any] | None, timestamp: int | None
-) -> tuple[bytes, bytes | None, dict[str, bytes], int]:
-    """A record's fields as ``_Pending.append`` takes them, or a TypeError naming the bad one."""
-    return (
-        _as_bytes(value, "value"),
-        None if key is None else _as_bytes(key, "key"),
-        _check_headers(headers),
-        _checked_timestamp(timestamp),
-    )
 
 
 class _Pending:
@@ -145,8 +97,8 @@ class _Pending:
             head = self.heads[stream] = existing.head
             self.max_ts[stream] = existing.max_ts
             self.settings[stream] = existing.settings
-            if self._producer._appended.get(stream) != head:
-                # The head was appended by another producer (or before this one started).
+            if existing.epochs.last_epoch != self._producer.epoch:
+                # The database's epoch changed since the stream's last record: a new segment.
                 self._segments[stream] = (existing.id, head + 1)
         return head + 1
 
@@ -203,9 +155,9 @@ class _Pending:
     def append_many(self, stream: str, stream_id: int, values: Iterable[bytes]) -> Iterator[None]:
         """``append`` each value (no key, no headers, one timestamp); yields whenever
         ``full``, so the caller inserts the buffered rows before going on."""
-        ts = _checked_timestamp(None)
+        ts = checked_timestamp(None)
         for value in values:
-            self.append(stream, stream_id, _as_bytes(value, "value"), None, {}, ts)
+            self.append(stream, stream_id, as_bytes(value, "value"), None, {}, ts)
             if self.full:
                 yield
 
@@ -247,7 +199,7 @@ class Transaction(AsyncSQL):
     ) -> int:
         """Append a record to ``stream``; returns its seq. Visible to consumers at commit."""
         self._check_open()
-        checked = _checked_record(value, key, headers, timestamp)
+        checked = checked_record(value, key, headers, timestamp)
         stream_id = await self._stream_id(stream)
         seq = self._pending.append(stream, stream_id, *checked)
         if self._pending.full:
@@ -314,7 +266,7 @@ class BlockingTransaction(BlockingSQL):
     ) -> int:
         """As ``Transaction.publish``."""
         self._check_open()
-        checked = _checked_record(value, key, headers, timestamp)
+        checked = checked_record(value, key, headers, timestamp)
         stream_id = self._stream_id(stream)
         seq = self._pending.append(stream, stream_id, *checked)
         if self._pending.full:
@@ -346,8 +298,17 @@ class BlockingTransaction(BlockingSQL):
         except sqlite3.IntegrityError as exc:
             raise ConcurrentWriterError(_CONCURRENT_WRITER) from exc
 
-    def _run(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
-        """``fn(self, *args)`` and the buffered records, in one transaction."""
+    def _run(self, fn: Callable[..., T], args: tuple[Any, ...], version: int | None) -> T:
+        """``fn(self, *args)`` and the buffered records, in one transaction.
+
+        With ``version``, BEGIN first; if another writer committed since the producer's
+        ``version``, raise ``_OthersCommitted`` holding the transaction open (the producer
+        catches up, then calls again with None: the transaction is already begun).
+        """
+        if version is not None:
+            seen = begin_immediate(self._conn)
+            if seen != version:
+                raise _OthersCommitted(seen)
 
         def body() -> T:
             result = fn(self, *args)
@@ -355,7 +316,7 @@ class BlockingTransaction(BlockingSQL):
             return result
 
         try:
-            return in_transaction(self._conn, body)
+            return in_transaction(self._conn, body, begun=True)
         finally:
             self._closed = True
 
@@ -384,7 +345,7 @@ class Producer:
         settings: ServerSettings | None = None,
         tail_bytes: int = 16 * 1024 * 1024,
         flush_records: int = 10_000,
-        watch_interval: float = 0.2,
+        watch_interval: float | None = None,
         retention_ms: int | None = None,
         retention_bytes: int | None = None,
         retention_interval: float = 30.0,
@@ -402,7 +363,13 @@ class Producer:
         self.flush_records = flush_records
         self.log = Log(self.path, tail_bytes=tail_bytes)
         self._host, self._port, self._serve = host, port, serve
+        self._watch = WalWatch(self.path)
         self._watch_interval = watch_interval
+        self._serve_lock: ServeLock | None = None
+        self._in_transaction = False  # holding the writer for a transaction of its own
+        self._version = 0  # PRAGMA data_version when last caught up with other writers
+        self._checked_at = 0.0  # when that was last asked (time.monotonic)
+        self._committed_at = 0.0  # when this producer last committed
         self.positions = Positions()
         self.retention = Retention(RetentionPolicy(retention_ms, retention_bytes))
         self._retention_interval = retention_interval
@@ -416,7 +383,6 @@ class Producer:
         self._lock = asyncio.Lock()
         self._server: Server | None = None
         self._watcher: asyncio.Task[None] | None = None
-        self._appended: dict[str, int] = {}  # stream -> last seq this producer appended
         self.producer_id = ""
         self.epoch = 0
         self._started = False
@@ -424,12 +390,19 @@ class Producer:
         self._closed = False
 
     async def start(self) -> None:
-        self._conn = await store.open_writer(self.path, self.durability)
+        if self._serve:
+            self._serve_lock = ServeLock.claim(self.path)
+        try:
+            self._conn = await store.open_writer(self.path, self.durability)
+        except BaseException:
+            await self.close()
+            raise
         try:
             identity = await store.initialize(self._conn, self.durability)
             self.producer_id, self.epoch = identity.producer_id, identity.epoch
             # The version before loading the streams: any later commit by another process is seen.
-            version = await store.data_version(self._conn)
+            self._version = await store.data_version(self._conn)
+            self._watch.start()
             await self.log.open(await store.load_streams(self._conn))
             await self._load_epochs()
             await self._load_registrations()
@@ -437,10 +410,13 @@ class Producer:
                 self._server = Server(
                     self.log, self.producer_id, self.epoch, self.settings, self.positions
                 )
+                self._server.refresh = self._refresh_for_request
                 await self._server.start(self._host, self._port)
+                assert self._serve_lock is not None
+                self._serve_lock.serving(self._server.address)
             if self._metrics_port is not None:
                 self._metrics = MetricsServer(self, self._metrics_host, self._metrics_port)
-            self._watcher = asyncio.create_task(self._watch_other_writers(version))
+            self._watcher = asyncio.create_task(self._watch_other_writers())
             self._retention_task = asyncio.create_task(self._retain_periodically())
             self._compactor = asyncio.create_task(self._compact_periodically())
         except BaseException:
@@ -467,9 +443,12 @@ class Producer:
             except (sqlite3.Error, ValueError):
                 logger.exception("could not save consumer positions at close")
         self._closed = True
+        self._watch.close()
         await self.log.close()
         with contextlib.suppress(AttributeError):
             await self._conn.close()
+        if self._serve_lock is not None:
+            self._serve_lock.release()
 
     async def __aenter__(self) -> Producer:
         await self.start()
@@ -505,8 +484,8 @@ class Producer:
     async def transaction(self) -> AsyncIterator[Transaction]:
         """One transaction: the application's SQL and its publishes commit together."""
         self._check_running()
-        async with self._lock:
-            await self._conn.execute("BEGIN IMMEDIATE")
+        async with self._writing():
+            await self._begin()
             tx = Transaction(self)
             try:
                 yield tx
@@ -529,18 +508,57 @@ class Producer:
         paths. ``fn`` must not touch the event loop; if it raises, nothing commits.
         """
         self._check_running()
+        async with self._writing():
+            version: int | None = self._version
+            try:
+                while True:
+                    # One hop: BEGIN, fn and COMMIT, unless another writer committed since
+                    # this producer last looked (then it catches up and fn runs after).
+                    tx = BlockingTransaction(self, raw_connection(self._conn))
+                    try:
+                        return await to_the_end(
+                            run_on_thread(self._conn, tx._run, fn, args, version),
+                            functools.partial(self._after_commit, tx._pending),
+                        )
+                    except _OthersCommitted as others:
+                        await self._catch_up(others.version)
+                        version = None
+            except BaseException:
+                if self._conn.in_transaction:  # begun, then caught up or cancelled: not run
+                    await self._conn.execute("ROLLBACK")
+                raise
+
+    @contextlib.asynccontextmanager
+    async def _writing(self) -> AsyncIterator[None]:
+        """The writer connection, for one transaction of this producer's."""
         async with self._lock:
-            tx = BlockingTransaction(self, raw_connection(self._conn))
-            return await to_the_end(
-                run_on_thread(self._conn, tx._run, fn, args),
-                lambda: self._after_commit(tx._pending),
-            )
+            self._in_transaction = True
+            try:
+                yield
+            finally:
+                self._in_transaction = False
+
+    async def _begin(self) -> None:
+        """BEGIN IMMEDIATE, then, holding the write lock, catch up with what other writers
+        committed: seqs continue from what is committed, never from a stale head."""
+        version = await run_on_thread(self._conn, begin_immediate, raw_connection(self._conn))
+        if version != self._version:
+            try:
+                await self._catch_up(version)
+            except BaseException:
+                await self._conn.execute("ROLLBACK")
+                raise
+
+    def wake(self) -> None:
+        """Look for other connections' commits now (one in this process just committed)."""
+        self._watch.wake()
 
     def _check_running(self) -> None:
         if not self._started or self._closed:
             raise RuntimeError("the producer is not running: use 'async with Producer(...)'")
 
     def _after_commit(self, pending: _Pending) -> None:
+        self._committed_at = time.monotonic()
         for name, stream_id in pending.new_streams.items():
             self.log.add(store.StreamRow(stream_id, name, 0, 1, pending.settings[name]))
         for name, (_, first, epoch) in pending.segment_rows().items():
@@ -548,8 +566,6 @@ class Producer:
         for name, head in pending.heads.items():
             stream = self.log.streams[name]
             stream.max_ts = pending.max_ts[name]
-            if name in pending.kept:
-                self._appended[name] = head
             self.log.committed(stream, head, pending.kept.get(name, []))
 
     async def publish(
@@ -621,7 +637,7 @@ class Producer:
         if from_seq is not None and from_seq < 1:
             raise ValueError(f"seqs start at 1, not {from_seq}")
         encoded = await self.log.full_history(
-            self.log.stream(stream), _as_bytes(key, "key"), from_seq or 1
+            self.log.stream(stream), as_bytes(key, "key"), from_seq or 1
         )
         return [decode_record(record) for record in encoded]
 
@@ -837,32 +853,96 @@ class Producer:
                     except Exception:
                         logger.exception("compacting stream %r failed", stream.name)
 
-    async def _watch_other_writers(self, seen: int) -> None:
-        """Notice commits made to this database by other processes (e.g. ``streamq publish``).
+    async def _watch_other_writers(self) -> None:
+        """Notice commits made to this database by other processes and connections.
 
-        ``PRAGMA data_version`` on the writer connection changes only when another
-        connection commits, so this producer's own commits cost the watch nothing.
-        Other writers' records are served from SQLite; this producer's next
-        transaction continues after their seqs.
+        Woken by writes to the WAL (``WalWatch``), or every ``watch_interval`` seconds
+        as a fallback. While this producer commits itself, each of its transactions
+        catches up at BEGIN (``_begin``), so a write seen then is left to the next one.
         """
+        interval = self._watch_interval
+        if interval is None:
+            interval = _FALLBACK_CHECK if self._watch.active else _POLL_INTERVAL
         while True:
-            await asyncio.sleep(self._watch_interval)
-            async with self._lock:
-                version = await store.data_version(self._conn)
-                if version == seen:
-                    continue
-                seen = version
-                await self._load_registrations()
-                for row in await store.load_streams(self._conn):
-                    stream = self.log.streams.get(row.name)
-                    if stream is None or row.head > stream.head:
-                        # Their epoch rows first: subscribers woken next send epochs.
-                        stream = await self._load_new_epochs(row)
-                    stream.low = max(stream.low, row.low)
-                    stream.max_ts = row.max_ts
-                    if row.compacted > stream.compacted:  # its tail may hold removed records
-                        stream.compacted = row.compacted
-                        stream.tail.reset(stream.head + 1)
-                        self.retention.forget(stream.name)
-                    if row.head > stream.head:
-                        self.log.committed(stream, row.head, None)
+            event_at = await self._watch.wait(interval)
+            if event_at is not None and time.monotonic() - self._committed_at < _BUSY:
+                await asyncio.sleep(_BUSY)  # busy: its next BEGIN likely checks first
+            if event_at is not None and self._checked_at > event_at:
+                continue
+            if not await self._check_others() and event_at is not None:
+                # The write may belong to a commit not yet visible: look once more.
+                await asyncio.sleep(_RECHECK)
+                await self._check_others()
+
+    async def refresh(self) -> None:
+        """Catch up now with what other connections and processes committed (they are
+        also noticed on their own, within milliseconds on Linux)."""
+        self._check_running()
+        await self._check_others()
+
+    async def _refresh_for_request(self) -> None:
+        """Before a request is answered: catch up unless this producer is in a transaction
+        (its next BEGIN catches up; a request does not wait for the application's work)."""
+        if not self._in_transaction:
+            await self._check_others()
+
+    async def _check_others(self) -> bool:
+        """Catch up if another connection committed; True if one had."""
+        async with self._lock:
+            self._checked_at = time.monotonic()
+            version = await store.data_version(self._conn)
+            if version == self._version:
+                return False
+            await self._catch_up(version)
+            return True
+
+    async def _catch_up(self, version: int) -> None:
+        """Load what other writers committed up to ``version`` (the caller holds the lock):
+        heads, lows, epochs, the database's epoch, registrations. Their records are
+        served from SQLite; this producer's next seqs continue after theirs."""
+        self._checked_at = time.monotonic()
+        self.epoch = await store.current_epoch(self._conn)
+        await self._load_registrations()
+        for row in await store.load_streams(self._conn):
+            stream = self.log.streams.get(row.name)
+            if stream is None or row.head > stream.head:
+                # Their epoch rows first: subscribers woken next send epochs.
+                stream = await self._load_new_epochs(row)
+            stream.low = max(stream.low, row.low)
+            stream.max_ts = row.max_ts
+            if row.compacted > stream.compacted:  # its tail may hold removed records
+                stream.compacted = row.compacted
+                stream.tail.reset(stream.head + 1)
+                self.retention.forget(stream.name)
+            if row.head > stream.head:
+                self.log.committed(stream, row.head, None)
+        self._version = version
+
+
+# Where no event wakes the producer (not Linux), how often it checks for other writers'
+# commits; where events do, the slow check that catches a missed one.
+_POLL_INTERVAL = 0.05
+_FALLBACK_CHECK = 1.0
+# A producer that committed within _BUSY seconds leaves a write event to its next BEGIN
+# for that long; an event that found nothing new is checked again after _RECHECK.
+_BUSY = 0.002
+_RECHECK = 0.002
+
+
+class _OthersCommitted(Exception):
+    """BEGIN found commits by other writers: catch up before running the transaction."""
+
+    def __init__(self, version: int) -> None:
+        super().__init__(version)
+        self.version = version
+
+
+def begin_immediate(conn: sqlite3.Connection) -> int:
+    """BEGIN IMMEDIATE on the connection's thread; returns ``PRAGMA data_version`` as seen
+    holding the write lock."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        return int(conn.execute("PRAGMA data_version").fetchone()[0])
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -185,6 +186,9 @@ class Server:
         self._handlers: set[asyncio.Task[None]] = set()
         self._closing = False
         self.address = ""  # host:port, once started
+        # Called before answering a request: the producer catches up with commits made
+        # by other connections, so a client that saw its commit return finds it here.
+        self.refresh: Callable[[], Awaitable[object]] | None = None
 
     async def start(self, host: str, port: int) -> None:
         tls = self.settings.tls
@@ -331,6 +335,8 @@ class Server:
                     name = None if principal is None else principal.name
                     writer.write(conn.send(Authenticated(name)))
                 continue
+            if self.refresh is not None and not isinstance(message, GetStatus):
+                await self.refresh()  # other processes' commits, even those made just now
             if isinstance(
                 message, Subscribe | GetHead | GetRange | GetHistory | SeekTime | ReportPosition
             ):

@@ -38,6 +38,9 @@ Six tables, all prefixed ``streamq_`` so they sit beside the application's own:
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import os
 import sqlite3
 import time
 import uuid
@@ -45,6 +48,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import aiosqlite
+
+from .errors import DatabaseOpenError
 
 SCHEMA_VERSION = 2
 SEQ_BITS = 40
@@ -113,6 +118,58 @@ SELECT id, name, low, max(low - 1, coalesce(
 FROM streamq_streams"""
 HEAD_QUERY = f"SELECT head FROM ({STREAMS_QUERY}) WHERE name = ?"
 
+# --- appending through any connection (streamq.publish, SyncProducer) ------------------
+# A writer that keeps no heads in memory takes the write lock first, then reads what it
+# appends after: seqs come from what is committed, under the lock, so writers in any
+# number of processes and connections commit dense seqs in commit order.
+
+# Takes the database's write lock (as the first write of a transaction does) and writes
+# nothing: no page changes, so the commit costs nothing more.
+TAKE_WRITE_LOCK = "DELETE FROM streamq_streams WHERE 0"
+
+# One row, whether the stream exists or not: the database's epoch, the boot it was made
+# in and the schema version; then the stream's id, key_index, head, largest timestamp
+# and the epoch of its last segment (all NULL for a stream not created yet).
+APPEND_STATE_QUERY = f"""
+SELECT m.epoch, m.boot_id, m.schema_version, s.id, s.key_index,
+    max(s.low - 1, coalesce(
+        (SELECT max(pos) FROM streamq_log
+         WHERE pos > (s.id << {SEQ_BITS}) AND pos < ((s.id + 1) << {SEQ_BITS})),
+        0) & {(1 << SEQ_BITS) - 1}),
+    (SELECT max(ts) FROM streamq_time WHERE stream_id = s.id),
+    (SELECT epoch FROM streamq_epochs WHERE stream_id = s.id ORDER BY first_seq DESC LIMIT 1)
+FROM (SELECT
+        (SELECT value FROM streamq_meta WHERE key = 'epoch') AS epoch,
+        (SELECT value FROM streamq_meta WHERE key = 'boot_id') AS boot_id,
+        (SELECT value FROM streamq_meta WHERE key = 'schema_version') AS schema_version
+    ) AS m
+LEFT JOIN streamq_streams AS s ON s.name = ?"""
+CREATE_DEFAULT_STREAM = "INSERT INTO streamq_streams (name) VALUES (?)"
+SET_META = "INSERT OR REPLACE INTO streamq_meta (key, value) VALUES (?, ?)"
+META_EPOCH_QUERY = "SELECT value FROM streamq_meta WHERE key = 'epoch'"
+
+
+def boot_id() -> str:
+    """Changes at every boot of this machine, so at every power loss.
+
+    The first writer of a boot that finds the database's epoch made in another boot
+    starts a new epoch (docs/protocol.md, "Epochs"). ``STREAMQ_BOOT_ID`` overrides it:
+    tests simulate a reboot with it.
+    """
+    return os.environ.get("STREAMQ_BOOT_ID") or _machine_boot_id()
+
+
+@functools.cache
+def _machine_boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as file:  # Linux
+            return file.read().strip()
+    except OSError:
+        pass
+    # Elsewhere: the boot time, from the wall clock minus the time since boot.
+    since_boot = time.clock_gettime(getattr(time, "CLOCK_BOOTTIME", time.CLOCK_MONOTONIC))
+    return f"boot@{round(time.time() - since_boot, -1):.0f}"
+
 
 def pos(stream_id: int, seq: int) -> int:
     """The rowid of a stream's record."""
@@ -146,16 +203,51 @@ class Identity:
     created: bool
 
 
+async def connect(path: str, *, read_only: bool = False) -> aiosqlite.Connection:
+    """An aiosqlite connection to ``path`` (transactions managed by hand), or a
+    ``DatabaseOpenError`` naming the file.
+
+    A refused open stops aiosqlite's thread before returning: left running, it would
+    report to an event loop that may be closed by then ("Event loop is closed").
+    """
+    target, uri = (f"file:{path}?mode=ro", True) if read_only else (path, False)
+    conn = aiosqlite.connect(target, uri=uri, isolation_level=None)
+    try:
+        await conn
+    except sqlite3.Error as exc:
+        await asyncio.to_thread(conn._thread.join)
+        raise DatabaseOpenError(_cannot_open(path, exc)) from exc
+    try:
+        await conn.execute("PRAGMA busy_timeout=10000")
+        await conn.execute_fetchall("SELECT count(*) FROM sqlite_schema")  # a database at all?
+    except BaseException as exc:
+        await conn.close()
+        if isinstance(exc, sqlite3.DatabaseError):
+            raise DatabaseOpenError(_cannot_open(path, exc)) from exc
+        raise
+    return conn
+
+
+def _cannot_open(path: str, exc: sqlite3.Error) -> str:
+    if not os.path.exists(path):
+        where = os.path.dirname(os.path.abspath(path))
+        reason = f"no such directory {where!r}" if not os.path.isdir(where) else str(exc)
+    elif os.path.isdir(path):
+        reason = "it is a directory"
+    else:
+        reason = str(exc)
+    return f"cannot open SQLite database {path!r}: {reason}"
+
+
 async def open_writer(path: str, durability: Durability) -> aiosqlite.Connection:
     """The producer's one writer connection, in WAL mode, transactions managed by hand."""
-    conn = await aiosqlite.connect(path, isolation_level=None)
+    conn = await connect(path)
     try:
         async with conn.execute("PRAGMA journal_mode=WAL") as cursor:
             row = await cursor.fetchone()
         if row is None or str(row[0]).lower() != "wal":
-            raise OSError(f"{path}: SQLite refused WAL mode (got {row!r})")
+            raise DatabaseOpenError(f"{path}: SQLite refused WAL mode (got {row!r})")
         await conn.execute(f"PRAGMA synchronous={durability.upper()}")
-        await conn.execute("PRAGMA busy_timeout=10000")
     except BaseException:
         await conn.close()
         raise
@@ -164,9 +256,7 @@ async def open_writer(path: str, durability: Durability) -> aiosqlite.Connection
 
 async def open_reader(path: str) -> aiosqlite.Connection:
     """A read-only connection: WAL lets it read while the writer commits."""
-    conn = await aiosqlite.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None)
-    await conn.execute("PRAGMA busy_timeout=10000")
-    return conn
+    return await connect(path, read_only=True)
 
 
 async def initialize(conn: aiosqlite.Connection, durability: Durability) -> Identity:
@@ -201,6 +291,7 @@ async def initialize(conn: aiosqlite.Connection, durability: Durability) -> Iden
         for statement in _INDEXES:
             await conn.execute(statement)
         meta["epoch"] = int(meta["epoch"]) + 1
+        meta["boot_id"] = boot_id()
         await conn.executemany(
             "INSERT OR REPLACE INTO streamq_meta (key, value) VALUES (?, ?)", meta.items()
         )
@@ -266,6 +357,12 @@ async def load_epochs(
             (stream_id, after),
         )
     return [(int(s), int(f), int(e)) for s, f, e in rows]
+
+
+async def current_epoch(conn: aiosqlite.Connection) -> int:
+    """The database's epoch now: the last one a writer made (see ``initialize``)."""
+    rows = await conn.execute_fetchall(META_EPOCH_QUERY)
+    return int(next(iter(rows))[0])
 
 
 async def data_version(conn: aiosqlite.Connection) -> int:

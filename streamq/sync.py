@@ -1,57 +1,46 @@
 """A blocking facade over ``Producer`` for services without asyncio (Flask, Django, scripts).
 
-The producer and its server run on an event loop in a background thread;
-each call hands a coroutine to that loop and waits for its result.
+Transactions run on the calling thread, on a SQLite connection of that thread's own, as
+``streamq.publish`` does on the application's connection: no hop to another thread, and
+seqs taken under the database's write lock, so threads and processes publish at once.
+The server runs on an event loop in a background thread, woken after each commit; the
+other calls (history, compaction, retention) hand a coroutine to that loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import threading
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
-from contextlib import AbstractAsyncContextManager, contextmanager
+from contextlib import contextmanager
 from types import TracebackType
 from typing import Any, TypeVar
 
+from . import store
 from ._loop import loop_factory
+from .blocking import BlockingSQL
 from .compaction import Compacted
 from .positions import ConsumerLag
-from .producer import Producer, Transaction
+from .producer import Producer
 from .protocol import Record
+from .publishing import append
+from .records import CheckedRecord, as_bytes, check_stream_name, checked_record, checked_timestamp
 from .retention import Truncation
 
 T = TypeVar("T")
 
 
-class SyncCursor:
-    """The rows and counters of one statement, fetched eagerly."""
+class SyncTransaction(BlockingSQL):
+    """One transaction of a ``SyncProducer``, on the calling thread's own connection.
 
-    def __init__(self, rows: list[Any], rowcount: int, lastrowid: int | None) -> None:
-        self._rows = rows
-        self.rowcount = rowcount
-        self.lastrowid = lastrowid
+    ``execute`` runs the application's SQL (a plain ``sqlite3.Cursor``); ``publish``
+    appends a record. Both commit together when the ``with`` block ends.
+    """
 
-    def fetchall(self) -> list[Any]:
-        return self._rows
-
-    def fetchone(self) -> Any:
-        return self._rows[0] if self._rows else None
-
-
-class SyncTransaction:
-    """The blocking twin of ``Transaction``."""
-
-    def __init__(self, producer: SyncProducer, tx: Transaction) -> None:
-        self._producer = producer
-        self._tx = tx
-
-    def execute(self, sql: str, parameters: Iterable[Any] = ()) -> SyncCursor:
-        async def run() -> SyncCursor:
-            cursor = await self._tx.execute(sql, parameters)
-            rows = list(await cursor.fetchall())
-            return SyncCursor(rows, cursor.rowcount, cursor.lastrowid)
-
-        return self._producer._call(run())
+    def __init__(self, conn: sqlite3.Connection, max_record_size: int) -> None:
+        super().__init__(conn)
+        self._max_record_size = max_record_size
 
     def publish(
         self,
@@ -62,18 +51,32 @@ class SyncTransaction:
         headers: Mapping[str, bytes] | None = None,
         timestamp: int | None = None,
     ) -> int:
-        return self._producer._call(
-            self._tx.publish(stream, value, key=key, headers=headers, timestamp=timestamp)
-        )
+        """Append a record to ``stream``; returns its seq. Visible to consumers at commit."""
+        self._check_open()
+        checked = checked_record(value, key, headers, timestamp)
+        return self._append(stream, [checked])[0]
 
     def publish_many(self, stream: str, values: Iterable[bytes]) -> range:
-        return self._producer._call(self._tx.publish_many(stream, values))
+        """Append one record per value (no key, no headers); returns their seqs."""
+        self._check_open()
+        ts = checked_timestamp(None)
+        seqs = self._append(stream, [(as_bytes(value, "value"), None, {}, ts) for value in values])
+        return range(seqs[0], seqs[-1] + 1) if seqs else range(0)
+
+    def _append(self, stream: str, records: list[CheckedRecord]) -> list[int]:
+        return append(
+            self._conn, check_stream_name(stream), records, max_record_size=self._max_record_size
+        )
 
 
 class SyncProducer:
     """``Producer`` for blocking code: ``with SyncProducer("orders.db") as p:``."""
 
     def __init__(self, path: str, **options: Any) -> None:
+        self._path = str(path)
+        self._local = threading.local()
+        self._connections: list[sqlite3.Connection] = []
+        self._connections_lock = threading.Lock()
         self._loop = (loop_factory() or asyncio.new_event_loop)()
         self._thread = threading.Thread(target=self._loop.run_forever, name="streamq", daemon=True)
         self._thread.start()
@@ -89,6 +92,16 @@ class SyncProducer:
             raise RuntimeError("SyncProducer methods cannot be called from its own loop thread")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
+    def _call_fresh(self, coro: Coroutine[Any, Any, T]) -> T:
+        """``_call``, once the producer has caught up with this object's commits (made on
+        other connections): what it reads in memory includes them."""
+
+        async def fresh() -> T:
+            await self._producer.refresh()
+            return await coro
+
+        return self._call(fresh())
+
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
@@ -99,6 +112,10 @@ class SyncProducer:
             return
         self._call(self._producer.close())
         self._stop_loop()
+        with self._connections_lock:
+            for conn in self._connections:
+                conn.close()
+            self._connections.clear()
 
     def __enter__(self) -> SyncProducer:
         return self
@@ -120,19 +137,44 @@ class SyncProducer:
         return self._producer.producer_id
 
     def head(self, stream: str) -> int:
-        return self._producer.head(stream)
+        """The last committed seq of ``stream`` (0 if none yet), read from the database:
+        this thread's commits and every other writer's included."""
+        row = self._connection().execute(store.HEAD_QUERY, (stream,)).fetchone()
+        if row is None:
+            return self._producer.head(stream)  # raises UnknownStreamError
+        return int(row[0])
+
+    def _connection(self) -> sqlite3.Connection:
+        """This thread's connection to the database (made on first use)."""
+        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False)
+            conn.execute(f"PRAGMA synchronous={self._producer.durability.upper()}")
+            conn.execute("PRAGMA busy_timeout=10000")
+            with self._connections_lock:
+                self._connections.append(conn)
+            self._local.conn = conn
+        return conn
 
     @contextmanager
     def transaction(self) -> Iterator[SyncTransaction]:
-        """One transaction; commits when the block ends, rolls back if it raises."""
-        context: AbstractAsyncContextManager[Transaction] = self._producer.transaction()
-        tx = self._call(context.__aenter__())
+        """One transaction on the calling thread: commits when the block ends, rolls back
+        if it raises. Threads run their transactions on connections of their own."""
+        if self._loop.is_closed():
+            raise RuntimeError("this SyncProducer is closed")
+        conn = self._connection()
+        conn.execute("BEGIN IMMEDIATE")
+        tx = SyncTransaction(conn, self._producer.max_record_size)
         try:
-            yield SyncTransaction(self, tx)
-        except BaseException as exc:
-            self._call(context.__aexit__(type(exc), exc, exc.__traceback__))
+            yield tx
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
             raise
-        self._call(context.__aexit__(None, None, None))
+        finally:
+            tx._closed = True
+        self._loop.call_soon_threadsafe(self._producer.wake)  # serve it now
 
     def publish(
         self,
@@ -142,16 +184,18 @@ class SyncProducer:
         key: bytes | None = None,
         headers: Mapping[str, bytes] | None = None,
     ) -> int:
-        return self._call(self._producer.publish(stream, value, key=key, headers=headers))
+        """A transaction holding just this publish; returns the record's seq."""
+        with self.transaction() as tx:
+            return tx.publish(stream, value, key=key, headers=headers)
 
     def run_in_transaction(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run ``fn(tx, *args)`` as one transaction on the writer's thread (see ``Producer``)."""
-        return self._call(self._producer.run_in_transaction(fn, *args))
+        """``fn(tx, *args)`` in one transaction on the calling thread; returns its result."""
+        with self.transaction() as tx:
+            return fn(tx, *args)
 
     def query(self, sql: str, parameters: Iterable[Any] = ()) -> list[Any]:
-        """Rows of a read-only query on the producer's database (in a transaction of its own)."""
-        with self.transaction() as tx:
-            return tx.execute(sql, parameters).fetchall()
+        """Rows of a read-only query on the producer's database."""
+        return self._connection().execute(sql, tuple(parameters)).fetchall()
 
     def create_stream(
         self,
@@ -168,16 +212,16 @@ class SyncProducer:
         )
 
     def compact(self, stream: str) -> list[Compacted]:
-        return self._call(self._producer.compact(stream))
+        return self._call_fresh(self._producer.compact(stream))
 
     def truncate(self, stream: str, before: int) -> None:
-        self._call(self._producer.truncate(stream, before))
+        self._call_fresh(self._producer.truncate(stream, before))
 
     def history(self, stream: str, key: bytes, from_seq: int | None = None) -> list[Record]:
-        return self._call(self._producer.history(stream, key, from_seq))
+        return self._call_fresh(self._producer.history(stream, key, from_seq))
 
     def seek_time(self, stream: str, timestamp: int) -> int:
-        return self._call(self._producer.seek_time(stream, timestamp))
+        return self._call_fresh(self._producer.seek_time(stream, timestamp))
 
     def wait_applied(
         self, consumer: str, stream: str, seq: int, *, timeout: float | None = None
@@ -186,13 +230,14 @@ class SyncProducer:
         return self._call(self._producer.wait_applied(consumer, stream, seq, timeout=timeout))
 
     def consumer_lags(self) -> list[ConsumerLag]:
+        self._call(self._producer.refresh())
         return self._producer.consumer_lags()
 
     def register_consumer(self, consumer: str, stream: str) -> None:
-        self._call(self._producer.register_consumer(consumer, stream))
+        self._call_fresh(self._producer.register_consumer(consumer, stream))
 
     def unregister_consumer(self, consumer: str, stream: str) -> bool:
-        return self._call(self._producer.unregister_consumer(consumer, stream))
+        return self._call_fresh(self._producer.unregister_consumer(consumer, stream))
 
     def apply_retention(self) -> list[Truncation]:
-        return self._call(self._producer.apply_retention())
+        return self._call_fresh(self._producer.apply_retention())

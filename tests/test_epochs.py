@@ -68,20 +68,23 @@ def test_epochs_lookup() -> None:
 async def test_each_writer_process_is_recorded_and_no_false_alarm(
     producer_db: str, consumer_db: str
 ) -> None:
-    """Another process writing into a served database (``streamq publish``) gets its own
-    segments; consumers store the writer's epoch, and a restart raises nothing."""
+    """Every writer stamps its records with the database's current epoch, and a producer
+    starting in another process makes a new one: the serving producer's next commit
+    carries it too. Consumers store the epochs, and a restart raises nothing."""
     port = free_port()
     async with Producer(producer_db, port=port, watch_interval=0.02) as server:
         await server.publish("orders", b"a1")
         await server.publish("orders", b"a2")
+        e = server.epoch
         async with Producer(producer_db, serve=False) as other:  # starts while served
-            assert other.epoch == server.epoch + 1
+            assert other.epoch == e + 1
             await other.publish("orders", b"b3")
         await wait_for(lambda: server.head("orders") == 3)
         await server.publish("orders", b"a4")
         async with Producer(producer_db, serve=False) as third:  # starts, writes nothing
-            assert third.epoch == server.epoch + 2
+            assert third.epoch == e + 2
         await server.publish("orders", b"a5")
+        assert server.epoch == e + 2  # learnt when its transaction began
         consumer = Consumer(server.address, "orders", db=consumer_db, name="c", max_batch_records=1)
         async with consumer:  # one batch per frame
             epochs = []
@@ -91,10 +94,9 @@ async def test_each_writer_process_is_recorded_and_no_false_alarm(
                 epochs += [batch.epoch] * len(batch)
                 if batch.last_seq == 5:
                     break
-        e = server.epoch
-        # Frames split at each writer's segment; a batch carries the highest epoch so far.
-        assert epochs == [e, e, e + 1, e + 1, e + 1]
-    assert epoch_rows(producer_db) == [(1, e), (3, e + 1), (4, e)]
+        # Frames split at each epoch's segment; a batch carries the highest epoch so far.
+        assert epochs == [e, e, e + 1, e + 1, e + 2]
+    assert epoch_rows(producer_db) == [(1, e), (3, e + 1), (5, e + 2)]
     async with Producer(producer_db, port=port) as restarted:
         await restarted.publish("orders", b"a6")
         async with Consumer(restarted.address, "orders", db=consumer_db, name="c") as consumer:

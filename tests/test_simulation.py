@@ -10,7 +10,8 @@ connections dropped, a consumer reconnecting while its old connection is still s
 (the same subscription twice, the two byte streams arriving interleaved in any order; TCP
 never reorders within one), producer processes killed, power losses, consumer crashes
 (records received and not applied are sent again: duplicates the consumer must not apply
-twice), another process publishing into the served database.
+twice), another process publishing into the served database, the application publishing
+on its own connection (while served, and after a power loss before the producer is back).
 
 Checked after every step: the consumer's records are dense and each was committed under
 that seq; while the consumer is subscribed to the running producer, its records are a
@@ -65,13 +66,32 @@ class Disk:
     log: list[bytes] = field(default_factory=list)  # values; seq = index + 1
     synced: int = 0  # records that survive a power loss
     rows: list[tuple[int, int]] = field(default_factory=list)  # streamq_epochs
-    epoch: int = 0  # committed with a full sync at every start: never lost
+    epoch: int = 0  # the database's epoch
+    boot: int = 0  # the machine's boot: a power loss is a reboot
+    epoch_boot: int = 0  # the boot the epoch was made in
+    # Epochs made inside an application's transaction, undone if that transaction is lost:
+    # (records before it, the epoch and its boot before it)
+    bumps: list[tuple[int, int, int]] = field(default_factory=list)
 
     def start(self) -> int:
         """A producer starts: the next epoch, committed with a full sync (syncing all)."""
         self.epoch += 1
+        self.epoch_boot = self.boot
         self.synced = len(self.log)
+        self.bumps.clear()
         return self.epoch
+
+    def app_append(self, values: list[bytes]) -> tuple[int, int] | None:
+        """``streamq.publish`` on the application's connection: the database's epoch, or a
+        new one made in this transaction if it was made in an earlier boot. Returns the
+        (first seq, epoch) of the segment it starts, if it starts one."""
+        if self.epoch_boot != self.boot:
+            self.bumps.append((len(self.log), self.epoch, self.epoch_boot))
+            self.epoch, self.epoch_boot = self.epoch + 1, self.boot
+        new_segment = not self.rows or self.rows[-1][1] != self.epoch
+        first = len(self.log) + 1
+        self.append(values, self.epoch, new_segment)
+        return (first, self.epoch) if new_segment else None
 
     def append(self, values: list[bytes], epoch: int, new_segment: bool) -> None:
         """One transaction: records and, if it starts a segment, its epoch row."""
@@ -82,9 +102,13 @@ class Disk:
             self.synced = len(self.log)
 
     def power_loss(self) -> None:
-        """Unsynced commits are gone, with the epoch rows written in them."""
+        """Unsynced commits are gone, with the epoch rows and epochs written in them; the
+        machine boots again."""
         del self.log[self.synced :]
         self.rows = [row for row in self.rows if row[0] <= len(self.log)]
+        while self.bumps and self.bumps[-1][0] >= self.synced:
+            _, self.epoch, self.epoch_boot = self.bumps.pop()
+        self.boot += 1
 
 
 @dataclass
@@ -111,7 +135,6 @@ class ProducerProcess:
         self.epochs = Epochs()
         for first, epoch in disk.rows:
             self.epochs.add(first, epoch)
-        self.appended: int | None = None  # last seq this process appended (Producer._appended)
         self.links: list[Link] = []
 
     @property
@@ -119,12 +142,14 @@ class ProducerProcess:
         return len(self.disk.log)
 
     def commit(self, values: list[bytes]) -> None:
-        new_segment = self.appended != self.head  # as Transaction._next_seq decides
+        """A transaction stamped with the database's current epoch, learnt at BEGIN; a new
+        segment where the last one has another (as ``_Pending.next_seq`` decides)."""
+        self.epoch = self.disk.epoch
+        new_segment = self.epochs.last_epoch != self.epoch
         first = self.head + 1
         self.disk.append(values, self.epoch, new_segment)
         if new_segment:
             self.epochs.add(first, self.epoch)
-        self.appended = self.head
 
     def noticed(self, first: int, epoch: int) -> None:
         """Another process appended from ``first`` (the watcher loads its rows)."""
@@ -291,7 +316,8 @@ class Simulation(RuleBasedStateMachine):
 
     @rule(n=st.integers(1, 3))
     def other_process_publishes(self, n: int) -> None:
-        """``streamq publish`` into the served database: a new epoch, its own segment."""
+        """``streamq publish`` into the served database: it starts (a new epoch), then
+        writes its own segment."""
         first = self.producer.head + 1
         epoch = self.disk.start()
         self.disk.append(self._values(n), epoch, new_segment=True)
@@ -306,6 +332,30 @@ class Simulation(RuleBasedStateMachine):
     def checkpoint(self) -> None:
         """SQLite checkpoints: the WAL is synced."""
         self.disk.synced = len(self.disk.log)
+
+    @rule(n=st.integers(1, 3))
+    def application_publishes(self, n: int) -> None:
+        """``streamq.publish`` on the application's own connection, while served."""
+        first = self.producer.head + 1
+        segment = self.disk.app_append(self._values(n))
+        if segment is not None:
+            self.producer.noticed(*segment)
+        self._note(first)
+
+    @rule(n=st.integers(1, 3), lost_again=st.booleans())
+    def application_publishes_before_the_producer_restarts(self, n: int, lost_again: bool) -> None:
+        """A power loss; the application publishes on its own connection before the
+        producer is back (a new epoch, made in its transaction), and that may be lost
+        too before the producer restarts."""
+        for link in self.producer.links:
+            self._close(link)
+        self.disk.power_loss()
+        first = len(self.disk.log) + 1
+        self.disk.app_append(self._values(n))
+        self._note(first)
+        if lost_again:
+            self.disk.power_loss()
+        self._restart_producer()
 
     def _restart_producer(self) -> None:
         for link in self.producer.links:

@@ -147,7 +147,7 @@ def test_failures_name_the_producer(
 
     # Records gone to retention: an error saying which, unless failOnDataLoss=false.
     a = producers[0]
-    a._call(a._producer.truncate("orders", 600))
+    a.truncate("orders", 600)
     starting = json.dumps({a.producer_id: 100})
     with pytest.raises(PySparkException, match=r"seqs 100\.\.599 are gone"):
         read(spark, a.address, startingOffsets=starting).count()

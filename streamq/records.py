@@ -1,0 +1,64 @@
+"""What an application publishes, checked before it is encoded: a wrong type is a
+``TypeError`` naming the field, raised in the caller's transaction before anything is
+written."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+_MAX_STREAM_NAME = 255
+
+# A checked record: value, key, headers, timestamp (ms since the Unix epoch).
+CheckedRecord = tuple[bytes, bytes | None, dict[str, bytes], int]
+
+
+def as_bytes(value: Any, what: str) -> bytes:
+    if type(value) is bytes:
+        return value
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value)
+    hint = "; encode it first, e.g. value.encode()" if isinstance(value, str) else ""
+    raise TypeError(f"{what} must be bytes, not {type(value).__name__}{hint}")
+
+
+def _check_headers(headers: Mapping[str, Any] | None) -> dict[str, bytes]:
+    if not headers:
+        return {}
+    if not isinstance(headers, Mapping):
+        raise TypeError(f"headers must be a mapping of str to bytes, not {type(headers).__name__}")
+    checked = {}
+    for name, value in headers.items():
+        if not isinstance(name, str):
+            raise TypeError(f"header names must be str, not {type(name).__name__}")
+        checked[name] = as_bytes(value, f"header {name!r}")
+    return checked
+
+
+def check_stream_name(name: Any) -> str:
+    if not isinstance(name, str):
+        raise TypeError(f"stream name must be str, not {type(name).__name__}")
+    if not name or len(name) > _MAX_STREAM_NAME:
+        raise ValueError(f"stream name must have 1 to {_MAX_STREAM_NAME} characters: {name!r}")
+    return name
+
+
+def checked_timestamp(timestamp: int | None) -> int:
+    if timestamp is None:
+        return int(time.time() * 1000)
+    if type(timestamp) is int:
+        return timestamp
+    raise TypeError(f"timestamp must be int milliseconds, not {type(timestamp).__name__}")
+
+
+def checked_record(
+    value: Any, key: Any, headers: Mapping[str, Any] | None, timestamp: int | None
+) -> CheckedRecord:
+    """A record's fields as they are encoded, or a TypeError naming the bad one."""
+    return (
+        as_bytes(value, "value"),
+        None if key is None else as_bytes(key, "key"),
+        _check_headers(headers),
+        checked_timestamp(timestamp),
+    )
