@@ -100,16 +100,18 @@ def test_a_database_without_the_log_tables_is_named(tmp_path: Path) -> None:
 async def test_unsupported_connections_are_refused_with_what_is_supported(
     producer_db: str,
 ) -> None:
-    with pytest.raises(streamq.UnsupportedConnectionError, match="sqlite3.Connection"):
+    with pytest.raises(streamq.UnsupportedConnectionError, match=r"sqlite3\.Connection"):
         streamq.publish(object(), "orders", b"x")
     with pytest.raises(TypeError):  # UnsupportedConnectionError is a TypeError too
         streamq.publish("orders.db", "orders", b"x")
     async with aiosqlite.connect(producer_db) as conn:
         with pytest.raises(streamq.UnsupportedConnectionError, match="publish_async"):
             streamq.publish(conn, "orders", b"x")
-    with app_connection(producer_db) as plain:
-        with pytest.raises(streamq.UnsupportedConnectionError, match=r"streamq\.publish\("):
-            await streamq.publish_async(plain, "orders", b"x")
+    with (
+        app_connection(producer_db) as plain,
+        pytest.raises(streamq.UnsupportedConnectionError, match=r"streamq\.publish\("),
+    ):
+        await streamq.publish_async(plain, "orders", b"x")
 
 
 async def test_publish_async_on_aiosqlite(producer_db: str) -> None:
@@ -158,7 +160,8 @@ async def test_sqlalchemy_session_and_connection(producer_db: str, immediate: bo
         engine.dispose()
         records = await received(producer.address, "orders", 2)
     assert count == 1
-    assert [(r.seq, r.value) for r in records] == [(1, b"from a session"), (2, b"from a connection")]
+    expected = [(1, b"from a session"), (2, b"from a connection")]
+    assert [(r.seq, r.value) for r in records] == expected
 
 
 async def test_sqlalchemy_asyncio_session(producer_db: str) -> None:
