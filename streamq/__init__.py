@@ -41,7 +41,7 @@ from .fanin import FanInConsumer
 from .positions import ConsumerLag
 from .producer import BlockingTransaction, Producer, Transaction
 from .protocol import PROTOCOL_VERSION, Record, StreamInfo, TimePosition
-from .publishing import publish, publish_async, publish_many
+from .publishing import create_tables, publish, publish_async, publish_many
 from .retention import RetentionPolicy, Truncation
 from .security import ClientTLS, ServerTLS, TokenAuth, make_token
 from .server import ServerSettings
@@ -99,6 +99,7 @@ __all__ = [
     "UnsupportedConnectionError",
     "VersionMismatchError",
     "history",
+    "create_tables",
     "make_token",
     "publish",
     "publish_async",

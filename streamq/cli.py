@@ -163,6 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="delete the oldest records while a stream holds more than this",
     )
 
+    init = commands.add_parser(
+        "init",
+        help="create the log tables in a database (the application publishes into it "
+        "with streamq.publish)",
+    )
+    init.add_argument("db", help="the producer's SQLite database (created if missing)")
+
     publish = commands.add_parser("publish", help="publish records in one transaction")
     publish.add_argument("db", help="the producer's SQLite database (created if missing)")
     publish.add_argument("stream")
@@ -314,6 +321,16 @@ async def _serve(args: argparse.Namespace) -> None:
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, stop.set)
         await stop.wait()
+
+
+async def _init(args: argparse.Namespace) -> None:
+    conn = await store.open_writer(args.db, "normal")
+    try:
+        identity = await store.initialize(conn, "normal")
+    finally:
+        await conn.close()
+    state = "created" if identity.created else "already there"
+    print(f"{args.db}: streamq log tables {state} (producer {identity.producer_id})")
 
 
 async def _publish(args: argparse.Namespace) -> None:
@@ -486,6 +503,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "serve":
             _loop.run(_serve(args))
+        elif args.command == "init":
+            _loop.run(_init(args))
         elif args.command == "publish":
             _loop.run(_publish(args))
         elif args.command == "tail":

@@ -78,6 +78,13 @@ async def publish_async(
     return seqs[0]
 
 
+def create_tables(conn: Any) -> None:
+    """Create the log tables (or migrate older ones) in ``conn``'s open transaction: for
+    a schema migration, e.g. Django's ``RunPython`` with ``schema_editor.connection``, or
+    Alembic's ``op.get_bind()``. ``streamq init DB`` does the same from the shell."""
+    store.create_schema(resolve(conn))
+
+
 def append(
     dbapi: Any,
     stream: str,

@@ -49,7 +49,8 @@ from typing import Any, Literal
 
 import aiosqlite
 
-from .errors import DatabaseOpenError
+from .blocking import run_on_thread
+from .errors import DatabaseOpenError, SchemaMissingError
 
 SCHEMA_VERSION = 2
 SEQ_BITS = 40
@@ -268,33 +269,10 @@ async def initialize(conn: aiosqlite.Connection, durability: Durability) -> Iden
     await conn.execute("PRAGMA synchronous=FULL")  # cannot change inside a transaction
     await conn.execute("BEGIN IMMEDIATE")
     try:
-        for statement in _SCHEMA:
-            await conn.execute(statement)
-        rows = await conn.execute_fetchall("SELECT key, value FROM streamq_meta")
-        meta: dict[str, Any] = {str(key): value for key, value in rows}
-        created = "producer_id" not in meta
-        if created:
-            meta = {
-                "producer_id": uuid.uuid4().hex,
-                "schema_version": SCHEMA_VERSION,
-                "created_at": int(time.time() * 1000),
-                "epoch": 0,
-            }
-        elif meta.get("schema_version") == 1:
-            await _migrate_from_1(conn)
-            meta["schema_version"] = SCHEMA_VERSION
-        elif meta.get("schema_version") != SCHEMA_VERSION:
-            raise OSError(
-                f"database has streamq schema version {meta.get('schema_version')!r}, "
-                f"this streamq needs {SCHEMA_VERSION}"
-            )
-        for statement in _INDEXES:
-            await conn.execute(statement)
+        meta, created = await run_on_thread(conn, create_schema, conn._conn)
         meta["epoch"] = int(meta["epoch"]) + 1
         meta["boot_id"] = boot_id()
-        await conn.executemany(
-            "INSERT OR REPLACE INTO streamq_meta (key, value) VALUES (?, ?)", meta.items()
-        )
+        await conn.executemany(SET_META, meta.items())
         await conn.execute("COMMIT")
     except BaseException:
         if conn.in_transaction:
@@ -305,30 +283,61 @@ async def initialize(conn: aiosqlite.Connection, durability: Durability) -> Iden
     return Identity(str(meta["producer_id"]), int(meta["epoch"]), created)
 
 
-async def _migrate_from_1(conn: aiosqlite.Connection) -> None:
+def create_schema(dbapi: Any) -> tuple[dict[str, Any], bool]:
+    """Create the log tables, or migrate older ones, in the connection's open transaction;
+    returns the meta rows and whether the database is new (a producer id was made)."""
+    cursor = dbapi.cursor()
+    for statement in _SCHEMA:
+        cursor.execute(statement)
+    cursor.execute("SELECT key, value FROM streamq_meta")
+    meta: dict[str, Any] = {str(key): value for key, value in cursor.fetchall()}
+    created = "producer_id" not in meta
+    if created:
+        meta = {
+            "producer_id": uuid.uuid4().hex,
+            "schema_version": SCHEMA_VERSION,
+            "created_at": int(time.time() * 1000),
+            "epoch": 0,
+        }
+    elif meta.get("schema_version") == 1:
+        _migrate_from_1(cursor)
+        meta["schema_version"] = SCHEMA_VERSION
+    elif meta.get("schema_version") != SCHEMA_VERSION:
+        raise SchemaMissingError(
+            f"database has streamq schema version {meta.get('schema_version')!r}, "
+            f"this streamq needs {SCHEMA_VERSION}"
+        )
+    for statement in _INDEXES:
+        cursor.execute(statement)
+    cursor.executemany(SET_META, list(meta.items()))
+    return meta, created
+
+
+def _migrate_from_1(cursor: Any) -> None:
     """Version 1 had no key column and no time index: add both. Its streams keep no key
     index (the default); the time index is filled from the records."""
-    await conn.execute("ALTER TABLE streamq_log ADD COLUMN key BLOB")
+    cursor.execute("ALTER TABLE streamq_log ADD COLUMN key BLOB")
     for column in ("key_index", "compact", "notify_compacted", "compacted"):
-        await conn.execute(
+        cursor.execute(
             f"ALTER TABLE streamq_streams ADD COLUMN {column} INTEGER NOT NULL DEFAULT 0"
         )
-    await conn.execute(_INDEXES[1])
+    cursor.execute(_INDEXES[1])
     max_ts: dict[int, int] = {}
     last = -1
-    while rows := list(
-        await conn.execute_fetchall(
-            "SELECT pos, ts FROM streamq_log WHERE pos > ? ORDER BY pos LIMIT 10000",
-            (last,),
+    while True:
+        cursor.execute(
+            "SELECT pos, ts FROM streamq_log WHERE pos > ? ORDER BY pos LIMIT 10000", (last,)
         )
-    ):
+        rows = cursor.fetchall()
+        if not rows:
+            return
         times = []
         for p, ts in rows:
             stream_id = p >> SEQ_BITS
             if ts > max_ts.get(stream_id, ts - 1):
                 max_ts[stream_id] = ts
                 times.append((stream_id, ts, p))
-        await conn.executemany(INSERT_TIMES, times)
+        cursor.executemany(INSERT_TIMES, times)
         last = rows[-1][0]
 
 

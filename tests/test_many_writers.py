@@ -1,0 +1,166 @@
+"""Many processes publish into one producer database at once; one process serves it.
+
+Real worker processes, each through a different kind of connection, commit at the same
+time as the serving producer's own transactions: no transaction is refused, the log is
+dense and in commit order, and a consumer receives every committed order exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import sqlite3
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+import streamq
+from streamq import Consumer, Producer
+
+from .writers.worker import ORDERS
+
+ROOT = Path(__file__).resolve().parent.parent
+VIAS = ("publish", "legacy", "sqlalchemy", "sync")
+
+
+class Worker:
+    """A worker process (tests/writers/worker.py), ready to start when told."""
+
+    def __init__(self, process: asyncio.subprocess.Process) -> None:
+        self.process = process
+
+    @classmethod
+    async def ready(cls, db: str, name: str, via: str, transactions: int) -> Worker:
+        process = await asyncio.create_subprocess_exec(
+            *(sys.executable, "-m", "tests.writers.worker", db, name, "--via", via),
+            *("--transactions", str(transactions), "--pause", "0.001"),
+            cwd=ROOT,
+            env=dict(os.environ, PYTHONPATH=str(ROOT)),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        assert process.stdout is not None
+        async with asyncio.timeout(60):
+            line = await process.stdout.readline()
+        assert line == b"READY\n", line + await process.stdout.read()
+        return cls(process)
+
+    async def run(self) -> str:
+        """Start it; its output once it is done."""
+        try:
+            async with asyncio.timeout(120):
+                output, _ = await self.process.communicate(b"go\n")
+        finally:
+            if self.process.returncode is None:
+                self.process.kill()
+                await self.process.wait()
+        assert self.process.returncode == 0, output.decode()
+        return output.decode()
+
+
+async def test_worker_processes_and_the_server_commit_at_once(producer_db: str) -> None:
+    per_writer = 300
+    async with Producer(producer_db) as producer:
+        async with producer.transaction() as tx:
+            await tx.execute(ORDERS)
+        workers = [
+            await Worker.ready(producer_db, f"w{i}", via, per_writer) for i, via in enumerate(VIAS)
+        ]
+
+        async def serve_and_write() -> None:
+            for n in range(per_writer):  # the serving process writes too, interleaved
+                async with producer.transaction() as tx:
+                    await tx.execute("INSERT INTO orders (worker, n) VALUES ('server', ?)", (n,))
+                    await tx.publish("orders", b"server:%d" % n, key=b"server")
+                await asyncio.sleep(0.001)  # as requests come, not a tight loop
+
+        *outputs, _ = await asyncio.gather(*(w.run() for w in workers), serve_and_write())
+        total = per_writer * (len(VIAS) + 1)
+        records: list[streamq.Record] = []
+        async with Consumer(producer.address, "orders") as consumer:
+            async with asyncio.timeout(30):
+                async for batch in consumer:
+                    records += batch
+                    if batch.last_seq >= total:
+                        break
+    for output in outputs:
+        assert f"DONE committed={per_writer} refused=0" in output, output
+    assert [r.seq for r in records] == list(range(1, total + 1))  # dense, none twice
+    with sqlite3.connect(producer_db) as db:
+        orders = {f"{w}:{n}".encode() for w, n in db.execute("SELECT worker, n FROM orders")}
+    assert len(orders) == total
+    assert Counter(r.value for r in records) == Counter(orders)  # each committed order once
+    runs = sum(1 for a, b in itertools.pairwise(records) if a.key != b.key)
+    assert runs > 10, "the writers did not overlap: nothing was tested"
+    for name in [f"w{i}" for i in range(len(VIAS))] + ["server"]:  # each writer's own order
+        mine = [int(r.value.split(b":")[1]) for r in records if r.key == name.encode()]
+        assert mine == list(range(per_writer))
+
+
+async def test_a_second_serving_process_is_refused_naming_the_first(producer_db: str) -> None:
+    async with Producer(producer_db) as first:
+        program = (
+            "import asyncio, streamq, sys\n"
+            "async def main():\n"
+            "    async with streamq.Producer(sys.argv[1]): pass\n"
+            "asyncio.run(main())\n"
+        )
+        refused = subprocess.run(
+            [sys.executable, "-c", program, producer_db],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
+        assert refused.returncode != 0
+        assert "AlreadyServedError" in refused.stderr
+        assert f"process {os.getpid()}" in refused.stderr and first.address in refused.stderr
+        assert producer_db in refused.stderr
+        with pytest.raises(streamq.AlreadyServedError, match="already served"):
+            async with Producer(producer_db):  # in this process too
+                pass
+        async with Producer(producer_db, serve=False) as writer:  # writers are welcome
+            assert await writer.publish("orders", b"x") == 1
+        await first.publish("orders", b"still serving")
+    async with Producer(producer_db) as second:  # the lock went with the first
+        assert second.head("orders") == 2
+
+
+@pytest.mark.parametrize("kind", ["directory", "not a database", "missing directory"])
+def test_a_path_that_cannot_be_a_database_is_named_and_leaks_nothing(
+    tmp_path: Path, kind: str
+) -> None:
+    """A precise error naming the file, and no aiosqlite thread left behind to report to
+    a closed event loop ("Event loop is closed" printed after the program ended)."""
+    path = tmp_path / "orders.db"
+    if kind == "directory":
+        path.mkdir()
+    elif kind == "not a database":
+        path.write_bytes(b"these are not the pages of a SQLite database " * 100)
+    else:
+        path = tmp_path / "nowhere" / "orders.db"
+    program = (
+        "import asyncio, streamq, sys\n"
+        "async def main():\n"
+        "    async with streamq.Producer(sys.argv[1], serve=False): pass\n"
+        "try:\n"
+        "    asyncio.run(main())\n"
+        "except streamq.DatabaseOpenError as exc:\n"
+        "    print('ERROR', exc)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", program, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert result.stdout.startswith(f"ERROR cannot open SQLite database {str(path)!r}: ")
+    reason = {"directory": "it is a directory", "missing directory": "no such directory"}
+    assert reason.get(kind, "file is not a database") in result.stdout
+    assert result.stderr == ""  # nothing printed after the loop closed
