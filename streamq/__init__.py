@@ -6,6 +6,7 @@ pushes committed records over TCP; consumers store their position in their
 own database, in the same transaction as their effects.
 """
 
+from .applying import save_position, save_position_async
 from .blocking import BlockingSQL
 from .client import Client, history
 from .compaction import Compacted
@@ -104,4 +105,6 @@ __all__ = [
     "publish",
     "publish_async",
     "publish_many",
+    "save_position",
+    "save_position_async",
 ]

@@ -169,6 +169,14 @@ def build_parser() -> argparse.ArgumentParser:
         "with streamq.publish)",
     )
     init.add_argument("db", help="the producer's SQLite database (created if missing)")
+    init.add_argument(
+        "--stream",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="create this stream too, so consumers can subscribe before its first record "
+        "(repeatable)",
+    )
 
     publish = commands.add_parser("publish", help="publish records in one transaction")
     publish.add_argument("db", help="the producer's SQLite database (created if missing)")
@@ -324,13 +332,11 @@ async def _serve(args: argparse.Namespace) -> None:
 
 
 async def _init(args: argparse.Namespace) -> None:
-    conn = await store.open_writer(args.db, "normal")
-    try:
-        identity = await store.initialize(conn, "normal")
-    finally:
-        await conn.close()
-    state = "created" if identity.created else "already there"
-    print(f"{args.db}: streamq log tables {state} (producer {identity.producer_id})")
+    async with Producer(args.db, serve=False) as producer:
+        for stream in args.stream:
+            await producer.create_stream(stream)
+    streams = f"; streams: {', '.join(args.stream)}" if args.stream else ""
+    print(f"{args.db}: streamq log tables ready (producer {producer.producer_id}){streams}")
 
 
 async def _publish(args: argparse.Namespace) -> None:

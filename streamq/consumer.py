@@ -141,6 +141,9 @@ class Batch(Sequence[Record]):
     after: int
     records: tuple[Record, ...]
     epoch: int = 0
+    consumer: str = ""  # the consumer's name: where ``streamq.save_position`` stores it
+    endpoint: str = ""  # the producer's address, stored with the position
+    origin: int = 0  # where the consumer started when no position was stored (start_seq - 1)
 
     @property
     def first_seq(self) -> int:
@@ -274,6 +277,7 @@ class Consumer:
         # a producer that later holds a higher one there lost and re-used seqs ("Epochs").
         self.seen_epoch = 0
         self.applied = 0  # last seq committed (or delivered, without a database)
+        self._origin = 0  # the configured start's position, when none was stored
         self.reconnects = 0
 
     def _share_database(self, db: aiosqlite.Connection, lock: asyncio.Lock, path: str) -> None:
@@ -367,10 +371,34 @@ class Consumer:
                 break
             records += more.records
             epoch = more.epoch
-        batch = Batch(item.stream, item.producer_id, item.after, records, epoch)
         if self._db is None:
-            self.applied = batch.last_seq
-        return batch
+            self.applied = records[-1].seq
+        elif self.applied < item.after:
+            await self._load_applied()  # batches applied through the application's connection
+        return Batch(
+            item.stream,
+            item.producer_id,
+            item.after,
+            records,
+            epoch,
+            self.name,
+            self.address,
+            self._origin,
+        )
+
+    async def _load_applied(self) -> None:
+        """Learn the position ``streamq.save_position`` committed through the application's
+        own connection (the consumer did not run that transaction), and acknowledge it."""
+        assert self._db is not None
+        rows = await self._db.execute_fetchall(
+            "SELECT seq FROM streamq_positions WHERE consumer = ? AND producer_id = ? "
+            "AND stream = ?",
+            (self.name, self.producer_id, self.stream),
+        )
+        for (seq,) in rows:
+            if seq > self.applied:
+                self.applied = int(seq)
+                self._ack(self.applied)
 
     async def _read_message(self, conn: ClientConnection, reader: asyncio.StreamReader) -> Message:
         while (message := conn.next_event()) is None:
@@ -496,7 +524,7 @@ class Consumer:
             position = await self._read_message(conn, reader)
             assert isinstance(position, TimePosition)
             start = position.seq
-        self.applied = start - 1
+        self.applied = self._origin = start - 1
         return start
 
     async def _start_position(self, producer_id: str) -> int | None:

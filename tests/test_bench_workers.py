@@ -1,0 +1,108 @@
+"""The workers workload (bench/workers.py), tiny: two worker processes publish into one
+database through their own sqlite3 connections while ``streamq serve`` pushes to a
+consumer process; every committed order arrives once, seqs dense and in commit order.
+Also the synchronous path's three variants, and the checker against bad receipts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from bench import workers
+from bench.workers_programs import ORDERS_SCHEMA, RECEIVED_SCHEMA, SYNC_VARIANTS
+
+ORDERS = 400
+DRAIN = 10.0  # s for the consumer to receive the last commit; then the check names what is missing
+
+
+def our_children() -> list[str]:
+    """Command lines of this process's children still running."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat.rpartition(")")[2].split()[1]) == os.getpid():
+            found.append(cmdline.replace(b"\0", b" ").decode(errors="replace"))
+    return found
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("rate", [0, 2000], ids=["max-rate", "paced"])
+def test_two_workers_every_order_received_once_in_commit_order(tmp_path: Path, rate: int) -> None:
+    try:
+        run = workers.run_once("streamq", tmp_path, 2, ORDERS, rate, drain_timeout=DRAIN)
+    finally:
+        assert our_children() == []
+    assert run.refused == 0 and run.errors == [], run
+    assert run.committed == ORDERS, run
+    with contextlib.closing(sqlite3.connect(tmp_path / "received.db")) as conn:
+        seqs = [row[0] for row in conn.execute("SELECT position FROM received ORDER BY rowid")]
+    assert seqs == list(range(1, ORDERS + 2 + 1))  # and each worker's warm-up order
+    assert run.check == {
+        "committed": ORDERS + 2,
+        "received": ORDERS + 2,
+        "logged": ORDERS + 2,
+        "lost": 0,
+        "received_twice": 0,
+        "phantom": 0,
+        "dense": True,
+        "commit_order": True,
+        "anomalies": 0,
+    }
+    assert run.latency[4] == ORDERS  # every timed order was timed once (warm-ups are not)
+    assert run.commit_latency[4] == ORDERS
+
+
+@pytest.mark.timeout(60)
+def test_sync_path_variants(tmp_path: Path) -> None:
+    for variant in SYNC_VARIANTS:
+        rate, refused, synchronous = workers.sync_once(variant, tmp_path, 2, 200)
+        assert rate > 0 and refused == 0, variant
+        assert synchronous == workers.NORMAL, variant
+        events_table = "outbox" if variant == "sqlite3" else "streamq_log"
+        with contextlib.closing(sqlite3.connect(tmp_path / f"sync-{variant}-2.db")) as conn:
+            orders = conn.execute("SELECT COUNT(*) FROM orders").fetchone()[0]
+            events = conn.execute(f"SELECT COUNT(*) FROM {events_table}").fetchone()[0]
+        assert orders == events == 200 + 2, variant  # and each thread's warm-up order
+    assert our_children() == []
+
+
+def test_checker_sees_lost_doubled_phantom_and_reordered(tmp_path: Path) -> None:
+    service, received = tmp_path / "service.db", tmp_path / "received.db"
+    with contextlib.closing(sqlite3.connect(service)) as conn, conn:
+        conn.execute(ORDERS_SCHEMA)
+        conn.execute("CREATE TABLE outbox (id INTEGER PRIMARY KEY, payload BLOB)")
+        conn.executemany(
+            "INSERT INTO orders (id, worker, number, amount, due_ns) VALUES (?, 0, ?, 1, 0)",
+            [(i, i) for i in range(1, 6)],
+        )
+        conn.executemany("INSERT INTO outbox (payload) VALUES (?)", [(b"",)] * 5)
+
+    def receipts(rows: list[tuple[int, int]]) -> dict[str, object]:
+        received.unlink(missing_ok=True)
+        with contextlib.closing(sqlite3.connect(received)) as conn, conn:
+            conn.execute(RECEIVED_SCHEMA)
+            conn.executemany("INSERT INTO received VALUES (?, ?)", rows)
+        return workers.check(service, received, first_position=0)
+
+    assert receipts([(i, i + 1) for i in range(5)])["anomalies"] == 0
+    lost = receipts([(0, 1), (1, 2), (2, 3), (3, 4)])
+    assert lost["lost"] == 1 and lost["anomalies"] > 0
+    twice = receipts([(0, 1), (1, 2), (2, 2), (3, 3), (4, 4), (5, 5)])
+    assert twice["received_twice"] == 1 and not twice["commit_order"]
+    phantom = receipts([(0, 1), (1, 2), (2, 3), (3, 4), (4, 5), (5, 9)])
+    assert phantom["phantom"] == 1 and phantom["anomalies"] > 0
+    gap = receipts([(0, 1), (1, 2), (3, 3), (4, 4), (5, 5)])
+    assert not gap["dense"] and gap["anomalies"] == 1
+    reordered = receipts([(0, 2), (1, 1), (2, 3), (3, 4), (4, 5)])
+    assert not reordered["commit_order"] and reordered["anomalies"] == 1
