@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any
 
-from . import latency, pipe, slow_consumer, spark_ingest, transfer
+from . import latency, pipe, slow_consumer, spark_ingest, transfer, workers
 from .common import DURABILITY, console, machine
 
 WORKLOADS = {
@@ -17,6 +17,7 @@ WORKLOADS = {
     "transfer": transfer.run,
     "slow": slow_consumer.run,
     "spark": spark_ingest.run,
+    "workers": workers.run,
 }
 
 

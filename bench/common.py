@@ -11,7 +11,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -142,6 +142,13 @@ def proc_kib(pid: int, field: str) -> int:
     return 0
 
 
+def proc_cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) a live process has used, from /proc."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def alternating(systems: Sequence[str], repeats: int) -> Iterator[str]:
     """Each system once per repeat, alternating which goes first so drift hits all alike."""
     for repeat in range(repeats):
@@ -180,6 +187,42 @@ class Series:
         if len(self.values) < 2 or not self.median:
             return 0.0
         return (max(self.values) - min(self.values)) / self.median
+
+
+# Latency runs: (system, case) -> one [p50, p99, p99.9, max] (microseconds) per repeat.
+PERCENTILES = ("p50", "p99", "p99.9", "max")
+LatencyRuns = dict[tuple[str, str], list[list[int]]]
+
+
+def percentile_series(runs: LatencyRuns) -> list[Series]:
+    """One Series per (system, case, percentile), for the JSON results and the charts."""
+    return [
+        Series(system, f"{case} {name}", "us", [figures[i] for figures in repeats])
+        for (system, case), repeats in runs.items()
+        for i, name in enumerate(PERCENTILES)
+    ]
+
+
+def latency_table(title: str, runs: LatencyRuns) -> Table:
+    """Median of each percentile per case and system, with streamq's p99 over Kafka's."""
+    table = Table(title=title)
+    for column in ("case", "system", *PERCENTILES, "p99 vs kafka"):
+        table.add_column(column, justify="left" if column in ("case", "system") else "right")
+    cases = list(dict.fromkeys(case for _, case in runs))
+    for case in cases:
+        medians: dict[str, list[int]] = {}
+        for system in ("streamq", "kafka"):
+            figures = runs.get((system, case))
+            if figures:
+                medians[system] = [
+                    sorted(f[i] for f in figures)[len(figures) // 2] for i in range(4)
+                ]
+        for system, m in medians.items():
+            ratio = ""
+            if system == "streamq" and medians.get("kafka", [0, 0])[1]:
+                ratio = f"{m[1] / medians['kafka'][1]:.2f}x"
+            table.add_row(case, system, *(f"{v:,}" for v in m), ratio)
+    return table
 
 
 def save(workload: str, payload: dict[str, Any], quick: bool) -> Path:
@@ -225,8 +268,16 @@ def comparison_table(title: str, series: Sequence[Series], better: str = "higher
     return table
 
 
-def bar_chart(path: Path, title: str, series: Sequence[Series], ylabel: str) -> None:
-    """One panel per case (each with its own scale), one bar per system, whiskers min..max."""
+def bar_chart(
+    path: Path,
+    title: str,
+    series: Sequence[Series],
+    ylabel: str,
+    colors: Mapping[str, str] | None = None,
+) -> None:
+    """One panel per case (each with its own scale), one bar per system, whiskers min..max.
+
+    ``colors`` adds colors for systems other than streamq (blue) and kafka (orange)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -234,7 +285,7 @@ def bar_chart(path: Path, title: str, series: Sequence[Series], ylabel: str) -> 
 
     cases = list(dict.fromkeys(s.case for s in series))
     systems = list(dict.fromkeys(s.system for s in series))
-    colors = {"streamq": "tab:blue", "kafka": "tab:orange"}
+    colors = {"streamq": "tab:blue", "kafka": "tab:orange", **(colors or {})}
     fig, axes = plt.subplots(1, len(cases), figsize=(2.6 * len(cases) + 1, 3.8), squeeze=False)
     for ax, case in zip(axes[0], cases, strict=True):
         shown = [s for system in systems for s in series if s.system == system and s.case == case]

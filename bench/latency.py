@@ -16,18 +16,19 @@ from rich.progress import Progress
 from rich.table import Table
 
 from .common import (
+    PERCENTILES,
     Child,
-    Series,
+    LatencyRuns,
     alternating,
     bar_chart,
     console,
     durability_modes,
+    percentile_series,
     results_dir,
     save,
 )
 
 RATES = [1_000, 10_000, 50_000]
-PERCENTILES = ("p50", "p99", "p99.9", "max")
 
 
 def _measure(producer: Child, consumer: Child) -> list[int]:
@@ -63,7 +64,7 @@ def run(broker: Any | None, quick: bool, repeats: int) -> dict[str, Any]:
     seconds = 2.0 if quick else 10.0
     systems = ["streamq"] + (["kafka"] if broker is not None else [])
     # (system, case) -> one list of [p50, p99, p99.9, max] per repeat, in microseconds
-    runs: dict[tuple[str, str], list[list[int]]] = {}
+    runs: LatencyRuns = {}
     cases: list[str] = []
     with durability_modes(broker) as modes, Progress(console=console, transient=True) as progress:
         task = progress.add_task("latency", total=len(modes) * len(RATES) * repeats * len(systems))
@@ -95,11 +96,7 @@ def run(broker: Any | None, quick: bool, repeats: int) -> dict[str, Any]:
                 ratio = f"{medians[1] / median('kafka', case, 1):.2f}x"
             table.add_row(case, system, *(f"{m:,}" for m in medians), ratio)
     console.print(table)
-    series = [
-        Series(system, f"{case} {name}", "us", [r[i] for r in figures])
-        for (system, case), figures in runs.items()
-        for i, name in enumerate(PERCENTILES)
-    ]
+    series = percentile_series(runs)
     bar_chart(
         results_dir(quick) / "latency.png",
         "latency p99 (microseconds, lower is better)",

@@ -99,6 +99,8 @@ async def sq_consumer(address: str, total: int) -> None:
 
 # confluent-kafka's documented low-latency settings: send at once, no batching delay.
 PRODUCER_LATENCY = {"acks": "all", "linger.ms": 0, "socket.nagle.disable": True}
+# Its consumer: hand over fetched data at once; offsets are not committed.
+CONSUMER_LATENCY = {"enable.auto.commit": False, "fetch.wait.max.ms": 1, "fetch.min.bytes": 1}
 
 
 def kafka_producer(bootstrap: str, topic: str, rate: float, seconds: float) -> None:
@@ -132,15 +134,7 @@ def kafka_consumer(bootstrap: str, topic: str, total: int) -> None:
 
     from .kafka_pipe import receive
 
-    consumer = Consumer(
-        {
-            "bootstrap.servers": bootstrap,
-            "group.id": "latency",
-            "enable.auto.commit": False,
-            "fetch.wait.max.ms": 1,  # latency settings: hand over data at once
-            "fetch.min.bytes": 1,
-        }
-    )
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "latency", **CONSUMER_LATENCY})
     consumer.assign([TopicPartition(topic, 0, -2)])
     consumer.consume(1, timeout=0.5)
     say("READY")

@@ -50,11 +50,14 @@ from streamq.store import HEAD_QUERY
 
 from .common import (
     Child,
+    LatencyRuns,
     Series,
     alternating,
     bar_chart,
     comparison_table,
     console,
+    latency_table,
+    percentile_series,
     results_dir,
     save,
 )
@@ -81,7 +84,6 @@ ROLES = {
     "kafka-naive": ("producer", "consumer"),
 }
 SHORT = {"streamq": "streamq", "kafka-outbox": "kafka outbox", "kafka-naive": "kafka naive"}
-PERCENTILES = ("p50", "p99", "p99.9", "max")
 
 STARTUP_TIMEOUT = 60.0  # s for a process to say READY
 FLOW_TIMEOUT = 900.0  # s for a run without kills to finish
@@ -512,27 +514,6 @@ def _folder() -> Iterator[Path]:
         yield Path(folder)
 
 
-def _latency_table(title: str, runs: dict[tuple[str, str], list[list[int]]]) -> Table:
-    table = Table(title=title)
-    for column in ("case", "system", *PERCENTILES, "p99 vs kafka"):
-        table.add_column(column, justify="left" if column in ("case", "system") else "right")
-    cases = list(dict.fromkeys(case for _, case in runs))
-    for case in cases:
-        medians: dict[str, list[int]] = {}
-        for system in ("streamq", "kafka"):
-            figures = runs.get((system, case))
-            if figures:
-                medians[system] = [
-                    sorted(f[i] for f in figures)[len(figures) // 2] for i in range(4)
-                ]
-        for system, m in medians.items():
-            ratio = ""
-            if system == "streamq" and medians.get("kafka", [0, 0])[1]:
-                ratio = f"{m[1] / medians['kafka'][1]:.2f}x"
-            table.add_row(case, system, *(f"{v:,}" for v in m), ratio)
-    return table
-
-
 def _anomaly_table(crashes: list[dict[str, Any]]) -> Table:
     table = Table(
         title="transfer under kill -9, checked from the SQLite files: kills of producer/"
@@ -582,7 +563,7 @@ def run(broker: Any | None, quick: bool, repeats: int, seed: int | None = None) 
     }
     paced_case = f"{sizes.latency_rate:,}/s"
     full_case = "max rate"
-    latency: dict[tuple[str, str], list[list[int]]] = {}
+    latency: LatencyRuns = {}
     crashes: list[dict[str, Any]] = []
     console.print(
         f"[bold]transfer[/] kafka relay/naive producer {json.dumps(KAFKA_PRODUCER)}; "
@@ -635,7 +616,7 @@ def run(broker: Any | None, quick: bool, repeats: int, seed: int | None = None) 
         )
     )
     console.print(
-        _latency_table(
+        latency_table(
             "transfer latency, microseconds, from each transfer's commit (at a fixed rate: its "
             "due time) to the commit of its credit; max rate: the throughput runs, "
             f"{sizes.latency_rate:,}/s: {sizes.latency_seconds:g} s paced",
@@ -643,11 +624,7 @@ def run(broker: Any | None, quick: bool, repeats: int, seed: int | None = None) 
         )
     )
     console.print(_anomaly_table(crashes))
-    latency_series = [
-        Series(system, f"{case} {name}", "us", [f[i] for f in figures])
-        for (system, case), figures in latency.items()
-        for i, name in enumerate(PERCENTILES)
-    ]
+    latency_series = percentile_series(latency)
     folder = results_dir(quick)
     bar_chart(folder / "transfer.png", "transfer: transfers/s", series, "transfers/s")
     bar_chart(

@@ -22,6 +22,7 @@ from typing import Any, TypeVar, overload
 
 import aiosqlite
 
+from . import store
 from .blocking import (
     AsyncSQL,
     BlockingSQL,
@@ -87,11 +88,10 @@ CREATE TABLE IF NOT EXISTS streamq_positions (
 
 async def open_database(path: str, durability: Durability) -> aiosqlite.Connection:
     """A consumer's database connection, with the positions table."""
-    db = await aiosqlite.connect(path, isolation_level=None)
+    db = await store.connect(path)  # a path that is no database: DatabaseOpenError
     try:
         await db.execute("PRAGMA journal_mode=WAL")
         await db.execute(f"PRAGMA synchronous={durability.upper()}")
-        await db.execute("PRAGMA busy_timeout=10000")
         await db.execute(_POSITIONS_SCHEMA)
         columns = await db.execute_fetchall("PRAGMA table_info(streamq_positions)")
         if "epoch" not in {column[1] for column in columns}:  # made by an older streamq

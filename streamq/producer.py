@@ -368,8 +368,6 @@ class Producer:
         self._serve_lock: ServeLock | None = None
         self._in_transaction = False  # holding the writer for a transaction of its own
         self._version = 0  # PRAGMA data_version when last caught up with other writers
-        self._checked_at = 0.0  # when that was last asked (time.monotonic)
-        self._committed_at = 0.0  # when this producer last committed
         self.positions = Positions()
         self.retention = Retention(RetentionPolicy(retention_ms, retention_bytes))
         self._retention_interval = retention_interval
@@ -402,7 +400,8 @@ class Producer:
             self.producer_id, self.epoch = identity.producer_id, identity.epoch
             # The version before loading the streams: any later commit by another process is seen.
             self._version = await store.data_version(self._conn)
-            self._watch.start()
+            if self._serve:
+                self._watch.start()
             await self.log.open(await store.load_streams(self._conn))
             await self._load_epochs()
             await self._load_registrations()
@@ -416,7 +415,8 @@ class Producer:
                 self._serve_lock.serving(self._server.address)
             if self._metrics_port is not None:
                 self._metrics = MetricsServer(self, self._metrics_host, self._metrics_port)
-            self._watcher = asyncio.create_task(self._watch_other_writers())
+            if self._serve:
+                self._watcher = asyncio.create_task(self._watch_other_writers())
             self._retention_task = asyncio.create_task(self._retain_periodically())
             self._compactor = asyncio.create_task(self._compact_periodically())
         except BaseException:
@@ -558,7 +558,6 @@ class Producer:
             raise RuntimeError("the producer is not running: use 'async with Producer(...)'")
 
     def _after_commit(self, pending: _Pending) -> None:
-        self._committed_at = time.monotonic()
         for name, stream_id in pending.new_streams.items():
             self.log.add(store.StreamRow(stream_id, name, 0, 1, pending.settings[name]))
         for name, (_, first, epoch) in pending.segment_rows().items():
@@ -857,22 +856,25 @@ class Producer:
         """Notice commits made to this database by other processes and connections.
 
         Woken by writes to the WAL (``WalWatch``), or every ``watch_interval`` seconds
-        as a fallback. While this producer commits itself, each of its transactions
-        catches up at BEGIN (``_begin``), so a write seen then is left to the next one.
+        as a fallback. This producer's own transactions catch up at BEGIN (``_begin``);
+        the watch is for serving, so a producer that does not serve runs none.
         """
         interval = self._watch_interval
         if interval is None:
             interval = _FALLBACK_CHECK if self._watch.active else _POLL_INTERVAL
         while True:
             event_at = await self._watch.wait(interval)
-            if event_at is not None and time.monotonic() - self._committed_at < _BUSY:
-                await asyncio.sleep(_BUSY)  # busy: its next BEGIN likely checks first
-            if event_at is not None and self._checked_at > event_at:
-                continue
-            if not await self._check_others() and event_at is not None:
-                # The write may belong to a commit not yet visible: look once more.
+            delay = _RECHECK
+            while not await self._check_others() and event_at is not None:
+                # A write not yet visible as a commit (or this producer's own): look again,
+                # later each time, sooner after another write; at most one look per _RECHECK.
+                if delay > _RECHECK_LAST:
+                    break
                 await asyncio.sleep(_RECHECK)
-                await self._check_others()
+                if await self._watch.wait(delay - _RECHECK) is not None:
+                    delay = _RECHECK
+                else:
+                    delay *= 2
 
     async def refresh(self) -> None:
         """Catch up now with what other connections and processes committed (they are
@@ -889,7 +891,6 @@ class Producer:
     async def _check_others(self) -> bool:
         """Catch up if another connection committed; True if one had."""
         async with self._lock:
-            self._checked_at = time.monotonic()
             version = await store.data_version(self._conn)
             if version == self._version:
                 return False
@@ -900,7 +901,6 @@ class Producer:
         """Load what other writers committed up to ``version`` (the caller holds the lock):
         heads, lows, epochs, the database's epoch, registrations. Their records are
         served from SQLite; this producer's next seqs continue after theirs."""
-        self._checked_at = time.monotonic()
         self.epoch = await store.current_epoch(self._conn)
         await self._load_registrations()
         for row in await store.load_streams(self._conn):
@@ -923,10 +923,11 @@ class Producer:
 # commits; where events do, the slow check that catches a missed one.
 _POLL_INTERVAL = 0.05
 _FALLBACK_CHECK = 1.0
-# A producer that committed within _BUSY seconds leaves a write event to its next BEGIN
-# for that long; an event that found nothing new is checked again after _RECHECK.
-_BUSY = 0.002
+# After a write event that found no new commit: looks again after _RECHECK, doubling
+# up to _RECHECK_LAST (a commit becomes visible after its WAL writes, and a slow sync
+# holds it back longer).
 _RECHECK = 0.002
+_RECHECK_LAST = 0.256
 
 
 class _OthersCommitted(Exception):

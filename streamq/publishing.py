@@ -28,7 +28,7 @@ from . import store
 from .connections import resolve, resolve_async
 from .errors import RecordTooLargeError, SchemaMissingError
 from .protocol import DEFAULT_MAX_FRAME_SIZE, FRAME_OVERHEAD, encode_record
-from .records import CheckedRecord, as_bytes, check_stream_name, checked_record, checked_timestamp
+from .records import CheckedRecord, check_stream_name, checked_record, values_only
 
 DEFAULT_MAX_RECORD_SIZE = DEFAULT_MAX_FRAME_SIZE - FRAME_OVERHEAD
 
@@ -55,9 +55,11 @@ def publish(
 def publish_many(conn: Any, stream: str, values: Iterable[bytes]) -> range:
     """Append one record per value (no key, no headers) in ``conn``'s open transaction;
     returns their seqs."""
-    ts = checked_timestamp(None)
-    records: list[CheckedRecord] = [(as_bytes(value, "value"), None, {}, ts) for value in values]
-    seqs = append(resolve(conn), check_stream_name(stream), records)
+    return seq_range(append(resolve(conn), check_stream_name(stream), values_only(values)))
+
+
+def seq_range(seqs: list[int]) -> range:
+    """Consecutive seqs as a range (empty: none were appended)."""
     return range(seqs[0], seqs[-1] + 1) if seqs else range(0)
 
 

@@ -5,7 +5,7 @@ written."""
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 _MAX_STREAM_NAME = 255
@@ -62,3 +62,9 @@ def checked_record(
         _check_headers(headers),
         checked_timestamp(timestamp),
     )
+
+
+def values_only(values: Iterable[Any]) -> list[CheckedRecord]:
+    """``publish_many``'s records: each value alone, no key or headers, one timestamp."""
+    ts = checked_timestamp(None)
+    return [(as_bytes(value, "value"), None, {}, ts) for value in values]

@@ -24,16 +24,16 @@ Six tables, all prefixed ``streamq_`` so they sit beside the application's own:
   keeps, with the last position each reported (saved lazily, never per commit).
   Added after the first release: ``CREATE TABLE IF NOT EXISTS`` adds it to older
   databases when a producer starts, or when a registration is first made.
-- ``streamq_epochs``: which producer instance (epoch) appended which seqs. A row
-  (stream, first_seq, epoch) says: from ``first_seq`` up to the next row's, that
-  stream's records were appended by the producer that started with ``epoch``. An
-  instance writes a row in the same transaction as its first record after a record it
-  did not append itself (after its start, or another process's records), so a row
-  exists exactly when its record does: a power loss that rolls back records rolls back
-  their rows too, and the seqs re-used after it get the new epoch's row. That is how a
-  consumer that remembers (epoch, seq) tells a re-used seq from the one it applied
-  (docs/protocol.md, "Epochs"). Rows are not written at start: another process
-  starting while this one serves would then claim seqs it never wrote.
+- ``streamq_epochs``: under which epoch which seqs were appended. A row (stream,
+  first_seq, epoch) says: from ``first_seq`` up to the next row's, that stream's records
+  were appended under ``epoch``. Every writer stamps its records with the database's
+  current epoch (``streamq_meta``), read holding the write lock, and writes a row in the
+  same transaction as its first record when the stream's last row has another one. So a
+  row exists exactly when its record does: a power loss that rolls back records rolls back
+  their rows too, and the seqs re-used after it get a row of a newer epoch (a producer
+  start takes one, synced; so does the first writer of a new boot, ``boot_id``). That is
+  how a consumer that remembers (epoch, seq) tells a re-used seq from the one it applied
+  (docs/protocol.md, "Epochs").
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ from .compaction import Compacted
 from .positions import ConsumerLag
 from .producer import Producer
 from .protocol import Record
-from .publishing import append
-from .records import CheckedRecord, as_bytes, check_stream_name, checked_record, checked_timestamp
+from .publishing import append, seq_range
+from .records import CheckedRecord, check_stream_name, checked_record, values_only
 from .retention import Truncation
 
 T = TypeVar("T")
@@ -59,9 +59,7 @@ class SyncTransaction(BlockingSQL):
     def publish_many(self, stream: str, values: Iterable[bytes]) -> range:
         """Append one record per value (no key, no headers); returns their seqs."""
         self._check_open()
-        ts = checked_timestamp(None)
-        seqs = self._append(stream, [(as_bytes(value, "value"), None, {}, ts) for value in values])
-        return range(seqs[0], seqs[-1] + 1) if seqs else range(0)
+        return seq_range(self._append(stream, values_only(values)))
 
     def _append(self, stream: str, records: list[CheckedRecord]) -> list[int]:
         return append(
@@ -81,6 +79,7 @@ class SyncProducer:
         self._thread = threading.Thread(target=self._loop.run_forever, name="streamq", daemon=True)
         self._thread.start()
         self._producer = Producer(path, **options)
+        self._serves = options.get("serve", True)
         try:
             self._call(self._producer.start())
         except BaseException:
@@ -174,7 +173,8 @@ class SyncProducer:
             raise
         finally:
             tx._closed = True
-        self._loop.call_soon_threadsafe(self._producer.wake)  # serve it now
+        if self._serves:
+            self._loop.call_soon_threadsafe(self._producer.wake)  # serve it now
 
     def publish(
         self,

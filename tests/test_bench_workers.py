@@ -1,7 +1,8 @@
 """The workers workload (bench/workers.py), tiny: two worker processes publish into one
 database through their own sqlite3 connections while ``streamq serve`` pushes to a
 consumer process; every committed order arrives once, seqs dense and in commit order.
-Also the synchronous path's three variants, and the checker against bad receipts.
+The same through an outbox, the transfer workload's relay and a real Kafka broker; the
+synchronous path's three variants; and the checker against bad receipts.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from bench import workers
+from bench.kafka.broker import KafkaBroker
 from bench.workers_programs import ORDERS_SCHEMA, RECEIVED_SCHEMA, SYNC_VARIANTS
 
 ORDERS = 400
@@ -61,6 +63,20 @@ def test_two_workers_every_order_received_once_in_commit_order(tmp_path: Path, r
     }
     assert run.latency[4] == ORDERS  # every timed order was timed once (warm-ups are not)
     assert run.commit_latency[4] == ORDERS
+
+
+@pytest.mark.timeout(120)
+def test_kafka_outbox_two_workers_every_order_received_once(tmp_path: Path) -> None:
+    try:
+        with KafkaBroker() as broker:
+            run = workers.run_once("kafka", tmp_path, 2, ORDERS, 0, broker, drain_timeout=DRAIN)
+    finally:
+        assert our_children() == []
+    assert run.refused == 0 and run.committed == ORDERS, run
+    with contextlib.closing(sqlite3.connect(tmp_path / "received.db")) as conn:
+        offsets = [row[0] for row in conn.execute("SELECT position FROM received ORDER BY rowid")]
+    assert offsets == list(range(ORDERS + 2))
+    assert run.check["anomalies"] == 0 and run.check["logged"] == ORDERS + 2, run.check
 
 
 @pytest.mark.timeout(60)

@@ -164,3 +164,14 @@ def test_a_path_that_cannot_be_a_database_is_named_and_leaks_nothing(
     reason = {"directory": "it is a directory", "missing directory": "no such directory"}
     assert reason.get(kind, "file is not a database") in result.stdout
     assert result.stderr == ""  # nothing printed after the loop closed
+
+
+async def test_a_consumer_database_that_cannot_be_opened_is_named(
+    producer_db: str, tmp_path: Path
+) -> None:
+    async with Producer(producer_db) as producer:
+        await producer.publish("orders", b"x")
+        consumer = Consumer(producer.address, "orders", db=str(tmp_path), name="c")
+        with pytest.raises(streamq.DatabaseOpenError, match="it is a directory"):
+            await consumer.start()
+        await producer.publish("orders", b"the producer goes on")
