@@ -616,16 +616,6 @@ class Producer:
             if stream_id in by_id:
                 by_id[stream_id].epochs.add(first_seq, epoch)
 
-    async def _load_new_epochs(self, row: store.StreamRow) -> Stream:
-        """The stream of ``row`` (added if new) with the epoch rows other processes wrote."""
-        known = self.log.streams.get(row.name)
-        after = known.epochs.last_first_seq if known is not None else 0
-        rows = await store.load_epochs(self._conn, row.id, after)
-        stream = self.log.streams.get(row.name) or self.log.add(row)
-        for _, first_seq, epoch in rows:
-            stream.epochs.add(first_seq, epoch)
-        return stream
-
     def head(self, stream: str) -> int:
         """The last committed seq of ``stream`` (0 if none yet)."""
         return self.log.stream(stream).head
@@ -705,7 +695,9 @@ class Producer:
 
     async def _load_registrations(self) -> None:
         """Registrations in the database, which other processes may change (the CLI)."""
-        rows = await store.load_consumers(self._conn)
+        self._apply_registrations(await store.load_consumers(self._conn))
+
+    def _apply_registrations(self, rows: list[store.ConsumerRow]) -> None:
         stored = {(row.consumer, row.stream) for row in rows}
         for position in self.positions.all():
             if position.registered and (position.consumer, position.stream) not in stored:
@@ -899,15 +891,22 @@ class Producer:
 
     async def _catch_up(self, version: int) -> None:
         """Load what other writers committed up to ``version`` (the caller holds the lock):
-        heads, lows, epochs, the database's epoch, registrations. Their records are
-        served from SQLite; this producer's next seqs continue after theirs."""
-        self.epoch = await store.current_epoch(self._conn)
-        await self._load_registrations()
-        for row in await store.load_streams(self._conn):
-            stream = self.log.streams.get(row.name)
-            if stream is None or row.head > stream.head:
-                # Their epoch rows first: subscribers woken next send epochs.
-                stream = await self._load_new_epochs(row)
+        heads, lows, epochs, the database's epoch, registrations, read in one thread hop.
+        Their records are served from SQLite; this producer's next seqs continue after theirs."""
+        known = {s.id: (s.head, s.epochs.last_first_seq) for s in self.log.streams.values()}
+        changes = await run_on_thread(
+            self._conn, store.read_changes, raw_connection(self._conn), known
+        )
+        self.epoch = changes.epoch
+        self._apply_registrations(changes.consumers)
+        new_epochs: dict[int, list[tuple[int, int]]] = {}
+        for stream_id, first_seq, epoch in changes.epoch_rows:
+            new_epochs.setdefault(stream_id, []).append((first_seq, epoch))
+        for row in changes.streams:
+            stream = self.log.streams.get(row.name) or self.log.add(row)
+            # Their epoch rows first: subscribers woken next send epochs.
+            for first_seq, epoch in new_epochs.get(row.id, ()):
+                stream.epochs.add(first_seq, epoch)
             stream.low = max(stream.low, row.low)
             stream.max_ts = row.max_ts
             if row.compacted > stream.compacted:  # its tail may hold removed records

@@ -44,6 +44,7 @@ import os
 import sqlite3
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -342,13 +343,48 @@ def _migrate_from_1(cursor: Any) -> None:
 
 
 async def load_streams(conn: aiosqlite.Connection) -> list[StreamRow]:
-    rows = await conn.execute_fetchall(STREAMS_QUERY)
+    return _stream_rows(await conn.execute_fetchall(STREAMS_QUERY))
+
+
+def _stream_rows(rows: Iterable[Any]) -> list[StreamRow]:
     return [
         StreamRow(
             stream_id, name, head, low, StreamSettings(bool(k), bool(c), bool(n)), max_ts, compacted
         )
         for stream_id, name, low, head, k, c, n, compacted, max_ts in rows
     ]
+
+
+@dataclass(frozen=True, slots=True)
+class Changes:
+    """What other writers committed, as the serving producer catches up with it."""
+
+    epoch: int  # the database's epoch now
+    streams: list[StreamRow]
+    consumers: list[ConsumerRow]
+    epoch_rows: list[tuple[int, int, int]]  # (stream id, first seq, epoch), new ones only
+
+
+def read_changes(conn: sqlite3.Connection, known: dict[int, tuple[int, int]]) -> Changes:
+    """Everything a catch-up needs, read on the connection's thread in one go: streams,
+    registrations, the epoch, and the epoch rows after ``known`` ({stream id: (head, last
+    first seq)}) of the streams that grew or are new."""
+    epoch = int(conn.execute(META_EPOCH_QUERY).fetchone()[0])
+    streams = _stream_rows(conn.execute(STREAMS_QUERY))
+    consumers = [
+        ConsumerRow(str(c), str(s), int(a))
+        for c, s, a in conn.execute("SELECT consumer, stream, applied FROM streamq_consumers")
+    ]
+    epoch_rows: list[tuple[int, int, int]] = []
+    for row in streams:
+        head, after = known.get(row.id, (-1, 0))
+        if row.head > head:
+            epoch_rows += conn.execute(
+                "SELECT stream_id, first_seq, epoch FROM streamq_epochs "
+                "WHERE stream_id = ? AND first_seq > ? ORDER BY first_seq",
+                (row.id, after),
+            )
+    return Changes(epoch, streams, consumers, epoch_rows)
 
 
 async def load_epochs(
@@ -366,12 +402,6 @@ async def load_epochs(
             (stream_id, after),
         )
     return [(int(s), int(f), int(e)) for s, f, e in rows]
-
-
-async def current_epoch(conn: aiosqlite.Connection) -> int:
-    """The database's epoch now: the last one a writer made (see ``initialize``)."""
-    rows = await conn.execute_fetchall(META_EPOCH_QUERY)
-    return int(next(iter(rows))[0])
 
 
 async def data_version(conn: aiosqlite.Connection) -> int:

@@ -23,6 +23,8 @@ def run_recipe(
     workers: int,
     kills: int,
     env: dict[str, str] | None = None,
+    audit: str = "tests.recipes.audit",
+    audit_setup: Sequence[str] = (),
 ) -> harness.Figures:
     """Deploy (log tables, the app's tables, sidecar, consumer, gunicorn), send ``ORDERS``
     orders while killing workers, and check the stream end to end."""
@@ -30,8 +32,12 @@ def run_recipe(
     harness.create_log_tables(orders_db)
     with harness.deployed(tmp_path, harness.recipe_env(orders_db, **(env or {}))) as processes:
         processes.run("setup", sys.executable, *setup)
+        if audit_setup:
+            processes.run(
+                "audit-setup", sys.executable, *audit_setup, env={"ORDERS_DB": str(audit_db)}
+            )
         address = harness.start_sidecar(processes, orders_db)
-        harness.start_audit(processes, address, audit_db)
+        harness.start_audit(processes, address, audit_db, audit)
         gunicorn = harness.Gunicorn(processes, app, workers, orders_db)
         load = harness.send_orders(gunicorn, ORDERS, threads=2 * workers, kills=kills, timeout=40)
         figures = harness.check_exactly_once(gunicorn, orders_db, audit_db, address, load)
@@ -64,5 +70,7 @@ def test_django_orm_under_gunicorn_publishes_each_order_once(
         workers=3,
         kills=3,
         env={"DJANGO_SETTINGS_MODULE": "tests.recipes.django_shop.settings"},
+        audit="tests.recipes.django_shop.audit",  # the consumer writes through the ORM too
+        audit_setup=["-m", "django", "migrate", "--run-syncdb", "--verbosity", "0"],
     )
     figures(str(result))

@@ -88,17 +88,25 @@ class Processes:
         self.directory, self.env = directory, env
         self.started: list[Process] = []
 
-    def start(self, name: str, *argv: str) -> Process:
-        process = Process(name, argv, self.directory / f"{name}.log", self.env)
+    def start(self, name: str, *argv: str, env: dict[str, str] | None = None) -> Process:
+        """``argv`` running until ``close``; ``env``: variables set for this one."""
+        process = Process(name, argv, self.directory / f"{name}.log", {**self.env, **(env or {})})
         self.started.append(process)
         return process
 
-    def run(self, name: str, *argv: str, timeout: float = 60) -> None:
+    def run(
+        self, name: str, *argv: str, timeout: float = 60, env: dict[str, str] | None = None
+    ) -> None:
         """A setup step run to its end (a migration): it must succeed."""
         log = self.directory / f"{name}.log"
         with log.open("wb") as out:
             done = subprocess.run(
-                argv, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout
+                argv,
+                cwd=ROOT,
+                env={**self.env, **(env or {})},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                timeout=timeout,
             )
         assert done.returncode == 0, f"{name} failed:\n{log.read_text(errors='replace')}"
 
@@ -136,8 +144,11 @@ def start_sidecar(processes: Processes, orders_db: Path) -> str:
     return sidecar.wait_for_line(r"serving producer \S+ \(epoch \d+\) on (\S+)", 20).group(1)
 
 
-def start_audit(processes: Processes, address: str, audit_db: Path) -> None:
-    processes.start("audit", sys.executable, "-m", "tests.recipes.audit", address, str(audit_db))
+def start_audit(processes: Processes, address: str, audit_db: Path, module: str) -> None:
+    """The consumer ``module`` (``tests.recipes.audit``, or the Django one, whose database
+    is Django's: ``ORDERS_DB`` is the audit database for that process)."""
+    env = {"ORDERS_DB": str(audit_db)}
+    processes.start("audit", sys.executable, "-m", module, address, str(audit_db), env=env)
 
 
 # --- gunicorn -------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The business table; the log tables beside it are streamq's (made by ``Producer`` once)."""
+"""The shop's table (the log tables beside it are streamq's, made by ``streamq init``),
+and the audit service's, in its own database."""
 
 from __future__ import annotations
 
@@ -11,3 +12,15 @@ class Order(models.Model):
 
     class Meta:
         db_table = "orders"
+
+
+class AuditEntry(models.Model):
+    """An order as the audit consumer applied it; no unique index on purpose: an order
+    applied twice would show as two rows."""
+
+    seq = models.BigIntegerField()
+    order_id = models.BigIntegerField()
+    item = models.TextField()
+
+    class Meta:
+        db_table = "audit"
