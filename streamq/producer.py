@@ -6,7 +6,9 @@ next seq at once and buffers the record, and the records reach ``streamq_log``
 in one ``executemany`` at commit (or every ``flush_records`` for very large
 transactions). Only after COMMIT returns are the records handed to the
 ``Log``, which wakes the subscribers: a rolled-back transaction publishes
-nothing, and seqs stay dense because transactions never overlap.
+nothing, and seqs stay dense because transactions never overlap: SQLite has one
+writer at a time, and each transaction, holding the write lock from BEGIN IMMEDIATE,
+first catches up with what other connections committed (``_begin``).
 """
 
 from __future__ import annotations
@@ -325,8 +327,11 @@ class Producer:
     """A service's own stream producer: its SQLite database, and a server pushing from it.
 
     ``async with Producer("orders.db") as producer`` opens (or creates) the
-    database and starts serving; ``producer.address`` says where.
-    Set ``serve=False`` to write without serving (e.g. a batch job).
+    database and starts serving; ``producer.address`` says where. One process serves a
+    database (a second gets ``AlreadyServedError``); any number write into it, with
+    ``serve=False`` (a worker, a batch job) or ``streamq.publish`` on their own connection.
+    The serving one notices their commits when the WAL is written (Linux), checking every
+    ``watch_interval`` seconds besides (default 1 s; 50 ms without inotify).
 
     ``retention_ms`` / ``retention_bytes`` cap every stream (``set_retention`` per
     stream); retention runs every ``retention_interval`` seconds and on
