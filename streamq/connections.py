@@ -6,68 +6,167 @@ connection says in its own way whether a transaction is open; this module asks i
 refuses one that has none (``NotInTransactionError``): a record written in autocommit
 mode would commit alone, apart from the business writes it belongs with.
 
-Supported: ``sqlite3.Connection``; SQLAlchemy's ``Connection`` and ``Session`` (a
-transaction is begun as SQLAlchemy's own autobegin would); Django's ``connection``
-inside ``transaction.atomic()``; and, for ``*_async``, ``aiosqlite.Connection`` and
-SQLAlchemy's ``AsyncConnection`` and ``AsyncSession``. SQLAlchemy and Django are never
-imported here: objects are recognised by their module, so neither is a dependency.
+Supported: ``sqlite3.Connection``; psycopg 3's ``Connection`` (PostgreSQL); SQLAlchemy's
+``Connection`` and ``Session`` on either (a transaction is begun as SQLAlchemy's own
+autobegin would); Django's ``connection`` inside ``transaction.atomic()``; and, for
+``*_async``, ``aiosqlite.Connection``, psycopg's ``AsyncConnection`` and SQLAlchemy's
+``AsyncConnection`` and ``AsyncSession``. On PostgreSQL only publishing and
+``create_tables`` exist so far: ``resolve`` (``save_position``) refuses it by name.
+SQLAlchemy, Django and psycopg are never imported before such an object is passed:
+objects are recognised by their module, so none of them is a dependency.
 """
 
 from __future__ import annotations
 
 import sqlite3
 from collections.abc import Callable
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
 
 from .blocking import run_on_thread
 from .errors import NotInTransactionError, UnsupportedConnectionError
 
 T = TypeVar("T")
+Engine = Literal["sqlite", "postgresql"]
 
 _SUPPORTED = (
-    "a sqlite3.Connection, a SQLAlchemy Connection or Session, or Django's "
-    "django.db.connection (streamq.publish); an aiosqlite.Connection or a SQLAlchemy "
-    "AsyncConnection or AsyncSession (streamq.publish_async)"
+    "a sqlite3.Connection, a psycopg (3) Connection, a SQLAlchemy Connection or Session, or "
+    "Django's django.db.connection (streamq.publish); an aiosqlite.Connection, a psycopg "
+    "AsyncConnection or a SQLAlchemy AsyncConnection or AsyncSession (streamq.publish_async)"
 )
 
 
-def resolve(conn: Any) -> Any:
-    """The DB-API connection to write through, checked to be in a transaction."""
+@dataclass(frozen=True, slots=True)
+class Resolved:
+    """The DB-API connection to write through, and which engine's SQL it speaks."""
+
+    engine: Engine
+    dbapi: Any
+
+
+def resolve_engine(conn: Any) -> Resolved:
+    """The DB-API connection to write through and its engine, checked to be in a
+    transaction."""
     if isinstance(conn, sqlite3.Connection):
-        return _checked_sqlite(conn, "the sqlite3 connection")
+        return Resolved("sqlite", _checked_sqlite(conn, "the sqlite3 connection"))
     module = type(conn).__module__
+    if _is_psycopg(conn) and not _is_psycopg_async(conn):
+        return Resolved("postgresql", _checked_psycopg(conn, "the psycopg connection"))
     if module.startswith("sqlalchemy."):
         return _sqlalchemy(conn)
     if module.startswith("django."):
         return _django(conn)
-    if module.startswith("aiosqlite") or _is_sqlalchemy_async(conn):
+    if module.startswith("aiosqlite") or _is_sqlalchemy_async(conn) or _is_psycopg_async(conn):
         raise UnsupportedConnectionError(
             f"{type(conn).__name__} is an asyncio connection: "
             "use 'await streamq.publish_async(conn, ...)'"
         )
-    raise UnsupportedConnectionError(
-        f"cannot publish through a {type(conn).__module__}.{type(conn).__qualname__}: "
-        f"pass {_SUPPORTED}"
-    )
+    raise _unsupported(conn)
+
+
+def resolve(conn: Any) -> Any:
+    """The DB-API connection to a SQLite database to write through, checked to be in a
+    transaction: for what exists on SQLite only (``save_position``)."""
+    resolved = resolve_engine(conn)
+    if resolved.engine != "sqlite":
+        raise _sqlite_only(resolved.engine)
+    return resolved.dbapi
 
 
 async def resolve_async(conn: Any, fn: Callable[[Any], T]) -> T:
-    """Run ``fn(dbapi)`` with the DB-API connection under an asyncio connection, where
-    that connection runs its statements (aiosqlite's thread, SQLAlchemy's greenlet)."""
+    """Run ``fn(dbapi)`` with the DB-API connection under an asyncio connection to a
+    SQLite database, where that connection runs its statements (aiosqlite's thread,
+    SQLAlchemy's greenlet)."""
     module = type(conn).__module__
     if module.startswith("aiosqlite"):
         raw = conn._conn  # the sqlite3 connection, used only on aiosqlite's thread
         return await run_on_thread(conn, lambda: fn(_checked_sqlite(raw, "the connection")))
     if _is_sqlalchemy_async(conn):
         return await _sqlalchemy_async(conn, fn)
-    if isinstance(conn, sqlite3.Connection) or module.startswith(("sqlalchemy.", "django.")):
+    if _is_psycopg_async(conn):
+        raise _sqlite_only("postgresql")
+    _refuse_blocking(conn)
+    raise _unsupported(conn)
+
+
+async def resolve_postgres_async(conn: Any) -> Any | None:
+    """The psycopg ``AsyncConnection`` under ``conn``, checked to be in a transaction, or
+    None if ``conn`` is not an asyncio connection to PostgreSQL."""
+    if _is_psycopg_async(conn):
+        return _checked_psycopg(conn, "the psycopg connection")
+    if not _is_sqlalchemy_async(conn):
+        _refuse_blocking(conn)
+        return None
+    conn = await _sqlalchemy_async_connection(conn)
+    if conn.dialect.name != "postgresql":
+        return None
+    _check_sqlalchemy_dialect(conn.dialect.name, conn.dialect.driver, "psycopg")
+    driver: Any = (await conn.get_raw_connection()).driver_connection
+    return _checked_psycopg(driver, "SQLAlchemy's connection")
+
+
+def _refuse_blocking(conn: Any) -> None:
+    module = type(conn).__module__
+    if (
+        isinstance(conn, sqlite3.Connection)
+        or module.startswith(("sqlalchemy.", "django."))
+        or _is_psycopg(conn)
+    ):
         raise UnsupportedConnectionError(
             f"{type(conn).__name__} is a blocking connection: use 'streamq.publish(conn, ...)'"
         )
-    raise UnsupportedConnectionError(
-        f"cannot publish through a {type(conn).__module__}.{type(conn).__qualname__}: "
-        f"pass {_SUPPORTED}"
+
+
+def _unsupported(conn: Any) -> UnsupportedConnectionError:
+    module = type(conn).__module__
+    if module.split(".")[0] == "psycopg2":
+        return UnsupportedConnectionError(
+            "psycopg2 connections are not supported: streamq writes to PostgreSQL through "
+            "psycopg 3 ('pip install streamq[postgres]'; SQLAlchemy: 'postgresql+psycopg://')"
+        )
+    return UnsupportedConnectionError(
+        f"cannot publish through a {module}.{type(conn).__qualname__}: pass {_SUPPORTED}"
     )
+
+
+def _sqlite_only(engine: str) -> UnsupportedConnectionError:
+    return UnsupportedConnectionError(
+        f"this connection is to {engine}, where streamq supports only publish, publish_many, "
+        "publish_async and create_tables so far: save_position needs a SQLite database"
+    )
+
+
+def _is_psycopg(conn: Any) -> bool:
+    return type(conn).__module__.split(".")[0] == "psycopg"
+
+
+def _is_psycopg_async(conn: Any) -> bool:
+    if not _is_psycopg(conn):
+        return False
+    import psycopg
+
+    return isinstance(conn, psycopg.AsyncConnection)
+
+
+def _checked_psycopg(conn: Any, what: str) -> Any:
+    """A psycopg ``Connection`` or ``AsyncConnection`` in a transaction, or about to open
+    one: without autocommit, psycopg begins one before the first statement, ours
+    included, as it would before the application's."""
+    if not _is_psycopg(conn):  # psycopg2 under Django, say
+        raise _unsupported(conn)
+    import psycopg
+    from psycopg.pq import TransactionStatus
+
+    if not isinstance(conn, psycopg.Connection | psycopg.AsyncConnection):
+        raise _unsupported(conn)
+    status = conn.info.transaction_status
+    if conn.autocommit and status == TransactionStatus.IDLE:
+        raise NotInTransactionError(
+            f"{what} is in autocommit mode with no transaction open: publish inside "
+            "'with conn.transaction():' (or without autocommit), so the record commits "
+            "with the application's writes"
+        )
+    return conn
 
 
 def _checked_sqlite(conn: sqlite3.Connection, what: str) -> sqlite3.Connection:
@@ -86,7 +185,7 @@ def _is_sqlalchemy_async(conn: Any) -> bool:
     return type(conn).__module__.startswith("sqlalchemy.ext.asyncio")
 
 
-def _sqlalchemy(conn: Any) -> Any:
+def _sqlalchemy(conn: Any) -> Resolved:
     """A SQLAlchemy ``Session`` or ``Connection``: its DB-API connection, in a transaction."""
     from sqlalchemy.engine import Connection
     from sqlalchemy.orm import Session
@@ -98,16 +197,18 @@ def _sqlalchemy(conn: Any) -> Any:
             f"cannot publish through a SQLAlchemy {type(conn).__name__}: pass a "
             "Connection or a Session (engine.begin(), Session.begin())"
         )
-    _check_sqlalchemy_dialect(conn.dialect.name)
+    engine = _check_sqlalchemy_dialect(conn.dialect.name, conn.dialect.driver, "psycopg")
     if not conn.in_transaction():
         conn.begin()  # what SQLAlchemy's autobegin does at the first statement
     dbapi: Any = conn.connection.dbapi_connection
-    return _checked_sqlite(dbapi, "SQLAlchemy's connection")
+    if engine == "postgresql":
+        return Resolved(engine, _checked_psycopg(dbapi, "SQLAlchemy's connection"))
+    return Resolved(engine, _checked_sqlite(dbapi, "SQLAlchemy's connection"))
 
 
-async def _sqlalchemy_async(conn: Any, fn: Callable[[Any], T]) -> T:
-    """A SQLAlchemy ``AsyncSession`` or ``AsyncConnection`` on aiosqlite: ``fn`` runs on
-    aiosqlite's thread, where its sqlite3 connection may be used."""
+async def _sqlalchemy_async_connection(conn: Any) -> Any:
+    """A SQLAlchemy ``AsyncSession`` or ``AsyncConnection``: its ``AsyncConnection``, in a
+    transaction."""
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
     if isinstance(conn, AsyncSession):
@@ -117,9 +218,17 @@ async def _sqlalchemy_async(conn: Any, fn: Callable[[Any], T]) -> T:
             f"cannot publish through a SQLAlchemy {type(conn).__name__}: pass an "
             "AsyncConnection or an AsyncSession"
         )
-    _check_sqlalchemy_dialect(conn.dialect.name)
     if not conn.in_transaction():
         await conn.begin()
+    return conn
+
+
+async def _sqlalchemy_async(conn: Any, fn: Callable[[Any], T]) -> T:
+    """A SQLAlchemy ``AsyncSession`` or ``AsyncConnection`` on aiosqlite: ``fn`` runs on
+    aiosqlite's thread, where its sqlite3 connection may be used."""
+    conn = await _sqlalchemy_async_connection(conn)
+    if _check_sqlalchemy_dialect(conn.dialect.name, conn.dialect.driver, "psycopg") != "sqlite":
+        raise _sqlite_only(conn.dialect.name)
     driver: Any = (await conn.get_raw_connection()).driver_connection
     if type(driver).__module__.split(".")[0] != "aiosqlite":
         raise UnsupportedConnectionError(
@@ -130,23 +239,34 @@ async def _sqlalchemy_async(conn: Any, fn: Callable[[Any], T]) -> T:
     return await run_on_thread(driver, lambda: fn(_checked_sqlite(raw, "SQLAlchemy's connection")))
 
 
-def _check_sqlalchemy_dialect(name: str) -> None:
-    if name != "sqlite":
+def _check_sqlalchemy_dialect(name: str, driver: str, postgres_driver: str) -> Engine:
+    """The engine of a SQLAlchemy dialect, or an error naming what streamq writes to."""
+    if name == "sqlite":
+        return "sqlite"
+    if name == "postgresql" and driver == postgres_driver:
+        return "postgresql"
+    if name == "postgresql":
         raise UnsupportedConnectionError(
-            f"streamq publishes into SQLite databases; this SQLAlchemy connection is {name}"
+            f"this SQLAlchemy connection is postgresql+{driver}: streamq writes to PostgreSQL "
+            f"through psycopg 3 ('postgresql+{postgres_driver}://')"
         )
+    raise UnsupportedConnectionError(
+        f"streamq publishes into SQLite and PostgreSQL databases; this SQLAlchemy "
+        f"connection is {name}"
+    )
 
 
-def _django(conn: Any) -> Any:
+def _django(conn: Any) -> Resolved:
     """Django's ``connection`` (or ``connections[alias]``) inside ``transaction.atomic()``."""
     vendor = getattr(conn, "vendor", None)
     if vendor is None:
         raise UnsupportedConnectionError(
             f"cannot publish through a Django {type(conn).__name__}: pass django.db.connection"
         )
-    if vendor != "sqlite":
+    if vendor not in ("sqlite", "postgresql"):
         raise UnsupportedConnectionError(
-            f"streamq publishes into SQLite databases; Django's connection is {vendor}"
+            f"streamq publishes into SQLite and PostgreSQL databases; Django's connection "
+            f"is {vendor}"
         )
     if conn.get_autocommit():
         raise NotInTransactionError(
@@ -154,4 +274,6 @@ def _django(conn: Any) -> Any:
             "'with transaction.atomic():', so the record commits with the ORM's writes"
         )
     conn.ensure_connection()
-    return _checked_sqlite(conn.connection, "Django's connection")
+    if vendor == "postgresql":
+        return Resolved("postgresql", _checked_psycopg(conn.connection, "Django's connection"))
+    return Resolved("sqlite", _checked_sqlite(conn.connection, "Django's connection"))

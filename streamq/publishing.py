@@ -3,9 +3,11 @@
 ``streamq.publish(conn, "orders", b"...")`` appends a record to the producer database
 that ``conn`` is connected to, in the transaction ``conn`` has open: it commits with the
 application's writes, and a rollback publishes nothing. ``conn`` is whatever the
-application holds (``connections.resolve``): a ``sqlite3.Connection``, a SQLAlchemy
-``Connection`` or ``Session``, Django's ``connection``; ``publish_async`` takes
-aiosqlite and SQLAlchemy's asyncio ones.
+application holds (``connections.resolve_engine``): a ``sqlite3.Connection``, a psycopg
+``Connection``, a SQLAlchemy ``Connection`` or ``Session``, Django's ``connection``;
+``publish_async`` takes aiosqlite, psycopg's and SQLAlchemy's asyncio ones. SQLite
+databases are appended to here; PostgreSQL ones by ``engines.postgres``, whose docstring
+says how it keeps seqs dense and in commit order with a per-stream lock.
 
 Nothing is cached between calls: each publish takes the database's write lock, then
 reads the stream's committed head under it (``store.APPEND_STATE_QUERY``). That is what
@@ -25,10 +27,17 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from . import store
-from .connections import resolve, resolve_async
-from .errors import RecordTooLargeError, SchemaMissingError
-from .protocol import DEFAULT_MAX_FRAME_SIZE, FRAME_OVERHEAD, encode_record
-from .records import CheckedRecord, check_stream_name, checked_record, values_only
+from .connections import resolve_async, resolve_engine, resolve_postgres_async
+from .engines import postgres
+from .errors import SchemaMissingError
+from .protocol import DEFAULT_MAX_FRAME_SIZE, FRAME_OVERHEAD
+from .records import (
+    CheckedRecord,
+    check_stream_name,
+    checked_record,
+    encode_checked,
+    values_only,
+)
 
 DEFAULT_MAX_RECORD_SIZE = DEFAULT_MAX_FRAME_SIZE - FRAME_OVERHEAD
 
@@ -49,13 +58,23 @@ def publish(
     tables (``streamq init DB``, or any ``Producer`` started on it once).
     """
     checked = checked_record(value, key, headers, timestamp)
-    return append(resolve(conn), check_stream_name(stream), [checked])[0]
+    return _append(conn, check_stream_name(stream), [checked])[0]
 
 
 def publish_many(conn: Any, stream: str, values: Iterable[bytes]) -> range:
     """Append one record per value (no key, no headers) in ``conn``'s open transaction;
     returns their seqs."""
-    return seq_range(append(resolve(conn), check_stream_name(stream), values_only(values)))
+    return seq_range(_append(conn, check_stream_name(stream), values_only(values)))
+
+
+def _append(conn: Any, stream: str, records: Sequence[CheckedRecord]) -> list[int]:
+    """``append`` on the engine ``conn`` is connected to."""
+    resolved = resolve_engine(conn)
+    if resolved.engine == "postgresql":
+        return postgres.append(
+            resolved.dbapi, stream, records, max_record_size=DEFAULT_MAX_RECORD_SIZE
+        )
+    return append(resolved.dbapi, stream, records)
 
 
 def seq_range(seqs: list[int]) -> range:
@@ -72,19 +91,30 @@ async def publish_async(
     headers: Mapping[str, bytes] | None = None,
     timestamp: int | None = None,
 ) -> int:
-    """``publish`` for asyncio connections: aiosqlite, SQLAlchemy's ``AsyncConnection``
-    and ``AsyncSession``. The same statements, run where the connection runs them."""
+    """``publish`` for asyncio connections: aiosqlite, psycopg's ``AsyncConnection``,
+    SQLAlchemy's ``AsyncConnection`` and ``AsyncSession``. The same statements, run where
+    the connection runs them."""
     checked = checked_record(value, key, headers, timestamp)
     name = check_stream_name(stream)
-    seqs: list[int] = await resolve_async(conn, lambda dbapi: append(dbapi, name, [checked]))
+    pg = await resolve_postgres_async(conn)
+    if pg is not None:
+        seqs = await postgres.append_async(
+            pg, name, [checked], max_record_size=DEFAULT_MAX_RECORD_SIZE
+        )
+    else:
+        seqs = await resolve_async(conn, lambda dbapi: append(dbapi, name, [checked]))
     return seqs[0]
 
 
 def create_tables(conn: Any) -> None:
     """Create the log tables (or migrate older ones) in ``conn``'s open transaction: for
     a schema migration, e.g. Django's ``RunPython`` with ``schema_editor.connection``, or
-    Alembic's ``op.get_bind()``. ``streamq init DB`` does the same from the shell."""
-    store.create_schema(resolve(conn))
+    Alembic's ``op.get_bind()``. ``streamq init DB`` does the same from the shell (SQLite)."""
+    resolved = resolve_engine(conn)
+    if resolved.engine == "postgresql":
+        postgres.create_schema(resolved.dbapi)
+    else:
+        store.create_schema(resolved.dbapi)
 
 
 def append(
@@ -120,15 +150,10 @@ def append(
             stream_id, key_index, head = cursor.lastrowid, 0, 0
         rows, times = [], []
         seqs = list(range(head + 1, head + 1 + len(records)))
-        for seq, (value, key, headers, ts) in zip(seqs, records, strict=True):
-            record = encode_record(seq, ts, key, value, headers)
-            if len(record) > max_record_size:
-                raise RecordTooLargeError(
-                    f"record of {len(record)} bytes exceeds the limit of {max_record_size} "
-                    "(max_frame_size minus framing)"
-                )
-            if seq > store.MAX_STORED_SEQ:
-                raise OverflowError(f"stream {stream!r} has reached the last seq")
+        if seqs and seqs[-1] > store.MAX_STORED_SEQ:
+            raise OverflowError(f"stream {stream!r} has reached the last seq")
+        encoded = encode_checked(seqs, records, max_record_size)
+        for seq, (_, key, _, ts), record in zip(seqs, records, encoded, strict=True):
             position = store.pos(stream_id, seq)
             rows.append((position, ts, record, key if key_index else None))
             if max_ts is None or ts > max_ts:  # "streamq_time" in store.py

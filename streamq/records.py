@@ -5,8 +5,11 @@ written."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
+
+from .errors import RecordTooLargeError
+from .protocol import encode_record
 
 _MAX_STREAM_NAME = 255
 
@@ -68,3 +71,20 @@ def values_only(values: Iterable[Any]) -> list[CheckedRecord]:
     """``publish_many``'s records: each value alone, no key or headers, one timestamp."""
     ts = checked_timestamp(None)
     return [(as_bytes(value, "value"), None, {}, ts) for value in values]
+
+
+def encode_checked(
+    seqs: Sequence[int], records: Sequence[CheckedRecord], max_record_size: int
+) -> list[bytes]:
+    """Each record's wire encoding under its seq; ``RecordTooLargeError`` for one that
+    cannot fit in a frame (raised before anything is written)."""
+    encoded = []
+    for seq, (value, key, headers, ts) in zip(seqs, records, strict=True):
+        record = encode_record(seq, ts, key, value, headers)
+        if len(record) > max_record_size:
+            raise RecordTooLargeError(
+                f"record of {len(record)} bytes exceeds the limit of {max_record_size} "
+                "(max_frame_size minus framing)"
+            )
+        encoded.append(record)
+    return encoded

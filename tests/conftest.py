@@ -1,4 +1,5 @@
-"""Shared fixtures: real SQLite files in a temporary folder, real loopback sockets.
+"""Shared fixtures: real SQLite files in a temporary folder, real loopback sockets, a real
+PostgreSQL server (``tests/pgserver.py``) with a fresh database per test.
 
 Every async test runs twice, on asyncio's default loop and on uvloop.
 """
@@ -6,12 +7,15 @@ Every async test runs twice, on asyncio's default loop and on uvloop.
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 import uvloop
+
+from .pgserver import PostgresMissingError, PostgresServer
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -31,6 +35,33 @@ def spark() -> Iterator[SparkSession]:
     session = local_spark("streamq-tests")
     yield session
     session.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PostgresServer]:
+    """One throwaway PostgreSQL server for the session, removed afterwards. Missing
+    binaries fail the tests that need it, with how to install them: never a skip."""
+    try:
+        server = PostgresServer()
+    except PostgresMissingError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+_DATABASES = itertools.count(1)
+
+
+@pytest.fixture
+def pg_url(postgres: PostgresServer) -> Iterator[str]:
+    """A fresh, empty database on the session's server, as a postgresql:// URL."""
+    name = f"test_{next(_DATABASES)}"
+    url = postgres.create_database(name)
+    yield url
+    postgres.drop_database(name)
 
 
 @pytest.fixture

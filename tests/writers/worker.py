@@ -69,19 +69,26 @@ def main() -> None:
         "--pause", type=float, default=0.0, help="seconds between transactions, as requests come"
     )
     args = parser.parse_args()
-    commit, close = committer(args.db, args.via, args.name)
+    run(*committer(args.db, args.via, args.name), args.transactions, args.pause)
+
+
+def run(
+    commit: Callable[[int], None], close: Callable[[], None], transactions: int, pause: float = 0
+) -> None:
+    """Say READY, wait for the word on stdin, commit ``transactions`` orders, say DONE with
+    how many committed and how many were refused."""
     print("READY", flush=True)
     sys.stdin.readline()  # all start together, when told to: their transactions overlap
     committed = refused = 0
     try:
-        for n in range(args.transactions):
+        for n in range(transactions):
             try:
                 commit(n)
                 committed += 1
             except Exception as exc:  # counted: the figure the test checks
                 refused += 1
                 print(f"refused: {exc!r}", flush=True)
-            time.sleep(args.pause)
+            time.sleep(pause)
     finally:
         close()
     print(f"DONE committed={committed} refused={refused}", flush=True)

@@ -1,0 +1,1 @@
+"""One module per database engine: the SQL that differs."""

@@ -1,0 +1,71 @@
+"""A worker process committing orders into PostgreSQL, each with its record, starting when
+told to on stdin; then prints how many it committed and how many were refused
+(``tests/test_pg_publish.py``).
+
+``--via``: ``psycopg`` (a plain psycopg connection: the transaction begins at the first
+statement), ``autocommit`` (an autocommit connection inside ``conn.transaction()``) or
+``sqlalchemy`` (a SQLAlchemy Session on ``postgresql+psycopg://``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import psycopg
+
+import streamq
+
+from .worker import run
+
+INSERT = "INSERT INTO orders (worker, n) VALUES (%s, %s)"
+
+
+def committer(url: str, via: str, name: str) -> tuple[Callable[[int], None], Callable[[], None]]:
+    """A function committing order ``n`` with its record, and one closing what it opened."""
+    value = name.encode() + b":%d"
+    if via == "sqlalchemy":
+        from sqlalchemy import create_engine, text
+        from sqlalchemy.orm import Session
+
+        engine = create_engine(url.replace("postgresql://", "postgresql+psycopg://"))
+
+        def commit_session(n: int) -> None:
+            with Session(engine) as session, session.begin():
+                session.execute(
+                    text("INSERT INTO orders (worker, n) VALUES (:w, :n)"), {"w": name, "n": n}
+                )
+                streamq.publish(session, "orders", value % n, key=name.encode())
+
+        return commit_session, engine.dispose
+    conn = psycopg.connect(url, autocommit=via == "autocommit")
+
+    def commit(n: int) -> None:
+        if via == "autocommit":
+            with conn.transaction():
+                conn.execute(INSERT, (name, n))
+                streamq.publish(conn, "orders", value % n, key=name.encode())
+            return
+        try:
+            conn.execute(INSERT, (name, n))
+            streamq.publish(conn, "orders", value % n, key=name.encode())
+            conn.commit()
+        except BaseException:
+            conn.rollback()
+            raise
+
+    return commit, conn.close
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("url")
+    parser.add_argument("name")
+    parser.add_argument("--via", choices=["psycopg", "autocommit", "sqlalchemy"])
+    parser.add_argument("--transactions", type=int, default=300)
+    args = parser.parse_args()
+    run(*committer(args.url, args.via, args.name), args.transactions)
+
+
+if __name__ == "__main__":
+    main()
