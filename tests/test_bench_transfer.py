@@ -7,7 +7,6 @@ itself sees lost, doubled and wrong credits.
 from __future__ import annotations
 
 import contextlib
-import os
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,8 @@ from bench.transfer_programs import (
     PRODUCER_SCHEMA,
 )
 
+from .children import running_children
+
 TRANSFERS = 1500
 KILLS = 3
 RATE = 750  # transfers/s: the kills land while transfers flow
@@ -30,19 +31,7 @@ RATE = 750  # transfers/s: the kills land while transfers flow
 
 def our_programs() -> list[int]:
     """Pids of this process's children still running a transfer program."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        ppid = int(stat.rpartition(")")[2].split()[1])
-        if ppid == os.getpid() and b"transfer_programs" in cmdline:
-            pids.append(int(entry.name))
-    return pids
+    return [pid for pid, cmdline in running_children().items() if "transfer_programs" in cmdline]
 
 
 def assert_exactly_once(result: dict[str, Any]) -> None:

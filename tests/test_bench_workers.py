@@ -8,7 +8,6 @@ synchronous path's three variants; and the checker against bad receipts.
 from __future__ import annotations
 
 import contextlib
-import os
 import sqlite3
 from pathlib import Path
 
@@ -18,24 +17,15 @@ from bench import workers
 from bench.kafka.broker import KafkaBroker
 from bench.workers_programs import ORDERS_SCHEMA, RECEIVED_SCHEMA, SYNC_VARIANTS
 
+from .children import running_children
+
 ORDERS = 400
 DRAIN = 10.0  # s for the consumer to receive the last commit; then the check names what is missing
 
 
 def our_children() -> list[str]:
     """Command lines of this process's children still running."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if int(stat.rpartition(")")[2].split()[1]) == os.getpid():
-            found.append(cmdline.replace(b"\0", b" ").decode(errors="replace"))
-    return found
+    return list(running_children().values())
 
 
 @pytest.mark.timeout(60)
