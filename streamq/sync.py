@@ -21,10 +21,11 @@ from . import store
 from ._loop import loop_factory
 from .blocking import BlockingSQL
 from .compaction import Compacted
+from .engines.sqlite import append
 from .positions import ConsumerLag
 from .producer import Producer
 from .protocol import Record
-from .publishing import append, seq_range
+from .publishing import seq_range
 from .records import CheckedRecord, check_stream_name, checked_record, values_only
 from .retention import Truncation
 
