@@ -24,7 +24,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .connections import resolve, resolve_async
+from .blocking import run_on_thread
+from .connections import resolve, resolve_engine_async, sqlite_only
 from .consumer import Batch
 from .errors import OutOfOrderBatchError, SchemaMissingError
 
@@ -35,7 +36,7 @@ _ADVANCE = (
 _FIRST = (
     "INSERT INTO streamq_positions "
     "(consumer, producer_id, stream, seq, epoch, endpoint, updated_at) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (consumer, producer_id, stream) DO NOTHING"
+    "VALUES (?, ?, ?, ?, ?, ?, ?)"
 )
 _STORED = "SELECT seq FROM streamq_positions WHERE consumer = ? AND producer_id = ? AND stream = ?"
 
@@ -49,7 +50,10 @@ def save_position(conn: Any, batch: Batch) -> None:
 
 async def save_position_async(conn: Any, batch: Batch) -> None:
     """``save_position`` for aiosqlite and SQLAlchemy's asyncio connections and sessions."""
-    await resolve_async(conn, lambda dbapi: _advance(dbapi, batch))
+    resolved = await resolve_engine_async(conn)
+    if resolved.engine != "sqlite":
+        raise sqlite_only(resolved.engine)
+    await run_on_thread(resolved.dbapi, _advance, resolved.dbapi._conn, batch)
 
 
 def _advance(dbapi: Any, batch: Batch) -> None:
@@ -73,19 +77,13 @@ def _advance(dbapi: Any, batch: Batch) -> None:
             raise
         if cursor.rowcount == 1:
             return
-        cursor.execute(_FIRST, (*key, batch.last_seq, batch.epoch, batch.endpoint, now))
-        if cursor.rowcount == 1 and batch.after == batch.origin:
+        # Holding the write lock since the UPDATE: what is stored cannot change meanwhile.
+        cursor.execute(_STORED, key)
+        row = cursor.fetchone()
+        stored = None if row is None else row[0]
+        if stored is None and batch.after == batch.origin:  # the consumer's first batch
+            cursor.execute(_FIRST, (*key, batch.last_seq, batch.epoch, batch.endpoint, now))
             return
-        if cursor.rowcount == 1:  # nothing stored, yet the batch follows a seq: undo
-            cursor.execute(
-                "DELETE FROM streamq_positions WHERE consumer = ? AND producer_id = ? "
-                "AND stream = ?",
-                key,
-            )
-            stored = None
-        else:
-            cursor.execute(_STORED, key)
-            stored = cursor.fetchone()[0]
     finally:
         cursor.close()
     where = "nothing" if stored is None else f"up to seq {stored}"

@@ -19,14 +19,11 @@ objects are recognised by their module, so none of them is a dependency.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
-from .blocking import run_on_thread
 from .errors import NotInTransactionError, UnsupportedConnectionError
 
-T = TypeVar("T")
 Engine = Literal["sqlite", "postgresql"]
 
 _SUPPORTED = (
@@ -69,40 +66,38 @@ def resolve(conn: Any) -> Any:
     transaction: for what exists on SQLite only (``save_position``)."""
     resolved = resolve_engine(conn)
     if resolved.engine != "sqlite":
-        raise _sqlite_only(resolved.engine)
+        raise sqlite_only(resolved.engine)
     return resolved.dbapi
 
 
-async def resolve_async(conn: Any, fn: Callable[[Any], T]) -> T:
-    """Run ``fn(dbapi)`` with the DB-API connection under an asyncio connection to a
-    SQLite database, where that connection runs its statements (aiosqlite's thread,
-    SQLAlchemy's greenlet)."""
-    module = type(conn).__module__
-    if module.startswith("aiosqlite"):
-        raw = conn._conn  # the sqlite3 connection, used only on aiosqlite's thread
-        return await run_on_thread(conn, lambda: fn(_checked_sqlite(raw, "the connection")))
-    if _is_sqlalchemy_async(conn):
-        return await _sqlalchemy_async(conn, fn)
+async def resolve_engine_async(conn: Any) -> Resolved:
+    """``resolve_engine`` for asyncio connections: a psycopg ``AsyncConnection`` on
+    PostgreSQL; on SQLite the ``aiosqlite.Connection``, whose thread runs the SQL."""
+    if type(conn).__module__.startswith("aiosqlite"):
+        return Resolved("sqlite", _checked_aiosqlite(conn, "the connection"))
     if _is_psycopg_async(conn):
-        raise _sqlite_only("postgresql")
-    _refuse_blocking(conn)
-    raise _unsupported(conn)
-
-
-async def resolve_postgres_async(conn: Any) -> Any | None:
-    """The psycopg ``AsyncConnection`` under ``conn``, checked to be in a transaction, or
-    None if ``conn`` is not an asyncio connection to PostgreSQL."""
-    if _is_psycopg_async(conn):
-        return _checked_psycopg(conn, "the psycopg connection")
+        return Resolved("postgresql", _checked_psycopg(conn, "the psycopg connection"))
     if not _is_sqlalchemy_async(conn):
         _refuse_blocking(conn)
-        return None
+        raise _unsupported(conn)
     conn = await _sqlalchemy_async_connection(conn)
-    if conn.dialect.name != "postgresql":
-        return None
-    _check_sqlalchemy_dialect(conn.dialect.name, conn.dialect.driver, "psycopg")
+    engine = _check_sqlalchemy_dialect(conn.dialect.name, conn.dialect.driver)
     driver: Any = (await conn.get_raw_connection()).driver_connection
-    return _checked_psycopg(driver, "SQLAlchemy's connection")
+    if engine == "postgresql":
+        return Resolved(engine, _checked_psycopg(driver, "SQLAlchemy's connection"))
+    if type(driver).__module__.split(".")[0] != "aiosqlite":
+        raise UnsupportedConnectionError(
+            f"SQLAlchemy's asyncio SQLite driver here is {type(driver).__module__}: "
+            "streamq.publish_async runs on 'sqlite+aiosqlite://'"
+        )
+    return Resolved(engine, _checked_aiosqlite(driver, "SQLAlchemy's connection"))
+
+
+def _checked_aiosqlite(conn: Any, what: str) -> Any:
+    """An aiosqlite connection whose sqlite3 connection is in a transaction (or will open
+    one). Read from this thread: the application awaits its statements, so none runs."""
+    _checked_sqlite(conn._conn, what)
+    return conn
 
 
 def _refuse_blocking(conn: Any) -> None:
@@ -129,7 +124,7 @@ def _unsupported(conn: Any) -> UnsupportedConnectionError:
     )
 
 
-def _sqlite_only(engine: str) -> UnsupportedConnectionError:
+def sqlite_only(engine: str) -> UnsupportedConnectionError:
     return UnsupportedConnectionError(
         f"this connection is to {engine}, where streamq supports only publish, publish_many, "
         "publish_async and create_tables so far: save_position needs a SQLite database"
@@ -197,7 +192,7 @@ def _sqlalchemy(conn: Any) -> Resolved:
             f"cannot publish through a SQLAlchemy {type(conn).__name__}: pass a "
             "Connection or a Session (engine.begin(), Session.begin())"
         )
-    engine = _check_sqlalchemy_dialect(conn.dialect.name, conn.dialect.driver, "psycopg")
+    engine = _check_sqlalchemy_dialect(conn.dialect.name, conn.dialect.driver)
     if not conn.in_transaction():
         conn.begin()  # what SQLAlchemy's autobegin does at the first statement
     dbapi: Any = conn.connection.dbapi_connection
@@ -223,32 +218,16 @@ async def _sqlalchemy_async_connection(conn: Any) -> Any:
     return conn
 
 
-async def _sqlalchemy_async(conn: Any, fn: Callable[[Any], T]) -> T:
-    """A SQLAlchemy ``AsyncSession`` or ``AsyncConnection`` on aiosqlite: ``fn`` runs on
-    aiosqlite's thread, where its sqlite3 connection may be used."""
-    conn = await _sqlalchemy_async_connection(conn)
-    if _check_sqlalchemy_dialect(conn.dialect.name, conn.dialect.driver, "psycopg") != "sqlite":
-        raise _sqlite_only(conn.dialect.name)
-    driver: Any = (await conn.get_raw_connection()).driver_connection
-    if type(driver).__module__.split(".")[0] != "aiosqlite":
-        raise UnsupportedConnectionError(
-            f"SQLAlchemy's asyncio SQLite driver here is {type(driver).__module__}: "
-            "streamq.publish_async runs on 'sqlite+aiosqlite://'"
-        )
-    raw = driver._conn
-    return await run_on_thread(driver, lambda: fn(_checked_sqlite(raw, "SQLAlchemy's connection")))
-
-
-def _check_sqlalchemy_dialect(name: str, driver: str, postgres_driver: str) -> Engine:
+def _check_sqlalchemy_dialect(name: str, driver: str) -> Engine:
     """The engine of a SQLAlchemy dialect, or an error naming what streamq writes to."""
     if name == "sqlite":
         return "sqlite"
-    if name == "postgresql" and driver == postgres_driver:
+    if name == "postgresql" and driver == "psycopg":
         return "postgresql"
     if name == "postgresql":
         raise UnsupportedConnectionError(
             f"this SQLAlchemy connection is postgresql+{driver}: streamq writes to PostgreSQL "
-            f"through psycopg 3 ('postgresql+{postgres_driver}://')"
+            "through psycopg 3 ('postgresql+psycopg://')"
         )
     raise UnsupportedConnectionError(
         f"streamq publishes into SQLite and PostgreSQL databases; this SQLAlchemy "

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from .connections import resolve_async, resolve_engine, resolve_postgres_async
+from .connections import resolve_engine, resolve_engine_async
 from .engines import postgres, sqlite
 from .engines.sqlite import DEFAULT_MAX_RECORD_SIZE
 from .records import (
@@ -84,13 +84,11 @@ async def publish_async(
     the connection runs them."""
     checked = checked_record(value, key, headers, timestamp)
     name = check_stream_name(stream)
-    pg = await resolve_postgres_async(conn)
-    if pg is not None:
-        seqs = await postgres.append_async(
-            pg, name, [checked], max_record_size=DEFAULT_MAX_RECORD_SIZE
-        )
-    else:
-        seqs = await resolve_async(conn, lambda dbapi: sqlite.append(dbapi, name, [checked]))
+    resolved = await resolve_engine_async(conn)
+    engine = ENGINES[resolved.engine]
+    seqs: list[int] = await engine.append_async(
+        resolved.dbapi, name, [checked], max_record_size=DEFAULT_MAX_RECORD_SIZE
+    )
     return seqs[0]
 
 

@@ -387,20 +387,11 @@ def read_changes(conn: sqlite3.Connection, known: dict[int, tuple[int, int]]) ->
     return Changes(epoch, streams, consumers, epoch_rows)
 
 
-async def load_epochs(
-    conn: aiosqlite.Connection, stream_id: int | None = None, after: int = 0
-) -> list[tuple[int, int, int]]:
-    """(stream id, first seq, epoch) rows in seq order: every stream's, or one stream's
-    rows with first seq > ``after``."""
-    if stream_id is None:
-        sql = "SELECT stream_id, first_seq, epoch FROM streamq_epochs ORDER BY stream_id, first_seq"
-        rows = await conn.execute_fetchall(sql)
-    else:
-        rows = await conn.execute_fetchall(
-            "SELECT stream_id, first_seq, epoch FROM streamq_epochs "
-            "WHERE stream_id = ? AND first_seq > ? ORDER BY first_seq",
-            (stream_id, after),
-        )
+async def load_epochs(conn: aiosqlite.Connection) -> list[tuple[int, int, int]]:
+    """Every (stream id, first seq, epoch) row, in seq order per stream."""
+    rows = await conn.execute_fetchall(
+        "SELECT stream_id, first_seq, epoch FROM streamq_epochs ORDER BY stream_id, first_seq"
+    )
     return [(int(s), int(f), int(e)) for s, f, e in rows]
 
 

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .. import store
+from ..blocking import run_on_thread
 from ..errors import SchemaMissingError
 from ..protocol import DEFAULT_MAX_FRAME_SIZE, FRAME_OVERHEAD
 from ..records import CheckedRecord, encode_checked
@@ -78,6 +79,20 @@ def append(
         return seqs
     finally:
         cursor.close()
+
+
+async def append_async(
+    conn: Any,
+    stream: str,
+    records: Sequence[CheckedRecord],
+    *,
+    max_record_size: int = DEFAULT_MAX_RECORD_SIZE,
+) -> list[int]:
+    """``append`` through an aiosqlite connection, on its thread (one hop)."""
+    seqs: list[int] = await run_on_thread(
+        conn, lambda: append(conn._conn, stream, records, max_record_size=max_record_size)
+    )
+    return seqs
 
 
 def _database_file(dbapi: Any) -> str:
