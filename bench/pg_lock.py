@@ -1,4 +1,4 @@
-"""What the per-stream lock of the PostgreSQL engine costs (``streamq/engines/postgres.py``).
+"""What the per-stream lock of the PostgreSQL engine costs (``streamq/engines/postgres/``).
 
 Writer processes commit transactions of one business row plus either a
 ``streamq.publish`` into one stream (which holds the stream's row lock until the commit,

@@ -1,7 +1,7 @@
 """``streamq.publish`` into PostgreSQL through the application's own psycopg connection,
 SQLAlchemy session or asyncio connection, against a real server (``tests/pgserver.py``):
 the record commits or rolls back with the business row, and concurrent writers from
-many processes get dense seqs in commit order (``streamq/engines/postgres.py``)."""
+many processes get dense seqs in commit order (``streamq/engines/postgres/``)."""
 
 from __future__ import annotations
 

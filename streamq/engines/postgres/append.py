@@ -50,8 +50,8 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import SchemaMissingError, UnsupportedConnectionError
-from ..records import CheckedRecord, encode_checked
+from ...errors import SchemaMissingError, UnsupportedConnectionError
+from ...records import CheckedRecord, encode_checked
 
 SCHEMA_VERSION = 1  # of the PostgreSQL tables (SQLite's have their own, store.SCHEMA_VERSION)
 MAX_SEQ = (1 << 63) - 1

@@ -19,11 +19,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .. import store
-from ..blocking import run_on_thread
-from ..errors import SchemaMissingError
-from ..protocol import DEFAULT_MAX_FRAME_SIZE, FRAME_OVERHEAD
-from ..records import CheckedRecord, encode_checked
+from ... import store
+from ...blocking import run_on_thread
+from ...errors import SchemaMissingError
+from ...protocol import DEFAULT_MAX_FRAME_SIZE, FRAME_OVERHEAD
+from ...records import CheckedRecord, encode_checked
 
 DEFAULT_MAX_RECORD_SIZE = DEFAULT_MAX_FRAME_SIZE - FRAME_OVERHEAD
 create_schema = store.create_schema
