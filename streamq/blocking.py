@@ -79,31 +79,34 @@ class _Scoped:
 
 
 class AsyncSQL(_Scoped):
-    """The application's statements inside a transaction, each awaited (one thread hop)."""
+    """The application's statements inside a transaction, each awaited (one thread hop
+    on SQLite, one round trip on PostgreSQL). ``conn`` is an aiosqlite connection or a
+    storage writer: anything with awaitable ``execute`` and ``executemany``."""
 
-    def __init__(self, conn: aiosqlite.Connection) -> None:
+    def __init__(self, conn: Any) -> None:
         self._conn = conn
 
-    async def execute(self, sql: str, parameters: Iterable[Any] = ()) -> aiosqlite.Cursor:
-        """Run the application's SQL inside this transaction."""
+    async def execute(self, sql: str, parameters: Iterable[Any] = ()) -> Any:
+        """Run the application's SQL inside this transaction; the driver's cursor."""
         self._check_open()
         return await self._conn.execute(sql, parameters)
 
-    async def executemany(self, sql: str, parameters: Iterable[Iterable[Any]]) -> aiosqlite.Cursor:
+    async def executemany(self, sql: str, parameters: Iterable[Iterable[Any]]) -> Any:
         self._check_open()
         return await self._conn.executemany(sql, parameters)
 
 
 class BlockingSQL(_Scoped):
-    """The application's statements inside a transaction that runs on the writer's thread."""
+    """The application's statements inside a transaction that runs on one thread.
+    ``conn`` is a DB-API connection or a blocking storage writer."""
 
-    def __init__(self, conn: sqlite3.Connection) -> None:
+    def __init__(self, conn: Any) -> None:
         self._conn = conn
 
-    def execute(self, sql: str, parameters: Sequence[Any] = ()) -> sqlite3.Cursor:
+    def execute(self, sql: str, parameters: Sequence[Any] = ()) -> Any:
         self._check_open()
         return self._conn.execute(sql, parameters)
 
-    def executemany(self, sql: str, parameters: Iterable[Sequence[Any]]) -> sqlite3.Cursor:
+    def executemany(self, sql: str, parameters: Iterable[Sequence[Any]]) -> Any:
         self._check_open()
         return self._conn.executemany(sql, parameters)

@@ -18,15 +18,17 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from . import _loop, store
+from . import _loop
 from .client import Client
 from .consumer import Consumer, parse_address
+from .engines import open_storage
 from .errors import StreamQError
 from .log import Log
 from .producer import Producer
 from .protocol import Record, decode_record
 from .security import ClientTLS, ServerTLS, TokenAuth, make_token, read_secret
 from .server import ServerSettings
+from .storage import is_postgres_url
 
 DEFAULT_PORT = 7400
 TOKEN_ENV = "STREAMQ_TOKEN"
@@ -115,17 +117,20 @@ In Python: compaction (create_stream(compact=True)), wait_applied, FanInConsumer
 """
 
 
+DATABASE_HELP = "the producer's database: a SQLite file, or a postgresql:// URL"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="streamq",
-        description="Producer-owned streams: the log lives in the producer's SQLite database.",
+        description="Producer-owned streams: the log lives in the producer's own database.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=_EPILOG,
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = commands.add_parser("serve", help="serve a producer database to consumers")
-    serve.add_argument("db", help="the producer's SQLite database")
+    serve.add_argument("db", help=DATABASE_HELP)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
     serve.add_argument(
@@ -168,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="create the log tables in a database (the application publishes into it "
         "with streamq.publish)",
     )
-    init.add_argument("db", help="the producer's SQLite database (created if missing)")
+    init.add_argument("db", help=DATABASE_HELP + " (a SQLite file is created if missing)")
     init.add_argument(
         "--stream",
         action="append",
@@ -179,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     publish = commands.add_parser("publish", help="publish records in one transaction")
-    publish.add_argument("db", help="the producer's SQLite database (created if missing)")
+    publish.add_argument("db", help=DATABASE_HELP + " (a SQLite file is created if missing)")
     publish.add_argument("stream")
     publish.add_argument("values", nargs="*", help="record values; none: one per stdin line")
     publish.add_argument("--key", help="key for every record")
@@ -249,11 +254,11 @@ def build_parser() -> argparse.ArgumentParser:
     actions = consumers.add_subparsers(dest="action", required=True, metavar="ACTION")
     for action, text in (("add", "register a consumer"), ("remove", "remove a registration")):
         parser_for = actions.add_parser(action, help=text)
-        parser_for.add_argument("db", help="the producer's SQLite database")
+        parser_for.add_argument("db", help=DATABASE_HELP)
         parser_for.add_argument("consumer", help="the consumer's name (Spark: consumerName)")
         parser_for.add_argument("stream")
     listing = actions.add_parser("list", help="registered consumers, their position and lag")
-    listing.add_argument("db", help="the producer's SQLite database")
+    listing.add_argument("db", help=DATABASE_HELP)
     listing.add_argument("--json", action="store_true", help="one JSON object per consumer")
 
     demo = commands.add_parser(
@@ -304,8 +309,12 @@ def _client_security(args: argparse.Namespace) -> dict[str, Any]:
     return {"tls": tls, "token": token}
 
 
+def _exists(db: str) -> bool:
+    return is_postgres_url(db) or os.path.exists(db)
+
+
 async def _serve(args: argparse.Namespace) -> None:
-    if not args.create and not os.path.exists(args.db):
+    if not args.create and not _exists(args.db):
         raise SystemExit(f"streamq serve: {args.db} does not exist (use --create to make it)")
     settings = _server_settings(args)
     async with Producer(
@@ -405,23 +414,23 @@ def _token(args: argparse.Namespace) -> None:
 
 async def _history_from_file(path: str, stream: str, key: bytes, start: int) -> list[Record]:
     """Read a producer's database directly, read-only: no producer needs to run."""
-    log = Log(path, tail_bytes=0, readers=1)
+    storage = open_storage(path)
+    log = Log(storage, tail_bytes=0)
     try:
-        conn = await store.open_reader(path)
-        try:
-            rows = await store.load_streams(conn)
-        finally:
-            await conn.close()
-        await log.open(rows)
+        await storage.open_readers(1)
+        async with storage.reader() as reader:
+            rows = await reader.streams()
+        for row in rows:
+            log.add(row)
         encoded = await log.full_history(log.stream(stream), key, start)
     finally:
-        await log.close()
+        await storage.close()
     return [decode_record(record) for record in encoded]
 
 
 def _history(args: argparse.Namespace) -> None:
     key = args.key.encode()
-    if os.path.exists(args.source):
+    if _exists(args.source):
         records = _loop.run(_history_from_file(args.source, args.stream, key, args.start))
     else:
         try:
@@ -478,7 +487,7 @@ def _status(args: argparse.Namespace) -> None:
 
 
 async def _consumers(args: argparse.Namespace) -> None:
-    if not os.path.exists(args.db):
+    if not _exists(args.db):
         raise SystemExit(f"streamq consumers: {args.db} does not exist")
     async with Producer(args.db, serve=False) as producer:
         if args.action == "add":
@@ -502,6 +511,14 @@ async def _consumers(args: argparse.Namespace) -> None:
             for p in registered:
                 table.add_row(p.consumer, p.stream, str(p.applied), str(p.head), str(p.lag))
             Console().print(table)
+
+
+def _database_errors() -> tuple[type[Exception], ...]:
+    """The drivers' errors, reported as one line like streamq's own."""
+    errors: list[type[Exception]] = [sqlite3.Error]
+    if "psycopg" in sys.modules:
+        errors.append(sys.modules["psycopg"].Error)
+    return tuple(errors)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -532,7 +549,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .demo import consumer_main
 
             _loop.run(consumer_main(args.address, args.db))
-    except (StreamQError, OSError, sqlite3.Error) as exc:
+    except Exception as exc:
+        if not isinstance(exc, (StreamQError, OSError, *_database_errors())):
+            raise
         print(f"streamq {args.command}: {exc}", file=sys.stderr)
         return 1
     return 0

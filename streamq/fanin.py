@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import aiosqlite
 
 from .consumer import Batch, Consumer, ConsumerTransaction, open_database
-from .store import Durability
+from .storage import Durability
 
 T = TypeVar("T")
 

@@ -3,8 +3,8 @@
 The producer calls ``Log.committed`` after each COMMIT; subscribers and range
 requests call ``Log.read`` and ``Log.wait``. Recently committed records stay in
 memory (``TailBuffer``), so consumers that keep up are served without touching
-SQLite; anyone further behind reads from the database through a small pool of
-read-only connections.
+the database; anyone further behind reads from it through the storage's small pool
+of read-only connections (``storage.Reader``).
 """
 
 from __future__ import annotations
@@ -12,14 +12,12 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import aiosqlite
-
-from . import store
 from .errors import OffsetOutOfRangeError, UnknownStreamError
 from .protocol import record_key
+from .storage import Storage, StreamRow, StreamSettings
 
 
 def take(records: Sequence[bytes], max_records: int, max_bytes: int) -> Sequence[bytes]:
@@ -102,10 +100,16 @@ class Epochs:
         self._epochs: list[int] = []
 
     def add(self, first_seq: int, epoch: int) -> None:
-        """Seqs from ``first_seq`` on were appended by ``epoch`` (rows come in seq order)."""
+        """Seqs from ``first_seq`` on were appended by ``epoch``. Rows come in seq order,
+        but for another process's, learnt after this producer's own (PostgreSQL)."""
         if not self._firsts or first_seq > self._firsts[-1]:
             self._firsts.append(first_seq)
             self._epochs.append(epoch)
+            return
+        i = bisect.bisect_left(self._firsts, first_seq)
+        if self._firsts[i] != first_seq:
+            self._firsts.insert(i, first_seq)
+            self._epochs.insert(i, epoch)
 
     @property
     def last_epoch(self) -> int | None:
@@ -156,7 +160,7 @@ class Stream:
     head: int
     low: int
     tail: TailBuffer
-    settings: store.StreamSettings = field(default_factory=store.StreamSettings)
+    settings: StreamSettings = field(default_factory=StreamSettings)
     max_ts: int | None = None  # largest timestamp committed so far (the time index's top)
     compacted: int = 0  # compaction ran up to this seq: seqs from low to it may be absent
     epochs: Epochs = field(default_factory=Epochs)
@@ -181,33 +185,17 @@ class Stream:
 
 
 class Log:
-    """In-memory view of every stream, and reads served from memory or SQLite."""
+    """In-memory view of every stream, and reads served from memory or the database."""
 
-    def __init__(self, path: str, *, tail_bytes: int, readers: int = 2) -> None:
-        self.path = path
+    def __init__(self, storage: Storage, *, tail_bytes: int) -> None:
+        self.storage = storage  # its readers serve what the tail no longer holds
         self.tail_bytes = tail_bytes
         self.streams: dict[str, Stream] = {}
-        self._reader_count = readers
-        self._readers: asyncio.Queue[aiosqlite.Connection] = asyncio.Queue()
-        self._all_readers: list[aiosqlite.Connection] = []
         # Recent records' mean size: how many rows one SQLite read should fetch to fill
         # a frame without reading far more than it can send.
         self._avg_record_size = 1024
 
-    async def open(self, rows: list[store.StreamRow]) -> None:
-        for _ in range(self._reader_count):
-            conn = await store.open_reader(self.path)
-            self._all_readers.append(conn)  # closed by close(), even if a later open fails
-            self._readers.put_nowait(conn)
-        for row in rows:
-            self.add(row)
-
-    async def close(self) -> None:
-        for conn in self._all_readers:
-            await conn.close()
-        self._all_readers.clear()
-
-    def add(self, row: store.StreamRow) -> Stream:
+    def add(self, row: StreamRow) -> Stream:
         stream = Stream(
             row.id,
             row.name,
@@ -257,14 +245,6 @@ class Log:
                 {"stream": stream.name, "requested": seq, "low": stream.low, "head": stream.head},
             )
 
-    @contextlib.asynccontextmanager
-    async def _reader(self) -> AsyncIterator[aiosqlite.Connection]:
-        conn = await self._readers.get()
-        try:
-            yield conn
-        finally:
-            self._readers.put_nowait(conn)
-
     async def read(
         self, stream: Stream, seq: int, end: int, max_records: int, max_bytes: int
     ) -> tuple[Sequence[bytes], int]:
@@ -281,14 +261,14 @@ class Log:
         if records is not None:
             return records, seq + len(records) - 1
         limit = max(1, min(max_records, max_bytes // max(1, self._avg_record_size)))
-        async with self._reader() as conn:
-            rows = await store.read_records(conn, stream.id, seq, end, limit)
+        async with self.storage.reader() as reader:
+            rows = await reader.read_records(stream.id, seq, end, limit)
             first = rows[0][0] if rows else end
             low, compacted = stream.low, stream.compacted
             if first != seq and first - 1 > compacted:
                 # Another process may have compacted (or truncated) before this one's watch
                 # noticed: the database says which.
-                low, compacted = await store.low_and_compacted(conn, stream.id)
+                low, compacted = await reader.low_and_compacted(stream.id)
         # Retention raises ``low`` before it commits (Producer.truncate): seqs it deleted
         # while this read ran are reported as lost, never taken for a compaction gap.
         self.check_available(stream, seq)
@@ -315,13 +295,13 @@ class Log:
         seq = max(seq, stream.low)
         if seq >= end:
             return (), end
-        async with self._reader() as conn:
+        async with self.storage.reader() as reader:
             if stream.settings.key_index:
-                rows = await store.read_key_records(conn, stream.id, key, seq, end, max_records)
+                rows = await reader.read_key_records(stream.id, key, seq, end, max_records)
                 scanned_to = rows[-1][0] if len(rows) == max_records else end - 1
             else:
                 limit = max(1, max_bytes // max(1, self._avg_record_size))
-                rows = await store.read_records(conn, stream.id, seq, end, limit)
+                rows = await reader.read_records(stream.id, seq, end, limit)
                 scanned_to = rows[-1][0] if len(rows) == limit else end - 1
                 rows = [(s, record) for s, record in rows if record_key(record) == key]
         records = take([record for _, record in rows], max_records, max_bytes)
@@ -340,8 +320,8 @@ class Log:
 
     async def seek_time(self, stream: Stream, timestamp: int) -> int:
         """The first seq held whose timestamp is >= ``timestamp``; ``head + 1`` if none."""
-        async with self._reader() as conn:
-            seq = await store.seek_time(conn, stream.id, timestamp)
+        async with self.storage.reader() as reader:
+            seq = await reader.seek_time(stream.id, timestamp)
         if seq is None:
             return stream.head + 1
         return min(max(seq, stream.low), stream.head + 1)

@@ -1,14 +1,15 @@
-"""The producer: business writes and publishes in one SQLite transaction, served over TCP.
+"""The producer: business writes and publishes in one database transaction, served over TCP.
 
-A ``Producer`` owns one writer connection to its database. Each transaction
-holds it from BEGIN IMMEDIATE to COMMIT; ``Transaction.publish`` assigns the
-next seq at once and buffers the record, and the records reach ``streamq_log``
-in one ``executemany`` at commit (or every ``flush_records`` for very large
-transactions). Only after COMMIT returns are the records handed to the
-``Log``, which wakes the subscribers: a rolled-back transaction publishes
-nothing, and seqs stay dense because transactions never overlap: SQLite has one
-writer at a time, and each transaction, holding the write lock from BEGIN IMMEDIATE,
-first catches up with what other connections committed (``_begin``).
+A ``Producer`` owns its database (``storage.Storage``: a SQLite file or a PostgreSQL
+database) and its one writer connection. ``Transaction.publish`` assigns the next seq at
+once and buffers the record; the records reach ``streamq_log`` in one insert at commit
+(or every ``flush_records`` for very large transactions). Only after COMMIT returns are
+the records handed to the ``Log``, which wakes the subscribers: a rolled-back
+transaction publishes nothing. Seqs are dense and in commit order because appenders to
+a stream never overlap: on SQLite, one writer at a time, each catching up at BEGIN with
+what other connections committed (``_begin``); on PostgreSQL, a lock on the stream's
+row from its first append in the transaction to the commit, its head read under it
+(``storage.Features``).
 """
 
 from __future__ import annotations
@@ -18,35 +19,35 @@ import contextlib
 import functools
 import inspect
 import logging
-import sqlite3
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from types import TracebackType
 from typing import Any, TypeVar
 
-import aiosqlite
-
-from . import store
-from .blocking import (
-    AsyncSQL,
-    BlockingSQL,
-    in_transaction,
-    raw_connection,
-    run_on_thread,
-    to_the_end,
-)
+from .blocking import AsyncSQL, BlockingSQL, to_the_end
 from .compaction import NOTIFICATION_SUFFIX, Compacted, superseded
-from .errors import ConcurrentWriterError, RecordTooLargeError
+from .engines import open_storage
+from .errors import RecordTooLargeError, UnsupportedConnectionError
 from .log import RECORD_OVERHEAD, Log, Stream
 from .metrics import MetricsServer
 from .positions import ConsumerLag, Positions
 from .protocol import FRAME_OVERHEAD, Record, decode_record, encode_record
 from .records import as_bytes, check_stream_name, checked_record, checked_timestamp
 from .retention import Retention, RetentionPolicy, Truncation
-from .servelock import ServeLock
 from .server import Server, ServerSettings
-from .store import Durability
-from .walwatch import WalWatch
+from .storage import (
+    AppendState,
+    BlockingWriter,
+    ConsumerRow,
+    Durability,
+    EpochRow,
+    LogRow,
+    StreamRow,
+    StreamSettings,
+    TimeRow,
+    Watch,
+    Writer,
+)
 
 logger = logging.getLogger("streamq.producer")
 
@@ -59,6 +60,10 @@ _COMPACTION_WINDOW = 100_000
 # Told what compaction removed from a stream, once the deletion has committed.
 OnCompacted = Callable[[str, list[Compacted]], Awaitable[None] | None]
 
+# Read-only connections serving consumers behind the in-memory tail, history and seeks.
+_READERS = 2
+MAX_SEQ = (1 << 40) - 1  # the largest seq either engine stores (SQLite packs it in 40 bits)
+
 
 class _Pending:
     """A transaction's records: seqs assigned at publish, rows awaiting their INSERT, and
@@ -66,43 +71,33 @@ class _Pending:
 
     def __init__(self, producer: Producer) -> None:
         self._producer = producer
-        self.rows: list[tuple[int, int, bytes, bytes | None]] = []  # not yet inserted
-        self.times: list[tuple[int, int, int]] = []  # streamq_time rows not yet inserted
+        self.rows: list[LogRow] = []  # not yet inserted
+        self.times: list[TimeRow] = []  # streamq_time rows not yet inserted
+        self.ids: dict[str, int] = {}  # stream name -> id, for the streams appended to
         self.heads: dict[str, int] = {}  # stream name -> last seq published here
         self.max_ts: dict[str, int | None] = {}  # stream name -> largest timestamp so far
-        self.settings: dict[str, store.StreamSettings] = {}  # stream name -> its settings
-        self.new_streams: dict[str, int] = {}  # stream name -> id, created here
+        self.settings: dict[str, StreamSettings] = {}  # stream name -> its settings
+        self.new_streams: set[str] = set()  # created by this transaction
         self.kept: dict[str, list[bytes] | None] = {}  # for the tail; None once too big
         self._kept_bytes: dict[str, int] = {}
-        # stream name -> (id, first seq) where this transaction starts a segment of this
-        # producer's epoch (see store.py, streamq_epochs), if it appends to that stream
-        self._segments: dict[str, tuple[int, int]] = {}
+        # stream name -> the streamq_epochs row of the segment this transaction starts in
+        # it, if the database's epoch is not that of the stream's last segment
+        self._segments: dict[str, EpochRow] = {}
 
-    def stream_id(self, stream: str) -> int | None:
-        """The stream's id, or None when it does not exist yet (the caller creates it)."""
-        if stream in self.new_streams:
-            return self.new_streams[stream]
-        existing = self._producer.log.streams.get(stream)
-        return None if existing is None else existing.id
-
-    def created(self, stream: str, stream_id: int, settings: store.StreamSettings) -> None:
-        self.new_streams[stream] = stream_id
-        self.heads[stream] = 0
-        self.max_ts[stream] = None
-        self.settings[stream] = settings
-        self._segments[stream] = (stream_id, 1)
+    def start(self, stream: str, state: AppendState) -> int:
+        """The stream, as found holding its lock: the next seqs follow its head."""
+        self.ids[stream] = state.id
+        self.heads[stream] = state.head
+        self.max_ts[stream] = state.max_ts
+        self.settings[stream] = state.settings
+        if state.created:
+            self.new_streams.add(stream)
+        if state.last_epoch != state.epoch:
+            self._segments[stream] = (state.id, state.head + 1, state.epoch)
+        return state.id
 
     def next_seq(self, stream: str) -> int:
-        head = self.heads.get(stream)
-        if head is None:
-            existing = self._producer.log.streams[stream]
-            head = self.heads[stream] = existing.head
-            self.max_ts[stream] = existing.max_ts
-            self.settings[stream] = existing.settings
-            if existing.epochs.last_epoch != self._producer.epoch:
-                # The database's epoch changed since the stream's last record: a new segment.
-                self._segments[stream] = (existing.id, head + 1)
-        return head + 1
+        return self.heads[stream] + 1
 
     def append(
         self,
@@ -121,14 +116,15 @@ class _Pending:
                 f"record of {len(record)} bytes exceeds the limit of "
                 f"{self._producer.max_record_size} (max_frame_size minus framing)"
             )
-        if seq > store.MAX_STORED_SEQ:
+        if seq > MAX_SEQ:
             raise OverflowError(f"stream {stream!r} has reached the last seq")
-        position = store.pos(stream_id, seq)
-        self.rows.append((position, ts, record, key if self.settings[stream].key_index else None))
+        self.rows.append(
+            (stream_id, seq, ts, record, key if self.settings[stream].key_index else None)
+        )
         max_ts = self.max_ts[stream]
-        if max_ts is None or ts > max_ts:  # "streamq_time" in store: a new largest timestamp
+        if max_ts is None or ts > max_ts:  # "streamq_time": a new largest timestamp
             self.max_ts[stream] = ts
-            self.times.append((stream_id, ts, position))
+            self.times.append((stream_id, ts, seq))
         self.heads[stream] = seq
         kept = self.kept.setdefault(stream, [])
         if kept is not None:
@@ -145,14 +141,9 @@ class _Pending:
         """Enough rows buffered to insert them now (bounds a huge transaction's memory)."""
         return len(self.rows) >= self._producer.flush_records
 
-    def segment_rows(self) -> dict[str, tuple[int, int, int]]:
+    def segment_rows(self) -> dict[str, EpochRow]:
         """The streamq_epochs rows this transaction adds: one per segment it appended to."""
-        epoch = self._producer.epoch
-        return {
-            name: (stream_id, first, epoch)
-            for name, (stream_id, first) in self._segments.items()
-            if self.heads[name] >= first
-        }
+        return {name: row for name, row in self._segments.items() if self.heads[name] >= row[1]}
 
     def append_many(self, stream: str, stream_id: int, values: Iterable[bytes]) -> Iterator[None]:
         """``append`` each value (no key, no headers, one timestamp); yields whenever
@@ -163,30 +154,28 @@ class _Pending:
             if self.full:
                 yield
 
-    def take_inserts(self, closing: bool = False) -> list[tuple[str, list[Any]]]:
-        """The INSERTs due now: the buffered log and time-index rows and, when ``closing``
+    def take_inserts(
+        self, closing: bool = False
+    ) -> tuple[list[LogRow], list[TimeRow], list[EpochRow]]:
+        """The rows due now: the buffered log and time-index rows and, when ``closing``
         (just before COMMIT), the epoch rows of the segments this transaction started."""
-        inserts: list[tuple[str, list[Any]]] = []
-        if self.rows:
-            inserts += [(store.INSERT_RECORDS, self.rows), (store.INSERT_TIMES, self.times)]
-            self.rows, self.times = [], []
-        if closing and (segments := list(self.segment_rows().values())):
-            inserts.append((store.INSERT_EPOCHS, segments))
-        return inserts
-
-
-_CONCURRENT_WRITER = "another process appended to this producer's log during the transaction"
+        rows, times = self.rows, self.times
+        self.rows, self.times = [], []
+        epochs = list(self.segment_rows().values()) if closing else []
+        return rows, times, epochs
 
 
 class Transaction(AsyncSQL):
-    """One SQLite transaction on the producer's database.
+    """One transaction on the producer's database.
 
-    Use ``execute`` for the application's own SQL and ``publish`` for records;
-    both commit together or not at all. Valid only inside its ``async with``.
+    Use ``execute`` for the application's own SQL (its database's placeholders: ``?`` on
+    SQLite, ``%s`` on PostgreSQL) and ``publish`` for records; both commit together or
+    not at all. Valid only inside its ``async with``.
     """
 
     def __init__(self, producer: Producer) -> None:
-        super().__init__(producer._conn)
+        super().__init__(producer._writer)
+        self._producer = producer
         self._pending = _Pending(producer)
         self.committed = False  # set once COMMIT returned, even to a cancelled caller
 
@@ -217,28 +206,23 @@ class Transaction(AsyncSQL):
             await self._flush()
         return range(first, self._pending.next_seq(stream))
 
-    async def _stream_id(self, stream: str, settings: store.StreamSettings | None = None) -> int:
-        """The stream's id, creating the stream (with ``settings``) if it is new."""
-        stream_id = self._pending.stream_id(stream)
+    async def _stream_id(self, stream: str, settings: StreamSettings | None = None) -> int:
+        """The stream's id, taking its lock at its first append here, and creating it
+        (with ``settings``) if it is new."""
+        stream_id = self._pending.ids.get(stream)
         if stream_id is None:
-            check_stream_name(stream)
-            settings = settings or store.StreamSettings()
-            stream_id = await store.create_stream(self._conn, stream, settings)
-            self._pending.created(stream, stream_id, settings)
+            state = await self._producer._append_state(stream, settings)
+            stream_id = self._pending.start(stream, state)
         return stream_id
 
     async def _flush(self, closing: bool = False) -> None:
-        try:
-            for sql, rows in self._pending.take_inserts(closing):
-                await self._conn.executemany(sql, rows)
-        except sqlite3.IntegrityError as exc:
-            raise ConcurrentWriterError(_CONCURRENT_WRITER) from exc
+        await self._producer._writer.insert(*self._pending.take_inserts(closing))
 
     async def _commit(self) -> None:
-        # Heads need no write of their own (see store.load_streams); epoch rows are written
+        # Heads need no write of their own (the last seq in the log); epoch rows are written
         # only by a transaction that starts a segment, and commit with its records.
         await self._flush(closing=True)
-        await to_the_end(self._conn.execute("COMMIT"), self._mark_committed)
+        await to_the_end(self._producer._writer.commit(), self._mark_committed)
 
     def _mark_committed(self) -> None:
         self.committed = True
@@ -250,12 +234,14 @@ class BlockingTransaction(BlockingSQL):
     ``await producer.run_in_transaction(fn)`` calls ``fn(tx)`` there, between
     BEGIN and COMMIT, so a transaction of many statements costs one thread hop
     instead of one per statement. The same calls as ``Transaction``, not awaited;
-    ``execute`` returns a plain ``sqlite3.Cursor``.
+    ``execute`` returns the driver's plain cursor.
     """
 
-    def __init__(self, producer: Producer, conn: sqlite3.Connection) -> None:
-        super().__init__(conn)
-        self._pending = _Pending(producer)
+    def __init__(self, producer: Producer, writer: BlockingWriter, pending: _Pending) -> None:
+        super().__init__(writer)
+        self._writer = writer
+        self._producer = producer
+        self._pending = pending
 
     def publish(
         self,
@@ -285,20 +271,18 @@ class BlockingTransaction(BlockingSQL):
         return range(first, self._pending.next_seq(stream))
 
     def _stream_id(self, stream: str) -> int:
-        stream_id = self._pending.stream_id(stream)
+        stream_id = self._pending.ids.get(stream)
         if stream_id is None:
-            check_stream_name(stream)
-            settings = store.StreamSettings()
-            stream_id = store.create_stream_blocking(self._conn, stream, settings)
-            self._pending.created(stream, stream_id, settings)
+            state = self._producer._memory_state(stream)
+            if state is None:
+                settings = StreamSettings()
+                created = self._writer.create_stream(check_stream_name(stream), settings)
+                state = self._producer._created_state(created, settings)
+            stream_id = self._pending.start(stream, state)
         return stream_id
 
     def _flush(self, closing: bool = False) -> None:
-        try:
-            for sql, rows in self._pending.take_inserts(closing):
-                self._conn.executemany(sql, rows)
-        except sqlite3.IntegrityError as exc:
-            raise ConcurrentWriterError(_CONCURRENT_WRITER) from exc
+        self._writer.insert(*self._pending.take_inserts(closing))
 
     def _run(self, fn: Callable[..., T], args: tuple[Any, ...], version: int | None) -> T:
         """``fn(self, *args)`` and the buffered records, in one transaction.
@@ -308,19 +292,19 @@ class BlockingTransaction(BlockingSQL):
         catches up, then calls again with None: the transaction is already begun).
         """
         if version is not None:
-            seen = begin_immediate(self._conn)
-            if seen != version:
+            seen = self._writer.begin()
+            if seen is not None and seen != version:
                 raise _OthersCommitted(seen)
-
-        def body() -> T:
+        try:
             result = fn(self, *args)
             self._flush(closing=True)
-            return result
-
-        try:
-            return in_transaction(self._conn, body, begun=True)
+            self._writer.commit()
+        except BaseException:
+            self._writer.rollback()
+            raise
         finally:
             self._closed = True
+        return result
 
 
 class Producer:
@@ -362,17 +346,17 @@ class Producer:
         if durability not in ("normal", "full"):
             raise ValueError(f"durability must be 'normal' or 'full', not {durability!r}")
         self.path = str(path)
+        self.storage = open_storage(self.path)
         self.durability: Durability = durability
         self.settings = settings or ServerSettings()
         self.max_record_size = self.settings.max_frame_size - FRAME_OVERHEAD
         self.flush_records = flush_records
-        self.log = Log(self.path, tail_bytes=tail_bytes)
+        self.log = Log(self.storage, tail_bytes=tail_bytes)
         self._host, self._port, self._serve = host, port, serve
-        self._watch = WalWatch(self.path)
+        self._watch: Watch | None = None
         self._watch_interval = watch_interval
-        self._serve_lock: ServeLock | None = None
         self._in_transaction = False  # holding the writer for a transaction of its own
-        self._version = 0  # PRAGMA data_version when last caught up with other writers
+        self._version: Any = None  # storage.version() when last caught up with other writers
         self.positions = Positions()
         self.retention = Retention(RetentionPolicy(retention_ms, retention_bytes))
         self._retention_interval = retention_interval
@@ -382,7 +366,6 @@ class Producer:
         self._compact_interval = compact_interval
         self._on_compacted = on_compacted
         self._compactor: asyncio.Task[None] | None = None
-        self._conn: aiosqlite.Connection
         self._lock = asyncio.Lock()
         self._server: Server | None = None
         self._watcher: asyncio.Task[None] | None = None
@@ -393,31 +376,29 @@ class Producer:
         self._closed = False
 
     async def start(self) -> None:
-        if self._serve:
-            self._serve_lock = ServeLock.claim(self.path)
         try:
-            self._conn = await store.open_writer(self.path, self.durability)
-        except BaseException:
-            await self.close()
-            raise
-        try:
-            identity = await store.initialize(self._conn, self.durability)
-            self.producer_id, self.epoch = identity.producer_id, identity.epoch
-            # The version before loading the streams: any later commit by another process is seen.
-            self._version = await store.data_version(self._conn)
             if self._serve:
-                self._watch.start()
-            await self.log.open(await store.load_streams(self._conn))
-            await self._load_epochs()
-            await self._load_registrations()
+                await self.storage.claim_serving()
+            identity = await self.storage.open(self.durability)
+            self.producer_id, self.epoch = identity.producer_id, identity.epoch
+            await self.storage.open_readers(_READERS)
+            # The version before loading the streams: any later commit by another process is seen.
+            self._version = await self.storage.version()
+            if self._serve:
+                self._watch = self.storage.watch()
+                await self._watch.start()
+            loaded = await self.storage.load()
+            for row in loaded.streams:
+                self.log.add(row)
+            self._add_epochs(loaded.epoch_rows)
+            self._apply_registrations(loaded.consumers)
             if self._serve:
                 self._server = Server(
                     self.log, self.producer_id, self.epoch, self.settings, self.positions
                 )
                 self._server.refresh = self._refresh_for_request
                 await self._server.start(self._host, self._port)
-                assert self._serve_lock is not None
-                self._serve_lock.serving(self._server.address)
+                await self.storage.serving(self._server.address)
             if self._metrics_port is not None:
                 self._metrics = MetricsServer(self, self._metrics_host, self._metrics_port)
             if self._serve:
@@ -445,15 +426,12 @@ class Producer:
         if self._started:
             try:
                 await self._save_positions()
-            except (sqlite3.Error, ValueError):
+            except Exception:
                 logger.exception("could not save consumer positions at close")
         self._closed = True
-        self._watch.close()
-        await self.log.close()
-        with contextlib.suppress(AttributeError):
-            await self._conn.close()
-        if self._serve_lock is not None:
-            self._serve_lock.release()
+        if self._watch is not None:
+            await self._watch.close()
+        await self.storage.close()
 
     async def __aenter__(self) -> Producer:
         await self.start()
@@ -499,8 +477,8 @@ class Producer:
                 tx._closed = True
                 if tx.committed:  # cancelled while COMMIT ran: it committed all the same
                     self._after_commit(tx._pending)
-                elif self._conn.in_transaction:
-                    await self._conn.execute("ROLLBACK")
+                else:
+                    await self._writer.rollback()
                 raise
             tx._closed = True
             self._after_commit(tx._pending)
@@ -513,25 +491,42 @@ class Producer:
         paths. ``fn`` must not touch the event loop; if it raises, nothing commits.
         """
         self._check_running()
+        if not self.storage.features.blocking_transactions:
+            raise UnsupportedConnectionError(
+                f"run_in_transaction runs a transaction on SQLite's writer thread; on "
+                f"{self.storage.where} use 'async with producer.transaction() as tx'"
+            )
         async with self._writing():
             version: int | None = self._version
             try:
                 while True:
                     # One hop: BEGIN, fn and COMMIT, unless another writer committed since
                     # this producer last looked (then it catches up and fn runs after).
-                    tx = BlockingTransaction(self, raw_connection(self._conn))
+                    pending = _Pending(self)
                     try:
                         return await to_the_end(
-                            run_on_thread(self._conn, tx._run, fn, args, version),
-                            functools.partial(self._after_commit, tx._pending),
+                            self._writer.run_blocking(
+                                self._run_blocking, pending, fn, args, version
+                            ),
+                            functools.partial(self._after_commit, pending),
                         )
                     except _OthersCommitted as others:
                         await self._catch_up(others.version)
                         version = None
             except BaseException:
-                if self._conn.in_transaction:  # begun, then caught up or cancelled: not run
-                    await self._conn.execute("ROLLBACK")
+                await self._writer.rollback()  # begun, then caught up or cancelled: not run
                 raise
+
+    def _run_blocking(
+        self,
+        writer: BlockingWriter,
+        pending: _Pending,
+        fn: Callable[..., T],
+        args: tuple[Any, ...],
+        version: int | None,
+    ) -> T:
+        """On the writer's thread: ``fn`` in a ``BlockingTransaction`` filling ``pending``."""
+        return BlockingTransaction(self, writer, pending)._run(fn, args, version)
 
     @contextlib.asynccontextmanager
     async def _writing(self) -> AsyncIterator[None]:
@@ -543,34 +538,79 @@ class Producer:
             finally:
                 self._in_transaction = False
 
+    @property
+    def _writer(self) -> Writer:
+        return self.storage.writer
+
     async def _begin(self) -> None:
-        """BEGIN IMMEDIATE, then, holding the write lock, catch up with what other writers
-        committed: seqs continue from what is committed, never from a stale head."""
-        version = await run_on_thread(self._conn, begin_immediate, raw_connection(self._conn))
-        if version != self._version:
+        """BEGIN. On SQLite, holding the write lock, catch up with what other writers
+        committed: seqs continue from what is committed, never from a stale head. (On
+        PostgreSQL each stream's head is read under its lock: ``_append_state``.)"""
+        version = await self._writer.begin()
+        if version is not None and version != self._version:
             try:
                 await self._catch_up(version)
             except BaseException:
-                await self._conn.execute("ROLLBACK")
+                await self._writer.rollback()
                 raise
+
+    async def _append_state(self, stream: str, settings: StreamSettings | None) -> AppendState:
+        """``stream`` as this transaction's appends start from: locked and read from the
+        database (PostgreSQL), or from memory, caught up at BEGIN (SQLite)."""
+        if self.storage.features.stream_locks:
+            if stream not in self.log.streams:
+                check_stream_name(stream)
+            return await self._writer.lock_stream(stream, settings)
+        state = self._memory_state(stream)
+        if state is None:
+            settings = settings or StreamSettings()
+            stream_id = await self._writer.create_stream(check_stream_name(stream), settings)
+            state = self._created_state(stream_id, settings)
+        return state
+
+    def _memory_state(self, stream: str) -> AppendState | None:
+        existing = self.log.streams.get(stream)
+        if existing is None:
+            return None
+        return AppendState(
+            existing.id,
+            existing.head,
+            existing.max_ts,
+            existing.epochs.last_epoch,
+            existing.settings,
+            self.epoch,
+            created=False,
+        )
+
+    def _created_state(self, stream_id: int, settings: StreamSettings) -> AppendState:
+        return AppendState(stream_id, 0, None, None, settings, self.epoch, created=True)
 
     def wake(self) -> None:
         """Look for other connections' commits now (one in this process just committed)."""
-        self._watch.wake()
+        if self._watch is not None:
+            self._watch.wake()
 
     def _check_running(self) -> None:
         if not self._started or self._closed:
             raise RuntimeError("the producer is not running: use 'async with Producer(...)'")
 
     def _after_commit(self, pending: _Pending) -> None:
-        for name, stream_id in pending.new_streams.items():
-            self.log.add(store.StreamRow(stream_id, name, 0, 1, pending.settings[name]))
+        unknown = False  # a stream another process created, not caught up with yet
+        for name, stream_id in pending.ids.items():
+            if name not in self.log.streams:
+                unknown |= name not in pending.new_streams
+                self.log.add(StreamRow(stream_id, name, 0, 1, pending.settings[name]))
         for name, (_, first, epoch) in pending.segment_rows().items():
             self.log.streams[name].epochs.add(first, epoch)  # before subscribers wake
         for name, head in pending.heads.items():
             stream = self.log.streams[name]
-            stream.max_ts = pending.max_ts[name]
-            self.log.committed(stream, head, pending.kept.get(name, []))
+            # Every seq up to ``head`` is committed (it was numbered holding the lock after
+            # them); a later one may be known already, from another writer (PostgreSQL).
+            if head > stream.head:
+                stream.max_ts = pending.max_ts[name]
+                self.log.committed(stream, head, pending.kept.get(name, []))
+        if unknown:
+            self.wake()
 
     async def publish(
         self,
@@ -610,14 +650,14 @@ class Producer:
             )
         if name in self.log.streams:
             return
-        settings = store.StreamSettings(key_index, compact, notify_compacted)
+        settings = StreamSettings(key_index, compact, notify_compacted)
         async with self.transaction() as tx:
             await tx._stream_id(name, settings)
 
-    async def _load_epochs(self) -> None:
-        """Load every streamq_epochs row into memory."""
+    def _add_epochs(self, rows: list[EpochRow]) -> None:
+        """streamq_epochs rows into memory, before subscribers are woken."""
         by_id = {s.id: s for s in self.log.streams.values()}
-        for stream_id, first_seq, epoch in await store.load_epochs(self._conn):
+        for stream_id, first_seq, epoch in rows:
             if stream_id in by_id:
                 by_id[stream_id].epochs.add(first_seq, epoch)
 
@@ -653,7 +693,7 @@ class Producer:
         tx: Transaction | None = None
         try:
             async with self.transaction() as tx:
-                await store.truncate(tx._conn, target.id, before)
+                await self._writer.truncate(target.id, before)
                 # Raised before COMMIT: a reader that sees the deletion also sees the new
                 # low, and reports the seqs as lost rather than as a compaction gap.
                 target.low = before
@@ -685,24 +725,21 @@ class Producer:
             raise ValueError("a registered consumer needs a name")
         check_stream_name(stream)
         known = self.positions.get(consumer, stream)
-        async with self.transaction() as tx:
-            applied = await store.register_consumer(
-                tx._conn, consumer, stream, known.applied if known else 0
+        async with self.transaction():
+            applied = await self._writer.register_consumer(
+                consumer, stream, known.applied if known else 0
             )
         self.positions.register(consumer, stream, applied)
 
     async def unregister_consumer(self, consumer: str, stream: str) -> bool:
         """Stop keeping records for ``consumer``; False if it was not registered."""
-        async with self.transaction() as tx:
-            removed = await store.unregister_consumer(tx._conn, consumer, stream)
+        async with self.transaction():
+            removed = await self._writer.unregister_consumer(consumer, stream)
         self.positions.unregister(consumer, stream)
         return removed
 
-    async def _load_registrations(self) -> None:
+    def _apply_registrations(self, rows: list[ConsumerRow]) -> None:
         """Registrations in the database, which other processes may change (the CLI)."""
-        self._apply_registrations(await store.load_consumers(self._conn))
-
-    def _apply_registrations(self, rows: list[store.ConsumerRow]) -> None:
         stored = {(row.consumer, row.stream) for row in rows}
         for position in self.positions.all():
             if position.registered and (position.consumer, position.stream) not in stored:
@@ -713,8 +750,8 @@ class Producer:
     async def _save_positions(self) -> None:
         unsaved = self.positions.unsaved()
         if unsaved:
-            async with self.transaction() as tx:
-                await store.save_positions(tx._conn, unsaved)
+            async with self.transaction():
+                await self._writer.save_positions(unsaved)
             self.positions.mark_saved(unsaved)
 
     # --- retention -----------------------------------------------------------------
@@ -742,12 +779,12 @@ class Producer:
             async with self.transaction() as tx:
                 for stream in list(self.log.streams.values()):
                     registered = self.positions.registered(stream.name)
-                    plan = await self.retention.plan(tx._conn, stream, registered, now)
+                    plan = await self.retention.plan(self._writer, stream, registered, now)
                     plans.append((stream, stream.low, stream.head, plan))
                     if plan.before > stream.low:
-                        await store.truncate(tx._conn, stream.id, plan.before)
+                        await self._writer.truncate(stream.id, plan.before)
                         stream.low = plan.before  # before COMMIT, as in truncate
-                await store.save_positions(tx._conn, unsaved)
+                await self._writer.save_positions(unsaved)
         except BaseException:
             if tx is None or not tx.committed:
                 for stream, low, _, _ in plans:
@@ -776,7 +813,7 @@ class Producer:
             await asyncio.sleep(self._retention_interval)
             try:
                 await self.apply_retention()
-            except (sqlite3.Error, ConcurrentWriterError):
+            except Exception:
                 logger.exception("retention pass failed; trying again next interval")
 
     # --- compaction ------------------------------------------------------------------
@@ -812,12 +849,12 @@ class Producer:
         try:
             async with self.transaction() as tx:
                 through = min(target.head, target.compacted + window)
-                candidates = await store.compaction_candidates(
-                    tx._conn, target.id, target.low, target.compacted, through
+                candidates = await self._writer.compaction_candidates(
+                    target.id, target.low, target.compacted, through
                 )
                 removed = superseded(target.name, candidates)
-                await store.delete_compacted(
-                    tx._conn, target.id, [entry.old_seq for entry in removed], through
+                await self._writer.delete_compacted(
+                    target.id, [entry.old_seq for entry in removed], through
                 )
                 if target.settings.notify_compacted:
                     notifications = target.name + NOTIFICATION_SUFFIX
@@ -852,15 +889,18 @@ class Producer:
     async def _watch_other_writers(self) -> None:
         """Notice commits made to this database by other processes and connections.
 
-        Woken by writes to the WAL (``WalWatch``), or every ``watch_interval`` seconds
-        as a fallback. This producer's own transactions catch up at BEGIN (``_begin``);
-        the watch is for serving, so a producer that does not serve runs none.
+        Woken by the storage's watch (SQLite: writes to the WAL; PostgreSQL: NOTIFY), or
+        every ``watch_interval`` seconds as a fallback. This producer's own transactions
+        catch up at BEGIN (``_begin``); the watch is for serving, so a producer that does
+        not serve runs none.
         """
+        watch = self._watch
+        assert watch is not None
         interval = self._watch_interval
         if interval is None:
-            interval = _FALLBACK_CHECK if self._watch.active else _POLL_INTERVAL
+            interval = _FALLBACK_CHECK if watch.active else _POLL_INTERVAL
         while True:
-            event_at = await self._watch.wait(interval)
+            event_at = await watch.wait(interval)
             delay = _RECHECK
             while not await self._check_others() and event_at is not None:
                 # A write not yet visible as a commit (or this producer's own): look again,
@@ -868,7 +908,7 @@ class Producer:
                 if delay > _RECHECK_LAST:
                     break
                 await asyncio.sleep(_RECHECK)
-                if await self._watch.wait(delay - _RECHECK) is not None:
+                if await watch.wait(delay - _RECHECK) is not None:
                     delay = _RECHECK
                 else:
                     delay *= 2
@@ -888,20 +928,19 @@ class Producer:
     async def _check_others(self) -> bool:
         """Catch up if another connection committed; True if one had."""
         async with self._lock:
-            version = await store.data_version(self._conn)
+            version = await self.storage.version()
             if version == self._version:
                 return False
             await self._catch_up(version)
             return True
 
-    async def _catch_up(self, version: int) -> None:
+    async def _catch_up(self, version: Any) -> None:
         """Load what other writers committed up to ``version`` (the caller holds the lock):
         heads, lows, epochs, the database's epoch, registrations, read in one thread hop.
-        Their records are served from SQLite; this producer's next seqs continue after theirs."""
+        Their records are served from the database; this producer's next seqs continue
+        after theirs."""
         known = {s.id: (s.head, s.epochs.last_first_seq) for s in self.log.streams.values()}
-        changes = await run_on_thread(
-            self._conn, store.read_changes, raw_connection(self._conn), known
-        )
+        changes = await self.storage.changes(known)
         self.epoch = changes.epoch
         self._apply_registrations(changes.consumers)
         new_epochs: dict[int, list[tuple[int, int]]] = {}
@@ -940,14 +979,3 @@ class _OthersCommitted(Exception):
     def __init__(self, version: int) -> None:
         super().__init__(version)
         self.version = version
-
-
-def begin_immediate(conn: sqlite3.Connection) -> int:
-    """BEGIN IMMEDIATE on the connection's thread; returns ``PRAGMA data_version`` as seen
-    holding the write lock."""
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        return int(conn.execute("PRAGMA data_version").fetchone()[0])
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise

@@ -13,11 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import aiosqlite
-
-from . import store
 from .log import Stream
 from .positions import Position
+from .storage import Writer
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,17 +60,15 @@ class Retention:
     def policy(self, stream: str) -> RetentionPolicy:
         return self.per_stream.get(stream, self.default)
 
-    async def _size(self, conn: aiosqlite.Connection, stream: Stream) -> int:
+    async def _size(self, writer: Writer, stream: Stream) -> int:
         """Bytes held in ``[low, head]``: the last pass's count plus what came since."""
         cached = self._sizes.get(stream.name)
         if cached is not None and cached[0] == stream.low and cached[1] <= stream.head:
-            return cached[2] + await store.bytes_between(
-                conn, stream.id, cached[1] + 1, stream.head + 1
-            )
-        return await store.bytes_between(conn, stream.id, stream.low, stream.head + 1)
+            return cached[2] + await writer.bytes_between(stream.id, cached[1] + 1, stream.head + 1)
+        return await writer.bytes_between(stream.id, stream.low, stream.head + 1)
 
     async def plan(
-        self, conn: aiosqlite.Connection, stream: Stream, registered: list[Position], now_ms: int
+        self, writer: Writer, stream: Stream, registered: list[Position], now_ms: int
     ) -> _Plan:
         """Where ``stream`` should start now, read inside the caller's transaction."""
         low, end = stream.low, stream.head + 1
@@ -80,13 +76,13 @@ class Retention:
         forced = low  # what the caps delete, needed or not
         if policy.ms is not None:
             since = now_ms - policy.ms
-            forced = max(forced, await store.first_seq_since(conn, stream.id, low, end, since))
+            forced = max(forced, await writer.first_seq_since(stream.id, low, end, since))
         size = dropped_at = dropped = None
         if policy.bytes is not None:
-            size = await self._size(conn, stream)
+            size = await self._size(writer, stream)
             if size > policy.bytes:
-                dropped_at, dropped = await store.seq_after_bytes(
-                    conn, stream.id, low, end, size - policy.bytes
+                dropped_at, dropped = await writer.seq_after_bytes(
+                    stream.id, low, end, size - policy.bytes
                 )
                 forced = max(forced, dropped_at)
         before = forced
@@ -102,7 +98,7 @@ class Retention:
             if before == dropped_at and dropped is not None:
                 size_after = size - dropped
             else:
-                size_after = size - await store.bytes_between(conn, stream.id, low, before)
+                size_after = size - await writer.bytes_between(stream.id, low, before)
         return _Plan(before, lost, size_after)
 
     def forget(self, stream: str) -> None:

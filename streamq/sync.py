@@ -1,8 +1,9 @@
 """A blocking facade over ``Producer`` for services without asyncio (Flask, Django, scripts).
 
-Transactions run on the calling thread, on a SQLite connection of that thread's own, as
-``streamq.publish`` does on the application's connection: no hop to another thread, and
-seqs taken under the database's write lock, so threads and processes publish at once.
+Transactions run on the calling thread, on a connection of that thread's own
+(``storage.Session``), appending as ``streamq.publish`` does on the application's
+connection: no hop to another thread, and seqs taken under the database's lock, so threads
+and processes publish at once.
 The server runs on an event loop in a background thread, woken after each commit; the
 other calls (history, compaction, retention) hand a coroutine to that loop.
 """
@@ -10,24 +11,22 @@ other calls (history, compaction, retention) hand a coroutine to that loop.
 from __future__ import annotations
 
 import asyncio
-import sqlite3
 import threading
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from types import TracebackType
 from typing import Any, TypeVar
 
-from . import store
 from ._loop import loop_factory
 from .blocking import BlockingSQL
 from .compaction import Compacted
-from .engines.sqlite import append
 from .positions import ConsumerLag
 from .producer import Producer
 from .protocol import Record
 from .publishing import seq_range
 from .records import CheckedRecord, check_stream_name, checked_record, values_only
 from .retention import Truncation
+from .storage import Session
 
 T = TypeVar("T")
 
@@ -35,12 +34,13 @@ T = TypeVar("T")
 class SyncTransaction(BlockingSQL):
     """One transaction of a ``SyncProducer``, on the calling thread's own connection.
 
-    ``execute`` runs the application's SQL (a plain ``sqlite3.Cursor``); ``publish``
+    ``execute`` runs the application's SQL (the driver's plain cursor); ``publish``
     appends a record. Both commit together when the ``with`` block ends.
     """
 
-    def __init__(self, conn: sqlite3.Connection, max_record_size: int) -> None:
-        super().__init__(conn)
+    def __init__(self, session: Session, max_record_size: int) -> None:
+        super().__init__(session)
+        self._session = session
         self._max_record_size = max_record_size
 
     def publish(
@@ -63,18 +63,17 @@ class SyncTransaction(BlockingSQL):
         return seq_range(self._append(stream, values_only(values)))
 
     def _append(self, stream: str, records: list[CheckedRecord]) -> list[int]:
-        return append(
-            self._conn, check_stream_name(stream), records, max_record_size=self._max_record_size
-        )
+        return self._session.append(check_stream_name(stream), records, self._max_record_size)
 
 
 class SyncProducer:
-    """``Producer`` for blocking code: ``with SyncProducer("orders.db") as p:``."""
+    """``Producer`` for blocking code: ``with SyncProducer("orders.db") as p:`` (or a
+    ``postgresql://`` URL)."""
 
     def __init__(self, path: str, **options: Any) -> None:
         self._path = str(path)
         self._local = threading.local()
-        self._connections: list[sqlite3.Connection] = []
+        self._sessions: list[Session] = []
         self._connections_lock = threading.Lock()
         self._loop = (loop_factory() or asyncio.new_event_loop)()
         self._thread = threading.Thread(target=self._loop.run_forever, name="streamq", daemon=True)
@@ -113,9 +112,9 @@ class SyncProducer:
         self._call(self._producer.close())
         self._stop_loop()
         with self._connections_lock:
-            for conn in self._connections:
-                conn.close()
-            self._connections.clear()
+            for session in self._sessions:
+                session.close()
+            self._sessions.clear()
 
     def __enter__(self) -> SyncProducer:
         return self
@@ -139,22 +138,20 @@ class SyncProducer:
     def head(self, stream: str) -> int:
         """The last committed seq of ``stream`` (0 if none yet), read from the database:
         this thread's commits and every other writer's included."""
-        row = self._connection().execute(store.HEAD_QUERY, (stream,)).fetchone()
-        if row is None:
+        head = self._session().head(stream)
+        if head is None:
             return self._producer.head(stream)  # raises UnknownStreamError
-        return int(row[0])
+        return head
 
-    def _connection(self) -> sqlite3.Connection:
+    def _session(self) -> Session:
         """This thread's connection to the database (made on first use)."""
-        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
-        if conn is None:
-            conn = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False)
-            conn.execute(f"PRAGMA synchronous={self._producer.durability.upper()}")
-            conn.execute("PRAGMA busy_timeout=10000")
+        session: Session | None = getattr(self._local, "session", None)
+        if session is None:
+            session = self._producer.storage.session(self._producer.durability)
             with self._connections_lock:
-                self._connections.append(conn)
-            self._local.conn = conn
-        return conn
+                self._sessions.append(session)
+            self._local.session = session
+        return session
 
     @contextmanager
     def transaction(self) -> Iterator[SyncTransaction]:
@@ -162,15 +159,14 @@ class SyncProducer:
         if it raises. Threads run their transactions on connections of their own."""
         if self._loop.is_closed():
             raise RuntimeError("this SyncProducer is closed")
-        conn = self._connection()
-        conn.execute("BEGIN IMMEDIATE")
-        tx = SyncTransaction(conn, self._producer.max_record_size)
+        session = self._session()
+        session.begin()
+        tx = SyncTransaction(session, self._producer.max_record_size)
         try:
             yield tx
-            conn.execute("COMMIT")
+            session.commit()
         except BaseException:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
+            session.rollback()
             raise
         finally:
             tx._closed = True
@@ -196,7 +192,8 @@ class SyncProducer:
 
     def query(self, sql: str, parameters: Iterable[Any] = ()) -> list[Any]:
         """Rows of a read-only query on the producer's database."""
-        return self._connection().execute(sql, tuple(parameters)).fetchall()
+        rows: list[Any] = self._session().execute(sql, tuple(parameters)).fetchall()
+        return rows
 
     def create_stream(
         self,

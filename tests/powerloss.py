@@ -135,7 +135,7 @@ async def record_workload(
     async with Producer(str(db), durability=durability, watch_interval=0.01) as producer:
         synced = wal_path.stat().st_size
         header = wal_path.read_bytes()[:WAL_HEADER]
-        async with producer._conn.execute("PRAGMA synchronous") as cursor:
+        async with producer.storage.writer.conn.execute("PRAGMA synchronous") as cursor:
             row = await cursor.fetchone()
         assert row is not None and row[0] == {"normal": 1, "full": 2}[durability]
         await producer.create_stream(STREAM)

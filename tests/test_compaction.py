@@ -11,7 +11,8 @@ import msgpack
 import pytest
 
 import streamq
-from streamq import Client, Compacted, Consumer, Producer, store
+from streamq import Client, Compacted, Consumer, Producer
+from streamq.engines.sqlite import storage as sqlite_storage
 from streamq.errors import OffsetOutOfRangeError
 
 from .conftest import wait_for
@@ -63,7 +64,7 @@ async def test_compaction_keeps_each_keys_latest_and_reports_the_rest(producer_d
         assert [(c.old_seq, c.new_seq) for c in await producer.compact("accounts")] == [(5, 9)]
     with contextlib.closing(sqlite3.connect(producer_db)) as db:
         seqs = [
-            p & store.MAX_STORED_SEQ
+            p & sqlite_storage.MAX_STORED_SEQ
             for (p,) in db.execute("SELECT pos FROM streamq_log WHERE pos >> 40 = 1 ORDER BY pos")
         ]
     assert seqs == [3, 6, 7, 8, 9]
@@ -169,7 +170,7 @@ def test_compaction_query_seeks_the_key_index(tmp_path: Path) -> None:
         producer.publish("accounts", b"x", key=b"k")
     with contextlib.closing(sqlite3.connect(path)) as db:
         rows = db.execute(
-            f"EXPLAIN QUERY PLAN {store._COMPACTION_QUERY}", (1 << 40, 2 << 40, 1 << 40)
+            f"EXPLAIN QUERY PLAN {sqlite_storage.COMPACTION_QUERY}", (1 << 40, 2 << 40, 1 << 40)
         ).fetchall()
     plan = " | ".join(str(row[-1]) for row in rows)
     assert "SEARCH l USING INDEX streamq_log_key" in plan, plan

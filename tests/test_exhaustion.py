@@ -286,7 +286,7 @@ class Disk:
 
     async def fill(self, producer: Producer) -> None:
         if not self.mounted:
-            conn = producer._conn  # the simulation needs the writer connection itself
+            conn = producer.storage.writer.conn  # the simulation needs the writer connection itself
             (pages,) = (await conn.execute_fetchall("PRAGMA page_count"))[0]
             (limit,) = (await conn.execute_fetchall("PRAGMA max_page_count"))[0]
             await conn.execute(f"PRAGMA max_page_count = {pages + 1}")
@@ -301,7 +301,7 @@ class Disk:
     async def free(self) -> None:
         if self._page_limit is not None:
             producer, limit = self._page_limit
-            await producer._conn.execute(f"PRAGMA max_page_count = {limit}")
+            await producer.storage.writer.conn.execute(f"PRAGMA max_page_count = {limit}")
             self._page_limit = None
         self.filler.unlink(missing_ok=True)
 

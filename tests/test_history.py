@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 import streamq
-from streamq import Client, Consumer, Producer, ServerSettings, store
+from streamq import Client, Consumer, Producer, ServerSettings
+from streamq.engines.sqlite import storage as sqlite_storage
 from streamq.errors import OffsetOutOfRangeError, UnknownStreamError
 from streamq.protocol import Record, encode_record
 
@@ -85,7 +86,7 @@ def test_history_query_is_an_index_seek(tmp_path: Path) -> None:
     path = str(tmp_path / "p.db")
     with streamq.SyncProducer(path, serve=False) as producer:
         producer.publish("orders", b"x", key=b"k")
-    query_plan = plan(path, store.KEY_RECORDS_QUERY, (b"k", 1 << 40, 2 << 40, 10))
+    query_plan = plan(path, sqlite_storage.KEY_RECORDS_QUERY, (b"k", 1 << 40, 2 << 40, 10))
     assert "USING INDEX streamq_log_key" in query_plan, query_plan
     assert "SCAN" not in query_plan, query_plan
 
@@ -135,7 +136,7 @@ async def test_version_1_database_is_migrated_with_its_keys_and_times(producer_d
         db.executemany(
             "INSERT INTO streamq_log VALUES (?, ?, ?)",
             [
-                (store.pos(1, seq), ts, encode_record(seq, ts, key, b"v", {}))
+                (sqlite_storage.pos(1, seq), ts, encode_record(seq, ts, key, b"v", {}))
                 for seq, (ts, key) in enumerate(zip(times, keys, strict=True), start=1)
             ],
         )
@@ -186,7 +187,7 @@ def test_seek_time_query_is_an_index_seek(tmp_path: Path) -> None:
     path = str(tmp_path / "p.db")
     with streamq.SyncProducer(path, serve=False) as producer:
         producer.publish("orders", b"x")
-    query_plan = plan(path, store.SEEK_TIME_QUERY, (1, T0))
+    query_plan = plan(path, sqlite_storage.SEEK_TIME_QUERY, (1, T0))
     assert "SEARCH streamq_time USING PRIMARY KEY" in query_plan, query_plan
     assert "SCAN" not in query_plan, query_plan
 

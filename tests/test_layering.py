@@ -116,10 +116,16 @@ def test_protocol_walk_follows_errors() -> None:
 
 def test_io_modules_are_detected() -> None:
     """The checker flags what it should, so a green run means something."""
-    found, visited = forbidden_imports(PACKAGE_DIR, PACKAGE, "streamq.server")
+    found, visited = forbidden_imports(PACKAGE_DIR, PACKAGE, "streamq.producer")
     assert "asyncio" in found["streamq.server"]
-    assert "aiosqlite" in found["streamq.store"]  # reached through server -> log -> store
-    assert {"streamq.server", "streamq.log", "streamq.store", "streamq.protocol"} <= visited
+    # reached through producer -> engines -> the SQLite engine's storage
+    assert "aiosqlite" in found["streamq.engines.sqlite.storage"]
+    assert {
+        "streamq.server",
+        "streamq.log",
+        "streamq.engines.sqlite.storage",
+        "streamq.protocol",
+    } <= visited
 
 
 def test_checker_on_a_synthetic_package(tmp_path: Path) -> None:

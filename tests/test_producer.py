@@ -40,7 +40,7 @@ async def test_publish_commits_with_business_writes(producer_db: str) -> None:
         assert seq == 1
         assert await producer.publish("orders", b"x") == 2
         assert producer.head("orders") == 2
-        cursor = await producer._conn.execute("SELECT n FROM stock")
+        cursor = await producer.storage.writer.conn.execute("SELECT n FROM stock")
         assert await cursor.fetchall() == [(9,)]
     assert log_seqs(producer_db) == [1, 2]
 
@@ -58,7 +58,7 @@ async def test_rolled_back_transaction_publishes_nothing(producer_db: str) -> No
                 raise RuntimeError("boom")
         assert producer.head("orders") == 1
         assert "other-new-stream" not in producer.log.streams
-        cursor = await producer._conn.execute("SELECT count(*) FROM stock")
+        cursor = await producer.storage.writer.conn.execute("SELECT count(*) FROM stock")
         assert await cursor.fetchall() == [(0,)]
         # The seq given out inside the rolled-back transaction is given again.
         assert await producer.publish("orders", b"second") == 2
@@ -222,14 +222,14 @@ def commit_holder() -> tuple[Callable[[str], None], threading.Event, threading.E
 async def cancel_during_commit(producer: Producer, work: Awaitable[object]) -> None:
     """Run ``work``, cancel it while its COMMIT runs, and expect the cancellation."""
     hold_commit, entered, release = commit_holder()
-    await producer._conn.set_trace_callback(hold_commit)
+    await producer.storage.writer.conn.set_trace_callback(hold_commit)
     task = asyncio.ensure_future(work)
     assert await asyncio.to_thread(entered.wait, 10)
     task.cancel()
     release.set()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await producer._conn.set_trace_callback(None)
+    await producer.storage.writer.conn.set_trace_callback(None)
 
 
 async def test_caller_cancelled_during_commit_still_sees_the_commit_through(

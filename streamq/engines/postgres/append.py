@@ -52,6 +52,7 @@ from typing import Any
 
 from ...errors import SchemaMissingError, UnsupportedConnectionError
 from ...records import CheckedRecord, encode_checked
+from ...storage import AppendState, EpochRow, LogRow, StreamSettings, TimeRow
 
 SCHEMA_VERSION = 1  # of the PostgreSQL tables (SQLite's have their own, store.SCHEMA_VERSION)
 MAX_SEQ = (1 << 63) - 1
@@ -110,19 +111,31 @@ SET_META = (
 )
 
 # --- appending (the module docstring) --------------------------------------------------
-LOCK_STREAM = "SELECT id, key_index FROM streamq_streams WHERE name = %s FOR UPDATE"
-CREATE_STREAM = "INSERT INTO streamq_streams (name) VALUES (%s) ON CONFLICT (name) DO NOTHING"
+LOCK_STREAM = (
+    "SELECT id, key_index, compact, notify_compacted FROM streamq_streams "
+    "WHERE name = %s FOR UPDATE"
+)
+CREATE_STREAM = (
+    "INSERT INTO streamq_streams (name, key_index, compact, notify_compacted) "
+    "VALUES (%s, %s, %s, %s) ON CONFLICT (name) DO NOTHING RETURNING id"
+)
+# NOTIFY's channel: the serving producer LISTENs on it. Sent by every appender's
+# transaction, so delivered at its commit and never for a rollback (PostgreSQL folds a
+# transaction's identical notifications into one).
+CHANNEL = "streamq"
 # Read in a statement of its own, after LOCK_STREAM returned: it sees the last holder's
 # commit. The database's epoch, whether this server life took one, the schema version, the
-# isolation level; the stream's head, largest timestamp and the epoch of its last segment.
-APPEND_STATE_QUERY = """
+# isolation level; the stream's head, largest timestamp and the epoch of its last segment;
+# and the notification of this transaction's commit.
+APPEND_STATE_QUERY = f"""
 SELECT (SELECT value FROM streamq_meta WHERE key = 'epoch'),
     EXISTS (SELECT FROM streamq_boot),
     (SELECT value FROM streamq_meta WHERE key = 'schema_version'),
     current_setting('transaction_isolation'),
     greatest(s.low - 1, coalesce((SELECT max(seq) FROM streamq_log WHERE stream_id = s.id), 0)),
     (SELECT max(ts) FROM streamq_time WHERE stream_id = s.id),
-    (SELECT epoch FROM streamq_epochs WHERE stream_id = s.id ORDER BY first_seq DESC LIMIT 1)
+    (SELECT epoch FROM streamq_epochs WHERE stream_id = s.id ORDER BY first_seq DESC LIMIT 1),
+    pg_notify('{CHANNEL}', '')
 FROM streamq_streams AS s WHERE s.id = %s"""
 # Taking a new epoch: one appender at a time, each rereading after the lock.
 LOCK_EPOCH = "SELECT value FROM streamq_meta WHERE key = 'epoch' FOR UPDATE"
@@ -145,33 +158,34 @@ class Statement:
 Steps = Generator[Statement, Any, Any]
 
 
-def append_steps(
-    stream: str, records: Sequence[CheckedRecord], *, max_record_size: int, where: str
-) -> Steps:
-    """Append ``records`` to ``stream``; returns their seqs. ``where`` names the database
-    in errors. Statements in the caller's transaction, which holds the stream's lock
-    until it ends."""
+def lock_steps(stream: str, settings: StreamSettings | None, *, where: str) -> Steps:
+    """Lock ``stream`` until the transaction ends (creating it, with ``settings``, if it
+    is new) and read its state: an ``AppendState``. ``where`` names the database in
+    errors."""
+    settings = settings or StreamSettings()
     try:
         locked = yield Statement(LOCK_STREAM, (stream,), fetch=True)
     except Exception as exc:
         if getattr(exc, "sqlstate", None) == UNDEFINED_TABLE:
             raise SchemaMissingError(_no_tables(where)) from exc
         raise
+    created = False
     if locked is None:
         # A stream's first record: create its row (waiting for a concurrent creator's
         # transaction if there is one), then lock it.
-        yield Statement(CREATE_STREAM, (stream,))
+        row = (stream, settings.key_index, settings.compact, settings.notify_compacted)
+        created = (yield Statement(CREATE_STREAM, row, fetch=True)) is not None
         locked = yield Statement(LOCK_STREAM, (stream,), fetch=True)
-    stream_id, key_index = locked
+    stream_id, key_index, compact, notify_compacted = locked
     state = yield Statement(APPEND_STATE_QUERY, (stream_id,), fetch=True)
-    epoch, booted, version, isolation, head, max_ts, last_epoch = state
+    epoch, booted, version, isolation, head, max_ts, last_epoch, _ = state
     if version is None or int(version) != SCHEMA_VERSION:
         raise SchemaMissingError(_old_schema(where, version))
     if isolation != "read committed":
         raise UnsupportedConnectionError(
-            f"streamq.publish on PostgreSQL needs a READ COMMITTED transaction (the "
-            f"default); this one is {isolation.upper()}: its snapshot cannot see the "
-            "previous publisher's commit, so seqs would collide"
+            f"publishing on PostgreSQL needs a READ COMMITTED transaction (the default); "
+            f"this one is {isolation.upper()}: its snapshot cannot see the previous "
+            "publisher's commit, so seqs would collide"
         )
     epoch = int(epoch)
     if not booted:
@@ -183,61 +197,73 @@ def append_steps(
         if not booted:
             epoch += 1
             yield Statement(NEW_EPOCH, {"epoch": epoch})
-    seqs = list(range(head + 1, head + 1 + len(records)))
+    return AppendState(
+        stream_id,
+        head,
+        max_ts,
+        last_epoch,
+        StreamSettings(key_index, compact, notify_compacted),
+        epoch,
+        created,
+    )
+
+
+def append_steps(
+    stream: str, records: Sequence[CheckedRecord], *, max_record_size: int, where: str
+) -> Steps:
+    """Append ``records`` to ``stream``; returns their seqs. ``where`` names the database
+    in errors. Statements in the caller's transaction, which holds the stream's lock
+    until it ends."""
+    state: AppendState = yield from lock_steps(stream, None, where=where)
+    seqs = list(range(state.head + 1, state.head + 1 + len(records)))
     if seqs and seqs[-1] > MAX_SEQ:
         raise OverflowError(f"stream {stream!r} has reached the last seq")
     encoded = encode_checked(seqs, records, max_record_size)
-    times = []
-    for seq, (_, _, _, ts) in zip(seqs, records, strict=True):
-        if max_ts is None or ts > max_ts:  # "streamq_time" in store.py
+    rows: list[LogRow] = []
+    times: list[TimeRow] = []
+    max_ts = state.max_ts
+    for seq, (_, key, _, ts), record in zip(seqs, records, encoded, strict=True):
+        rows.append((state.id, seq, ts, record, key if state.settings.key_index else None))
+        if max_ts is None or ts > max_ts:  # "streamq_time" in the sqlite engine
             max_ts = ts
-            times.append((ts, seq))
+            times.append((state.id, ts, seq))
     if seqs:
-        keys = [key if key_index else None for _, key, _, _ in records]
-        yield insert_statement(
-            stream_id, seqs, [r[3] for r in records], encoded, keys, times, epoch, last_epoch
-        )
+        epochs = [(state.id, seqs[0], state.epoch)] if state.last_epoch != state.epoch else []
+        yield insert_statement(rows, times, epochs)
     return seqs
 
 
 def insert_statement(
-    stream_id: int,
-    seqs: list[int],
-    timestamps: list[int],
-    encoded: list[bytes],
-    keys: list[bytes | None],
-    times: list[tuple[int, int]],
-    epoch: int,
-    last_epoch: int | None,
+    rows: Sequence[LogRow], times: Sequence[TimeRow], epochs: Sequence[EpochRow]
 ) -> Statement:
-    """One statement for the records, their time index rows and, if the stream's last
-    segment has another epoch, its epoch row: one round trip however many records."""
-    params: dict[str, Any] = {
-        "stream_id": stream_id,
-        "seqs": seqs,
-        "ts": timestamps,
-        "records": encoded,
-        "keys": keys,
-    }
+    """One statement for records, their time index rows and epoch rows, of any streams:
+    one round trip however many records."""
+    params: dict[str, Any] = {}
     ctes = []
-    if last_epoch != epoch:
+    if epochs:
         ctes.append(
-            "epochs AS (INSERT INTO streamq_epochs (stream_id, first_seq, epoch) "
-            "VALUES (%(stream_id)s, %(first_seq)s, %(epoch)s))"
+            "epochs AS (INSERT INTO streamq_epochs (stream_id, first_seq, epoch) SELECT * "
+            "FROM unnest(%(e_ids)s::bigint[], %(e_firsts)s::bigint[], %(e_epochs)s::bigint[]))"
         )
-        params |= {"first_seq": seqs[0], "epoch": epoch}
+        params |= _columns(("e_ids", "e_firsts", "e_epochs"), epochs)
     if times:
         ctes.append(
-            "times AS (INSERT INTO streamq_time (stream_id, ts, seq) "
-            "SELECT %(stream_id)s, * FROM unnest(%(time_ts)s::bigint[], %(time_seqs)s::bigint[]))"
+            "times AS (INSERT INTO streamq_time (stream_id, ts, seq) SELECT * "
+            "FROM unnest(%(t_ids)s::bigint[], %(t_ts)s::bigint[], %(t_seqs)s::bigint[]))"
         )
-        params |= {"time_ts": [t for t, _ in times], "time_seqs": [s for _, s in times]}
+        params |= _columns(("t_ids", "t_ts", "t_seqs"), times)
+    params |= _columns(("ids", "seqs", "ts", "records", "keys"), rows)
     insert = (
-        "INSERT INTO streamq_log (stream_id, seq, ts, record, key) SELECT %(stream_id)s, * "
-        "FROM unnest(%(seqs)s::bigint[], %(ts)s::bigint[], %(records)s::bytea[], "
-        "%(keys)s::bytea[])"
+        "INSERT INTO streamq_log (stream_id, seq, ts, record, key) SELECT * "
+        "FROM unnest(%(ids)s::bigint[], %(seqs)s::bigint[], %(ts)s::bigint[], "
+        "%(records)s::bytea[], %(keys)s::bytea[])"
     )
     return Statement(("WITH " + ", ".join(ctes) + " " if ctes else "") + insert, params)
+
+
+def _columns(names: Sequence[str], rows: Sequence[Sequence[Any]]) -> dict[str, list[Any]]:
+    """Rows as one array per column, for ``unnest``."""
+    return {name: [row[i] for row in rows] for i, name in enumerate(names)}
 
 
 def create_schema_steps() -> Steps:
@@ -320,6 +346,59 @@ async def append_async(
     steps = append_steps(stream, records, max_record_size=max_record_size, where=describe(conn))
     seqs: list[int] = await run_async(conn, steps)
     return seqs
+
+
+HEAD_QUERY = """
+SELECT greatest(s.low - 1, coalesce((SELECT max(seq) FROM streamq_log WHERE stream_id = s.id), 0))
+FROM streamq_streams AS s WHERE s.name = %s"""
+
+
+class PostgresSession:
+    """One thread's own connection to a producer database (``storage.Session``):
+    autocommit, transactions begun and ended by hand."""
+
+    def __init__(self, url: str, durability: str) -> None:
+        import psycopg
+
+        self.conn = psycopg.connect(url, autocommit=True, application_name="streamq")
+        if durability == "full":
+            self.conn.execute("SET synchronous_commit = on")
+
+    @property
+    def in_transaction(self) -> bool:
+        from psycopg.pq import TransactionStatus
+
+        return bool(self.conn.info.transaction_status != TransactionStatus.IDLE)
+
+    def begin(self) -> None:
+        self.conn.execute("BEGIN")
+
+    def commit(self) -> None:
+        self.conn.execute("COMMIT")
+
+    def rollback(self) -> None:
+        if self.in_transaction:
+            self.conn.execute("ROLLBACK")
+
+    def execute(self, sql: str, parameters: Any = ()) -> Any:
+        return self.conn.execute(sql, parameters or None)
+
+    def executemany(self, sql: str, parameters: Any) -> Any:
+        cursor = self.conn.cursor()
+        cursor.executemany(sql, parameters)
+        return cursor
+
+    def append(
+        self, stream: str, records: Sequence[CheckedRecord], max_record_size: int
+    ) -> list[int]:
+        return append(self.conn, stream, records, max_record_size=max_record_size)
+
+    def head(self, stream: str) -> int | None:
+        row = self.conn.execute(HEAD_QUERY, (stream,)).fetchone()
+        return None if row is None else int(row[0])
+
+    def close(self) -> None:
+        self.conn.close()
 
 
 def create_schema(conn: Any) -> tuple[dict[str, Any], bool]:

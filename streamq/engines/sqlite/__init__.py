@@ -1,5 +1,10 @@
-"""The SQLite engine: the embedded default, a producer's log in its own database file."""
+"""The SQLite engine: the embedded default, a producer's log in its own database file.
 
-from .append import DEFAULT_MAX_RECORD_SIZE, append, append_async, create_schema
+``storage.py`` holds its tables and every statement a serving producer runs;
+``append.py`` the append path of ``streamq.publish`` on the application's connection.
+"""
 
-__all__ = ["DEFAULT_MAX_RECORD_SIZE", "append", "append_async", "create_schema"]
+from .append import DEFAULT_MAX_RECORD_SIZE, append, append_async
+from .storage import SQLiteStorage, create_schema
+
+__all__ = ["DEFAULT_MAX_RECORD_SIZE", "SQLiteStorage", "append", "append_async", "create_schema"]

@@ -2,7 +2,7 @@
 producer database, in its open transaction.
 
 Nothing is cached between calls: each append takes the database's write lock, then reads
-the stream's committed head under it (``store.APPEND_STATE_QUERY``). That is what lets
+the stream's committed head under it (``storage.APPEND_STATE_QUERY``). That is what lets
 any number of processes and connections publish into one database at once: SQLite
 admits one writer at a time, so seqs are dense and in commit order, by construction.
 
@@ -11,22 +11,23 @@ epoch. A ``Producer`` starting makes a new one, synced to disk; the first writer
 boot that finds the epoch made in an earlier boot makes one in its own transaction.
 Either way, seqs written again after a power loss carry a higher epoch than the ones
 lost, which a consumer that applied the lost ones detects. The rest of the SQLite
-engine's SQL is in ``store.py``.
+engine's SQL is in ``storage.py``.
 """
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Sequence
 from typing import Any
 
-from ... import store
 from ...blocking import run_on_thread
 from ...errors import SchemaMissingError
 from ...protocol import DEFAULT_MAX_FRAME_SIZE, FRAME_OVERHEAD
 from ...records import CheckedRecord, encode_checked
+from ...storage import Durability
+from . import storage
 
 DEFAULT_MAX_RECORD_SIZE = DEFAULT_MAX_FRAME_SIZE - FRAME_OVERHEAD
-create_schema = store.create_schema
 
 
 def append(
@@ -41,44 +42,73 @@ def append(
     cursor = dbapi.cursor()
     try:
         try:
-            cursor.execute(store.TAKE_WRITE_LOCK)
-            cursor.execute(store.APPEND_STATE_QUERY, (stream,))
+            cursor.execute(storage.TAKE_WRITE_LOCK)
+            cursor.execute(storage.APPEND_STATE_QUERY, (stream,))
             state = cursor.fetchone()
         except Exception as exc:
             if "no such table: streamq_" in str(exc):
                 raise SchemaMissingError(_no_tables(dbapi)) from exc
             raise
         epoch, boot, version, stream_id, key_index, head, max_ts, last_epoch = state
-        if version != store.SCHEMA_VERSION:
+        if version != storage.SCHEMA_VERSION:
             raise SchemaMissingError(_old_schema(dbapi, version))
         epoch = int(epoch)
-        if boot != store.boot_id():
+        if boot != storage.boot_id():
             # The first writer since the machine booted: a new epoch, committed with the
             # first records that use it (see the module docstring).
             epoch += 1
-            cursor.executemany(store.SET_META, [("epoch", epoch), ("boot_id", store.boot_id())])
+            cursor.executemany(storage.SET_META, [("epoch", epoch), ("boot_id", storage.boot_id())])
         if stream_id is None:
-            cursor.execute(store.CREATE_DEFAULT_STREAM, (stream,))
+            cursor.execute(storage.CREATE_DEFAULT_STREAM, (stream,))
             stream_id, key_index, head = cursor.lastrowid, 0, 0
         rows, times = [], []
         seqs = list(range(head + 1, head + 1 + len(records)))
-        if seqs and seqs[-1] > store.MAX_STORED_SEQ:
+        if seqs and seqs[-1] > storage.MAX_STORED_SEQ:
             raise OverflowError(f"stream {stream!r} has reached the last seq")
         encoded = encode_checked(seqs, records, max_record_size)
         for seq, (_, key, _, ts), record in zip(seqs, records, encoded, strict=True):
-            position = store.pos(stream_id, seq)
+            position = storage.pos(stream_id, seq)
             rows.append((position, ts, record, key if key_index else None))
-            if max_ts is None or ts > max_ts:  # "streamq_time" in store.py
+            if max_ts is None or ts > max_ts:  # "streamq_time" in storage.py
                 max_ts = ts
                 times.append((stream_id, ts, position))
         if rows and last_epoch != epoch:
-            cursor.execute(store.INSERT_EPOCHS, (stream_id, seqs[0], epoch))
-        cursor.executemany(store.INSERT_RECORDS, rows)
+            cursor.execute(storage.INSERT_EPOCHS, (stream_id, seqs[0], epoch))
+        cursor.executemany(storage.INSERT_RECORDS, rows)
         if times:
-            cursor.executemany(store.INSERT_TIMES, times)
+            cursor.executemany(storage.INSERT_TIMES, times)
         return seqs
     finally:
         cursor.close()
+
+
+class SQLiteSession(storage.SQLiteBlockingWriter):
+    """One thread's own connection to a producer database (``storage.Session``)."""
+
+    def __init__(self, path: str, durability: Durability) -> None:
+        conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        conn.execute(f"PRAGMA synchronous={durability.upper()}")
+        conn.execute("PRAGMA busy_timeout=10000")
+        super().__init__(conn)
+
+    @property
+    def in_transaction(self) -> bool:
+        return self.conn.in_transaction
+
+    def begin(self) -> None:  # type: ignore[override]  # no version: nothing cached here
+        self.conn.execute("BEGIN IMMEDIATE")
+
+    def append(
+        self, stream: str, records: Sequence[CheckedRecord], max_record_size: int
+    ) -> list[int]:
+        return append(self.conn, stream, records, max_record_size=max_record_size)
+
+    def head(self, stream: str) -> int | None:
+        row = self.conn.execute(storage.HEAD_QUERY, (stream,)).fetchone()
+        return None if row is None else int(row[0])
+
+    def close(self) -> None:
+        self.conn.close()
 
 
 async def append_async(
@@ -119,5 +149,5 @@ def _no_tables(dbapi: Any) -> str:
 def _old_schema(dbapi: Any, version: Any) -> str:
     return (
         f"{_database_file(dbapi)} has streamq schema version {version!r}, this streamq "
-        f"writes version {store.SCHEMA_VERSION}: start a Producer on it once to migrate"
+        f"writes version {storage.SCHEMA_VERSION}: start a Producer on it once to migrate"
     )

@@ -16,7 +16,7 @@ import json
 import os
 import socket
 
-from .errors import AlreadyServedError
+from ...errors import AlreadyServedError
 
 
 class ServeLock:

@@ -21,7 +21,8 @@ import ctypes
 import ctypes.util
 import os
 import sys
-import time
+
+from ...storage import Events
 
 _IN_MODIFY = 0x00000002
 _IN_NONBLOCK = os.O_NONBLOCK
@@ -39,14 +40,13 @@ def _inotify() -> ctypes.CDLL | None:
     return libc
 
 
-class WalWatch:
+class WalWatch(Events):
     """Events for writes to ``<database>-wal``; ``wait`` returns when one came."""
 
     def __init__(self, database: str) -> None:
+        super().__init__()
         self.path = database + "-wal"
         self._fd = -1
-        self._event = asyncio.Event()
-        self._first_event_at: float | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
@@ -54,23 +54,22 @@ class WalWatch:
         """True when writes wake the watch (inotify); False: only timeouts do."""
         return self._fd >= 0
 
-    def start(self) -> bool:
-        """Watch the WAL file if this system can; returns ``active``."""
+    async def start(self) -> None:
+        """Watch the WAL file if this system can (then ``active``)."""
         libc = _inotify()
         if libc is None or not os.path.exists(self.path):
-            return False
+            return
         fd = libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
         if fd < 0:
-            return False
+            return
         if libc.inotify_add_watch(fd, os.fsencode(self.path), _IN_MODIFY) < 0:
             os.close(fd)
-            return False
+            return
         self._fd = fd
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(fd, self._on_readable)
-        return True
 
-    def close(self) -> None:
+    async def close(self) -> None:
         if self._fd >= 0:
             if self._loop is not None and not self._loop.is_closed():
                 self._loop.remove_reader(self._fd)
@@ -81,23 +80,4 @@ class WalWatch:
         with contextlib.suppress(BlockingIOError, InterruptedError):
             while os.read(self._fd, 65536):  # the events say nothing more than "written"
                 pass
-        if self._first_event_at is None:
-            self._first_event_at = time.monotonic()
-        self._event.set()
-
-    def wake(self) -> None:
-        """Wake ``wait`` as an event would (a commit made in this process)."""
-        if self._first_event_at is None:
-            self._first_event_at = time.monotonic()
-        self._event.set()
-
-    async def wait(self, timeout: float) -> float | None:
-        """Wait for a write, at most ``timeout`` seconds: when the first write since the
-        last ``wait`` came (``time.monotonic``), or None after the timeout."""
-        if not self._event.is_set():
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(timeout):
-                    await self._event.wait()
-        self._event.clear()
-        first, self._first_event_at = self._first_event_at, None
-        return first
+        self.wake()

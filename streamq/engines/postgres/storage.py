@@ -1,0 +1,506 @@
+"""The PostgreSQL engine's storage: what a serving producer does with its database.
+
+One writer connection (autocommit, transactions begun and ended by hand), a pool of
+readers (psycopg_pool), a connection that LISTENs for other processes' commits, and one
+that holds the serving lock. The tables, the append path and why its seqs are dense and
+in commit order are in ``append.py``.
+
+- **Appending.** Each transaction locks a stream's row at its first append to it and
+  reads the head under the lock (``append.lock_steps``), so the producer's transactions
+  and every other process's ``streamq.publish`` interleave safely; the producer numbers
+  later appends of the same transaction from memory.
+- **No polling.** Every appending transaction sends ``NOTIFY streamq`` (delivered at its
+  commit). The producer's watch LISTENs and wakes the catch-up; notifications of the
+  producer's own writer are ignored, since it knows its commits. A slow periodic check
+  compares ``pg_current_snapshot()``, which changes whenever any transaction commits, so
+  a missed notification (or a writer that sends none: retention run from elsewhere)
+  delays, never loses.
+- **One serving process.** ``pg_try_advisory_lock`` on a connection held while serving;
+  a second server is told which process (its ``application_name``) holds it.
+- **Durability.** ``durability="full"`` sets ``synchronous_commit=on`` on the writer;
+  ``"normal"`` keeps the server's setting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, TypeVar
+
+from ...errors import AlreadyServedError, DatabaseOpenError
+from ...storage import (
+    AppendState,
+    Changes,
+    ConsumerRow,
+    Durability,
+    EpochRow,
+    Events,
+    Features,
+    Identity,
+    LogRow,
+    StreamRow,
+    StreamSettings,
+    TimeRow,
+)
+from .append import (
+    CHANNEL,
+    LOCK_EPOCH,
+    SET_META,
+    PostgresSession,
+    Statement,
+    Steps,
+    create_schema_steps,
+    insert_statement,
+    lock_steps,
+    run_async,
+)
+
+T = TypeVar("T")
+
+FEATURES = Features(stream_locks=True, blocking_transactions=False)
+
+STREAMS_QUERY = """
+SELECT s.id, s.name, s.low,
+    greatest(s.low - 1, coalesce((SELECT max(seq) FROM streamq_log WHERE stream_id = s.id), 0)),
+    s.key_index, s.compact, s.notify_compacted, s.compacted,
+    (SELECT max(ts) FROM streamq_time WHERE stream_id = s.id)
+FROM streamq_streams AS s ORDER BY s.id"""
+CONSUMERS_QUERY = "SELECT consumer, stream, applied FROM streamq_consumers"
+EPOCH_ROWS_QUERY = """
+SELECT e.stream_id, e.first_seq, e.epoch
+FROM streamq_epochs AS e JOIN unnest(%s::bigint[], %s::bigint[]) AS k(stream_id, after)
+    ON e.stream_id = k.stream_id AND e.first_seq > k.after
+ORDER BY e.stream_id, e.first_seq"""
+META_EPOCH_QUERY = "SELECT value FROM streamq_meta WHERE key = 'epoch'"
+# Changes whenever a transaction that wrote anything commits (its xid leaves the list of
+# running ones, or xmax moved past it): PostgreSQL's PRAGMA data_version.
+VERSION_QUERY = "SELECT pg_current_snapshot()::text"
+# The serving lock: an advisory lock (per database) with two int4 keys, "strq" and 1,
+# which pg_locks shows as classid, objid and objsubid 2.
+SERVE_LOCK = "1937011313, 1"
+SERVE_LOCK_HOLDER = """
+SELECT a.application_name, a.pid FROM pg_locks AS l JOIN pg_stat_activity AS a ON a.pid = l.pid
+WHERE l.locktype = 'advisory' AND l.granted AND l.classid = 1937011313 AND l.objid = 1
+    AND l.objsubid = 2 AND l.database = (SELECT oid FROM pg_database
+                                         WHERE datname = current_database())"""
+COMPACTION_QUERY = """
+WITH dirty AS (
+    SELECT DISTINCT key FROM streamq_log
+    WHERE stream_id = %(id)s AND seq > %(after)s AND seq <= %(through)s AND key IS NOT NULL)
+SELECT l.seq, l.key, l.record FROM dirty JOIN streamq_log AS l
+    ON l.stream_id = %(id)s AND l.key = dirty.key AND l.seq >= %(low)s AND l.seq <= %(through)s
+ORDER BY l.key, l.seq"""
+
+
+def _psycopg() -> Any:
+    try:
+        import psycopg
+    except ImportError:  # pragma: no cover - the extra is installed in development
+        raise ImportError("PostgreSQL needs psycopg 3: pip install 'streamq[postgres]'") from None
+    return psycopg
+
+
+def describe_url(url: str) -> str:
+    """The database a URL names, for messages, without its password."""
+    info = _psycopg().conninfo.conninfo_to_dict(url)
+    host = info.get("host", "localhost")
+    where = host if str(host).startswith("/") else f"{host}:{info.get('port', 5432)}"
+    return f"PostgreSQL database {info.get('dbname', '?')!r} on {where}"
+
+
+async def connect(url: str, where: str, *, application_name: str = "streamq") -> Any:
+    """An autocommit ``AsyncConnection``, or ``DatabaseOpenError`` naming the database."""
+    psycopg = _psycopg()
+    try:
+        return await psycopg.AsyncConnection.connect(
+            url, autocommit=True, application_name=application_name
+        )
+    except psycopg.Error as exc:
+        raise DatabaseOpenError(f"cannot connect to {where}: {exc}") from exc
+
+
+def _stream_rows(rows: Sequence[Any]) -> list[StreamRow]:
+    return [
+        StreamRow(i, name, head, low, StreamSettings(k, c, n), max_ts, compacted)
+        for i, name, low, head, k, c, n, compacted, max_ts in rows
+    ]
+
+
+class PostgresReader:
+    """A pooled read-only use of a connection (``storage.Reader``)."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+
+    async def _rows(self, sql: str, params: Any) -> list[Any]:
+        cursor = await self.conn.execute(sql, params)
+        rows: list[Any] = await cursor.fetchall()
+        return rows
+
+    async def read_records(
+        self, stream_id: int, start: int, end: int, limit: int
+    ) -> list[tuple[int, bytes]]:
+        rows = await self._rows(
+            "SELECT seq, record FROM streamq_log WHERE stream_id = %s AND seq >= %s "
+            "AND seq < %s ORDER BY seq LIMIT %s",
+            (stream_id, start, end, limit),
+        )
+        return [(seq, bytes(record)) for seq, record in rows]
+
+    async def read_key_records(
+        self, stream_id: int, key: bytes, start: int, end: int, limit: int
+    ) -> list[tuple[int, bytes]]:
+        rows = await self._rows(
+            "SELECT seq, record FROM streamq_log WHERE stream_id = %s AND key = %s "
+            "AND seq >= %s AND seq < %s ORDER BY seq LIMIT %s",
+            (stream_id, key, start, end, limit),
+        )
+        return [(seq, bytes(record)) for seq, record in rows]
+
+    async def seek_time(self, stream_id: int, timestamp: int) -> int | None:
+        rows = await self._rows(
+            "SELECT seq FROM streamq_time WHERE stream_id = %s AND ts >= %s ORDER BY ts LIMIT 1",
+            (stream_id, timestamp),
+        )
+        return int(rows[0][0]) if rows else None
+
+    async def low_and_compacted(self, stream_id: int) -> tuple[int, int]:
+        rows = await self._rows(
+            "SELECT low, compacted FROM streamq_streams WHERE id = %s", (stream_id,)
+        )
+        if not rows:
+            raise LookupError(f"no stream with id {stream_id}")
+        return int(rows[0][0]), int(rows[0][1])
+
+    async def streams(self) -> list[StreamRow]:
+        return _stream_rows(await self._rows(STREAMS_QUERY, None))
+
+
+class PostgresWriter:
+    """The producer's writer connection (``storage.Writer``): autocommit, so BEGIN and
+    COMMIT are the producer's to send."""
+
+    def __init__(self, conn: Any, where: str) -> None:
+        self.conn = conn
+        self.where = where
+        self.backend_pid: int = conn.info.backend_pid
+
+    @property
+    def in_transaction(self) -> bool:
+        return bool(self.conn.info.transaction_status != _psycopg().pq.TransactionStatus.IDLE)
+
+    async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        raise NotImplementedError("PostgreSQL runs no transaction on a thread of its own")
+
+    async def _steps(self, steps: Steps) -> Any:
+        return await run_async(self.conn, steps)
+
+    async def _rows(self, sql: str, params: Any = None) -> list[Any]:
+        cursor = await self.conn.execute(sql, params)
+        rows: list[Any] = await cursor.fetchall() if cursor.description else []
+        return rows
+
+    async def begin(self) -> None:
+        await self.conn.execute("BEGIN")
+
+    async def commit(self) -> None:
+        await self.conn.execute("COMMIT")
+
+    async def rollback(self) -> None:
+        if self.in_transaction:
+            await self.conn.execute("ROLLBACK")
+
+    async def execute(self, sql: str, parameters: Any = ()) -> Any:
+        return await self.conn.execute(sql, parameters or None)
+
+    async def executemany(self, sql: str, parameters: Any) -> Any:
+        cursor = self.conn.cursor()
+        await cursor.executemany(sql, parameters)
+        return cursor
+
+    async def create_stream(self, name: str, settings: StreamSettings) -> int:
+        return (await self.lock_stream(name, settings)).id
+
+    async def lock_stream(self, name: str, settings: StreamSettings | None) -> AppendState:
+        state: AppendState = await self._steps(lock_steps(name, settings, where=self.where))
+        return state
+
+    async def insert(
+        self, rows: Sequence[LogRow], times: Sequence[TimeRow], epochs: Sequence[EpochRow]
+    ) -> None:
+        if rows or epochs:
+            statement = insert_statement(rows, times, epochs)
+            await self.conn.execute(statement.sql, statement.params)
+
+    async def truncate(self, stream_id: int, before: int) -> None:
+        # Time rows of deleted records go too, but the last of them (as on SQLite: seeks
+        # clamp it to ``low``, and later records must exceed it to be indexed).
+        await self.conn.execute(
+            """
+            WITH records AS (
+                DELETE FROM streamq_log WHERE stream_id = %(id)s AND seq < %(before)s),
+            times AS (
+                DELETE FROM streamq_time WHERE stream_id = %(id)s AND seq < %(before)s
+                AND ts < (SELECT max(ts) FROM streamq_time
+                          WHERE stream_id = %(id)s AND seq < %(before)s))
+            UPDATE streamq_streams SET low = greatest(low, %(before)s) WHERE id = %(id)s""",
+            {"id": stream_id, "before": before},
+        )
+
+    async def first_seq_since(self, stream_id: int, start: int, end: int, since_ms: int) -> int:
+        rows = await self._rows(
+            "SELECT seq FROM streamq_log WHERE stream_id = %s AND seq >= %s AND seq < %s "
+            "AND ts >= %s ORDER BY seq LIMIT 1",
+            (stream_id, start, end, since_ms),
+        )
+        return int(rows[0][0]) if rows else end
+
+    async def bytes_between(self, stream_id: int, start: int, end: int) -> int:
+        rows = await self._rows(
+            "SELECT coalesce(sum(length(record)), 0) FROM streamq_log "
+            "WHERE stream_id = %s AND seq >= %s AND seq < %s",
+            (stream_id, start, end),
+        )
+        return int(rows[0][0])
+
+    async def seq_after_bytes(
+        self, stream_id: int, start: int, end: int, excess: int
+    ) -> tuple[int, int]:
+        dropped, seq = 0, start
+        while dropped < excess and seq < end:
+            rows = await self._rows(
+                "SELECT seq, length(record) FROM streamq_log WHERE stream_id = %s "
+                "AND seq >= %s AND seq < %s ORDER BY seq LIMIT 1024",
+                (stream_id, seq, end),
+            )
+            if not rows:
+                return end, dropped
+            for found, size in rows:
+                if dropped >= excess:
+                    return int(found), dropped
+                dropped += int(size)
+                seq = int(found) + 1
+        return (seq if dropped >= excess else end), dropped
+
+    async def compaction_candidates(
+        self, stream_id: int, low: int, after: int, through: int
+    ) -> list[tuple[int, bytes, bytes]]:
+        rows = await self._rows(
+            COMPACTION_QUERY, {"id": stream_id, "after": after, "through": through, "low": low}
+        )
+        return [(int(seq), bytes(key), bytes(record)) for seq, key, record in rows]
+
+    async def delete_compacted(self, stream_id: int, seqs: list[int], through: int) -> None:
+        await self.conn.execute(
+            """
+            WITH removed AS (DELETE FROM streamq_log
+                WHERE stream_id = %(id)s AND seq = ANY(%(seqs)s::bigint[]))
+            UPDATE streamq_streams SET compacted = greatest(compacted, %(through)s)
+            WHERE id = %(id)s""",
+            {"id": stream_id, "seqs": seqs, "through": through},
+        )
+
+    async def register_consumer(self, consumer: str, stream: str, applied: int) -> int:
+        now = int(time.time() * 1000)
+        rows = await self._rows(
+            "INSERT INTO streamq_consumers (consumer, stream, applied, registered_at, updated_at) "
+            "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (consumer, stream) DO UPDATE "
+            "SET applied = greatest(streamq_consumers.applied, EXCLUDED.applied) "
+            "RETURNING applied",
+            (consumer, stream, applied, now, now),
+        )
+        return int(rows[0][0])
+
+    async def unregister_consumer(self, consumer: str, stream: str) -> bool:
+        rows = await self._rows(
+            "DELETE FROM streamq_consumers WHERE consumer = %s AND stream = %s RETURNING 1",
+            (consumer, stream),
+        )
+        return bool(rows)
+
+    async def save_positions(self, positions: list[tuple[str, str, int]]) -> None:
+        """An UPDATE, never an insert: a registration removed elsewhere stays removed."""
+        if not positions:
+            return
+        now = int(time.time() * 1000)
+        consumers, streams, applied = map(list, zip(*positions, strict=True))
+        await self.conn.execute(
+            """
+            UPDATE streamq_consumers AS c SET applied = greatest(c.applied, p.applied),
+                updated_at = %s
+            FROM unnest(%s::text[], %s::text[], %s::bigint[]) AS p(consumer, stream, applied)
+            WHERE c.consumer = p.consumer AND c.stream = p.stream""",
+            (now, consumers, streams, applied),
+        )
+
+
+class PostgresWatch(Events):
+    """Wakes on ``NOTIFY streamq`` from any connection but the producer's own writer."""
+
+    def __init__(self, url: str, where: str, ignore_pid: int) -> None:
+        super().__init__()
+        self._url, self._where, self._ignore_pid = url, where, ignore_pid
+        self._conn: Any = None
+        self._task: Any = None
+
+    @property
+    def active(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def start(self) -> None:
+        self._conn = await connect(self._url, self._where, application_name="streamq watch")
+        await self._conn.execute(f"LISTEN {CHANNEL}")
+        self._task = asyncio.create_task(self._listen())
+
+    async def _listen(self) -> None:
+        async for notify in self._conn.notifies():
+            if notify.pid != self._ignore_pid:
+                self.wake()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._task
+        if self._conn is not None:
+            await self._conn.close()
+
+
+class PostgresStorage:
+    """A producer's PostgreSQL database (``storage.Storage``)."""
+
+    features = FEATURES
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.where = describe_url(url)
+        self._writer: PostgresWriter | None = None
+        self._pool: Any = None
+        self._serve_conn: Any = None
+
+    @property
+    def writer(self) -> PostgresWriter:
+        assert self._writer is not None, "storage not open"
+        return self._writer
+
+    async def open(self, durability: Durability) -> Identity:
+        conn = await connect(self.url, self.where, application_name="streamq producer")
+        self._writer = PostgresWriter(conn, self.where)
+        if durability == "full":
+            await conn.execute("SET synchronous_commit = on")
+        async with conn.transaction():
+            await conn.execute("SET LOCAL synchronous_commit = on")  # the epoch is durable
+            meta, created = await run_async(conn, create_schema_steps())
+            epoch = await run_async(conn, _new_epoch_steps())
+        return Identity(str(meta["producer_id"]), epoch, created)
+
+    async def open_readers(self, count: int) -> None:
+        from psycopg_pool import AsyncConnectionPool
+
+        self._pool = AsyncConnectionPool(
+            self.url,
+            min_size=count,
+            max_size=count,
+            kwargs={"autocommit": True, "application_name": "streamq reader"},
+            open=False,
+        )
+        try:
+            await self._pool.open(wait=True, timeout=30)
+        except Exception as exc:
+            raise DatabaseOpenError(f"cannot connect to {self.where}: {exc}") from exc
+
+    @contextlib.asynccontextmanager
+    async def reader(self) -> AsyncIterator[PostgresReader]:
+        async with self._pool.connection() as conn:
+            yield PostgresReader(conn)
+
+    async def load(self) -> Changes:
+        return await self.changes({})
+
+    async def version(self) -> str:
+        async with self._pool.connection() as conn:
+            cursor = await conn.execute(VERSION_QUERY)
+            row = await cursor.fetchone()
+        return str(row[0])
+
+    async def changes(self, known: dict[int, tuple[int, int]]) -> Changes:
+        """One snapshot (a REPEATABLE READ transaction): streams, registrations, the
+        epoch, and the epoch rows after the known ones of the streams that grew."""
+        async with self._pool.connection() as conn, conn.transaction():
+            await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+            reader = PostgresReader(conn)
+            streams = _stream_rows(await reader._rows(STREAMS_QUERY, None))
+            consumers = [
+                ConsumerRow(c, s, int(a)) for c, s, a in await reader._rows(CONSUMERS_QUERY, None)
+            ]
+            (epoch,) = (await reader._rows(META_EPOCH_QUERY, None))[0]
+            grown = [r for r in streams if r.head > known.get(r.id, (-1, 0))[0]]
+            epoch_rows = await reader._rows(
+                EPOCH_ROWS_QUERY,
+                ([r.id for r in grown], [known.get(r.id, (-1, 0))[1] for r in grown]),
+            )
+        return Changes(
+            int(epoch), streams, consumers, [(int(s), int(f), int(e)) for s, f, e in epoch_rows]
+        )
+
+    def watch(self) -> PostgresWatch:
+        return PostgresWatch(self.url, self.where, self.writer.backend_pid)
+
+    def session(self, durability: Durability) -> PostgresSession:
+        return PostgresSession(self.url, durability)
+
+    async def claim_serving(self) -> None:
+        conn = await connect(self.url, self.where, application_name=_serving_name(None))
+        cursor = await conn.execute(f"SELECT pg_try_advisory_lock({SERVE_LOCK})")
+        (locked,) = await cursor.fetchone()
+        if not locked:
+            cursor = await conn.execute(SERVE_LOCK_HOLDER)
+            row = await cursor.fetchone()
+            await conn.close()
+            holder = f"{row[0]!r} (backend pid {row[1]})" if row else "another process"
+            raise AlreadyServedError(
+                f"{self.where} is already served by {holder}: one process serves a producer "
+                "database; the others publish with Producer(..., serve=False) or "
+                "streamq.publish(conn, ...)"
+            )
+        self._serve_conn = conn
+
+    async def serving(self, address: str) -> None:
+        if self._serve_conn is not None:
+            await self._serve_conn.execute(
+                "SELECT set_config('application_name', %s, false)", (_serving_name(address),)
+            )
+
+    async def close(self) -> None:
+        if self._pool is not None:
+            await self._pool.close()
+            self._pool = None
+        if self._serve_conn is not None:
+            # Released now: a closed session's locks go only once its backend has exited,
+            # after close() returns, and a restart would find the lock still held.
+            with contextlib.suppress(Exception):
+                await self._serve_conn.execute(f"SELECT pg_advisory_unlock({SERVE_LOCK})")
+            await self._serve_conn.close()
+        if self._writer is not None:
+            await self._writer.conn.close()
+        self._writer = self._serve_conn = None
+
+
+def _serving_name(address: str | None) -> str:
+    """The serving connection's application_name (63 bytes at most): who serves."""
+    where = f" at {address}" if address else ""
+    return f"streamq serve{where} pid {os.getpid()} on {socket.gethostname()}"[:63]
+
+
+def _new_epoch_steps() -> Steps:
+    """A producer start: a new epoch, noted in ``streamq_boot`` for this server life."""
+    (epoch,) = yield Statement(LOCK_EPOCH, fetch=True)
+    epoch = int(epoch) + 1
+    yield Statement(SET_META, ("epoch", str(epoch)))
+    yield Statement("DELETE FROM streamq_boot")
+    yield Statement("INSERT INTO streamq_boot (epoch) VALUES (%s)", (epoch,))
+    return epoch

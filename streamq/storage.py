@@ -1,0 +1,372 @@
+"""One storage interface, two engines: what the producer, its log and its retention ask of
+the database, whichever it is.
+
+A serving producer talks to its database through three objects, which an engine
+(``streamq/engines/sqlite``, ``streamq/engines/postgres``) implements:
+
+- ``Storage``: the database as a whole. It opens the writer and the readers, creates the
+  tables, takes the producer's epoch, and tells the producer when other processes commit
+  (``watch``).
+- ``Writer``: the one connection the producer writes through, and its only owner.
+  Transactions, the application's statements, and every write of the log (records,
+  streams, retention, compaction, registrations) go through it.
+- ``Reader``: a read-only connection from a small pool, for consumers behind the
+  in-memory tail, history and seeks.
+
+Engines differ in how appenders are kept in seq order (``Features``): SQLite has one
+writer at a time, so the producer catches up with other writers once at BEGIN and numbers
+records from memory; PostgreSQL locks each stream's row, so the producer reads a stream's
+head from the database when it first appends to it in a transaction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, TypeVar
+
+T = TypeVar("T")
+
+Durability = Literal["normal", "full"]
+
+POSTGRES_SCHEMES = ("postgresql://", "postgres://")
+
+
+def is_postgres_url(target: str) -> bool:
+    return target.startswith(POSTGRES_SCHEMES)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamSettings:
+    """Chosen when a stream is created (``Producer.create_stream``), fixed afterwards."""
+
+    key_index: bool = False  # keys indexed: ``history`` seeks instead of scanning
+    compact: bool = False  # compacted periodically: only each key's latest record is kept
+    notify_compacted: bool = False  # what compaction removes is published to "<name>.compacted"
+
+
+@dataclass(frozen=True, slots=True)
+class StreamRow:
+    id: int
+    name: str
+    head: int
+    low: int
+    settings: StreamSettings = StreamSettings()
+    max_ts: int | None = None  # the stream's largest timestamp so far (streamq_time)
+    compacted: int = 0  # compaction ran up to this seq: seqs up to it may be absent
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    producer_id: str
+    epoch: int
+    created: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerRow:
+    consumer: str
+    stream: str
+    applied: int
+
+
+@dataclass(frozen=True, slots=True)
+class Changes:
+    """What is committed, as the serving producer loads it or catches up with it."""
+
+    epoch: int  # the database's epoch now
+    streams: list[StreamRow]
+    consumers: list[ConsumerRow]
+    epoch_rows: list[tuple[int, int, int]]  # (stream id, first seq, epoch), new ones only
+
+
+@dataclass(frozen=True, slots=True)
+class AppendState:
+    """A stream as an appender finds it holding the stream's lock (``Writer.lock_stream``)."""
+
+    id: int
+    head: int
+    max_ts: int | None
+    last_epoch: int | None  # the epoch of the stream's last segment
+    settings: StreamSettings
+    epoch: int  # the database's epoch, to stamp the records with
+    created: bool  # the stream was created by this transaction
+
+
+# (stream id, seq, timestamp, encoded record, key or None)
+LogRow = tuple[int, int, int, bytes, bytes | None]
+# (stream id, timestamp, seq): the time index ("streamq_time")
+TimeRow = tuple[int, int, int]
+# (stream id, first seq, epoch): "streamq_epochs"
+EpochRow = tuple[int, int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Features:
+    """What differs between engines, so callers branch on a capability, not a name."""
+
+    # Appenders lock each stream (PostgreSQL): a stream's head is read from the database
+    # at its first append in a transaction. Otherwise (SQLite) BEGIN locks the whole
+    # database and the producer numbers records from memory, caught up at BEGIN.
+    stream_locks: bool
+    # ``run_in_transaction`` runs the whole transaction on the writer's own thread.
+    blocking_transactions: bool
+
+
+class Reader(Protocol):
+    """A read-only connection: committed records only."""
+
+    async def read_records(
+        self, stream_id: int, start: int, end: int, limit: int
+    ) -> list[tuple[int, bytes]]:
+        """Up to ``limit`` (seq, encoded record) pairs with ``start <= seq < end``."""
+        ...
+
+    async def read_key_records(
+        self, stream_id: int, key: bytes, start: int, end: int, limit: int
+    ) -> list[tuple[int, bytes]]:
+        """``read_records`` of one key, by the key index."""
+        ...
+
+    async def seek_time(self, stream_id: int, timestamp: int) -> int | None:
+        """The first seq whose timestamp is >= ``timestamp``; None if no record's is."""
+        ...
+
+    async def low_and_compacted(self, stream_id: int) -> tuple[int, int]:
+        """A stream's first held seq and compaction point as committed, by anyone."""
+        ...
+
+    async def streams(self) -> list[StreamRow]:
+        """Every stream as committed (for tools that read a database without serving it)."""
+        ...
+
+
+class BlockingWriter(Protocol):
+    """The writer connection on its own thread, for a whole transaction run there as one
+    function (``Producer.run_in_transaction``; engines with ``blocking_transactions``)."""
+
+    def begin(self) -> int | None: ...
+
+    def commit(self) -> None: ...
+
+    def rollback(self) -> None: ...
+
+    def execute(self, sql: str, parameters: Any = ()) -> Any: ...
+
+    def executemany(self, sql: str, parameters: Any) -> Any: ...
+
+    def create_stream(self, name: str, settings: StreamSettings) -> int: ...
+
+    def insert(
+        self, rows: Sequence[LogRow], times: Sequence[TimeRow], epochs: Sequence[EpochRow]
+    ) -> None: ...
+
+
+class Session(Protocol):
+    """A connection of its own for one thread of a ``SyncProducer``: transactions run on
+    the calling thread, appending as ``streamq.publish`` does (nothing kept in memory)."""
+
+    @property
+    def in_transaction(self) -> bool: ...
+
+    def begin(self) -> None: ...
+
+    def commit(self) -> None: ...
+
+    def rollback(self) -> None: ...
+
+    def execute(self, sql: str, parameters: Any = ()) -> Any: ...
+
+    def executemany(self, sql: str, parameters: Any) -> Any: ...
+
+    def append(self, stream: str, records: Sequence[Any], max_record_size: int) -> list[int]:
+        """Append checked records (``records.checked_record``); their seqs."""
+        ...
+
+    def head(self, stream: str) -> int | None:
+        """The stream's committed head; None if there is no such stream."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class Writer(Protocol):
+    """The producer's writer connection. Every method but ``begin`` runs in the
+    transaction ``begin`` opened."""
+
+    async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(blocking_writer, *args)`` on the connection's own thread (one hop)."""
+        ...
+
+    @property
+    def in_transaction(self) -> bool: ...
+
+    async def begin(self) -> int | None:
+        """Open a transaction. SQLite: holding the write lock, returns a number that
+        changes whenever another connection commits (PRAGMA data_version)."""
+        ...
+
+    async def commit(self) -> None: ...
+
+    async def rollback(self) -> None: ...
+
+    async def execute(self, sql: str, parameters: Any = ()) -> Any:
+        """The application's statement (its engine's placeholders); a cursor."""
+        ...
+
+    async def executemany(self, sql: str, parameters: Any) -> Any: ...
+
+    async def create_stream(self, name: str, settings: StreamSettings) -> int:
+        """Insert a stream row; its id. (Engines without ``stream_locks``.)"""
+        ...
+
+    async def lock_stream(self, name: str, settings: StreamSettings | None) -> AppendState:
+        """Lock ``name`` until the transaction ends, creating it (with ``settings``) if
+        missing, and read its state. (Engines with ``stream_locks``.)"""
+        ...
+
+    async def insert(
+        self, rows: Sequence[LogRow], times: Sequence[TimeRow], epochs: Sequence[EpochRow]
+    ) -> None:
+        """Records, their time-index rows and the epoch rows of the segments they start.
+        A seq already taken raises ``ConcurrentWriterError``."""
+        ...
+
+    async def truncate(self, stream_id: int, before: int) -> None:
+        """Delete a stream's records with seq < ``before`` and raise its ``low``."""
+        ...
+
+    async def first_seq_since(self, stream_id: int, start: int, end: int, since_ms: int) -> int:
+        """The first seq in ``[start, end)`` published at or after ``since_ms`` (``end``
+        if none); reads only what it skips."""
+        ...
+
+    async def bytes_between(self, stream_id: int, start: int, end: int) -> int:
+        """The stored size of the records with ``start <= seq < end``."""
+        ...
+
+    async def seq_after_bytes(
+        self, stream_id: int, start: int, end: int, excess: int
+    ) -> tuple[int, int]:
+        """Dropping records from ``start`` until ``excess`` bytes are gone: the first seq
+        kept, and the bytes dropped."""
+        ...
+
+    async def compaction_candidates(
+        self, stream_id: int, low: int, after: int, through: int
+    ) -> list[tuple[int, bytes, bytes]]:
+        """(seq, key, encoded record) of every held record whose key reappears in
+        ``(after, through]``, grouped by key, in seq order within each key."""
+        ...
+
+    async def delete_compacted(self, stream_id: int, seqs: list[int], through: int) -> None:
+        """Delete what compaction removed, and note how far it ran."""
+        ...
+
+    async def register_consumer(self, consumer: str, stream: str, applied: int) -> int:
+        """Register (an existing registration keeps the further position); the position."""
+        ...
+
+    async def unregister_consumer(self, consumer: str, stream: str) -> bool:
+        """Remove a registration; False if there was none."""
+        ...
+
+    async def save_positions(self, positions: list[tuple[str, str, int]]) -> None:
+        """Store registered consumers' reported (consumer, stream, applied)."""
+        ...
+
+
+class Events:
+    """What a ``Watch`` is made of: events noted as they come, ``wait`` for the first."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+        self._first_event_at: float | None = None
+
+    def wake(self) -> None:
+        """Note an event (a commit this process knows of, or one the watch saw)."""
+        if self._first_event_at is None:
+            self._first_event_at = time.monotonic()
+        self._event.set()
+
+    async def wait(self, timeout: float) -> float | None:
+        """Wait for an event, at most ``timeout`` seconds: when the first event since the
+        last ``wait`` came (``time.monotonic``), or None after the timeout."""
+        if not self._event.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await self._event.wait()
+        self._event.clear()
+        first, self._first_event_at = self._first_event_at, None
+        return first
+
+
+class Watch(Protocol):
+    """Wakes the serving producer when another process may have committed."""
+
+    @property
+    def active(self) -> bool:
+        """Events come as commits happen; otherwise only ``wait``'s timeout wakes."""
+        ...
+
+    async def start(self) -> None: ...
+
+    async def wait(self, timeout: float) -> float | None:
+        """The time of the first event within ``timeout`` seconds; None if none came."""
+        ...
+
+    def wake(self) -> None:
+        """End the current ``wait`` now (this process knows of a commit)."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class Storage(Protocol):
+    """A producer's database."""
+
+    features: Features
+    where: str  # names the database in messages: a file, or a server and database
+
+    @property
+    def writer(self) -> Writer: ...
+
+    async def open(self, durability: Durability) -> Identity:
+        """Open the writer, create or migrate the tables, and take a new epoch, durably."""
+        ...
+
+    async def open_readers(self, count: int) -> None: ...
+
+    def reader(self) -> contextlib.AbstractAsyncContextManager[Reader]: ...
+
+    async def load(self) -> Changes:
+        """Everything committed: streams, registrations, the epoch, every epoch row."""
+        ...
+
+    async def version(self) -> Any:
+        """Changes whenever anyone commits (compare with ``==``)."""
+        ...
+
+    async def changes(self, known: dict[int, tuple[int, int]]) -> Changes:
+        """What a catch-up needs, given ``known`` ({stream id: (head, last first seq)}):
+        every stream and registration, and the epoch rows after the known ones."""
+        ...
+
+    def watch(self) -> Watch: ...
+
+    def session(self, durability: Durability) -> Session:
+        """A new connection for the calling thread (blocking)."""
+        ...
+
+    async def claim_serving(self) -> None:
+        """Become the one process serving this database, or raise ``AlreadyServedError``."""
+        ...
+
+    async def serving(self, address: str) -> None:
+        """Note where this process serves (for the next one's error message)."""
+        ...
+
+    async def close(self) -> None: ...

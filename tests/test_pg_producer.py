@@ -1,0 +1,274 @@
+"""A producer serving from PostgreSQL: ``Producer("postgresql://...")`` against a real
+server (``tests/pgserver.py``). Business rows and records commit together; other
+processes' ``streamq.publish`` are served as they commit (LISTEN/NOTIFY, no polling);
+one process serves a database; and retention, compaction, history, seeks, epochs and
+registrations behave as they do on SQLite."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import psycopg
+import pytest
+
+import streamq
+from streamq import Consumer, Producer
+from streamq.errors import AlreadyServedError, DatabaseOpenError, UnsupportedConnectionError
+
+from .conftest import wait_for
+
+STREAMQ = [sys.executable, "-m", "streamq"]
+
+
+def values(batch: streamq.Batch) -> list[tuple[int, bytes]]:
+    return [(record.seq, record.value) for record in batch]
+
+
+async def consume(address: str, stream: str, count: int, **options: object) -> list[streamq.Record]:
+    """The first ``count`` records of ``stream``, as a consumer receives them."""
+    received: list[streamq.Record] = []
+    async with Consumer(address, stream, **options) as consumer:  # type: ignore[arg-type]
+        async with asyncio.timeout(20):
+            async for batch in consumer:
+                received += batch
+                if len(received) >= count:
+                    return received
+    return received
+
+
+async def test_business_rows_and_records_commit_together(pg_url: str) -> None:
+    async with Producer(pg_url) as producer:
+        async with producer.transaction() as tx:
+            await tx.execute("CREATE TABLE stock (sku text PRIMARY KEY, n integer)")
+            await tx.execute("INSERT INTO stock VALUES (%s, %s)", ("a1", 10))
+        async with producer.transaction() as tx:
+            await tx.execute("UPDATE stock SET n = n - 1 WHERE sku = %s", ("a1",))
+            assert await tx.publish("orders", b"payload", key=b"a1") == 1
+            assert await tx.publish("orders", b"second") == 2
+        with pytest.raises(RuntimeError, match="boom"):
+            async with producer.transaction() as tx:
+                await tx.execute("UPDATE stock SET n = 0")
+                assert await tx.publish("orders", b"rolled back") == 3
+                assert await tx.publish("new-stream", b"rolled back") == 1
+                raise RuntimeError("boom")
+        assert await producer.publish("orders", b"third") == 3  # the rolled-back seq, again
+        assert producer.head("orders") == 3
+        assert "new-stream" not in producer.log.streams
+        received = await consume(producer.address, "orders", 3)
+    assert [(r.seq, r.value) for r in received] == [(1, b"payload"), (2, b"second"), (3, b"third")]
+    assert received[0].key == b"a1"
+    with psycopg.connect(pg_url) as conn:
+        assert conn.execute("SELECT n FROM stock").fetchone() == (9,)
+        assert conn.execute("SELECT count(*) FROM streamq_streams WHERE name = 'new-stream'")
+        assert conn.execute("SELECT count(*) FROM streamq_log").fetchone() == (3,)
+
+
+async def test_other_processes_commits_are_served_without_polling(pg_url: str) -> None:
+    """``streamq.publish`` on the application's own connection: the serving producer
+    hears the commit's NOTIFY. The fallback check is set to an hour, so only the
+    notification can wake it within the test's timeout."""
+    async with Producer(pg_url, watch_interval=3600) as producer:
+        await producer.create_stream("orders")
+        async with Consumer(producer.address, "orders") as consumer:
+            with psycopg.connect(pg_url) as conn:
+                for n in range(3):
+                    with conn.transaction():
+                        streamq.publish(conn, "orders", b"app %d" % n)
+                with conn.transaction():  # a rollback sends no notification, and no record
+                    streamq.publish(conn, "orders", b"rolled back")
+                    raise psycopg.Rollback()
+            received: list[streamq.Record] = []
+            async with asyncio.timeout(10):
+                async for batch in consumer:
+                    received += batch
+                    if len(received) >= 3:
+                        break
+            assert [r.value for r in received] == [b"app 0", b"app 1", b"app 2"]
+        # The producer's own next seq follows the application's.
+        assert await producer.publish("orders", b"producer") == 4
+
+
+async def test_producer_and_application_interleave_with_dense_seqs(pg_url: str) -> None:
+    """The producer's transactions and the application's publishes share each stream's
+    lock: seqs stay dense and in commit order whoever writes."""
+    async with Producer(pg_url) as producer:
+        await producer.create_stream("orders")
+
+        def application(count: int) -> list[int]:
+            with psycopg.connect(pg_url) as conn:
+                seqs = []
+                for n in range(count):
+                    with conn.transaction():
+                        seqs.append(streamq.publish(conn, "orders", b"app %d" % n))
+                return seqs
+
+        app = asyncio.create_task(asyncio.to_thread(application, 200))
+        ours = [await producer.publish("orders", b"producer %d" % n) for n in range(200)]
+        theirs = await app
+        assert sorted(ours + theirs) == list(range(1, 401))
+        await wait_for(lambda: producer.head("orders") == 400, what="the head to reach 400")
+        received = await consume(producer.address, "orders", 400)
+    assert [r.seq for r in received] == list(range(1, 401))
+
+
+async def test_one_process_serves_a_database(pg_url: str) -> None:
+    async with Producer(pg_url) as first:
+        with pytest.raises(AlreadyServedError, match=r"already served by 'streamq serve at"):
+            async with Producer(pg_url):
+                pass
+        async with Producer(pg_url, serve=False) as writer:  # publishing needs no lock
+            assert await writer.publish("orders", b"from a worker") == 1
+        await wait_for(lambda: first.log.streams.get("orders") is not None, what="catch-up")
+    async with Producer(pg_url):  # the lock went with the first one's session
+        pass
+
+
+async def test_restart_takes_a_new_epoch_and_keeps_the_log(pg_url: str) -> None:
+    async with Producer(pg_url) as producer:
+        first_epoch = producer.epoch
+        producer_id = producer.producer_id
+        await producer.publish("orders", b"a")
+    async with Producer(pg_url) as producer:
+        assert producer.producer_id == producer_id
+        assert producer.epoch == first_epoch + 1
+        assert await producer.publish("orders", b"b") == 2
+        assert producer.log.streams["orders"].epochs.epoch_of(1) == first_epoch
+        assert producer.log.streams["orders"].epochs.epoch_of(2) == first_epoch + 1
+        received = await consume(producer.address, "orders", 2)
+    assert [r.value for r in received] == [b"a", b"b"]
+
+
+async def test_history_seek_retention_and_compaction(pg_url: str) -> None:
+    async with Producer(pg_url) as producer:
+        await producer.create_stream("accounts", key_index=True, notify_compacted=True)
+        before = int(time.time() * 1000)
+        async with producer.transaction() as tx:
+            for n in range(10):
+                await tx.publish("accounts", b"v%d" % n, key=b"k%d" % (n % 3))
+        history = await producer.history("accounts", b"k1")
+        assert [r.value for r in history] == [b"v1", b"v4", b"v7"]
+        assert await producer.seek_time("accounts", before) == 1
+        assert await producer.seek_time("accounts", int(time.time() * 1000) + 60_000) == 11
+
+        removed = await producer.compact("accounts")
+        # Each key's latest record stays: k0 at 10, k1 at 8, k2 at 9.
+        assert sorted(entry.old_seq for entry in removed) == [1, 2, 3, 4, 5, 6, 7]
+        assert producer.head("accounts.compacted") == 7
+        received = await consume(producer.address, "accounts", 3)
+        assert [(r.seq, r.value) for r in received] == [(8, b"v7"), (9, b"v8"), (10, b"v9")]
+
+        await producer.truncate("accounts", 9)
+        with pytest.raises(streamq.OffsetOutOfRangeError):
+            await consume(producer.address, "accounts", 1, start_seq=7)
+        assert [r.value for r in await consume(producer.address, "accounts", 2, start_seq=9)] == [
+            b"v8",
+            b"v9",
+        ]
+
+
+async def test_registrations_are_stored_and_retention_counts_their_losses(pg_url: str) -> None:
+    async with Producer(pg_url) as producer:
+        await producer.register_consumer("ledger", "orders")
+        async with producer.transaction() as tx:
+            await tx.publish_many("orders", [b"x"] * 5)
+        assert await producer.apply_retention() == []  # no cap: ledger's records are kept
+        producer.set_retention("orders", ms=0)  # a cap forces them out, and says whose
+        [truncation] = await producer.apply_retention()
+        assert (truncation.low, truncation.deleted, truncation.lost) == (6, 5, {"ledger": 5})
+        with psycopg.connect(pg_url) as conn:
+            assert conn.execute("SELECT consumer, stream FROM streamq_consumers").fetchall() == [
+                ("ledger", "orders")
+            ]
+        assert await producer.unregister_consumer("ledger", "orders")
+        assert not await producer.unregister_consumer("ledger", "orders")
+    with psycopg.connect(pg_url) as conn:
+        assert conn.execute("SELECT count(*) FROM streamq_consumers").fetchone() == (0,)
+        assert conn.execute("SELECT low FROM streamq_streams").fetchone() == (6,)
+
+
+async def test_refusals_name_what_is_missing(pg_url: str) -> None:
+    async with Producer(pg_url, serve=False) as producer:
+        with pytest.raises(UnsupportedConnectionError, match=r"producer\.transaction\(\)"):
+            await producer.run_in_transaction(lambda tx: None)
+    bad = pg_url.rsplit("/", 1)[0] + "/no_such_database"
+    with pytest.raises(DatabaseOpenError, match="no_such_database"):
+        async with Producer(bad):
+            pass
+
+
+def test_sync_producer_on_postgresql(pg_url: str) -> None:
+    """Transactions on the calling thread's own connection, from several threads: dense
+    seqs, the business rows with them, the serving loop woken after each commit."""
+    with streamq.SyncProducer(pg_url) as producer:
+        with producer.transaction() as tx:
+            tx.execute("CREATE TABLE stock (sku text PRIMARY KEY, n integer)")
+            tx.execute("INSERT INTO stock VALUES (%s, %s)", ("a1", 100))
+
+        def worker(n: int) -> list[int]:
+            seqs = []
+            for _ in range(20):
+                with producer.transaction() as tx:
+                    tx.execute("UPDATE stock SET n = n - 1 WHERE sku = %s", ("a1",))
+                    seqs.append(tx.publish("orders", b"%d" % n))
+            return seqs
+
+        with ThreadPoolExecutor(4) as pool:
+            seqs = [seq for batch in pool.map(worker, range(4)) for seq in batch]
+        assert sorted(seqs) == list(range(1, 81))
+        assert producer.head("orders") == 80
+        assert producer.query("SELECT n FROM stock") == [(20,)]
+        with pytest.raises(RuntimeError, match="boom"), producer.transaction() as tx:
+            tx.publish("orders", b"rolled back")
+            raise RuntimeError("boom")
+        assert producer.publish("orders", b"last") == 81
+        with streamq.Client(producer.address) as client:
+            assert client.head("orders").head == 81
+
+
+def test_cli_init_and_serve_a_postgresql_database(pg_url: str) -> None:
+    init = subprocess.run(
+        [*STREAMQ, "init", pg_url, "--stream", "orders"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert init.returncode == 0, init.stderr
+    assert "streamq log tables ready" in init.stdout
+    server = subprocess.Popen(
+        [*STREAMQ, "serve", pg_url, "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert server.stdout is not None
+        first = server.stdout.readline()
+        assert first.startswith("serving producer"), first + server.stderr.read()
+        address = first.rsplit(" on ", 1)[1].strip()
+        with psycopg.connect(pg_url) as conn, conn.transaction():
+            streamq.publish(conn, "orders", b"from the application")
+        deadline = time.monotonic() + 10
+        with streamq.Client(address) as client:
+            while client.head("orders").head < 1:
+                assert time.monotonic() < deadline, "the server never saw the commit"
+                time.sleep(0.01)
+            [records] = list(client.read_range("orders", 1, 2))
+            assert [r.value for r in records] == [b"from the application"]
+    finally:
+        server.terminate()
+        server.communicate(timeout=30)
+    assert server.returncode == 0
+    refused = subprocess.run(
+        [*STREAMQ, "serve", pg_url.rsplit("/", 1)[0] + "/missing", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert refused.returncode == 1
+    assert "cannot connect to PostgreSQL database 'missing'" in refused.stderr
