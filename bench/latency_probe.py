@@ -18,7 +18,7 @@ from hdrh.histogram import HdrHistogram
 
 import streamq
 from streamq import _loop
-from streamq.store import Durability
+from streamq.storage import Durability
 
 from . import latency_programs
 from .common import Child, console

@@ -20,7 +20,7 @@ from hdrh.histogram import HdrHistogram
 
 import streamq
 from streamq import _loop
-from streamq.store import Durability
+from streamq.storage import Durability
 
 from .common import say, wait_line
 

@@ -41,7 +41,7 @@ from hdrh.histogram import HdrHistogram
 from rich.progress import Progress, TaskID
 from rich.table import Table
 
-from streamq.store import HEAD_QUERY
+from streamq.engines.sqlite.storage import HEAD_QUERY
 
 from .common import (
     Child,

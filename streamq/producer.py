@@ -901,17 +901,23 @@ class Producer:
             interval = _FALLBACK_CHECK if watch.active else _POLL_INTERVAL
         while True:
             event_at = await watch.wait(interval)
-            delay = _RECHECK
-            while not await self._check_others() and event_at is not None:
-                # A write not yet visible as a commit (or this producer's own): look again,
-                # later each time, sooner after another write; at most one look per _RECHECK.
-                if delay > _RECHECK_LAST:
-                    break
-                await asyncio.sleep(_RECHECK)
-                if await watch.wait(delay - _RECHECK) is not None:
-                    delay = _RECHECK
-                else:
-                    delay *= 2
+            try:
+                await self._look_for_commits(watch, event_at)
+            except Exception:  # the database away (a server restarting): look again later
+                logger.exception("checking for other writers' commits failed")
+
+    async def _look_for_commits(self, watch: Watch, event_at: float | None) -> None:
+        delay = _RECHECK
+        while not await self._check_others() and event_at is not None:
+            # A write not yet visible as a commit (or this producer's own): look again,
+            # later each time, sooner after another write; at most one look per _RECHECK.
+            if delay > _RECHECK_LAST:
+                break
+            await asyncio.sleep(_RECHECK)
+            if await watch.wait(delay - _RECHECK) is not None:
+                delay = _RECHECK
+            else:
+                delay *= 2
 
     async def refresh(self) -> None:
         """Catch up now with what other connections and processes committed (they are

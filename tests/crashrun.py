@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import streamq
-from streamq.store import HEAD_QUERY
+from streamq.engines.sqlite.storage import HEAD_QUERY
 
 from .oracle import History, Report, check, history_from_files
 

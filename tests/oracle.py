@@ -174,7 +174,7 @@ def read_log(path: Path | str, stream: str) -> dict[int, bytes]:
     """Every record of ``stream`` in a producer's database file: seq -> value."""
     import msgpack
 
-    from streamq.store import MAX_STORED_SEQ, SEQ_BITS
+    from streamq.engines.sqlite.storage import MAX_STORED_SEQ, SEQ_BITS
 
     with sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10) as db:
         row = db.execute("SELECT id FROM streamq_streams WHERE name = ?", (stream,)).fetchone()

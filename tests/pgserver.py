@@ -6,18 +6,28 @@ as the ``postgres`` system user (``subprocess``'s ``user=``/``group=``), in a di
 it owns. As anyone else, they run as the current user. The server keeps ``fsync`` on, so
 commits cost what they cost in production; it listens on 127.0.0.1 only (and a unix
 socket in its directory), with trust authentication for one superuser.
+
+For the failover and crash tests a server can also be copied into a streaming replica
+(``replica``), stopped the way a crash stops it (``crash``: ``pg_ctl stop -m immediate``;
+``kill``: SIGKILL to the postmaster), started again on the same directory and port
+(``restart``) and promoted (``promote``). Every wait is bounded.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import pwd
 import re
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +86,20 @@ def free_port() -> int:
         return port
 
 
+def wait_until(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    """Check ``condition`` until it holds; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.01)
+
+
+# What a start prints while the processes of a killed server are still exiting: they hold
+# its shared memory, or (a zombie not yet reaped) its pid still answers.
+_OLD_SERVER_EXITING = ("pre-existing shared memory block", "already exists")
+
+
 class PostgresServer:
     """One server, in its own temporary directory; ``start`` then ``stop`` (which removes
     the directory, whatever happened)."""
@@ -88,6 +112,10 @@ class PostgresServer:
         self.logfile = self.base / "server.log"
         self.port = 0
         self.running = False
+        self.killed_pid = 0  # a postmaster ``kill`` ended, not started again since
+        self._killed_shmid = ""  # its System V shared memory, which outlives it
+        # A replica's primary_conninfo (from pg_basebackup -R), kept by ``_configure``.
+        self._standby: dict[str, str] = {}
         # As root, the server programs run as the postgres user, in directories it owns.
         self._user: dict[str, Any] = {}
         if os.geteuid() == 0:
@@ -129,21 +157,31 @@ class PostgresServer:
             *("-D", str(self.data), "-U", SUPERUSER, "--auth=trust"),
             *("--encoding=UTF8", "--no-locale", "--no-instructions"),
         )
+        # Replicas copy this server with pg_basebackup: a replication connection for the
+        # superuser, on loopback (initdb's default file may allow it too; this says so).
+        with (self.data / "pg_hba.conf").open("a") as hba:
+            hba.write(f"host replication {SUPERUSER} 127.0.0.1/32 trust\n")
+        self._start_on_a_free_port()
+
+    def _start_on_a_free_port(self) -> None:
         # A free port can be taken by someone else before the server binds it: try again.
         for attempt in range(5):
             self.port = free_port()
             self._configure()
             try:
-                self._run(
-                    "pg_ctl",
-                    *("-D", str(self.data), "-l", str(self.logfile), "-w", "-t", "60", "start"),
-                )
+                self._pg_ctl_start()
             except RuntimeError:
                 if attempt == 4 or "could not bind" not in self.log_tail(200):
                     raise
                 continue
-            self.running = True
             return
+
+    def _pg_ctl_start(self) -> None:
+        self._run(
+            "pg_ctl", "-D", str(self.data), "-l", str(self.logfile), "-w", "-t", "60", "start"
+        )
+        self.running = True
+        self.killed_pid = 0
 
     def _configure(self) -> None:
         settings = {
@@ -152,6 +190,10 @@ class PostgresServer:
             "unix_socket_directories": f"'{self.base}'",
             "fsync": "on",  # commits cost what they cost in production
             "max_connections": "100",
+            # Replication (the defaults, said here): WAL a replica can replay, senders for it.
+            "wal_level": "replica",
+            "max_wal_senders": "10",
+            **self._standby,
             **self.settings,
         }
         # postgresql.auto.conf is read last: its values win over postgresql.conf's.
@@ -164,9 +206,18 @@ class PostgresServer:
         """Stop the server (fast: open sessions are ended) and remove its directory."""
         try:
             if self.running:
-                self._run("pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "-t", "60", "stop")
-                self.running = False
+                try:
+                    self._run(
+                        "pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "-t", "60", "stop"
+                    )
+                    self.running = False
+                except (RuntimeError, subprocess.TimeoutExpired):
+                    # A server that will not stop must not outlive the tests.
+                    with contextlib.suppress(OSError, ValueError, IndexError, TimeoutError):
+                        self.kill()
+                    raise
         finally:
+            self._release_killed_memory()
             shutil.rmtree(self.base, ignore_errors=True)
 
     def create_database(self, name: str) -> str:
@@ -187,3 +238,144 @@ class PostgresServer:
             conn.execute(
                 sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
             )
+
+    # --- replication, crashes, failover ------------------------------------------------
+
+    def replica(self, settings: dict[str, str] | None = None) -> PostgresServer:
+        """A streaming replica of this running server, started as a hot standby on its
+        own port: ``pg_basebackup -R`` (standby.signal and primary_conninfo), replication
+        asynchronous (this server has no synchronous_standby_names). The caller stops it."""
+        replica = PostgresServer(self.bindir, settings)
+        try:
+            replica._run(
+                "pg_basebackup",
+                *("-h", "127.0.0.1", "-p", str(self.port), "-U", SUPERUSER),
+                *("-D", str(replica.data), "-R", "-X", "stream"),
+                # Checkpoint now: the default waits for a spread checkpoint (minutes).
+                *("--checkpoint=fast", "--no-password"),
+                # The copy is not fsynced (a second or so): the tests crash servers, never
+                # the machine, so what is written survives in the page cache anyway.
+                "--no-sync",
+            )
+            # -R appended primary_conninfo to the copied postgresql.auto.conf, which
+            # _configure rewrites with the replica's own port: keep it.
+            auto = (replica.data / "postgresql.auto.conf").read_text()
+            for line in auto.splitlines():
+                name, _, value = line.partition("=")
+                if name.strip() in ("primary_conninfo", "primary_slot_name"):
+                    replica._standby[name.strip()] = value.strip()
+            if "primary_conninfo" not in replica._standby:
+                raise RuntimeError(f"pg_basebackup -R wrote no primary_conninfo:\n{auto}")
+            replica._start_on_a_free_port()
+        except BaseException:
+            replica.stop()
+            raise
+        return replica
+
+    def wait_replayed(self, primary: PostgresServer, timeout: float = 30.0) -> None:
+        """Wait until this replica has replayed the primary's WAL up to where it is now
+        (``pg_current_wal_lsn()``): every commit the primary made before is visible here."""
+        import psycopg
+
+        with psycopg.connect(primary.url(), autocommit=True) as conn:
+            row = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()
+        assert row is not None
+        target: str = row[0]
+        with psycopg.connect(self.url(), autocommit=True) as conn:
+
+            def replayed() -> bool:
+                done = conn.execute(
+                    "SELECT coalesce(pg_last_wal_replay_lsn() >= %s::pg_lsn, false)", (target,)
+                ).fetchone()
+                return bool(done and done[0])
+
+            wait_until(
+                replayed, f"the replica on port {self.port} to replay up to {target}", timeout
+            )
+
+    def crash(self) -> None:
+        """``pg_ctl stop -m immediate``: the postmaster ends every process at once, with no
+        shutdown checkpoint; the next start runs crash recovery, as after kill -9."""
+        self._run("pg_ctl", "-D", str(self.data), "-m", "immediate", "-w", "-t", "60", "stop")
+        self.running = False
+
+    def kill(self, timeout: float = 30.0) -> None:
+        """SIGKILL the postmaster, as the OOM killer would: nothing is flushed or cleaned
+        up, its children notice it is gone and exit on their own. Returns once it is
+        dead; ``restart`` waits for the children."""
+        lines = (self.data / "postmaster.pid").read_text().splitlines()
+        pid = int(lines[0])
+        self.running = False
+        self.killed_pid = pid
+        self._killed_shmid = lines[6].split()[1] if len(lines) > 6 else ""  # "key id"
+        os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: not _alive(pid), f"the postmaster (pid {pid}) to die", timeout)
+
+    def restart(self, timeout: float = 60.0) -> None:
+        """Start a stopped server again, same directory and port (a crashed one runs
+        crash recovery first, a replica resumes as a standby). After ``kill``, a start is
+        refused while the old server's processes still hold its shared memory: retried
+        until they have exited."""
+        deadline = time.monotonic() + timeout
+        self._remove_stale_lock_files()
+        while True:
+            try:
+                self._pg_ctl_start()
+                return
+            except RuntimeError as exc:
+                exiting = self.killed_pid and any(m in str(exc) for m in _OLD_SERVER_EXITING)
+                if not exiting or time.monotonic() > deadline:
+                    raise
+            time.sleep(0.05)
+
+    def _remove_stale_lock_files(self) -> None:
+        """A killed postmaster stays a zombie until init reaps it (some container inits
+        take seconds), and while its pid answers signals PostgreSQL takes the pid in its
+        lock files (``postmaster.pid``, the socket's ``.lock``) for a live server. It is
+        dead: they go. Its children, if some still run, are caught by the shared memory
+        check instead (``restart`` waits for them)."""
+        if not self.killed_pid or _alive(self.killed_pid):
+            return
+        for lock in (self.data / "postmaster.pid", self.base / f".s.PGSQL.{self.port}.lock"):
+            try:
+                if int(lock.read_text().splitlines()[0]) == self.killed_pid:
+                    lock.unlink()
+            except (OSError, IndexError, ValueError):
+                pass  # no such file: nothing to remove
+
+    def promote(self) -> None:
+        """``pg_ctl promote -w``: the standby ends recovery and takes writes; returns once
+        it does."""
+        self._run("pg_ctl", "-D", str(self.data), "-w", "-t", "60", "promote")
+
+    def _release_killed_memory(self) -> None:
+        """A killed server's System V shared memory outlives it (its next start would
+        reuse it): mark it for removal, done once its last process has detached."""
+        ipcrm = shutil.which("ipcrm")
+        if self.killed_pid and self._killed_shmid and ipcrm and not self.running:
+            subprocess.run(
+                [ipcrm, "-m", self._killed_shmid], capture_output=True, timeout=30, check=False
+            )
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs; a zombie counts as dead (reaped here if it is our child,
+    as it is when the tests run as pid 1 in a container)."""
+    try:
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return False
+    except ChildProcessError:
+        pass  # not ours: pg_ctl's postmaster belongs to init
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    if sys.platform.startswith("linux"):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        return stat.rpartition(")")[2].split()[0] != "Z"
+    return True

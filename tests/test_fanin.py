@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from streamq import Batch, BlockingSQL, Consumer, FanInConsumer, OutOfOrderBatchError, Producer
-from streamq.store import HEAD_QUERY
+from streamq.engines.sqlite.storage import HEAD_QUERY
 
 from .conftest import wait_for
 from .crashrun import Proc, free_port

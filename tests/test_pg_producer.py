@@ -10,6 +10,7 @@ import asyncio
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import psycopg
@@ -20,6 +21,7 @@ from streamq import Consumer, Producer
 from streamq.errors import AlreadyServedError, DatabaseOpenError, UnsupportedConnectionError
 
 from .conftest import wait_for
+from .pgserver import PostgresMissingError, PostgresServer
 
 STREAMQ = [sys.executable, "-m", "streamq"]
 
@@ -272,3 +274,41 @@ def test_cli_init_and_serve_a_postgresql_database(pg_url: str) -> None:
     )
     assert refused.returncode == 1
     assert "cannot connect to PostgreSQL database 'missing'" in refused.stderr
+
+
+@pytest.fixture
+def own_server() -> Iterator[PostgresServer]:
+    """A server of this test's own, since it is killed."""
+    try:
+        server = PostgresServer()
+    except PostgresMissingError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+async def test_producer_survives_a_server_crash(own_server: PostgresServer) -> None:
+    """kill -9 of PostgreSQL's postmaster, then a restart: the producer's writer and its
+    LISTEN connection connect again, the records committed before are still served, and
+    appends after the crash carry a new epoch (crash recovery emptied streamq_boot)."""
+    url = own_server.create_database("shop")
+    async with Producer(url, watch_interval=3600) as producer:
+        assert await producer.publish("orders", b"before") == 1
+        before = producer.log.streams["orders"].epochs.epoch_of(1)
+        async with Consumer(producer.address, "orders") as consumer:
+            assert values(await anext(consumer)) == [(1, b"before")]
+            await asyncio.to_thread(own_server.kill)
+            await asyncio.to_thread(own_server.restart)
+            assert await producer.publish("orders", b"after") == 2
+            assert values(await anext(consumer)) == [(2, b"after")]
+            # Another process's commit wakes the server through the new LISTEN session
+            # (the fallback check is an hour away).
+            with psycopg.connect(url) as conn, conn.transaction():
+                streamq.publish(conn, "orders", b"theirs")
+            async with asyncio.timeout(10):
+                assert values(await anext(consumer)) == [(3, b"theirs")]
+        epochs = producer.log.streams["orders"].epochs
+        assert epochs.epoch_of(2) == epochs.epoch_of(3) > before

@@ -194,3 +194,23 @@ def test_producer_added_to_a_running_query_is_read_from_its_start(
         a.producer_id: list(range(1, 1001)),
         b.producer_id: list(range(1, 2001)),
     }
+
+
+def test_batch_read_a_postgresql_producer_beside_a_sqlite_one(
+    spark: SparkSession, pg_url: str, tmp_path: Path
+) -> None:
+    """The source speaks the protocol, so the producer's engine is invisible to Spark."""
+    with (
+        streamq.SyncProducer(pg_url) as on_postgres,
+        streamq.SyncProducer(str(tmp_path / "p.db")) as on_sqlite,
+    ):
+        for producer, name in ((on_postgres, b"pg"), (on_sqlite, b"sqlite")):
+            with producer.transaction() as tx:
+                tx.publish_many("orders", [b"%s-%d" % (name, n) for n in range(1, 501)])
+        df = read(spark, endpoints([on_postgres, on_sqlite]))
+        assert seqs_by_producer(df) == {
+            on_postgres.producer_id: list(range(1, 501)),
+            on_sqlite.producer_id: list(range(1, 501)),
+        }
+        values = {r.value for r in df.filter("seq = 500").collect()}
+        assert values == {b"pg-500", b"sqlite-500"}

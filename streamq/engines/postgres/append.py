@@ -1,6 +1,6 @@
 """The PostgreSQL engine: the log's tables and the append path, through psycopg 3.
 
-The tables are SQLite's (``store.py``), in PostgreSQL's types: ``streamq_meta``,
+The tables are the SQLite engine's (``sqlite/storage.py``), in PostgreSQL's types: ``streamq_meta``,
 ``streamq_streams``, ``streamq_log`` keyed by (stream_id, seq), ``streamq_time``,
 ``streamq_epochs``, ``streamq_consumers``; plus ``streamq_boot``, below.
 
@@ -139,12 +139,23 @@ SELECT (SELECT value FROM streamq_meta WHERE key = 'epoch'),
 FROM streamq_streams AS s WHERE s.id = %s"""
 # Taking a new epoch: one appender at a time, each rereading after the lock.
 LOCK_EPOCH = "SELECT value FROM streamq_meta WHERE key = 'epoch' FOR UPDATE"
-EPOCH_QUERY = (
-    "SELECT value, EXISTS (SELECT FROM streamq_boot) FROM streamq_meta WHERE key = 'epoch'"
-)
+# The epoch, whether this server life took one, and the next epoch: one more, and at
+# least the server's WAL timeline << 32. A promoted replica is on a new timeline, higher
+# than its old primary's, so its epochs exceed every epoch the old primary took, even
+# those it never received (the old primary may have crashed and taken one, for seqs lost
+# in the failover). The timeline is the first 8 hex digits of the current WAL file's name.
+EPOCH_QUERY = """
+SELECT value, EXISTS (SELECT FROM streamq_boot), greatest(value::bigint + 1,
+    ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint << 32)
+FROM streamq_meta WHERE key = 'epoch'"""
+# The new epoch is committed synchronously whatever synchronous_commit says: a reader may
+# see records stamped with it, and if a crash lost it, the next one would be taken again,
+# with the same number, for other records.
 NEW_EPOCH = """
-WITH meta AS (UPDATE streamq_meta SET value = %(epoch)s::text WHERE key = 'epoch')
+WITH meta AS (UPDATE streamq_meta SET value = %(epoch)s::text WHERE key = 'epoch'),
+    boot AS (DELETE FROM streamq_boot)
 INSERT INTO streamq_boot (epoch) VALUES (%(epoch)s)"""
+SYNC_COMMIT = "SET LOCAL synchronous_commit = on"
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,12 +202,7 @@ def lock_steps(stream: str, settings: StreamSettings | None, *, where: str) -> S
     if not booted:
         # The first appender since the server started after a crash, or was promoted:
         # a new epoch, committed with the first records that use it.
-        yield Statement(LOCK_EPOCH, fetch=True)
-        epoch_now, booted = yield Statement(EPOCH_QUERY, fetch=True)
-        epoch = int(epoch_now)
-        if not booted:
-            epoch += 1
-            yield Statement(NEW_EPOCH, {"epoch": epoch})
+        epoch = yield from new_epoch_steps(if_not_booted=True)
     return AppendState(
         stream_id,
         head,
@@ -206,6 +212,18 @@ def lock_steps(stream: str, settings: StreamSettings | None, *, where: str) -> S
         epoch,
         created,
     )
+
+
+def new_epoch_steps(*, if_not_booted: bool) -> Steps:
+    """Take a new epoch (only if this server life took none, with ``if_not_booted``), one
+    appender at a time, committed synchronously; returns the epoch to stamp records with."""
+    yield Statement(LOCK_EPOCH, fetch=True)
+    epoch, booted, new = yield Statement(EPOCH_QUERY, fetch=True)
+    if if_not_booted and booted:
+        return int(epoch)  # another appender took it while this one waited for the lock
+    yield Statement(SYNC_COMMIT)
+    yield Statement(NEW_EPOCH, {"epoch": new})
+    return int(new)
 
 
 def append_steps(

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import socket
 import time
@@ -48,18 +49,21 @@ from ...storage import (
 )
 from .append import (
     CHANNEL,
-    LOCK_EPOCH,
-    SET_META,
     PostgresSession,
-    Statement,
     Steps,
     create_schema_steps,
     insert_statement,
     lock_steps,
+    new_epoch_steps,
     run_async,
 )
 
 T = TypeVar("T")
+
+logger = logging.getLogger("streamq.postgres")
+
+# Between attempts to connect again (the watch, the writer) while the server is away.
+_RECONNECT_DELAY = 1.0
 
 FEATURES = Features(stream_locks=True, blocking_transactions=False)
 
@@ -184,10 +188,11 @@ class PostgresWriter:
     """The producer's writer connection (``storage.Writer``): autocommit, so BEGIN and
     COMMIT are the producer's to send."""
 
-    def __init__(self, conn: Any, where: str) -> None:
+    def __init__(self, conn: Any, url: str, where: str, durability: Durability) -> None:
         self.conn = conn
-        self.where = where
+        self.url, self.where = url, where
         self.backend_pid: int = conn.info.backend_pid
+        self.durability = durability
 
     @property
     def in_transaction(self) -> bool:
@@ -205,7 +210,25 @@ class PostgresWriter:
         return rows
 
     async def begin(self) -> None:
+        """BEGIN; if the session is gone (the server restarted, or ended it), a new
+        session first: nothing was in the transaction yet, so nothing is lost."""
+        if not (self.conn.broken or self.conn.closed):
+            try:
+                await self.conn.execute("BEGIN")
+                return
+            except _psycopg().OperationalError:
+                if not self.conn.broken:
+                    raise
+        self.conn = await connect(self.url, self.where, application_name="streamq producer")
+        self.backend_pid = self.conn.info.backend_pid
+        await self.configure()
         await self.conn.execute("BEGIN")
+
+    async def configure(self) -> None:
+        """``durability="full"``: every commit synced on the server before it returns,
+        whatever the server's default (``"normal"`` keeps that default)."""
+        if self.durability == "full":
+            await self.conn.execute("SET synchronous_commit = on")
 
     async def commit(self) -> None:
         await self.conn.execute("COMMIT")
@@ -341,9 +364,9 @@ class PostgresWriter:
 class PostgresWatch(Events):
     """Wakes on ``NOTIFY streamq`` from any connection but the producer's own writer."""
 
-    def __init__(self, url: str, where: str, ignore_pid: int) -> None:
+    def __init__(self, url: str, where: str, writer: PostgresWriter) -> None:
         super().__init__()
-        self._url, self._where, self._ignore_pid = url, where, ignore_pid
+        self._url, self._where, self._writer = url, where, writer
         self._conn: Any = None
         self._task: Any = None
 
@@ -352,14 +375,32 @@ class PostgresWatch(Events):
         return self._task is not None and not self._task.done()
 
     async def start(self) -> None:
-        self._conn = await connect(self._url, self._where, application_name="streamq watch")
-        await self._conn.execute(f"LISTEN {CHANNEL}")
+        await self._connect()
         self._task = asyncio.create_task(self._listen())
 
+    async def _connect(self) -> None:
+        self._conn = await connect(self._url, self._where, application_name="streamq watch")
+        await self._conn.execute(f"LISTEN {CHANNEL}")
+
     async def _listen(self) -> None:
-        async for notify in self._conn.notifies():
-            if notify.pid != self._ignore_pid:
-                self.wake()
+        """Forever: a lost connection (the server restarting) is made again, a second
+        apart at most, with a wake-up each time since notifications may have been missed."""
+        while True:
+            try:
+                async for notify in self._conn.notifies():
+                    if notify.pid != self._writer.backend_pid:
+                        self.wake()
+            except Exception:
+                logger.warning("lost the LISTEN connection to %s; reconnecting", self._where)
+            self.wake()
+            await self._conn.close()
+            while True:
+                await asyncio.sleep(_RECONNECT_DELAY)
+                try:
+                    await self._connect()
+                    break
+                except DatabaseOpenError:
+                    continue
 
     async def close(self) -> None:
         if self._task is not None:
@@ -389,13 +430,11 @@ class PostgresStorage:
 
     async def open(self, durability: Durability) -> Identity:
         conn = await connect(self.url, self.where, application_name="streamq producer")
-        self._writer = PostgresWriter(conn, self.where)
-        if durability == "full":
-            await conn.execute("SET synchronous_commit = on")
+        self._writer = PostgresWriter(conn, self.url, self.where, durability)
+        await self._writer.configure()
         async with conn.transaction():
-            await conn.execute("SET LOCAL synchronous_commit = on")  # the epoch is durable
             meta, created = await run_async(conn, create_schema_steps())
-            epoch = await run_async(conn, _new_epoch_steps())
+            epoch = await run_async(conn, new_epoch_steps(if_not_booted=False))
         return Identity(str(meta["producer_id"]), epoch, created)
 
     async def open_readers(self, count: int) -> None:
@@ -406,6 +445,9 @@ class PostgresStorage:
             min_size=count,
             max_size=count,
             kwargs={"autocommit": True, "application_name": "streamq reader"},
+            # A connection is checked as it is taken: after a server restart, a reader gets a
+            # new session instead of the dead one's error.
+            check=AsyncConnectionPool.check_connection,
             open=False,
         )
         try:
@@ -448,7 +490,7 @@ class PostgresStorage:
         )
 
     def watch(self) -> PostgresWatch:
-        return PostgresWatch(self.url, self.where, self.writer.backend_pid)
+        return PostgresWatch(self.url, self.where, self.writer)
 
     def session(self, durability: Durability) -> PostgresSession:
         return PostgresSession(self.url, durability)
@@ -494,13 +536,3 @@ def _serving_name(address: str | None) -> str:
     """The serving connection's application_name (63 bytes at most): who serves."""
     where = f" at {address}" if address else ""
     return f"streamq serve{where} pid {os.getpid()} on {socket.gethostname()}"[:63]
-
-
-def _new_epoch_steps() -> Steps:
-    """A producer start: a new epoch, noted in ``streamq_boot`` for this server life."""
-    (epoch,) = yield Statement(LOCK_EPOCH, fetch=True)
-    epoch = int(epoch) + 1
-    yield Statement(SET_META, ("epoch", str(epoch)))
-    yield Statement("DELETE FROM streamq_boot")
-    yield Statement("INSERT INTO streamq_boot (epoch) VALUES (%s)", (epoch,))
-    return epoch
