@@ -69,6 +69,17 @@ def producer_db(tmp_path: Path) -> str:
     return str(tmp_path / "producer.db")
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def either_producer_db(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A producer database of either engine: a SQLite file, or a fresh PostgreSQL
+    database on the session's server. Modules whose behaviour must not depend on the
+    engine run their tests on both by overriding ``producer_db`` with this."""
+    if request.param == "sqlite":
+        return str(tmp_path / "producer.db")
+    url: str = request.getfixturevalue("pg_url")
+    return url
+
+
 @pytest.fixture
 def consumer_db(tmp_path: Path) -> str:
     return str(tmp_path / "consumer.db")

@@ -78,10 +78,11 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
 
 
 @pytest.fixture
-async def secured(producer_db: str, certs: Certs) -> AsyncIterator[Producer]:
-    """A producer with mutual TLS and tokens, 20 records in ``orders``, 5 in ``secret``."""
+async def secured(either_producer_db: str, certs: Certs) -> AsyncIterator[Producer]:
+    """A producer with mutual TLS and tokens, 20 records in ``orders``, 5 in ``secret``;
+    its log in SQLite or in PostgreSQL (security is the server's, whatever the engine)."""
     settings = ServerSettings(tls=certs.server, auth=AUTH)
-    async with Producer(producer_db, settings=settings) as producer:
+    async with Producer(either_producer_db, settings=settings) as producer:
         async with producer.transaction() as tx:
             await tx.publish_many("orders", [b"%d" % n for n in range(20)])
             await tx.publish_many("secret", [b"s%d" % n for n in range(5)])
@@ -499,7 +500,9 @@ def test_cli_serves_tls_and_tokens(tmp_path: Path, certs: Certs) -> None:
     assert process.returncode == 0
 
 
-async def test_positions_are_reported_under_the_token_name(secured: Producer, certs: Certs) -> None:
+async def test_positions_are_reported_under_the_token_name(
+    secured: Producer, certs: Certs, tmp_path: Path
+) -> None:
     """A token holder cannot move another consumer's position (and with it, retention):
     with tokens, ACKs and REPORT_POSITION count for the consumer the token proved."""
     await secured.register_consumer("ledger", "orders")
@@ -512,7 +515,7 @@ async def test_positions_are_reported_under_the_token_name(secured: Producer, ce
     async with Consumer(
         secured.address,
         "orders",
-        db=str(Path(secured.path).with_name("c.db")),
+        db=str(tmp_path / "c.db"),
         name="ledger",
         tls=certs.client,
         token=BILLING,
