@@ -10,10 +10,9 @@ Supported: ``sqlite3.Connection``; psycopg 3's ``Connection`` (PostgreSQL); SQLA
 ``Connection`` and ``Session`` on either (a transaction is begun as SQLAlchemy's own
 autobegin would); Django's ``connection`` inside ``transaction.atomic()``; and, for
 ``*_async``, ``aiosqlite.Connection``, psycopg's ``AsyncConnection`` and SQLAlchemy's
-``AsyncConnection`` and ``AsyncSession``. On PostgreSQL only publishing and
-``create_tables`` exist so far: ``resolve`` (``save_position``) refuses it by name.
-SQLAlchemy, Django and psycopg are never imported before such an object is passed:
-objects are recognised by their module, so none of them is a dependency.
+``AsyncConnection`` and ``AsyncSession``. SQLAlchemy, Django and psycopg are never
+imported before such an object is passed: objects are recognised by their module, so
+none of them is a dependency.
 """
 
 from __future__ import annotations
@@ -28,8 +27,9 @@ Engine = Literal["sqlite", "postgresql"]
 
 _SUPPORTED = (
     "a sqlite3.Connection, a psycopg (3) Connection, a SQLAlchemy Connection or Session, or "
-    "Django's django.db.connection (streamq.publish); an aiosqlite.Connection, a psycopg "
-    "AsyncConnection or a SQLAlchemy AsyncConnection or AsyncSession (streamq.publish_async)"
+    "Django's django.db.connection (streamq.publish, save_position); an "
+    "aiosqlite.Connection, a psycopg AsyncConnection or a SQLAlchemy AsyncConnection or "
+    "AsyncSession (streamq.publish_async, save_position_async)"
 )
 
 
@@ -59,15 +59,6 @@ def resolve_engine(conn: Any) -> Resolved:
             "use 'await streamq.publish_async(conn, ...)'"
         )
     raise _unsupported(conn)
-
-
-def resolve(conn: Any) -> Any:
-    """The DB-API connection to a SQLite database to write through, checked to be in a
-    transaction: for what exists on SQLite only (``save_position``)."""
-    resolved = resolve_engine(conn)
-    if resolved.engine != "sqlite":
-        raise sqlite_only(resolved.engine)
-    return resolved.dbapi
 
 
 async def resolve_engine_async(conn: Any) -> Resolved:
@@ -121,13 +112,6 @@ def _unsupported(conn: Any) -> UnsupportedConnectionError:
         )
     return UnsupportedConnectionError(
         f"cannot publish through a {module}.{type(conn).__qualname__}: pass {_SUPPORTED}"
-    )
-
-
-def sqlite_only(engine: str) -> UnsupportedConnectionError:
-    return UnsupportedConnectionError(
-        f"this connection is to {engine}, where streamq supports only publish, publish_many, "
-        "publish_async and create_tables so far: save_position needs a SQLite database"
     )
 
 

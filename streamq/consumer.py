@@ -2,10 +2,14 @@
 
 A background task reads the socket into a bounded queue of batches; when the
 queue is full it stops reading, the socket's buffers fill, and TCP makes the
-producer wait. ``Consumer.transaction(batch)`` applies a batch in one SQLite
-transaction that also stores the consumer's position (producer id, stream)
--> last seq, so after any crash the consumer resumes right after the last
-committed batch.
+producer wait. ``Consumer.transaction(batch)`` applies a batch in one transaction
+that also stores the consumer's position (producer id, stream) -> last seq, so after
+any crash the consumer resumes right after the last committed batch.
+
+The consumer's database is SQLite (a path) or PostgreSQL (a ``postgresql://`` URL).
+The consumer does not know which: it talks to a ``PositionStore``, one per engine
+(``engines/sqlite/positions.py``, ``engines/postgres/positions.py``), each holding all
+of its engine's SQL, picked once from ``db`` (``open_position_store``).
 """
 
 from __future__ import annotations
@@ -16,21 +20,11 @@ import logging
 import ssl
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload
 
-import aiosqlite
-
-from . import store
-from .blocking import (
-    AsyncSQL,
-    BlockingSQL,
-    in_transaction,
-    raw_connection,
-    run_on_thread,
-    to_the_end,
-)
 from .errors import (
     ConnectionLostError,
     ConsumerPositionError,
@@ -65,41 +59,16 @@ from .protocol import (
     TimePosition,
 )
 from .security import ClientTLS, tls_error, tls_refused
-from .store import Durability
+from .storage import Durability, is_postgres_url
+
+if TYPE_CHECKING:
+    pass
 
 T = TypeVar("T")
 
 logger = logging.getLogger("streamq.consumer")
 
 _READ_SIZE = 256 * 1024
-
-_POSITIONS_SCHEMA = """
-CREATE TABLE IF NOT EXISTS streamq_positions (
-    consumer TEXT NOT NULL,
-    producer_id TEXT NOT NULL,
-    stream TEXT NOT NULL,
-    seq INTEGER NOT NULL,         -- last applied seq
-    epoch INTEGER,                -- highest producer epoch that wrote up to seq (0: unknown)
-    endpoint TEXT NOT NULL,       -- where that producer was last reached
-    updated_at INTEGER NOT NULL,  -- milliseconds since the Unix epoch
-    PRIMARY KEY (consumer, producer_id, stream)
-)"""
-
-
-async def open_database(path: str, durability: Durability) -> aiosqlite.Connection:
-    """A consumer's database connection, with the positions table."""
-    db = await store.connect(path)  # a path that is no database: DatabaseOpenError
-    try:
-        await db.execute("PRAGMA journal_mode=WAL")
-        await db.execute(f"PRAGMA synchronous={durability.upper()}")
-        await db.execute(_POSITIONS_SCHEMA)
-        columns = await db.execute_fetchall("PRAGMA table_info(streamq_positions)")
-        if "epoch" not in {column[1] for column in columns}:  # made by an older streamq
-            await db.execute("ALTER TABLE streamq_positions ADD COLUMN epoch INTEGER")
-    except BaseException:
-        await db.close()
-        raise
-    return db
 
 
 def lost_seqs(position: int, head: int, rewritten_from: int) -> range | None:
@@ -167,17 +136,93 @@ class Batch(Sequence[Record]):
         return self.records[index]
 
 
-class ConsumerTransaction(AsyncSQL):
-    """One transaction on the consumer's database, committed with the batch's position."""
+class ConsumerTransaction(Protocol):
+    """One transaction on the consumer's database, committed with the batch's position.
+
+    Statements are the engine's own: ``?`` placeholders on SQLite (an aiosqlite cursor
+    comes back), ``%s`` on PostgreSQL (a psycopg ``AsyncCursor``).
+    """
+
+    async def execute(self, sql: str, parameters: Any = ...) -> Any:
+        """Run the application's SQL inside this transaction."""
+
+    async def executemany(self, sql: str, parameters: Any) -> Any: ...
+
+
+class PositionStore(Protocol):
+    """The consumer's database, as the consumer uses it: positions, and batches applied
+    with them. One class per engine; the consumer never asks which, and calls one
+    method at a time (under its transaction lock).
+
+    A position moves only from the seq a batch follows (``Batch.after``) to its last, in
+    the transaction applying it, checked in the database under its locks: a batch that a
+    racing process already applied gets ``OutOfOrderBatchError``, before the
+    application's SQL runs, and nothing commits.
+    """
+
+    where: str  # names the database in errors
+
+    @property
+    def connection(self) -> Any:
+        """The engine's asyncio connection (for tests and tools that reach under this)."""
+
+    async def open(self) -> None:
+        """Connect, and create the positions table if missing (``DatabaseOpenError``)."""
+
+    async def close(self) -> None: ...
+
+    async def load(
+        self, consumer: str, stream: str, producer_id: str, endpoint: str
+    ) -> list[tuple[str, int, int]]:
+        """(producer id, seq, epoch) of ``consumer``'s positions on ``stream`` from
+        ``producer_id``, or from whatever producer was reached at ``endpoint``."""
+
+    async def stored(self, consumer: str, producer_id: str, stream: str) -> int | None:
+        """The position as committed, by the consumer or through ``save_position``."""
+
+    def transaction(
+        self, batch: Batch, committed: Callable[[], None]
+    ) -> AbstractAsyncContextManager[ConsumerTransaction]:
+        """One transaction applying ``batch`` with its position; ``committed()`` runs
+        once its COMMIT went through, even if the caller was cancelled meanwhile."""
+
+    async def apply(
+        self,
+        batch: Batch,
+        fn: Callable[..., T],
+        args: tuple[Any, ...],
+        committed: Callable[[], None],
+    ) -> T:
+        """``fn(tx, batch, *args)`` with blocking statements, in one transaction with the
+        position, off the event loop; then ``committed()`` as for ``transaction``."""
+
+
+def open_position_store(
+    db: str, durability: Durability = "normal", *, connect_timeout: float = 10.0
+) -> PositionStore:
+    """The store for ``db``: a ``postgresql://`` (or ``postgres://``) URL is a PostgreSQL
+    database, anything else a SQLite file. Not opened yet."""
+    if is_postgres_url(db):
+        from .engines.postgres.positions import PostgresPositionStore
+
+        return PostgresPositionStore(db, durability, connect_timeout=connect_timeout)
+    from .engines.sqlite.positions import SQLitePositionStore
+
+    return SQLitePositionStore(db, durability)
+
+
+def out_of_turn(batch: Batch, stored: int | None) -> OutOfOrderBatchError:
+    """The error for ``batch`` when its consumer's database holds ``stored`` (None:
+    nothing) as the position: another transaction applied it, or one was skipped."""
+    where = "nothing" if stored is None else f"up to seq {stored}"
+    return OutOfOrderBatchError(
+        f"batch follows seq {batch.after}, but consumer {batch.consumer!r} has applied {where} "
+        f"of stream {batch.stream!r} in this database: roll this transaction back "
+        "(each batch is applied once, in the order received)"
+    )
 
 
 _Item = Batch | BaseException
-
-_STORE_POSITION = (
-    "INSERT OR REPLACE INTO streamq_positions "
-    "(consumer, producer_id, stream, seq, epoch, endpoint, updated_at) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?)"
-)
 
 # Failures a reconnect may cure; anything else stops the consumer with its error.
 _TRANSIENT = (
@@ -199,8 +244,10 @@ _STABLE_CONNECTION = 1.0
 class Consumer:
     """Subscribes to one stream of one producer and yields batches as they are pushed.
 
-    With ``db`` and ``name``, positions persist in that SQLite database and
-    ``transaction(batch)`` applies batches exactly once. Without ``db``, the
+    With ``db`` and ``name``, positions persist in that database and
+    ``transaction(batch)`` (or ``apply``) applies batches exactly once: ``db`` is a
+    SQLite file, or a PostgreSQL database as a ``postgresql://user@host:port/dbname``
+    URL (``pip install streamq[postgres]``). Without ``db``, the
     consumer starts at ``start_seq`` and keeps its position in memory only
     (for tools such as ``streamq tail``).
 
@@ -211,7 +258,8 @@ class Consumer:
     ``durability="normal"`` (SQLite ``synchronous=NORMAL``) is safe for exactly-once here:
     a power loss can only roll back the consumer's last commits, effects and position
     together, and those records are fetched from the producer again. ``"full"`` makes
-    every applied batch survive power loss as soon as it commits.
+    every applied batch survive power loss as soon as it commits. On PostgreSQL,
+    ``"normal"`` keeps the server's ``synchronous_commit`` and ``"full"`` sets it on.
 
     ``tls`` connects over TLS 1.3 (``ClientTLS``); ``token`` authenticates to a producer
     that requires tokens. A failed TLS handshake raises ``TLSError``, a refused token
@@ -247,8 +295,9 @@ class Consumer:
         self.stream = stream
         self.name = name or "anonymous"
         self._host, self._port = parse_address(address)
-        self._db_path = db
-        self._db: aiosqlite.Connection | None = None
+        self._store: PositionStore | None = None
+        if db is not None:
+            self._store = open_position_store(db, durability, connect_timeout=connect_timeout)
         self._start_seq = start_seq
         self._start_time = start_time
         self._queue: asyncio.Queue[_Item] = asyncio.Queue(maxsize=queue_batches)
@@ -262,8 +311,8 @@ class Consumer:
         self._tls = tls
         self._ssl = None if tls is None else tls.context()
         self._token = token
-        self._tx_lock = asyncio.Lock()
-        self._owns_db = True
+        self._tx_lock = asyncio.Lock()  # one transaction at a time on the store's connection
+        self._owns_store = True
         self._task: asyncio.Task[None] | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._conn: ClientConnection | None = None
@@ -280,9 +329,15 @@ class Consumer:
         self._origin = 0  # the configured start's position, when none was stored
         self.reconnects = 0
 
-    def _share_database(self, db: aiosqlite.Connection, lock: asyncio.Lock, path: str) -> None:
-        """Apply into ``db``, opened by someone else (``FanInConsumer``), serialized by ``lock``."""
-        self._db, self._tx_lock, self._db_path, self._owns_db = db, lock, path, False
+    def _share_store(self, store: PositionStore, lock: asyncio.Lock) -> None:
+        """Apply into ``store``, opened by someone else (``FanInConsumer``), one transaction
+        at a time by ``lock``."""
+        self._store, self._tx_lock, self._owns_store = store, lock, False
+
+    @property
+    def _db(self) -> Any:
+        """The store's asyncio connection, None without a database (tests, benchmarks)."""
+        return None if self._store is None else self._store.connection
 
     @property
     def lag(self) -> int:
@@ -313,8 +368,8 @@ class Consumer:
     async def start(self) -> None:
         """Open the database, connect and subscribe; raises if the producer refuses."""
         try:
-            if self._db_path is not None and self._db is None:
-                self._db = await open_database(self._db_path, self._durability)
+            if self._store is not None and self._owns_store:
+                await self._store.open()
             # With a reconnect deadline, a producer that is down (restarting) is waited
             # for, as it would be after a lost connection; without one, fail at once.
             waits = self._reconnect and self._reconnect_timeout is not None
@@ -333,8 +388,8 @@ class Consumer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         self._drop_connection()
-        if self._db is not None and self._owns_db:
-            await self._db.close()
+        if self._store is not None and self._owns_store:
+            await self._store.close()
 
     async def __aenter__(self) -> Consumer:
         await self.start()
@@ -371,7 +426,7 @@ class Consumer:
                 break
             records += more.records
             epoch = more.epoch
-        if self._db is None:
+        if self._store is None:
             self.applied = records[-1].seq
         elif self.applied < item.after:
             await self._load_applied()  # batches applied through the application's connection
@@ -389,16 +444,14 @@ class Consumer:
     async def _load_applied(self) -> None:
         """Learn the position ``streamq.save_position`` committed through the application's
         own connection (the consumer did not run that transaction), and acknowledge it."""
-        assert self._db is not None
-        rows = await self._db.execute_fetchall(
-            "SELECT seq FROM streamq_positions WHERE consumer = ? AND producer_id = ? "
-            "AND stream = ?",
-            (self.name, self.producer_id, self.stream),
-        )
-        for (seq,) in rows:
-            if seq > self.applied:
-                self.applied = int(seq)
-                self._ack(self.applied)
+        assert self._store is not None and self.producer_id is not None
+        if self._tx_lock.locked():
+            return  # a transaction is under way: it moves the position itself
+        async with self._tx_lock:  # free: taken at once, so no transaction starts meanwhile
+            seq = await self._store.stored(self.name, self.producer_id, self.stream)
+        if seq is not None and seq > self.applied:
+            self.applied = seq
+            self._ack(self.applied)
 
     async def _read_message(self, conn: ClientConnection, reader: asyncio.StreamReader) -> Message:
         while (message := conn.next_event()) is None:
@@ -487,7 +540,7 @@ class Consumer:
         self.seen_epoch = max(self.seen_epoch, subscribed.after_epoch or 0)
         self.received = start - 1
         self._writer, self._conn = writer, conn
-        if self._db is not None and self.applied > 0:
+        if self._store is not None and self.applied > 0:
             self._ack(self.applied)  # the producer learns where this consumer stands at once
         return reader, conn
 
@@ -537,14 +590,11 @@ class Consumer:
                     f"but this consumer was reading from {self.producer_id}"
                 )
             return self.received + 1
-        if self._db is None:
+        if self._store is None:
             return None
-        rows = await self._db.execute_fetchall(
-            "SELECT producer_id, seq, epoch FROM streamq_positions "
-            "WHERE consumer = ? AND stream = ? AND (producer_id = ? OR endpoint = ?)",
-            (self.name, self.stream, producer_id, self.address),
-        )
-        positions: dict[str, tuple[int, int]] = {str(p): (int(q), int(e or 0)) for p, q, e in rows}
+        async with self._tx_lock:
+            rows = await self._store.load(self.name, self.stream, producer_id, self.address)
+        positions = {p: (seq, epoch) for p, seq, epoch in rows}
         if producer_id in positions:
             self.received, self.seen_epoch = positions[producer_id]
             self.applied = self.received
@@ -657,68 +707,44 @@ class Consumer:
 
     @contextlib.asynccontextmanager
     async def transaction(self, batch: Batch) -> AsyncIterator[ConsumerTransaction]:
-        """Apply ``batch`` in one transaction that also stores its last seq as the position."""
+        """Apply ``batch`` in one transaction that also stores its last seq as the position.
+
+        The statements are the database's own: ``?`` placeholders on SQLite, ``%s`` on
+        PostgreSQL. If the block raises, nothing commits and the batch can be applied again.
+        """
         async with self._tx_lock:  # the turn is checked under the lock: one apply per batch
-            db = self._check_turn(batch)
-            await db.execute("BEGIN IMMEDIATE")
-            tx = ConsumerTransaction(db)
-            try:
+            store = self._check_turn(batch)
+            async with store.transaction(batch, lambda: self._applied(batch)) as tx:
                 yield tx
-                tx._closed = True
-                await db.execute(_STORE_POSITION, self._position_row(batch))
-                await to_the_end(db.execute("COMMIT"), lambda: self._applied(batch))
-            except BaseException:
-                tx._closed = True
-                if db.in_transaction:
-                    await db.execute("ROLLBACK")
-                raise
 
     async def apply(self, batch: Batch, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(tx, batch, *args)`` in one transaction that also stores the position.
 
-        The blocking twin of ``transaction``: ``fn`` runs on the database's own thread
-        with plain ``execute``/``executemany`` calls, so the whole batch costs one
-        thread hop. ``fn`` must not touch the event loop; if it raises, nothing commits.
+        The blocking twin of ``transaction``: ``fn`` makes plain ``execute``/``executemany``
+        calls, off the event loop (on SQLite on the database's own thread, so the whole
+        batch costs one thread hop; on PostgreSQL on a worker thread with a blocking
+        connection). ``fn`` must not touch the event loop; if it raises, nothing commits.
         """
-        position = self._position_row(batch)
         async with self._tx_lock:
-            db = self._check_turn(batch)
-            tx = BlockingSQL(raw_connection(db))
+            store = self._check_turn(batch)
+            return await store.apply(batch, fn, args, lambda: self._applied(batch))
 
-            def body() -> T:
-                result = fn(tx, batch, *args)
-                tx._conn.execute(_STORE_POSITION, position)
-                return result
-
-            try:
-                return await to_the_end(
-                    run_on_thread(db, in_transaction, tx._conn, body),
-                    lambda: self._applied(batch),
-                )
-            finally:
-                tx._closed = True
-
-    def _check_turn(self, batch: Batch) -> aiosqlite.Connection:
-        """The database to apply into, if ``batch`` is the next one to apply."""
-        if self._db is None:
+    def _check_turn(self, batch: Batch) -> PositionStore:
+        """The store to apply into, if ``batch`` is the next one to apply (as this process
+        knows it: the store checks again in the database, against other processes)."""
+        if self._store is None:
             raise RuntimeError("this consumer has no database (db=None): nothing to apply into")
+        if batch.consumer != self.name or batch.stream != self.stream:
+            raise ValueError(
+                f"batch of consumer {batch.consumer!r} on stream {batch.stream!r}: apply it "
+                f"with the consumer that received it, not {self.name!r} on {self.stream!r}"
+            )
         if batch.after != self.applied or batch.producer_id != self.producer_id:
             raise OutOfOrderBatchError(
                 f"batch follows seq {batch.after}, but consumer {self.name!r} has applied up "
                 f"to {self.applied}: apply every batch once, in the order received"
             )
-        return self._db
-
-    def _position_row(self, batch: Batch) -> tuple[Any, ...]:
-        return (
-            self.name,
-            batch.producer_id,
-            self.stream,
-            batch.last_seq,
-            batch.epoch,
-            self.address,
-            int(time.time() * 1000),
-        )
+        return self._store
 
     def _applied(self, batch: Batch) -> None:
         self.applied = batch.last_seq

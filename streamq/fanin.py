@@ -2,8 +2,8 @@
 
 Each producer keeps its own connection, its own ``Consumer`` (reconnects, backoff,
 identity checks) and its own position row, keyed (consumer, producer id, stream)
-in ``streamq_positions``; all of them apply into one database through one
-connection. Batches come one producer at a time, each producer's in seq order, so
+in ``streamq_positions``; all of them apply into one database (SQLite or PostgreSQL)
+through one position store. Batches come one producer at a time, each producer's in seq order, so
 ``transaction(batch)`` is exactly-once per producer as with a single ``Consumer``.
 A producer that is down (killed, restarting) only pauses its own records.
 """
@@ -16,9 +16,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
-import aiosqlite
-
-from .consumer import Batch, Consumer, ConsumerTransaction, open_database
+from .consumer import Batch, Consumer, ConsumerTransaction, PositionStore, open_position_store
 from .storage import Durability
 
 T = TypeVar("T")
@@ -53,8 +51,9 @@ class FanInConsumer:
             Consumer(address, stream, name=name, durability=durability, **options)
             for address in addresses
         ]
-        self._db_path, self._durability = db, durability
-        self._db: aiosqlite.Connection | None = None
+        self._store: PositionStore | None = None
+        if db is not None:
+            self._store = open_position_store(db, durability)
         self._by_producer: dict[str, Consumer] = {}
         self._next: dict[Consumer, asyncio.Task[Batch]] = {}
         self._turn = 0  # which producer's ready batch goes first: none starves
@@ -63,11 +62,11 @@ class FanInConsumer:
     async def start(self) -> None:
         """Open the database and subscribe to every producer; raises if one refuses."""
         try:
-            if self._db_path is not None:
-                self._db = await open_database(self._db_path, self._durability)
+            if self._store is not None:
+                await self._store.open()
                 lock = asyncio.Lock()  # one transaction at a time on the shared connection
                 for consumer in self.consumers:
-                    consumer._share_database(self._db, lock, self._db_path)
+                    consumer._share_store(self._store, lock)
             await asyncio.gather(*(consumer.start() for consumer in self.consumers))
             for consumer in self.consumers:
                 assert consumer.producer_id is not None
@@ -89,8 +88,8 @@ class FanInConsumer:
             task.cancel()
         await asyncio.gather(*self._next.values(), return_exceptions=True)
         await asyncio.gather(*(consumer.close() for consumer in self.consumers))
-        if self._db is not None:
-            await self._db.close()
+        if self._store is not None:
+            await self._store.close()
 
     async def __aenter__(self) -> FanInConsumer:
         await self.start()

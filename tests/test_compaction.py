@@ -16,6 +16,7 @@ from streamq.engines.sqlite import storage as sqlite_storage
 from streamq.errors import OffsetOutOfRangeError
 
 from .conftest import wait_for
+from .logsql import stored_seqs
 
 # seq:    1     2     3     4     5     6     7     8
 KEYS = [b"a", b"b", None, b"a", b"c", b"a", b"b", None]
@@ -26,6 +27,12 @@ async def fill(producer: Producer, stream: str = "accounts") -> None:
     async with producer.transaction() as tx:
         for seq, key in enumerate(KEYS, start=1):
             await tx.publish(stream, b"v%d" % seq, key=key)
+
+
+@pytest.fixture
+def producer_db(either_producer_db: str) -> str:
+    """Every test on both engines (those reading SQLite's file take their own path)."""
+    return either_producer_db
 
 
 async def test_compaction_keeps_each_keys_latest_and_reports_the_rest(producer_db: str) -> None:
@@ -62,11 +69,7 @@ async def test_compaction_keeps_each_keys_latest_and_reports_the_rest(producer_d
         # New records of old keys: only those are looked at, the old survivor goes.
         await producer.publish("accounts", b"v9", key=b"c")
         assert [(c.old_seq, c.new_seq) for c in await producer.compact("accounts")] == [(5, 9)]
-    with contextlib.closing(sqlite3.connect(producer_db)) as db:
-        seqs = [
-            p & sqlite_storage.MAX_STORED_SEQ
-            for (p,) in db.execute("SELECT pos FROM streamq_log WHERE pos >> 40 = 1 ORDER BY pos")
-        ]
+    seqs = stored_seqs(producer_db)
     assert seqs == [3, 6, 7, 8, 9]
 
 

@@ -23,6 +23,7 @@ from streamq.errors import OffsetOutOfRangeError, UnknownStreamError
 from streamq.protocol import Record, encode_record
 
 from .conftest import wait_for
+from .logsql import stored_keys
 
 STREAMQ = [sys.executable, "-m", "streamq"]
 T0 = 1_700_000_000_000  # ms since the epoch
@@ -35,6 +36,12 @@ def plan(path: str, sql: str, parameters: tuple[object, ...]) -> str:
 
 
 # --- history ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def producer_db(either_producer_db: str) -> str:
+    """Every test on both engines (those reading SQLite's file take their own path)."""
+    return either_producer_db
 
 
 @pytest.mark.parametrize("key_index", [True, False], ids=["indexed", "scanned"])
@@ -77,9 +84,9 @@ async def test_history_returns_one_keys_records_in_seq_order(
         assert head == len(keys)
         assert await streamq.history(producer.address, "orders", b"a") == local
 
-    with contextlib.closing(sqlite3.connect(producer_db)) as db:
-        stored = db.execute("SELECT count(key) FROM streamq_log WHERE pos >> 40 = 1").fetchone()
-    assert stored[0] == (30 if key_index else 0)  # a stream without the index stores no keys
+    assert stored_keys(producer_db) == (
+        30 if key_index else 0
+    )  # a stream without the index stores no keys
 
 
 def test_history_query_is_an_index_seek(tmp_path: Path) -> None:
@@ -116,8 +123,9 @@ async def test_history_errors_name_the_problem(producer_db: str) -> None:
         assert [r.seq for r in await streamq.history(producer.address, "orders", b"k")] == [1]
 
 
-async def test_version_1_database_is_migrated_with_its_keys_and_times(producer_db: str) -> None:
+async def test_version_1_database_is_migrated_with_its_keys_and_times(tmp_path: Path) -> None:
     """A database written by streamq before the indexes existed gets them at first start."""
+    producer_db = str(tmp_path / "v1.db")  # a SQLite file from an older streamq
     with contextlib.closing(sqlite3.connect(producer_db)) as db:
         db.executescript(
             """

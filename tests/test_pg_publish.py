@@ -111,12 +111,6 @@ def test_repeatable_read_is_refused(db: str) -> None:
             streamq.publish(conn, "orders", b"x")
 
 
-def test_save_position_names_what_postgresql_lacks_so_far(db: str) -> None:
-    with psycopg.connect(db) as conn, pytest.raises(streamq.UnsupportedConnectionError) as info:
-        streamq.save_position(conn, object())  # type: ignore[arg-type]
-    assert "save_position needs a SQLite database" in str(info.value)
-
-
 def test_sqlalchemy_session_and_connection(db: str) -> None:
     engine = create_engine(sqlalchemy_url(db))
     try:

@@ -1,0 +1,382 @@
+"""The PostgreSQL engine's consumer positions: ``streamq_positions`` in the consumer's own
+PostgreSQL database, and batches applied into it with their position.
+
+The table is SQLite's (``engines/sqlite/positions.py``) in PostgreSQL's types. A row
+moves only from the seq a batch follows (``Batch.after``) to the batch's last, and two
+processes racing to apply one batch are kept apart by PostgreSQL's locks, under READ
+COMMITTED:
+
+- ``UPDATE ... WHERE seq = after`` locks the row. A second updater waits for the first
+  transaction to end, then re-reads the row: if the first committed, ``seq`` is no longer
+  ``after`` and nothing is updated; if it rolled back, the second goes on.
+- The consumer's first batch has no row yet: ``INSERT ... ON CONFLICT DO NOTHING`` waits
+  for a concurrent inserter's transaction in the same way, and inserts nothing if it
+  committed.
+
+Updating or inserting nothing means another transaction applied the batch (or this one
+is out of turn): ``OutOfOrderBatchError``. Under REPEATABLE READ or SERIALIZABLE (the
+application's own transaction, in ``save_position``), PostgreSQL raises a serialization
+failure instead; either way the second transaction cannot commit. The consumer's own
+connections use READ COMMITTED whatever the server's default.
+
+``PostgresPositionStore`` claims the batch's turn at the start of its transaction
+(``seq`` from ``after`` to ``after``, which takes the lock), so the loser of a race fails
+before running the application's SQL, and moves it to the batch's last seq before COMMIT.
+``save_position`` is ``streamq.save_position`` on the application's psycopg connection.
+
+The logic is written once, as generators of statements run by ``append.run`` (psycopg
+``Connection``) and ``append.run_async`` (``AsyncConnection``). psycopg is imported only
+when a PostgreSQL database is opened: it is an optional extra.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+from ...blocking import BlockingSQL, _Scoped, to_the_end
+from ...consumer import Batch, out_of_turn
+from ...errors import DatabaseOpenError, SchemaMissingError
+from .append import UNDEFINED_TABLE, Statement, Steps, describe, run, run_async
+
+if TYPE_CHECKING:
+    import psycopg
+
+    from ...storage import Durability
+
+T = TypeVar("T")
+
+Params = Sequence[Any] | Mapping[str, Any] | None
+
+# Two consumers creating the table at once would race on the catalog.
+_SCHEMA_LOCK = "SELECT pg_advisory_xact_lock(hashtext('streamq_positions'))"
+SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS streamq_positions (
+        consumer text NOT NULL,
+        producer_id text NOT NULL,
+        stream text NOT NULL,
+        seq bigint NOT NULL,          -- last applied seq
+        epoch bigint,                 -- highest producer epoch that wrote up to seq (0: unknown)
+        endpoint text NOT NULL,       -- where that producer was last reached
+        updated_at bigint NOT NULL,   -- milliseconds since the Unix epoch
+        PRIMARY KEY (consumer, producer_id, stream)
+    )""",
+    "ALTER TABLE streamq_positions ADD COLUMN IF NOT EXISTS epoch bigint",
+)
+# The consumer's own connections, whatever the server's defaults: the module docstring.
+READ_COMMITTED = "SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL READ COMMITTED"
+SYNCHRONOUS_COMMIT = "SET synchronous_commit = on"  # durability="full"
+
+LOAD = (
+    "SELECT producer_id, seq, epoch FROM streamq_positions "
+    "WHERE consumer = %s AND stream = %s AND (producer_id = %s OR endpoint = %s)"
+)
+_KEY = "consumer = %(consumer)s AND producer_id = %(producer_id)s AND stream = %(stream)s"
+STORED = f"SELECT seq FROM streamq_positions WHERE {_KEY}"
+ADVANCE = (
+    "UPDATE streamq_positions SET seq = %(seq)s, epoch = %(epoch)s, endpoint = %(endpoint)s, "
+    f"updated_at = %(now)s WHERE {_KEY} AND seq = %(after)s RETURNING seq"
+)
+FIRST = (
+    "INSERT INTO streamq_positions "
+    "(consumer, producer_id, stream, seq, epoch, endpoint, updated_at) VALUES "
+    "(%(consumer)s, %(producer_id)s, %(stream)s, %(seq)s, %(epoch)s, %(endpoint)s, %(now)s) "
+    "ON CONFLICT (consumer, producer_id, stream) DO NOTHING RETURNING seq"
+)
+
+
+def advance_steps(batch: Batch, seq: int, where: str) -> Steps:
+    """Move ``batch``'s consumer position from ``batch.after`` to ``seq`` in the open
+    transaction; ``OutOfOrderBatchError`` if it is not at ``batch.after`` (or, for the
+    consumer's first batch, absent). ``seq == batch.after`` claims the turn only."""
+    params = {
+        "consumer": batch.consumer,
+        "producer_id": batch.producer_id,
+        "stream": batch.stream,
+        "seq": seq,
+        "epoch": batch.epoch,
+        "endpoint": batch.endpoint,
+        "now": int(time.time() * 1000),
+        "after": batch.after,
+    }
+    try:
+        moved = yield Statement(ADVANCE, params, fetch=True)
+    except Exception as exc:
+        if getattr(exc, "sqlstate", None) == UNDEFINED_TABLE:
+            raise SchemaMissingError(
+                f"{where} has no streamq_positions table: open the Consumer with db= this "
+                "database (it creates the table) before applying through it"
+            ) from exc
+        raise
+    if moved is not None:
+        return
+    first = batch.after == batch.origin  # the consumer's first batch: no row yet
+    if first and (yield Statement(FIRST, params, fetch=True)) is not None:
+        return
+    # A new statement: under READ COMMITTED it sees what the winner committed.
+    stored = yield Statement(STORED, params, fetch=True)
+    raise out_of_turn(batch, None if stored is None else int(stored[0]))
+
+
+def setup_steps(durability: Durability) -> Steps:
+    """The session settings of the consumer's own connections, and the table."""
+    yield Statement(READ_COMMITTED)
+    if durability == "full":
+        yield Statement(SYNCHRONOUS_COMMIT)
+    yield Statement(_SCHEMA_LOCK)
+    for statement in SCHEMA:
+        yield Statement(statement)
+
+
+def save_position(conn: Any, batch: Batch) -> None:
+    """``streamq.save_position`` on a psycopg ``Connection``, in its open transaction."""
+    run(conn, advance_steps(batch, batch.last_seq, describe(conn)))
+
+
+async def save_position_async(conn: Any, batch: Batch) -> None:
+    """``save_position`` on a psycopg ``AsyncConnection``."""
+    await run_async(conn, advance_steps(batch, batch.last_seq, describe(conn)))
+
+
+class AsyncPostgresSQL(_Scoped):
+    """The application's statements in a consumer transaction, each awaited
+    (psycopg placeholders: ``%s``, ``%(name)s``)."""
+
+    def __init__(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        self._conn = conn
+
+    async def execute(self, sql: str, parameters: Params = None) -> psycopg.AsyncCursor[Any]:
+        self._check_open()
+        return await self._conn.execute(sql, parameters)
+
+    async def executemany(
+        self, sql: str, parameters: Iterable[Sequence[Any] | Mapping[str, Any]]
+    ) -> psycopg.AsyncCursor[Any]:
+        self._check_open()
+        cursor = self._conn.cursor()
+        await cursor.executemany(sql, parameters)
+        return cursor
+
+
+class PostgresSQL(BlockingSQL):
+    """The application's statements in a consumer transaction run by ``apply``, blocking,
+    on a worker thread (psycopg placeholders: ``%s``, ``%(name)s``)."""
+
+    _conn: psycopg.Connection[Any]
+
+    def execute(self, sql: str, parameters: Params = None) -> psycopg.Cursor[Any]:
+        self._check_open()
+        return self._conn.execute(sql, parameters)
+
+    def executemany(
+        self, sql: str, parameters: Iterable[Sequence[Any] | Mapping[str, Any]]
+    ) -> psycopg.Cursor[Any]:
+        self._check_open()
+        cursor = self._conn.cursor()
+        cursor.executemany(sql, parameters)
+        return cursor
+
+
+class PostgresPositionStore:
+    """A consumer's PostgreSQL database: positions, and batches applied with them.
+
+    ``transaction`` runs on a psycopg ``AsyncConnection``; ``apply`` on a blocking
+    ``Connection`` of its own, in a worker thread (``asyncio.to_thread``), so the event
+    loop goes on meanwhile. That one is opened at the first ``apply``. On PostgreSQL,
+    ``durability="normal"`` keeps the server's ``synchronous_commit``; ``"full"`` sets it
+    on for these connections.
+    """
+
+    def __init__(
+        self, url: str, durability: Durability = "normal", *, connect_timeout: float = 10.0
+    ) -> None:
+        require_psycopg()
+        self.url = url
+        self.where = f"PostgreSQL database {redacted(url)}"
+        self._durability = durability
+        # libpq counts whole seconds, and takes less than 2 as 2.
+        self._connect_timeout = max(2, math.ceil(connect_timeout))
+        self._aconn: psycopg.AsyncConnection[Any] | None = None
+        self._conn: psycopg.Connection[Any] | None = None  # apply's, on worker threads
+
+    @property
+    def connection(self) -> psycopg.AsyncConnection[Any]:
+        """The asyncio connection (for tests and tools that reach under the interface)."""
+        if self._aconn is None:
+            raise RuntimeError(f"the consumer's {self.where} is not open")
+        return self._aconn
+
+    async def open(self) -> None:
+        if self._aconn is None:
+            self._aconn = await self._connect()
+
+    async def _connect(self) -> psycopg.AsyncConnection[Any]:
+        import psycopg
+
+        try:
+            conn = await psycopg.AsyncConnection.connect(
+                self.url, connect_timeout=self._connect_timeout
+            )
+        except psycopg.Error as exc:
+            raise _cannot_open(self.where, self.url, exc) from exc
+        try:
+            await run_async(conn, setup_steps(self._durability))
+            await conn.commit()
+        except BaseException:
+            await conn.close()
+            raise
+        return conn
+
+    async def _usable(self) -> psycopg.AsyncConnection[Any]:
+        """The asyncio connection, opened again if the last one broke (the server
+        restarted, say): the transaction that found it broken failed, the next one goes on."""
+        conn = self.connection
+        if conn.broken or conn.closed:
+            await conn.close()
+            self._aconn = conn = await self._connect()  # if it fails, the next call retries
+        return conn
+
+    async def close(self) -> None:
+        aconn, self._aconn = self._aconn, None
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            await asyncio.to_thread(conn.close)
+        if aconn is not None:
+            await aconn.close()
+
+    async def load(
+        self, consumer: str, stream: str, producer_id: str, endpoint: str
+    ) -> list[tuple[str, int, int]]:
+        conn = await self._usable()
+        try:
+            cursor = await conn.execute(LOAD, (consumer, stream, producer_id, endpoint))
+            rows = await cursor.fetchall()
+        finally:
+            await _rollback(conn)  # a read only: end its transaction
+        return [(str(p), int(seq), int(epoch or 0)) for p, seq, epoch in rows]
+
+    async def stored(self, consumer: str, producer_id: str, stream: str) -> int | None:
+        conn = await self._usable()
+        key = {"consumer": consumer, "producer_id": producer_id, "stream": stream}
+        try:
+            row = await (await conn.execute(STORED, key)).fetchone()
+        finally:
+            await _rollback(conn)
+        return None if row is None else int(row[0])
+
+    @contextlib.asynccontextmanager
+    async def transaction(
+        self, batch: Batch, committed: Callable[[], None]
+    ) -> AsyncIterator[AsyncPostgresSQL]:
+        conn = await self._usable()
+        tx = AsyncPostgresSQL(conn)
+        try:
+            await run_async(conn, advance_steps(batch, batch.after, self.where))  # the turn
+            yield tx
+            tx._closed = True
+            await to_the_end(self._commit(conn, batch), committed)
+        except BaseException:
+            tx._closed = True
+            await _rollback(conn)
+            raise
+
+    async def _commit(self, conn: psycopg.AsyncConnection[Any], batch: Batch) -> None:
+        await run_async(conn, advance_steps(batch, batch.last_seq, self.where))
+        await conn.commit()
+
+    async def apply(
+        self,
+        batch: Batch,
+        fn: Callable[..., T],
+        args: tuple[Any, ...],
+        committed: Callable[[], None],
+    ) -> T:
+        def body() -> T:
+            conn = self._blocking_connection()
+            tx = PostgresSQL(conn)
+            try:
+                run(conn, advance_steps(batch, batch.after, self.where))  # the turn
+                result = fn(tx, batch, *args)
+                tx._closed = True
+                run(conn, advance_steps(batch, batch.last_seq, self.where))
+                conn.commit()
+            except BaseException:
+                if not (conn.broken or conn.closed):
+                    conn.rollback()
+                raise
+            finally:
+                tx._closed = True
+            return result
+
+        # What runs on the thread cannot be stopped: wait for it, even if cancelled.
+        return await to_the_end(asyncio.to_thread(body), committed)
+
+    def _blocking_connection(self) -> psycopg.Connection[Any]:
+        """``apply``'s connection, opened at its first use (and again if it broke); on a
+        worker thread."""
+        import psycopg
+
+        if self._conn is not None and (self._conn.broken or self._conn.closed):
+            self._conn.close()
+            self._conn = None
+        if self._conn is None:
+            try:
+                conn = psycopg.Connection.connect(self.url, connect_timeout=self._connect_timeout)
+            except psycopg.Error as exc:
+                raise _cannot_open(self.where, self.url, exc) from exc
+            try:
+                run(conn, setup_steps(self._durability))
+                conn.commit()
+            except BaseException:
+                conn.close()
+                raise
+            self._conn = conn
+        return self._conn
+
+
+async def _rollback(conn: psycopg.AsyncConnection[Any]) -> None:
+    from psycopg.pq import TransactionStatus
+
+    if conn.broken or conn.closed:
+        return  # nothing to roll back: the server ended the transaction with the connection
+    if conn.info.transaction_status != TransactionStatus.IDLE:
+        await conn.rollback()
+
+
+def require_psycopg() -> None:
+    """Fail early, and say what to install, without psycopg 3."""
+    try:
+        import psycopg  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(
+            "a consumer database on PostgreSQL needs psycopg 3: pip install 'streamq[postgres]'"
+        ) from exc
+
+
+def redacted(url: str) -> str:
+    """``url`` without its password, to name the database in errors and logs."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+        netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+        return urlunsplit(parts._replace(netloc=netloc))
+    except ValueError:  # not even a URL: hide whatever stands before an @
+        scheme, _, rest = url.partition("://")
+        return f"{scheme}://***@{rest.rpartition('@')[2]}" if "@" in rest else url
+
+
+def _cannot_open(where: str, url: str, exc: Exception) -> DatabaseOpenError:
+    """The error for a database that cannot be opened; libpq's message may quote the URL,
+    password included: it is hidden there too."""
+    reason = str(exc)
+    userinfo = url.partition("://")[2].partition("/")[0].rpartition("@")[0]
+    password = userinfo.partition(":")[2]
+    if password:
+        reason = reason.replace(password, "***")
+    return DatabaseOpenError(f"cannot open the consumer's {where}: {reason}")

@@ -1,0 +1,245 @@
+"""The SQLite engine's consumer positions: ``streamq_positions`` in the consumer's own
+database file, and batches applied into that file with their position.
+
+One row per (consumer, producer id, stream) holds the last applied seq. It moves only
+from the seq a batch follows (``Batch.after``) to the batch's last, in the transaction
+that applies the batch, under SQLite's write lock (``BEGIN IMMEDIATE``, or the first
+write of the application's own transaction): two processes applying the same batch
+cannot both find the position it follows, so the second gets ``OutOfOrderBatchError``.
+
+``SQLitePositionStore`` is what a ``Consumer`` with ``db=PATH`` talks to (the interface
+is ``consumer.PositionStore``); ``save_position`` is ``streamq.save_position`` on a
+DB-API connection to a SQLite database (sqlite3, under SQLAlchemy or Django).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import aiosqlite
+
+from ...blocking import AsyncSQL, BlockingSQL, raw_connection, run_on_thread, to_the_end
+from ...consumer import Batch, out_of_turn
+from ...errors import SchemaMissingError
+from .storage import connect
+
+if TYPE_CHECKING:
+    from ...storage import Durability
+
+T = TypeVar("T")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS streamq_positions (
+    consumer TEXT NOT NULL,
+    producer_id TEXT NOT NULL,
+    stream TEXT NOT NULL,
+    seq INTEGER NOT NULL,         -- last applied seq
+    epoch INTEGER,                -- highest producer epoch that wrote up to seq (0: unknown)
+    endpoint TEXT NOT NULL,       -- where that producer was last reached
+    updated_at INTEGER NOT NULL,  -- milliseconds since the Unix epoch
+    PRIMARY KEY (consumer, producer_id, stream)
+)"""
+LOAD = (
+    "SELECT producer_id, seq, epoch FROM streamq_positions "
+    "WHERE consumer = ? AND stream = ? AND (producer_id = ? OR endpoint = ?)"
+)
+STORED = "SELECT seq FROM streamq_positions WHERE consumer = ? AND producer_id = ? AND stream = ?"
+ADVANCE = (
+    "UPDATE streamq_positions SET seq = ?, epoch = ?, endpoint = ?, updated_at = ? "
+    "WHERE consumer = ? AND producer_id = ? AND stream = ? AND seq = ?"
+)
+FIRST = (
+    "INSERT INTO streamq_positions "
+    "(consumer, producer_id, stream, seq, epoch, endpoint, updated_at) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?)"
+)
+
+
+async def open_database(path: str, durability: Durability) -> aiosqlite.Connection:
+    """A consumer's database connection, with the positions table."""
+    db = await connect(path)  # a path that is no database: DatabaseOpenError
+    try:
+        await db.execute("PRAGMA journal_mode=WAL")
+        await db.execute(f"PRAGMA synchronous={durability.upper()}")
+        await db.execute(SCHEMA)
+        columns = await db.execute_fetchall("PRAGMA table_info(streamq_positions)")
+        if "epoch" not in {column[1] for column in columns}:  # made by an older streamq
+            await db.execute("ALTER TABLE streamq_positions ADD COLUMN epoch INTEGER")
+    except BaseException:
+        await db.close()
+        raise
+    return db
+
+
+def advance(dbapi: Any, batch: Batch, seq: int) -> None:
+    """Move ``batch``'s consumer position from ``batch.after`` to ``seq``, in ``dbapi``'s
+    open transaction; ``OutOfOrderBatchError`` if it is not at ``batch.after`` (or, for
+    the consumer's first batch, absent). ``seq == batch.after`` claims the turn only."""
+    key = (batch.consumer, batch.producer_id, batch.stream)
+    now = int(time.time() * 1000)
+    cursor = dbapi.cursor()
+    try:
+        try:
+            # The UPDATE takes the write lock before it reads: two processes applying one
+            # batch cannot both find the position it follows.
+            cursor.execute(ADVANCE, (seq, batch.epoch, batch.endpoint, now, *key, batch.after))
+        except Exception as exc:
+            if "no such table: streamq_positions" in str(exc):
+                raise SchemaMissingError(
+                    f"{_database_file(dbapi)} has no streamq_positions table: open the "
+                    "Consumer with db= this database (it creates the table) before applying "
+                    "through it"
+                ) from exc
+            raise
+        if cursor.rowcount == 1:
+            return
+        # Holding the write lock since the UPDATE: what is stored cannot change meanwhile.
+        cursor.execute(STORED, key)
+        row = cursor.fetchone()
+        stored = None if row is None else int(row[0])
+        if stored is None and batch.after == batch.origin:  # the consumer's first batch
+            cursor.execute(FIRST, (*key, seq, batch.epoch, batch.endpoint, now))
+            return
+    finally:
+        cursor.close()
+    raise out_of_turn(batch, stored)
+
+
+def save_position(dbapi: Any, batch: Batch) -> None:
+    """``streamq.save_position`` on a DB-API connection to a SQLite database."""
+    advance(dbapi, batch, batch.last_seq)
+
+
+async def save_position_async(conn: aiosqlite.Connection, batch: Batch) -> None:
+    """``save_position`` on an aiosqlite connection, on its thread (one hop)."""
+    await run_on_thread(conn, advance, raw_connection(conn), batch, batch.last_seq)
+
+
+class SQLitePositionStore:
+    """A consumer's SQLite database: positions, and batches applied with them.
+
+    One aiosqlite connection: ``transaction`` awaits each statement on its thread,
+    ``apply`` runs a whole transaction there as one function (one thread hop).
+    """
+
+    def __init__(self, path: str, durability: Durability = "normal") -> None:
+        self.path = path
+        self.where = f"SQLite database {path!r}"
+        self._durability = durability
+        self._db: aiosqlite.Connection | None = None
+        self._owned = True
+
+    @classmethod
+    def shared(cls, db: aiosqlite.Connection, path: str) -> SQLitePositionStore:
+        """A store on ``db``, opened (and closed) by someone else: ``FanInConsumer``."""
+        positions = cls(path)
+        positions._db, positions._owned = db, False
+        return positions
+
+    @property
+    def connection(self) -> aiosqlite.Connection:
+        """The aiosqlite connection (for tests and tools that reach under the interface)."""
+        if self._db is None:
+            raise RuntimeError(f"the consumer's {self.where} is not open")
+        return self._db
+
+    async def open(self) -> None:
+        if self._db is None:
+            self._db = await open_database(self.path, self._durability)
+
+    async def close(self) -> None:
+        db, self._db = self._db, None
+        if db is not None and self._owned:
+            await db.close()
+
+    async def load(
+        self, consumer: str, stream: str, producer_id: str, endpoint: str
+    ) -> list[tuple[str, int, int]]:
+        rows = await self.connection.execute_fetchall(
+            LOAD, (consumer, stream, producer_id, endpoint)
+        )
+        return [(str(p), int(seq), int(epoch or 0)) for p, seq, epoch in rows]
+
+    async def stored(self, consumer: str, producer_id: str, stream: str) -> int | None:
+        rows = list(await self.connection.execute_fetchall(STORED, (consumer, producer_id, stream)))
+        return int(rows[0][0]) if rows else None
+
+    @contextlib.asynccontextmanager
+    async def transaction(
+        self, batch: Batch, committed: Callable[[], None]
+    ) -> AsyncIterator[AsyncSQL]:
+        db = self.connection
+        conn = raw_connection(db)
+        tx = AsyncSQL(db)
+        try:
+            # BEGIN and the turn in one hop, waited for even if cancelled: a BEGIN left
+            # to run after the ROLLBACK below would leave the connection in a transaction.
+            await to_the_end(run_on_thread(db, _begin, conn, batch), lambda: None)
+            yield tx
+            tx._closed = True
+            await to_the_end(run_on_thread(db, _commit, conn, batch), committed)
+        except BaseException:
+            tx._closed = True
+            if db.in_transaction:
+                await db.execute("ROLLBACK")
+            raise
+
+    async def apply(
+        self,
+        batch: Batch,
+        fn: Callable[..., T],
+        args: tuple[Any, ...],
+        committed: Callable[[], None],
+    ) -> T:
+        db = self.connection
+        tx = BlockingSQL(raw_connection(db))
+
+        def body() -> T:
+            try:
+                _begin(tx._conn, batch)
+                result = fn(tx, batch, *args)
+                tx._closed = True
+                _commit(tx._conn, batch)
+            except BaseException:
+                if tx._conn.in_transaction:
+                    tx._conn.execute("ROLLBACK")
+                raise
+            finally:
+                tx._closed = True
+            return result
+
+        return await to_the_end(run_on_thread(db, body), committed)
+
+
+def _begin(conn: sqlite3.Connection, batch: Batch) -> None:
+    """BEGIN IMMEDIATE (the write lock) and claim ``batch``'s turn; on the connection's
+    thread. A batch out of turn is refused before the application's SQL runs."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        advance(conn, batch, batch.after)
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+
+
+def _commit(conn: sqlite3.Connection, batch: Batch) -> None:
+    """Store ``batch``'s last seq as the position, and COMMIT; on the connection's thread."""
+    advance(conn, batch, batch.last_seq)
+    conn.execute("COMMIT")
+
+
+def _database_file(dbapi: Any) -> str:
+    """The main database's file, for error messages."""
+    try:
+        cursor = dbapi.cursor()
+        cursor.execute("PRAGMA database_list")
+        for _, name, file in cursor.fetchall():
+            if name == "main":
+                return f"SQLite database {file or ':memory:'!r}"
+    except Exception:  # a message helper: never hide the real error
+        pass
+    return "this database"
