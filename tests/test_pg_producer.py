@@ -273,7 +273,8 @@ def test_cli_init_and_serve_a_postgresql_database(pg_url: str) -> None:
         check=False,
     )
     assert refused.returncode == 1
-    assert "cannot connect to PostgreSQL database 'missing'" in refused.stderr
+    assert "cannot open PostgreSQL database postgresql://" in refused.stderr
+    assert 'database "missing" does not exist' in refused.stderr
 
 
 @pytest.fixture

@@ -53,6 +53,7 @@ from typing import Any
 from ...errors import SchemaMissingError, UnsupportedConnectionError
 from ...records import CheckedRecord, encode_checked
 from ...storage import AppendState, EpochRow, LogRow, StreamSettings, TimeRow
+from .driver import connect, database, in_transaction
 
 SCHEMA_VERSION = 1  # of the PostgreSQL tables (SQLite's have their own, store.SCHEMA_VERSION)
 MAX_SEQ = (1 << 63) - 1
@@ -376,17 +377,13 @@ class PostgresSession:
     autocommit, transactions begun and ended by hand."""
 
     def __init__(self, url: str, durability: str) -> None:
-        import psycopg
-
-        self.conn = psycopg.connect(url, autocommit=True, application_name="streamq")
+        self.conn = connect(url, database(url), application_name="streamq sync producer")
         if durability == "full":
             self.conn.execute("SET synchronous_commit = on")
 
     @property
     def in_transaction(self) -> bool:
-        from psycopg.pq import TransactionStatus
-
-        return bool(self.conn.info.transaction_status != TransactionStatus.IDLE)
+        return in_transaction(self.conn)
 
     def begin(self) -> None:
         self.conn.execute("BEGIN")

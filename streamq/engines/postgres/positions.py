@@ -33,16 +33,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
 
 from ...blocking import BlockingSQL, _Scoped, to_the_end
 from ...consumer import Batch, out_of_turn
-from ...errors import DatabaseOpenError, SchemaMissingError
+from ...errors import SchemaMissingError
 from .append import UNDEFINED_TABLE, Statement, Steps, describe, run, run_async
+from .driver import connect, connect_async, database, in_transaction, psycopg_module
 
 if TYPE_CHECKING:
     import psycopg
@@ -195,12 +194,11 @@ class PostgresPositionStore:
     def __init__(
         self, url: str, durability: Durability = "normal", *, connect_timeout: float = 10.0
     ) -> None:
-        require_psycopg()
+        psycopg_module()  # fail early, saying what to install
         self.url = url
-        self.where = f"PostgreSQL database {redacted(url)}"
+        self.where = database(url)
         self._durability = durability
-        # libpq counts whole seconds, and takes less than 2 as 2.
-        self._connect_timeout = max(2, math.ceil(connect_timeout))
+        self._connect_timeout = connect_timeout
         self._aconn: psycopg.AsyncConnection[Any] | None = None
         self._conn: psycopg.Connection[Any] | None = None  # apply's, on worker threads
 
@@ -216,14 +214,13 @@ class PostgresPositionStore:
             self._aconn = await self._connect()
 
     async def _connect(self) -> psycopg.AsyncConnection[Any]:
-        import psycopg
-
-        try:
-            conn = await psycopg.AsyncConnection.connect(
-                self.url, connect_timeout=self._connect_timeout
-            )
-        except psycopg.Error as exc:
-            raise _cannot_open(self.where, self.url, exc) from exc
+        conn: psycopg.AsyncConnection[Any] = await connect_async(
+            self.url,
+            f"the consumer's {self.where}",
+            application_name="streamq consumer",
+            autocommit=False,
+            connect_timeout=self._connect_timeout,
+        )
         try:
             await run_async(conn, setup_steps(self._durability))
             await conn.commit()
@@ -306,7 +303,7 @@ class PostgresPositionStore:
                 run(conn, advance_steps(batch, batch.last_seq, self.where))
                 conn.commit()
             except BaseException:
-                if not (conn.broken or conn.closed):
+                if in_transaction(conn):
                     conn.rollback()
                 raise
             finally:
@@ -319,16 +316,17 @@ class PostgresPositionStore:
     def _blocking_connection(self) -> psycopg.Connection[Any]:
         """``apply``'s connection, opened at its first use (and again if it broke); on a
         worker thread."""
-        import psycopg
-
         if self._conn is not None and (self._conn.broken or self._conn.closed):
             self._conn.close()
             self._conn = None
         if self._conn is None:
-            try:
-                conn = psycopg.Connection.connect(self.url, connect_timeout=self._connect_timeout)
-            except psycopg.Error as exc:
-                raise _cannot_open(self.where, self.url, exc) from exc
+            conn = connect(
+                self.url,
+                f"the consumer's {self.where}",
+                application_name="streamq consumer",
+                autocommit=False,
+                connect_timeout=self._connect_timeout,
+            )
             try:
                 run(conn, setup_steps(self._durability))
                 conn.commit()
@@ -340,43 +338,5 @@ class PostgresPositionStore:
 
 
 async def _rollback(conn: psycopg.AsyncConnection[Any]) -> None:
-    from psycopg.pq import TransactionStatus
-
-    if conn.broken or conn.closed:
-        return  # nothing to roll back: the server ended the transaction with the connection
-    if conn.info.transaction_status != TransactionStatus.IDLE:
+    if in_transaction(conn):
         await conn.rollback()
-
-
-def require_psycopg() -> None:
-    """Fail early, and say what to install, without psycopg 3."""
-    try:
-        import psycopg  # noqa: F401
-    except ImportError as exc:
-        raise ImportError(
-            "a consumer database on PostgreSQL needs psycopg 3: pip install 'streamq[postgres]'"
-        ) from exc
-
-
-def redacted(url: str) -> str:
-    """``url`` without its password, to name the database in errors and logs."""
-    try:
-        parts = urlsplit(url)
-        if parts.password is None:
-            return url
-        netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-        return urlunsplit(parts._replace(netloc=netloc))
-    except ValueError:  # not even a URL: hide whatever stands before an @
-        scheme, _, rest = url.partition("://")
-        return f"{scheme}://***@{rest.rpartition('@')[2]}" if "@" in rest else url
-
-
-def _cannot_open(where: str, url: str, exc: Exception) -> DatabaseOpenError:
-    """The error for a database that cannot be opened; libpq's message may quote the URL,
-    password included: it is hidden there too."""
-    reason = str(exc)
-    userinfo = url.partition("://")[2].partition("/")[0].rpartition("@")[0]
-    password = userinfo.partition(":")[2]
-    if password:
-        reason = reason.replace(password, "***")
-    return DatabaseOpenError(f"cannot open the consumer's {where}: {reason}")

@@ -57,6 +57,7 @@ from .append import (
     new_epoch_steps,
     run_async,
 )
+from .driver import cannot_open, connect_async, database, in_transaction, psycopg_module
 
 T = TypeVar("T")
 
@@ -98,33 +99,6 @@ WITH dirty AS (
 SELECT l.seq, l.key, l.record FROM dirty JOIN streamq_log AS l
     ON l.stream_id = %(id)s AND l.key = dirty.key AND l.seq >= %(low)s AND l.seq <= %(through)s
 ORDER BY l.key, l.seq"""
-
-
-def _psycopg() -> Any:
-    try:
-        import psycopg
-    except ImportError:  # pragma: no cover - the extra is installed in development
-        raise ImportError("PostgreSQL needs psycopg 3: pip install 'streamq[postgres]'") from None
-    return psycopg
-
-
-def describe_url(url: str) -> str:
-    """The database a URL names, for messages, without its password."""
-    info = _psycopg().conninfo.conninfo_to_dict(url)
-    host = info.get("host", "localhost")
-    where = host if str(host).startswith("/") else f"{host}:{info.get('port', 5432)}"
-    return f"PostgreSQL database {info.get('dbname', '?')!r} on {where}"
-
-
-async def connect(url: str, where: str, *, application_name: str = "streamq") -> Any:
-    """An autocommit ``AsyncConnection``, or ``DatabaseOpenError`` naming the database."""
-    psycopg = _psycopg()
-    try:
-        return await psycopg.AsyncConnection.connect(
-            url, autocommit=True, application_name=application_name
-        )
-    except psycopg.Error as exc:
-        raise DatabaseOpenError(f"cannot connect to {where}: {exc}") from exc
 
 
 def _stream_rows(rows: Sequence[Any]) -> list[StreamRow]:
@@ -196,7 +170,7 @@ class PostgresWriter:
 
     @property
     def in_transaction(self) -> bool:
-        return bool(self.conn.info.transaction_status != _psycopg().pq.TransactionStatus.IDLE)
+        return in_transaction(self.conn)
 
     async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
         raise NotImplementedError("PostgreSQL runs no transaction on a thread of its own")
@@ -216,10 +190,10 @@ class PostgresWriter:
             try:
                 await self.conn.execute("BEGIN")
                 return
-            except _psycopg().OperationalError:
+            except psycopg_module().OperationalError:
                 if not self.conn.broken:
                     raise
-        self.conn = await connect(self.url, self.where, application_name="streamq producer")
+        self.conn = await connect_async(self.url, self.where, application_name="streamq producer")
         self.backend_pid = self.conn.info.backend_pid
         await self.configure()
         await self.conn.execute("BEGIN")
@@ -379,7 +353,7 @@ class PostgresWatch(Events):
         self._task = asyncio.create_task(self._listen())
 
     async def _connect(self) -> None:
-        self._conn = await connect(self._url, self._where, application_name="streamq watch")
+        self._conn = await connect_async(self._url, self._where, application_name="streamq watch")
         await self._conn.execute(f"LISTEN {CHANNEL}")
 
     async def _listen(self) -> None:
@@ -418,7 +392,8 @@ class PostgresStorage:
 
     def __init__(self, url: str) -> None:
         self.url = url
-        self.where = describe_url(url)
+        psycopg_module()  # fail early, saying what to install
+        self.where = database(url)
         self._writer: PostgresWriter | None = None
         self._pool: Any = None
         self._serve_conn: Any = None
@@ -429,7 +404,7 @@ class PostgresStorage:
         return self._writer
 
     async def open(self, durability: Durability) -> Identity:
-        conn = await connect(self.url, self.where, application_name="streamq producer")
+        conn = await connect_async(self.url, self.where, application_name="streamq producer")
         self._writer = PostgresWriter(conn, self.url, self.where, durability)
         await self._writer.configure()
         async with conn.transaction():
@@ -453,7 +428,7 @@ class PostgresStorage:
         try:
             await self._pool.open(wait=True, timeout=30)
         except Exception as exc:
-            raise DatabaseOpenError(f"cannot connect to {self.where}: {exc}") from exc
+            raise cannot_open(self.where, self.url, exc) from exc
 
     @contextlib.asynccontextmanager
     async def reader(self) -> AsyncIterator[PostgresReader]:
@@ -496,7 +471,7 @@ class PostgresStorage:
         return PostgresSession(self.url, durability)
 
     async def claim_serving(self) -> None:
-        conn = await connect(self.url, self.where, application_name=_serving_name(None))
+        conn = await connect_async(self.url, self.where, application_name=_serving_name(None))
         cursor = await conn.execute(f"SELECT pg_try_advisory_lock({SERVE_LOCK})")
         (locked,) = await cursor.fetchone()
         if not locked:
