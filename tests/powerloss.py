@@ -44,7 +44,8 @@ from pathlib import Path
 import msgpack
 
 from streamq import Consumer, ConsumerPositionError, Producer, SeqsReusedError
-from streamq.store import HEAD_QUERY, Durability
+from streamq.engines.sqlite.storage import HEAD_QUERY
+from streamq.storage import Durability
 
 from .conftest import wait_for
 from .walimage import FRAME_HEADER, WAL_HEADER, commit_ends, valid_frames, write_image
