@@ -257,6 +257,21 @@ def build_parser() -> argparse.ArgumentParser:
         parser_for.add_argument("db", help=DATABASE_HELP)
         parser_for.add_argument("consumer", help="the consumer's name (Spark: consumerName)")
         parser_for.add_argument("stream")
+        if action == "add":
+            parser_for.add_argument(
+                "--max-idle-ms",
+                type=int,
+                default=None,
+                metavar="MS",
+                help="drop the registration once the consumer has been away this long",
+            )
+            parser_for.add_argument(
+                "--max-bytes",
+                type=int,
+                default=None,
+                metavar="BYTES",
+                help="drop the registration once its unapplied records take more than this",
+            )
     listing = actions.add_parser("list", help="registered consumers, their position and lag")
     listing.add_argument("db", help=DATABASE_HELP)
     listing.add_argument("--json", action="store_true", help="one JSON object per consumer")
@@ -476,7 +491,7 @@ def _status(args: argparse.Namespace) -> None:
             p["stream"],
             str(p["applied"]),
             str(p["lag"]),
-            "yes" if p["registered"] else "",
+            "yes" if p["registered"] else ("dropped" if p.get("dropped") else ""),
             str(p["lost"] or ""),
             ", ".join(connected),
         )
@@ -491,7 +506,9 @@ async def _consumers(args: argparse.Namespace) -> None:
         raise SystemExit(f"streamq consumers: {args.db} does not exist")
     async with Producer(args.db, serve=False) as producer:
         if args.action == "add":
-            await producer.register_consumer(args.consumer, args.stream)
+            await producer.register_consumer(
+                args.consumer, args.stream, max_idle_ms=args.max_idle_ms, max_bytes=args.max_bytes
+            )
             print(f"registered {args.consumer!r} on {args.stream!r}")
         elif args.action == "remove":
             if not await producer.unregister_consumer(args.consumer, args.stream):
@@ -506,10 +523,20 @@ async def _consumers(args: argparse.Namespace) -> None:
                     print(json.dumps(p._asdict()))
                 return
             table = Table(
-                "consumer", "stream", "applied", "head", "lag", title="registered consumers"
+                "consumer",
+                "stream",
+                "applied",
+                "head",
+                "lag",
+                "max idle ms",
+                "max bytes",
+                title="registered consumers",
             )
             for p in registered:
-                table.add_row(p.consumer, p.stream, str(p.applied), str(p.head), str(p.lag))
+                limits = ["" if v is None else str(v) for v in (p.max_idle_ms, p.max_bytes)]
+                table.add_row(
+                    p.consumer, p.stream, str(p.applied), str(p.head), str(p.lag), *limits
+                )
             Console().print(table)
 
 

@@ -67,6 +67,11 @@ class ProducerCollector(Collector):
             registered.add_metric(key, int(position.registered))
             lost.add_metric(key, position.lost)
         yield from (applied, lag, registered, lost)
+        yield CounterMetricFamily(
+            "streamq_registrations_dropped",
+            "Registrations dropped by their limits (max_idle_ms, max_bytes)",
+            producer.registrations_dropped,
+        )
 
         server = producer.server
         if server is None:

@@ -4,8 +4,9 @@ Consumers report their position on the connection they already have (``ACK`` on 
 subscription, ``REPORT_POSITION`` from Spark queries); the server feeds every report
 here. From these positions come lag (head - applied), ``Producer.wait_applied`` (a
 future per waiter, resolved by the report that reaches its seq: no polling) and
-retention that keeps what a registered consumer still needs. Pure bookkeeping: no
-sockets, no SQL; the producer loads and saves registrations through ``store``.
+retention that keeps what a registered consumer still needs, up to its registration's
+limits. Pure bookkeeping: no sockets, no SQL; the producer loads and saves registrations
+through its storage.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
+
+from .storage import NO_LIMITS, Limits
 
 if TYPE_CHECKING:
     from .log import Stream
@@ -34,6 +37,8 @@ class Position:
     registered: bool = False  # retention keeps what it has not applied
     saved: int = 0  # the applied seq last written to the producer's database
     lost: int = 0  # records retention deleted before this consumer applied them
+    limits: Limits = NO_LIMITS  # when its registration is dropped
+    dropped: str = ""  # why a limit dropped its registration, if one did
 
 
 class ConsumerLag(NamedTuple):
@@ -47,6 +52,9 @@ class ConsumerLag(NamedTuple):
     registered: bool
     lost: int  # records retention deleted before this consumer applied them
     updated_at: float  # when it last reported (Unix seconds; 0: never)
+    max_idle_ms: int | None  # its registration's limits (None: none)
+    max_bytes: int | None
+    dropped: str  # why a limit dropped its registration ("": none did)
 
 
 class Positions:
@@ -98,12 +106,23 @@ class Positions:
                     future.set_result(seq)
             waiters[:] = [w for w in waiters if not w[1].done()]
 
-    def register(self, consumer: str, stream: str, applied: int = 0) -> Position:
-        """Make retention keep what ``consumer`` has not applied; ``applied`` as stored."""
+    def register(
+        self,
+        consumer: str,
+        stream: str,
+        applied: int = 0,
+        limits: Limits = NO_LIMITS,
+        seen_at: float = 0.0,
+    ) -> Position:
+        """Make retention keep what ``consumer`` has not applied; ``applied`` as stored,
+        ``seen_at`` when it was last heard of (its limits' idle time counts from then)."""
         position = self._entry(consumer, stream)
         position.registered = True
         position.applied = max(position.applied, applied)
         position.saved = max(position.saved, applied)
+        position.limits = limits
+        position.dropped = ""
+        position.updated_at = max(position.updated_at, seen_at)
         return position
 
     def unregister(self, consumer: str, stream: str) -> None:
@@ -144,6 +163,9 @@ class Positions:
                     p.registered,
                     p.lost,
                     p.updated_at,
+                    p.limits.max_idle_ms,
+                    p.limits.max_bytes,
+                    p.dropped,
                 )
             )
         return result

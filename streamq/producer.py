@@ -30,17 +30,19 @@ from .engines import open_storage
 from .errors import RecordTooLargeError, UnsupportedConnectionError
 from .log import RECORD_OVERHEAD, Log, Stream
 from .metrics import MetricsServer
-from .positions import ConsumerLag, Positions
+from .positions import ConsumerLag, Position, Positions
 from .protocol import FRAME_OVERHEAD, Record, decode_record, encode_record
 from .records import as_bytes, check_stream_name, checked_record, checked_timestamp
 from .retention import Retention, RetentionPolicy, Truncation
 from .server import Server, ServerSettings
 from .storage import (
+    NO_LIMITS,
     AppendState,
     BlockingWriter,
     ConsumerRow,
     Durability,
     EpochRow,
+    Limits,
     LogRow,
     StreamRow,
     StreamSettings,
@@ -366,6 +368,7 @@ class Producer:
         self._compact_interval = compact_interval
         self._on_compacted = on_compacted
         self._compactor: asyncio.Task[None] | None = None
+        self.registrations_dropped = 0  # by their limits (register_consumer)
         self._lock = asyncio.Lock()
         self._server: Server | None = None
         self._watcher: asyncio.Task[None] | None = None
@@ -719,17 +722,34 @@ class Producer:
         async with asyncio.timeout(timeout):
             return await self.positions.wait(consumer, stream, seq)
 
-    async def register_consumer(self, consumer: str, stream: str) -> None:
-        """Keep ``stream``'s records until ``consumer`` has applied them (see retention)."""
+    async def register_consumer(
+        self,
+        consumer: str,
+        stream: str,
+        *,
+        max_idle_ms: int | None = None,
+        max_bytes: int | None = None,
+    ) -> None:
+        """Keep ``stream``'s records until ``consumer`` has applied them (see retention).
+
+        A consumer that never comes back would make retention keep everything for ever:
+        with ``max_idle_ms``, the registration is dropped once the consumer has been
+        neither connected nor reporting for that long; with ``max_bytes``, once the records
+        it has not applied take more than that. A dropped registration is logged, counted
+        (``streamq_registrations_dropped``) and shown in status; retention then treats the
+        consumer as unregistered, and if it comes back for records deleted meanwhile it
+        gets the gone-seqs error. Registering again replaces the limits.
+        """
         if not consumer:
             raise ValueError("a registered consumer needs a name")
         check_stream_name(stream)
+        limits = Limits(max_idle_ms, max_bytes)
         known = self.positions.get(consumer, stream)
         async with self.transaction():
             applied = await self._writer.register_consumer(
-                consumer, stream, known.applied if known else 0
+                consumer, stream, known.applied if known else 0, limits
             )
-        self.positions.register(consumer, stream, applied)
+        self.positions.register(consumer, stream, applied, limits, time.time())
 
     async def unregister_consumer(self, consumer: str, stream: str) -> bool:
         """Stop keeping records for ``consumer``; False if it was not registered."""
@@ -745,7 +765,8 @@ class Producer:
             if position.registered and (position.consumer, position.stream) not in stored:
                 self.positions.unregister(position.consumer, position.stream)
         for row in rows:
-            self.positions.register(row.consumer, row.stream, row.applied)
+            seen_at = row.updated_at_ms / 1000
+            self.positions.register(row.consumer, row.stream, row.applied, row.limits, seen_at)
 
     async def _save_positions(self) -> None:
         unsaved = self.positions.unsaved()
@@ -774,9 +795,11 @@ class Producer:
         if not (capped or unsaved or any(p.registered for p in self.positions.all())):
             return done  # nothing to delete, nothing to save: no transaction
         plans: list[tuple[Stream, int, int, Any]] = []  # stream, its low before, head, plan
+        dropped: list[tuple[Position, str]] = []
         tx: Transaction | None = None
         try:
             async with self.transaction() as tx:
+                dropped = await self._drop_stale_registrations(now)
                 for stream in list(self.log.streams.values()):
                     registered = self.positions.registered(stream.name)
                     plan = await self.retention.plan(self._writer, stream, registered, now)
@@ -789,7 +812,20 @@ class Producer:
             if tx is None or not tx.committed:
                 for stream, low, _, _ in plans:
                     stream.low = low
+                for position, _ in dropped:
+                    position.registered = True  # not dropped after all
             raise
+        for position, reason in dropped:
+            self.positions.unregister(position.consumer, position.stream)
+            position.dropped = reason
+            self.registrations_dropped += 1
+            logger.warning(
+                "dropped the registration of consumer %r on %r: %s; retention no longer "
+                "keeps its records",
+                position.consumer,
+                position.stream,
+                reason,
+            )
         self.positions.mark_saved(unsaved)
         for stream, low, head, plan in plans:
             deleted = max(0, plan.before - low)
@@ -807,6 +843,45 @@ class Producer:
                     stream.low,
                 )
         return done
+
+    async def _drop_stale_registrations(self, now_ms: int) -> list[tuple[Position, str]]:
+        """In the retention pass's transaction: delete the registrations past their limits;
+        each with why. They stop holding records back in this very pass."""
+        dropped = []
+        for position in self.positions.all():
+            limits, stream = position.limits, self.log.streams.get(position.stream)
+            if not position.registered or limits == NO_LIMITS or stream is None:
+                continue
+            reason = ""
+            away_ms = now_ms - position.updated_at * 1000
+            if (
+                limits.max_idle_ms is not None
+                and away_ms > limits.max_idle_ms
+                and not self._connected(position.consumer, position.stream)
+            ):
+                reason = (
+                    f"not connected and silent for {away_ms / 1000:.0f} s, over its "
+                    f"max_idle_ms={limits.max_idle_ms}"
+                )
+            elif limits.max_bytes is not None:
+                held = await self.retention.held(self._writer, stream, position)
+                if held > limits.max_bytes:
+                    reason = (
+                        f"{held} bytes of records it has not applied, over its "
+                        f"max_bytes={limits.max_bytes}"
+                    )
+            if reason:
+                await self._writer.unregister_consumer(position.consumer, position.stream)
+                position.registered = False  # this pass plans without it
+                dropped.append((position, reason))
+        return dropped
+
+    def _connected(self, consumer: str, stream: str) -> bool:
+        """``consumer`` has a subscription to ``stream`` open now."""
+        server = self._server
+        return server is not None and any(
+            sub.reporter == consumer and sub.stream == stream for sub in server.subscriptions
+        )
 
     async def _retain_periodically(self) -> None:
         while True:

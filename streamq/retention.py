@@ -56,6 +56,8 @@ class Retention:
         self.default = default
         self.per_stream: dict[str, RetentionPolicy] = {}
         self._sizes: dict[str, tuple[int, int, int]] = {}  # stream -> (low, head, bytes)
+        # (consumer, stream) -> (first seq, end, bytes) of what it has not applied
+        self._held: dict[tuple[str, str], tuple[int, int, int]] = {}
 
     def policy(self, stream: str) -> RetentionPolicy:
         return self.per_stream.get(stream, self.default)
@@ -101,9 +103,24 @@ class Retention:
                 size_after = size - await writer.bytes_between(stream.id, low, before)
         return _Plan(before, lost, size_after)
 
+    async def held(self, writer: Writer, stream: Stream, position: Position) -> int:
+        """Bytes of ``stream``'s records that ``position``'s consumer has not applied.
+        Counted once, then only what was committed since, while its position stays."""
+        start, end = max(stream.low, position.applied + 1), stream.head + 1
+        key = (position.consumer, position.stream)
+        cached = self._held.get(key)
+        if cached is not None and cached[0] == start and cached[1] <= end:
+            held = cached[2] + await writer.bytes_between(stream.id, cached[1], end)
+        else:
+            held = await writer.bytes_between(stream.id, start, end)
+        self._held[key] = (start, end, held)
+        return held
+
     def forget(self, stream: str) -> None:
         """``stream`` lost records retention did not delete (compaction): count it anew."""
         self._sizes.pop(stream, None)
+        for key in [key for key in self._held if key[1] == stream]:
+            del self._held[key]
 
     def committed(self, stream: Stream, head: int, size_after: int | None) -> None:
         """The plan for ``stream`` was carried out at ``head``."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeVar
 
@@ -67,10 +67,39 @@ class Identity:
 
 
 @dataclass(frozen=True, slots=True)
+class Limits:
+    """When a registration is dropped (``Producer.register_consumer``): a consumer that
+    never comes back must not make retention keep everything for ever. None: no limit."""
+
+    max_idle_ms: int | None = None  # not connected and reporting nothing for this long
+    max_bytes: int | None = None  # records it has not applied take more than this
+
+    def __post_init__(self) -> None:
+        for name in ("max_idle_ms", "max_bytes"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value <= 0):
+                raise ValueError(f"{name} must be a positive int or None, not {value!r}")
+
+
+NO_LIMITS = Limits()
+
+
+@dataclass(frozen=True, slots=True)
 class ConsumerRow:
     consumer: str
     stream: str
     applied: int
+    updated_at_ms: int = 0  # when its position was last saved (or it registered)
+    limits: Limits = NO_LIMITS
+
+
+def consumer_rows(rows: Iterable[Any]) -> list[ConsumerRow]:
+    """Registrations as both engines read them: (consumer, stream, applied, updated_at,
+    max_idle_ms, max_bytes) rows."""
+    return [
+        ConsumerRow(str(c), str(s), int(a), int(updated or 0), Limits(idle, size))
+        for c, s, a, updated, idle, size in rows
+    ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,8 +295,11 @@ class Writer(Protocol):
         """Delete what compaction removed, and note how far it ran."""
         ...
 
-    async def register_consumer(self, consumer: str, stream: str, applied: int) -> int:
-        """Register (an existing registration keeps the further position); the position."""
+    async def register_consumer(
+        self, consumer: str, stream: str, applied: int, limits: Limits
+    ) -> int:
+        """Register with ``limits`` (an existing registration keeps the further position
+        and takes the new limits); the position."""
         ...
 
     async def unregister_consumer(self, consumer: str, stream: str) -> bool:

@@ -23,7 +23,7 @@ from streamq import Consumer, OffsetOutOfRangeError, Producer
 
 from .conftest import wait_for
 from .logsql import stored_bytes, stored_seqs
-from .test_lag import apply_until
+from .test_lag import apply_until, scrape
 
 STREAMQ = [sys.executable, "-m", "streamq"]
 
@@ -303,3 +303,72 @@ async def test_size_cap_counts_what_compaction_removed(producer_db: str) -> None
         assert stored_bytes(producer_db) <= cap
         assert await producer.apply_retention() == []
         assert producer.log.streams["orders"].low == 1
+
+
+# --- registrations with limits: a consumer that never comes back ------------------------
+
+
+async def test_a_registration_past_its_byte_limit_is_dropped(
+    producer_db: str, consumer_db: str
+) -> None:
+    """``stale`` never connects: it holds every record back until what it has not
+    applied passes its max_bytes. Then it is dropped (logged, counted, shown), retention
+    deletes what ``active`` applied, and ``stale`` coming back gets the gone-seqs error."""
+    async with Producer(producer_db, metrics_port=0) as producer:
+        await producer.register_consumer("active", "orders")
+        await producer.register_consumer("stale", "orders", max_bytes=3_000)
+        await publish(producer, 20)  # about 2,000 bytes: under the limit
+        await asyncio.to_thread(report, producer.address, "active", 20)
+        assert await producer.apply_retention() == []  # stale still holds them
+        await publish(producer, 20)  # about 4,000: over
+        await asyncio.to_thread(report, producer.address, "active", 40)
+        (truncation,) = await producer.apply_retention()
+        assert (truncation.low, truncation.deleted) == (41, 40)
+        [stale] = [p for p in producer.consumer_lags() if p.consumer == "stale"]
+        assert not stale.registered and "over its max_bytes=3000" in stale.dropped
+        assert producer.registrations_dropped == 1
+        metrics = await asyncio.to_thread(scrape, producer.metrics_address)
+        assert metrics[("streamq_registrations_dropped_total", ())] == 1
+        with pytest.raises(OffsetOutOfRangeError, match="no longer held"):
+            async with Consumer(producer.address, "orders", db=consumer_db, name="stale") as c:
+                await anext(c)
+    async with Producer(producer_db) as producer:  # dropped in the database too
+        assert [p.consumer for p in producer.consumer_lags() if p.registered] == ["active"]
+
+
+async def test_a_registration_idle_past_its_limit_is_dropped_unless_connected(
+    producer_db: str, consumer_db: str
+) -> None:
+    async with Producer(producer_db) as producer:
+        await producer.register_consumer("away", "orders", max_idle_ms=100)
+        await producer.register_consumer("here", "orders", max_idle_ms=100)
+        await publish(producer, 5)
+        async with Consumer(producer.address, "orders", db=consumer_db, name="here") as here:
+            await apply_until(here, 5)
+            await producer.wait_applied("here", "orders", 5, timeout=10)
+
+            def lag_of(name: str) -> streamq.ConsumerLag:
+                return next(p for p in producer.consumer_lags() if p.consumer == name)
+
+            async def both_silent_for_long() -> bool:
+                await producer.apply_retention()
+                silent = time.time() - lag_of("here").updated_at
+                return silent > 0.3 and bool(lag_of("away").dropped)
+
+            await wait_for(both_silent_for_long, what="the idle registration's drop")
+            # "here" is connected: however long since it last reported, it stays.
+            assert lag_of("here").registered and not lag_of("here").dropped
+        [away] = [p for p in producer.consumer_lags() if p.consumer == "away"]
+        assert "not connected and silent" in away.dropped and "max_idle_ms=100" in away.dropped
+
+
+async def test_limits_from_the_command_line(tmp_path: Path) -> None:
+    db = str(tmp_path / "orders.db")
+    assert run("init", db).returncode == 0
+    added = run("consumers", "add", db, "ledger", "orders", "--max-bytes", "5000")
+    assert added.returncode == 0, added.stderr
+    listed = run("consumers", "list", db, "--json")
+    (row,) = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert (row["consumer"], row["max_bytes"], row["max_idle_ms"]) == ("ledger", 5000, None)
+    refused = run("consumers", "add", db, "ledger", "orders", "--max-bytes", "0")
+    assert refused.returncode != 0 and "max_bytes must be a positive int" in refused.stderr

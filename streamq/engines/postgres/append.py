@@ -100,8 +100,13 @@ _SCHEMA = (
         applied bigint NOT NULL DEFAULT 0,  -- last seq the consumer reported applied
         registered_at bigint NOT NULL,      -- milliseconds since the Unix epoch
         updated_at bigint NOT NULL,         -- when applied was last saved
+        max_idle_ms bigint,                 -- dropped after this long away (NULL: never)
+        max_bytes bigint,                   -- dropped when held back records exceed this
         PRIMARY KEY (consumer, stream)
     )""",
+    # Registrations made before limits existed.
+    """ALTER TABLE streamq_consumers ADD COLUMN IF NOT EXISTS max_idle_ms bigint,
+        ADD COLUMN IF NOT EXISTS max_bytes bigint""",
     # Emptied by crash recovery and absent on a promoted replica: the module docstring.
     "CREATE UNLOGGED TABLE IF NOT EXISTS streamq_boot (epoch bigint NOT NULL)",
 )

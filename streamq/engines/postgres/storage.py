@@ -36,16 +36,17 @@ from ...errors import AlreadyServedError, DatabaseOpenError
 from ...storage import (
     AppendState,
     Changes,
-    ConsumerRow,
     Durability,
     EpochRow,
     Events,
     Features,
     Identity,
+    Limits,
     LogRow,
     StreamRow,
     StreamSettings,
     TimeRow,
+    consumer_rows,
 )
 from .append import (
     CHANNEL,
@@ -74,7 +75,9 @@ SELECT s.id, s.name, s.low,
     s.key_index, s.compact, s.notify_compacted, s.compacted,
     (SELECT max(ts) FROM streamq_time WHERE stream_id = s.id)
 FROM streamq_streams AS s ORDER BY s.id"""
-CONSUMERS_QUERY = "SELECT consumer, stream, applied FROM streamq_consumers"
+CONSUMERS_QUERY = (
+    "SELECT consumer, stream, applied, updated_at, max_idle_ms, max_bytes FROM streamq_consumers"
+)
 EPOCH_ROWS_QUERY = """
 SELECT e.stream_id, e.first_seq, e.epoch
 FROM streamq_epochs AS e JOIN unnest(%s::bigint[], %s::bigint[]) AS k(stream_id, after)
@@ -301,14 +304,18 @@ class PostgresWriter:
             {"id": stream_id, "seqs": seqs, "through": through},
         )
 
-    async def register_consumer(self, consumer: str, stream: str, applied: int) -> int:
+    async def register_consumer(
+        self, consumer: str, stream: str, applied: int, limits: Limits
+    ) -> int:
         now = int(time.time() * 1000)
         rows = await self._rows(
-            "INSERT INTO streamq_consumers (consumer, stream, applied, registered_at, updated_at) "
-            "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (consumer, stream) DO UPDATE "
-            "SET applied = greatest(streamq_consumers.applied, EXCLUDED.applied) "
+            "INSERT INTO streamq_consumers (consumer, stream, applied, registered_at, updated_at, "
+            "max_idle_ms, max_bytes) VALUES (%s, %s, %s, %s, %s, %s, %s) "
+            "ON CONFLICT (consumer, stream) DO UPDATE "
+            "SET applied = greatest(streamq_consumers.applied, EXCLUDED.applied), "
+            "max_idle_ms = EXCLUDED.max_idle_ms, max_bytes = EXCLUDED.max_bytes "
             "RETURNING applied",
-            (consumer, stream, applied, now, now),
+            (consumer, stream, applied, now, now, limits.max_idle_ms, limits.max_bytes),
         )
         return int(rows[0][0])
 
@@ -451,9 +458,7 @@ class PostgresStorage:
             await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
             reader = PostgresReader(conn)
             streams = _stream_rows(await reader._rows(STREAMS_QUERY, None))
-            consumers = [
-                ConsumerRow(c, s, int(a)) for c, s, a in await reader._rows(CONSUMERS_QUERY, None)
-            ]
+            consumers = consumer_rows(await reader._rows(CONSUMERS_QUERY, None))
             (epoch,) = (await reader._rows(META_EPOCH_QUERY, None))[0]
             grown = [r for r in streams if r.head > known.get(r.id, (-1, 0))[0]]
             epoch_rows = await reader._rows(

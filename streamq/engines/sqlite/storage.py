@@ -55,15 +55,16 @@ from ...errors import ConcurrentWriterError, DatabaseOpenError, SchemaMissingErr
 from ...storage import (
     AppendState,
     Changes,
-    ConsumerRow,
     Durability,
     EpochRow,
     Features,
     Identity,
+    Limits,
     LogRow,
     StreamRow,
     StreamSettings,
     TimeRow,
+    consumer_rows,
 )
 from .servelock import ServeLock
 from .walwatch import WalWatch
@@ -80,8 +81,15 @@ CONSUMERS_SCHEMA = """CREATE TABLE IF NOT EXISTS streamq_consumers (
     applied INTEGER NOT NULL DEFAULT 0,  -- last seq the consumer reported applied
     registered_at INTEGER NOT NULL,      -- milliseconds since the Unix epoch
     updated_at INTEGER NOT NULL,         -- when applied was last saved
+    max_idle_ms INTEGER,                 -- dropped after this long away (NULL: never)
+    max_bytes INTEGER,                   -- dropped when held back records exceed this
     PRIMARY KEY (consumer, stream)
 )"""
+# Registrations made before limits existed: the columns are added at a producer's start.
+_LIMIT_COLUMNS = ("max_idle_ms", "max_bytes")
+CONSUMERS_QUERY = (
+    "SELECT consumer, stream, applied, updated_at, max_idle_ms, max_bytes FROM streamq_consumers"
+)
 
 _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS streamq_meta (key TEXT PRIMARY KEY, value NOT NULL)",
@@ -299,6 +307,11 @@ def create_schema(dbapi: Any) -> tuple[dict[str, Any], bool]:
         )
     for statement in _INDEXES:
         cursor.execute(statement)
+    cursor.execute("PRAGMA table_info(streamq_consumers)")
+    columns = {row[1] for row in cursor.fetchall()}
+    for column in _LIMIT_COLUMNS:
+        if column not in columns:
+            cursor.execute(f"ALTER TABLE streamq_consumers ADD COLUMN {column} INTEGER")
     cursor.executemany(SET_META, list(meta.items()))
     return meta, created
 
@@ -376,10 +389,7 @@ def read_changes(conn: sqlite3.Connection, known: dict[int, tuple[int, int]]) ->
     first seq)}) of the streams that grew or are new."""
     epoch = int(conn.execute(META_EPOCH_QUERY).fetchone()[0])
     streams = stream_rows(conn.execute(STREAMS_QUERY))
-    consumers = [
-        ConsumerRow(str(c), str(s), int(a))
-        for c, s, a in conn.execute("SELECT consumer, stream, applied FROM streamq_consumers")
-    ]
+    consumers = consumer_rows(conn.execute(CONSUMERS_QUERY))
     epoch_rows: list[tuple[int, int, int]] = []
     for row in streams:
         head, after = known.get(row.id, (-1, 0))
@@ -637,14 +647,17 @@ class SQLiteWriter:
             (through, stream_id),
         )
 
-    async def register_consumer(self, consumer: str, stream: str, applied: int) -> int:
-        await self.conn.execute(CONSUMERS_SCHEMA)  # a database made before registrations
+    async def register_consumer(
+        self, consumer: str, stream: str, applied: int, limits: Limits
+    ) -> int:
         now = int(time.time() * 1000)
         await self.conn.execute(
-            "INSERT INTO streamq_consumers (consumer, stream, applied, registered_at, updated_at) "
-            "VALUES (?, ?, ?, ?, ?) ON CONFLICT (consumer, stream) DO UPDATE "
-            "SET applied = max(applied, excluded.applied)",
-            (consumer, stream, applied, now, now),
+            "INSERT INTO streamq_consumers (consumer, stream, applied, registered_at, updated_at,"
+            " max_idle_ms, max_bytes) VALUES (?, ?, ?, ?, ?, ?, ?) "
+            "ON CONFLICT (consumer, stream) DO UPDATE SET applied = max(applied, "
+            "excluded.applied), max_idle_ms = excluded.max_idle_ms, "
+            "max_bytes = excluded.max_bytes",
+            (consumer, stream, applied, now, now, limits.max_idle_ms, limits.max_bytes),
         )
         rows = await self.conn.execute_fetchall(
             "SELECT applied FROM streamq_consumers WHERE consumer = ? AND stream = ?",
@@ -653,7 +666,6 @@ class SQLiteWriter:
         return int(next(iter(rows))[0])
 
     async def unregister_consumer(self, consumer: str, stream: str) -> bool:
-        await self.conn.execute(CONSUMERS_SCHEMA)
         cursor = await self.conn.execute(
             "DELETE FROM streamq_consumers WHERE consumer = ? AND stream = ?", (consumer, stream)
         )
