@@ -18,6 +18,7 @@ import pytest
 
 import streamq
 from streamq import Consumer, Producer
+from streamq.engines.postgres import storage as postgres_storage
 from streamq.errors import AlreadyServedError, DatabaseOpenError, UnsupportedConnectionError
 
 from .conftest import wait_for
@@ -313,3 +314,25 @@ async def test_producer_survives_a_server_crash(own_server: PostgresServer) -> N
                 assert values(await anext(consumer)) == [(3, b"theirs")]
         epochs = producer.log.streams["orders"].epochs
         assert epochs.epoch_of(2) == epochs.epoch_of(3) > before
+
+
+async def test_history_seeks_and_time_seeks_use_indexes(pg_url: str) -> None:
+    """One key's records and a time seek are index reads, whatever the stream's size: the
+    plans PostgreSQL picks for the readers' statements (with enough rows that a scan
+    would be costed)."""
+    async with Producer(pg_url) as producer:
+        await producer.create_stream("accounts", key_index=True)
+        async with producer.transaction() as tx:
+            for n in range(5000):
+                await tx.publish("accounts", b"v", key=b"k%d" % (n % 500))
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute("ANALYZE")
+
+        def plan(sql: str, params: tuple[object, ...]) -> str:
+            rows = conn.execute("EXPLAIN " + sql, params).fetchall()
+            return "\n".join(row[0] for row in rows)
+
+        history = plan(postgres_storage.KEY_RECORDS_QUERY, (1, b"k7", 1, 5001, 100))
+        assert "streamq_log_key_seq" in history and "Sort" not in history, history
+        seek = plan(postgres_storage.SEEK_TIME_QUERY, (1, 0))
+        assert "Index" in seek and "Seq Scan" not in seek, seek

@@ -80,7 +80,10 @@ _SCHEMA = (
         key bytea,               -- the record's key if its stream has key_index, else NULL
         PRIMARY KEY (stream_id, seq)
     )""",
-    """CREATE INDEX IF NOT EXISTS streamq_log_key ON streamq_log (stream_id, key)
+    # One key's records in seq order, read without a sort (history, compaction). Replaces
+    # the (stream_id, key) index of the first PostgreSQL release, which sorted each key.
+    "DROP INDEX IF EXISTS streamq_log_key",
+    """CREATE INDEX IF NOT EXISTS streamq_log_key_seq ON streamq_log (stream_id, key, seq)
         WHERE key IS NOT NULL""",
     """CREATE TABLE IF NOT EXISTS streamq_time (
         stream_id bigint NOT NULL,

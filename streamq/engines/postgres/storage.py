@@ -83,6 +83,14 @@ SELECT e.stream_id, e.first_seq, e.epoch
 FROM streamq_epochs AS e JOIN unnest(%s::bigint[], %s::bigint[]) AS k(stream_id, after)
     ON e.stream_id = k.stream_id AND e.first_seq > k.after
 ORDER BY e.stream_id, e.first_seq"""
+# A seek in streamq_log_key_seq: one key's records in seq order, no sort.
+KEY_RECORDS_QUERY = (
+    "SELECT seq, record FROM streamq_log WHERE stream_id = %s AND key = %s "
+    "AND seq >= %s AND seq < %s ORDER BY seq LIMIT %s"
+)
+SEEK_TIME_QUERY = (
+    "SELECT seq FROM streamq_time WHERE stream_id = %s AND ts >= %s ORDER BY ts LIMIT 1"
+)
 META_EPOCH_QUERY = "SELECT value FROM streamq_meta WHERE key = 'epoch'"
 # Changes whenever a transaction that wrote anything commits (its xid leaves the list of
 # running ones, or xmax moved past it): PostgreSQL's PRAGMA data_version.
@@ -135,18 +143,11 @@ class PostgresReader:
     async def read_key_records(
         self, stream_id: int, key: bytes, start: int, end: int, limit: int
     ) -> list[tuple[int, bytes]]:
-        rows = await self._rows(
-            "SELECT seq, record FROM streamq_log WHERE stream_id = %s AND key = %s "
-            "AND seq >= %s AND seq < %s ORDER BY seq LIMIT %s",
-            (stream_id, key, start, end, limit),
-        )
+        rows = await self._rows(KEY_RECORDS_QUERY, (stream_id, key, start, end, limit))
         return [(seq, bytes(record)) for seq, record in rows]
 
     async def seek_time(self, stream_id: int, timestamp: int) -> int | None:
-        rows = await self._rows(
-            "SELECT seq FROM streamq_time WHERE stream_id = %s AND ts >= %s ORDER BY ts LIMIT 1",
-            (stream_id, timestamp),
-        )
+        rows = await self._rows(SEEK_TIME_QUERY, (stream_id, timestamp))
         return int(rows[0][0]) if rows else None
 
     async def low_and_compacted(self, stream_id: int) -> tuple[int, int]:
