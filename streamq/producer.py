@@ -27,12 +27,20 @@ from typing import Any, TypeVar
 from .blocking import AsyncSQL, BlockingSQL, to_the_end
 from .compaction import NOTIFICATION_SUFFIX, Compacted, superseded
 from .engines import open_storage
-from .errors import RecordTooLargeError, UnsupportedConnectionError
+from .errors import RecordTooLargeError
 from .log import RECORD_OVERHEAD, Log, Stream
 from .metrics import MetricsServer
 from .positions import ConsumerLag, Position, Positions
 from .protocol import FRAME_OVERHEAD, Record, decode_record, encode_record
-from .records import as_bytes, check_stream_name, checked_record, checked_timestamp
+from .records import (
+    CheckedRecord,
+    as_bytes,
+    check_stream_name,
+    checked_record,
+    checked_timestamp,
+    seq_range,
+    values_only,
+)
 from .retention import Retention, RetentionPolicy, Truncation
 from .server import Server, ServerSettings
 from .storage import (
@@ -44,6 +52,7 @@ from .storage import (
     EpochRow,
     Limits,
     LogRow,
+    Session,
     StreamRow,
     StreamSettings,
     TimeRow,
@@ -309,6 +318,40 @@ class BlockingTransaction(BlockingSQL):
         return result
 
 
+class SyncTransaction(BlockingSQL):
+    """A transaction on a connection of a thread's own (``storage.Session``): a
+    ``SyncProducer``'s, and ``run_in_transaction``'s on PostgreSQL. ``execute`` runs the
+    application's SQL (the driver's plain cursor); ``publish`` appends as
+    ``streamq.publish`` does. Both commit together."""
+
+    def __init__(self, session: Session, max_record_size: int) -> None:
+        super().__init__(session)
+        self._session = session
+        self._max_record_size = max_record_size
+
+    def publish(
+        self,
+        stream: str,
+        value: bytes,
+        *,
+        key: bytes | None = None,
+        headers: Mapping[str, bytes] | None = None,
+        timestamp: int | None = None,
+    ) -> int:
+        """Append a record to ``stream``; returns its seq. Visible to consumers at commit."""
+        self._check_open()
+        checked = checked_record(value, key, headers, timestamp)
+        return self._append(stream, [checked])[0]
+
+    def publish_many(self, stream: str, values: Iterable[bytes]) -> range:
+        """Append one record per value (no key, no headers); returns their seqs."""
+        self._check_open()
+        return seq_range(self._append(stream, values_only(values)))
+
+    def _append(self, stream: str, records: list[CheckedRecord]) -> list[int]:
+        return self._session.append(check_stream_name(stream), records, self._max_record_size)
+
+
 class Producer:
     """A service's own stream producer: its SQLite database, and a server pushing from it.
 
@@ -369,6 +412,8 @@ class Producer:
         self._on_compacted = on_compacted
         self._compactor: asyncio.Task[None] | None = None
         self.registrations_dropped = 0  # by their limits (register_consumer)
+        self._session: Session | None = None  # run_in_transaction's, where it needs one
+        self._session_lock = asyncio.Lock()
         self._lock = asyncio.Lock()
         self._server: Server | None = None
         self._watcher: asyncio.Task[None] | None = None
@@ -434,6 +479,8 @@ class Producer:
         self._closed = True
         if self._watch is not None:
             await self._watch.close()
+        if self._session is not None:
+            await asyncio.to_thread(self._session.close)
         await self.storage.close()
 
     async def __aenter__(self) -> Producer:
@@ -492,13 +539,11 @@ class Producer:
         ``tx`` is a ``BlockingTransaction``: the same calls as ``Transaction``, not
         awaited. The whole transaction costs one thread hop, so prefer this on hot
         paths. ``fn`` must not touch the event loop; if it raises, nothing commits.
+        On PostgreSQL ``fn`` runs on a worker thread, on a connection of its own.
         """
         self._check_running()
         if not self.storage.features.blocking_transactions:
-            raise UnsupportedConnectionError(
-                f"run_in_transaction runs a transaction on SQLite's writer thread; on "
-                f"{self.storage.where} use 'async with producer.transaction() as tx'"
-            )
+            return await self._run_in_session(fn, args)
         async with self._writing():
             version: int | None = self._version
             try:
@@ -519,6 +564,34 @@ class Producer:
             except BaseException:
                 await self._writer.rollback()  # begun, then caught up or cancelled: not run
                 raise
+
+    async def _run_in_session(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+        """``run_in_transaction`` where the writer has no thread of its own (PostgreSQL):
+        ``fn`` runs on a worker thread, on a session of this producer's, appending as
+        ``streamq.publish`` does (``tx`` is a ``SyncTransaction``); then the producer
+        catches up, and serves what it committed."""
+        async with self._session_lock:
+            if self._session is None:
+                self._session = await asyncio.to_thread(self.storage.session, self.durability)
+            session = self._session
+
+            def run() -> T:
+                session.begin()
+                tx = SyncTransaction(session, self.max_record_size)
+                try:
+                    result = fn(tx, *args)
+                    session.commit()
+                except BaseException:
+                    session.rollback()
+                    raise
+                finally:
+                    tx._closed = True
+                return result
+
+            # What runs on the thread cannot be stopped: wait for it, even if cancelled.
+            result = await to_the_end(asyncio.to_thread(run), lambda: None)
+        await self._check_others()
+        return result
 
     def _run_blocking(
         self,

@@ -24,6 +24,7 @@ from .records import (
     CheckedRecord,
     check_stream_name,
     checked_record,
+    seq_range,
     values_only,
 )
 
@@ -63,11 +64,6 @@ def _append(conn: Any, stream: str, records: Sequence[CheckedRecord]) -> list[in
         resolved.dbapi, stream, records, max_record_size=DEFAULT_MAX_RECORD_SIZE
     )
     return seqs
-
-
-def seq_range(seqs: list[int]) -> range:
-    """Consecutive seqs as a range (empty: none were appended)."""
-    return range(seqs[0], seqs[-1] + 1) if seqs else range(0)
 
 
 async def publish_async(

@@ -88,3 +88,8 @@ def encode_checked(
             )
         encoded.append(record)
     return encoded
+
+
+def seq_range(seqs: list[int]) -> range:
+    """Consecutive seqs as a range (empty: none were appended)."""
+    return range(seqs[0], seqs[-1] + 1) if seqs else range(0)

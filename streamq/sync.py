@@ -18,52 +18,16 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from ._loop import loop_factory
-from .blocking import BlockingSQL
 from .compaction import Compacted
 from .positions import ConsumerLag
-from .producer import Producer
+from .producer import Producer, SyncTransaction
 from .protocol import Record
-from .publishing import seq_range
-from .records import CheckedRecord, check_stream_name, checked_record, values_only
 from .retention import Truncation
 from .storage import Session
 
+__all__ = ["SyncProducer", "SyncTransaction"]
+
 T = TypeVar("T")
-
-
-class SyncTransaction(BlockingSQL):
-    """One transaction of a ``SyncProducer``, on the calling thread's own connection.
-
-    ``execute`` runs the application's SQL (the driver's plain cursor); ``publish``
-    appends a record. Both commit together when the ``with`` block ends.
-    """
-
-    def __init__(self, session: Session, max_record_size: int) -> None:
-        super().__init__(session)
-        self._session = session
-        self._max_record_size = max_record_size
-
-    def publish(
-        self,
-        stream: str,
-        value: bytes,
-        *,
-        key: bytes | None = None,
-        headers: Mapping[str, bytes] | None = None,
-        timestamp: int | None = None,
-    ) -> int:
-        """Append a record to ``stream``; returns its seq. Visible to consumers at commit."""
-        self._check_open()
-        checked = checked_record(value, key, headers, timestamp)
-        return self._append(stream, [checked])[0]
-
-    def publish_many(self, stream: str, values: Iterable[bytes]) -> range:
-        """Append one record per value (no key, no headers); returns their seqs."""
-        self._check_open()
-        return seq_range(self._append(stream, values_only(values)))
-
-    def _append(self, stream: str, records: list[CheckedRecord]) -> list[int]:
-        return self._session.append(check_stream_name(stream), records, self._max_record_size)
 
 
 class SyncProducer:

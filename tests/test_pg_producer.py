@@ -19,7 +19,7 @@ import pytest
 import streamq
 from streamq import Consumer, Producer
 from streamq.engines.postgres import storage as postgres_storage
-from streamq.errors import AlreadyServedError, DatabaseOpenError, UnsupportedConnectionError
+from streamq.errors import AlreadyServedError, DatabaseOpenError
 
 from .conftest import wait_for
 from .pgserver import PostgresMissingError, PostgresServer
@@ -193,10 +193,32 @@ async def test_registrations_are_stored_and_retention_counts_their_losses(pg_url
         assert conn.execute("SELECT low FROM streamq_streams").fetchone() == (6,)
 
 
+async def test_run_in_transaction_runs_on_a_worker_thread(pg_url: str) -> None:
+    """``fn(tx)`` as one transaction on a connection of its own: the business row and
+    the records commit together, a raise commits neither, and the records are served."""
+
+    def debit_and_publish(tx: streamq.SyncTransaction, sku: str, count: int) -> range:
+        tx.execute("UPDATE stock SET n = n - %s WHERE sku = %s", (count, sku))
+        seqs = tx.publish_many("orders", [sku.encode()] * count)
+        if count > 5:
+            raise ValueError("not that many")
+        return seqs
+
+    async with Producer(pg_url) as producer:
+        async with producer.transaction() as tx:
+            await tx.execute("CREATE TABLE stock (sku text PRIMARY KEY, n integer)")
+            await tx.execute("INSERT INTO stock VALUES ('a1', 10)")
+        assert await producer.run_in_transaction(debit_and_publish, "a1", 3) == range(1, 4)
+        with pytest.raises(ValueError, match="not that many"):
+            await producer.run_in_transaction(debit_and_publish, "a1", 6)
+        assert await producer.publish("orders", b"after") == 4
+        received = await consume(producer.address, "orders", 4)
+        assert [r.value for r in received] == [b"a1", b"a1", b"a1", b"after"]
+    with psycopg.connect(pg_url) as conn:
+        assert conn.execute("SELECT n FROM stock").fetchone() == (7,)
+
+
 async def test_refusals_name_what_is_missing(pg_url: str) -> None:
-    async with Producer(pg_url, serve=False) as producer:
-        with pytest.raises(UnsupportedConnectionError, match=r"producer\.transaction\(\)"):
-            await producer.run_in_transaction(lambda tx: None)
     bad = pg_url.rsplit("/", 1)[0] + "/no_such_database"
     with pytest.raises(DatabaseOpenError, match="no_such_database"):
         async with Producer(bad):
