@@ -29,7 +29,11 @@ endingOffsets            batch only: ``latest`` or JSON; default latest
 maxRecordsPerTrigger     at most this many records per micro-batch, in all
 minPartitions            at least this many Spark partitions per batch
 maxRecordsPerPartition   split larger ranges (default 1,000,000)
-failOnDataLoss           ``true`` (default): fail if needed seqs are gone
+failOnDataLoss           ``true`` (default): fail if needed seqs are gone (retention), or if
+                         a producer lost commits the query read (its head went back below
+                         the query's offset, or it re-used their seqs: "Epochs");
+                         ``false``: skip what retention deleted, and after lost commits
+                         go on from the first seq lost, reading what the producer holds now
 consumerName             name positions are reported under (default ``spark``;
                          with a token, the producer counts them under its name)
 timeoutMs                connect and read timeout per request (default 30000)
@@ -70,10 +74,18 @@ from pyspark.sql.streaming.datasource import (
 )
 from pyspark.sql.types import StructType
 
-from streamq import Client, ClientTLS, OffsetOutOfRangeError, StreamQError
+from streamq import Client, ClientTLS, OffsetOutOfRangeError, SeqsReusedError, StreamQError
 
 from . import planning
-from .planning import Connect, Offsets, ProducerState, Range, StreamQSourceError
+from .planning import (
+    BatchEpochs,
+    Connect,
+    Offsets,
+    Position,
+    ProducerState,
+    Range,
+    StreamQSourceError,
+)
 from .schema import SCHEMA, to_arrow
 
 logger = logging.getLogger("spark_source")
@@ -155,8 +167,8 @@ class _Settings:
         """Read anew at each call: a file or registry may list new producers."""
         return planning.parse_endpoints(*self._endpoint_options)
 
-    def discover(self) -> dict[str, ProducerState]:
-        return planning.discover(self.endpoints(), self.stream, self.connect)
+    def discover(self, positions: Mapping[str, Position] | None = None) -> dict[str, ProducerState]:
+        return planning.discover(self.endpoints(), self.stream, self.connect, positions)
 
     def initial(self, states: Mapping[str, ProducerState], default: str) -> Offsets:
         """Where a query starts: ``startingTimestamp`` if set, else ``startingOffsets``."""
@@ -175,6 +187,7 @@ class StreamQPartition(InputPartition):
         fail_on_data_loss: bool,
         connect: Connect,
         keys: frozenset[bytes] | None = None,
+        epochs: BatchEpochs | None = None,
     ) -> None:
         super().__init__(rng)
         self.range = rng
@@ -182,17 +195,29 @@ class StreamQPartition(InputPartition):
         self.fail_on_data_loss = fail_on_data_loss
         self.connect = connect
         self.keys = keys  # only these keys' records (a pushed-down filter), read by history
+        self.epochs = epochs  # a micro-batch's, for its producer; None: read without epochs
 
 
 def _partitions(
-    settings: _Settings, ranges: Sequence[Range], keys: frozenset[bytes] | None = None
+    settings: _Settings,
+    ranges: Sequence[Range],
+    keys: frozenset[bytes] | None = None,
+    epochs: Mapping[str, BatchEpochs] | None = None,
 ) -> list[StreamQPartition]:
     if keys is None:
         ranges = planning.plan(ranges, settings.min_partitions, settings.max_per_partition)
     else:  # a few keys' records: one history request per producer and key
         ranges = [r for r in ranges if r.size > 0 and keys]
+    epochs = epochs or {}
     return [
-        StreamQPartition(r, settings.stream, settings.fail_on_data_loss, settings.connect, keys)
+        StreamQPartition(
+            r,
+            settings.stream,
+            settings.fail_on_data_loss,
+            settings.connect,
+            keys,
+            epochs.get(r.producer_id),
+        )
         for r in ranges
     ]
 
@@ -233,55 +258,137 @@ def _read_keys(partition: StreamQPartition, keys: frozenset[bytes]) -> Iterator[
     yield _batch(rng, stream, [list(record) for record in records])
 
 
+class _PartitionRead:
+    """Reading one partition's range: where it stands, and what it does on data loss."""
+
+    def __init__(self, partition: StreamQPartition) -> None:
+        self.partition = partition
+        rng, batch = partition.range, partition.epochs
+        self.start, self.end = rng.start, rng.end
+        # "Epochs": the range starting the micro-batch sends the epoch stored with the
+        # query's offset, so the producer vouches for the seqs the query read before it;
+        # the others ask for epochs without a position to vouch for (0).
+        self.seen_epoch: int | None = None
+        self.max_epoch: int | None = None  # a frame written by a later epoch: rewritten
+        if batch is not None:
+            self.seen_epoch = (batch.start_epoch or 0) if rng.start == batch.start else 0
+            self.max_epoch = batch.end_epoch or None
+        self.where = f"producer {rng.producer_id} at {rng.endpoint}, stream {partition.stream!r}"
+
+    def lost(self, message: str, skipped: str) -> None:
+        """Fail (failOnDataLoss, the default), or log a warning and go on."""
+        if self.partition.fail_on_data_loss:
+            raise StreamQSourceError(
+                f"{self.where}: {message} Set failOnDataLoss=false to {skipped}."
+            )
+        logger.warning("%s: %s failOnDataLoss=false: %s.", self.where, message, skipped)
+
+    def out_of_range(self, exc: OffsetOutOfRangeError) -> None:
+        """The range was refused: seqs deleted by retention, or commits the producer lost."""
+        details = exc.details
+        start, end = self.start, self.end
+        low = int(details.get("low", start))
+        head = int(details.get("head", end - 1))
+        rewritten = int(details.get("rewritten_from", 0))
+        if rewritten or head + 1 < end:
+            first = rewritten or head + 1
+            self.lost(
+                f"this micro-batch reads seqs {start}..{end - 1}, but the producer's head is "
+                f"now {head} and it no longer holds seqs {first}..{end - 1} as the query read "
+                "them or planned to: it lost commits (a power loss with durability='normal', "
+                f"or a database restored from an older copy). ({exc})",
+                f"read only what it holds up to its head ({head})",
+            )
+        if low > start:
+            self.lost(f"seqs {start}..{low - 1} are gone (retention). ({exc})", "skip them")
+        narrowed = (max(start, low), min(end, head + 1))
+        if narrowed == (start, end):
+            raise StreamQSourceError(f"{self.where}: {exc}") from exc
+        self.start, self.end = narrowed
+        self.seen_epoch = None if self.seen_epoch is None else 0
+
+    def reused(self, exc: SeqsReusedError) -> None:
+        """The producer no longer holds the seqs the query read before this micro-batch."""
+        assert exc.lost is not None
+        first, last = exc.lost[0], exc.lost[-1]
+        self.lost(
+            f"the query already read up to seq {last}, but the producer's log no longer holds "
+            f"seqs {first}..{last} as the query read them: it lost commits and re-used their "
+            "seqs (a power loss rolled back commits that were not synced, "
+            "durability='normal').",
+            f"read seqs {self.start}..{self.end - 1} as the producer holds them now",
+        )
+        self.seen_epoch = 0
+
+    def check_epoch(self, epoch: int | None, first: int) -> None:
+        """A frame written after the micro-batch was planned: its seqs were rewritten."""
+        if self.max_epoch is not None and epoch is not None and epoch > self.max_epoch:
+            self.max_epoch = None  # said once
+            self.lost(
+                f"seqs {first}..{self.end - 1}, which this micro-batch reads, were written "
+                f"again (by epoch {epoch}) after it was planned: the producer lost commits "
+                "(a power loss with durability='normal').",
+                "read them as the producer holds them now",
+            )
+
+
 def read_partition(partition: StreamQPartition) -> Iterator[pa.RecordBatch]:
     """Read exactly the partition's range from its producer, as Arrow batches."""
     if partition.keys is not None:
         yield from _read_keys(partition, partition.keys)
         return
     rng, stream = partition.range, partition.stream
-    start = rng.start
-    while start < rng.end:
+    state = _PartitionRead(partition)
+    while state.start < state.end:
         try:
             with partition.connect.client(rng.endpoint, "spark executor") as client:
                 _check_producer(client, rng)
                 pending: list[list[Any]] = []
-                for rows in client.read_range_rows(stream, start, rng.end):
+                reader = client.read_range_rows(
+                    stream, state.start, state.end, seen_epoch=state.seen_epoch
+                )
+                for rows in reader:
+                    if rows:
+                        state.check_epoch(reader.epoch, rows[0][0])
                     pending += rows
                     if len(pending) >= _ROWS_PER_BATCH:
                         yield _batch(rng, stream, pending)
-                        start = pending[-1][0] + 1
+                        state.start = pending[-1][0] + 1
+                        state.seen_epoch = None if state.seen_epoch is None else 0
                         pending = []
                 if pending:
                     yield _batch(rng, stream, pending)
                 return
+        except SeqsReusedError as exc:
+            state.reused(exc)
         except OffsetOutOfRangeError as exc:
-            low = int(exc.details.get("low", start))
-            if partition.fail_on_data_loss or low <= start:
-                raise StreamQSourceError(
-                    f"producer {rng.producer_id} at {rng.endpoint}, stream {stream!r}: seqs "
-                    f"{start}..{low - 1} are gone (retention); set failOnDataLoss=false to "
-                    f"skip them. ({exc})"
-                ) from exc
-            logger.warning("%s: seqs %d..%d are gone; skipping them", rng.endpoint, start, low - 1)
-            start = low
+            state.out_of_range(exc)
         except StreamQError as exc:
             raise StreamQSourceError(f"producer at {rng.endpoint}: {exc}") from exc
 
 
 class StreamQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
-    """Micro-batches of every producer's new records; offsets ``{producer id: next seq}``."""
+    """Micro-batches of every producer's new records. Offsets ``{producer id: next seq}``,
+    with ``"epochs": {producer id: epoch}`` beside them ("Epochs" in docs/protocol.md): the
+    epoch that wrote the producer's head when the offset was planned, at least the highest
+    that wrote a seq the query read. Each trigger, every producer vouches for the query's
+    position with it, and every range read sends it."""
 
     def __init__(self, settings: _Settings) -> None:
         self.settings = settings
         self._states: dict[str, ProducerState] = {}
         self._target: Offsets | None = None  # Trigger.AvailableNow's end
 
-    def _refresh(self) -> dict[str, ProducerState]:
-        self._states = self.settings.discover()
+    def _refresh(self, positions: Mapping[str, Position] | None = None) -> dict[str, ProducerState]:
+        self._states = self.settings.discover(positions)
         return self._states
 
-    def initialOffset(self) -> dict[str, int]:
-        return self.settings.initial(self._refresh(), "latest")
+    def initialOffset(self) -> dict[str, Any]:
+        settings = self.settings
+        seqs = settings.initial(self._refresh(), "latest")
+        # startingOffsets copied from a query's offsets keeps the epochs beside the seqs.
+        given = settings.starting if settings.starting_timestamp is None else None
+        return planning.join_offset(seqs, planning.given_epochs(given))
 
     def getDefaultReadLimit(self) -> ReadLimit:
         if self.settings.max_per_trigger is None:
@@ -291,45 +398,85 @@ class StreamQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def prepareForTriggerAvailableNow(self) -> None:
         self._target = {pid: s.head + 1 for pid, s in self._refresh().items()}
 
-    def latestOffset(self, start: dict[str, int], limit: ReadLimit) -> dict[str, int]:
-        states = self._refresh()
-        planning.check_producers(start, states)
+    def _lost(self, pid: str, seq: int) -> int:
+        """A producer lost seqs the query read: fail, or (failOnDataLoss=false) warn and
+        return the seq to go on from, the first one lost."""
+        state = self._states[pid]
+        assert state.lost is not None
+        first = state.lost[0]
+        message = planning.data_loss(state, self.settings.stream)
+        if self.settings.fail_on_data_loss:
+            raise StreamQSourceError(
+                f"{message} Refusing to skip or re-read records silently: set "
+                f"failOnDataLoss=false to go on from seq {first}, reading what the producer "
+                "holds from there now, or start a new query (new checkpoint)."
+            )
+        logger.warning(
+            "%s failOnDataLoss=false: going on from seq %d, reading what the producer holds "
+            "from there now (the query's offset was %d).",
+            message,
+            first,
+            seq,
+        )
+        return first
+
+    def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
+        seqs, epochs = planning.split_offset(start)
+        positions = {pid: Position(seq, epochs.get(pid)) for pid, seq in seqs.items()}
+        states = self._refresh(positions)
+        planning.check_producers(seqs, states)
+        back = {pid: self._lost(pid, seq) for pid, seq in seqs.items() if states[pid].lost}
         # Producers that appeared since the query started are read from their earliest seq.
-        start = {**{pid: s.low for pid, s in states.items()}, **start}
-        end = {pid: max(start[pid], states[pid].head + 1) for pid in start}
+        begin = {**{pid: s.low for pid, s in states.items()}, **seqs}
+        end = {pid: max(b, states[pid].head + 1) for pid, b in begin.items() if pid not in back}
         if self._target is not None:
             end = {
-                pid: max(start[pid], min(e, self._target.get(pid, start[pid])))
+                pid: max(begin[pid], min(e, self._target.get(pid, begin[pid])))
                 for pid, e in end.items()
             }
         if isinstance(limit, ReadMaxRows):
-            end = planning.limit(start, end, limit.max_rows)
-        return end
+            end = planning.limit(begin, end, limit.max_rows)
+        # After lost commits (failOnDataLoss=false) the offset goes back to the first seq
+        # lost: this batch reads nothing of that producer, the next reads on from there.
+        end.update(back)
+        end_epochs = {}
+        for pid, seq in end.items():
+            unchanged = pid in seqs and seq == seqs[pid] and pid not in back
+            epoch = epochs.get(pid) if unchanged else states[pid].epoch
+            if epoch is not None:
+                end_epochs[pid] = epoch
+        return planning.join_offset(end, end_epochs)
 
     def reportLatestOffset(self) -> dict[str, int] | None:
         return {pid: s.head + 1 for pid, s in self._states.items()} or None
 
-    def partitions(self, start: dict[str, int], end: dict[str, int]) -> Sequence[InputPartition]:
-        if not set(end) <= set(self._states):
+    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
+        start_seqs, start_epochs = planning.split_offset(start)
+        end_seqs, end_epochs = planning.split_offset(end)
+        if not set(end_seqs) <= set(self._states):
             self._refresh()
-        ranges = []
-        for pid, stop in end.items():
+        ranges, epochs = [], {}
+        for pid, stop in end_seqs.items():
             state = self._states.get(pid)
             if state is None:
                 planning.check_producers({pid: stop}, self._states)
                 continue
             # A producer new since the previous batch starts at its earliest seq, as
-            # latestOffset planned it.
-            ranges.append(Range(pid, state.endpoint, start.get(pid, state.low), stop))
-        return _partitions(self.settings, ranges)
+            # latestOffset planned it. A stop below the start (lost commits, going back)
+            # reads nothing.
+            first = start_seqs.get(pid, state.low)
+            ranges.append(Range(pid, state.endpoint, first, stop))
+            if pid in end_epochs:
+                epochs[pid] = BatchEpochs(first, start_epochs.get(pid), end_epochs[pid])
+        return _partitions(self.settings, ranges, epochs=epochs)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, StreamQPartition)
         return read_partition(partition)
 
-    def commit(self, end: dict[str, int]) -> None:
+    def commit(self, end: dict[str, Any]) -> None:
         """Advisory: tell each producer how far this query's sink durably holds its stream."""
-        for pid, seq in end.items():
+        for pid, seq in planning.split_offset(end)[0].items():
             state = self._states.get(pid)
             if state is None or seq <= 1:
                 continue

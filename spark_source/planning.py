@@ -1,9 +1,11 @@
 """Driver-side planning: where the producers are, which seqs each micro-batch reads, and how
 the work splits into partitions.
 
-Offsets are JSON maps ``{producer id: next seq}``. Everything here is plain
-Python; the only I/O is the blocking ``streamq.Client``, one short request per
-producer, in parallel.
+Offsets are JSON maps ``{producer id: next seq}``; a streaming query's offsets add
+``"epochs": {producer id: epoch}`` beside them (docs/protocol.md, "Epochs"): what lets a
+producer say whether it still holds the seqs the query read as the query read them.
+Everything here is plain Python; the only I/O is the blocking ``streamq.Client``, a few
+short requests per producer, in parallel.
 """
 
 from __future__ import annotations
@@ -15,13 +17,18 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
-from streamq import Client, ClientTLS, StreamQError, UnknownStreamError
+from streamq import Client, ClientTLS, OffsetOutOfRangeError, StreamQError, UnknownStreamError
+from streamq.consumer import lost_seqs
+from streamq.errors import MalformedFrameError
 
 Offsets = dict[str, int]
 
 EARLIEST, LATEST = -2, -1  # in JSON offsets, as in Spark's Kafka source
+# The key of a streaming offset that holds the epochs beside the seqs: never a producer id
+# of the reference producer (32 hexadecimal digits).
+EPOCHS = "epochs"
 
 
 class StreamQSourceError(Exception):
@@ -47,6 +54,52 @@ class ProducerState:
     endpoint: str
     head: int  # last committed seq
     low: int  # first seq still held
+    # Asked for a streaming query only ("Epochs"): the epoch that wrote the head (None: not
+    # asked, or a producer that predates epochs), and the seqs up to the query's position
+    # that the producer's log no longer holds as the query read them (None: none).
+    epoch: int | None = None
+    lost: range | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Position:
+    """Where a streaming query stands with one producer: the next seq it reads, and the
+    epoch stored beside it (the highest that wrote what it read; None if its offset has
+    none, as one an older version wrote)."""
+
+    seq: int
+    epoch: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BatchEpochs:
+    """What a micro-batch knows of one producer's epochs, handed to its partitions: the seq
+    the batch starts at with the epoch stored beside it (None: none), and the epoch that
+    wrote the producer's head when the batch was planned, at least that of every seq the
+    batch reads (epochs never decrease along a stream)."""
+
+    start: int
+    start_epoch: int | None
+    end_epoch: int
+
+
+def split_offset(offset: Mapping[str, Any]) -> tuple[Offsets, dict[str, int]]:
+    """A streaming offset's seqs and epochs (none in an offset an older version wrote)."""
+    seqs = {pid: seq for pid, seq in offset.items() if pid != EPOCHS}
+    epochs = offset.get(EPOCHS) or {}
+    if not all(isinstance(v, int) for v in seqs.values()) or not isinstance(epochs, dict):
+        raise StreamQSourceError(f"not a streamq offset: {offset!r}")
+    return seqs, {pid: int(e) for pid, e in epochs.items() if pid in seqs}
+
+
+def join_offset(seqs: Mapping[str, int], epochs: Mapping[str, int]) -> dict[str, Any]:
+    """The offset JSON for ``seqs`` with their ``epochs`` beside them. Keys are sorted: Spark
+    compares offsets as JSON text, so the same position must always be the same text."""
+    offset: dict[str, Any] = {pid: seqs[pid] for pid in sorted(seqs)}
+    kept = {pid: epochs[pid] for pid in sorted(epochs) if pid in seqs}
+    if kept:
+        offset[EPOCHS] = kept
+    return offset
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,23 +155,70 @@ def _load_provider(spec: str) -> Callable[[], Iterable[str]]:
     return cast(Callable[[], Iterable[str]], provider)
 
 
-def _probe(endpoint: str, stream: str, connect: Connect) -> ProducerState:
+def _probe(
+    endpoint: str, stream: str, connect: Connect, positions: Mapping[str, Position] | None
+) -> ProducerState:
     try:
         with connect.client(endpoint, "spark driver") as client:
             producer_id = client.producer_id
+            position = None if positions is None else positions.get(producer_id)
             try:
                 info = client.head(stream)
-            except UnknownStreamError:
-                return ProducerState(producer_id, endpoint, 0, 1)  # nothing published yet
+            except UnknownStreamError:  # nothing published yet
+                if positions is None:
+                    return ProducerState(producer_id, endpoint, 0, 1)
+                lost = lost_seqs(position.seq - 1, 0, 0) if position is not None else None
+                return ProducerState(producer_id, endpoint, 0, 1, 0, lost)
+            if positions is None:
+                return ProducerState(producer_id, endpoint, info.head, info.low)
+            epoch, lost = _vouch(client, stream, info.head, position)
     except StreamQError as exc:
         raise StreamQSourceError(f"producer at {endpoint}: {exc}") from exc
-    return ProducerState(producer_id, endpoint, info.head, info.low)
+    return ProducerState(producer_id, endpoint, info.head, info.low, epoch, lost)
 
 
-def discover(endpoints: Sequence[str], stream: str, connect: Connect) -> dict[str, ProducerState]:
-    """Every producer's id, head and low, asked in parallel; raises naming what failed."""
+def _vouch(
+    client: Client, stream: str, head: int, position: Position | None
+) -> tuple[int | None, range | None]:
+    """The epoch that wrote ``head``, and the seqs up to the query's position that the
+    producer's log no longer holds as the query read them ("Epochs"): beyond its head, or
+    rewritten since (known only when the position has an epoch)."""
+    if position is None:
+        seq, seen = 0, None
+    else:
+        seq, seen = position.seq, position.epoch if position.seq > 1 else None
+    lost = lost_seqs(seq - 1, head, 0)
+    try:
+        if seen and seq - 1 == head:  # nothing new (an idle trigger): one question does
+            vouch = client.vouch(stream, head, seen)
+            return vouch.after_epoch, lost_seqs(seq - 1, head, vouch.rewritten_from)
+        epoch = client.vouch(stream, head).after_epoch
+    except MalformedFrameError:  # a producer that predates epochs: the head check only
+        return None, lost
+    if not seen:
+        return epoch, lost
+    try:
+        rewritten = client.vouch(stream, seq - 1, seen).rewritten_from
+    except OffsetOutOfRangeError as exc:  # beyond the head, or before low (retention)
+        details = exc.details
+        now = int(details.get("head", head))
+        return epoch, lost_seqs(seq - 1, now, int(details.get("rewritten_from", 0)))
+    return epoch, lost_seqs(seq - 1, seq - 1, rewritten)
+
+
+def discover(
+    endpoints: Sequence[str],
+    stream: str,
+    connect: Connect,
+    positions: Mapping[str, Position] | None = None,
+) -> dict[str, ProducerState]:
+    """Every producer's id, head and low, asked in parallel; raises naming what failed.
+
+    With ``positions`` (a streaming query's, possibly empty), also the epoch of each head
+    and the seqs each producer lost under the query's position (``ProducerState.lost``).
+    """
     with ThreadPoolExecutor(max_workers=min(32, len(endpoints))) as pool:
-        states = list(pool.map(lambda e: _probe(e, stream, connect), endpoints))
+        states = list(pool.map(lambda e: _probe(e, stream, connect, positions), endpoints))
     by_id: dict[str, ProducerState] = {}
     for state in states:
         if state.producer_id in by_id:
@@ -169,14 +269,7 @@ def resolve(
         return {pid: s.low for pid, s in states.items()}
     if spec == "latest":
         return {pid: s.head + 1 for pid, s in states.items()}
-    try:
-        given = json.loads(spec)
-    except json.JSONDecodeError as exc:
-        raise StreamQSourceError(
-            f"{option} must be 'earliest', 'latest' or a JSON map producer id -> seq: {exc}"
-        ) from None
-    if not isinstance(given, dict) or not all(isinstance(v, int) for v in given.values()):
-        raise StreamQSourceError(f"{option} JSON must map producer ids to integer seqs")
+    given = _json_offsets(spec, option)[0]
     unknown = sorted(set(given) - set(states))
     if unknown:
         raise StreamQSourceError(f"{option} names producers no endpoint serves: {unknown}")
@@ -187,8 +280,33 @@ def resolve(
     return offsets
 
 
+def _json_offsets(spec: str, option: str) -> tuple[Offsets, dict[str, int]]:
+    """A JSON map producer id -> seq, with an offset's ``epochs`` beside them if given."""
+    try:
+        given = json.loads(spec)
+    except json.JSONDecodeError as exc:
+        raise StreamQSourceError(
+            f"{option} must be 'earliest', 'latest' or a JSON map producer id -> seq: {exc}"
+        ) from None
+    if not isinstance(given, dict):
+        raise StreamQSourceError(f"{option} JSON must map producer ids to integer seqs")
+    try:
+        return split_offset(given)
+    except StreamQSourceError:
+        raise StreamQSourceError(f"{option} JSON must map producer ids to integer seqs") from None
+
+
+def given_epochs(spec: str | None) -> dict[str, int]:
+    """The epochs of a JSON ``startingOffsets`` copied from a query's offsets (none else)."""
+    if spec is None or spec.strip() in ("earliest", "latest"):
+        return {}
+    seqs, epochs = _json_offsets(spec, "startingOffsets")
+    return {pid: e for pid, e in epochs.items() if seqs[pid] >= 1}
+
+
 def check_producers(start: Mapping[str, int], states: Mapping[str, ProducerState]) -> None:
-    """Fail when a producer the query reads from vanished or went backwards."""
+    """Fail when a producer the query reads from vanished or went backwards (without
+    ``ProducerState.lost``, as for a batch read; see ``data_loss`` for a streaming query)."""
     for pid, seq in start.items():
         state = states.get(pid)
         if state is None:
@@ -198,12 +316,34 @@ def check_producers(start: Mapping[str, int], states: Mapping[str, ProducerState
                 f"({serving}): was its database replaced? Refusing to read another log "
                 "silently; start a new query (new checkpoint) to read the new producers."
             )
-        if seq > state.head + 1:
-            raise StreamQSourceError(
-                f"producer {pid} at {state.endpoint} has head {state.head}, but the query "
-                f"already read up to seq {seq - 1}: the producer's database lost commits or "
-                "was restored from an older copy."
-            )
+        if state.lost is None and seq > state.head + 1:
+            raise StreamQSourceError(data_loss(state, "", range(state.head + 1, seq)))
+
+
+def data_loss(state: ProducerState, stream: str, lost: range | None = None) -> str:
+    """Why a query cannot go on from its position with this producer, as the Consumer's
+    ``SeqsReusedError``/``ConsumerPositionError`` say it: ``lost`` (default
+    ``state.lost``) are the seqs up to the query's position that the producer's log no
+    longer holds as the query read them. ``stream`` may be "" (not named)."""
+    lost = state.lost if lost is None else lost
+    assert lost is not None
+    first, last, head = lost[0], lost[-1], state.head
+    where = f"producer {state.producer_id} at {state.endpoint}"
+    of_stream = f" of stream {stream!r}" if stream else ""
+    if first <= head:
+        return (
+            f"{where} lost commits{of_stream} and re-used their seqs: the query already read "
+            f"up to seq {last}, but the producer's log no longer holds seqs {first}..{last} "
+            f"as the query read them (head {head}; other records now stand under seqs "
+            f"{first}..{min(head, last)}). A power loss rolled back commits that were not "
+            "synced (durability='normal')."
+        )
+    return (
+        f"{where} has head {head}{' for stream ' + repr(stream) if stream else ''}, but the "
+        f"query already read up to seq {last}: seqs {first}..{last} are no longer in the "
+        "producer's log. The producer's database lost commits or was restored from an "
+        "older copy."
+    )
 
 
 def limit(start: Mapping[str, int], end: Mapping[str, int], max_rows: int) -> Offsets:

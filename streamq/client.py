@@ -10,12 +10,12 @@ from __future__ import annotations
 import asyncio
 import socket
 import ssl
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import TracebackType
-from typing import Any
+from typing import Any, NamedTuple, TypeVar
 
 from .consumer import closed_by_producer, parse_address
-from .errors import ConnectionLostError, StreamQError, error_from_frame
+from .errors import ConnectionLostError, SeqsReusedError, StreamQError, error_from_frame
 from .protocol import (
     DEFAULT_MAX_FRAME_SIZE,
     MAX_SEQ,
@@ -45,6 +45,91 @@ from .protocol import (
 from .security import ClientTLS, tls_error, tls_refused
 
 _READ_SIZE = 256 * 1024
+
+T = TypeVar("T")
+
+
+class Vouch(NamedTuple):
+    """A producer's word on a reader's position (docs/protocol.md, "Epochs")."""
+
+    after_epoch: int  # the epoch that wrote the position's seq in the log now; 0 if unknown
+    rewritten_from: int  # the first seq up to the position written again since; 0 if none
+
+
+class RangeRead(Iterator[T]):
+    """The answer to a range request, batch by batch as the producer sends it. Consume it
+    fully before the next request on the same client; the request goes out at the first
+    ``next()``.
+
+    With ``seen_epoch`` ("Epochs" in docs/protocol.md), ``epoch`` is the epoch that wrote
+    the batch just returned, and once the iterator is exhausted ``after_epoch`` is the epoch
+    that wrote seq ``start - 1`` in the producer's log now. If the producer no longer holds
+    the seqs up to ``start - 1`` as they were read (under epochs up to ``seen_epoch``), it
+    sends no records, and ``next()`` raises ``SeqsReusedError`` whose ``lost`` names them.
+    Without ``seen_epoch`` these attributes stay None.
+    """
+
+    def __init__(
+        self, client: Client, request: GetRange, unpack: Callable[[Records | RecordRows], T]
+    ) -> None:
+        self._client = client
+        self._request: GetRange | None = request
+        self._unpack = unpack
+        self._raw = unpack is _rows
+        self._done = False
+        self.stream, self.start, self.end = request.stream, request.start, request.end
+        self.seen_epoch = request.seen_epoch
+        self.epoch: int | None = None
+        self.after_epoch: int | None = None
+        self.rewritten_from: int | None = None
+
+    def __next__(self) -> T:
+        if self._done:
+            raise StopIteration
+        client = self._client
+        if self._request is not None:
+            request, self._request = self._request, None
+            client._send(request)
+        conn = client._conn
+        conn.raw_records = self._raw
+        try:
+            message = client._receive()
+        except BaseException:
+            self._done = True
+            raise
+        finally:
+            conn.raw_records = False
+        if isinstance(message, RangeEnd):
+            self._done = True
+            self.after_epoch, self.rewritten_from = message.after_epoch, message.rewritten_from
+            if message.rewritten_from:
+                raise _seqs_reused(client, self.stream, message.rewritten_from, self.start - 1)
+            raise StopIteration
+        assert isinstance(message, Records | RecordRows)
+        self.epoch = message.epoch
+        return self._unpack(message)
+
+
+def _seqs_reused(client: Client, stream: str, first: int, position: int) -> SeqsReusedError:
+    """The error for a reader of ``stream`` up to ``position`` whose seqs from ``first`` on
+    the producer has rewritten."""
+    return SeqsReusedError(
+        f"producer {client.producer_id} at {client.address} lost commits of stream {stream!r} "
+        f"and re-used their seqs: it no longer holds seqs {first}..{position} as they were "
+        "read (a power loss rolled back commits that were not synced, durability='normal'); "
+        "other records now stand under them.",
+        range(first, position + 1),
+    )
+
+
+def _records(message: Records | RecordRows) -> tuple[Record, ...]:
+    assert isinstance(message, Records)
+    return message.records
+
+
+def _rows(message: Records | RecordRows) -> list[list[Any]]:
+    assert isinstance(message, RecordRows)
+    return message.rows
 
 
 class Client:
@@ -183,15 +268,26 @@ class Client:
         assert isinstance(info, StreamInfo)
         return info
 
-    def read_range(self, stream: str, start: int, end: int) -> Iterator[tuple[Record, ...]]:
+    def read_range(
+        self, stream: str, start: int, end: int, *, seen_epoch: int | None = None
+    ) -> RangeRead[tuple[Record, ...]]:
         """Batches of the records with ``start <= seq < end``, as the producer sends them.
 
-        Consume the iterator fully before the next request on this client.
+        Consume the iterator fully before the next request on this client. ``seen_epoch``:
+        the highest epoch that wrote what the caller read up to seq ``start - 1`` (0 if
+        unknown); it asks for epochs, see ``RangeRead``.
         """
-        self._send(GetRange(stream, start, end))
-        while not isinstance(message := self._receive(), RangeEnd):
-            assert isinstance(message, Records)
-            yield message.records
+        return RangeRead(self, GetRange(stream, start, end, seen_epoch), _records)
+
+    def vouch(self, stream: str, position: int, seen_epoch: int = 0) -> Vouch:
+        """Whether the producer still holds ``stream``'s seqs up to ``position`` as a reader
+        read them under epochs up to ``seen_epoch`` ("Epochs"): an empty range read at
+        ``position + 1``. Raises ``OffsetOutOfRangeError`` if ``position`` is beyond the head
+        (its ``details`` then add ``rewritten_from`` when not 0) or below ``low - 1``."""
+        self._send(GetRange(stream, position + 1, position + 1, seen_epoch))
+        end = self._receive()
+        assert isinstance(end, RangeEnd)
+        return Vouch(end.after_epoch or 0, end.rewritten_from or 0)
 
     def history(
         self, stream: str, key: bytes, from_seq: int = 1, to_seq: int | None = None
@@ -214,17 +310,12 @@ class Client:
         assert isinstance(position, TimePosition)
         return position
 
-    def read_range_rows(self, stream: str, start: int, end: int) -> Iterator[list[list[Any]]]:
+    def read_range_rows(
+        self, stream: str, start: int, end: int, *, seen_epoch: int | None = None
+    ) -> RangeRead[list[list[Any]]]:
         """Like ``read_range``, as raw rows [seq, timestamp, key, value, headers] for columnar
         readers: no object per record; field types and order are the caller's to check."""
-        self._send(GetRange(stream, start, end))
-        self._conn.raw_records = True
-        try:
-            while not isinstance(message := self._receive(), RangeEnd):
-                assert isinstance(message, RecordRows)
-                yield message.rows
-        finally:
-            self._conn.raw_records = False
+        return RangeRead(self, GetRange(stream, start, end, seen_epoch), _rows)
 
 
 async def history(

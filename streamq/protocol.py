@@ -223,16 +223,29 @@ class StreamInfo:
 
 @dataclass(frozen=True, slots=True)
 class GetRange:
-    """Send the records with ``start <= seq < end``, then RANGE_END."""
+    """Send the records with ``start <= seq < end``, then RANGE_END.
+
+    ``seen_epoch`` (optional, "Epochs"): the highest epoch that wrote any record the client
+    read up to seq ``start - 1``, 0 if unknown. Sending it (even 0) asks for epochs in
+    RECORDS and RANGE_END; None leaves the field off the wire.
+    """
 
     stream: str
     start: int
     end: int
+    seen_epoch: int | None = None
     TYPE: ClassVar[MessageType] = MessageType.GET_RANGE
 
 
 @dataclass(frozen=True, slots=True)
 class RangeEnd:
+    """Ends a range (or history) answer. On a range that asked for epochs ("Epochs"):
+    ``after_epoch`` is the epoch that wrote seq ``start - 1`` in the producer's log now (0 if
+    unknown or none), and ``rewritten_from`` the first seq up to ``start - 1`` whose record
+    differs from what the client read (0 if none; when it is not 0, no RECORDS came)."""
+
+    after_epoch: int | None = None
+    rewritten_from: int | None = None
     TYPE: ClassVar[MessageType] = MessageType.RANGE_END
 
 
@@ -482,8 +495,8 @@ _CHECKS: dict[type[Any], tuple[Callable[[Any], bool], ...]] = {
     Ack: (_uint,),
     GetHead: (_str,),
     StreamInfo: (_str, _uint, _uint),
-    GetRange: (_str, _uint, _uint),
-    RangeEnd: (),
+    GetRange: (_str, _uint, _uint, _uint),
+    RangeEnd: (_uint, _uint),
     ListStreams: (),
     GetStatus: (),
     StatusReport: (_map,),
@@ -497,7 +510,13 @@ _CHECKS: dict[type[Any], tuple[Callable[[Any], bool], ...]] = {
 # How many of a message's last fields are optional ("Optional fields"): a frame may end
 # before them, and they are then None; left as None they are not sent, so frames stay as
 # they were before the fields existed.
-_OPTIONAL_FIELDS: dict[type[Any], int] = {ClientHello: 1, Subscribe: 1, Subscribed: 2}
+_OPTIONAL_FIELDS: dict[type[Any], int] = {
+    ClientHello: 1,
+    Subscribe: 1,
+    Subscribed: 2,
+    GetRange: 1,
+    RangeEnd: 2,
+}
 
 
 _REPR = reprlib.Repr()
@@ -858,17 +877,27 @@ class ClientConnection(_Connection):
         if not isinstance(message, allowed):
             raise self._unexpected(message, " or ".join(c.TYPE.name for c in allowed))
         if isinstance(message, Records | RecordRows):
+            assert isinstance(request, GetRange | GetHistory)
+            # "Epochs": a frame carries an epoch if and only if its range asked for epochs.
+            if (message.epoch is not None) != _with_epochs(request):
+                raise _malformed(
+                    "RECORDS with an epoch in answer to a request that did not ask for epochs"
+                    if message.epoch is not None
+                    else "RECORDS without an epoch in answer to a range that asked for epochs"
+                )
             # A range or a history holds only seqs in [start, end), in increasing order.
             seqs = _first_and_last_seq(message)
             if seqs is not None:
                 first, last = seqs
-                assert isinstance(request, GetRange | GetHistory)
                 end = request.end
                 if not (request.start <= first and last < end and first > self.last_seq):
                     raise _malformed(
                         f"RECORDS outside the requested range [{request.start}, {end})"
                     )
                 self.last_seq = last
+        elif isinstance(message, RangeEnd):
+            assert isinstance(request, GetRange | GetHistory)
+            _check_range_end(message, request, self.last_seq)
         if isinstance(message, _FINAL_RESPONSES):
             self._pending.popleft()
             self.last_seq = 0
@@ -888,6 +917,28 @@ class ClientConnection(_Connection):
                 self.last_seq = seqs[1]
         elif not isinstance(message, Heartbeat):
             raise self._unexpected(message, "RECORDS or HEARTBEAT")
+
+
+def _with_epochs(request: GetRange | GetHistory) -> bool:
+    return isinstance(request, GetRange) and request.seen_epoch is not None
+
+
+def _check_range_end(message: RangeEnd, request: GetRange | GetHistory, last_seq: int) -> None:
+    """Per "Epochs", RANGE_END carries the vouch if and only if the range asked for epochs; a
+    range whose seqs up to ``start - 1`` were rewritten is answered by RANGE_END alone."""
+    if not _with_epochs(request):
+        if message.after_epoch is not None or message.rewritten_from is not None:
+            raise _malformed("RANGE_END with epochs for a request that did not ask for epochs")
+        return
+    rewritten = message.rewritten_from
+    if message.after_epoch is None or rewritten is None:
+        raise _malformed("RANGE_END of a range with epochs needs after_epoch and rewritten_from")
+    if rewritten and last_seq:
+        raise _malformed(f"RANGE_END.rewritten_from {rewritten} after RECORDS")
+    if rewritten and rewritten >= request.start:
+        raise _malformed(
+            f"RANGE_END.rewritten_from {rewritten} is not before the range's start {request.start}"
+        )
 
 
 def _first_and_last_seq(message: Records | RecordRows) -> tuple[int, int] | None:

@@ -443,26 +443,42 @@ class Server:
     async def _send_range(
         self, conn: ServerConnection, request: GetRange, writer: asyncio.StreamWriter
     ) -> None:
+        """The records of [start, end), then RANGE_END. With epochs ("Epochs"): frames never
+        span two segments and carry their writer's epoch, and RANGE_END vouches for the seqs
+        the client read up to ``start - 1``; if they were rewritten, it comes alone."""
         stream = self.log.stream(request.stream)
-        self._check_start(stream, request.start, request.end)
+        epochs = stream.epochs
+        with_epochs = request.seen_epoch is not None
+        after_epoch = rewritten = 0
+        if with_epochs:
+            after_epoch, rewritten = epochs.vouch(
+                request.start - 1, stream.head, request.seen_epoch or 0
+            )
+        try:
+            self._check_start(stream, request.start, request.end)
+        except OffsetOutOfRangeError as exc:
+            if rewritten:
+                exc.details["rewritten_from"] = rewritten
+            raise
+        if rewritten:
+            writer.write(conn.send(RangeEnd(after_epoch, rewritten)))
+            return
         traffic = self.traffic.setdefault(stream.name, Traffic())
+        settings = self.settings
         seq = request.start
         while seq < request.end:
+            end = min(request.end, epochs.segment_end(seq)) if with_epochs else request.end
             records, last = await self.log.read(
-                stream,
-                seq,
-                request.end,
-                self.settings.max_batch_records,
-                self.settings.max_batch_bytes,
+                stream, seq, end, settings.max_batch_records, settings.max_batch_bytes
             )
             if records:  # none when compaction removed the rest of the range
-                frame = conn.send_records(records)
+                frame = conn.send_records(records, epochs.epoch_of(seq) if with_epochs else None)
                 writer.write(frame)
                 traffic.records += len(records)
                 traffic.bytes += len(frame)
                 await writer.drain()
             seq = last + 1
-        writer.write(conn.send(RangeEnd()))
+        writer.write(conn.send(RangeEnd(after_epoch, 0) if with_epochs else RangeEnd()))
 
     async def _send_history(
         self, conn: ServerConnection, request: GetHistory, writer: asyncio.StreamWriter

@@ -401,3 +401,59 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+class WalTape:
+    """A served producer's database (SQLite, WAL, ``durability="normal"``) recorded as it
+    runs, to be replaced afterwards by an image a power loss could leave, built from its WAL
+    the way ``images`` builds them (``walimage``): for tests of other readers than the
+    Consumer, such as the Spark source (tests/test_spark_power_loss.py).
+
+    ``mark()`` notes the WAL's length: once right after the producer started (its epoch's
+    commit synced the WAL), then after each commit that returned. ``freeze()``, while the
+    producer still runs (a clean stop may checkpoint), keeps the database file and its WAL.
+    ``lose_after(k)`` then puts in the database's place the image of a power loss that
+    kept the WAL up to mark ``k``: with ``synchronous=NORMAL`` nothing after the start is
+    synced (no checkpoint ran: ``freeze`` checks the WAL was never restarted), so every
+    mark from the start on is a possible post-power-loss state.
+    """
+
+    def __init__(self, db: Path) -> None:
+        self.db = db
+        self.wal_path = Path(f"{db}-wal")
+        self.marks: list[int] = []
+        self._header = b""
+        self._wal = b""
+        self._frozen: Path | None = None
+
+    def mark(self) -> int:
+        """Note the WAL's length now; returns the mark's number."""
+        wal = self.wal_path.read_bytes()
+        if not self.marks:
+            self._header = wal[:WAL_HEADER]
+        self.marks.append(len(wal))
+        return len(self.marks) - 1
+
+    def freeze(self, work: Path) -> None:
+        """Keep the database file and its WAL as they are now (the producer still runs)."""
+        self._wal = self.wal_path.read_bytes()
+        assert self._wal[:WAL_HEADER] == self._header, "the WAL was restarted: a checkpoint ran"
+        self._frozen = work / "frozen" / self.db.name
+        self._frozen.parent.mkdir(parents=True, exist_ok=True)
+        self._frozen.write_bytes(self.db.read_bytes())
+
+    def lose_after(self, mark: int, work: Path) -> Path:
+        """Replace the (stopped) producer's database by the image of a power loss that kept
+        its WAL up to ``mark``; returns the image it copied."""
+        assert self._frozen is not None, "freeze() first"
+        cut = self.marks[mark]
+        assert mark == 0 or cut in commit_ends(self._wal), "a mark must follow a commit"
+        image = write_image(self._frozen, self._wal, work / f"image-{mark}", cut=cut)
+        with contextlib.closing(sqlite3.connect(image)) as db:  # recovers, as a restart would
+            assert db.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
+        for leftover in (self.wal_path, Path(f"{self.db}-shm")):
+            leftover.unlink(missing_ok=True)
+        shutil.copyfile(image, self.db)
+        if Path(f"{image}-wal").exists():  # closing SQLite's last connection may fold it in
+            shutil.copyfile(Path(f"{image}-wal"), self.wal_path)
+        return image

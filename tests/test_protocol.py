@@ -124,8 +124,8 @@ MESSAGE_STRATEGIES: dict[type[Any], st.SearchStrategy[Any]] = {
     Ack: st.builds(Ack, uints),
     GetHead: st.builds(GetHead, texts),
     StreamInfo: stream_infos,
-    GetRange: st.builds(GetRange, texts, uints, uints),
-    RangeEnd: st.builds(RangeEnd),
+    GetRange: st.builds(GetRange, texts, uints, uints, st.none() | uints),
+    RangeEnd: st.builds(RangeEnd) | st.builds(RangeEnd, uints, uints),
     ListStreams: st.builds(ListStreams),
     StreamList: st.builds(StreamList, st.lists(stream_infos, max_size=5).map(tuple)),
     GetStatus: st.builds(GetStatus),
@@ -141,7 +141,14 @@ ALL_CLASSES = list(MESSAGE_STRATEGIES)
 messages = st.one_of(*MESSAGE_STRATEGIES.values())
 
 # "Optional fields": how many of each message's last fields may be left off.
-OPTIONAL_FIELDS: dict[type[Any], int] = {ClientHello: 1, Subscribe: 1, Subscribed: 2, Records: 1}
+OPTIONAL_FIELDS: dict[type[Any], int] = {
+    ClientHello: 1,
+    Subscribe: 1,
+    Subscribed: 2,
+    Records: 1,
+    GetRange: 1,
+    RangeEnd: 2,
+}
 # The wire kind of each field after the message type, as the message docstrings describe.
 FIELD_KINDS: dict[type[Any], tuple[str, ...]] = {
     ClientHello: ("version", "str", "opt_str"),
@@ -152,8 +159,8 @@ FIELD_KINDS: dict[type[Any], tuple[str, ...]] = {
     Ack: ("uint",),
     GetHead: ("str",),
     StreamInfo: ("str", "uint", "uint"),
-    GetRange: ("str", "uint", "uint"),
-    RangeEnd: (),
+    GetRange: ("str", "uint", "uint", "uint"),
+    RangeEnd: ("uint", "uint"),
     ListStreams: (),
     GetStatus: (),
     StatusReport: ("map",),
@@ -661,6 +668,19 @@ def with_record_field(index: int, value: Any) -> bytes:
         packb([MessageType.GET_HEAD.value, b"stream"]),  # bytes where str expected
         packb([MessageType.SUBSCRIBE.value, "s", 1, b"consumer", None]),
         packb([MessageType.GET_RANGE.value, "s", 1, -5]),
+        # "Epochs": GET_RANGE.seen_epoch and RANGE_END's vouch are uints, and optional only
+        # as trailing fields.
+        packb([MessageType.GET_RANGE.value, "s", 1, 5, -1]),
+        packb([MessageType.GET_RANGE.value, "s", 1, 5, True]),
+        packb([MessageType.GET_RANGE.value, "s", 1, 5, None]),
+        packb([MessageType.GET_RANGE.value, "s", 1, 5, "3"]),
+        packb([MessageType.GET_RANGE.value, "s", 1, 5, MAX_SEQ + 1]),
+        packb([MessageType.GET_RANGE.value, "s", 1, 5, 3, 0]),
+        packb([MessageType.RANGE_END.value, -1, 0]),
+        packb([MessageType.RANGE_END.value, 3, 1.0]),
+        packb([MessageType.RANGE_END.value, None, None]),
+        packb([MessageType.RANGE_END.value, 3, False]),
+        packb([MessageType.RANGE_END.value, 3, 0, 0]),
         packb([MessageType.ERROR.value, -1, "m", {}]),
         packb([MessageType.STATUS_REPORT.value, [["producer_id", "p"]]]),
     ],
@@ -1058,6 +1078,71 @@ def test_client_get_range_accepts_records_then_range_end() -> None:
         assert receive(client, message) == message
 
 
+def erecs(epoch: int, *seqs: int) -> Records:
+    return Records(recs(*seqs).records, epoch)
+
+
+def test_range_with_epochs_is_the_frames_old_peers_send_without_them() -> None:
+    """Per "Optional fields", GET_RANGE without seen_epoch and RANGE_END without its vouch are
+    the frames of before epochs; with them, the bytes of docs/protocol.md's table."""
+    assert encode(GetRange("s", 1, 2)) == frame(packb([MessageType.GET_RANGE.value, "s", 1, 2]))
+    assert encode(RangeEnd()) == bytes.fromhex("00000002910b")
+    with_epochs = bytes.fromhex("0000000c95 0a a66f7264657273 04 08 03".replace(" ", ""))
+    assert encode(GetRange("orders", 4, 8, 3)) == with_epochs
+    assert decode_message(with_epochs[4:]) == GetRange("orders", 4, 8, 3)
+    assert encode(RangeEnd(3, 0)) == bytes.fromhex("00000004930b0300")
+    assert decode_message(bytes.fromhex("930b0300")) == RangeEnd(3, 0)
+    assert decode_message(bytes.fromhex("910b")) == RangeEnd(None, None)
+
+
+def test_client_range_with_epochs_accepts_epochs_then_the_vouch() -> None:
+    client = ready_client(GetRange("s", 10, 20, 3), GetRange("s", 1, 3, 0), GetHead("s"))
+    for message in (erecs(3, 10, 11), erecs(4, 12), erecs(0, 15, 19), RangeEnd(3, 0)):
+        assert receive(client, message) == message
+    for message in (erecs(1, 1, 2), RangeEnd(0, 0), StreamInfo("s", 19, 1)):
+        assert receive(client, message) == message
+    # Seqs the client read before the range were rewritten: the vouch comes alone.
+    client = ready_client(GetRange("s", 10, 20, 3), GetRange("s", 10, 10, 3))
+    for message in (RangeEnd(5, 4), RangeEnd(5, 9)):
+        assert receive(client, message) == message
+
+
+@pytest.mark.parametrize(
+    ("request_", "before", "bad"),
+    [
+        (GetRange("s", 10, 20, 3), (), recs(10)),  # asked for epochs: every frame has one
+        (GetRange("s", 10, 20, 3), (erecs(3, 10),), recs(11)),
+        (GetRange("s", 10, 20, 3), (), RangeEnd()),  # ... and the vouch
+        (GetRange("s", 10, 20, 3), (), RangeEnd(3, None)),
+        (GetRange("s", 10, 20, 3), (), RangeEnd(3, 10)),  # not a seq before the range
+        (GetRange("s", 10, 20, 3), (), RangeEnd(3, 25)),
+        (GetRange("s", 10, 20, 3), (erecs(3, 10),), RangeEnd(3, 4)),  # after records
+        (GetRange("s", 1, 20, 0), (), RangeEnd(0, 1)),
+        (GetRange("s", 10, 20), (), erecs(3, 10)),  # did not ask: no epochs
+        (GetRange("s", 10, 20), (recs(10),), RangeEnd(3, 0)),
+        (GetRange("s", 10, 20), (), RangeEnd(3, None)),
+        (GetHistory("s", b"k", 10, 20), (), erecs(3, 10)),  # a history never has them
+        (GetHistory("s", b"k", 10, 20), (), RangeEnd(0, 0)),
+    ],
+    ids=str,
+)
+def test_client_range_epochs_exactly_when_asked(
+    request_: Message, before: tuple[Message, ...], bad: Message
+) -> None:
+    client = ready_client(request_)
+    for message in before:
+        assert receive(client, message) == message
+    assert rejected(client, bad).code is ErrorCode.MALFORMED_FRAME
+
+
+def test_server_sends_a_range_frame_with_its_epoch() -> None:
+    server = ready_server()
+    assert receive(server, GetRange("s", 4, 8, 3)) == GetRange("s", 4, 8, 3)
+    built = server.send_records([encode_record(4, 0, None, b"v3", {})], 3)
+    assert decode_message(built[4:]) == Records((Record(4, 0, None, b"v3", {}),), 3)
+    assert server.send(RangeEnd(3, 0)) == encode(RangeEnd(3, 0))
+
+
 @pytest.mark.parametrize(
     ("before", "bad"),
     [
@@ -1294,19 +1379,25 @@ class Pipe:
 
 @st.composite
 def range_responses(draw: st.DrawFn, request: GetRange) -> list[tuple[Message, bool]]:
-    """RECORDS frames covering part of [start, end), in order, then RANGE_END.
+    """RECORDS frames covering part of [start, end), in order, then RANGE_END; with epochs
+    ("Epochs"), frames carrying one and RANGE_END's vouch, or that vouch alone.
 
     The flag says whether the server sends the frame with ``send_records``.
     """
+    epochs = request.seen_epoch is not None
+    if epochs and request.start > 1 and draw(st.booleans(), label="rewritten"):
+        rewritten = draw(st.integers(1, request.start - 1), label="rewritten_from")
+        return [(RangeEnd(draw(uints), rewritten), False)]
     seqs: list[int] = []
     if request.end > request.start:
         seqs = sorted(draw(st.sets(st.integers(request.start, request.end - 1), max_size=12)))
     cuts = sorted(draw(st.lists(st.integers(0, len(seqs)), max_size=4)))
     pieces = [seqs[a:b] for a, b in itertools.pairwise([0, *cuts, len(seqs)])]
     responses: list[tuple[Message, bool]] = [
-        (Records(draw(records_at(piece))), draw(st.booleans())) for piece in pieces
+        (Records(draw(records_at(piece)), draw(uints) if epochs else None), draw(st.booleans()))
+        for piece in pieces
     ]
-    return [*responses, (RangeEnd(), False)]
+    return [*responses, (RangeEnd(draw(uints), 0) if epochs else RangeEnd(), False)]
 
 
 def responses_to(data: st.DataObject, request: Message) -> Iterator[tuple[Message, bool]]:
@@ -1328,10 +1419,11 @@ def responses_to(data: st.DataObject, request: Message) -> Iterator[tuple[Messag
 pair_requests = st.one_of(
     MESSAGE_STRATEGIES[GetHead],
     st.builds(
-        lambda stream, start, length: GetRange(stream, start, start + length),
+        lambda stream, start, length, seen: GetRange(stream, start, start + length, seen),
         texts,
         st.integers(1, MAX_SEQ - 64),
         st.integers(0, 40),
+        st.none() | uints,
     ),
     MESSAGE_STRATEGIES[ListStreams],
     MESSAGE_STRATEGIES[GetStatus],
@@ -1360,7 +1452,8 @@ def test_connected_pair_delivers_every_message_as_sent(data: st.DataObject) -> N
     def server_sends(message: Message, raw: bool = False) -> None:
         if raw:
             assert isinstance(message, Records)
-            to_client.pending += server.send_records([encode_record(*r) for r in message.records])
+            records = [encode_record(*r) for r in message.records]
+            to_client.pending += server.send_records(records, message.epoch)
         else:
             to_client.pending += server.send(message)
         to_client.expected.append(message)

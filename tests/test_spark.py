@@ -118,7 +118,9 @@ def test_available_now_with_admission_control(
     assert sum(sizes) == 6000 and max(sizes) <= 700 and len(sizes) >= 9
     # Shared in proportion to backlog (1000:2000:3000): 116.7, 233.3, 350 rounded to 700.
     first = json.loads(query.recentProgress[0]["sources"][0]["endOffset"])
-    assert sorted(seq - 1 for seq in first.values()) == [117, 233, 350]
+    assert sorted(seq - 1 for pid, seq in first.items() if pid != "epochs") == [117, 233, 350]
+    # Beside the seqs, the epoch that wrote each producer's head ("Epochs").
+    assert first["epochs"] == {p.producer_id: 1 for p in producers}
     assert seqs_by_producer(spark.read.parquet(str(tmp_path / "out"))) == {
         p.producer_id: list(range(1, 1000 * (i + 1) + 1)) for i, p in enumerate(producers)
     }
