@@ -42,7 +42,7 @@ with atheris.instrument_imports():
         encode,
     )
 
-_ROLES = ("server", "client", "subscriber", "ranger", "requester")
+_ROLES = ("server", "client", "subscriber", "ranger", "epoch ranger", "requester")
 
 
 def _connection(role: str, max_frame_size: int) -> ServerConnection | ClientConnection:
@@ -57,6 +57,8 @@ def _connection(role: str, max_frame_size: int) -> ServerConnection | ClientConn
         client.send(Subscribe("s", 3, "fuzz", None))
     elif role == "ranger":
         client.send(GetRange("s", 2, 9))
+    elif role == "epoch ranger":  # a range that asked for epochs (RANGE_END carries two more)
+        client.send(GetRange("s", 2, 9, seen_epoch=3))
     elif role == "requester":
         client.send(GetHead("s"))
         client.send(GetStatus())
