@@ -1,5 +1,5 @@
 """``streamq`` (also ``python -m streamq``): serve, publish, tail, history, status, consumers,
-token, demo."""
+dead-letters, token, demo."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from rich.table import Table
 
 from . import _loop
 from .client import Client
-from .consumer import Consumer, parse_address
+from .consumer import Consumer, list_dead_letters, mark_for_retry, parse_address
 from .engines import open_storage
 from .errors import StreamQError
 from .log import Log
@@ -113,6 +113,7 @@ beyond a broker:
   lag per consumer      streamq status ADDRESS; Prometheus: serve --metrics-port PORT
   keep until applied    streamq consumers add DB CONSUMER STREAM; serve --retention-ms/-bytes
   TLS and tokens        serve --tls-cert/--tls-key/--token-secret-file/--grant; streamq token
+  poison records        Consumer(on_failure=DeadLetter()); streamq dead-letters list|retry DB
 In Python: compaction (create_stream(compact=True)), wait_applied, FanInConsumer; see README.
 """
 
@@ -275,6 +276,27 @@ def build_parser() -> argparse.ArgumentParser:
     listing = actions.add_parser("list", help="registered consumers, their position and lag")
     listing.add_argument("db", help=DATABASE_HELP)
     listing.add_argument("--json", action="store_true", help="one JSON object per consumer")
+
+    dead_letters = commands.add_parser(
+        "dead-letters",
+        help="records a consumer parked (on_failure=DeadLetter()): list them, have them re-applied",
+        description="Records a consumer with on_failure=streamq.DeadLetter() parked in its own "
+        "database (table streamq_dead_letters). 'retry' marks them: the running consumer "
+        "re-applies each once, through its own apply function, before its next batch.",
+    )
+    letters = dead_letters.add_subparsers(dest="action", required=True, metavar="ACTION")
+    consumer_db = "the consumer's database: a SQLite file, or a postgresql:// URL"
+    letters_list = letters.add_parser("list", help="parked records, their error and attempts")
+    letters_list.add_argument("db", help=consumer_db)
+    letters_list.add_argument("--consumer", metavar="NAME", help="only this consumer's")
+    letters_list.add_argument("--json", action="store_true", help="one JSON object per record")
+    letters_retry = letters.add_parser(
+        "retry", help="mark parked records for their consumer to re-apply (all, or those given)"
+    )
+    letters_retry.add_argument("db", help=consumer_db)
+    letters_retry.add_argument("--consumer", metavar="NAME", help="only this consumer's")
+    letters_retry.add_argument("--stream", metavar="NAME", help="only this stream's")
+    letters_retry.add_argument("--seq", type=int, metavar="N", help="only this seq")
 
     demo = commands.add_parser(
         "demo", help="an embedded producer and a crashing consumer, applied exactly once"
@@ -540,6 +562,64 @@ async def _consumers(args: argparse.Namespace) -> None:
             Console().print(table)
 
 
+def _dead_letters(args: argparse.Namespace) -> None:
+    if not _exists(args.db):
+        raise SystemExit(f"streamq dead-letters: {args.db} does not exist")
+    if args.action == "retry":
+        marked = mark_for_retry(args.db, args.consumer, args.stream, args.seq)
+        if not marked:
+            raise SystemExit("streamq dead-letters: no parked record matched")
+        print(
+            f"marked {marked} record(s) for retry: each consumer re-applies its own once, "
+            "before its next batch ('streamq dead-letters list' shows what is left)"
+        )
+        return
+
+    def text(data: bytes | None) -> str | None:
+        return None if data is None else data.decode("utf-8", "backslashreplace")
+
+    parked = list_dead_letters(args.db, args.consumer)
+    if args.json:
+        for p in parked:
+            r = p.record
+            print(
+                json.dumps(
+                    {
+                        "consumer": p.consumer,
+                        "producer_id": p.producer_id,
+                        "stream": p.stream,
+                        "seq": r.seq,
+                        "timestamp": r.timestamp,
+                        "key": text(r.key),
+                        "value": text(r.value),
+                        "headers": {k: text(v) for k, v in r.headers.items()},
+                        "error": p.error,
+                        "attempts": p.attempts,
+                        "parked_at": p.parked_at,
+                        "retry_requested_at": p.retry_requested_at,
+                    }
+                )
+            )
+        return
+    table = Table(
+        "consumer", "stream", "seq", "key", "attempts", "parked at", "retry", "error",
+        title=f"parked records ({len(parked)})",
+    )  # fmt: skip
+    for p in parked:
+        parked_at = datetime.fromtimestamp(p.parked_at / 1000, UTC).isoformat(timespec="seconds")
+        table.add_row(
+            p.consumer,
+            p.stream,
+            str(p.record.seq),
+            text(p.record.key) or "",
+            str(p.attempts),
+            parked_at,
+            "requested" if p.retry_requested_at is not None else "",
+            p.error.splitlines()[-1] if p.error else "",
+        )
+    Console().print(table)
+
+
 def _database_errors() -> tuple[type[Exception], ...]:
     """The drivers' errors, reported as one line like streamq's own."""
     errors: list[type[Exception]] = [sqlite3.Error]
@@ -568,6 +648,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             _token(args)
         elif args.command == "consumers":
             _loop.run(_consumers(args))
+        elif args.command == "dead-letters":
+            _dead_letters(args)
         elif args.command == "demo":
             from .demo import run_demo
 

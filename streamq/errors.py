@@ -21,6 +21,7 @@ which answered with an error frame (``ServerError`` and its subclasses)::
     │   ├── ProducerChangedError      another producer (database) than before
     │   └── SeqsReusedError           the producer lost commits and reused their seqs
     ├── OutOfOrderBatchError          a batch applied twice or out of turn
+    ├── RecordFailedError             a record whose apply kept failing (Retry gave up)
     ├── ConnectionLostError           the TCP connection failed (cause chained)
     ├── TLSError                      the TLS handshake failed; the message says why
     ├── TransactionClosedError        a transaction used after it ended
@@ -208,6 +209,45 @@ class ProducerChangedError(ConsumerPositionError):
 
 class OutOfOrderBatchError(StreamQError):
     """A batch applied out of turn: each must be applied once, in arrival order."""
+
+
+class RecordFailedError(StreamQError):
+    """Applying one record failed every time it was tried, and the consumer's policy
+    (``on_failure=streamq.Retry(...)``) gave up: the consumer stops before it, nothing of
+    its batch committed. The application's last exception is the ``__cause__``.
+
+    ``consumer``, ``producer_id``, ``address`` (where that producer was reached),
+    ``stream`` and ``seq`` name the record; ``attempts`` is how many tries of it failed.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        consumer: str,
+        producer_id: str,
+        address: str,
+        stream: str,
+        seq: int,
+        attempts: int,
+    ) -> None:
+        super().__init__(message)
+        self.consumer = consumer
+        self.producer_id = producer_id
+        self.address = address
+        self.stream = stream
+        self.seq = seq
+        self.attempts = attempts
+
+    def __reduce__(self) -> Any:  # keyword-only arguments: picklable all the same
+        return _record_failed, (self.args[0], self.__dict__)
+
+
+def _record_failed(message: str, fields: dict[str, Any]) -> RecordFailedError:
+    error = RecordFailedError.__new__(RecordFailedError, message)
+    error.args = (message,)
+    error.__dict__.update(fields)
+    return error
 
 
 class ConnectionLostError(StreamQError):

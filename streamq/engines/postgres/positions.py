@@ -38,7 +38,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ...blocking import BlockingSQL, _Scoped, to_the_end
-from ...consumer import Batch, out_of_turn
+from ...consumer import Batch, DeadLetterSQL, ParkedRecord, out_of_turn
 from ...errors import SchemaMissingError
 from .append import UNDEFINED_TABLE, Statement, Steps, describe, run, run_async
 from .driver import connect, connect_async, database, in_transaction, psycopg_module
@@ -66,6 +66,22 @@ SCHEMA = (
         PRIMARY KEY (consumer, producer_id, stream)
     )""",
     "ALTER TABLE streamq_positions ADD COLUMN IF NOT EXISTS epoch bigint",
+    # Records a DeadLetter consumer parked: SQLite's table (engines/sqlite/positions.py).
+    """CREATE TABLE IF NOT EXISTS streamq_dead_letters (
+        consumer text NOT NULL,
+        producer_id text NOT NULL,
+        stream text NOT NULL,
+        seq bigint NOT NULL,
+        key bytea,
+        value bytea NOT NULL,
+        headers bytea NOT NULL,
+        timestamp bigint NOT NULL,
+        error text NOT NULL,
+        attempts integer NOT NULL,
+        parked_at bigint NOT NULL,
+        retry_requested_at bigint,
+        PRIMARY KEY (consumer, producer_id, stream, seq)
+    )""",
 )
 # The consumer's own connections, whatever the server's defaults: the module docstring.
 READ_COMMITTED = "SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL READ COMMITTED"
@@ -86,6 +102,23 @@ FIRST = (
     "(consumer, producer_id, stream, seq, epoch, endpoint, updated_at) VALUES "
     "(%(consumer)s, %(producer_id)s, %(stream)s, %(seq)s, %(epoch)s, %(endpoint)s, %(now)s) "
     "ON CONFLICT (consumer, producer_id, stream) DO NOTHING RETURNING seq"
+)
+
+_LETTER = "consumer = %s AND producer_id = %s AND stream = %s AND seq = %s"
+DEAD_LETTERS = DeadLetterSQL(
+    park="INSERT INTO streamq_dead_letters (consumer, producer_id, stream, seq, key, value, "
+    "headers, timestamp, error, attempts, parked_at) "
+    "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+    requested="SELECT seq, timestamp, key, value, headers FROM streamq_dead_letters "
+    "WHERE consumer = %s AND producer_id = %s AND stream = %s "
+    "AND retry_requested_at IS NOT NULL ORDER BY seq",
+    take=f"DELETE FROM streamq_dead_letters WHERE {_LETTER} AND retry_requested_at IS NOT NULL",
+    failed_again="UPDATE streamq_dead_letters SET error = %s, attempts = attempts + 1, "
+    f"retry_requested_at = NULL WHERE {_LETTER}",
+)
+_LIST = (
+    "SELECT consumer, producer_id, stream, seq, timestamp, key, value, headers, error, "
+    "attempts, parked_at, retry_requested_at FROM streamq_dead_letters"
 )
 
 
@@ -142,6 +175,50 @@ async def save_position_async(conn: Any, batch: Batch) -> None:
     await run_async(conn, advance_steps(batch, batch.last_seq, describe(conn)))
 
 
+def _filters(consumer: str | None, stream: str | None, seq: int | None) -> tuple[str, list[Any]]:
+    given = {"consumer": consumer, "stream": stream, "seq": seq}
+    names = [name for name, value in given.items() if value is not None]
+    where = " AND ".join(f"{name} = %s" for name in names)
+    return (f" WHERE {where}" if where else ""), [given[name] for name in names]
+
+
+def _undefined_table(exc: Exception) -> bool:
+    return getattr(exc, "sqlstate", None) == UNDEFINED_TABLE
+
+
+def list_dead_letters(url: str, consumer: str | None = None) -> list[ParkedRecord]:
+    """The records parked in the consumer database at ``url``, by consumer and seq."""
+    psycopg = psycopg_module()
+    with connect(url, database(url), application_name="streamq dead-letters") as conn:
+        where, params = _filters(consumer, None, None)
+        try:
+            rows = conn.execute(f"{_LIST}{where} ORDER BY consumer, stream, seq", params)
+            return [ParkedRecord.from_row(row) for row in rows.fetchall()]
+        except psycopg.Error as exc:
+            if _undefined_table(exc):
+                return []  # no consumer of this streamq version opened it yet: none parked
+            raise
+
+
+def mark_for_retry(
+    url: str, consumer: str | None = None, stream: str | None = None, seq: int | None = None
+) -> int:
+    """Mark the matching parked records for their consumer to re-apply; how many."""
+    psycopg = psycopg_module()
+    with connect(url, database(url), application_name="streamq dead-letters") as conn:
+        where, params = _filters(consumer, stream, seq)
+        now = int(time.time() * 1000)
+        try:
+            cursor = conn.execute(
+                f"UPDATE streamq_dead_letters SET retry_requested_at = %s{where}", [now, *params]
+            )
+        except psycopg.Error as exc:
+            if _undefined_table(exc):
+                return 0
+            raise
+        return int(cursor.rowcount)
+
+
 class AsyncPostgresSQL(_Scoped):
     """The application's statements in a consumer transaction, each awaited
     (psycopg placeholders: ``%s``, ``%(name)s``)."""
@@ -190,6 +267,8 @@ class PostgresPositionStore:
     ``durability="normal"`` keeps the server's ``synchronous_commit``; ``"full"`` sets it
     on for these connections.
     """
+
+    dead_letters = DEAD_LETTERS
 
     def __init__(
         self, url: str, durability: Durability = "normal", *, connect_timeout: float = 10.0
@@ -312,6 +391,24 @@ class PostgresPositionStore:
 
         # What runs on the thread cannot be stopped: wait for it, even if cancelled.
         return await to_the_end(asyncio.to_thread(body), committed)
+
+    async def run_transaction(self, fn: Callable[..., T], *args: Any) -> T:
+        def body() -> T:
+            conn = self._blocking_connection()
+            tx = PostgresSQL(conn)
+            try:
+                result = fn(tx, *args)
+                tx._closed = True
+                conn.commit()
+            except BaseException:
+                if in_transaction(conn):
+                    conn.rollback()
+                raise
+            finally:
+                tx._closed = True
+            return result
+
+        return await to_the_end(asyncio.to_thread(body), lambda: None)
 
     def _blocking_connection(self) -> psycopg.Connection[Any]:
         """``apply``'s connection, opened at its first use (and again if it broke); on a

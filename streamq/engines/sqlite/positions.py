@@ -1,7 +1,9 @@
 """The SQLite engine's consumer positions: ``streamq_positions`` in the consumer's own
 database file, and batches applied into that file with their position.
 
-One row per (consumer, producer id, stream) holds the last applied seq. It moves only
+One row per (consumer, producer id, stream) holds the last applied seq; records a
+``DeadLetter`` consumer parked are rows of ``streamq_dead_letters``, written in the
+transaction that moves the position past them. It moves only
 from the seq a batch follows (``Batch.after``) to the batch's last, in the transaction
 that applies the batch, under SQLite's write lock (``BEGIN IMMEDIATE``, or the first
 write of the application's own transaction): two processes applying the same batch
@@ -22,9 +24,16 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiosqlite
 
-from ...blocking import AsyncSQL, BlockingSQL, raw_connection, run_on_thread, to_the_end
-from ...consumer import Batch, out_of_turn
-from ...errors import SchemaMissingError
+from ...blocking import (
+    AsyncSQL,
+    BlockingSQL,
+    in_transaction,
+    raw_connection,
+    run_on_thread,
+    to_the_end,
+)
+from ...consumer import Batch, DeadLetterSQL, ParkedRecord, out_of_turn
+from ...errors import DatabaseOpenError, SchemaMissingError
 from .storage import connect
 
 if TYPE_CHECKING:
@@ -57,6 +66,37 @@ FIRST = (
     "(consumer, producer_id, stream, seq, epoch, endpoint, updated_at) "
     "VALUES (?, ?, ?, ?, ?, ?, ?)"
 )
+DEAD_LETTERS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS streamq_dead_letters (
+    consumer TEXT NOT NULL,
+    producer_id TEXT NOT NULL,
+    stream TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    key BLOB,
+    value BLOB NOT NULL,
+    headers BLOB NOT NULL,         -- msgpack map of name -> bytes
+    timestamp INTEGER NOT NULL,    -- the record's, ms since the Unix epoch
+    error TEXT NOT NULL,           -- the application's last exception, with its traceback
+    attempts INTEGER NOT NULL,     -- tries of the record that failed
+    parked_at INTEGER NOT NULL,    -- ms since the Unix epoch
+    retry_requested_at INTEGER,    -- set by `streamq dead-letters retry`
+    PRIMARY KEY (consumer, producer_id, stream, seq)
+)"""
+_LETTER = "consumer = ? AND producer_id = ? AND stream = ? AND seq = ?"
+DEAD_LETTERS = DeadLetterSQL(
+    park="INSERT INTO streamq_dead_letters (consumer, producer_id, stream, seq, key, value, "
+    "headers, timestamp, error, attempts, parked_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+    requested="SELECT seq, timestamp, key, value, headers FROM streamq_dead_letters "
+    "WHERE consumer = ? AND producer_id = ? AND stream = ? AND retry_requested_at IS NOT NULL "
+    "ORDER BY seq",
+    take=f"DELETE FROM streamq_dead_letters WHERE {_LETTER} AND retry_requested_at IS NOT NULL",
+    failed_again="UPDATE streamq_dead_letters SET error = ?, attempts = attempts + 1, "
+    f"retry_requested_at = NULL WHERE {_LETTER}",
+)
+_LIST = (
+    "SELECT consumer, producer_id, stream, seq, timestamp, key, value, headers, error, "
+    "attempts, parked_at, retry_requested_at FROM streamq_dead_letters"
+)
 
 
 async def open_database(path: str, durability: Durability) -> aiosqlite.Connection:
@@ -66,6 +106,7 @@ async def open_database(path: str, durability: Durability) -> aiosqlite.Connecti
         await db.execute("PRAGMA journal_mode=WAL")
         await db.execute(f"PRAGMA synchronous={durability.upper()}")
         await db.execute(SCHEMA)
+        await db.execute(DEAD_LETTERS_SCHEMA)
         columns = await db.execute_fetchall("PRAGMA table_info(streamq_positions)")
         if "epoch" not in {column[1] for column in columns}:  # made by an older streamq
             await db.execute("ALTER TABLE streamq_positions ADD COLUMN epoch INTEGER")
@@ -119,12 +160,66 @@ async def save_position_async(conn: aiosqlite.Connection, batch: Batch) -> None:
     await run_on_thread(conn, advance, raw_connection(conn), batch, batch.last_seq)
 
 
+def _filters(consumer: str | None, stream: str | None, seq: int | None) -> tuple[str, list[Any]]:
+    given = {"consumer": consumer, "stream": stream, "seq": seq}
+    names = [name for name, value in given.items() if value is not None]
+    where = " AND ".join(f"{name} = ?" for name in names)
+    return (f" WHERE {where}" if where else ""), [given[name] for name in names]
+
+
+def _dead_letters_connection(path: str) -> sqlite3.Connection:
+    """A connection for the command line: the file must exist (never created here)."""
+    try:
+        return sqlite3.connect(f"file:{path}?mode=rw", uri=True, timeout=10, isolation_level=None)
+    except sqlite3.OperationalError as exc:
+        raise DatabaseOpenError(f"cannot open SQLite database {path!r}: {exc}") from exc
+
+
+def list_dead_letters(path: str, consumer: str | None = None) -> list[ParkedRecord]:
+    """The records parked in the consumer database at ``path``, by consumer and seq."""
+    conn = _dead_letters_connection(path)
+    try:
+        where, params = _filters(consumer, None, None)
+        try:
+            rows = conn.execute(f"{_LIST}{where} ORDER BY consumer, stream, seq", params)
+            return [ParkedRecord.from_row(row) for row in rows.fetchall()]
+        except sqlite3.OperationalError as exc:
+            if "no such table" in str(exc):
+                return []  # no consumer of this streamq version opened it yet: none parked
+            raise
+    finally:
+        conn.close()
+
+
+def mark_for_retry(
+    path: str, consumer: str | None = None, stream: str | None = None, seq: int | None = None
+) -> int:
+    """Mark the matching parked records for their consumer to re-apply; how many."""
+    conn = _dead_letters_connection(path)
+    try:
+        where, params = _filters(consumer, stream, seq)
+        now = int(time.time() * 1000)
+        try:
+            cursor = conn.execute(
+                f"UPDATE streamq_dead_letters SET retry_requested_at = ?{where}", [now, *params]
+            )
+        except sqlite3.OperationalError as exc:
+            if "no such table" in str(exc):
+                return 0
+            raise
+        return int(cursor.rowcount)
+    finally:
+        conn.close()
+
+
 class SQLitePositionStore:
     """A consumer's SQLite database: positions, and batches applied with them.
 
     One aiosqlite connection: ``transaction`` awaits each statement on its thread,
     ``apply`` runs a whole transaction there as one function (one thread hop).
     """
+
+    dead_letters = DEAD_LETTERS
 
     def __init__(self, path: str, durability: Durability = "normal") -> None:
         self.path = path
@@ -213,6 +308,19 @@ class SQLitePositionStore:
             return result
 
         return await to_the_end(run_on_thread(db, body), committed)
+
+    async def run_transaction(self, fn: Callable[..., T], *args: Any) -> T:
+        db = self.connection
+        conn = raw_connection(db)
+
+        def body() -> T:
+            tx = BlockingSQL(conn)
+            try:
+                return in_transaction(conn, lambda: fn(tx, *args))
+            finally:
+                tx._closed = True
+
+        return await to_the_end(run_on_thread(db, body), lambda: None)
 
 
 def _begin(conn: sqlite3.Connection, batch: Batch) -> None:
