@@ -85,6 +85,7 @@ class _Pending:
         self.rows: list[LogRow] = []  # not yet inserted
         self.times: list[TimeRow] = []  # streamq_time rows not yet inserted
         self.ids: dict[str, int] = {}  # stream name -> id, for the streams appended to
+        self.starts: dict[str, int] = {}  # stream name -> its head when this one locked it
         self.heads: dict[str, int] = {}  # stream name -> last seq published here
         self.max_ts: dict[str, int | None] = {}  # stream name -> largest timestamp so far
         self.settings: dict[str, StreamSettings] = {}  # stream name -> its settings
@@ -98,6 +99,7 @@ class _Pending:
     def start(self, stream: str, state: AppendState) -> int:
         """The stream, as found holding its lock: the next seqs follow its head."""
         self.ids[stream] = state.id
+        self.starts[stream] = state.head
         self.heads[stream] = state.head
         self.max_ts[stream] = state.max_ts
         self.settings[stream] = state.settings
@@ -526,12 +528,13 @@ class Producer:
             except BaseException:
                 tx._closed = True
                 if tx.committed:  # cancelled while COMMIT ran: it committed all the same
-                    self._after_commit(tx._pending)
+                    self._after_blocking_commit(tx._pending)
                 else:
                     await self._writer.rollback()
                 raise
             tx._closed = True
-            self._after_commit(tx._pending)
+            if self._after_commit(tx._pending):
+                await self._catch_up(await self.storage.version())
 
     async def run_in_transaction(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(tx, *args)`` as one transaction on the writer's thread; returns its result.
@@ -556,7 +559,7 @@ class Producer:
                             self._writer.run_blocking(
                                 self._run_blocking, pending, fn, args, version
                             ),
-                            functools.partial(self._after_commit, pending),
+                            functools.partial(self._after_blocking_commit, pending),
                         )
                     except _OthersCommitted as others:
                         await self._catch_up(others.version)
@@ -670,23 +673,37 @@ class Producer:
         if not self._started or self._closed:
             raise RuntimeError("the producer is not running: use 'async with Producer(...)'")
 
-    def _after_commit(self, pending: _Pending) -> None:
-        unknown = False  # a stream another process created, not caught up with yet
-        for name, stream_id in pending.ids.items():
-            if name not in self.log.streams:
-                unknown |= name not in pending.new_streams
-                self.log.add(StreamRow(stream_id, name, 0, 1, pending.settings[name]))
+    def _after_blocking_commit(self, pending: _Pending) -> None:
+        """``_after_commit`` where nothing can be awaited: the watch catches up."""
+        if self._after_commit(pending):
+            self.wake()
+
+    def _after_commit(self, pending: _Pending) -> bool:
+        """Hand a committed transaction's records to the log; True if the log must catch
+        up first instead (the caller then does, or wakes the watch).
+
+        That is when another writer committed to a stream after this producer last caught
+        up and before this transaction locked it (PostgreSQL): its records come before
+        these, and so may its epoch rows. Taking this transaction's head and segments
+        alone would skip those rows, and serve the other writer's seqs under the wrong
+        epoch; the catch-up reads every row after the last one known, and the records.
+        """
+        for name in pending.new_streams:
+            self.log.add(StreamRow(pending.ids[name], name, 0, 1, pending.settings[name]))
+        behind = any(
+            name not in self.log.streams or start > self.log.streams[name].head
+            for name, start in pending.starts.items()
+        )
+        if behind:
+            return True
         for name, (_, first, epoch) in pending.segment_rows().items():
             self.log.streams[name].epochs.add(first, epoch)  # before subscribers wake
         for name, head in pending.heads.items():
             stream = self.log.streams[name]
-            # Every seq up to ``head`` is committed (it was numbered holding the lock after
-            # them); a later one may be known already, from another writer (PostgreSQL).
-            if head > stream.head:
+            if head > stream.head:  # a later seq may be known already, from another writer
                 stream.max_ts = pending.max_ts[name]
                 self.log.committed(stream, head, pending.kept.get(name, []))
-        if unknown:
-            self.wake()
+        return False
 
     async def publish(
         self,

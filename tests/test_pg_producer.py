@@ -344,9 +344,10 @@ async def test_history_seeks_and_time_seeks_use_indexes(pg_url: str) -> None:
     would be costed)."""
     async with Producer(pg_url) as producer:
         await producer.create_stream("accounts", key_index=True)
-        async with producer.transaction() as tx:
+        base = int(time.time() * 1000)
+        async with producer.transaction() as tx:  # a time-index row per record
             for n in range(5000):
-                await tx.publish("accounts", b"v", key=b"k%d" % (n % 500))
+                await tx.publish("accounts", b"v", key=b"k%d" % (n % 500), timestamp=base + n)
     with psycopg.connect(pg_url, autocommit=True) as conn:
         conn.execute("ANALYZE")
 
