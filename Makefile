@@ -31,8 +31,11 @@ bench: $(STAMP)  # every workload at full size, against a real Kafka broker
 bench-quick: $(STAMP)  # every workload at small size, in a few minutes
 	$(BIN)/python -m bench --quick
 
+# SOAK_ENGINE=postgres: both databases on a throwaway PostgreSQL server, which is killed
+# with -9 too, and other writer processes publishing with streamq.publish.
+SOAK_ENGINE ?= sqlite
 soak: $(STAMP)  # the crash test run after run: >= 1,000 kill -9 cycles, at most 30 min
-	$(BIN)/python -m tests.soak --kills 1000 --max-seconds 1800
+	STREAMQ_CRASH_ENGINE=$(SOAK_ENGINE) $(BIN)/python -m tests.soak --kills 1000 --max-seconds 1800
 
 FUZZ_SECONDS ?= 300
 fuzz: $(STAMP)  # atheris on the decoder and state machines, then 20,000 hostile sessions on a socket

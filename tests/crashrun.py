@@ -8,33 +8,49 @@ COMMIT, right after COMMIT), and producers at random moments, in the middle of a
 transaction and in the middle of pushing a frame; it also freezes either side with
 SIGSTOP for longer than every timeout (the consumer's heartbeat and connect timeouts, the
 producer's handshake and idle timeouts) before SIGCONT. Each killed process is restarted
-on the same files (the producer on the same port). After every kill the oracle
+on the same databases (the producer on the same port). After every kill the oracle
 (tests/oracle.py) checks the history so far, and at the end the whole of it: every
 committed record applied exactly once, in order, nothing phantom, the stored position and
 sum agreeing with the effects; and the producer's business rows match its log one to one.
+
+Two engines (``engine``, or STREAMQ_CRASH_ENGINE for ``make soak``): ``sqlite``, both
+databases SQLite files; ``postgres``, both PostgreSQL databases (``producer`` and
+``consumer``) on a throwaway server of the run's own (tests/pgserver.py). A PostgreSQL run
+also SIGKILLs the server's postmaster a few times (``Plan.server_kills``) and starts it
+again on the same data directory and port, and runs other writer processes
+(tests/crash/writer_proc.py, ``Plan.writers``) that publish into the same stream with
+``streamq.publish`` on their own psycopg connections, their orders in the same business
+tables, some killed at random and some mid-transaction, each restarted like the producer.
+Server kills are survived, not restarted around: the producer, the consumer and the
+writers run with ``--survive-db-outages`` and carry on by themselves (the producer's and
+the consumer's connections open again inside streamq; a transaction cut by the kill is
+given up, or for the consumer applied again; see the programs), and every other fault
+goes on as on SQLite. Their ``DBERROR``/``RESUME``/``RETRY`` lines are counted in the
+figures.
 
 Set STREAMQ_CRASH_SEED to replay a run; the seed is in every failure message.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import shutil
 import signal
 import socket
-import sqlite3
 import subprocess
 import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import streamq
-from streamq.engines.sqlite.storage import HEAD_QUERY
 
-from .oracle import History, Report, check, history_from_files
+from .oracle import History, Report, check, dialect, history_from_files, read_head, read_log
+from .pgserver import PostgresServer
 
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAMS = Path(__file__).resolve().parent / "crash"
@@ -49,8 +65,28 @@ LAST_RUN_TIMEOUT = 40.0
 HEARTBEAT_TIMEOUT = 1.0
 CONNECT_TIMEOUT = 1.0
 PAUSE_SECONDS = (1.3, 1.8)  # SIGSTOP for this long: beyond every timeout of both sides
+# Records beyond the kill phase's cap (of the 1,000 kept from it) released while a fault
+# still needs some published: the producer's death mid-push, the server's kill under a
+# held transaction. Without them, that fault would wait forever. (Mid-transaction deaths
+# need none: at the cap, a program waiting for records runs the killing transaction.)
+FAULT_RESERVE = 500
 
 CONSUMER_FAULTS = ("random", "before-tx", "after-apply", "after-commit")
+ENGINES = ("sqlite", "postgres")
+ENGINE_ENV = "STREAMQ_CRASH_ENGINE"
+# PostgreSQL runs: the chance a round kills the server, how long it then stays down, and
+# how long the programs keep surviving consecutive database errors (far above that).
+SERVER_KILL_CHANCE = 0.15
+# When the server is killed: while the producer, the consumer or another writer is held in
+# the middle of a transaction (its records published or its effects written, COMMIT not
+# sent yet; tests/crash/faults.py HOLDS), or at a random moment of a round.
+SERVER_KILL_MOMENTS = ("producer-tx", "consumer-tx", "writer-tx", "random")
+SERVER_DOWN_SECONDS = (0.0, 1.0)
+SURVIVE_DB_OUTAGES = 30.0
+WRITER_KILL_CHANCE = 0.3
+WRITER_PACE = 20.0  # transactions per second of each other writer, 1 to 5 records each
+# Lines of the programs that say they survived something (the figures count them).
+RECOVERY_LINES = ("DBERROR", "RESUME", "RETRY")
 
 
 @dataclass(frozen=True)
@@ -62,11 +98,30 @@ class Plan:
     producer_lives: tuple[str, ...] = ("mid-tx", "mid-push", "external") * 2
     pauses: tuple[str, ...] = ("producer", "consumer")
     max_rounds: int = 90
+    # kill -9 of the database server, at each of SERVER_KILL_MOMENTS in turn: None is the
+    # engine's default (SQLite has none, PostgreSQL one at each moment).
+    server_kills: int | None = None
+    # Other writer processes (streamq.publish): None is the engine's default (SQLite
+    # none, so that run stays as it was; PostgreSQL 2). Their lives, as the producer's.
+    writers: int | None = None
+    writer_lives: tuple[str, ...] = ("mid-tx", "external") * 2
 
     @property
     def kill_phase_cap(self) -> int:
         """Records published while killing: the consumer never finishes early."""
         return self.total - 1_000
+
+    def resolved(self, engine: str) -> Plan:
+        """This plan with the engine's defaults filled in."""
+        if engine not in ENGINES:
+            raise ValueError(f"engine {engine!r}: one of {', '.join(ENGINES)}")
+        postgres = engine == "postgres"
+        default = len(SERVER_KILL_MOMENTS) if postgres else 0
+        server_kills = default if self.server_kills is None else self.server_kills
+        if server_kills and not postgres:
+            raise ValueError("server_kills: only a PostgreSQL run has a server to kill")
+        writers = (2 if postgres else 0) if self.writers is None else self.writers
+        return replace(self, server_kills=server_kills, writers=writers)
 
 
 @dataclass
@@ -79,6 +134,9 @@ class Figures:
     checks: int = 0
     report: Report | None = None
     seconds: float = 0.0
+    engine: str = "sqlite"
+    recoveries: Counter[str] = field(default_factory=Counter)  # DBERROR, RESUME, RETRY lines
+    writer_records: int = 0  # records committed by the other writers
 
     @property
     def kills(self) -> int:
@@ -98,10 +156,17 @@ def free_port() -> int:
 class Proc:
     """A program of tests/crash, its output going to a log file."""
 
-    def __init__(self, program: str, args: list[str], log: Path, fault: str = "") -> None:
+    def __init__(
+        self, program: str, args: list[str], log: Path, fault: str = "", hold: str = ""
+    ) -> None:
         self.log = log
+        # A server kill this process is armed for (its STREAMQ_HOLD), and whether it was
+        # delivered and the process continued.
+        self.moment = ""
+        self.released = False
         paths = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), STREAMQ_FAULT=fault)
+        env["STREAMQ_HOLD"] = hold
         with log.open("wb") as out:
             self.popen = subprocess.Popen(
                 [sys.executable, str(PROGRAMS / program), *args],
@@ -120,8 +185,15 @@ class Proc:
     def alive(self) -> bool:
         return self.popen.poll() is None
 
-    def wait_line(self, prefix: str, timeout: float, context: Callable[[], str]) -> str:
-        """The first output line starting with ``prefix``, waiting for it up to ``timeout``."""
+    def wait_line(
+        self,
+        prefix: str,
+        timeout: float,
+        context: Callable[[], str],
+        meanwhile: Callable[[], None] | None = None,
+    ) -> str:
+        """The first output line starting with ``prefix``, waiting for it up to ``timeout``
+        (calling ``meanwhile`` while it waits: another process may be waiting for the test)."""
         deadline = time.monotonic() + timeout
         while (line := self.line(prefix)) is None:
             assert self.alive(), (
@@ -130,8 +202,27 @@ class Proc:
             assert time.monotonic() < deadline, (
                 f"no {prefix!r} from {self.log.name} within {timeout} s: {context()}"
             )
+            if meanwhile is not None:
+                meanwhile()
             time.sleep(0.01)
         return line
+
+    @property
+    def armed(self) -> bool:
+        """Set to hold for a server kill not delivered yet: the test does not kill it."""
+        return bool(self.moment) and not self.released
+
+    def held(self) -> bool:
+        """Stopped at its hold point, waiting for the test (faults.py, ``HOLDS``)."""
+        return self.armed and self.line("HOLD") is not None
+
+    def stopped(self) -> bool:
+        """SIGSTOPped (Linux: /proc; elsewhere assumed once it said so)."""
+        try:
+            stat = Path(f"/proc/{self.popen.pid}/stat").read_text()
+        except FileNotFoundError:
+            return sys.platform != "linux"
+        return stat.rpartition(")")[2].split()[0] in ("T", "t")
 
     def kill(self) -> bool:
         """SIGKILL; True if the process was still running when the signal was sent."""
@@ -169,16 +260,44 @@ def consumer_progress(consumer: Proc) -> int:
     return seq
 
 
+@dataclass
+class WriterSlot:
+    """One of the other writers: its current process and what its life is for."""
+
+    number: int
+    proc: Proc | None = None
+    life: str = ""
+    starts: int = 0
+    done: bool = False  # exited 0 once the stream was complete
+
+
+def engine_from_env() -> str:
+    return os.environ.get(ENGINE_ENV) or "sqlite"
+
+
+def last_journal_records(path: Path) -> list[tuple[int, bytes]]:
+    """The records of a journal's last line: the transaction a fault point killed."""
+    lines = path.read_text().splitlines() if path.exists() else []
+    if not lines:
+        return []
+    event = json.loads(lines[-1])
+    assert event["event"] == "publish", f"{path.name} ends with {event}"
+    return [(int(seq), value.encode("latin-1")) for seq, value in event["records"]]
+
+
 class CrashRun:
-    def __init__(self, directory: Path, seed: int, plan: Plan) -> None:
+    def __init__(self, directory: Path, seed: int, plan: Plan, engine: str | None = None) -> None:
         self.dir = directory
-        self.plan = plan
-        self.figures = Figures(seed)
+        self.engine = engine or engine_from_env()
+        self.plan = plan = plan.resolved(self.engine)
+        self.figures = Figures(seed, engine=self.engine)
         self.rng = random.Random(seed)
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
-        self.producer_db = directory / "producer.db"
-        self.consumer_db = directory / "consumer.db"
+        # PostgreSQL: URLs once the run's server is up (``open_databases``).
+        self.server: PostgresServer | None = None
+        self.producer_db = str(directory / "producer.db")
+        self.consumer_db = str(directory / "consumer.db")
         self.allow_file = directory / "allow"
         self.allowed = 0
         self.producer: Proc | None = None
@@ -191,6 +310,13 @@ class CrashRun:
         ]
         self.rng.shuffle(self.consumer_faults)
         self.consumer: Proc | None = None
+        self.writers = [WriterSlot(number) for number in range(1, (plan.writers or 0) + 1)]
+        moments = [m for m in SERVER_KILL_MOMENTS if self.writers or m != "writer-tx"]
+        # The server kills still to deliver.
+        self.server_moments = [moments[i % len(moments)] for i in range(plan.server_kills or 0)]
+        self.rng.shuffle(self.server_moments)
+        self.writer_lives = list(plan.writer_lives) if self.writers else []
+        self.rng.shuffle(self.writer_lives)
         self.starts = {"producer": 0, "consumer": 0}
         self.position = 0
         self.events: list[str] = []
@@ -199,10 +325,18 @@ class CrashRun:
     def faults(self) -> Counter[str]:
         return self.figures.faults
 
+    @property
+    def survive(self) -> list[str]:
+        """The programs' option to carry on through the server's kills, if there are any."""
+        if not self.plan.server_kills:
+            return []
+        return ["--survive-db-outages", str(SURVIVE_DB_OUTAGES)]
+
     def context(self) -> str:
         return (
-            f"seed={self.figures.seed} (STREAMQ_CRASH_SEED), logs in {self.dir}, "
-            f"faults {dict(self.faults)}; last events:\n  " + "\n  ".join(self.events[-12:])
+            f"seed={self.figures.seed} (STREAMQ_CRASH_SEED), engine {self.engine}, logs in "
+            f"{self.dir}, faults {dict(self.faults)}; last events:\n  "
+            + "\n  ".join(self.events[-12:])
         )
 
     def event(self, text: str) -> None:
@@ -213,6 +347,17 @@ class CrashRun:
         tmp = self.allow_file.with_suffix(".tmp")
         tmp.write_text(str(self.allowed))
         tmp.replace(self.allow_file)
+
+    def cap(self) -> int:
+        """Records the kill phase may publish; a little more while a planned fault needs
+        records to publish, push or apply (``FAULT_RESERVE``)."""
+        holds = any(moment != "random" for moment in self.server_moments)
+        waits = holds or self.producer_life == "mid-push"  # (mid-tx: --kill-waiting-from)
+        return self.plan.kill_phase_cap + (FAULT_RESERVE if waits else 0)
+
+    def release(self, records: int) -> None:
+        """Let ``records`` more be published, up to the kill phase's cap."""
+        self.allow(max(self.allowed, min(self.allowed + records, self.cap())))
 
     def history(self, complete: bool) -> History:
         return history_from_files(
@@ -231,13 +376,71 @@ class CrashRun:
         assert report.ok, f"{report}: {self.context()}"
         return report
 
+    # --- the database server (PostgreSQL) ------------------------------------
+
+    def open_databases(self) -> None:
+        """PostgreSQL: the run's own server, and a database for each side."""
+        if self.engine != "postgres":
+            return
+        self.server = PostgresServer()
+        self.server.start()
+        self.producer_db = self.server.create_database("producer")
+        self.consumer_db = self.server.create_database("consumer")
+        self.event(f"postgres: serving on port {self.server.port}")
+
+    def close_databases(self) -> None:
+        if self.server is not None:
+            # Its directory goes with it: keep its log with the programs'.
+            shutil.copyfile(self.server.logfile, self.dir / "postgres.log")
+            self.server.stop()
+
+    def kill_server(self, moment: str) -> None:
+        """SIGKILL the postmaster, leave it down a moment, start it again (crash recovery)
+        on the same data directory and port. The programs carry on by themselves."""
+        server = self.server
+        assert server is not None
+        server.kill()
+        self.server_moments.remove(moment)
+        self.faults[f"postgres kill {moment}"] += 1
+        self.event(f"postgres: killed (pid {server.killed_pid}) at {moment}")
+        time.sleep(self.rng.uniform(*SERVER_DOWN_SECONDS))  # fault injection: down this long
+        server.restart()
+        self.event("postgres: restarted")
+
+    def procs(self) -> list[Proc]:
+        procs = [self.producer, self.consumer, *(slot.proc for slot in self.writers)]
+        return [proc for proc in procs if proc is not None]
+
+    def arm(self, moment: str, hold: str) -> str:
+        """``hold`` (a STREAMQ_HOLD) for the process about to start, if the server is still
+        to be killed at ``moment`` and no running process is armed for it; else ''."""
+        armed = any(p.moment == moment and p.armed and p.alive() for p in self.procs())
+        return hold if moment in self.server_moments and not armed else ""
+
+    def release_holds(self) -> None:
+        """A process held in its transaction: kill the server under it, then continue it."""
+        for proc in self.procs():
+            if not proc.alive() or not proc.held():
+                continue
+            deadline = time.monotonic() + 10
+            while not proc.stopped():
+                assert proc.alive() and time.monotonic() < deadline, (
+                    f"{proc.log.name} said HOLD and did not stop: {self.context()}"
+                )
+                time.sleep(0.01)
+            self.event(f"{proc.log.name}: {proc.line('HOLD')}")
+            self.kill_server(proc.moment)
+            proc.released = True
+            proc.popen.send_signal(signal.SIGCONT)
+
     # --- the producer --------------------------------------------------------
 
     def start_producer(self) -> None:
         self.producer_life = self.lives.pop() if self.lives else "final"
-        args = [str(self.producer_db), str(self.port), str(self.plan.total)]
+        args = [self.producer_db, str(self.port), str(self.plan.total)]
         args += ["--allow", str(self.allow_file), "--pace", str(PACE)]
-        args += ["--seed", str(self.rng.randrange(2**32))]
+        args += ["--seed", str(self.rng.randrange(2**32)), *self.survive]
+        args += ["--kill-waiting-from", str(self.plan.kill_phase_cap)]
         self.starts["producer"] += 1
         number = self.starts["producer"]
         args += ["--journal", str(self.dir / f"producer-{number}.jsonl")]
@@ -246,10 +449,14 @@ class CrashRun:
             fault = f"mid-tx:{self.rng.randint(1, 10)}"
         elif self.producer_life == "mid-push":
             fault = f"mid-push:{self.rng.randint(1, 4)}"
+        hold = ""
+        if self.producer_life != "mid-tx":  # else it may die first
+            hold = self.arm("producer-tx", f"mid-tx:{self.rng.randint(1, 2)}")
         name = f"producer-{number}.log"
-        self.producer = Proc("producer_proc.py", args, self.dir / name, fault)
-        ready = self.producer.wait_line("READY", STARTUP_TIMEOUT, self.context)
-        self.event(f"{name} ({self.producer_life} {fault}): {ready}")
+        self.producer = Proc("producer_proc.py", args, self.dir / name, fault, hold)
+        self.producer.moment = hold and "producer-tx"
+        ready = self.producer.wait_line("READY", STARTUP_TIMEOUT, self.context, self.release_holds)
+        self.event(f"{name} ({self.producer_life} {fault} {hold}): {ready}")
 
     def tend_producer(self) -> None:
         """Restart the producer if it killed itself at its fault point."""
@@ -265,8 +472,10 @@ class CrashRun:
         )
         self.faults[f"producer {life}"] += 1
         self.event(f"{producer.log.name}: {fired}")
-        self.start_producer()
         if life == "mid-tx":
+            self.check_killed_transaction(producer)
+        self.start_producer()
+        if life == "mid-tx" and self.engine == "sqlite" and not self.writers:
             # Nothing of the killed transaction was committed: the head is where it began.
             head_at_kill = fired.split("head=")[1].split()[0]
             assert self.producer is not None
@@ -274,6 +483,18 @@ class CrashRun:
             assert ready is not None and ready.endswith(f"head={head_at_kill}"), (
                 f"{ready} after {fired}: {self.context()}"
             )
+
+    def check_killed_transaction(self, proc: Proc) -> None:
+        """Nothing a program's transaction killed before COMMIT published is in the log.
+        Checked before it is restarted: nobody else publishes its values (its order ids
+        are its own), so any of them there would be the killed transaction's."""
+        killed = {value for _, value in last_journal_records(proc.log.with_suffix(".jsonl"))}
+        assert killed, f"{proc.log.name}: no transaction journalled before the kill"
+        committed = killed & set(read_log(self.producer_db, STREAM).values())
+        assert not committed, (
+            f"{proc.log.name}: {len(committed)} records of the transaction killed before "
+            f"COMMIT are in the log, e.g. {sorted(committed)[:3]}: {self.context()}"
+        )
 
     def kill_producer(self) -> None:
         assert self.producer is not None
@@ -284,18 +505,87 @@ class CrashRun:
         else:
             self.tend_producer()
 
+    # --- the other writers (streamq.publish) ----------------------------------
+
+    def start_writer(self, slot: WriterSlot) -> None:
+        slot.life = self.writer_lives.pop() if self.writer_lives else "final"
+        slot.starts += 1
+        stem = f"writer-{slot.number}-{slot.starts}"
+        args = [self.producer_db, str(slot.number), str(self.plan.total)]
+        args += ["--allow", str(self.allow_file), "--pace", str(WRITER_PACE)]
+        args += ["--seed", str(self.rng.randrange(2**32)), *self.survive]
+        args += ["--journal", str(self.dir / f"{stem}.jsonl")]
+        args += ["--kill-waiting-from", str(self.plan.kill_phase_cap)]
+        fault = hold = ""
+        if slot.life == "mid-tx":
+            fault = f"mid-tx:{self.rng.randint(1, 10)}"
+        else:
+            hold = self.arm("writer-tx", f"mid-tx:{self.rng.randint(1, 3)}")
+        slot.proc = Proc("writer_proc.py", args, self.dir / f"{stem}.log", fault, hold)
+        slot.proc.moment = hold and "writer-tx"
+        ready = slot.proc.wait_line("READY", STARTUP_TIMEOUT, self.context, self.release_holds)
+        self.event(f"{stem}.log ({slot.life} {fault} {hold}): {ready}")
+
+    def tend_writers(self) -> None:
+        """Restart the writers that killed themselves at their fault point."""
+        for slot in self.writers:
+            proc = slot.proc
+            if proc is None or proc.alive() or slot.done:
+                continue
+            rc = proc.popen.returncode
+            fired = proc.line("FAULT")
+            if rc == 0 and proc.line("COMPLETE"):
+                slot.done = True
+                continue
+            assert rc == -signal.SIGKILL and fired and fired.split()[1] == slot.life, (
+                f"{proc.log.name} ({slot.life}) exited with {rc}:\n{proc.tail()}\n{self.context()}"
+            )
+            self.faults[f"writer {slot.life}"] += 1
+            self.event(f"{proc.log.name}: {fired}")
+            self.check_killed_transaction(proc)
+            self.start_writer(slot)
+
+    def kill_writers(self) -> None:
+        """Kill, now and then, the writers whose life ends that way."""
+        for slot in self.writers:
+            if slot.life != "external" or self.rng.random() >= WRITER_KILL_CHANCE:
+                continue
+            assert slot.proc is not None
+            if slot.proc.armed:
+                continue
+            time.sleep(self.rng.uniform(0.05, 0.3))  # fault injection
+            if slot.proc.kill():
+                self.faults["writer random"] += 1
+                self.event(f"{slot.proc.log.name}: killed")
+                self.start_writer(slot)
+
+    def writers_pending(self) -> bool:
+        return any(slot.life != "final" for slot in self.writers)
+
+    def finish_writers(self) -> None:
+        """Once the stream is complete, every writer finds it so and exits 0."""
+        for slot in self.writers:
+            proc = slot.proc
+            assert proc is not None
+            rc = proc.wait(timeout=STARTUP_TIMEOUT)
+            assert rc == 0 and proc.line("COMPLETE"), (
+                f"{proc.log.name}: exit {rc}:\n{proc.tail()}\n{self.context()}"
+            )
+            slot.done = True
+
     # --- the consumer --------------------------------------------------------
 
-    def start_consumer(self, fault: str = "") -> Proc:
-        args = [self.address, str(self.consumer_db), str(self.plan.total)]
+    def start_consumer(self, fault: str = "", hold: str = "") -> Proc:
+        args = [self.address, self.consumer_db, str(self.plan.total)]
         args += ["--heartbeat-timeout", str(HEARTBEAT_TIMEOUT)]
-        args += ["--connect-timeout", str(CONNECT_TIMEOUT)]
+        args += ["--connect-timeout", str(CONNECT_TIMEOUT), *self.survive]
         self.starts["consumer"] += 1
         number = self.starts["consumer"]
         args += ["--journal", str(self.dir / f"consumer-{number}.jsonl")]
         name = f"consumer-{number}.log"
-        self.event(f"{name}: start, fault {fault or '-'}")
-        self.consumer = Proc("consumer_proc.py", args, self.dir / name, fault)
+        self.event(f"{name}: start, fault {fault or '-'} {hold}")
+        self.consumer = Proc("consumer_proc.py", args, self.dir / name, fault, hold)
+        self.consumer.moment = hold and "consumer-tx"
         return self.consumer
 
     def pause_one(self) -> None:
@@ -303,24 +593,40 @@ class CrashRun:
         who = self.pauses.pop()
         proc = self.producer if who == "producer" else self.consumer
         assert proc is not None
-        if proc.pause(self.rng.uniform(*PAUSE_SECONDS)):
+        # Not one armed to hold: a pause's SIGCONT would continue it from its hold.
+        if not proc.armed and proc.pause(self.rng.uniform(*PAUSE_SECONDS)):
             self.faults[f"{who} pause"] += 1
             self.event(f"{proc.log.name}: paused")
         else:
             self.pauses.append(who)
 
-    def round(self) -> None:
+    def tend(self) -> None:
+        self.release_holds()
         self.tend_producer()
-        plan = self.plan
-        self.allow(min(self.allowed + CHUNK, plan.kill_phase_cap))
+        self.tend_writers()
+
+    def round(self) -> None:
+        self.tend()
+        self.release(CHUNK)
         kind = self.consumer_faults.pop() if self.consumer_faults else "random"
-        fault = "" if kind == "random" else f"{kind}:{self.rng.randint(1, 4)}"
-        consumer = self.start_consumer(fault)
+        at = self.rng.randint(1, 4)
+        fault = "" if kind == "random" else f"{kind}:{at}"
+        # Held in its first transaction if it waits for a fault point of a later one.
+        hold = self.arm("consumer-tx", "after-apply:1") if kind != "random" and at > 1 else ""
+        consumer = self.start_consumer(fault, hold)
         if self.pauses and self.rng.random() < 0.3:
             time.sleep(self.rng.uniform(0.05, 0.5))  # fault injection, not synchronization
             self.pause_one()
-        stuck = self.producer_life != "external" and self.allowed >= plan.kill_phase_cap
-        if (self.producer_life == "external" and self.rng.random() < 0.3) or stuck:
+        if "random" in self.server_moments and self.rng.random() < SERVER_KILL_CHANCE:
+            time.sleep(self.rng.uniform(0.05, 0.5))  # fault injection
+            self.kill_server("random")
+        self.kill_writers()
+        # At the cap, a producer whose life ends otherwise than by a kill from here or in
+        # a transaction (which it then runs at once) would wait for records forever.
+        stuck = self.producer_life not in ("external", "mid-tx") and self.allowed >= self.cap()
+        external = self.producer_life == "external" and self.rng.random() < 0.3
+        assert self.producer is not None
+        if (external or stuck) and not self.producer.armed:
             time.sleep(self.rng.uniform(0.05, 0.5))  # fault injection
             self.kill_producer()
         if kind == "random":
@@ -340,17 +646,16 @@ class CrashRun:
         """Wait for the consumer to die at ``point``, releasing records when it has applied all."""
         deadline = time.monotonic() + 30
         idle_since = None
-        cap = self.plan.kill_phase_cap
         while consumer.wait(timeout=0.2) is None:
             assert time.monotonic() < deadline, (
                 f"{consumer.log.name} neither reached {point} nor exited in 30 s:\n"
                 f"{consumer.tail()}\n{self.context()}"
             )
-            self.tend_producer()
+            self.tend()
             if consumer_progress(consumer) < self.allowed:
                 continue
-            if self.allowed < cap:
-                self.allow(min(self.allowed + TICK, cap))
+            if self.allowed < self.cap():
+                self.release(TICK)
                 continue
             # All the kill phase may publish is published: kill it while it waits.
             idle_since = idle_since or time.monotonic()
@@ -369,11 +674,19 @@ class CrashRun:
             if kind.startswith("consumer ") and "pause" not in kind
         )
 
+    def faults_pending(self) -> bool:
+        return (
+            self.consumer_kills() < self.plan.consumer_kills
+            or self.producer_life != "final"
+            or bool(self.pauses)
+            or bool(self.server_moments)
+            or self.writers_pending()
+        )
+
     def stop(self) -> None:
-        for proc in (self.consumer, self.producer):
-            if proc is not None:
-                proc.kill()
-                proc.wait(timeout=10)
+        for proc in self.procs():
+            proc.kill()
+            proc.wait(timeout=10)
 
     # --- the whole run -------------------------------------------------------
 
@@ -381,51 +694,69 @@ class CrashRun:
         started = time.monotonic()
         plan = self.plan
         try:
-            self.allow(0)
-            self.start_producer()
-            rounds = 0
-            while (
-                self.consumer_kills() < plan.consumer_kills
-                or self.producer_life != "final"
-                or self.pauses
-            ):
-                rounds += 1
-                assert rounds <= plan.max_rounds, (
-                    f"faults still missing after {plan.max_rounds} rounds: {self.context()}"
-                )
-                self.round()
+            self.open_databases()
+            try:
+                self.allow(0)
+                self.start_producer()
+                for slot in self.writers:
+                    self.start_writer(slot)
+                rounds = 0
+                while self.faults_pending():
+                    rounds += 1
+                    assert rounds <= plan.max_rounds, (
+                        f"faults still missing after {plan.max_rounds} rounds: {self.context()}"
+                    )
+                    self.round()
 
-            # Let both run to completion.
-            self.tend_producer()
-            self.allow(plan.total)
-            consumer = self.start_consumer()
-            rc = consumer.wait(timeout=LAST_RUN_TIMEOUT)
-            assert rc == 0, f"last consumer: exit {rc}:\n{consumer.tail()}\n{self.context()}"
-            assert consumer.line("DONE") == f"DONE applied={plan.total}", self.context()
-            assert self.producer is not None
-            self.producer.wait_line("COMPLETE", STARTUP_TIMEOUT, self.context)
-            served = served_log(self.address, plan.total, self.context)
+                # Let them all run to completion.
+                self.tend()
+                self.allow(plan.total)
+                consumer = self.start_consumer()
+                rc = consumer.wait(timeout=LAST_RUN_TIMEOUT)
+                assert rc == 0, f"last consumer: exit {rc}:\n{consumer.tail()}\n{self.context()}"
+                assert consumer.line("DONE") == f"DONE applied={plan.total}", self.context()
+                assert self.producer is not None
+                self.producer.wait_line("COMPLETE", STARTUP_TIMEOUT, self.context)
+                self.finish_writers()
+                served = served_log(self.address, plan.total, self.context)
+            finally:
+                self.stop()
+            report = self.check_history(complete=True)
+            history = self.history(complete=True)
+            assert served == history.committed, f"served log != stored log: {self.context()}"
+            assert sorted(history.committed) == list(range(1, plan.total + 1)), self.context()
+            self.check_producer_business_rows(history.committed)
         finally:
-            self.stop()
-        report = self.check_history(complete=True)
-        history = self.history(complete=True)
-        assert served == history.committed, f"served log != stored log: {self.context()}"
-        assert sorted(history.committed) == list(range(1, plan.total + 1)), self.context()
-        self.check_producer_business_rows(history.committed)
+            self.close_databases()
         self.figures.records = report.records
         self.figures.report = report
+        self.figures.writer_records = sum(
+            1 for value in history.committed.values() if value.startswith(b"order--")
+        )
+        self.figures.recoveries = self.recoveries()
         self.figures.seconds = time.monotonic() - started
         return self.figures
 
+    def recoveries(self) -> Counter[str]:
+        """The lines in which the programs say they survived a database outage."""
+        found: Counter[str] = Counter()
+        for log in self.dir.glob("*-*.log"):
+            for line in log.read_text(errors="replace").splitlines():
+                word = line.split(" ", 1)[0]
+                if word in RECOVERY_LINES:
+                    found[f"{log.name.split('-')[0]} {word}"] += 1
+        return found
+
     def check_producer_business_rows(self, records: dict[int, bytes]) -> None:
-        """The producer never half-committed a transaction: its orders match its log."""
-        with sqlite3.connect(self.producer_db) as db:
+        """No transaction (the producer's, or another writer's) half-committed: the orders
+        match the log."""
+        d = dialect(self.producer_db)
+        with d.connect(self.producer_db, snapshot=True) as db:
             orders = dict(db.execute("SELECT id, amount FROM orders").fetchall())
             totals = db.execute("SELECT n, amount FROM totals WHERE name = 'orders'").fetchone()
-            head = db.execute(HEAD_QUERY, (STREAM,)).fetchone()
-        db.close()
+        head = read_head(self.producer_db, STREAM)
         context = self.context()
-        assert head == (self.plan.total,), f"head {head}: {context}"
+        assert head == self.plan.total, f"head {head}: {context}"
         published: Counter[int] = Counter()
         for seq, value in records.items():
             name, _, amount = value.decode().partition(":")
@@ -436,7 +767,9 @@ class CrashRun:
             )
         assert max(published.values()) == 1, f"orders published twice: {context}"
         assert set(published) == set(orders), f"orders and log differ: {context}"
-        assert totals == (self.plan.total, sum(orders.values())), f"totals {totals}: {context}"
+        assert tuple(totals) == (self.plan.total, sum(orders.values())), (
+            f"totals {totals}: {context}"
+        )
 
 
 def served_log(address: str, total: int, context: Callable[[], str]) -> dict[int, bytes]:
@@ -459,8 +792,15 @@ def seed_from_env() -> int:
 def describe(figures: Figures) -> str:
     """One run's figures, as the suites print them."""
     faults = ", ".join(f"{kind} {n}" for kind, n in sorted(figures.faults.items()))
+    extra = ""
+    if figures.engine != "sqlite":
+        survived = ", ".join(f"{kind} {n}" for kind, n in sorted(figures.recoveries.items()))
+        extra = (
+            f"; engine {figures.engine}: {figures.writer_records} records by the other "
+            f"writers, survived outages ({survived or 'none'})"
+        )
     return (
         f"faults injected {sum(figures.faults.values())} ({figures.kills} kills; {faults}), "
         f"records checked {figures.records} (oracle run {figures.checks} times), "
-        f"anomalies {figures.anomalies}; seed {figures.seed}, {figures.seconds:.1f} s"
+        f"anomalies {figures.anomalies}; seed {figures.seed}, {figures.seconds:.1f} s{extra}"
     )

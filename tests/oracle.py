@@ -22,26 +22,114 @@ applied twice leaves two rows and a sum too large, instead of being hidden.
 
 Programs write their part of a history as a journal: JSON lines, flushed one by one,
 so a process killed with SIGKILL leaves at most one partial last line (ignored).
+
+The databases are a SQLite file or a PostgreSQL database (a ``postgresql://`` URL), on
+either side: ``Dialect`` holds everything the effect's SQL, the crash programs' business
+SQL and the readers below say differently on the two engines, and nothing else does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-# The consumer's effect: the table it appends to and the running sum it adds to.
-EFFECT_SCHEMA = (
-    "CREATE TABLE IF NOT EXISTS applied (seq INTEGER NOT NULL, value BLOB NOT NULL)",
-    "CREATE TABLE IF NOT EXISTS applied_sum (id INTEGER PRIMARY KEY CHECK (id = 1), "
-    "total INTEGER NOT NULL)",
-    "INSERT OR IGNORE INTO applied_sum (id, total) VALUES (1, 0)",
+# --- the two engines ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """What SQLite and PostgreSQL spell differently, for every statement of the effect, the
+    crash programs and the readers: each is written once, with ``?`` placeholders, and
+    goes through ``sql``."""
+
+    engine: str  # "sqlite" or "postgres"
+    placeholder: str
+    blob: str  # the type of a bytes column
+    # The column of ``applied`` that keeps the apply order, and its definition (SQLite's
+    # rowid needs none; PostgreSQL's is an identity, taken after the turn's row lock).
+    apply_order: str
+    apply_order_column: str
+    ignore: tuple[str, str]  # INSERT <ignore[0]>INTO ...<ignore[1]>: not if the row exists
+
+    def sql(self, statement: str) -> str:
+        """``statement`` (``?`` placeholders) in this engine's placeholders (psycopg's
+        ``%s``, where a ``%`` of the statement's own is written ``%%``)."""
+        if self.placeholder == "?":
+            return statement
+        return statement.replace("%", "%%").replace("?", self.placeholder)
+
+    def insert_or_ignore(self, into: str) -> str:
+        """``INSERT INTO <into>`` (a table, its columns and VALUES) that inserts nothing
+        where the row's key exists."""
+        return f"INSERT {self.ignore[0]}INTO {into}{self.ignore[1]}"
+
+    @contextlib.contextmanager
+    def connect(self, db: Path | str, *, snapshot: bool = False) -> Iterator[Any]:
+        """A DB-API connection (``sqlite3``'s or psycopg's) to ``db``: its transaction
+        committed at the end (rolled back if the block raises), then closed. ``snapshot``:
+        read only, every statement seeing one snapshot (PostgreSQL: REPEATABLE READ, since
+        a killed consumer's session may still commit while the oracle reads)."""
+        if self.engine == "sqlite":
+            conn = sqlite3.connect(db, timeout=10)
+            with contextlib.closing(conn), conn:
+                if snapshot:
+                    conn.execute("BEGIN")  # a read transaction: one snapshot
+                yield conn
+            return
+        import psycopg
+
+        with psycopg.connect(str(db), connect_timeout=10) as pg:
+            if snapshot:
+                pg.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+                pg.read_only = True
+            yield pg
+
+    def head_query(self) -> str:
+        """The last seq of a stream (one parameter: its name), from the engine's own SQL."""
+        if self.engine == "sqlite":
+            from streamq.engines.sqlite.storage import HEAD_QUERY
+        else:
+            from streamq.engines.postgres.append import HEAD_QUERY
+        return HEAD_QUERY
+
+
+SQLITE = Dialect("sqlite", "?", "BLOB", "rowid", "", ("OR IGNORE ", ""))
+POSTGRES = Dialect(
+    "postgres",
+    "%s",
+    "BYTEA",
+    "n",
+    "n BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY, ",
+    ("", " ON CONFLICT DO NOTHING"),
 )
-APPLY_ROWS = "INSERT INTO applied (seq, value) VALUES (?, ?)"
+
+
+def dialect(db: Path | str) -> Dialect:
+    """The engine of ``db``: PostgreSQL for a ``postgresql://`` URL, else SQLite."""
+    from streamq.storage import is_postgres_url
+
+    return POSTGRES if is_postgres_url(str(db)) else SQLITE
+
+
+# The consumer's effect: the table it appends to and the running sum it adds to.
+def effect_schema(d: Dialect) -> tuple[str, ...]:
+    return (
+        f"CREATE TABLE IF NOT EXISTS applied ({d.apply_order_column}seq INTEGER NOT NULL, "
+        f"value {d.blob} NOT NULL)",
+        "CREATE TABLE IF NOT EXISTS applied_sum (id INTEGER PRIMARY KEY CHECK (id = 1), "
+        "total INTEGER NOT NULL)",
+        d.insert_or_ignore("applied_sum (id, total) VALUES (1, 0)"),
+    )
+
+
+EFFECT_SCHEMA = effect_schema(SQLITE)
+APPLY_ROWS = "INSERT INTO applied (seq, value) VALUES (?, ?)"  # through Dialect.sql
 ADD_TO_SUM = "UPDATE applied_sum SET total = total + ? WHERE id = 1"
 
 
@@ -170,22 +258,24 @@ def check(history: History, value_amount: Callable[[bytes], int] = amount) -> Re
 # --- reading a history from real files -------------------------------------------------
 
 
-def read_log(path: Path | str, stream: str) -> dict[int, bytes]:
-    """Every record of ``stream`` in a producer's database file: seq -> value."""
+def read_log(db: Path | str, stream: str) -> dict[int, bytes]:
+    """Every record of ``stream`` in a producer's database (file or URL): seq -> value."""
+    if dialect(db) is POSTGRES:
+        return _read_log_postgres(str(db), stream)
     import msgpack
 
     from streamq.engines.sqlite.storage import MAX_STORED_SEQ, SEQ_BITS
 
-    with sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10) as db:
-        row = db.execute("SELECT id FROM streamq_streams WHERE name = ?", (stream,)).fetchone()
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10) as conn:
+        row = conn.execute("SELECT id FROM streamq_streams WHERE name = ?", (stream,)).fetchone()
         if row is None:
             return {}
         stream_id = int(row[0])
-        rows = db.execute(
+        rows = conn.execute(
             "SELECT pos, record FROM streamq_log WHERE pos > ? AND pos < ? ORDER BY pos",
             (stream_id << SEQ_BITS, (stream_id + 1) << SEQ_BITS),
         ).fetchall()
-    db.close()
+    conn.close()
     records = {}
     for pos, encoded in rows:
         seq, _, _, value, _ = msgpack.unpackb(encoded)
@@ -194,32 +284,62 @@ def read_log(path: Path | str, stream: str) -> dict[int, bytes]:
     return records
 
 
+def _read_log_postgres(url: str, stream: str) -> dict[int, bytes]:
+    from streamq.protocol import decode_record
+
+    with POSTGRES.connect(url, snapshot=True) as conn:
+        rows = conn.execute(
+            "SELECT l.seq, l.record FROM streamq_log AS l "
+            "JOIN streamq_streams AS s ON s.id = l.stream_id WHERE s.name = %s ORDER BY l.seq",
+            (stream,),
+        ).fetchall()
+    records = {}
+    for seq, encoded in rows:
+        record = decode_record(bytes(encoded))
+        assert record.seq == seq, (record.seq, seq)
+        records[int(seq)] = bytes(record.value)
+    return records
+
+
+def read_head(db: Path | str, stream: str) -> int | None:
+    """The head of ``stream`` as the producer's database stores it (None: no stream)."""
+    d = dialect(db)
+    with d.connect(db, snapshot=True) as conn:
+        row = conn.execute(d.head_query(), (stream,)).fetchone()
+    return None if row is None else int(row[0])
+
+
 def read_effects(
-    path: Path | str, consumer: str, stream: str
+    db: Path | str, consumer: str, stream: str
 ) -> tuple[list[tuple[int, bytes]], int | None, int | None]:
-    """A consumer database's applied rows (in apply order), stored position and sum."""
-    if not Path(path).exists():
+    """A consumer database's applied rows (in apply order), stored position and sum, all
+    read in one snapshot."""
+    d = dialect(db)
+    if d is SQLITE and not Path(db).exists():
         return [], None, None
-    with sqlite3.connect(path, timeout=10) as db:
-        tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    with d.connect(db, snapshot=True) as conn:
+        if d is SQLITE:
+            query = "SELECT name FROM sqlite_master WHERE type = 'table'"
+        else:
+            query = "SELECT tablename FROM pg_tables WHERE schemaname = current_schema()"
+        tables = {row[0] for row in conn.execute(query)}
         applied: list[tuple[int, bytes]] = []
         if "applied" in tables:
             applied = [
                 (int(s), bytes(v))
-                for s, v in db.execute("SELECT seq, value FROM applied ORDER BY rowid")
+                for s, v in conn.execute(f"SELECT seq, value FROM applied ORDER BY {d.apply_order}")
             ]
         position = total = None
         if "streamq_positions" in tables:
-            rows = db.execute(
-                "SELECT seq FROM streamq_positions WHERE consumer = ? AND stream = ?",
+            rows = conn.execute(
+                d.sql("SELECT seq FROM streamq_positions WHERE consumer = ? AND stream = ?"),
                 (consumer, stream),
             ).fetchall()
             assert len(rows) <= 1, rows
             position = int(rows[0][0]) if rows else 0
         if "applied_sum" in tables:
-            row = db.execute("SELECT total FROM applied_sum WHERE id = 1").fetchone()
+            row = conn.execute("SELECT total FROM applied_sum WHERE id = 1").fetchone()
             total = int(row[0]) if row else None
-    db.close()
     return applied, position, total
 
 
@@ -257,15 +377,19 @@ def read_journals(paths: Iterable[Path]) -> dict[str, list[tuple[int, bytes]]]:
 
 
 def history_from_files(
-    producer_db: Path,
-    consumer_db: Path,
+    producer_db: Path | str,
+    consumer_db: Path | str,
     journals: Sequence[Path],
     *,
     stream: str,
     consumer: str,
     complete: bool,
 ) -> History:
-    """A crash run's history: the producer's log, the consumer's effects, and the journals."""
+    """A crash run's history: the producer's log, the consumer's effects, and the journals.
+
+    Either database is a SQLite file or a PostgreSQL URL. Read in this order, each after
+    the last, so the log read holds every commit a journal acknowledged and every record
+    the consumer applied (with other writers still running, only later commits differ)."""
     events = read_journals(journals)
     applied, position, total = read_effects(consumer_db, consumer, stream)
     history = History(

@@ -4,7 +4,14 @@ A few dozen kills of consumers (at random moments, before the transaction, after
 applying but before COMMIT, right after COMMIT) and of producers (at random moments,
 mid-transaction, mid-push), and a pause of each side longer than every timeout; the
 oracle checks the history after every kill and at the end. ``make soak`` runs the same
-harness for at least 1,000 kill cycles.
+harness for at least 1,000 kill cycles (``SOAK_ENGINE=postgres`` for the PostgreSQL run).
+
+The same run on PostgreSQL: both databases on a throwaway server of the test's own, the
+same kills, plus kill -9 of the server itself four times (while the producer, the
+consumer and another writer are each held in the middle of a transaction, and once at a
+random moment; restarted on its data directory and port, the programs carry on through
+it) and two other writer processes publishing into the stream with ``streamq.publish``,
+killed at random and mid-transaction too.
 """
 
 from __future__ import annotations
@@ -14,20 +21,25 @@ from pathlib import Path
 
 import pytest
 
-from .crashrun import CONSUMER_FAULTS, CrashRun, Plan, describe, seed_from_env
+from .crashrun import (
+    CONSUMER_FAULTS,
+    SERVER_KILL_MOMENTS,
+    CrashRun,
+    Figures,
+    Plan,
+    describe,
+    seed_from_env,
+)
+from .pgserver import PostgresMissingError, find_bindir
+
+# The SQLite run's sizes (12,000 records, 32 consumer kills, 6 producer lives), to which
+# the engine's defaults add 4 server kills and 2 other writers with 4 lives: ~25-40 s.
+POSTGRES_PLAN = Plan()
 
 
-@pytest.mark.timeout(150)
-def test_exactly_once_under_kill_9_and_pauses(
-    tmp_path: Path, figures: Callable[[str], None]
-) -> None:
-    plan = Plan()
-    run = CrashRun(tmp_path, seed_from_env(), plan)
-    result = run.run()
-    context = run.context()
-    faults = result.faults
-
-    # Every planned fault was delivered, and the oracle found nothing.
+def check_delivered(run: CrashRun, result: Figures) -> None:
+    """Every planned fault was delivered, and the oracle found nothing."""
+    plan, context, faults = run.plan, run.context(), result.faults
     assert result.anomalies == 0 and result.records == plan.total, context
     assert run.consumer_kills() >= plan.consumer_kills, context
     for point in CONSUMER_FAULTS[1:]:
@@ -38,4 +50,38 @@ def test_exactly_once_under_kill_9_and_pauses(
     assert faults["producer mid-tx"] >= 1 and faults["producer mid-push"] >= 1, context
     assert faults["producer pause"] == faults["consumer pause"] == 1, context
     assert result.checks > plan.consumer_kills, context
+
+
+@pytest.mark.timeout(150)
+def test_exactly_once_under_kill_9_and_pauses(
+    tmp_path: Path, figures: Callable[[str], None]
+) -> None:
+    run = CrashRun(tmp_path, seed_from_env(), Plan(), engine="sqlite")
+    result = run.run()
+    check_delivered(run, result)
+    figures("runs 1, " + describe(result))
+
+
+@pytest.mark.timeout(240)
+def test_exactly_once_on_postgresql_under_kill_9_of_everything_and_other_writers(
+    tmp_path: Path, figures: Callable[[str], None]
+) -> None:
+    try:
+        find_bindir()
+    except PostgresMissingError as exc:  # never a skip: the install hint
+        pytest.fail(str(exc), pytrace=False)
+    run = CrashRun(tmp_path, seed_from_env(), POSTGRES_PLAN, engine="postgres")
+    result = run.run()
+    check_delivered(run, result)
+    context, faults = run.context(), result.faults
+    # The server killed once in the middle of each kind of transaction, once at random.
+    for moment in SERVER_KILL_MOMENTS:
+        assert faults[f"postgres kill {moment}"] == 1, context
+    writer_lives = POSTGRES_PLAN.writer_lives
+    assert faults["writer mid-tx"] == writer_lives.count("mid-tx") >= 1, context
+    assert faults["writer random"] == writer_lives.count("external") >= 1, context
+    assert result.writer_records > 0, context  # the other writers' records were applied too
+    # The kills in the middle of their transactions: each of them failed and carried on.
+    for program in ("producer", "consumer", "writer"):
+        assert result.recoveries[f"{program} DBERROR"] >= 1, context
     figures("runs 1, " + describe(result))

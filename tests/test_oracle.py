@@ -2,13 +2,29 @@
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 
 import pytest
 
 import streamq
 
-from .oracle import History, Journal, amount, check, history_from_files, read_journals
+from .oracle import (
+    ADD_TO_SUM,
+    APPLY_ROWS,
+    EFFECT_SCHEMA,
+    POSTGRES,
+    SQLITE,
+    History,
+    Journal,
+    amount,
+    check,
+    dialect,
+    effect_schema,
+    history_from_files,
+    read_head,
+    read_journals,
+)
 
 VALUES = {seq: b"order-%d:%d" % (seq, seq * 10) for seq in range(1, 11)}
 
@@ -136,13 +152,25 @@ def test_journals_survive_a_torn_last_line(tmp_path: Path) -> None:
     assert events["commit"] == [(1, b"x:1")]
 
 
+@pytest.mark.parametrize("engine", ["sqlite", "postgres"])
 @pytest.mark.parametrize("rolled_back", [False, True])
-async def test_history_from_real_files(tmp_path: Path, rolled_back: bool) -> None:
-    """The file readers see a real producer's log and a real consumer's effects."""
-    from .oracle import ADD_TO_SUM, APPLY_ROWS, EFFECT_SCHEMA
-
+async def test_history_from_real_files(
+    tmp_path: Path, rolled_back: bool, engine: str, request: pytest.FixtureRequest
+) -> None:
+    """The readers see a real producer's log and a real consumer's effects, in SQLite files
+    or PostgreSQL databases (the effect's SQL through the engine's ``Dialect``)."""
+    if engine == "sqlite":
+        producer_db, consumer_db = str(tmp_path / "p.db"), str(tmp_path / "c.db")
+    else:
+        server = request.getfixturevalue("postgres")
+        producer_db = request.getfixturevalue("pg_url")
+        name = f"oracle_effects_{uuid.uuid4().hex[:12]}"  # the consumer's own database
+        consumer_db = server.create_database(name)
+        request.addfinalizer(lambda: server.drop_database(name))
+    d = dialect(consumer_db)
+    assert d.engine == engine and dialect(producer_db).engine == engine
     journal = Journal(tmp_path / "p.jsonl")
-    async with streamq.Producer(str(tmp_path / "p.db")) as producer:
+    async with streamq.Producer(producer_db) as producer:
         async with producer.transaction() as tx:
             seqs = await tx.publish_many("s", [b"a:1", b"b:2"])
         journal.write("commit", [(seqs[0], b"a:1"), (seqs[1], b"b:2")])
@@ -151,22 +179,20 @@ async def test_history_from_real_files(tmp_path: Path, rolled_back: bool) -> Non
                 seq = await tx.publish("s", b"c:3")
                 journal.write("publish", [(seq, b"c:3")])
                 raise RuntimeError("roll back")
-        async with streamq.Consumer(
-            producer.address, "s", db=str(tmp_path / "c.db"), name="n"
-        ) as consumer:
+        async with streamq.Consumer(producer.address, "s", db=consumer_db, name="n") as consumer:
             batch = await anext(consumer)
             async with consumer.transaction(batch) as ctx:
-                for statement in EFFECT_SCHEMA:
+                for statement in effect_schema(d):
                     await ctx.execute(statement)
                 rows = [(r.seq, r.value) for r in batch]
                 if rolled_back:
                     rows.append((3, b"c:3"))  # what a bug applying uncommitted data would do
-                await ctx.executemany(APPLY_ROWS, rows)
-                await ctx.execute(ADD_TO_SUM, (sum(amount(v) for _, v in rows),))
+                await ctx.executemany(d.sql(APPLY_ROWS), rows)
+                await ctx.execute(d.sql(ADD_TO_SUM), (sum(amount(v) for _, v in rows),))
     journal.close()
     history = history_from_files(
-        tmp_path / "p.db",
-        tmp_path / "c.db",
+        producer_db,
+        consumer_db,
         [tmp_path / "p.jsonl"],
         stream="s",
         consumer="n",
@@ -174,7 +200,24 @@ async def test_history_from_real_files(tmp_path: Path, rolled_back: bool) -> Non
     )
     report = check(history)
     assert history.committed == {1: b"a:1", 2: b"b:2"}
+    assert read_head(producer_db, "s") == 2
     if rolled_back:
         assert report.phantom == [3] and report.position, report
     else:
         assert report.ok, report
+        assert history.applied == [(1, b"a:1"), (2, b"b:2")] and history.position == 2
+
+
+def test_dialect_spells_each_engine() -> None:
+    """The one place where the engines differ: placeholders (a literal % doubled for
+    psycopg), INSERT that skips an existing row, bytes, the apply order."""
+    assert dialect("/tmp/x.db") is SQLITE and dialect("postgresql://u@h/db") is POSTGRES
+    statement = "SELECT a FROM t WHERE (-a) % ? = ? AND b = ?"
+    assert SQLITE.sql(statement) == statement
+    assert POSTGRES.sql(statement) == "SELECT a FROM t WHERE (-a) %% %s = %s AND b = %s"
+    assert SQLITE.insert_or_ignore("t (a) VALUES (1)") == "INSERT OR IGNORE INTO t (a) VALUES (1)"
+    assert POSTGRES.insert_or_ignore("t (a) VALUES (1)") == (
+        "INSERT INTO t (a) VALUES (1) ON CONFLICT DO NOTHING"
+    )
+    assert effect_schema(SQLITE) == EFFECT_SCHEMA  # what the other suites use
+    assert "BYTEA" in effect_schema(POSTGRES)[0] and "IDENTITY" in effect_schema(POSTGRES)[0]

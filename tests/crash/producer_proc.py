@@ -1,26 +1,44 @@
 """A producer process for the crash tests (tests/crashrun.py).
 
     producer_proc.py DB PORT TOTAL [--allow FILE] [--seed S] [--journal FILE]
+                     [--survive-db-outages S]
 
-Serves DB on 127.0.0.1:PORT and runs transactions that each insert orders
-(business rows: ``orders`` and the running ``totals``) and publish one record
-per order, ``b"order-<id>:<amount>"``, until the stream ``orders`` has TOTAL
-records. A restarted producer continues from the committed head. Then it keeps
-serving until it is killed.
+Serves DB (a SQLite file or a ``postgresql://`` URL) on 127.0.0.1:PORT and runs
+transactions that each insert orders (business rows: ``orders`` and the running
+``totals``) and publish one record per order, ``b"order-<id>:<amount>"``, until the
+stream ``orders`` has TOTAL records. A restarted producer continues from the committed
+head. Then it keeps serving until it is killed. Its order ids are positive; other
+writers (writer_proc.py) take negative ones.
 
 ``--allow FILE``: never publish beyond the number written in FILE (the test
 releases records a little at a time, so the consumer always has work while it
-is being killed). ``--journal FILE``: every record published (``publish``) and
-every transaction that committed (``commit``) is journalled for the oracle.
+is being killed); a transaction whose seqs would go beyond it, because another writer
+published meanwhile, is rolled back. ``--journal FILE``: every record published
+(``publish``) and every transaction that committed (``commit``) is journalled for the
+oracle.
+
+``--survive-db-outages S`` (PostgreSQL, whose server the harness kills): a transaction
+that fails because the database server went away (psycopg's ``OperationalError``, or
+``DatabaseOpenError`` while it is down) is not retried as such (whether a failed COMMIT
+committed is unknown: its records stay attempted, never acknowledged) and the producer
+carries on with the next one, on the connections streamq opens again, for up to S seconds
+of consecutive failures. Prints ``DBERROR <error>`` for each. Without it, such an error
+ends the process.
 
 Fault points (``STREAMQ_FAULT=POINT:N``, see faults.py): ``mid-tx``: the N-th
 transaction kills the process after its business SQL and its publishes, before
-COMMIT (whatever the allowance; sooner if all TOTAL records are published).
+COMMIT (whatever the allowance; sooner if all TOTAL records are published, or all the
+allowance when it is ``--kill-waiting-from`` or more: the test releases no more then).
 ``mid-push``: the N-th RECORDS frame pushed to a consumer is cut in half and the
-process dies right after writing the first half.
+process dies right after writing the first half. ``STREAMQ_HOLD=mid-tx:N``: the N-th
+transaction stops at the mid-tx point (see faults.py) until the test continues it; so
+does one run at once, whatever the allowance, if it is still to come when the producer
+waits at ``--kill-waiting-from`` (it cannot commit: the test kills the server under it).
 
 Prints ``READY <port> head=<head>`` once serving, and
 ``FAULT mid-tx <n> head=<head> records=<k>`` just before killing itself mid-transaction.
+A start that finds the database still served (its killed predecessor's session not yet
+ended by the server) or the server away is retried for up to 20 s.
 """
 
 from __future__ import annotations
@@ -29,20 +47,36 @@ import argparse
 import asyncio
 import random
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import streamq
 from streamq._loop import run
+from streamq.errors import AlreadyServedError, DatabaseOpenError
 from streamq.protocol import ServerConnection
-from tests.crash.faults import FAULTS
-from tests.oracle import Journal
+from tests.crash.faults import FAULTS, HOLDS
+from tests.oracle import Dialect, Journal, dialect
 
 STREAM = "orders"
 MAX_BATCH = 200
 # Records per executemany into streamq_log, so big transactions write part of
 # the log before COMMIT (and the mid-transaction kill leaves uncommitted rows).
 FLUSH_RECORDS = 64
+START_TIMEOUT = 20.0
+
+
+class Overshoot(Exception):
+    """Other writers published meanwhile: this transaction's seqs go beyond the allowance."""
+
+
+def outage_errors(db: str) -> tuple[type[BaseException], ...]:
+    """What a transaction raises when the database server goes away (PostgreSQL)."""
+    if dialect(db).engine != "postgres":
+        return ()
+    import psycopg
+
+    return (psycopg.OperationalError, psycopg.InterfaceError, DatabaseOpenError)
 
 
 def allowance(path: str | None, total: int) -> int:
@@ -55,7 +89,7 @@ def allowance(path: str | None, total: int) -> int:
     return min(total, int(text)) if text else 0
 
 
-async def setup(producer: streamq.Producer) -> None:
+async def setup(producer: streamq.Producer, d: Dialect) -> None:
     async with producer.transaction() as tx:
         await tx.execute(
             "CREATE TABLE IF NOT EXISTS orders (id INTEGER PRIMARY KEY, amount INTEGER NOT NULL)"
@@ -64,7 +98,7 @@ async def setup(producer: streamq.Producer) -> None:
             "CREATE TABLE IF NOT EXISTS totals "
             "(name TEXT PRIMARY KEY, n INTEGER NOT NULL, amount INTEGER NOT NULL)"
         )
-        await tx.execute("INSERT OR IGNORE INTO totals (name, n, amount) VALUES ('orders', 0, 0)")
+        await tx.execute(d.insert_or_ignore("totals (name, n, amount) VALUES ('orders', 0, 0)"))
     await producer.create_stream(STREAM)
 
 
@@ -91,13 +125,20 @@ def arm_mid_push() -> None:
 
 async def one_transaction(
     producer: streamq.Producer,
+    d: Dialect,
     rng: random.Random,
     count: int,
-    kill: bool,
+    limit: int | None,
     journal: Journal,
+    *,
+    kill: bool = False,
+    hold: bool = False,
 ) -> None:
+    """One transaction of ``count`` orders: rolled back (``Overshoot``) if its seqs go
+    beyond ``limit`` (None: wherever they go); killed before COMMIT with ``kill``; held
+    there with ``hold`` (whatever its hit, see HOLDS), or at the hit HOLDS is set for."""
     async with producer.transaction() as tx:
-        cursor = await tx.execute("SELECT COALESCE(MAX(id), 0) FROM orders")
+        cursor = await tx.execute("SELECT COALESCE(MAX(id), 0) FROM orders WHERE id > 0")
         row = await cursor.fetchone()
         assert row is not None
         order_id = int(row[0])
@@ -107,27 +148,61 @@ async def one_transaction(
             orders.append((order_id, rng.randint(1, 10_000)))
         values = [b"order-%d:%d" % order for order in orders]
         business_first = rng.random() < 0.5
+        insert = d.sql("INSERT INTO orders (id, amount) VALUES (?, ?)")
         if business_first:
-            await tx.executemany("INSERT INTO orders (id, amount) VALUES (?, ?)", orders)
+            await tx.executemany(insert, orders)
         if count == 1:
             seqs: Sequence[int] = [await tx.publish(STREAM, values[0], key=b"%d" % orders[0][0])]
         else:
             seqs = await tx.publish_many(STREAM, values)
         journal.write("publish", zip(seqs, values, strict=True))
+        if limit is not None and seqs[-1] > limit:
+            raise Overshoot
         if not business_first:
-            await tx.executemany("INSERT INTO orders (id, amount) VALUES (?, ?)", orders)
+            await tx.executemany(insert, orders)
         await tx.execute(
-            "UPDATE totals SET n = n + ?, amount = amount + ? WHERE name = 'orders'",
+            d.sql("UPDATE totals SET n = n + ?, amount = amount + ? WHERE name = 'orders'"),
             (count, sum(amount for _, amount in orders)),
         )
+        if hold or HOLDS.due("mid-tx"):
+            HOLDS.hold("mid-tx", f"records={count}")
         if kill:
             FAULTS.fire("mid-tx", f"head={producer.head(STREAM)} records={count}")
     journal.write("commit", zip(seqs, values, strict=True))
 
 
+async def start(args: argparse.Namespace, settings: streamq.ServerSettings) -> streamq.Producer:
+    """The producer, started; retried while its killed predecessor's serving session is
+    still there (PostgreSQL ends it once it notices) or, surviving outages, the server is away."""
+    retry: tuple[type[BaseException], ...] = (AlreadyServedError,)
+    if args.survive_db_outages:
+        retry += outage_errors(args.db)
+    deadline = time.monotonic() + START_TIMEOUT
+    while True:
+        producer = streamq.Producer(
+            args.db,
+            host="127.0.0.1",
+            port=args.port,
+            flush_records=FLUSH_RECORDS,
+            settings=settings,
+        )
+        try:
+            await producer.start()
+            await setup(producer, dialect(args.db))
+            return producer
+        except retry as exc:
+            await producer.close()
+            if time.monotonic() > deadline:
+                raise
+            print(f"RETRY start: {type(exc).__name__}: {exc}", flush=True)
+            await asyncio.sleep(0.05)  # until the old session is gone: bounded by deadline
+
+
 async def main(args: argparse.Namespace) -> None:
     rng = random.Random(args.seed)
     journal = Journal(args.journal)
+    d = dialect(args.db)
+    outages = outage_errors(args.db) if args.survive_db_outages else ()
     if FAULTS.armed("mid-push"):
         arm_mid_push()
     # Small timeouts, so that a pause (SIGSTOP) outlasts every one of them.
@@ -137,30 +212,60 @@ async def main(args: argparse.Namespace) -> None:
         idle_timeout=1.0,
         frame_timeout=1.0,
     )
-    async with streamq.Producer(
-        args.db, host="127.0.0.1", port=args.port, flush_records=FLUSH_RECORDS, settings=settings
-    ) as producer:
-        await setup(producer)
+    failing_since: float | None = None  # the first of consecutive database errors
+    producer = await start(args, settings)
+    try:
         print(f"READY {args.port} head={producer.head(STREAM)}", flush=True)
         while True:
             head = producer.head(STREAM)
-            # The N-th transaction is killed; so is the next one once all is published.
-            kill = FAULTS.armed("mid-tx") and head >= args.total
             limit = allowance(args.allow, args.total)
-            if head >= limit and not kill:
+            # Waiting for records the test releases only once its kills are over.
+            at_cap = limit <= head and limit >= args.kill_waiting_from
+            # The N-th transaction is killed; so is the next one once all is published, or
+            # at the cap. A transaction to hold does not wait either: it cannot commit (the
+            # test kills the database server under it).
+            kill = FAULTS.armed("mid-tx") and (head >= args.total or at_cap)
+            hold = HOLDS.pending("mid-tx") and at_cap and not kill
+            if head >= limit and not (kill or hold):
                 if head >= args.total:
                     break
                 await asyncio.sleep(0.005)
                 continue
             kill = FAULTS.due("mid-tx") or kill
             count = rng.randint(1, MAX_BATCH)
-            if not kill:
+            if not (kill or hold):
                 count = min(count, limit - head)
-            await one_transaction(producer, rng, count, kill, journal)
+            try:
+                try:
+                    await one_transaction(
+                        producer,
+                        d,
+                        rng,
+                        count,
+                        None if kill or hold else limit,
+                        journal,
+                        kill=kill,
+                        hold=hold,
+                    )
+                except Overshoot:
+                    await producer.refresh()  # learn the other writers' commits
+                    continue
+            except outages as exc:
+                if kill:  # it failed before its fault point: the next one dies there
+                    FAULTS.again("mid-tx")
+                failing_since = failing_since or time.monotonic()
+                if time.monotonic() - failing_since > args.survive_db_outages:
+                    raise
+                print(f"DBERROR {type(exc).__name__}: {str(exc).strip()[:200]}", flush=True)
+                await asyncio.sleep(0.05)  # the server is being restarted: bounded above
+                continue
+            failing_since = None
             if args.pace:
                 await asyncio.sleep(count / args.pace * rng.uniform(0.5, 1.5))
         print(f"COMPLETE head={producer.head(STREAM)}", flush=True)
         await asyncio.Event().wait()  # serve until killed
+    finally:
+        await producer.close()
 
 
 if __name__ == "__main__":
@@ -173,4 +278,6 @@ if __name__ == "__main__":
     parser.add_argument("--allow", default=None)
     parser.add_argument("--pace", type=float, default=0.0, help="records per second (0: no pause)")
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--survive-db-outages", type=float, default=0.0, metavar="SECONDS")
+    parser.add_argument("--kill-waiting-from", type=int, default=2**62, metavar="ALLOWANCE")
     sys.exit(run(main(parser.parse_args())))
