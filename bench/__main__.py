@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any
 
-from . import latency, pipe, slow_consumer, spark_ingest, transfer, workers
+from . import latency, pipe, slow_consumer, spark_ingest, transfer, transfer_pg, workers
 from .common import DURABILITY, console, machine
 
 WORKLOADS = {
@@ -18,6 +18,7 @@ WORKLOADS = {
     "slow": slow_consumer.run,
     "spark": spark_ingest.run,
     "workers": workers.run,
+    "transfer_pg": transfer_pg.run,
 }
 
 

@@ -225,8 +225,9 @@ def latency_table(title: str, runs: LatencyRuns) -> Table:
     return table
 
 
-def save(workload: str, payload: dict[str, Any], quick: bool) -> Path:
-    folder = results_dir(quick)
+def save(workload: str, payload: dict[str, Any], quick: bool, folder: Path | None = None) -> Path:
+    """``folder/WORKLOAD.json`` (default: ``results_dir(quick)``) with the machine's details."""
+    folder = results_dir(quick) if folder is None else folder
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{workload}.json"
     payload = {

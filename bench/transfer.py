@@ -46,7 +46,7 @@ from typing import Any
 from rich.progress import Progress, TaskID
 from rich.table import Table
 
-from streamq.store import HEAD_QUERY
+from streamq.engines.sqlite.storage import HEAD_QUERY
 
 from .common import (
     Child,
@@ -433,61 +433,70 @@ def check(producer_db: Path, consumer_db: Path) -> dict[str, Any]:
     """The invariants, from the two services' SQLite files (every process stopped)."""
     with contextlib.closing(sqlite3.connect(producer_db, timeout=30)) as conn:
         conn.execute("ATTACH DATABASE ? AS ledger", (str(consumer_db),))
-
-        def one(sql: str) -> int:
-            row = conn.execute(sql).fetchone()
-            return int(row[0] or 0)
-
         payments = {r[0] for r in conn.execute("SELECT name FROM main.sqlite_master")}
-        ledger = {r[0] for r in conn.execute("SELECT name FROM ledger.sqlite_master")}
-        committed = one("SELECT COUNT(*) FROM transfers")
-        debited = one("SELECT SUM(amount) FROM transfers")
-        credited = one("SELECT SUM(amount) FROM ledger.credits")
-        lost, lost_money = conn.execute(
-            "SELECT COUNT(*), COALESCE(SUM(amount), 0) FROM transfers "
-            "WHERE transfer_id NOT IN (SELECT transfer_id FROM ledger.credits)"
-        ).fetchone()
         published: int | None = None
         if "streamq_streams" in payments:
-            published = one(HEAD_QUERY.replace("?", f"'{STREAM}'"))
+            published = int(conn.execute(HEAD_QUERY, (STREAM,)).fetchone()[0] or 0)
         elif "outbox" in payments:
-            published = one("SELECT COUNT(*) FROM outbox")
-        result: dict[str, Any] = {
-            "transfers_checked": committed,
-            "published": published,
-            "credited_transfers": one("SELECT COUNT(DISTINCT transfer_id) FROM ledger.credits"),
-            "lost": int(lost),
-            "lost_money": int(lost_money),
-            "applied_twice": one(
-                "SELECT COUNT(*) FROM (SELECT transfer_id FROM ledger.credits "
-                "GROUP BY transfer_id HAVING COUNT(*) > 1)"
-            ),
-            "extra_credit_rows": one(
-                "SELECT COUNT(*) - COUNT(DISTINCT transfer_id) FROM ledger.credits"
-            ),
-            "phantom": one(
-                "SELECT COUNT(DISTINCT transfer_id) FROM ledger.credits "
-                "WHERE transfer_id NOT IN (SELECT transfer_id FROM transfers)"
-            ),
-            "wrong_amount": one(
-                "SELECT COUNT(*) FROM ledger.credits AS c JOIN transfers AS t "
-                "USING (transfer_id) WHERE c.amount != t.amount"
-            ),
-            "debited": debited,
-            "credited": credited,
-            "money_difference": debited - credited,
-            # Each service's own books: balances agree with its journal.
-            "payments_books_ok": ACCOUNTS * OPENING_BALANCE
-            - one("SELECT SUM(balance) FROM accounts")
-            == debited,
-            "ledger_books_ok": one("SELECT SUM(balance) FROM ledger.balances") == credited,
-            # Kafka: deliveries of a transfer id already delivered (the relay re-sent it).
-            "redelivered": (
-                one("SELECT COUNT(*) - COUNT(DISTINCT transfer_id) FROM ledger.received")
-                if "received" in ledger
-                else None
-            ),
-        }
+            published = int(conn.execute("SELECT COUNT(*) FROM outbox").fetchone()[0])
+        return check_books(conn, published)
+
+
+def check_books(conn: sqlite3.Connection, published: int | None) -> dict[str, Any]:
+    """The invariants, in SQL, on a connection with the payments service's ``transfers``
+    and ``accounts`` in ``main`` and the ledger's tables attached as ``ledger``.
+
+    ``published``: the deposits in the payments service's log or outbox (None: it has
+    neither), which must equal the transfers it committed.
+    """
+
+    def one(sql: str) -> int:
+        row = conn.execute(sql).fetchone()
+        return int(row[0] or 0)
+
+    ledger = {r[0] for r in conn.execute("SELECT name FROM ledger.sqlite_master")}
+    committed = one("SELECT COUNT(*) FROM transfers")
+    debited = one("SELECT SUM(amount) FROM transfers")
+    credited = one("SELECT SUM(amount) FROM ledger.credits")
+    lost, lost_money = conn.execute(
+        "SELECT COUNT(*), COALESCE(SUM(amount), 0) FROM transfers "
+        "WHERE transfer_id NOT IN (SELECT transfer_id FROM ledger.credits)"
+    ).fetchone()
+    result: dict[str, Any] = {
+        "transfers_checked": committed,
+        "published": published,
+        "credited_transfers": one("SELECT COUNT(DISTINCT transfer_id) FROM ledger.credits"),
+        "lost": int(lost),
+        "lost_money": int(lost_money),
+        "applied_twice": one(
+            "SELECT COUNT(*) FROM (SELECT transfer_id FROM ledger.credits "
+            "GROUP BY transfer_id HAVING COUNT(*) > 1)"
+        ),
+        "extra_credit_rows": one(
+            "SELECT COUNT(*) - COUNT(DISTINCT transfer_id) FROM ledger.credits"
+        ),
+        "phantom": one(
+            "SELECT COUNT(DISTINCT transfer_id) FROM ledger.credits "
+            "WHERE transfer_id NOT IN (SELECT transfer_id FROM transfers)"
+        ),
+        "wrong_amount": one(
+            "SELECT COUNT(*) FROM ledger.credits AS c JOIN transfers AS t "
+            "USING (transfer_id) WHERE c.amount != t.amount"
+        ),
+        "debited": debited,
+        "credited": credited,
+        "money_difference": debited - credited,
+        # Each service's own books: balances agree with its journal.
+        "payments_books_ok": ACCOUNTS * OPENING_BALANCE - one("SELECT SUM(balance) FROM accounts")
+        == debited,
+        "ledger_books_ok": one("SELECT SUM(balance) FROM ledger.balances") == credited,
+        # Kafka: deliveries of a transfer id already delivered (the relay re-sent it).
+        "redelivered": (
+            one("SELECT COUNT(*) - COUNT(DISTINCT transfer_id) FROM ledger.received")
+            if "received" in ledger
+            else None
+        ),
+    }
     result["anomalies"] = (
         result["lost"]
         + result["extra_credit_rows"]

@@ -49,8 +49,8 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple, Protocol
 
 from hdrh.histogram import HdrHistogram
 
@@ -120,10 +120,14 @@ class Transfer(NamedTuple):
     amount: int
 
 
-def make_transfers(rng: random.Random, first_id: int, count: int) -> list[Transfer]:
+def make_transfers(
+    rng: random.Random, first_id: int, count: int, stride: int = 1
+) -> list[Transfer]:
+    """``count`` random transfers, numbered from ``first_id`` every ``stride`` (W writers
+    of one service: writer i numbers i + 1, i + 1 + W, ...)."""
     return [
         Transfer(
-            first_id + i,
+            first_id + i * stride,
             rng.randrange(ACCOUNTS),
             rng.randrange(ACCOUNTS),
             rng.randint(1, MAX_AMOUNT),
@@ -141,11 +145,13 @@ def debits(transfers: Sequence[Transfer]) -> list[tuple[int, int]]:
 
 
 class Control:
-    """The parent's lines on stdin, read by a thread: GO, ARM N, STOP (or end of input)."""
+    """The parent's lines on stdin, read by a thread: GO [START], ARM N, STOP (or end of
+    input). START (``time.time()``, optional) is when several writers start together."""
 
     def __init__(self) -> None:
         self.go = threading.Event()
         self.stop = threading.Event()
+        self.start_at: float | None = None
         self._armed = 0
         self._lock = threading.Lock()
         threading.Thread(target=self._read, name="control", daemon=True).start()
@@ -154,6 +160,7 @@ class Control:
         for line in sys.stdin:
             word, *rest = line.split() or [""]
             if word == "GO":
+                self.start_at = float(rest[0]) if rest else None
                 self.go.set()
             elif word == "ARM":
                 with self._lock:
@@ -192,10 +199,10 @@ class Schedule:
     transaction, due when taken (the deposit's due time is then stamped just before COMMIT).
     """
 
-    def __init__(self, rate: float, rng: random.Random) -> None:
+    def __init__(self, rate: float, rng: random.Random, start: float | None = None) -> None:
         self.rate = rate
         self.rng = rng
-        self.start = time.time()
+        self.start = time.time() if start is None else start
         self.taken = 0
 
     def take(self, remaining: int) -> tuple[int, list[float] | None, float]:
@@ -336,11 +343,20 @@ def credit(tx: streamq.BlockingSQL, batch: streamq.Batch) -> list[tuple[int, int
     return deposits
 
 
-async def sq_consumer(address: str, db: str, target: int) -> None:
+# Credits a batch of deposits in the ledger's transaction; returns them (unpacked).
+Credit = Callable[[Any, streamq.Batch], list[tuple[int, int, int, float]]]
+
+
+async def sq_consumer(
+    address: str, db: str, target: int, apply_credits: Credit | None = None
+) -> None:
+    """The ledger as a ``streamq.Consumer``; ``apply_credits``: the SQL of a ledger on
+    another engine than SQLite (whose tables then exist already)."""
     control = Control()
     # A restarted producer makes the consumer log a reconnect warning: expected here.
     logging.getLogger("streamq").setLevel(logging.ERROR)
-    setup_consumer_db(db, CONSUMER_SCHEMA)
+    if apply_credits is None:
+        setup_consumer_db(db, CONSUMER_SCHEMA)
     # reconnect_timeout: start() waits for a producer that is being restarted, too.
     consumer = streamq.Consumer(
         address, STREAM, db=db, name=LEDGER, reconnect_timeout=CONNECT_TIMEOUT
@@ -351,7 +367,7 @@ async def sq_consumer(address: str, db: str, target: int) -> None:
     try:
         say("READY")
         async for batch in consumer:
-            deposits = await consumer.apply(batch, credit)
+            deposits = await consumer.apply(batch, apply_credits or credit)
             finished = time.time()
             latencies.record([due for *_, due in deposits], finished)
             credited += len(deposits)
@@ -409,16 +425,26 @@ class KafkaSender:
 
 
 def paced_transfers(
-    control: Control, rng: random.Random, rate: float, last: int, total: int
+    control: Control,
+    rng: random.Random,
+    rate: float,
+    last: int,
+    total: int,
+    *,
+    first_id: int = 1,
+    stride: int = 1,
+    start: float | None = None,
 ) -> Iterator[tuple[list[Transfer], list[float] | None]]:
-    """The next batches of transfers (and their due times), on schedule, until ``total``."""
-    schedule = Schedule(rate, rng)
+    """The next batches of transfers (and their due times), on schedule, until ``total``
+    (``last`` already done). Transfer n (from 0) is numbered ``first_id + n * stride``;
+    ``start``: when the schedule starts (default: now)."""
+    schedule = Schedule(rate, rng, start)
     while last < total and not control.stop.is_set():
         count, dues, wait = schedule.take(total - last)
         if count == 0:
             time.sleep(wait)
             continue
-        yield make_transfers(rng, last + 1, count), dues
+        yield make_transfers(rng, first_id + last * stride, count, stride), dues
         last += count
 
 
@@ -444,37 +470,77 @@ def outbox_producer(db: str, total: int, rate: float, seed: int) -> None:
     conn.close()
 
 
-def _wait_for_commit(conn: sqlite3.Connection, seen: int, control: Control) -> None:
-    """Poll ``PRAGMA data_version`` (cheap; changes when another connection commits)."""
+class Outbox(Protocol):
+    """An outbox as the relay reads it, in the producer's database (one per engine)."""
+
+    def version(self) -> object:
+        """Changes whenever another connection commits (cheap: polled)."""
+
+    def fetch(self, limit: int) -> list[tuple[Any, bytes]]:
+        """Up to ``limit`` rows after the recorded position, in relay order:
+        (position, payload)."""
+
+    def record(self, position: Any) -> None:
+        """Store ``position`` (the last row relayed) in the producer's database."""
+
+    def close(self) -> None: ...
+
+
+class SQLiteOutbox:
+    """Rows by id: SQLite's one writer gives ids in commit order, so none commits late."""
+
+    def __init__(self, db: str) -> None:
+        self.conn = open_db(db)
+        self.conn.execute(RELAY_SCHEMA)
+        self.conn.execute("INSERT OR IGNORE INTO relay_state (id, last) VALUES (0, 0)")
+        row = self.conn.execute("SELECT last FROM relay_state WHERE id = 0").fetchone()
+        self.last = int(row[0])
+
+    def version(self) -> object:
+        return self.conn.execute("PRAGMA data_version").fetchone()[0]
+
+    def fetch(self, limit: int) -> list[tuple[Any, bytes]]:
+        return self.conn.execute(
+            "SELECT id, payload FROM outbox WHERE id > ? ORDER BY id LIMIT ?", (self.last, limit)
+        ).fetchall()
+
+    def record(self, position: Any) -> None:
+        self.last = int(position)
+        self.conn.execute("UPDATE relay_state SET last = ? WHERE id = 0", (self.last,))
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def _wait_for_commit(outbox: Outbox, seen: object, control: Control) -> None:
+    """Poll the outbox's version (SQLite: ``PRAGMA data_version``) every ``RELAY_POLL``."""
     deadline = time.monotonic() + 0.5
     while time.monotonic() < deadline and not control.stop.is_set():
-        if conn.execute("PRAGMA data_version").fetchone()[0] != seen:
+        if outbox.version() != seen:
             return
         time.sleep(RELAY_POLL)
 
 
-def relay(db: str, bootstrap: str, topic: str) -> None:
-    control = Control()
-    conn = open_db(db)
-    conn.execute(RELAY_SCHEMA)
-    conn.execute("INSERT OR IGNORE INTO relay_state (id, last) VALUES (0, 0)")
-    last = int(conn.execute("SELECT last FROM relay_state WHERE id = 0").fetchone()[0])
+def relay_outbox(outbox: Outbox, bootstrap: str, topic: str, control: Control) -> None:
+    """The relay's loop, whatever the engine: read, produce and wait for delivery, record."""
     sender = KafkaSender(bootstrap, topic)
     say("READY")
     while not control.stop.is_set():
-        version = conn.execute("PRAGMA data_version").fetchone()[0]
-        rows = conn.execute(
-            "SELECT id, payload FROM outbox WHERE id > ? ORDER BY id LIMIT ?", (last, RELAY_BATCH)
-        ).fetchall()
+        version = outbox.version()
+        rows = outbox.fetch(RELAY_BATCH)
         if not rows:
-            _wait_for_commit(conn, version, control)
+            _wait_for_commit(outbox, version, control)
             continue
         sender.send([payload for _, payload in rows])
         control.worst_moment()  # delivered to Kafka, not yet recorded: a restart re-sends
-        last = int(rows[-1][0])
-        conn.execute("UPDATE relay_state SET last = ? WHERE id = 0", (last,))
+        outbox.record(rows[-1][0])
     sender.producer.close()
-    conn.close()
+    outbox.close()
+
+
+def relay(db: str, bootstrap: str, topic: str) -> None:
+    control = Control()
+    relay_outbox(SQLiteOutbox(db), bootstrap, topic, control)
 
 
 def naive_producer(db: str, bootstrap: str, topic: str, total: int, rate: float, seed: int) -> None:
@@ -499,23 +565,83 @@ def naive_producer(db: str, bootstrap: str, topic: str, total: int, rate: float,
     conn.close()
 
 
-def kafka_consumer(bootstrap: str, topic: str, db: str, target: int, dedupe: bool) -> None:
+# A deposit as the Kafka consumer received it: transfer id, to account, amount, due time,
+# partition, offset.
+KafkaDeposit = tuple[int, int, int, float, int, int]
+
+
+class KafkaLedger(Protocol):
+    """The ledger's database as the Kafka consumer uses it (one per engine)."""
+
+    def offsets(self, topic: str) -> dict[int, int]:
+        """{partition: next offset} as stored with the credits."""
+
+    def apply(
+        self, topic: str, deposits: list[KafkaDeposit], ends: dict[int, int], dedupe: bool
+    ) -> list[KafkaDeposit]:
+        """One transaction: every delivery in ``received``; the credits (with ``dedupe``,
+        only of transfer ids not credited before); the offsets ``ends``. Returns the
+        deposits credited."""
+
+    def close(self) -> None: ...
+
+
+class SQLiteKafkaLedger:
+    def __init__(self, db: str) -> None:
+        setup_consumer_db(db, KAFKA_CONSUMER_SCHEMA)
+        self.conn = open_db(db)
+
+    def offsets(self, topic: str) -> dict[int, int]:
+        rows = self.conn.execute("SELECT part, next FROM offsets WHERE topic = ?", (topic,))
+        return {int(part): int(end) for part, end in rows}
+
+    def apply(
+        self, topic: str, deposits: list[KafkaDeposit], ends: dict[int, int], dedupe: bool
+    ) -> list[KafkaDeposit]:
+        conn = self.conn
+        conn.execute("BEGIN IMMEDIATE")
+        conn.executemany(
+            "INSERT INTO received (transfer_id, part, off) VALUES (?, ?, ?)",
+            [(d[0], d[4], d[5]) for d in deposits],
+        )
+        fresh = deposits
+        if dedupe:  # credit a transfer id once, however often the relay delivered it
+            fresh = [
+                d
+                for d in deposits
+                if conn.execute("INSERT OR IGNORE INTO seen VALUES (?)", (d[0],)).rowcount == 1
+            ]
+        conn.executemany(CREDIT, [(d[2], d[1]) for d in fresh])
+        conn.executemany(RECORD_CREDIT, [(d[0], d[2]) for d in fresh])
+        conn.executemany(
+            "INSERT OR REPLACE INTO offsets (topic, part, next) VALUES (?, ?, ?)",
+            [(topic, part, end) for part, end in ends.items()],
+        )
+        conn.execute("COMMIT")
+        return fresh
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def consume_deposits(
+    ledger: KafkaLedger, bootstrap: str, topic: str, target: int, dedupe: bool, control: Control
+) -> None:
+    """The Kafka consumer's loop, whatever the engine: from the stored offsets, each poll's
+    deposits credited with their offsets in one transaction; DONE after ``target``."""
     from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
-    control = Control()
-    setup_consumer_db(db, KAFKA_CONSUMER_SCHEMA)
-    conn = open_db(db)
     c = Consumer({"bootstrap.servers": bootstrap, **KAFKA_CONSUMER})
     try:
         partitions = c.list_topics(topic, timeout=30).topics[topic].partitions
-        stored = dict(conn.execute("SELECT part, next FROM offsets WHERE topic = ?", (topic,)))
+        stored = ledger.offsets(topic)
         c.assign([TopicPartition(topic, p, stored.get(p, OFFSET_BEGINNING)) for p in partitions])
         say("READY")
         latencies = Latencies()
         credited, finished = 0, time.time()
         while not (target and credited >= target) and not control.stop.is_set():
             messages = receive(c)
-            deposits: list[tuple[int, int, int, float, int, int]] = []
+            deposits: list[KafkaDeposit] = []
             for m in messages:
                 error, value, part, offset = m.error(), m.value(), m.partition(), m.offset()
                 if error is not None:
@@ -524,28 +650,10 @@ def kafka_consumer(bootstrap: str, topic: str, db: str, target: int, dedupe: boo
                 deposits.append((*DEPOSIT.unpack(value), part, offset))
             if not deposits:
                 continue
-            conn.execute("BEGIN IMMEDIATE")
-            conn.executemany(
-                "INSERT INTO received (transfer_id, part, off) VALUES (?, ?, ?)",
-                [(d[0], d[4], d[5]) for d in deposits],
-            )
-            fresh = deposits
-            if dedupe:  # credit a transfer id once, however often the relay delivered it
-                fresh = [
-                    d
-                    for d in deposits
-                    if conn.execute("INSERT OR IGNORE INTO seen VALUES (?)", (d[0],)).rowcount == 1
-                ]
-            conn.executemany(CREDIT, [(d[2], d[1]) for d in fresh])
-            conn.executemany(RECORD_CREDIT, [(d[0], d[2]) for d in fresh])
             ends: dict[int, int] = {}
             for d in deposits:
                 ends[d[4]] = d[5] + 1
-            conn.executemany(
-                "INSERT OR REPLACE INTO offsets (topic, part, next) VALUES (?, ?, ?)",
-                [(topic, part, end) for part, end in ends.items()],
-            )
-            conn.execute("COMMIT")
+            fresh = ledger.apply(topic, deposits, ends, dedupe)
             finished = time.time()
             latencies.record([d[3] for d in fresh], finished)
             credited += len(fresh)
@@ -553,7 +661,12 @@ def kafka_consumer(bootstrap: str, topic: str, db: str, target: int, dedupe: boo
         say("DONE", finished, *latencies.figures())
     finally:
         c.close()
-        conn.close()
+        ledger.close()
+
+
+def kafka_consumer(bootstrap: str, topic: str, db: str, target: int, dedupe: bool) -> None:
+    control = Control()
+    consume_deposits(SQLiteKafkaLedger(db), bootstrap, topic, target, dedupe, control)
 
 
 def main(argv: list[str]) -> None:
