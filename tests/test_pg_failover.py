@@ -12,8 +12,10 @@ epoch taken with synchronous_commit=off (a new epoch now commits synchronously).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -322,3 +324,49 @@ def test_a_crash_with_synchronous_commits_keeps_every_acknowledged_publish(
     [(_, after)] = [segment for segment in epochs(url) if segment not in before]
     assert epochs(url) == [*before, (51, after)]  # nothing lost, yet a new epoch: a crash
     assert after > before[0][1]
+
+
+async def test_consumers_beyond_a_promoted_replicas_head_stop(
+    servers: Servers, tmp_path: Path
+) -> None:
+    """The whole path: a producer serving from the primary, a consumer that applied
+    everything, a failover that lost the last commits. A producer started on the promoted
+    replica keeps the producer id (the database is the same); the consumer is refused with
+    ``ConsumerPositionError`` while the head is below what it applied, and with
+    ``SeqsReusedError`` naming the seqs once other records were written under them:
+    exactly as after a power loss, never a silent skip or a silent re-apply."""
+    consumer_db = str(tmp_path / "ledger.db")
+    primary = servers.start()
+    replica = servers.replica(primary)
+
+    async def apply_all(address: str, count: int) -> None:
+        async with streamq.Consumer(address, ORDERS, db=consumer_db, name="ledger") as c:
+            async with asyncio.timeout(20):
+                while c.applied < count:
+                    batch = await anext(c)
+                    async with c.transaction(batch):
+                        pass
+
+    async with streamq.Producer(primary.url()) as producer:
+        producer_id = producer.producer_id
+        for n in range(1, N + 1):
+            await producer.publish(ORDERS, b"record %d" % n)
+        await asyncio.to_thread(replica.wait_replayed, primary)
+        await asyncio.to_thread(replica.crash)
+        for n in range(N + 1, M + 1):  # commits the replica never receives
+            await producer.publish(ORDERS, b"record %d" % n)
+        await apply_all(producer.address, M)
+    await asyncio.to_thread(primary.crash)
+    await asyncio.to_thread(replica.restart)
+    await asyncio.to_thread(replica.promote)
+
+    async with streamq.Producer(replica.url()) as producer:
+        assert producer.producer_id == producer_id and producer.head(ORDERS) == N
+        with pytest.raises(streamq.ConsumerPositionError) as behind:
+            await apply_all(producer.address, M)
+        assert behind.value.lost == range(N + 1, M + 1)
+        for n in range(N + 1, M + 2):  # other records under the lost seqs, and one more
+            await producer.publish(ORDERS, b"after the failover %d" % n)
+        with pytest.raises(streamq.SeqsReusedError) as reused:
+            await apply_all(producer.address, M + 1)
+        assert reused.value.lost == range(N + 1, M + 1)
