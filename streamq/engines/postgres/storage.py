@@ -71,18 +71,27 @@ FEATURES = Features(stream_locks=True, blocking_transactions=False)
 
 STREAMS_QUERY = """
 SELECT s.id, s.name, s.low,
-    greatest(s.low - 1, coalesce((SELECT max(seq) FROM streamq_log WHERE stream_id = s.id), 0)),
+    greatest(s.low - 1, coalesce((SELECT max(seq) FROM streamq_log WHERE stream_id = s.id), 0))
+        AS head,
     s.key_index, s.compact, s.notify_compacted, s.compacted,
-    (SELECT max(ts) FROM streamq_time WHERE stream_id = s.id)
+    (SELECT max(ts) FROM streamq_time WHERE stream_id = s.id) AS max_ts
 FROM streamq_streams AS s ORDER BY s.id"""
-CONSUMERS_QUERY = (
-    "SELECT consumer, stream, applied, updated_at, max_idle_ms, max_bytes FROM streamq_consumers"
-)
-EPOCH_ROWS_QUERY = """
-SELECT e.stream_id, e.first_seq, e.epoch
-FROM streamq_epochs AS e JOIN unnest(%s::bigint[], %s::bigint[]) AS k(stream_id, after)
-    ON e.stream_id = k.stream_id AND e.first_seq > k.after
-ORDER BY e.stream_id, e.first_seq"""
+# What a catch-up reads, in one statement (one snapshot, one round trip): the epoch, every
+# stream, every registration, and the epoch rows after the last one known of each stream
+# (all of them for streams not known yet), each as a JSON array of rows.
+CHANGES_QUERY = f"""
+WITH streams AS ({STREAMS_QUERY}),
+known AS (SELECT * FROM unnest(%(ids)s::bigint[], %(afters)s::bigint[]) AS k(stream_id, after))
+SELECT (SELECT value FROM streamq_meta WHERE key = 'epoch'),
+    (SELECT coalesce(json_agg(json_build_array(s.id, s.name, s.low, s.head, s.key_index,
+        s.compact, s.notify_compacted, s.compacted, s.max_ts) ORDER BY s.id), '[]')
+     FROM streams AS s),
+    (SELECT coalesce(json_agg(json_build_array(c.consumer, c.stream, c.applied, c.updated_at,
+        c.max_idle_ms, c.max_bytes)), '[]') FROM streamq_consumers AS c),
+    (SELECT coalesce(json_agg(json_build_array(e.stream_id, e.first_seq, e.epoch)
+                              ORDER BY e.stream_id, e.first_seq), '[]')
+     FROM streamq_epochs AS e LEFT JOIN known AS k ON k.stream_id = e.stream_id
+     WHERE e.first_seq > coalesce(k.after, 0))"""
 # A seek in streamq_log_key_seq: one key's records in seq order, no sort.
 KEY_RECORDS_QUERY = (
     "SELECT seq, record FROM streamq_log WHERE stream_id = %s AND key = %s "
@@ -91,7 +100,6 @@ KEY_RECORDS_QUERY = (
 SEEK_TIME_QUERY = (
     "SELECT seq FROM streamq_time WHERE stream_id = %s AND ts >= %s ORDER BY ts LIMIT 1"
 )
-META_EPOCH_QUERY = "SELECT value FROM streamq_meta WHERE key = 'epoch'"
 # Changes whenever a transaction that wrote anything commits (its xid leaves the list of
 # running ones, or xmax moved past it): PostgreSQL's PRAGMA data_version.
 VERSION_QUERY = "SELECT pg_current_snapshot()::text"
@@ -453,21 +461,17 @@ class PostgresStorage:
         return str(row[0])
 
     async def changes(self, known: dict[int, tuple[int, int]]) -> Changes:
-        """One snapshot (a REPEATABLE READ transaction): streams, registrations, the
-        epoch, and the epoch rows after the known ones of the streams that grew."""
-        async with self._pool.connection() as conn, conn.transaction():
-            await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
-            reader = PostgresReader(conn)
-            streams = _stream_rows(await reader._rows(STREAMS_QUERY, None))
-            consumers = consumer_rows(await reader._rows(CONSUMERS_QUERY, None))
-            (epoch,) = (await reader._rows(META_EPOCH_QUERY, None))[0]
-            grown = [r for r in streams if r.head > known.get(r.id, (-1, 0))[0]]
-            epoch_rows = await reader._rows(
-                EPOCH_ROWS_QUERY,
-                ([r.id for r in grown], [known.get(r.id, (-1, 0))[1] for r in grown]),
-            )
+        """One statement (``CHANGES_QUERY``): streams, registrations, the epoch, and the
+        epoch rows after the last known one of each stream."""
+        params = {"ids": list(known), "afters": [after for _, after in known.values()]}
+        async with self._pool.connection() as conn:
+            cursor = await conn.execute(CHANGES_QUERY, params)
+            epoch, streams, consumers, epoch_rows = await cursor.fetchone()
         return Changes(
-            int(epoch), streams, consumers, [(int(s), int(f), int(e)) for s, f, e in epoch_rows]
+            int(epoch),
+            _stream_rows(streams),
+            consumer_rows(consumers),
+            [(int(s), int(f), int(e)) for s, f, e in epoch_rows],
         )
 
     def watch(self) -> PostgresWatch:
