@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -11,7 +12,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -308,3 +309,25 @@ def bar_chart(
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def workload_main(
+    prog: str, doc: str | None, run: Callable[[Any, bool, int, int | None], Any], argv: Any
+) -> int:
+    """``python -m bench.<workload>``: its options, a Kafka broker unless ``--no-kafka``,
+    then ``run(broker, quick, repeats, seed)``."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeats", type=int, default=None, help="runs per case (3; quick: 1)")
+    parser.add_argument("--no-kafka", action="store_true", help="streamq alone (no broker)")
+    parser.add_argument("--seed", type=int, default=None)
+    args = parser.parse_args(argv)
+    repeats = args.repeats or (1 if args.quick else 3)
+    with contextlib.ExitStack() as stack:
+        broker: Any = None
+        if not args.no_kafka:
+            from .kafka.broker import KafkaBroker
+
+            broker = stack.enter_context(KafkaBroker())
+        run(broker, args.quick, repeats, args.seed)
+    return 0

@@ -25,7 +25,6 @@ checked: money conserved, no deposit lost, none applied twice.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import random
@@ -60,6 +59,7 @@ from .common import (
     percentile_series,
     results_dir,
     save,
+    workload_main,
 )
 from .transfer_programs import (
     ACCOUNTS,
@@ -655,21 +655,7 @@ def run(broker: Any | None, quick: bool, repeats: int, seed: int | None = None) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.transfer", description=__doc__)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--repeats", type=int, default=None, help="runs per case (3; quick: 1)")
-    parser.add_argument("--no-kafka", action="store_true", help="streamq alone (no broker)")
-    parser.add_argument("--seed", type=int, default=None)
-    args = parser.parse_args(argv)
-    repeats = args.repeats or (1 if args.quick else 3)
-    with contextlib.ExitStack() as stack:
-        broker: Any = None
-        if not args.no_kafka:
-            from .kafka.broker import KafkaBroker
-
-            broker = stack.enter_context(KafkaBroker())
-        run(broker, args.quick, repeats, args.seed)
-    return 0
+    return workload_main("python -m bench.transfer", __doc__, run, argv)
 
 
 if __name__ == "__main__":

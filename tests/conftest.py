@@ -37,10 +37,10 @@ def spark() -> Iterator[SparkSession]:
     session.stop()
 
 
-@pytest.fixture(scope="session")
-def postgres() -> Iterator[PostgresServer]:
-    """One throwaway PostgreSQL server for the session, removed afterwards. Missing
-    binaries fail the tests that need it, with how to install them: never a skip."""
+def started_server() -> Iterator[PostgresServer]:
+    """A throwaway PostgreSQL server, stopped and removed afterwards (for a fixture to
+    ``yield from``). Missing binaries fail the tests that need it, with how to install
+    them: never a skip."""
     try:
         server = PostgresServer()
     except PostgresMissingError as exc:
@@ -50,6 +50,12 @@ def postgres() -> Iterator[PostgresServer]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PostgresServer]:
+    """One server for the session's PostgreSQL tests."""
+    yield from started_server()
 
 
 _DATABASES = itertools.count(1)

@@ -21,8 +21,8 @@ from streamq import Consumer, Producer
 from streamq.engines.postgres import storage as postgres_storage
 from streamq.errors import AlreadyServedError, DatabaseOpenError
 
-from .conftest import wait_for
-from .pgserver import PostgresMissingError, PostgresServer
+from .conftest import started_server, wait_for
+from .pgserver import PostgresServer
 
 STREAMQ = [sys.executable, "-m", "streamq"]
 
@@ -303,15 +303,7 @@ def test_cli_init_and_serve_a_postgresql_database(pg_url: str) -> None:
 @pytest.fixture
 def own_server() -> Iterator[PostgresServer]:
     """A server of this test's own, since it is killed."""
-    try:
-        server = PostgresServer()
-    except PostgresMissingError as exc:
-        pytest.fail(str(exc), pytrace=False)
-    try:
-        server.start()
-        yield server
-    finally:
-        server.stop()
+    yield from started_server()
 
 
 async def test_producer_survives_a_server_crash(own_server: PostgresServer) -> None:
