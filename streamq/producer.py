@@ -688,8 +688,9 @@ class Producer:
         alone would skip those rows, and serve the other writer's seqs under the wrong
         epoch; the catch-up reads every row after the last one known, and the records.
         """
-        for name in pending.new_streams:
-            self.log.add(StreamRow(pending.ids[name], name, 0, 1, pending.settings[name]))
+        for name, stream_id in pending.ids.items():  # in the order they were created
+            if name in pending.new_streams:
+                self.log.add(StreamRow(stream_id, name, 0, 1, pending.settings[name]))
         behind = any(
             name not in self.log.streams or start > self.log.streams[name].head
             for name, start in pending.starts.items()
