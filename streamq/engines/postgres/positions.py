@@ -372,32 +372,29 @@ class PostgresPositionStore:
         args: tuple[Any, ...],
         committed: Callable[[], None],
     ) -> T:
-        def body() -> T:
-            conn = self._blocking_connection()
-            tx = PostgresSQL(conn)
-            try:
-                run(conn, advance_steps(batch, batch.after, self.where))  # the turn
-                result = fn(tx, batch, *args)
-                tx._closed = True
-                run(conn, advance_steps(batch, batch.last_seq, self.where))
-                conn.commit()
-            except BaseException:
-                if in_transaction(conn):
-                    conn.rollback()
-                raise
-            finally:
-                tx._closed = True
+        def applying(tx: PostgresSQL) -> T:
+            run(tx._conn, advance_steps(batch, batch.after, self.where))  # the turn
+            result = fn(tx, batch, *args)
+            run(tx._conn, advance_steps(batch, batch.last_seq, self.where))
             return result
 
-        # What runs on the thread cannot be stopped: wait for it, even if cancelled.
-        return await to_the_end(asyncio.to_thread(body), committed)
+        return await self._on_a_thread(applying, committed)
 
     async def run_transaction(self, fn: Callable[..., T], *args: Any) -> T:
-        def body() -> T:
+        return await self._on_a_thread(lambda tx: fn(tx, *args), lambda: None)
+
+    async def _on_a_thread(
+        self, body: Callable[[PostgresSQL], T], committed: Callable[[], None]
+    ) -> T:
+        """``body(tx)`` and COMMIT on the blocking connection, in a worker thread; ROLLBACK
+        if it raises. What runs on the thread cannot be stopped: it is waited for, even
+        if the caller is cancelled, and ``committed`` called if it committed."""
+
+        def transaction() -> T:
             conn = self._blocking_connection()
             tx = PostgresSQL(conn)
             try:
-                result = fn(tx, *args)
+                result = body(tx)
                 tx._closed = True
                 conn.commit()
             except BaseException:
@@ -408,7 +405,7 @@ class PostgresPositionStore:
                 tx._closed = True
             return result
 
-        return await to_the_end(asyncio.to_thread(body), lambda: None)
+        return await to_the_end(asyncio.to_thread(transaction), committed)
 
     def _blocking_connection(self) -> psycopg.Connection[Any]:
         """``apply``'s connection, opened at its first use (and again if it broke); on a
