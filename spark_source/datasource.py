@@ -20,11 +20,18 @@ startingOffsets          ``earliest``, ``latest`` or JSON ``{producer id: seq}``
 startingTimestamp        ms since the epoch: start each producer at its first record
                          stamped at or after it (an index seek); wins over
                          startingOffsets
-filterPushdown           batch only: ``true`` hands filters on ``key`` and ``seq`` to
-                         the producers (needs Spark's
+filterPushdown           batch only: ``true`` hands filters on ``key`` (``=``, ``IN``) and
+                         ``seq`` to the producers (needs Spark's
                          ``spark.sql.python.filterPushdown.enabled``, without which
                          Spark refuses every read of a source offering pushdown);
-                         ``false`` (default): Spark filters
+                         ``false`` (default): Spark filters. Spark pushes filters to batch
+                         reads of Python sources only, and never a ``startswith`` on a
+                         binary column or a match inside ``headers``: the two options
+                         below ask the producers for those, in streams and batches
+filterKeyPrefix          only records whose key starts with this (UTF-8), chosen by the
+                         producers ("Filters" in docs/protocol.md); stream and batch
+filterHeaders            JSON ``{"name": "value"}``: only records with these header
+                         values (UTF-8), chosen by the producers; stream and batch
 endingOffsets            batch only: ``latest`` or JSON; default latest
 maxRecordsPerTrigger     at most this many records per micro-batch, in all
 minPartitions            at least this many Spark partitions per batch
@@ -48,6 +55,7 @@ token, tokenFile         the token naming this query's consumer; tokenFile is re
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -75,6 +83,7 @@ from pyspark.sql.streaming.datasource import (
 from pyspark.sql.types import StructType
 
 from streamq import Client, ClientTLS, OffsetOutOfRangeError, SeqsReusedError, StreamQError
+from streamq import Filter as RecordFilter
 
 from . import planning
 from .planning import (
@@ -126,6 +135,29 @@ def _tls(options: Mapping[str, str]) -> ClientTLS | None:
         raise StreamQSourceError(f"ssl options: {exc}") from None
 
 
+def _record_filter(options: Mapping[str, str]) -> RecordFilter | None:
+    """``filterKeyPrefix`` and ``filterHeaders`` as the filter ranges ask producers for."""
+    prefix, headers = options.get("filterKeyPrefix"), options.get("filterHeaders")
+    if prefix is None and headers is None:
+        return None
+    matches: dict[str, bytes] = {}
+    if headers is not None:
+        try:
+            given = json.loads(headers)
+        except ValueError:
+            given = None
+        if not isinstance(given, dict) or not all(isinstance(v, str) for v in given.values()):
+            raise StreamQSourceError(
+                f'option filterHeaders must be a JSON object of strings, such as {{"type": '
+                f'"order.created"}}, not {headers!r}'
+            )
+        matches = {name: value.encode() for name, value in given.items()}
+    try:
+        return RecordFilter(None if prefix is None else prefix.encode(), matches)
+    except ValueError as exc:
+        raise StreamQSourceError(f"options filterKeyPrefix/filterHeaders: {exc}") from None
+
+
 def _token(options: Mapping[str, str]) -> str | None:
     token, token_file = options.get("token"), options.get("tokenFile")
     if token_file is None:
@@ -154,6 +186,7 @@ class _Settings:
         self.starting = options.get("startingOffsets")
         self.starting_timestamp = _int(options, "startingTimestamp", None)
         self.filter_pushdown = _flag(options, "filterPushdown", False)
+        self.record_filter = _record_filter(options)
         self.ending = options.get("endingOffsets", "latest")
         self.max_per_trigger = _int(options, "maxRecordsPerTrigger", None)
         self.min_partitions = _int(options, "minPartitions", 1) or 1
@@ -188,6 +221,7 @@ class StreamQPartition(InputPartition):
         connect: Connect,
         keys: frozenset[bytes] | None = None,
         epochs: BatchEpochs | None = None,
+        record_filter: RecordFilter | None = None,
     ) -> None:
         super().__init__(rng)
         self.range = rng
@@ -196,6 +230,7 @@ class StreamQPartition(InputPartition):
         self.connect = connect
         self.keys = keys  # only these keys' records (a pushed-down filter), read by history
         self.epochs = epochs  # a micro-batch's, for its producer; None: read without epochs
+        self.filter = record_filter  # only the records it matches, chosen by the producer
 
 
 def _partitions(
@@ -217,6 +252,7 @@ def _partitions(
             settings.connect,
             keys,
             epochs.get(r.producer_id),
+            settings.record_filter,
         )
         for r in ranges
     ]
@@ -252,6 +288,9 @@ def _read_keys(partition: StreamQPartition, keys: frozenset[bytes]) -> Iterator[
                     "to skip them."
                 )
             records = [r for key in keys for r in client.history(stream, key, rng.start, rng.end)]
+            if partition.filter is not None:  # history requests take no filter
+                matches = partition.filter.matches
+                records = [r for r in records if matches(r.key, r.headers)]
     except StreamQError as exc:
         raise StreamQSourceError(f"producer at {rng.endpoint}: {exc}") from exc
     records.sort(key=lambda record: record.seq)
@@ -345,7 +384,11 @@ def read_partition(partition: StreamQPartition) -> Iterator[pa.RecordBatch]:
                 _check_producer(client, rng)
                 pending: list[list[Any]] = []
                 reader = client.read_range_rows(
-                    stream, state.start, state.end, seen_epoch=state.seen_epoch
+                    stream,
+                    state.start,
+                    state.end,
+                    seen_epoch=state.seen_epoch,
+                    filter=partition.filter,
                 )
                 for rows in reader:
                     if rows:

@@ -42,6 +42,7 @@ from .errors import (
     SchemaMissingError,
     SeqsReusedError,
     ServerError,
+    SharesChangedError,
     StreamQError,
     TLSError,
     TransactionClosedError,
@@ -50,6 +51,7 @@ from .errors import (
     VersionMismatchError,
 )
 from .fanin import FanInConsumer
+from .filters import Filter, share_of
 from .positions import ConsumerLag
 from .producer import BlockingTransaction, Producer, Transaction
 from .protocol import PROTOCOL_VERSION, Record, StreamInfo, TimePosition
@@ -80,6 +82,7 @@ __all__ = [
     "DatabaseOpenError",
     "DeadLetter",
     "FanInConsumer",
+    "Filter",
     "LocalProtocolError",
     "NotAuthorizedError",
     "NotInTransactionError",
@@ -101,6 +104,7 @@ __all__ = [
     "ServerError",
     "ServerSettings",
     "ServerTLS",
+    "SharesChangedError",
     "Stop",
     "StreamInfo",
     "StreamQError",
@@ -125,4 +129,5 @@ __all__ = [
     "publish_many",
     "save_position",
     "save_position_async",
+    "share_of",
 ]

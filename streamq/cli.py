@@ -20,9 +20,10 @@ from rich.table import Table
 
 from . import _loop
 from .client import Client
-from .consumer import Consumer, list_dead_letters, mark_for_retry, parse_address
+from .consumer import Consumer, list_dead_letters, mark_for_retry, parse_address, reshare
 from .engines import open_storage
 from .errors import StreamQError
+from .filters import Filter
 from .log import Log
 from .producer import Producer
 from .protocol import Record, decode_record
@@ -219,6 +220,20 @@ def build_parser() -> argparse.ArgumentParser:
         "(ms since the epoch, or ISO 8601 such as 2026-11-22T09:00, UTC unless given)",
     )
     tail.add_argument("--count", type=int, default=None, help="stop after this many records")
+    tail.add_argument(
+        "--key-prefix",
+        default=None,
+        metavar="PREFIX",
+        help="only records whose key starts with PREFIX (UTF-8), chosen by the producer",
+    )
+    tail.add_argument(
+        "--header",
+        action="append",
+        type=_header_match,
+        default=[],
+        metavar="NAME=VALUE",
+        help="only records with this header value (repeatable), chosen by the producer",
+    )
     tail.add_argument("--json", action="store_true", help="one JSON object per record")
     _add_client_security(tail)
 
@@ -297,6 +312,20 @@ def build_parser() -> argparse.ArgumentParser:
     letters_retry.add_argument("--consumer", metavar="NAME", help="only this consumer's")
     letters_retry.add_argument("--stream", metavar="NAME", help="only this stream's")
     letters_retry.add_argument("--seq", type=int, metavar="N", help="only this seq")
+
+    reshare = commands.add_parser(
+        "reshare",
+        help="change how many shares (Consumer share=(i, n)) a consumer's workers split into",
+        description="Rewrite a consumer's stored positions for a new number of shares, in one "
+        "transaction on its database. Safe only where every share of the old split stands at "
+        "the same seq; anything else is refused, changing nothing. Stop the workers first: "
+        "any still running with the old split stop at their next batch.",
+    )
+    reshare.add_argument("db", help=consumer_db)
+    reshare.add_argument("consumer", help="the consumer's name, without its [i/n]")
+    reshare.add_argument(
+        "--shares", type=int, required=True, metavar="N", help="the new number of shares"
+    )
 
     demo = commands.add_parser(
         "demo", help="an embedded producer and a crashing consumer, applied exactly once"
@@ -421,12 +450,17 @@ async def _tail(args: argparse.Namespace) -> None:
         start = await asyncio.to_thread(_head, args) + 1
     printed = 0
     security = _client_security(args)
+    wanted = None
+    if args.key_prefix is not None or args.header:
+        prefix = None if args.key_prefix is None else args.key_prefix.encode()
+        wanted = Filter(key_prefix=prefix, headers=dict(args.header))
     async with Consumer(
         args.address,
         args.stream,
         start_seq=start or 1,
         start_time=args.start_time,
         name="streamq-tail",
+        filter=wanted,
         **security,
     ) as c:
         async for batch in c:
@@ -435,6 +469,23 @@ async def _tail(args: argparse.Namespace) -> None:
                 printed += 1
                 if args.count is not None and printed >= args.count:
                     return
+
+
+def _header_match(text: str) -> tuple[str, bytes]:
+    name, equals, value = text.partition("=")
+    if not equals or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, not {text!r}")
+    return name, value.encode()
+
+
+def _reshare(args: argparse.Namespace) -> None:
+    if not _exists(args.db):
+        raise SystemExit(f"streamq reshare: {args.db} does not exist")
+    for move in reshare(args.db, args.consumer, args.shares):
+        print(
+            f"stream {move.stream!r} from producer {move.producer_id}: "
+            f"{', '.join(move.old)} -> {', '.join(move.new)} at seq {move.seq}"
+        )
 
 
 def _head(args: argparse.Namespace) -> int:
@@ -650,6 +701,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             _loop.run(_consumers(args))
         elif args.command == "dead-letters":
             _dead_letters(args)
+        elif args.command == "reshare":
+            _reshare(args)
         elif args.command == "demo":
             from .demo import run_demo
 

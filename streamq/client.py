@@ -16,6 +16,7 @@ from typing import Any, NamedTuple, TypeVar
 
 from .consumer import closed_by_producer, parse_address
 from .errors import ConnectionLostError, SeqsReusedError, StreamQError, error_from_frame
+from .filters import Filter
 from .protocol import (
     DEFAULT_MAX_FRAME_SIZE,
     MAX_SEQ,
@@ -269,15 +270,22 @@ class Client:
         return info
 
     def read_range(
-        self, stream: str, start: int, end: int, *, seen_epoch: int | None = None
+        self,
+        stream: str,
+        start: int,
+        end: int,
+        *,
+        seen_epoch: int | None = None,
+        filter: Filter | None = None,
     ) -> RangeRead[tuple[Record, ...]]:
         """Batches of the records with ``start <= seq < end``, as the producer sends them.
 
         Consume the iterator fully before the next request on this client. ``seen_epoch``:
         the highest epoch that wrote what the caller read up to seq ``start - 1`` (0 if
-        unknown); it asks for epochs, see ``RangeRead``.
+        unknown); it asks for epochs, see ``RangeRead``. ``filter``: only the records it
+        matches, chosen by the producer ("Filters").
         """
-        return RangeRead(self, GetRange(stream, start, end, seen_epoch), _records)
+        return RangeRead(self, GetRange(stream, start, end, seen_epoch, filter), _records)
 
     def vouch(self, stream: str, position: int, seen_epoch: int = 0) -> Vouch:
         """Whether the producer still holds ``stream``'s seqs up to ``position`` as a reader
@@ -311,11 +319,17 @@ class Client:
         return position
 
     def read_range_rows(
-        self, stream: str, start: int, end: int, *, seen_epoch: int | None = None
+        self,
+        stream: str,
+        start: int,
+        end: int,
+        *,
+        seen_epoch: int | None = None,
+        filter: Filter | None = None,
     ) -> RangeRead[list[list[Any]]]:
         """Like ``read_range``, as raw rows [seq, timestamp, key, value, headers] for columnar
         readers: no object per record; field types and order are the caller's to check."""
-        return RangeRead(self, GetRange(stream, start, end, seen_epoch), _rows)
+        return RangeRead(self, GetRange(stream, start, end, seen_epoch, filter), _rows)
 
 
 async def history(

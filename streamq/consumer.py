@@ -44,11 +44,13 @@ from .errors import (
     RecordFailedError,
     SeqsReusedError,
     ServerError,
+    SharesChangedError,
     ShuttingDownError,
     StreamQError,
     TooManyConnectionsError,
     error_from_frame,
 )
+from .filters import Filter, share_name
 from .protocol import (
     DEFAULT_MAX_FRAME_SIZE,
     PROTOCOL_VERSION,
@@ -68,6 +70,7 @@ from .protocol import (
     Subscribed,
     TimePosition,
 )
+from .resharing import Move
 from .security import ClientTLS, tls_error, tls_refused
 from .storage import Durability, is_postgres_url
 
@@ -109,7 +112,10 @@ def closed_by_producer(address: str, conn: ClientConnection) -> ConnectionLostEr
 class Batch(Sequence[Record]):
     """Records pushed by a producer, in seq order, to be applied together.
 
-    ``after`` is the seq this batch follows: the consumer's position before it.
+    ``after`` is the seq this batch follows: the consumer's position before it, and
+    ``last_seq`` its position after it. They enclose every record of the batch; with a
+    filter ("Filters"), the seqs between them that are not records did not match, and a
+    batch may hold no records at all: applying it moves the position all the same.
     ``epoch`` is the highest producer epoch that wrote any record up to its last (0 if
     unknown), stored with the position so a producer that lost and reused seqs is caught
     ("Epochs").
@@ -123,14 +129,17 @@ class Batch(Sequence[Record]):
     consumer: str = ""  # the consumer's name: where ``streamq.save_position`` stores it
     endpoint: str = ""  # the producer's address, stored with the position
     origin: int = 0  # where the consumer started when no position was stored (start_seq - 1)
+    through: int = 0  # the producer examined every seq up to this one (0: the last record's)
 
     @property
     def first_seq(self) -> int:
-        return self.records[0].seq
+        """The first record's seq (``after + 1`` if the batch holds none)."""
+        return self.records[0].seq if self.records else self.after + 1
 
     @property
     def last_seq(self) -> int:
-        return self.records[-1].seq
+        """The position once the batch is applied."""
+        return self.through or self.records[-1].seq
 
     def __len__(self) -> int:
         return len(self.records)
@@ -251,6 +260,19 @@ def mark_for_retry(
     return sqlite.mark_for_retry(db, consumer, stream, seq)
 
 
+def reshare(db: str, consumer: str, shares: int) -> list[Move]:
+    """Move ``consumer``'s stored positions in the consumer database ``db`` to a split into
+    ``shares`` (1: unshared), when every share of the old split stands at the same seq;
+    ``ReshareRefusedError`` otherwise (``streamq.resharing``). Stop the workers first."""
+    if is_postgres_url(db):
+        from .engines.postgres import positions as postgres
+
+        return postgres.reshare(db, consumer, shares)
+    from .engines.sqlite import positions as sqlite
+
+    return sqlite.reshare(db, consumer, shares)
+
+
 class ConsumerTransaction(Protocol):
     """One transaction on the consumer's database, committed with the batch's position.
 
@@ -295,6 +317,12 @@ class PositionStore(Protocol):
 
     async def stored(self, consumer: str, producer_id: str, stream: str) -> int | None:
         """The position as committed, by the consumer or through ``save_position``."""
+
+    async def shares_of(
+        self, consumer: str, stream: str, producer_id: str, endpoint: str
+    ) -> list[tuple[str, int]]:
+        """(name, seq) of the positions stored under ``consumer`` and under names that
+        start with ``consumer[`` (its shares), as ``load`` selects them."""
 
     def transaction(
         self, batch: Batch, committed: Callable[[], None]
@@ -390,6 +418,14 @@ class Consumer:
     ``Stop()`` (the default), ``Retry(times=5, backoff=0.05, max_backoff=5.0)`` or
     ``DeadLetter(retry=Retry(...))``; see ``apply``. ``retried``, ``parked`` and
     ``reapplied`` count what they did.
+
+    ``filter=Filter(key_prefix=..., headers={...})`` asks the producer for the matching
+    records only; the position still moves past the others, and batches may then be
+    empty. ``share=(i, n)`` makes this consumer one of ``n`` workers that split the
+    stream by key: it receives the records whose key is in share ``i`` (keyless records
+    are share 0), in order per key, and stores its position as ``name[i/n]``. Starting
+    with another ``n`` than the stored positions were applied with raises
+    ``SharesChangedError``; ``streamq reshare`` changes ``n`` safely.
     """
 
     def __init__(
@@ -412,7 +448,14 @@ class Consumer:
         tls: ClientTLS | None = None,
         token: str | None = None,
         on_failure: FailurePolicy | None = None,
+        filter: Filter | None = None,
+        share: tuple[int, int] | None = None,
     ) -> None:
+        if share is not None:
+            if filter is not None and filter.share is not None:
+                raise ValueError("give share= or a filter with a share, not both")
+            base = filter or Filter()
+            filter = Filter(base.key_prefix, base.headers, share)  # checks the share
         if on_failure is None:
             on_failure = Stop()
         if not isinstance(on_failure, Stop | Retry | DeadLetter):
@@ -426,7 +469,13 @@ class Consumer:
             raise ValueError("a consumer with a database needs a name= to store its position under")
         self.address = address
         self.stream = stream
-        self.name = name or "anonymous"
+        self.base_name = name or "anonymous"
+        # One share of one is the whole stream: the consumer's own name, as ``reshare`` writes.
+        split = None if filter is None else filter.share
+        self.share = None if split is None or split[1] == 1 else split
+        # Where positions are stored and reported: each share is a consumer of its own.
+        self.name = self.base_name if self.share is None else share_name(name or "", self.share)
+        self.filter = filter
         self._host, self._port = parse_address(address)
         self._store: PositionStore | None = None
         if db is not None:
@@ -556,16 +605,16 @@ class Consumer:
         if isinstance(item, BaseException):
             raise item
         # Merge what else is already queued: fewer, larger transactions.
-        records, epoch = item.records, item.epoch
+        records, epoch, last = item.records, item.epoch, item.last_seq
         while len(records) < self._max_batch_records and not self._queue.empty():
             more = self._queue.get_nowait()
             if isinstance(more, BaseException):
                 self._pending_error = more
                 break
             records += more.records
-            epoch = more.epoch
+            epoch, last = more.epoch, more.last_seq
         if self._store is None:
-            self.applied = records[-1].seq
+            self.applied = last
         elif self.applied < item.after:
             await self._load_applied()  # batches applied through the application's connection
         return Batch(
@@ -577,6 +626,7 @@ class Consumer:
             self.name,
             self.address,
             self._origin,
+            last,
         )
 
     async def _load_applied(self) -> None:
@@ -642,7 +692,9 @@ class Consumer:
                 if start is None:
                     start = await self._configured_start(conn, reader, writer)
                 seen = self.seen_epoch if start - 1 == self.received else 0
-                subscribe = Subscribe(self.stream, start, self.name, hello.producer_id, seen)
+                subscribe = Subscribe(
+                    self.stream, start, self.name, hello.producer_id, seen, self.filter
+                )
                 writer.write(conn.send(subscribe))
                 # The position to check: one this consumer had (stored or received), not
                 # a configured start_seq, whose errors are the caller's.
@@ -732,6 +784,10 @@ class Consumer:
             return None
         async with self._tx_lock:
             rows = await self._store.load(self.name, self.stream, producer_id, self.address)
+            splits = await self._store.shares_of(
+                self.base_name, self.stream, producer_id, self.address
+            )
+        self._check_split(dict(splits))
         positions = {p: (seq, epoch) for p, seq, epoch in rows}
         if producer_id in positions:
             self.received, self.seen_epoch = positions[producer_id]
@@ -746,6 +802,31 @@ class Consumer:
         else:
             return None
         return self.received + 1
+
+    def _check_split(self, stored: dict[str, int]) -> None:
+        """Refuse to start from positions applied under another split into shares: each
+        counts only its own keys, so taking them for this split's would skip or re-apply."""
+        others = {name: seq for name, seq in stored.items() if self._splits_differently(name)}
+        if not others:
+            return
+        listed = ", ".join(f"{name} at seq {seq}" for name, seq in sorted(others.items()))
+        asked = "unshared" if self.share is None else f"as share {self.share[0]} of {self.share[1]}"
+        raise SharesChangedError(
+            f"consumer {self.base_name!r} applied stream {self.stream!r} from {self.address} "
+            f"split differently ({listed}), and this one asks for it {asked}: starting from "
+            "those positions would skip or re-apply records. Keep the split, or change it with "
+            "`streamq reshare` (see the README, Per-key shares).",
+            others,
+        )
+
+    def _splits_differently(self, name: str) -> bool:
+        """``name`` is this consumer's, stored under another split than this one's."""
+        if name == self.name:
+            return False
+        if name == self.base_name:
+            return True  # unshared, and this one is a share
+        split = _share_of(name, self.base_name)
+        return split is not None and (self.share is None or split[1] != self.share[1])
 
     async def _run(self, reader: asyncio.StreamReader, conn: ClientConnection) -> None:
         """Read batches into the queue; reconnect after transient failures.
@@ -808,7 +889,7 @@ class Consumer:
         while True:
             while (message := conn.next_event()) is not None:
                 if isinstance(message, Records):
-                    if message.records:
+                    if message.records or message.through is not None:
                         assert self.producer_id is not None
                         self.seen_epoch = max(self.seen_epoch, message.epoch or 0)
                         batch = Batch(
@@ -817,6 +898,7 @@ class Consumer:
                             self.received,
                             message.records,
                             self.seen_epoch,
+                            through=message.through or 0,
                         )
                         self.received = batch.last_seq
                         self.head = max(self.head, self.received)
@@ -925,6 +1007,8 @@ class Consumer:
         """The batch that failed ``tries`` times (last with ``error``), in halves down to
         the records that fail alone: parked with ``DeadLetter``, else the end."""
         park = isinstance(self.on_failure, DeadLetter)
+        if not batch.records:
+            raise error  # no record to blame: the function fails on an empty batch
         if len(batch) == 1 and not park:
             self._give_up(batch, _Failure(batch.records[0], error, tries))
         assert self._store is not None
@@ -1202,6 +1286,16 @@ def _reapply(
         return False
     calls(tx, letter, *args)
     return True
+
+
+def _share_of(name: str, consumer: str) -> tuple[int, int] | None:
+    """(i, n) if ``name`` is ``consumer[i/n]``, the name of a share of ``consumer``."""
+    if not (name.startswith(consumer + "[") and name.endswith("]")):
+        return None
+    index, slash, count = name[len(consumer) + 1 : -1].partition("/")
+    if not (slash and index.isdigit() and count.isdigit()):
+        return None
+    return int(index), int(count)
 
 
 def _server_error(message: Error) -> ServerError:

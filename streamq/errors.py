@@ -207,6 +207,18 @@ class ProducerChangedError(ConsumerPositionError):
     """The producer at this address is not the one this consumer has applied from."""
 
 
+class SharesChangedError(ConsumerPositionError):
+    """A consumer asks for its stream in a different number of shares (``share=(i, n)``)
+    than its stored positions were applied in. Each share's position counts only its own
+    keys, so starting from them under another split would skip or re-apply records;
+    ``streamq reshare`` changes the split safely. ``stored`` maps each stored
+    position's consumer name to its seq."""
+
+    def __init__(self, message: str, stored: dict[str, int]) -> None:
+        super().__init__(message)
+        self.stored = stored
+
+
 class OutOfOrderBatchError(StreamQError):
     """A batch applied out of turn: each must be applied once, in arrival order."""
 

@@ -28,6 +28,7 @@ from typing import Any, ClassVar, NamedTuple
 import msgpack
 
 from .errors import ErrorCode, LocalProtocolError, RemoteProtocolError
+from .filters import Filter, FilterError
 
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_FRAME_SIZE = 16 * 1024 * 1024
@@ -138,6 +139,9 @@ class Subscribe:
     ``seen_epoch`` (optional, "Epochs"): the highest epoch that wrote any record the client
     read up to seq ``start_seq - 1``, 0 if unknown. Sending it (even 0) asks for epochs in
     SUBSCRIBED and RECORDS; None leaves the field off the wire.
+
+    ``filter`` (optional, "Filters"): push only the records it matches; every RECORDS
+    frame then carries ``through``, so the position moves past what was skipped.
     """
 
     stream: str
@@ -145,6 +149,7 @@ class Subscribe:
     consumer: str
     producer_id: str | None
     seen_epoch: int | None = None
+    filter: Filter | None = None
     TYPE: ClassVar[MessageType] = MessageType.SUBSCRIBE
 
 
@@ -169,10 +174,15 @@ class Records:
 
     ``epoch`` (optional, "Epochs"): the producer instance that wrote every record of the
     frame, 0 if unknown; None leaves the field off the wire.
+
+    ``through`` (on filtered subscriptions and ranges, "Filters"): the producer examined
+    every seq up to this one; those not in ``records`` did not match. A frame may then
+    carry no records at all, only progress.
     """
 
     records: tuple[Record, ...]
     epoch: int | None = None
+    through: int | None = None
     TYPE: ClassVar[MessageType] = MessageType.RECORDS
 
 
@@ -186,6 +196,7 @@ class RecordRows:
 
     rows: list[list[Any]]
     epoch: int | None = None
+    through: int | None = None
     TYPE: ClassVar[MessageType] = MessageType.RECORDS
 
 
@@ -228,12 +239,16 @@ class GetRange:
     ``seen_epoch`` (optional, "Epochs"): the highest epoch that wrote any record the client
     read up to seq ``start - 1``, 0 if unknown. Sending it (even 0) asks for epochs in
     RECORDS and RANGE_END; None leaves the field off the wire.
+
+    ``filter`` (optional, "Filters"): send only the records it matches, each frame with
+    ``through``.
     """
 
     stream: str
     start: int
     end: int
     seen_epoch: int | None = None
+    filter: Filter | None = None
     TYPE: ClassVar[MessageType] = MessageType.GET_RANGE
 
 
@@ -390,24 +405,30 @@ def _array_header(n: int) -> bytes:
     return b"\xdd" + n.to_bytes(4, "big")
 
 
-_RECORDS_PREFIX = b"\x92" + _packb(MessageType.RECORDS.value)
-_RECORDS_PREFIX_WITH_EPOCH = b"\x93" + _packb(MessageType.RECORDS.value)
+_RECORDS_TYPE = _packb(MessageType.RECORDS.value)
+_NIL = _packb(None)
+# [RECORDS, records], [RECORDS, records, epoch] and [RECORDS, records, epoch, through].
+_RECORDS_PREFIXES = [bytes((0x92 + extra,)) + _RECORDS_TYPE for extra in range(3)]
 
 
-def records_frame(encoded_records: Sequence[bytes], epoch: int | None = None) -> bytes:
+def records_frame(
+    encoded_records: Sequence[bytes], epoch: int | None = None, through: int | None = None
+) -> bytes:
     """A RECORDS frame built from records already encoded by ``encode_record``.
 
-    With ``epoch``, the frame ends with it ("Epochs"): one more array element after the records.
+    With ``epoch``, the frame carries it after the records ("Epochs"); with ``through``,
+    that comes last ("Filters"), after the epoch or nil.
     """
-    if epoch is None:
-        body_parts = [_RECORDS_PREFIX, _array_header(len(encoded_records)), *encoded_records]
+    if through is not None:
+        tail = [_NIL if epoch is None else _packb(epoch), _packb(through)]
     else:
-        body_parts = [
-            _RECORDS_PREFIX_WITH_EPOCH,
-            _array_header(len(encoded_records)),
-            *encoded_records,
-            _packb(epoch),
-        ]
+        tail = [] if epoch is None else [_packb(epoch)]
+    body_parts = [
+        _RECORDS_PREFIXES[len(tail)],
+        _array_header(len(encoded_records)),
+        *encoded_records,
+        *tail,
+    ]
     size = sum(map(len, body_parts))
     return FRAME_HEADER.pack(size) + b"".join(body_parts)
 
@@ -415,19 +436,25 @@ def records_frame(encoded_records: Sequence[bytes], epoch: int | None = None) ->
 def encode(message: Message) -> bytes:
     """One framed message."""
     if isinstance(message, Records):
-        return records_frame([encode_record(*r) for r in message.records], message.epoch)
+        return records_frame(
+            [encode_record(*r) for r in message.records], message.epoch, message.through
+        )
     if isinstance(message, RecordRows):
-        return records_frame([_packb(row) for row in message.rows], message.epoch)
+        return records_frame([_packb(row) for row in message.rows], message.epoch, message.through)
     if isinstance(message, StreamList):
         items: list[Any] = [[s.stream, s.head, s.low] for s in message.streams]
         return frame(_packb([message.TYPE.value, items]))
     cls = type(message)
-    values = [getattr(message, name) for name in _FIELD_NAMES[cls]]
+    values = [_to_wire(getattr(message, name)) for name in _FIELD_NAMES[cls]]
     # Optional trailing fields left as None are not sent ("Optional fields").
     required = len(values) - _OPTIONAL_FIELDS.get(cls, 0)
     while len(values) > required and values[-1] is None:
         values.pop()
     return frame(_packb([message.TYPE.value, *values]))
+
+
+def _to_wire(value: Any) -> Any:
+    return value.to_wire() if isinstance(value, Filter) else value
 
 
 # --- Decoding -----------------------------------------------------------------
@@ -443,6 +470,10 @@ def _str(v: Any) -> bool:
 
 def _opt_str(v: Any) -> bool:
     return v is None or type(v) is str
+
+
+def _opt_uint(v: Any) -> bool:
+    return v is None or _uint(v)
 
 
 def _map(v: Any) -> bool:
@@ -489,13 +520,13 @@ _FIELD_NAMES: dict[type[Any], tuple[str, ...]] = {
 _CHECKS: dict[type[Any], tuple[Callable[[Any], bool], ...]] = {
     ClientHello: (_uint, _str, _opt_str),
     ServerHello: (_uint, _str, _uint, _uint),
-    Subscribe: (_str, _uint, _str, _opt_str, _uint),
+    Subscribe: (_str, _uint, _str, _opt_str, _opt_uint, _map),
     Subscribed: (_str, _uint, _uint, _uint, _uint),
     Heartbeat: (_uint,),
     Ack: (_uint,),
     GetHead: (_str,),
     StreamInfo: (_str, _uint, _uint),
-    GetRange: (_str, _uint, _uint, _uint),
+    GetRange: (_str, _uint, _uint, _opt_uint, _map),
     RangeEnd: (_uint, _uint),
     ListStreams: (),
     GetStatus: (),
@@ -512,9 +543,9 @@ _CHECKS: dict[type[Any], tuple[Callable[[Any], bool], ...]] = {
 # they were before the fields existed.
 _OPTIONAL_FIELDS: dict[type[Any], int] = {
     ClientHello: 1,
-    Subscribe: 1,
+    Subscribe: 2,
     Subscribed: 2,
-    GetRange: 1,
+    GetRange: 2,
     RangeEnd: 2,
 }
 
@@ -619,14 +650,7 @@ def _decode_message(body: bytes, raw_records: bool) -> Message:
             raise _malformed(f"{cls.TYPE.name} takes 1 field, got {len(args)}")
         return _decode_stream_list(args[0])
     if cls is Records:
-        if len(args) not in (1, 2):
-            raise _malformed(f"RECORDS takes 1 or 2 fields, got {len(args)}")
-        epoch = args[1] if len(args) == 2 else None
-        if len(args) == 2 and not _uint(epoch):
-            raise _malformed(f"RECORDS.epoch has an invalid value: {_short(epoch)}")
-        if raw_records:
-            return RecordRows(_decode_record_rows(args[0]).rows, epoch)
-        return Records(_decode_records(args[0]).records, epoch)
+        return _decode_records_message(args, raw_records)
     if cls in (ClientHello, ServerHello) and args and args[0] != PROTOCOL_VERSION:
         # "Handshake": the version is checked before anything else in a hello,
         # whose other fields may differ in other versions.
@@ -642,8 +666,42 @@ def _decode_message(body: bytes, raw_records: bool) -> Message:
     for name, check, value in zip(_FIELD_NAMES[cls], checks, args, strict=False):
         if not check(value):
             raise _malformed(f"{cls.TYPE.name}.{name} has an invalid value: {_short(value)}")
+    if cls in (Subscribe, GetRange):
+        # ``seen_epoch`` may be nil only to reach the filter after it.
+        if len(args) == len(checks):
+            args[-1] = _decode_filter(args[-1])
+        elif len(args) == len(checks) - 1 and args[-1] is None:
+            raise _malformed(f"{cls.TYPE.name}.seen_epoch is nil with no filter after it")
     message: Message = cls(*args)  # omitted trailing fields take their default, nil
     return message
+
+
+def _decode_records_message(args: list[Any], raw_records: bool) -> Records | RecordRows:
+    """[records, epoch?, through?]: ``epoch`` may be nil only when ``through`` follows."""
+    if not 1 <= len(args) <= 3:
+        raise _malformed(f"RECORDS takes 1 to 3 fields, got {len(args)}")
+    epoch = args[1] if len(args) >= 2 else None
+    through = args[2] if len(args) == 3 else None
+    if len(args) >= 2 and not (_uint(epoch) or (epoch is None and len(args) == 3)):
+        raise _malformed(f"RECORDS.epoch has an invalid value: {_short(epoch)}")
+    if len(args) == 3 and not _uint(through):
+        raise _malformed(f"RECORDS.through has an invalid value: {_short(through)}")
+    message: Records | RecordRows
+    if raw_records:
+        message = RecordRows(_decode_record_rows(args[0]).rows, epoch, through)
+    else:
+        message = Records(_decode_records(args[0]).records, epoch, through)
+    seqs = _first_and_last_seq(message)
+    if through is not None and seqs is not None and through < seqs[1]:
+        raise _malformed(f"RECORDS.through {through} is before the frame's last seq {seqs[1]}")
+    return message
+
+
+def _decode_filter(wire: Any) -> Filter:
+    try:
+        return Filter.from_wire(wire)
+    except FilterError as exc:
+        raise _malformed(f"invalid filter: {exc}") from None
 
 
 class FrameDecoder:
@@ -805,11 +863,16 @@ class ServerConnection(_Connection):
         else:
             self.authenticated_owed = False
 
-    def send_records(self, encoded_records: Sequence[bytes], epoch: int | None = None) -> bytes:
+    def send_records(
+        self,
+        encoded_records: Sequence[bytes],
+        epoch: int | None = None,
+        through: int | None = None,
+    ) -> bytes:
         """A RECORDS frame from stored record encodings (the hot path)."""
         if self.our_state is not State.READY or self.authenticated_owed:
             raise LocalProtocolError(f"cannot send RECORDS while {self.our_state.value}")
-        return records_frame(encoded_records, epoch)
+        return records_frame(encoded_records, epoch, through)
 
 
 class ClientConnection(_Connection):
@@ -825,6 +888,7 @@ class ClientConnection(_Connection):
         self._subscribing = False  # SUBSCRIBE sent: the connection is a subscription for good
         self._subscribed_ack = False
         self._authenticated_pending = False  # a token was sent; AUTHENTICATED comes first
+        self._filtered = False  # the subscription has a filter: its RECORDS carry through
         self.last_seq = 0
 
     def _on_send(self, message: Message) -> None:
@@ -840,6 +904,7 @@ class ClientConnection(_Connection):
                     raise LocalProtocolError("SUBSCRIBE while requests are still pending")
                 self.our_state = State.STREAMING
                 self._subscribing = True
+                self._filtered = message.filter is not None
                 self.last_seq = max(0, message.start_seq - 1)
                 self._pending.append(message)
             elif isinstance(message, _REQUESTS):
@@ -885,6 +950,14 @@ class ClientConnection(_Connection):
                     if message.epoch is not None
                     else "RECORDS without an epoch in answer to a range that asked for epochs"
                 )
+            # "Filters": a frame carries ``through`` if and only if its range has a filter.
+            filtered = isinstance(request, GetRange) and request.filter is not None
+            if (message.through is not None) != filtered:
+                raise _malformed(
+                    "RECORDS with through in answer to a request without a filter"
+                    if message.through is not None
+                    else "RECORDS without through in answer to a range with a filter"
+                )
             # A range or a history holds only seqs in [start, end), in increasing order.
             seqs = _first_and_last_seq(message)
             if seqs is not None:
@@ -895,6 +968,15 @@ class ClientConnection(_Connection):
                         f"RECORDS outside the requested range [{request.start}, {end})"
                     )
                 self.last_seq = last
+            if message.through is not None:
+                if not self.last_seq <= message.through < request.end or (
+                    seqs is None and message.through == self.last_seq
+                ):
+                    raise _malformed(
+                        f"RECORDS.through {message.through} is not after seq {self.last_seq} "
+                        f"and within the requested range [{request.start}, {request.end})"
+                    )
+                self.last_seq = message.through
         elif isinstance(message, RangeEnd):
             assert isinstance(request, GetRange | GetHistory)
             _check_range_end(message, request, self.last_seq)
@@ -910,11 +992,22 @@ class ClientConnection(_Connection):
             self._pending.clear()
             self.their_state = State.STREAMING
         elif isinstance(message, Records | RecordRows):
+            through = message.through
+            if (through is not None) != self._filtered:
+                raise _malformed(
+                    "RECORDS without through on a subscription with a filter"
+                    if self._filtered
+                    else "RECORDS with through on a subscription without a filter"
+                )
             seqs = _first_and_last_seq(message)
             if seqs is not None:
                 if seqs[0] <= self.last_seq:
                     raise _malformed(f"RECORDS went backwards: seq {seqs[0]} after {self.last_seq}")
                 self.last_seq = seqs[1]
+            if through is not None:
+                if through < self.last_seq or (seqs is None and through == self.last_seq):
+                    raise _malformed(f"RECORDS.through went backwards: {through}")
+                self.last_seq = through
         elif not isinstance(message, Heartbeat):
             raise self._unexpected(message, "RECORDS or HEARTBEAT")
 

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +29,7 @@ from .errors import (
     TooManyConnectionsError,
     UnknownStreamError,
 )
+from .filters import Filter, share_name
 from .log import Log, Stream
 from .positions import Positions
 from .protocol import (
@@ -85,6 +86,9 @@ class ServerSettings:
     idle_timeout: float = 300.0  # between requests on a request connection
     frame_timeout: float = 30.0  # on a subscription, for the rest of a frame once begun
     heartbeat_interval: float = 5.0  # on a subscription with nothing to send
+    # On a filtered subscription, how long the position may stay behind what was examined
+    # when nothing matches: at most one RECORDS frame with only ``through`` per interval.
+    progress_interval: float = 0.5
     max_batch_records: int = 8192  # records per RECORDS frame
     max_batch_bytes: int = 1024 * 1024  # bytes per RECORDS frame (at least one record)
     write_buffer_high: int = 1024 * 1024  # transport buffer that makes the pusher wait
@@ -110,12 +114,17 @@ class Subscription:
     transport: asyncio.BaseTransport | None = None
     since: float = field(default_factory=time.time)
     principal: str | None = None  # the consumer its token named, when the producer checks tokens
+    filter: Filter | None = None  # "Filters": what it asked for
 
     @property
     def reporter(self) -> str:
         """Whose position its ACKs move: with tokens, the consumer the token proved, never a
-        name the peer chose (it could move a registered consumer's position and retention)."""
-        return self.consumer if self.principal is None else self.principal
+        name the peer chose (it could move a registered consumer's position and retention).
+        Each share of a consumer has a position of its own."""
+        if self.principal is None:
+            return self.consumer
+        share = None if self.filter is None else self.filter.share
+        return self.principal if share is None else share_name(self.principal, share)
 
     @property
     def buffered(self) -> int:
@@ -134,6 +143,7 @@ class Subscription:
             "buffered": self.buffered,
             "connected_at": int(self.since * 1000),
             "principal": self.principal,
+            "filter": None if self.filter is None else self.filter.describe(),
         }
 
 
@@ -465,14 +475,17 @@ class Server:
             return
         traffic = self.traffic.setdefault(stream.name, Traffic())
         settings = self.settings
-        seq = request.start
+        seq, wanted = request.start, request.filter
         while seq < request.end:
             end = min(request.end, epochs.segment_end(seq)) if with_epochs else request.end
             records, last = await self.log.read(
                 stream, seq, end, settings.max_batch_records, settings.max_batch_bytes
             )
-            if records:  # none when compaction removed the rest of the range
-                frame = conn.send_records(records, epochs.epoch_of(seq) if with_epochs else None)
+            if wanted is not None:
+                records = wanted.select(records)
+            if records:  # none when compaction removed the rest of the range, or a filter
+                epoch = epochs.epoch_of(seq) if with_epochs else None
+                frame = conn.send_records(records, epoch, None if wanted is None else last)
                 writer.write(frame)
                 traffic.records += len(records)
                 traffic.bytes += len(frame)
@@ -540,6 +553,7 @@ class Server:
             position,
             writer.transport,
             principal=None if principal is None else principal.name,
+            filter=request.filter,
         )
         self.subscriptions.add(sub)
         push = asyncio.create_task(self._push(conn, stream, sub, writer, with_epochs))
@@ -596,14 +610,34 @@ class Server:
         writer: asyncio.StreamWriter,
         with_epochs: bool = False,
     ) -> None:
-        """Catch up from SQLite or memory, then follow commits as they happen.
+        """Catch up from the database or memory, then follow commits as they happen.
 
         With epochs, a frame never spans two epochs' segments: it carries its writer's epoch.
+        With a filter ("Filters"), frames carry only the matching records and ``through``,
+        the last seq examined; when nothing matches, a frame with ``through`` alone goes at
+        most once per ``progress_interval``, so the consumer's position still moves.
         """
         settings = self.settings
         traffic = self.traffic.setdefault(stream.name, Traffic())
         seq = sub.sent + 1
         epochs = stream.epochs
+        wanted = sub.filter
+        loop = asyncio.get_running_loop()
+        progress_due = loop.time() + settings.progress_interval
+        examined = sub.sent  # with a filter: the last seq read, matching or not
+
+        async def send(records: Sequence[bytes], through: int) -> None:
+            nonlocal progress_due
+            # A read never spans two segments, so ``through``'s epoch is every record's.
+            epoch = epochs.epoch_of(through) if with_epochs else None
+            frame = conn.send_records(records, epoch, None if wanted is None else through)
+            writer.write(frame)
+            traffic.records += len(records)
+            traffic.bytes += len(frame)
+            sub.sent = through
+            progress_due = loop.time() + settings.progress_interval
+            await writer.drain()
+
         while True:
             end = seq + settings.max_batch_records
             if with_epochs:
@@ -611,17 +645,23 @@ class Server:
             records, last = await self.log.read(
                 stream, seq, end, settings.max_batch_records, settings.max_batch_bytes
             )
-            if records:
-                epoch = epochs.epoch_of(seq) if with_epochs else None
-                frame = conn.send_records(records, epoch)
-                writer.write(frame)
-                traffic.records += len(records)
-                traffic.bytes += len(frame)
-                sub.sent = last
+            if wanted is not None and last >= seq:
+                records, examined, seq = wanted.select(records), last, last + 1
+                if records or loop.time() >= progress_due:
+                    await send(records, examined)
+            elif records:
+                await send(records, last)
                 seq = last + 1
-                await writer.drain()
             elif last >= seq:  # a compacted stream's gap: nothing to send, nothing lost
                 seq = last + 1
-            elif not await stream.wait_beyond(seq - 1, settings.heartbeat_interval):
-                writer.write(conn.send(Heartbeat(stream.head)))
-                await writer.drain()
+            else:
+                timeout = settings.heartbeat_interval
+                progress = examined > sub.sent  # to report once the interval is up
+                if progress:
+                    timeout = max(0.0, min(timeout, progress_due - loop.time()))
+                if not await stream.wait_beyond(seq - 1, timeout):
+                    if progress:
+                        await send((), examined)
+                    else:
+                        writer.write(conn.send(Heartbeat(stream.head)))
+                        await writer.drain()

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from streamq.errors import ErrorCode, LocalProtocolError, RemoteProtocolError
+from streamq.filters import MAX_SHARES, Filter
 from streamq.protocol import (
     DEFAULT_MAX_FRAME_SIZE,
     MAX_SEQ,
@@ -112,19 +113,37 @@ record_tuples = (
     | st.sets(st.integers(1, 1000), min_size=14, max_size=40).map(sorted).flatmap(records_at)
 )
 stream_infos = st.builds(StreamInfo, texts, uints, uints)
+filters = st.builds(
+    Filter,
+    st.none() | st.binary(max_size=12),
+    st.dictionaries(texts, st.binary(max_size=8), max_size=3),
+    st.none()
+    | st.integers(1, MAX_SHARES).flatmap(lambda n: st.tuples(st.integers(0, n - 1), st.just(n))),
+)
+
+
+@st.composite
+def filtered_records(draw: st.DrawFn) -> Records:
+    """RECORDS of a filtered subscription: ``through`` at or after the last record."""
+    records = draw(record_tuples)
+    last = records[-1].seq if records else 0
+    return Records(records, draw(st.none() | uints), draw(st.integers(max(last, 1), MAX_SEQ)))
+
 
 MESSAGE_STRATEGIES: dict[type[Any], st.SearchStrategy[Any]] = {
     ClientHello: st.builds(ClientHello, st.just(PROTOCOL_VERSION), texts, st.none() | texts),
     ServerHello: st.builds(ServerHello, st.just(PROTOCOL_VERSION), texts, uints, uints),
-    Subscribe: st.builds(Subscribe, texts, uints, texts, st.none() | texts, st.none() | uints),
+    Subscribe: st.builds(
+        Subscribe, texts, uints, texts, st.none() | texts, st.none() | uints, st.none() | filters
+    ),
     Subscribed: st.builds(Subscribed, texts, uints, uints)
     | st.builds(Subscribed, texts, uints, uints, uints, uints),
-    Records: st.builds(Records, record_tuples, st.none() | uints),
+    Records: st.builds(Records, record_tuples, st.none() | uints) | filtered_records(),
     Heartbeat: st.builds(Heartbeat, uints),
     Ack: st.builds(Ack, uints),
     GetHead: st.builds(GetHead, texts),
     StreamInfo: stream_infos,
-    GetRange: st.builds(GetRange, texts, uints, uints, st.none() | uints),
+    GetRange: st.builds(GetRange, texts, uints, uints, st.none() | uints, st.none() | filters),
     RangeEnd: st.builds(RangeEnd) | st.builds(RangeEnd, uints, uints),
     ListStreams: st.builds(ListStreams),
     StreamList: st.builds(StreamList, st.lists(stream_infos, max_size=5).map(tuple)),
@@ -143,23 +162,23 @@ messages = st.one_of(*MESSAGE_STRATEGIES.values())
 # "Optional fields": how many of each message's last fields may be left off.
 OPTIONAL_FIELDS: dict[type[Any], int] = {
     ClientHello: 1,
-    Subscribe: 1,
+    Subscribe: 2,
     Subscribed: 2,
-    Records: 1,
-    GetRange: 1,
+    Records: 2,
+    GetRange: 2,
     RangeEnd: 2,
 }
 # The wire kind of each field after the message type, as the message docstrings describe.
 FIELD_KINDS: dict[type[Any], tuple[str, ...]] = {
     ClientHello: ("version", "str", "opt_str"),
     ServerHello: ("version", "str", "uint", "uint"),
-    Subscribe: ("str", "uint", "str", "opt_str", "uint"),
+    Subscribe: ("str", "uint", "str", "opt_str", "opt_uint", "filter"),
     Subscribed: ("str", "uint", "uint", "uint", "uint"),
     Heartbeat: ("uint",),
     Ack: ("uint",),
     GetHead: ("str",),
     StreamInfo: ("str", "uint", "uint"),
-    GetRange: ("str", "uint", "uint", "uint"),
+    GetRange: ("str", "uint", "uint", "opt_uint", "filter"),
     RangeEnd: ("uint", "uint"),
     ListStreams: (),
     GetStatus: (),
@@ -199,6 +218,30 @@ BAD_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "bin": st.one_of(st.none(), texts, msgpack_ints, st.booleans(), st.lists(scalars, max_size=2)),
     "int": st.one_of(st.none(), texts, st.booleans(), st.floats(), st.binary(max_size=8)),
 }
+BAD_VALUES["opt_uint"] = BAD_VALUES["uint"].filter(lambda v: v is not None)
+BAD_VALUES["filter"] = st.one_of(
+    BAD_VALUES["map"].filter(lambda v: v is not None),  # an optional field is left off, not nil
+    st.dictionaries(st.sampled_from(["key", "prefix", "share_count"]), scalars, min_size=1),
+    st.builds(
+        lambda v: {"key_prefix": v},
+        st.one_of(texts, msgpack_ints, st.binary(min_size=1025, max_size=1030)),
+    ),
+    st.builds(
+        lambda v: {"headers": v}, st.one_of(texts, st.dictionaries(texts, texts, min_size=1))
+    ),
+    st.builds(
+        lambda v: {"share": v},
+        st.one_of(
+            msgpack_ints,
+            st.lists(msgpack_ints, max_size=1),
+            st.tuples(st.integers(0, 9), st.integers(-1, 0)).map(list),  # no shares
+            st.integers(1, 9).map(lambda n: [n, n]),  # index beyond the count
+            st.just([0, MAX_SHARES + 1]),
+        ),
+    ),
+)
+# What stands for an optional field left off, so that another field's bad value is the fault.
+FILLERS: dict[str, Any] = {"opt_str": None, "opt_uint": None, "filter": {}}
 
 
 def body_of(message: Message) -> bytes:
@@ -574,7 +617,7 @@ def test_body_that_is_not_a_typed_array_is_malformed(body: bytes) -> None:
 def test_wrong_field_count_is_malformed(cls: type[Any], data: st.DataObject) -> None:
     items = msgpack.unpackb(body_of(data.draw(MESSAGE_STRATEGIES[cls])))
     extra = data.draw(values, label="extra field")
-    total = len(FIELD_KINDS.get(cls, ("array", "uint") if cls is Records else ("array",)))
+    total = len(FIELD_KINDS.get(cls, ("array", "uint", "uint") if cls is Records else ("array",)))
     required = total - OPTIONAL_FIELDS.get(cls, 0)
     if required > 0 and data.draw(st.booleans(), label="drop a field"):
         del items[required:]  # one field short of the required ones
@@ -608,7 +651,7 @@ def test_wrong_field_type_is_malformed(cls: type[Any], data: st.DataObject) -> N
     items = msgpack.unpackb(body_of(data.draw(MESSAGE_STRATEGIES[cls])))
     kinds = FIELD_KINDS[cls]
     # Optional fields left off: give them (nil where nil is what leaving them off means).
-    items += [None if kind.startswith("opt") else 0 for kind in kinds[len(items) - 1 :]]
+    items += [FILLERS.get(kind, 0) for kind in kinds[len(items) - 1 :]]
     index = data.draw(
         st.sampled_from([i for i, kind in enumerate(kinds) if kind != "version"]), label="field"
     )

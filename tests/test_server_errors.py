@@ -154,6 +154,21 @@ BAD_INPUTS = {
         ErrorCode.OFFSET_OUT_OF_RANGE,
         r"range [5, 30) is not within [1, 21)",
     ),
+    "filter with a share beyond its count": (
+        HELLO + frame(msgpack.packb([3, "orders", 1, "a", None, None, {"share": [3, 2]}])),
+        ErrorCode.MALFORMED_FRAME,
+        "invalid filter: share must be (index, count)",
+    ),
+    "filter with an unknown field": (
+        HELLO + frame(msgpack.packb([10, "orders", 1, 5, None, {"type": b"paid"}])),
+        ErrorCode.MALFORMED_FRAME,
+        "invalid filter: unknown filter fields: type",
+    ),
+    "filter that is not a map": (
+        HELLO + frame(msgpack.packb([10, "orders", 1, 5, 0, [b"k"]])),
+        ErrorCode.MALFORMED_FRAME,
+        "GET_RANGE.filter has an invalid value",
+    ),
     "wrong producer": (
         HELLO + encode(Subscribe("orders", 1, "a", "someone-else")),
         ErrorCode.PRODUCER_MISMATCH,

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ...blocking import BlockingSQL, _Scoped, to_the_end
 from ...consumer import Batch, DeadLetterSQL, ParkedRecord, out_of_turn
 from ...errors import SchemaMissingError
+from ...resharing import Move, StoredPosition, plan
 from .append import UNDEFINED_TABLE, Statement, Steps, describe, run, run_async
 from .driver import connect, connect_async, database, in_transaction, psycopg_module
 
@@ -91,6 +92,16 @@ LOAD = (
     "SELECT producer_id, seq, epoch FROM streamq_positions "
     "WHERE consumer = %s AND stream = %s AND (producer_id = %s OR endpoint = %s)"
 )
+# A consumer's positions under its own name and as shares of it (``name[i/n]``).
+SHARES = (
+    "SELECT consumer, seq FROM streamq_positions WHERE stream = %s "
+    "AND (producer_id = %s OR endpoint = %s) AND (consumer = %s OR starts_with(consumer, %s))"
+)
+ALL_SHARES = (
+    "SELECT consumer, producer_id, stream, seq, coalesce(epoch, 0), endpoint "
+    "FROM streamq_positions WHERE consumer = %s OR starts_with(consumer, %s) FOR UPDATE"
+)
+FORGET = "DELETE FROM streamq_positions WHERE consumer = %s AND producer_id = %s AND stream = %s"
 _KEY = "consumer = %(consumer)s AND producer_id = %(producer_id)s AND stream = %(stream)s"
 STORED = f"SELECT seq FROM streamq_positions WHERE {_KEY}"
 ADVANCE = (
@@ -198,6 +209,37 @@ def list_dead_letters(url: str, consumer: str | None = None) -> list[ParkedRecor
             if _undefined_table(exc):
                 return []  # no consumer of this streamq version opened it yet: none parked
             raise
+
+
+def reshare(url: str, consumer: str, shares: int) -> list[Move]:
+    """Move ``consumer``'s positions to a split into ``shares``, in one transaction
+    (``streamq.resharing``); the moves made. Raises ``ReshareRefusedError`` if unsafe."""
+    psycopg = psycopg_module()
+    conn = connect(url, database(url), application_name="streamq reshare", autocommit=False)
+    with conn:  # one transaction, committed at the end of the block
+        try:
+            # FOR UPDATE: no worker moves a position between the check and the change.
+            rows = conn.execute(ALL_SHARES, (consumer, consumer + "[")).fetchall()
+        except psycopg.Error as exc:
+            if not _undefined_table(exc):
+                raise
+            rows = []
+        moves = plan(consumer, shares, [StoredPosition(*row) for row in rows])
+        now = int(time.time() * 1000)
+        with conn.cursor() as cursor:
+            for m in moves:
+                cursor.executemany(FORGET, [(name, m.producer_id, m.stream) for name in m.old])
+                cursor.executemany(
+                    FIRST,
+                    [
+                        {
+                            "consumer": name, "producer_id": m.producer_id, "stream": m.stream,
+                            "seq": m.seq, "epoch": m.epoch, "endpoint": m.endpoint, "now": now,
+                        }
+                        for name in m.new
+                    ],
+                )  # fmt: skip
+        return moves
 
 
 def mark_for_retry(
@@ -335,6 +377,19 @@ class PostgresPositionStore:
         finally:
             await _rollback(conn)  # a read only: end its transaction
         return [(str(p), int(seq), int(epoch or 0)) for p, seq, epoch in rows]
+
+    async def shares_of(
+        self, consumer: str, stream: str, producer_id: str, endpoint: str
+    ) -> list[tuple[str, int]]:
+        conn = await self._usable()
+        try:
+            cursor = await conn.execute(
+                SHARES, (stream, producer_id, endpoint, consumer, consumer + "[")
+            )
+            rows = await cursor.fetchall()
+        finally:
+            await _rollback(conn)
+        return [(str(name), int(seq)) for name, seq in rows]
 
     async def stored(self, consumer: str, producer_id: str, stream: str) -> int | None:
         conn = await self._usable()

@@ -34,6 +34,7 @@ from ...blocking import (
 )
 from ...consumer import Batch, DeadLetterSQL, ParkedRecord, out_of_turn
 from ...errors import DatabaseOpenError, SchemaMissingError
+from ...resharing import Move, StoredPosition, plan
 from .storage import connect
 
 if TYPE_CHECKING:
@@ -56,6 +57,16 @@ LOAD = (
     "SELECT producer_id, seq, epoch FROM streamq_positions "
     "WHERE consumer = ? AND stream = ? AND (producer_id = ? OR endpoint = ?)"
 )
+# A consumer's positions under its own name and as shares of it (``name[i/n]``).
+SHARES = (
+    "SELECT consumer, seq FROM streamq_positions WHERE stream = ? "
+    "AND (producer_id = ? OR endpoint = ?) AND (consumer = ? OR substr(consumer, 1, ?) = ?)"
+)
+ALL_SHARES = (
+    "SELECT consumer, producer_id, stream, seq, coalesce(epoch, 0), endpoint "
+    "FROM streamq_positions WHERE consumer = ? OR substr(consumer, 1, ?) = ?"
+)
+FORGET = "DELETE FROM streamq_positions WHERE consumer = ? AND producer_id = ? AND stream = ?"
 STORED = "SELECT seq FROM streamq_positions WHERE consumer = ? AND producer_id = ? AND stream = ?"
 ADVANCE = (
     "UPDATE streamq_positions SET seq = ?, epoch = ?, endpoint = ?, updated_at = ? "
@@ -191,6 +202,38 @@ def list_dead_letters(path: str, consumer: str | None = None) -> list[ParkedReco
         conn.close()
 
 
+def reshare(path: str, consumer: str, shares: int) -> list[Move]:
+    """Move ``consumer``'s positions to a split into ``shares``, in one transaction
+    (``streamq.resharing``); the moves made. Raises ``ReshareRefusedError`` if unsafe."""
+    conn = _dead_letters_connection(path)
+    try:
+        conn.execute("BEGIN IMMEDIATE")  # no worker commits between the check and the change
+        prefix = consumer + "["
+        try:
+            rows = conn.execute(ALL_SHARES, (consumer, len(prefix), prefix)).fetchall()
+        except sqlite3.OperationalError as exc:
+            if "no such table" not in str(exc):
+                raise
+            rows = []
+        moves = plan(consumer, shares, [StoredPosition(*row) for row in rows])
+        now = int(time.time() * 1000)
+        for m in moves:
+            conn.executemany(FORGET, [(name, m.producer_id, m.stream) for name in m.old])
+            conn.executemany(
+                FIRST,
+                [
+                    (name, m.producer_id, m.stream, m.seq, m.epoch, m.endpoint, now)
+                    for name in m.new
+                ],
+            )
+        conn.execute("COMMIT")
+        return moves
+    finally:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        conn.close()
+
+
 def mark_for_retry(
     path: str, consumer: str | None = None, stream: str | None = None, seq: int | None = None
 ) -> int:
@@ -258,6 +301,15 @@ class SQLitePositionStore:
             LOAD, (consumer, stream, producer_id, endpoint)
         )
         return [(str(p), int(seq), int(epoch or 0)) for p, seq, epoch in rows]
+
+    async def shares_of(
+        self, consumer: str, stream: str, producer_id: str, endpoint: str
+    ) -> list[tuple[str, int]]:
+        prefix = consumer + "["
+        rows = await self.connection.execute_fetchall(
+            SHARES, (stream, producer_id, endpoint, consumer, len(prefix), prefix)
+        )
+        return [(str(name), int(seq)) for name, seq in rows]
 
     async def stored(self, consumer: str, producer_id: str, stream: str) -> int | None:
         rows = list(await self.connection.execute_fetchall(STORED, (consumer, producer_id, stream)))
