@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any
 
-from . import latency, pipe, slow_consumer, spark_ingest, transfer, transfer_pg, workers
+from . import latency, pipe, shares, slow_consumer, spark_ingest, transfer, transfer_pg, workers
 from .common import DURABILITY, console, machine
 
 WORKLOADS = {
@@ -19,6 +19,7 @@ WORKLOADS = {
     "spark": spark_ingest.run,
     "workers": workers.run,
     "transfer_pg": transfer_pg.run,
+    "shares": shares.run,
 }
 
 

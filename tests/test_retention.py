@@ -245,14 +245,17 @@ def test_each_pass_deletes_exactly_what_the_rules_say(
                 now = int(time.time() * 1000)
                 async with p.transaction() as tx:
                     for size, minutes in records:
-                        await tx.publish("orders", b"v" * size, timestamp=now - minutes * 60_000)
+                        # Half a minute off the cap's whole minutes: never on its boundary.
+                        stamp = now - minutes * 60_000 - 30_000
+                        await tx.publish("orders", b"v" * size, timestamp=stamp)
                 if registered:
                     p.positions.report("billing", "orders", applied)
                     reported = max(reported, applied)
                 stream = p.log.stream("orders")
                 since = None if cap_ms is None else int(time.time() * 1000) - cap_ms
                 keep = min(reported, stream.head) + 1 if registered else stream.low
-                # Timestamps are minutes apart: the second between here and the pass is safe.
+                # Ages are half a minute from any cap: the moment between here and the pass
+                # cannot move a record across it.
                 expected = expected_low(path, stream.low, cap_bytes, since, keep)
                 await p.apply_retention()
                 assert stream.low == expected

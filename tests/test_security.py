@@ -609,3 +609,37 @@ def test_a_missing_pem_file_is_named(field: str, certs: Certs, tmp_path: Path) -
     server[{"ca": "client_ca"}.get(field, field)] = missing
     with pytest.raises(FileNotFoundError, match=re.escape(missing)):
         ServerTLS(**server).context()
+
+
+async def test_shares_of_a_token_consumer_report_positions_of_their_own(
+    producer_db: str, consumer_db: str
+) -> None:
+    """With tokens, ACKs count under the token's consumer; each share under its own name,
+    so a share that is behind holds retention back on its own."""
+    async with Producer(producer_db, settings=ServerSettings(auth=AUTH)) as producer:
+        async with producer.transaction() as tx:
+            for n in range(40):
+                await tx.publish("orders", b"%d" % n, key=b"k%d" % n)
+        await producer.register_consumer("billing[0/2]", "orders")
+        await producer.register_consumer("billing[1/2]", "orders")
+        async with Consumer(
+            producer.address, "orders", db=consumer_db, name="anything", share=(0, 2), token=BILLING
+        ) as first:
+            while first.applied < 40:
+                async with first.transaction(await anext(first)):
+                    pass
+            await producer.wait_applied("billing[0/2]", "orders", 40, timeout=10)
+        lags = {p.consumer: p.applied for p in producer.consumer_lags()}
+        assert lags["billing[0/2]"] == 40 and lags["billing[1/2]"] == 0
+        assert "billing" not in lags
+        await producer.apply_retention()
+        assert producer.log.streams["orders"].low == 1  # share 1 has applied nothing yet
+        async with Consumer(
+            producer.address, "orders", db=consumer_db, name="anything", share=(1, 2), token=BILLING
+        ) as second:
+            while second.applied < 40:
+                async with second.transaction(await anext(second)):
+                    pass
+            await producer.wait_applied("billing[1/2]", "orders", 40, timeout=10)
+        await producer.apply_retention()
+        assert producer.log.streams["orders"].low > 40  # both shares applied everything

@@ -109,11 +109,14 @@ def arm_mid_push() -> None:
     dying: list[str] = []  # the fault's detail, once the half frame is out
 
     def cut(
-        self: ServerConnection, encoded_records: Sequence[bytes], epoch: int | None = None
+        self: ServerConnection,
+        encoded_records: Sequence[bytes],
+        epoch: int | None = None,
+        through: int | None = None,
     ) -> bytes:
         if dying:  # the half frame was handed to the socket: die before any further frame
             FAULTS.fire("mid-push", dying[0])
-        data = send_records(self, encoded_records, epoch)
+        data = send_records(self, encoded_records, epoch, through)
         if FAULTS.due("mid-push"):
             dying.append(f"frame={len(data)} bytes records={len(encoded_records)}")
             asyncio.get_running_loop().call_soon(FAULTS.fire, "mid-push", dying[0])
