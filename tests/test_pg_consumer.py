@@ -753,3 +753,45 @@ def test_save_position_through_django(ledger: str) -> None:
     target = Target("postgres", ledger)
     assert target.credits() == [1, 2]
     assert target.positions() == [("c", 2, 0, "127.0.0.1:1")]
+
+
+async def test_a_worker_starting_does_not_wait_for_the_others_batches(
+    producer_db: str, pg_url: str
+) -> None:
+    """Opening a consumer on PostgreSQL takes no table lock once the tables exist: a share
+    starting while another share's batch is open applies at once, instead of queueing its
+    setup (and every later transaction) behind that batch."""
+    release = threading.Event()
+
+    def held(tx: Any, batch: Batch) -> None:
+        if not release.wait(30):
+            raise TimeoutError("never released")
+
+    async with Producer(producer_db) as producer:
+        async with producer.transaction() as tx:
+            for n in range(20):
+                await tx.publish("orders", b"%d" % n, key=b"k%d" % n)
+        async with Consumer(producer.address, "orders", db=pg_url, name="w", share=(0, 2)) as first:
+            holding = asyncio.create_task(first.apply(await anext(first), held))
+            await wait_for(lambda: _open_transactions(pg_url) >= 1, what="share 0's batch open")
+            try:
+                async with Consumer(
+                    producer.address, "orders", db=pg_url, name="w", share=(1, 2)
+                ) as second:
+                    batch = await anext(second)
+                    await asyncio.wait_for(second.apply(batch, lambda tx, b: None), 10)
+                    assert second.applied == 20 and not holding.done()
+            finally:
+                release.set()
+            await holding
+            assert first.applied == 20
+
+
+def _open_transactions(url: str) -> int:
+    """Sessions of other connections inside a transaction (not idle, not this one)."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE state = 'idle in transaction' "
+            "AND pid <> pg_backend_pid() AND datname = current_database()"
+        ).fetchone()
+    return int(row[0]) if row else 0

@@ -84,6 +84,12 @@ SCHEMA = (
         PRIMARY KEY (consumer, producer_id, stream, seq)
     )""",
 )
+# The tables as this version needs them, found without taking a lock.
+SCHEMA_READY = (
+    "SELECT to_regclass('streamq_dead_letters') IS NOT NULL AND EXISTS (SELECT 1 FROM "
+    "pg_attribute WHERE attrelid = to_regclass('streamq_positions') AND attname = 'epoch' "
+    "AND NOT attisdropped)"
+)
 # The consumer's own connections, whatever the server's defaults: the module docstring.
 READ_COMMITTED = "SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL READ COMMITTED"
 SYNCHRONOUS_COMMIT = "SET synchronous_commit = on"  # durability="full"
@@ -166,11 +172,22 @@ def advance_steps(batch: Batch, seq: int, where: str) -> Steps:
     raise out_of_turn(batch, None if stored is None else int(stored[0]))
 
 
-def setup_steps(durability: Durability) -> Steps:
-    """The session settings of the consumer's own connections, and the table."""
+def session_steps(durability: Durability) -> Steps:
+    """The session settings of the consumer's own connections."""
     yield Statement(READ_COMMITTED)
     if durability == "full":
         yield Statement(SYNCHRONOUS_COMMIT)
+
+
+def setup_steps(durability: Durability) -> Steps:
+    """The session settings, and the tables if any is missing. Only then: even ``IF NOT
+    EXISTS``, DDL takes an exclusive lock on the table, queued behind every open
+    transaction that touched it and ahead of every later one, so one worker starting
+    would stall all the others until their batches commit."""
+    yield from session_steps(durability)
+    ready = yield Statement(SCHEMA_READY, fetch=True)
+    if ready is not None and ready[0]:
+        return
     yield Statement(_SCHEMA_LOCK)
     for statement in SCHEMA:
         yield Statement(statement)
@@ -477,7 +494,7 @@ class PostgresPositionStore:
                 connect_timeout=self._connect_timeout,
             )
             try:
-                run(conn, setup_steps(self._durability))
+                run(conn, session_steps(self._durability))  # open() made the tables
                 conn.commit()
             except BaseException:
                 conn.close()
