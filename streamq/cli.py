@@ -115,6 +115,8 @@ beyond a broker:
   keep until applied    streamq consumers add DB CONSUMER STREAM; serve --retention-ms/-bytes
   TLS and tokens        serve --tls-cert/--tls-key/--token-secret-file/--grant; streamq token
   poison records        Consumer(on_failure=DeadLetter()); streamq dead-letters list|retry DB
+  only what you want    streamq tail ADDRESS STREAM --key-prefix P --header N=V; Consumer(filter=)
+  per-key workers       Consumer(share=(i, n)); streamq reshare DB CONSUMER --shares N
 In Python: compaction (create_stream(compact=True)), wait_applied, FanInConsumer; see README.
 """
 

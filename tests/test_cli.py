@@ -92,6 +92,30 @@ def test_publish_tail_status(served: tuple[str, str]) -> None:
     assert "orders" in table.stdout and "consumers" in table.stdout
 
 
+def test_tail_prints_only_what_its_filter_matches(served: tuple[str, str]) -> None:
+    db, address = served
+    for key, kind in (
+        ("order-1", "paid"),
+        ("user-1", "paid"),
+        ("order-2", "new"),
+        ("order-3", "paid"),
+    ):
+        published = run(
+            "publish", db, "orders", f"{key} {kind}", "--key", key, "--header", f"type={kind}"
+        )
+        assert published.returncode == 0, published.stderr
+    wait_for_head(address, "orders", 4)
+    tail = run(
+        "tail", address, "orders", "--from", "1", "--count", "2", "--json",
+        "--key-prefix", "order-", "--header", "type=paid",
+    )  # fmt: skip
+    assert tail.returncode == 0, tail.stderr
+    records = [json.loads(line) for line in tail.stdout.splitlines()]
+    assert [(r["seq"], r["value"]) for r in records] == [(1, "order-1 paid"), (4, "order-3 paid")]
+    bad = run("tail", address, "orders", "--header", "type")
+    assert bad.returncode == 2 and "expected NAME=VALUE" in bad.stderr
+
+
 def test_tail_follows_new_commits(served: tuple[str, str]) -> None:
     db, address = served
     assert run("publish", db, "orders", "old").returncode == 0
