@@ -53,13 +53,14 @@ from .errors import (
 from .fanin import FanInConsumer
 from .filters import Filter, share_of
 from .positions import ConsumerLag
-from .producer import BlockingTransaction, Producer, Transaction
+from .producer import Producer
 from .protocol import PROTOCOL_VERSION, Record, StreamInfo, TimePosition
 from .publishing import create_tables, publish, publish_async, publish_many
 from .retention import RetentionPolicy, Truncation
 from .security import ClientTLS, ServerTLS, TokenAuth, make_token
 from .server import ServerSettings
 from .sync import SyncProducer, SyncTransaction
+from .transactions import BlockingTransaction, Transaction
 
 __version__ = "0.1.0"
 

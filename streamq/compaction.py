@@ -10,16 +10,29 @@ MessagePack map (keys below), so another team decodes it without streamq's code.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import asyncio
+import inspect
+import logging
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from itertools import groupby, pairwise
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 
 from .protocol import Record, decode_record
 
+if TYPE_CHECKING:
+    from .log import Stream
+    from .producer import Producer
+    from .transactions import Transaction
+
+logger = logging.getLogger("streamq.producer")
+
 NOTIFICATION_SUFFIX = ".compacted"
+# Seqs compacted per transaction: bounds the records one compaction step holds in memory
+# and how long it keeps the writer.
+WINDOW = 100_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,3 +88,80 @@ def superseded(stream: str, candidates: Iterable[tuple[int, bytes, bytes]]) -> l
             removed.append(Compacted(stream, key, old.seq, old.value, new.seq, new.value))
     removed.sort(key=lambda entry: entry.old_seq)
     return removed
+
+
+# Told what compaction removed from a stream, once the deletion has committed.
+OnCompacted = Callable[[str, list[Compacted]], Awaitable[None] | None]
+
+
+class Compactor:
+    """A producer's compaction: ``compact`` on request, and every ``interval`` seconds
+    for the streams created with ``compact=True`` that have new records."""
+
+    def __init__(
+        self, producer: Producer, interval: float, on_compacted: OnCompacted | None
+    ) -> None:
+        self._producer = producer
+        self.interval = interval
+        self._on_compacted = on_compacted
+
+    async def compact(self, stream: str) -> list[Compacted]:
+        """``Producer.compact``."""
+        target = self._producer.log.stream(stream)
+        if not target.settings.key_index:
+            raise ValueError(
+                f"stream {stream!r} has no key index; compaction needs one "
+                "(create_stream(..., key_index=True))"
+            )
+        removed: list[Compacted] = []
+        end = target.head
+        while target.compacted < end:
+            removed += await self._compact_window(target, WINDOW)
+        return removed
+
+    async def _compact_window(self, target: Stream, window: int) -> list[Compacted]:
+        """Compact the next ``window`` seqs after the compaction point, in one transaction:
+        it looks only at the keys written there (and their older records)."""
+        producer = self._producer
+        writer = producer.storage.writer
+        compacted = target.compacted
+        tx: Transaction | None = None
+        try:
+            async with producer.transaction() as tx:
+                through = min(target.head, target.compacted + window)
+                candidates = await writer.compaction_candidates(
+                    target.id, target.low, target.compacted, through
+                )
+                removed = superseded(target.name, candidates)
+                await writer.delete_compacted(
+                    target.id, [entry.old_seq for entry in removed], through
+                )
+                if target.settings.notify_compacted:
+                    notifications = target.name + NOTIFICATION_SUFFIX
+                    for entry in removed:
+                        await tx.publish(notifications, entry.to_value(), key=entry.key)
+                target.compacted = through  # before COMMIT, as truncate does with low
+        except BaseException:
+            if tx is None or not tx.committed:
+                target.compacted = compacted
+            raise
+        finally:
+            if tx is not None and tx.committed:
+                target.tail.reset(target.head + 1)  # it may hold removed records
+                producer.retention.forget(target.name)  # its size shrank
+        if removed and self._on_compacted is not None:
+            result = self._on_compacted(target.name, removed)
+            if inspect.isawaitable(result):
+                await result
+        return removed
+
+    async def run(self) -> None:
+        """Compact, every ``interval``, the ``compact=True`` streams with new records."""
+        while True:
+            await asyncio.sleep(self.interval)
+            for stream in list(self._producer.log.streams.values()):
+                if stream.settings.compact and stream.head > stream.compacted:
+                    try:
+                        await self.compact(stream.name)
+                    except Exception:
+                        logger.exception("compacting stream %r failed", stream.name)

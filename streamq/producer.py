@@ -10,6 +10,12 @@ a stream never overlap: on SQLite, one writer at a time, each catching up at BEG
 what other connections committed (``_begin``); on PostgreSQL, a lock on the stream's
 row from its first append in the transaction to the commit, its head read under it
 (``storage.Features``).
+
+The ``Producer`` is the facade: its lifecycle, its transactions' begin and commit, and
+consumer registrations. The rest is in parts of one job each: ``transactions`` (what
+a transaction appends), ``watcher.CommitWatcher`` (other writers' commits),
+``retention.RetentionPasses`` and ``compaction.Compactor`` (deleting, on request and
+periodically), ``server.Server`` (serving) and ``log.Log`` (what is committed).
 """
 
 from __future__ import annotations
@@ -17,341 +23,54 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import inspect
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from types import TracebackType
 from typing import Any, TypeVar
 
-from .blocking import AsyncSQL, BlockingSQL, to_the_end
-from .compaction import NOTIFICATION_SUFFIX, Compacted, superseded
+from .blocking import to_the_end
+from .compaction import Compacted, Compactor, OnCompacted
 from .engines import open_storage
-from .errors import RecordTooLargeError
-from .log import RECORD_OVERHEAD, Log, Stream
+from .log import Log
 from .metrics import MetricsServer
-from .positions import ConsumerLag, Position, Positions
-from .protocol import FRAME_OVERHEAD, Record, decode_record, encode_record
+from .positions import ConsumerLag, Positions
+from .protocol import FRAME_OVERHEAD, Record, decode_record
 from .records import (
-    CheckedRecord,
     as_bytes,
     check_stream_name,
-    checked_record,
-    checked_timestamp,
-    seq_range,
-    values_only,
 )
-from .retention import Retention, RetentionPolicy, Truncation
+from .retention import Retention, RetentionPasses, RetentionPolicy, Truncation
 from .server import Server, ServerSettings
 from .storage import (
-    NO_LIMITS,
     AppendState,
     BlockingWriter,
     ConsumerRow,
     Durability,
     EpochRow,
     Limits,
-    LogRow,
     Session,
     StreamRow,
     StreamSettings,
-    TimeRow,
     Watch,
     Writer,
 )
+from .transactions import (
+    BlockingTransaction,
+    SyncTransaction,
+    Transaction,
+    _OthersCommitted,
+    _Pending,
+)
+from .watcher import CommitWatcher
 
 logger = logging.getLogger("streamq.producer")
 
 T = TypeVar("T")
 
-# Seqs compacted per transaction: bounds the records one compaction step holds in memory
-# and how long it keeps the writer.
-_COMPACTION_WINDOW = 100_000
-
-# Told what compaction removed from a stream, once the deletion has committed.
-OnCompacted = Callable[[str, list[Compacted]], Awaitable[None] | None]
 
 # Read-only connections serving consumers behind the in-memory tail, history and seeks.
 _READERS = 2
-MAX_SEQ = (1 << 40) - 1  # the largest seq either engine stores (SQLite packs it in 40 bits)
-
-
-class _Pending:
-    """A transaction's records: seqs assigned at publish, rows awaiting their INSERT, and
-    what the log learns at commit. Bookkeeping only, shared by both kinds of transaction."""
-
-    def __init__(self, producer: Producer) -> None:
-        self._producer = producer
-        self.rows: list[LogRow] = []  # not yet inserted
-        self.times: list[TimeRow] = []  # streamq_time rows not yet inserted
-        self.ids: dict[str, int] = {}  # stream name -> id, for the streams appended to
-        self.starts: dict[str, int] = {}  # stream name -> its head when this one locked it
-        self.heads: dict[str, int] = {}  # stream name -> last seq published here
-        self.max_ts: dict[str, int | None] = {}  # stream name -> largest timestamp so far
-        self.settings: dict[str, StreamSettings] = {}  # stream name -> its settings
-        self.new_streams: set[str] = set()  # created by this transaction
-        self.kept: dict[str, list[bytes] | None] = {}  # for the tail; None once too big
-        self._kept_bytes: dict[str, int] = {}
-        # stream name -> the streamq_epochs row of the segment this transaction starts in
-        # it, if the database's epoch is not that of the stream's last segment
-        self._segments: dict[str, EpochRow] = {}
-
-    def start(self, stream: str, state: AppendState) -> int:
-        """The stream, as found holding its lock: the next seqs follow its head."""
-        self.ids[stream] = state.id
-        self.starts[stream] = state.head
-        self.heads[stream] = state.head
-        self.max_ts[stream] = state.max_ts
-        self.settings[stream] = state.settings
-        if state.created:
-            self.new_streams.add(stream)
-        if state.last_epoch != state.epoch:
-            self._segments[stream] = (state.id, state.head + 1, state.epoch)
-        return state.id
-
-    def next_seq(self, stream: str) -> int:
-        return self.heads[stream] + 1
-
-    def append(
-        self,
-        stream: str,
-        stream_id: int,
-        value: bytes,
-        key: bytes | None,
-        headers: dict[str, bytes],
-        ts: int,
-    ) -> int:
-        """Encode the record under the stream's next seq and buffer its row; returns the seq."""
-        seq = self.next_seq(stream)
-        record = encode_record(seq, ts, key, value, headers)
-        if len(record) > self._producer.max_record_size:
-            raise RecordTooLargeError(
-                f"record of {len(record)} bytes exceeds the limit of "
-                f"{self._producer.max_record_size} (max_frame_size minus framing)"
-            )
-        if seq > MAX_SEQ:
-            raise OverflowError(f"stream {stream!r} has reached the last seq")
-        self.rows.append(
-            (stream_id, seq, ts, record, key if self.settings[stream].key_index else None)
-        )
-        max_ts = self.max_ts[stream]
-        if max_ts is None or ts > max_ts:  # "streamq_time": a new largest timestamp
-            self.max_ts[stream] = ts
-            self.times.append((stream_id, ts, seq))
-        self.heads[stream] = seq
-        kept = self.kept.setdefault(stream, [])
-        if kept is not None:
-            size = self._kept_bytes.get(stream, 0) + len(record) + RECORD_OVERHEAD
-            if size > self._producer.log.tail_bytes:
-                self.kept[stream] = None
-            else:
-                kept.append(record)
-                self._kept_bytes[stream] = size
-        return seq
-
-    @property
-    def full(self) -> bool:
-        """Enough rows buffered to insert them now (bounds a huge transaction's memory)."""
-        return len(self.rows) >= self._producer.flush_records
-
-    def segment_rows(self) -> dict[str, EpochRow]:
-        """The streamq_epochs rows this transaction adds: one per segment it appended to."""
-        return {name: row for name, row in self._segments.items() if self.heads[name] >= row[1]}
-
-    def append_many(self, stream: str, stream_id: int, values: Iterable[bytes]) -> Iterator[None]:
-        """``append`` each value (no key, no headers, one timestamp); yields whenever
-        ``full``, so the caller inserts the buffered rows before going on."""
-        ts = checked_timestamp(None)
-        for value in values:
-            self.append(stream, stream_id, as_bytes(value, "value"), None, {}, ts)
-            if self.full:
-                yield
-
-    def take_inserts(
-        self, closing: bool = False
-    ) -> tuple[list[LogRow], list[TimeRow], list[EpochRow]]:
-        """The rows due now: the buffered log and time-index rows and, when ``closing``
-        (just before COMMIT), the epoch rows of the segments this transaction started."""
-        rows, times = self.rows, self.times
-        self.rows, self.times = [], []
-        epochs = list(self.segment_rows().values()) if closing else []
-        return rows, times, epochs
-
-
-class Transaction(AsyncSQL):
-    """One transaction on the producer's database.
-
-    Use ``execute`` for the application's own SQL (its database's placeholders: ``?`` on
-    SQLite, ``%s`` on PostgreSQL) and ``publish`` for records; both commit together or
-    not at all. Valid only inside its ``async with``.
-    """
-
-    def __init__(self, producer: Producer) -> None:
-        super().__init__(producer._writer)
-        self._producer = producer
-        self._pending = _Pending(producer)
-        self.committed = False  # set once COMMIT returned, even to a cancelled caller
-
-    async def publish(
-        self,
-        stream: str,
-        value: bytes,
-        *,
-        key: bytes | None = None,
-        headers: Mapping[str, bytes] | None = None,
-        timestamp: int | None = None,
-    ) -> int:
-        """Append a record to ``stream``; returns its seq. Visible to consumers at commit."""
-        self._check_open()
-        checked = checked_record(value, key, headers, timestamp)
-        stream_id = await self._stream_id(stream)
-        seq = self._pending.append(stream, stream_id, *checked)
-        if self._pending.full:
-            await self._flush()
-        return seq
-
-    async def publish_many(self, stream: str, values: Iterable[bytes]) -> range:
-        """Append one record per value (no key, no headers); returns their seqs."""
-        self._check_open()
-        stream_id = await self._stream_id(stream)
-        first = self._pending.next_seq(stream)
-        for _ in self._pending.append_many(stream, stream_id, values):
-            await self._flush()
-        return range(first, self._pending.next_seq(stream))
-
-    async def _stream_id(self, stream: str, settings: StreamSettings | None = None) -> int:
-        """The stream's id, taking its lock at its first append here, and creating it
-        (with ``settings``) if it is new."""
-        stream_id = self._pending.ids.get(stream)
-        if stream_id is None:
-            state = await self._producer._append_state(stream, settings)
-            stream_id = self._pending.start(stream, state)
-        return stream_id
-
-    async def _flush(self, closing: bool = False) -> None:
-        await self._producer._writer.insert(*self._pending.take_inserts(closing))
-
-    async def _commit(self) -> None:
-        # Heads need no write of their own (the last seq in the log); epoch rows are written
-        # only by a transaction that starts a segment, and commit with its records.
-        await self._flush(closing=True)
-        await to_the_end(self._producer._writer.commit(), self._mark_committed)
-
-    def _mark_committed(self) -> None:
-        self.committed = True
-
-
-class BlockingTransaction(BlockingSQL):
-    """A transaction run as one plain function on the writer's thread.
-
-    ``await producer.run_in_transaction(fn)`` calls ``fn(tx)`` there, between
-    BEGIN and COMMIT, so a transaction of many statements costs one thread hop
-    instead of one per statement. The same calls as ``Transaction``, not awaited;
-    ``execute`` returns the driver's plain cursor.
-    """
-
-    def __init__(self, producer: Producer, writer: BlockingWriter, pending: _Pending) -> None:
-        super().__init__(writer)
-        self._writer = writer
-        self._producer = producer
-        self._pending = pending
-
-    def publish(
-        self,
-        stream: str,
-        value: bytes,
-        *,
-        key: bytes | None = None,
-        headers: Mapping[str, bytes] | None = None,
-        timestamp: int | None = None,
-    ) -> int:
-        """As ``Transaction.publish``."""
-        self._check_open()
-        checked = checked_record(value, key, headers, timestamp)
-        stream_id = self._stream_id(stream)
-        seq = self._pending.append(stream, stream_id, *checked)
-        if self._pending.full:
-            self._flush()
-        return seq
-
-    def publish_many(self, stream: str, values: Iterable[bytes]) -> range:
-        """As ``Transaction.publish_many``."""
-        self._check_open()
-        stream_id = self._stream_id(stream)
-        first = self._pending.next_seq(stream)
-        for _ in self._pending.append_many(stream, stream_id, values):
-            self._flush()
-        return range(first, self._pending.next_seq(stream))
-
-    def _stream_id(self, stream: str) -> int:
-        stream_id = self._pending.ids.get(stream)
-        if stream_id is None:
-            state = self._producer._memory_state(stream)
-            if state is None:
-                settings = StreamSettings()
-                created = self._writer.create_stream(check_stream_name(stream), settings)
-                state = self._producer._created_state(created, settings)
-            stream_id = self._pending.start(stream, state)
-        return stream_id
-
-    def _flush(self, closing: bool = False) -> None:
-        self._writer.insert(*self._pending.take_inserts(closing))
-
-    def _run(self, fn: Callable[..., T], args: tuple[Any, ...], version: int | None) -> T:
-        """``fn(self, *args)`` and the buffered records, in one transaction.
-
-        With ``version``, BEGIN first; if another writer committed since the producer's
-        ``version``, raise ``_OthersCommitted`` holding the transaction open (the producer
-        catches up, then calls again with None: the transaction is already begun).
-        """
-        if version is not None:
-            seen = self._writer.begin()
-            if seen is not None and seen != version:
-                raise _OthersCommitted(seen)
-        try:
-            result = fn(self, *args)
-            self._flush(closing=True)
-            self._writer.commit()
-        except BaseException:
-            self._writer.rollback()
-            raise
-        finally:
-            self._closed = True
-        return result
-
-
-class SyncTransaction(BlockingSQL):
-    """A transaction on a connection of a thread's own (``storage.Session``): a
-    ``SyncProducer``'s, and ``run_in_transaction``'s on PostgreSQL. ``execute`` runs the
-    application's SQL (the driver's plain cursor); ``publish`` appends as
-    ``streamq.publish`` does. Both commit together."""
-
-    def __init__(self, session: Session, max_record_size: int) -> None:
-        super().__init__(session)
-        self._session = session
-        self._max_record_size = max_record_size
-
-    def publish(
-        self,
-        stream: str,
-        value: bytes,
-        *,
-        key: bytes | None = None,
-        headers: Mapping[str, bytes] | None = None,
-        timestamp: int | None = None,
-    ) -> int:
-        """Append a record to ``stream``; returns its seq. Visible to consumers at commit."""
-        self._check_open()
-        checked = checked_record(value, key, headers, timestamp)
-        return self._append(stream, [checked])[0]
-
-    def publish_many(self, stream: str, values: Iterable[bytes]) -> range:
-        """Append one record per value (no key, no headers); returns their seqs."""
-        self._check_open()
-        return seq_range(self._append(stream, values_only(values)))
-
-    def _append(self, stream: str, records: list[CheckedRecord]) -> list[int]:
-        return self._session.append(check_stream_name(stream), records, self._max_record_size)
 
 
 class Producer:
@@ -403,22 +122,18 @@ class Producer:
         self._watch: Watch | None = None
         self._watch_interval = watch_interval
         self._in_transaction = False  # holding the writer for a transaction of its own
-        self._version: Any = None  # storage.version() when last caught up with other writers
+        self.watcher = CommitWatcher(self)  # other writers' commits
         self.positions = Positions()
         self.retention = Retention(RetentionPolicy(retention_ms, retention_bytes))
-        self._retention_interval = retention_interval
-        self._retention_task: asyncio.Task[None] | None = None
+        self.retention_passes = RetentionPasses(self, retention_interval)
+        self.compactor = Compactor(self, compact_interval, on_compacted)
         self._metrics_port, self._metrics_host = metrics_port, metrics_host
         self._metrics: MetricsServer | None = None
-        self._compact_interval = compact_interval
-        self._on_compacted = on_compacted
-        self._compactor: asyncio.Task[None] | None = None
-        self.registrations_dropped = 0  # by their limits (register_consumer)
+        self._tasks: list[asyncio.Task[None]] = []  # the watcher, retention, compaction
         self._session: Session | None = None  # run_in_transaction's, where it needs one
         self._session_lock = asyncio.Lock()
         self._lock = asyncio.Lock()
         self._server: Server | None = None
-        self._watcher: asyncio.Task[None] | None = None
         self.producer_id = ""
         self.epoch = 0
         self._started = False
@@ -433,7 +148,7 @@ class Producer:
             self.producer_id, self.epoch = identity.producer_id, identity.epoch
             await self.storage.open_readers(_READERS)
             # The version before loading the streams: any later commit by another process is seen.
-            self._version = await self.storage.version()
+            self.watcher.version = await self.storage.version()
             if self._serve:
                 self._watch = self.storage.watch()
                 await self._watch.start()
@@ -446,15 +161,16 @@ class Producer:
                 self._server = Server(
                     self.log, self.producer_id, self.epoch, self.settings, self.positions
                 )
-                self._server.refresh = self._refresh_for_request
+                self._server.refresh = self.watcher.before_request
                 await self._server.start(self._host, self._port)
                 await self.storage.serving(self._server.address)
             if self._metrics_port is not None:
                 self._metrics = MetricsServer(self, self._metrics_host, self._metrics_port)
-            if self._serve:
-                self._watcher = asyncio.create_task(self._watch_other_writers())
-            self._retention_task = asyncio.create_task(self._retain_periodically())
-            self._compactor = asyncio.create_task(self._compact_periodically())
+            if self._watch is not None:
+                watching = self.watcher.run(self._watch, self._watch_interval)
+                self._tasks.append(asyncio.create_task(watching))
+            self._tasks.append(asyncio.create_task(self.retention_passes.run()))
+            self._tasks.append(asyncio.create_task(self.compactor.run()))
         except BaseException:
             await self.close()
             raise
@@ -464,11 +180,10 @@ class Producer:
         if self._closed or self._closing:
             return
         self._closing = True
-        for task in (self._watcher, self._retention_task, self._compactor):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         if self._metrics is not None:
             await asyncio.to_thread(self._metrics.close)  # waits for its serving thread
         if self._server is not None:
@@ -534,7 +249,7 @@ class Producer:
                 raise
             tx._closed = True
             if self._after_commit(tx._pending):
-                await self._catch_up(await self.storage.version())
+                await self.watcher.catch_up(await self.storage.version())
 
     async def run_in_transaction(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(tx, *args)`` as one transaction on the writer's thread; returns its result.
@@ -548,7 +263,7 @@ class Producer:
         if not self.storage.features.blocking_transactions:
             return await self._run_in_session(fn, args)
         async with self._writing():
-            version: int | None = self._version
+            version: int | None = self.watcher.version
             try:
                 while True:
                     # One hop: BEGIN, fn and COMMIT, unless another writer committed since
@@ -562,7 +277,7 @@ class Producer:
                             functools.partial(self._after_blocking_commit, pending),
                         )
                     except _OthersCommitted as others:
-                        await self._catch_up(others.version)
+                        await self.watcher.catch_up(others.version)
                         version = None
             except BaseException:
                 await self._writer.rollback()  # begun, then caught up or cancelled: not run
@@ -593,7 +308,7 @@ class Producer:
 
             # What runs on the thread cannot be stopped: wait for it, even if cancelled.
             result = await to_the_end(asyncio.to_thread(run), lambda: None)
-        await self._check_others()
+        await self.watcher.check()
         return result
 
     def _run_blocking(
@@ -626,9 +341,9 @@ class Producer:
         committed: seqs continue from what is committed, never from a stale head. (On
         PostgreSQL each stream's head is read under its lock: ``_append_state``.)"""
         version = await self._writer.begin()
-        if version is not None and version != self._version:
+        if version is not None and version != self.watcher.version:
             try:
-                await self._catch_up(version)
+                await self.watcher.catch_up(version)
             except BaseException:
                 await self._writer.rollback()
                 raise
@@ -688,22 +403,22 @@ class Producer:
         alone would skip those rows, and serve the other writer's seqs under the wrong
         epoch; the catch-up reads every row after the last one known, and the records.
         """
-        for name, stream_id in pending.ids.items():  # in the order they were created
-            if name in pending.new_streams:
-                self.log.add(StreamRow(stream_id, name, 0, 1, pending.settings[name]))
+        for name, s in pending.streams.items():  # in the order they were created
+            if s.created:
+                self.log.add(StreamRow(s.id, name, 0, 1, s.settings))
         behind = any(
-            name not in self.log.streams or start > self.log.streams[name].head
-            for name, start in pending.starts.items()
+            name not in self.log.streams or s.start > self.log.streams[name].head
+            for name, s in pending.streams.items()
         )
         if behind:
             return True
         for name, (_, first, epoch) in pending.segment_rows().items():
             self.log.streams[name].epochs.add(first, epoch)  # before subscribers wake
-        for name, head in pending.heads.items():
+        for name, s in pending.streams.items():
             stream = self.log.streams[name]
-            if head > stream.head:  # a later seq may be known already, from another writer
-                stream.max_ts = pending.max_ts[name]
-                self.log.committed(stream, head, pending.kept.get(name, []))
+            if s.head > stream.head:  # a later seq may be known already, from another writer
+                stream.max_ts = s.max_ts
+                self.log.committed(stream, s.head, s.kept)
         return False
 
     async def publish(
@@ -879,108 +594,12 @@ class Producer:
 
         Returns what was deleted from each stream that lost records.
         """
-        now = int(time.time() * 1000)
-        unsaved = self.positions.unsaved()
-        done: list[Truncation] = []
-        capped = self.retention.default != RetentionPolicy() or self.retention.per_stream
-        if not (capped or unsaved or any(p.registered for p in self.positions.all())):
-            return done  # nothing to delete, nothing to save: no transaction
-        plans: list[tuple[Stream, int, int, Any]] = []  # stream, its low before, head, plan
-        dropped: list[tuple[Position, str]] = []
-        tx: Transaction | None = None
-        try:
-            async with self.transaction() as tx:
-                dropped = await self._drop_stale_registrations(now)
-                for stream in list(self.log.streams.values()):
-                    registered = self.positions.registered(stream.name)
-                    plan = await self.retention.plan(self._writer, stream, registered, now)
-                    plans.append((stream, stream.low, stream.head, plan))
-                    if plan.before > stream.low:
-                        await self._writer.truncate(stream.id, plan.before)
-                        stream.low = plan.before  # before COMMIT, as in truncate
-                await self._writer.save_positions(unsaved)
-        except BaseException:
-            if tx is None or not tx.committed:
-                for stream, low, _, _ in plans:
-                    stream.low = low
-                for position, _ in dropped:
-                    position.registered = True  # not dropped after all
-            raise
-        for position, reason in dropped:
-            self.positions.unregister(position.consumer, position.stream)
-            position.dropped = reason
-            self.registrations_dropped += 1
-            logger.warning(
-                "dropped the registration of consumer %r on %r: %s; retention no longer "
-                "keeps its records",
-                position.consumer,
-                position.stream,
-                reason,
-            )
-        self.positions.mark_saved(unsaved)
-        for stream, low, head, plan in plans:
-            deleted = max(0, plan.before - low)
-            self.retention.committed(stream, head, plan.size_after)
-            if deleted > 0:
-                done.append(Truncation(stream.name, stream.low, deleted, plan.lost))
-            for consumer, count in plan.lost.items():
-                self.positions.lost(consumer, stream.name, count)
-                logger.warning(
-                    "retention deleted %d record(s) of %r before registered consumer %r "
-                    "applied them (first held is now %d)",
-                    count,
-                    stream.name,
-                    consumer,
-                    stream.low,
-                )
-        return done
+        return await self.retention_passes.apply()
 
-    async def _drop_stale_registrations(self, now_ms: int) -> list[tuple[Position, str]]:
-        """In the retention pass's transaction: delete the registrations past their limits;
-        each with why. They stop holding records back in this very pass."""
-        dropped = []
-        for position in self.positions.all():
-            limits, stream = position.limits, self.log.streams.get(position.stream)
-            if not position.registered or limits == NO_LIMITS or stream is None:
-                continue
-            reason = ""
-            away_ms = now_ms - position.updated_at * 1000
-            if (
-                limits.max_idle_ms is not None
-                and away_ms > limits.max_idle_ms
-                and not self._connected(position.consumer, position.stream)
-            ):
-                reason = (
-                    f"not connected and silent for {away_ms / 1000:.0f} s, over its "
-                    f"max_idle_ms={limits.max_idle_ms}"
-                )
-            elif limits.max_bytes is not None:
-                held = await self.retention.held(self._writer, stream, position)
-                if held > limits.max_bytes:
-                    reason = (
-                        f"{held} bytes of records it has not applied, over its "
-                        f"max_bytes={limits.max_bytes}"
-                    )
-            if reason:
-                await self._writer.unregister_consumer(position.consumer, position.stream)
-                position.registered = False  # this pass plans without it
-                dropped.append((position, reason))
-        return dropped
-
-    def _connected(self, consumer: str, stream: str) -> bool:
-        """``consumer`` has a subscription to ``stream`` open now."""
-        server = self._server
-        return server is not None and any(
-            sub.reporter == consumer and sub.stream == stream for sub in server.subscriptions
-        )
-
-    async def _retain_periodically(self) -> None:
-        while True:
-            await asyncio.sleep(self._retention_interval)
-            try:
-                await self.apply_retention()
-            except Exception:
-                logger.exception("retention pass failed; trying again next interval")
+    @property
+    def registrations_dropped(self) -> int:
+        """Registrations their limits dropped (``register_consumer``)."""
+        return self.retention_passes.registrations_dropped
 
     # --- compaction ------------------------------------------------------------------
 
@@ -995,159 +614,10 @@ class Producer:
         ``on_compacted`` (whose exceptions propagate here; what was compacted stays
         compacted). Long streams are compacted 100,000 seqs per transaction.
         """
-        target = self.log.stream(stream)
-        if not target.settings.key_index:
-            raise ValueError(
-                f"stream {stream!r} has no key index; compaction needs one "
-                "(create_stream(..., key_index=True))"
-            )
-        removed: list[Compacted] = []
-        end = target.head
-        while target.compacted < end:
-            removed += await self._compact_window(target, _COMPACTION_WINDOW)
-        return removed
-
-    async def _compact_window(self, target: Stream, window: int) -> list[Compacted]:
-        """Compact the next ``window`` seqs after the compaction point, in one transaction:
-        it looks only at the keys written there (and their older records)."""
-        compacted = target.compacted
-        tx: Transaction | None = None
-        try:
-            async with self.transaction() as tx:
-                through = min(target.head, target.compacted + window)
-                candidates = await self._writer.compaction_candidates(
-                    target.id, target.low, target.compacted, through
-                )
-                removed = superseded(target.name, candidates)
-                await self._writer.delete_compacted(
-                    target.id, [entry.old_seq for entry in removed], through
-                )
-                if target.settings.notify_compacted:
-                    notifications = target.name + NOTIFICATION_SUFFIX
-                    for entry in removed:
-                        await tx.publish(notifications, entry.to_value(), key=entry.key)
-                target.compacted = through  # before COMMIT, as truncate does with low
-        except BaseException:
-            if tx is None or not tx.committed:
-                target.compacted = compacted
-            raise
-        finally:
-            if tx is not None and tx.committed:
-                target.tail.reset(target.head + 1)  # it may hold removed records
-                self.retention.forget(target.name)  # its size shrank
-        if removed and self._on_compacted is not None:
-            result = self._on_compacted(target.name, removed)
-            if inspect.isawaitable(result):
-                await result
-        return removed
-
-    async def _compact_periodically(self) -> None:
-        """Compact the streams created with ``compact=True`` that have new records."""
-        while True:
-            await asyncio.sleep(self._compact_interval)
-            for stream in list(self.log.streams.values()):
-                if stream.settings.compact and stream.head > stream.compacted:
-                    try:
-                        await self.compact(stream.name)
-                    except Exception:
-                        logger.exception("compacting stream %r failed", stream.name)
-
-    async def _watch_other_writers(self) -> None:
-        """Notice commits made to this database by other processes and connections.
-
-        Woken by the storage's watch (SQLite: writes to the WAL; PostgreSQL: NOTIFY), or
-        every ``watch_interval`` seconds as a fallback. This producer's own transactions
-        catch up at BEGIN (``_begin``); the watch is for serving, so a producer that does
-        not serve runs none.
-        """
-        watch = self._watch
-        assert watch is not None
-        interval = self._watch_interval
-        if interval is None:
-            interval = _FALLBACK_CHECK if watch.active else _POLL_INTERVAL
-        while True:
-            event_at = await watch.wait(interval)
-            try:
-                await self._look_for_commits(watch, event_at)
-            except Exception:  # the database away (a server restarting): look again later
-                logger.exception("checking for other writers' commits failed")
-
-    async def _look_for_commits(self, watch: Watch, event_at: float | None) -> None:
-        delay = _RECHECK
-        while not await self._check_others() and event_at is not None:
-            # A write not yet visible as a commit (or this producer's own): look again,
-            # later each time, sooner after another write; at most one look per _RECHECK.
-            if delay > _RECHECK_LAST:
-                break
-            await asyncio.sleep(_RECHECK)
-            if await watch.wait(delay - _RECHECK) is not None:
-                delay = _RECHECK
-            else:
-                delay *= 2
+        return await self.compactor.compact(stream)
 
     async def refresh(self) -> None:
         """Catch up now with what other connections and processes committed (they are
         also noticed on their own, within milliseconds on Linux)."""
         self._check_running()
-        await self._check_others()
-
-    async def _refresh_for_request(self) -> None:
-        """Before a request is answered: catch up unless this producer is in a transaction
-        (its next BEGIN catches up; a request does not wait for the application's work)."""
-        if not self._in_transaction:
-            await self._check_others()
-
-    async def _check_others(self) -> bool:
-        """Catch up if another connection committed; True if one had."""
-        async with self._lock:
-            version = await self.storage.version()
-            if version == self._version:
-                return False
-            await self._catch_up(version)
-            return True
-
-    async def _catch_up(self, version: Any) -> None:
-        """Load what other writers committed up to ``version`` (the caller holds the lock):
-        heads, lows, epochs, the database's epoch, registrations, read in one thread hop.
-        Their records are served from the database; this producer's next seqs continue
-        after theirs."""
-        known = {s.id: (s.head, s.epochs.last_first_seq) for s in self.log.streams.values()}
-        changes = await self.storage.changes(known)
-        self.epoch = changes.epoch
-        self._apply_registrations(changes.consumers)
-        new_epochs: dict[int, list[tuple[int, int]]] = {}
-        for stream_id, first_seq, epoch in changes.epoch_rows:
-            new_epochs.setdefault(stream_id, []).append((first_seq, epoch))
-        for row in changes.streams:
-            stream = self.log.streams.get(row.name) or self.log.add(row)
-            # Their epoch rows first: subscribers woken next send epochs.
-            for first_seq, epoch in new_epochs.get(row.id, ()):
-                stream.epochs.add(first_seq, epoch)
-            stream.low = max(stream.low, row.low)
-            stream.max_ts = row.max_ts
-            if row.compacted > stream.compacted:  # its tail may hold removed records
-                stream.compacted = row.compacted
-                stream.tail.reset(stream.head + 1)
-                self.retention.forget(stream.name)
-            if row.head > stream.head:
-                self.log.committed(stream, row.head, None)
-        self._version = version
-
-
-# Where no event wakes the producer (not Linux), how often it checks for other writers'
-# commits; where events do, the slow check that catches a missed one.
-_POLL_INTERVAL = 0.05
-_FALLBACK_CHECK = 1.0
-# After a write event that found no new commit: looks again after _RECHECK, doubling
-# up to _RECHECK_LAST (a commit becomes visible after its WAL writes, and a slow sync
-# holds it back longer).
-_RECHECK = 0.002
-_RECHECK_LAST = 0.256
-
-
-class _OthersCommitted(Exception):
-    """BEGIN found commits by other writers: catch up before running the transaction."""
-
-    def __init__(self, version: int) -> None:
-        super().__init__(version)
-        self.version = version
+        await self.watcher.check()

@@ -11,11 +11,21 @@ deletes or what was committed since the previous pass, never the whole stream.
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from .log import Stream
 from .positions import Position
-from .storage import Writer
+from .storage import NO_LIMITS, Writer
+
+if TYPE_CHECKING:
+    from .producer import Producer
+    from .transactions import Transaction
+
+logger = logging.getLogger("streamq.producer")
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,3 +138,130 @@ class Retention:
             self._sizes.pop(stream.name, None)
         else:
             self._sizes[stream.name] = (stream.low, head, size_after)
+
+
+class RetentionPasses:
+    """A producer's retention passes: ``apply`` on request and every ``interval`` seconds.
+
+    A pass, in one transaction: drop the registrations past their limits, delete from
+    each stream what ``Retention`` plans, and save the consumers' reported positions.
+    """
+
+    def __init__(self, producer: Producer, interval: float) -> None:
+        self._producer = producer
+        self.interval = interval
+        self.registrations_dropped = 0  # by their limits (register_consumer)
+
+    async def apply(self) -> list[Truncation]:
+        """``Producer.apply_retention``."""
+        producer = self._producer
+        positions, retention, writer = (
+            producer.positions,
+            producer.retention,
+            producer.storage.writer,
+        )
+        now = int(time.time() * 1000)
+        unsaved = positions.unsaved()
+        done: list[Truncation] = []
+        capped = retention.default != RetentionPolicy() or retention.per_stream
+        if not (capped or unsaved or any(p.registered for p in positions.all())):
+            return done  # nothing to delete, nothing to save: no transaction
+        plans: list[tuple[Stream, int, int, Any]] = []  # stream, its low before, head, plan
+        dropped: list[tuple[Position, str]] = []
+        tx: Transaction | None = None
+        try:
+            async with producer.transaction() as tx:
+                dropped = await self._drop_stale_registrations(now)
+                for stream in list(producer.log.streams.values()):
+                    registered = positions.registered(stream.name)
+                    plan = await retention.plan(writer, stream, registered, now)
+                    plans.append((stream, stream.low, stream.head, plan))
+                    if plan.before > stream.low:
+                        await writer.truncate(stream.id, plan.before)
+                        stream.low = plan.before  # before COMMIT, as in truncate
+                await writer.save_positions(unsaved)
+        except BaseException:
+            if tx is None or not tx.committed:
+                for stream, low, _, _ in plans:
+                    stream.low = low
+                for position, _ in dropped:
+                    position.registered = True  # not dropped after all
+            raise
+        for position, reason in dropped:
+            positions.unregister(position.consumer, position.stream)
+            position.dropped = reason
+            self.registrations_dropped += 1
+            logger.warning(
+                "dropped the registration of consumer %r on %r: %s; retention no longer "
+                "keeps its records",
+                position.consumer,
+                position.stream,
+                reason,
+            )
+        positions.mark_saved(unsaved)
+        for stream, low, head, plan in plans:
+            deleted = max(0, plan.before - low)
+            retention.committed(stream, head, plan.size_after)
+            if deleted > 0:
+                done.append(Truncation(stream.name, stream.low, deleted, plan.lost))
+            for consumer, count in plan.lost.items():
+                positions.lost(consumer, stream.name, count)
+                logger.warning(
+                    "retention deleted %d record(s) of %r before registered consumer %r "
+                    "applied them (first held is now %d)",
+                    count,
+                    stream.name,
+                    consumer,
+                    stream.low,
+                )
+        return done
+
+    async def _drop_stale_registrations(self, now_ms: int) -> list[tuple[Position, str]]:
+        """In the pass's transaction: delete the registrations past their limits; each
+        with why. They stop holding records back in this very pass."""
+        producer = self._producer
+        writer = producer.storage.writer
+        dropped = []
+        for position in producer.positions.all():
+            limits, stream = position.limits, producer.log.streams.get(position.stream)
+            if not position.registered or limits == NO_LIMITS or stream is None:
+                continue
+            reason = ""
+            away_ms = now_ms - position.updated_at * 1000
+            if (
+                limits.max_idle_ms is not None
+                and away_ms > limits.max_idle_ms
+                and not self._connected(position.consumer, position.stream)
+            ):
+                reason = (
+                    f"not connected and silent for {away_ms / 1000:.0f} s, over its "
+                    f"max_idle_ms={limits.max_idle_ms}"
+                )
+            elif limits.max_bytes is not None:
+                held = await producer.retention.held(writer, stream, position)
+                if held > limits.max_bytes:
+                    reason = (
+                        f"{held} bytes of records it has not applied, over its "
+                        f"max_bytes={limits.max_bytes}"
+                    )
+            if reason:
+                await writer.unregister_consumer(position.consumer, position.stream)
+                position.registered = False  # this pass plans without it
+                dropped.append((position, reason))
+        return dropped
+
+    def _connected(self, consumer: str, stream: str) -> bool:
+        """``consumer`` has a subscription to ``stream`` open now."""
+        server = self._producer.server
+        return server is not None and any(
+            sub.reporter == consumer and sub.stream == stream for sub in server.subscriptions
+        )
+
+    async def run(self) -> None:
+        """A pass every ``interval`` seconds, for ever; a failed one is logged."""
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                await self.apply()
+            except Exception:
+                logger.exception("retention pass failed; trying again next interval")

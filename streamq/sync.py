@@ -20,10 +20,11 @@ from typing import Any, TypeVar
 from ._loop import loop_factory
 from .compaction import Compacted
 from .positions import ConsumerLag
-from .producer import Producer, SyncTransaction
+from .producer import Producer
 from .protocol import Record
 from .retention import Truncation
 from .storage import Session
+from .transactions import SyncTransaction
 
 __all__ = ["SyncProducer", "SyncTransaction"]
 

@@ -183,7 +183,7 @@ async def test_compaction_in_windows_removes_the_same(
     producer_db: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Long streams are compacted a window of seqs per transaction: same result."""
-    monkeypatch.setattr(streamq.producer, "_COMPACTION_WINDOW", 3)
+    monkeypatch.setattr(streamq.compaction, "WINDOW", 3)
     told: list[list[int]] = []
     async with Producer(
         producer_db, on_compacted=lambda s, r: told.append([c.old_seq for c in r])

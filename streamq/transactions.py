@@ -1,0 +1,349 @@
+"""A producer's transactions: seqs assigned at publish, rows inserted at commit.
+
+``Transaction`` (awaited calls on the producer's writer), ``BlockingTransaction`` (one
+function on the writer's thread: ``Producer.run_in_transaction``) and ``SyncTransaction``
+(a thread's own session: ``SyncProducer``, ``run_in_transaction`` on PostgreSQL). The
+first two share ``_Pending``: each stream appended to, as found under its lock, and the
+rows awaiting their INSERT; the producer hands what committed to its log
+(``Producer._after_commit``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from .blocking import AsyncSQL, BlockingSQL, to_the_end
+from .errors import RecordTooLargeError
+from .log import RECORD_OVERHEAD
+from .protocol import encode_record
+from .records import (
+    CheckedRecord,
+    as_bytes,
+    check_stream_name,
+    checked_record,
+    checked_timestamp,
+    seq_range,
+    values_only,
+)
+from .storage import (
+    AppendState,
+    BlockingWriter,
+    EpochRow,
+    LogRow,
+    Session,
+    StreamSettings,
+    TimeRow,
+)
+
+if TYPE_CHECKING:
+    from .producer import Producer
+
+T = TypeVar("T")
+
+MAX_SEQ = (1 << 40) - 1  # the largest seq either engine stores (SQLite packs it in 40 bits)
+
+
+@dataclass(slots=True)
+class _Appending:
+    """One stream a transaction appends to: as found holding its lock, then what this
+    transaction appended to it."""
+
+    id: int
+    start: int  # its head when this transaction locked it
+    head: int  # the last seq published here (``start`` until the first)
+    max_ts: int | None  # its largest timestamp so far
+    settings: StreamSettings
+    created: bool  # by this transaction
+    # The streamq_epochs row of the segment this transaction starts in it, if the
+    # database's epoch is not that of the stream's last segment.
+    segment: EpochRow | None
+    kept: list[bytes] | None = field(default_factory=list)  # for the tail; None: too big
+    kept_bytes: int = 0
+
+    @property
+    def appended(self) -> bool:
+        """This transaction published to it (it may only have locked or created it)."""
+        return self.head > self.start
+
+
+class _Pending:
+    """A transaction's records: seqs assigned at publish, rows awaiting their INSERT, and
+    what the log learns at commit. Bookkeeping only, shared by both kinds of transaction."""
+
+    def __init__(self, producer: Producer) -> None:
+        self._producer = producer
+        self.rows: list[LogRow] = []  # not yet inserted
+        self.times: list[TimeRow] = []  # streamq_time rows not yet inserted
+        self.streams: dict[str, _Appending] = {}  # in the order this transaction took them
+
+    def stream_id(self, stream: str) -> int | None:
+        """The id of ``stream`` if this transaction holds it already."""
+        found = self.streams.get(stream)
+        return None if found is None else found.id
+
+    def start(self, stream: str, state: AppendState) -> int:
+        """The stream, as found holding its lock: the next seqs follow its head."""
+        segment = None
+        if state.last_epoch != state.epoch:
+            segment = (state.id, state.head + 1, state.epoch)
+        self.streams[stream] = _Appending(
+            state.id, state.head, state.head, state.max_ts, state.settings, state.created, segment
+        )
+        return state.id
+
+    def next_seq(self, stream: str) -> int:
+        return self.streams[stream].head + 1
+
+    def append(
+        self,
+        stream: str,
+        stream_id: int,
+        value: bytes,
+        key: bytes | None,
+        headers: dict[str, bytes],
+        ts: int,
+    ) -> int:
+        """Encode the record under the stream's next seq and buffer its row; returns the seq."""
+        appending = self.streams[stream]
+        seq = appending.head + 1
+        record = encode_record(seq, ts, key, value, headers)
+        if len(record) > self._producer.max_record_size:
+            raise RecordTooLargeError(
+                f"record of {len(record)} bytes exceeds the limit of "
+                f"{self._producer.max_record_size} (max_frame_size minus framing)"
+            )
+        if seq > MAX_SEQ:
+            raise OverflowError(f"stream {stream!r} has reached the last seq")
+        self.rows.append(
+            (stream_id, seq, ts, record, key if appending.settings.key_index else None)
+        )
+        if appending.max_ts is None or ts > appending.max_ts:  # "streamq_time": a new largest
+            appending.max_ts = ts
+            self.times.append((stream_id, ts, seq))
+        appending.head = seq
+        if appending.kept is not None:
+            size = appending.kept_bytes + len(record) + RECORD_OVERHEAD
+            if size > self._producer.log.tail_bytes:
+                appending.kept = None
+            else:
+                appending.kept.append(record)
+                appending.kept_bytes = size
+        return seq
+
+    @property
+    def full(self) -> bool:
+        """Enough rows buffered to insert them now (bounds a huge transaction's memory)."""
+        return len(self.rows) >= self._producer.flush_records
+
+    def segment_rows(self) -> dict[str, EpochRow]:
+        """The streamq_epochs rows this transaction adds: one per segment it appended to."""
+        return {
+            name: s.segment
+            for name, s in self.streams.items()
+            if s.segment is not None and s.appended
+        }
+
+    def append_many(self, stream: str, stream_id: int, values: Iterable[bytes]) -> Iterator[None]:
+        """``append`` each value (no key, no headers, one timestamp); yields whenever
+        ``full``, so the caller inserts the buffered rows before going on."""
+        ts = checked_timestamp(None)
+        for value in values:
+            self.append(stream, stream_id, as_bytes(value, "value"), None, {}, ts)
+            if self.full:
+                yield
+
+    def take_inserts(
+        self, closing: bool = False
+    ) -> tuple[list[LogRow], list[TimeRow], list[EpochRow]]:
+        """The rows due now: the buffered log and time-index rows and, when ``closing``
+        (just before COMMIT), the epoch rows of the segments this transaction started."""
+        rows, times = self.rows, self.times
+        self.rows, self.times = [], []
+        epochs = list(self.segment_rows().values()) if closing else []
+        return rows, times, epochs
+
+
+class Transaction(AsyncSQL):
+    """One transaction on the producer's database.
+
+    Use ``execute`` for the application's own SQL (its database's placeholders: ``?`` on
+    SQLite, ``%s`` on PostgreSQL) and ``publish`` for records; both commit together or
+    not at all. Valid only inside its ``async with``.
+    """
+
+    def __init__(self, producer: Producer) -> None:
+        super().__init__(producer._writer)
+        self._producer = producer
+        self._pending = _Pending(producer)
+        self.committed = False  # set once COMMIT returned, even to a cancelled caller
+
+    async def publish(
+        self,
+        stream: str,
+        value: bytes,
+        *,
+        key: bytes | None = None,
+        headers: Mapping[str, bytes] | None = None,
+        timestamp: int | None = None,
+    ) -> int:
+        """Append a record to ``stream``; returns its seq. Visible to consumers at commit."""
+        self._check_open()
+        checked = checked_record(value, key, headers, timestamp)
+        stream_id = await self._stream_id(stream)
+        seq = self._pending.append(stream, stream_id, *checked)
+        if self._pending.full:
+            await self._flush()
+        return seq
+
+    async def publish_many(self, stream: str, values: Iterable[bytes]) -> range:
+        """Append one record per value (no key, no headers); returns their seqs."""
+        self._check_open()
+        stream_id = await self._stream_id(stream)
+        first = self._pending.next_seq(stream)
+        for _ in self._pending.append_many(stream, stream_id, values):
+            await self._flush()
+        return range(first, self._pending.next_seq(stream))
+
+    async def _stream_id(self, stream: str, settings: StreamSettings | None = None) -> int:
+        """The stream's id, taking its lock at its first append here, and creating it
+        (with ``settings``) if it is new."""
+        stream_id = self._pending.stream_id(stream)
+        if stream_id is None:
+            state = await self._producer._append_state(stream, settings)
+            stream_id = self._pending.start(stream, state)
+        return stream_id
+
+    async def _flush(self, closing: bool = False) -> None:
+        await self._producer._writer.insert(*self._pending.take_inserts(closing))
+
+    async def _commit(self) -> None:
+        # Heads need no write of their own (the last seq in the log); epoch rows are written
+        # only by a transaction that starts a segment, and commit with its records.
+        await self._flush(closing=True)
+        await to_the_end(self._producer._writer.commit(), self._mark_committed)
+
+    def _mark_committed(self) -> None:
+        self.committed = True
+
+
+class BlockingTransaction(BlockingSQL):
+    """A transaction run as one plain function on the writer's thread.
+
+    ``await producer.run_in_transaction(fn)`` calls ``fn(tx)`` there, between
+    BEGIN and COMMIT, so a transaction of many statements costs one thread hop
+    instead of one per statement. The same calls as ``Transaction``, not awaited;
+    ``execute`` returns the driver's plain cursor.
+    """
+
+    def __init__(self, producer: Producer, writer: BlockingWriter, pending: _Pending) -> None:
+        super().__init__(writer)
+        self._writer = writer
+        self._producer = producer
+        self._pending = pending
+
+    def publish(
+        self,
+        stream: str,
+        value: bytes,
+        *,
+        key: bytes | None = None,
+        headers: Mapping[str, bytes] | None = None,
+        timestamp: int | None = None,
+    ) -> int:
+        """As ``Transaction.publish``."""
+        self._check_open()
+        checked = checked_record(value, key, headers, timestamp)
+        stream_id = self._stream_id(stream)
+        seq = self._pending.append(stream, stream_id, *checked)
+        if self._pending.full:
+            self._flush()
+        return seq
+
+    def publish_many(self, stream: str, values: Iterable[bytes]) -> range:
+        """As ``Transaction.publish_many``."""
+        self._check_open()
+        stream_id = self._stream_id(stream)
+        first = self._pending.next_seq(stream)
+        for _ in self._pending.append_many(stream, stream_id, values):
+            self._flush()
+        return range(first, self._pending.next_seq(stream))
+
+    def _stream_id(self, stream: str) -> int:
+        stream_id = self._pending.stream_id(stream)
+        if stream_id is None:
+            state = self._producer._memory_state(stream)
+            if state is None:
+                settings = StreamSettings()
+                created = self._writer.create_stream(check_stream_name(stream), settings)
+                state = self._producer._created_state(created, settings)
+            stream_id = self._pending.start(stream, state)
+        return stream_id
+
+    def _flush(self, closing: bool = False) -> None:
+        self._writer.insert(*self._pending.take_inserts(closing))
+
+    def _run(self, fn: Callable[..., T], args: tuple[Any, ...], version: int | None) -> T:
+        """``fn(self, *args)`` and the buffered records, in one transaction.
+
+        With ``version``, BEGIN first; if another writer committed since the producer's
+        ``version``, raise ``_OthersCommitted`` holding the transaction open (the producer
+        catches up, then calls again with None: the transaction is already begun).
+        """
+        if version is not None:
+            seen = self._writer.begin()
+            if seen is not None and seen != version:
+                raise _OthersCommitted(seen)
+        try:
+            result = fn(self, *args)
+            self._flush(closing=True)
+            self._writer.commit()
+        except BaseException:
+            self._writer.rollback()
+            raise
+        finally:
+            self._closed = True
+        return result
+
+
+class SyncTransaction(BlockingSQL):
+    """A transaction on a connection of a thread's own (``storage.Session``): a
+    ``SyncProducer``'s, and ``run_in_transaction``'s on PostgreSQL. ``execute`` runs the
+    application's SQL (the driver's plain cursor); ``publish`` appends as
+    ``streamq.publish`` does. Both commit together."""
+
+    def __init__(self, session: Session, max_record_size: int) -> None:
+        super().__init__(session)
+        self._session = session
+        self._max_record_size = max_record_size
+
+    def publish(
+        self,
+        stream: str,
+        value: bytes,
+        *,
+        key: bytes | None = None,
+        headers: Mapping[str, bytes] | None = None,
+        timestamp: int | None = None,
+    ) -> int:
+        """Append a record to ``stream``; returns its seq. Visible to consumers at commit."""
+        self._check_open()
+        checked = checked_record(value, key, headers, timestamp)
+        return self._append(stream, [checked])[0]
+
+    def publish_many(self, stream: str, values: Iterable[bytes]) -> range:
+        """Append one record per value (no key, no headers); returns their seqs."""
+        self._check_open()
+        return seq_range(self._append(stream, values_only(values)))
+
+    def _append(self, stream: str, records: list[CheckedRecord]) -> list[int]:
+        return self._session.append(check_stream_name(stream), records, self._max_record_size)
+
+
+class _OthersCommitted(Exception):
+    """BEGIN found commits by other writers: catch up before running the transaction."""
+
+    def __init__(self, version: int) -> None:
+        super().__init__(version)
+        self.version = version
