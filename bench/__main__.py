@@ -8,15 +8,22 @@ import json
 import sys
 from typing import Any
 
-from . import latency, pipe, shares, slow_consumer, spark_ingest, transfer, transfer_pg, workers
 from .common import DURABILITY, console, machine
+from .latency import run as latency
+from .pipe import run as pipe
+from .shares import run as shares
+from .slow import run as slow
+from .spark import run as spark
+from .transfer import run as transfer
+from .transfer_pg import run as transfer_pg
+from .workers import run as workers
 
 WORKLOADS = {
     "pipe": pipe.run,
     "latency": latency.run,
     "transfer": transfer.run,
-    "slow": slow_consumer.run,
-    "spark": spark_ingest.run,
+    "slow": slow.run,
+    "spark": spark.run,
     "workers": workers.run,
     "transfer_pg": transfer_pg.run,
     "shares": shares.run,
@@ -57,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def pipe_settings() -> tuple[dict[str, Any], dict[str, Any]]:
-    from .kafka_pipe import CONSUMER_THROUGHPUT, PRODUCER_THROUGHPUT
+    from .kafka.clients import CONSUMER_THROUGHPUT, PRODUCER_THROUGHPUT
 
     return PRODUCER_THROUGHPUT, CONSUMER_THROUGHPUT
 

@@ -1,4 +1,5 @@
-"""What every workload shares: child processes, the machine, results, tables and charts."""
+"""What every workload shares: child processes, the machine, results and tables (charts:
+``bench.charts``; pacing and latencies: ``bench.measure``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,7 +84,7 @@ class Child:
     """A benchmark process speaking a line protocol on stdin/stdout (READY, GO, DONE ...)."""
 
     def __init__(self, module: str, *args: object) -> None:
-        self.name = module.rsplit(".", 1)[-1]
+        self.name = module.removeprefix("bench.")
         self.process = subprocess.Popen(
             [sys.executable, "-m", module, *map(str, args)],
             stdin=subprocess.PIPE,
@@ -227,7 +228,8 @@ def latency_table(title: str, runs: LatencyRuns) -> Table:
 
 
 def save(workload: str, payload: dict[str, Any], quick: bool, folder: Path | None = None) -> Path:
-    """``folder/WORKLOAD.json`` (default: ``results_dir(quick)``) with the machine's details."""
+    """``folder/WORKLOAD.json`` (default: ``results_dir(quick)``) with the machine's details
+    and the date, then the workload's charts, drawn from what was saved."""
     folder = results_dir(quick) if folder is None else folder
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{workload}.json"
@@ -239,6 +241,9 @@ def save(workload: str, payload: dict[str, Any], quick: bool, folder: Path | Non
         **payload,
     }
     path.write_text(json.dumps(payload, indent=2, default=str))
+    from .charts import draw  # matplotlib: only once there are results
+
+    draw(json.loads(path.read_text()), folder)
     return path
 
 
@@ -270,51 +275,10 @@ def comparison_table(title: str, series: Sequence[Series], better: str = "higher
     return table
 
 
-def bar_chart(
-    path: Path,
-    title: str,
-    series: Sequence[Series],
-    ylabel: str,
-    colors: Mapping[str, str] | None = None,
-) -> None:
-    """One panel per case (each with its own scale), one bar per system, whiskers min..max.
-
-    ``colors`` adds colors for systems other than streamq (blue) and kafka (orange)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cases = list(dict.fromkeys(s.case for s in series))
-    systems = list(dict.fromkeys(s.system for s in series))
-    colors = {"streamq": "tab:blue", "kafka": "tab:orange", **(colors or {})}
-    fig, axes = plt.subplots(1, len(cases), figsize=(2.6 * len(cases) + 1, 3.8), squeeze=False)
-    for ax, case in zip(axes[0], cases, strict=True):
-        shown = [s for system in systems for s in series if s.system == system and s.case == case]
-        ax.bar(
-            [s.system for s in shown],
-            [s.median for s in shown],
-            yerr=[
-                [s.median - min(s.values) for s in shown],
-                [max(s.values) - s.median for s in shown],
-            ],
-            capsize=4,
-            color=[colors.get(s.system, "tab:gray") for s in shown],
-        )
-        ax.set_title(case, fontsize=9)
-        ax.tick_params(axis="both", labelsize=8)
-    axes[0][0].set_ylabel(ylabel)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def workload_main(
     prog: str, doc: str | None, run: Callable[[Any, bool, int, int | None], Any], argv: Any
 ) -> int:
-    """``python -m bench.<workload>``: its options, a Kafka broker unless ``--no-kafka``,
+    """``python -m bench.<workload>.run``: its options, a Kafka broker unless ``--no-kafka``,
     then ``run(broker, quick, repeats, seed)``."""
     parser = argparse.ArgumentParser(prog=prog, description=doc)
     parser.add_argument("--quick", action="store_true")

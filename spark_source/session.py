@@ -2,12 +2,46 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
+import tempfile
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
+
+LOOPBACK = "127.0.0.1"
+
+# Read by the JVM as it starts (-Dlog4j2.configurationFile): Spark's own default profile
+# would log its start-up warnings (native-hadoop, hostname) before setLogLevel could run.
+# Errors still reach stderr.
+LOG4J2 = """\
+rootLogger.level = error
+# PySpark's JVM starts as a shell, which announces the level it picks unless this sets it.
+logger.gateway.name = org.apache.spark.api.python.PythonGatewayServer
+logger.gateway.level = error
+rootLogger.appenderRef.stderr.ref = stderr
+appender.stderr.type = Console
+appender.stderr.name = stderr
+appender.stderr.target = SYSTEM_ERR
+appender.stderr.layout.type = PatternLayout
+appender.stderr.layout.pattern = %d{yy/MM/dd HH:mm:ss} %p %c{1}: %m%n%ex
+"""
+
+
+def log4j2_file() -> Path:
+    """``LOG4J2`` in a file the JVM can read; named by its content, so it is written once
+    per version and concurrent sessions never see it half written."""
+    digest = hashlib.sha256(LOG4J2.encode()).hexdigest()[:12]
+    path = Path(tempfile.gettempdir()) / f"streamq-spark-log4j2-{digest}.properties"
+    if not path.exists():
+        fd, partial = tempfile.mkstemp(dir=path.parent, suffix=".partial")
+        with os.fdopen(fd, "w") as out:
+            out.write(LOG4J2)
+        os.replace(partial, path)
+    return path
 
 
 def local_spark(
@@ -19,11 +53,15 @@ def local_spark(
     from .datasource import StreamQDataSource
 
     os.environ["PYSPARK_PYTHON"] = sys.executable  # executors run this environment
+    # Read by the JVM before any configuration: without it Spark looks up the hostname,
+    # finds loopback and warns that it picked another interface.
+    os.environ["SPARK_LOCAL_IP"] = LOOPBACK
     builder = (
         SparkSession.builder.master("local[2]")
         .appName(app)
-        .config("spark.driver.host", "127.0.0.1")  # loopback only
-        .config("spark.driver.bindAddress", "127.0.0.1")
+        .config("spark.driver.host", LOOPBACK)  # loopback only
+        .config("spark.driver.bindAddress", LOOPBACK)
+        .config("spark.driver.extraJavaOptions", f"-Dlog4j2.configurationFile={log4j2_file()}")
         .config("spark.ui.enabled", "false")
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.shuffle.partitions", "2")
@@ -34,6 +72,5 @@ def local_spark(
     if jars:
         builder = builder.config("spark.jars", ",".join(jars))
     spark = builder.getOrCreate()
-    spark.sparkContext.setLogLevel("ERROR")
     spark.dataSource.register(StreamQDataSource)
     return spark

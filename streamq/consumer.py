@@ -84,6 +84,25 @@ logger = logging.getLogger("streamq.consumer")
 _READ_SIZE = 256 * 1024
 
 
+# Without heartbeat_timeout=: the connection counts as lost after this many of the
+# producer's announced heartbeat intervals of silence, and never sooner than the floor
+# (timers slip on a busy machine); 30 s from a producer that announces none.
+HEARTBEAT_MISSES = 6
+MIN_HEARTBEAT_TIMEOUT = 2.0
+DEFAULT_HEARTBEAT_TIMEOUT = 30.0
+
+
+def heartbeat_timeout(given: float | None, interval_ms: int | None) -> float:
+    """The silence after which a subscription is treated as lost ("Handshake",
+    ``heartbeat_interval_ms``): the caller's own value if given, else a few of the
+    producer's intervals, so a producer with slow heartbeats is not taken for dead."""
+    if given is not None:
+        return given
+    if interval_ms is None:
+        return DEFAULT_HEARTBEAT_TIMEOUT
+    return max(HEARTBEAT_MISSES * interval_ms / 1000, MIN_HEARTBEAT_TIMEOUT)
+
+
 def lost_seqs(position: int, head: int, rewritten_from: int) -> range | None:
     """The seqs up to ``position`` that the producer's log no longer holds ("Epochs"): those
     beyond its ``head``, and those from ``rewritten_from`` (if not 0) on; None if none."""
@@ -409,6 +428,10 @@ class Consumer:
     every applied batch survive power loss as soon as it commits. On PostgreSQL,
     ``"normal"`` keeps the server's ``synchronous_commit`` and ``"full"`` sets it on.
 
+    ``heartbeat_timeout``: reconnect after this many seconds without a byte from the
+    producer. Left out, it is six of the heartbeat intervals the producer announces
+    (at least 2 s), or 30 s with a producer that announces none.
+
     ``tls`` connects over TLS 1.3 (``ClientTLS``); ``token`` authenticates to a producer
     that requires tokens. A failed TLS handshake raises ``TLSError``, a refused token
     ``AuthenticationFailedError``, a stream outside the token's grants ``NotAuthorizedError``;
@@ -442,7 +465,7 @@ class Consumer:
         reconnect: bool = True,
         reconnect_timeout: float | None = None,
         connect_timeout: float = 10.0,
-        heartbeat_timeout: float = 30.0,
+        heartbeat_timeout: float | None = None,
         max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
         durability: Durability = "normal",
         tls: ClientTLS | None = None,
@@ -487,7 +510,11 @@ class Consumer:
         self._reconnect = reconnect
         self._reconnect_timeout = reconnect_timeout
         self._connect_timeout = connect_timeout
-        self._heartbeat_timeout = heartbeat_timeout
+        self._heartbeat_timeout_given = heartbeat_timeout
+        # Until a producer announces its interval (and for one that does not): 30 s.
+        self._heartbeat_timeout = (
+            DEFAULT_HEARTBEAT_TIMEOUT if heartbeat_timeout is None else heartbeat_timeout
+        )
         self._max_frame_size = max_frame_size
         self._durability = durability
         self._tls = tls
@@ -686,6 +713,9 @@ class Consumer:
                         raise tls_refused(self.address, tls) from exc
                     writer.write(client_hello)
                 assert isinstance(hello, ServerHello)
+                self._heartbeat_timeout = heartbeat_timeout(
+                    self._heartbeat_timeout_given, hello.heartbeat_interval_ms
+                )
                 if self._token is not None:
                     assert isinstance(await self._read_message(conn, reader), Authenticated)
                 start = await self._start_position(hello.producer_id)

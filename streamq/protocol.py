@@ -123,12 +123,18 @@ class ClientHello:
 
 @dataclass(frozen=True, slots=True)
 class ServerHello:
-    """First frame the producer sends, on accept, before reading anything."""
+    """First frame the producer sends, on accept, before reading anything.
+
+    ``heartbeat_interval_ms`` (optional, "Handshake"): how often a caught-up subscription
+    hears from the producer, so a client can size its timeout instead of guessing it;
+    None leaves the field off the wire, as producers that predate it do.
+    """
 
     version: int
     producer_id: str
     epoch: int
     max_frame_size: int
+    heartbeat_interval_ms: int | None = None
     TYPE: ClassVar[MessageType] = MessageType.SERVER_HELLO
 
 
@@ -488,6 +494,10 @@ def _int(v: Any) -> bool:
     return type(v) is int
 
 
+def _is_version(v: Any) -> bool:
+    return type(v) is int and v == PROTOCOL_VERSION
+
+
 _CLASSES: dict[MessageType, type[Any]] = {
     cls.TYPE: cls
     for cls in (
@@ -519,7 +529,7 @@ _FIELD_NAMES: dict[type[Any], tuple[str, ...]] = {
 }
 _CHECKS: dict[type[Any], tuple[Callable[[Any], bool], ...]] = {
     ClientHello: (_uint, _str, _opt_str),
-    ServerHello: (_uint, _str, _uint, _uint),
+    ServerHello: (_uint, _str, _uint, _uint, _uint),
     Subscribe: (_str, _uint, _str, _opt_str, _opt_uint, _map),
     Subscribed: (_str, _uint, _uint, _uint, _uint),
     Heartbeat: (_uint,),
@@ -543,6 +553,7 @@ _CHECKS: dict[type[Any], tuple[Callable[[Any], bool], ...]] = {
 # they were before the fields existed.
 _OPTIONAL_FIELDS: dict[type[Any], int] = {
     ClientHello: 1,
+    ServerHello: 1,
     Subscribe: 2,
     Subscribed: 2,
     GetRange: 2,
@@ -651,9 +662,9 @@ def _decode_message(body: bytes, raw_records: bool) -> Message:
         return _decode_stream_list(args[0])
     if cls is Records:
         return _decode_records_message(args, raw_records)
-    if cls in (ClientHello, ServerHello) and args and args[0] != PROTOCOL_VERSION:
-        # "Handshake": the version is checked before anything else in a hello,
-        # whose other fields may differ in other versions.
+    if cls in (ClientHello, ServerHello) and args and not _is_version(args[0]):
+        # "Handshake", version check: anything but the integer 1 first (1.0 and true
+        # too) is another version, whatever follows, since other fields may differ there.
         raise RemoteProtocolError(
             f"peer speaks protocol version {_short(args[0])}, this side speaks {PROTOCOL_VERSION}",
             ErrorCode.VERSION_MISMATCH,
@@ -854,12 +865,20 @@ class ServerConnection(_Connection):
             self.our_state = State.READY
         elif isinstance(message, ServerHello):
             raise LocalProtocolError("SERVER_HELLO was already sent")
+        elif self.our_state is State.STREAMING:
+            # "What the server sends": after SUBSCRIBED, only RECORDS and HEARTBEAT.
+            if not isinstance(message, Records | RecordRows | Heartbeat):
+                raise LocalProtocolError(f"cannot send {message.TYPE.name} on a subscription")
+        elif isinstance(message, Heartbeat):
+            raise LocalProtocolError("HEARTBEAT is sent on a subscription only, after SUBSCRIBED")
         elif isinstance(message, Authenticated) != self.authenticated_owed:
             raise LocalProtocolError(
                 "AUTHENTICATED answers a CLIENT_HELLO with a token, before anything else"
                 if self.authenticated_owed
                 else "AUTHENTICATED is sent once, only after a CLIENT_HELLO with a token"
             )
+        elif isinstance(message, Subscribed):
+            self.our_state = State.STREAMING
         else:
             self.authenticated_owed = False
 
@@ -870,7 +889,7 @@ class ServerConnection(_Connection):
         through: int | None = None,
     ) -> bytes:
         """A RECORDS frame from stored record encodings (the hot path)."""
-        if self.our_state is not State.READY or self.authenticated_owed:
+        if self.our_state not in (State.READY, State.STREAMING) or self.authenticated_owed:
             raise LocalProtocolError(f"cannot send RECORDS while {self.our_state.value}")
         return records_frame(encoded_records, epoch, through)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -67,6 +68,8 @@ _READ_SIZE = 64 * 1024
 # Positions keep the consumer names peers report (status, metrics labels); their number is
 # capped (positions.MAX_UNREGISTERED), and so is each name's length.
 MAX_CONSUMER_NAME = 255
+# Record timestamps are stored as signed 64-bit integers; the wire's int goes to 2**64 - 1.
+MAX_STORED_TIMESTAMP = 2**63 - 1
 _LINGER_SECONDS = 1.0
 _LINGER_BYTES = 1024 * 1024
 
@@ -86,6 +89,9 @@ class ServerSettings:
     idle_timeout: float = 300.0  # between requests on a request connection
     frame_timeout: float = 30.0  # on a subscription, for the rest of a frame once begun
     heartbeat_interval: float = 5.0  # on a subscription with nothing to send
+    # Tell clients the heartbeat interval in SERVER_HELLO; off until every client of the
+    # producer understands the field (those before it refuse a 5-field SERVER_HELLO).
+    announce_heartbeat: bool = False
     # On a filtered subscription, how long the position may stay behind what was examined
     # when nothing matches: at most one RECORDS frame with only ``through`` per interval.
     progress_interval: float = 0.5
@@ -156,6 +162,8 @@ def _peer_name(writer: asyncio.StreamWriter) -> str:
 
 
 def _check_consumer_name(name: str) -> None:
+    """ "Limits": at most 255 characters. ``details.length`` tells this refusal apart from a
+    frame that does not decode, for which MALFORMED_FRAME's details are empty."""
     if len(name) > MAX_CONSUMER_NAME:
         raise MalformedFrameError(
             f"consumer name of {len(name)} characters: at most {MAX_CONSUMER_NAME} characters",
@@ -247,8 +255,14 @@ class Server:
             if self.connections > self.settings.max_connections:
                 limit = self.settings.max_connections
                 raise TooManyConnectionsError(f"producer is at its limit of {limit} connections")
+            settings = self.settings
+            # "Handshake": the heartbeat interval, announced only when configured to, since
+            # clients that predate the field refuse a 5-field SERVER_HELLO.
+            interval_ms = None
+            if settings.announce_heartbeat:
+                interval_ms = math.ceil(settings.heartbeat_interval * 1000)
             hello = ServerHello(
-                PROTOCOL_VERSION, self.producer_id, self.epoch, self.settings.max_frame_size
+                PROTOCOL_VERSION, self.producer_id, self.epoch, settings.max_frame_size, interval_ms
             )
             writer.write(conn.send(hello))
             await self._serve(conn, reader, writer)
@@ -364,7 +378,12 @@ class Server:
                 await self._send_history(conn, message, writer)
             elif isinstance(message, SeekTime):
                 stream = self.log.stream(message.stream)
-                seq = await self.log.seek_time(stream, message.timestamp)
+                # "SEEK_TIME": stored timestamps are signed 64-bit; one beyond them all is
+                # later than every record (the database cannot even compare it).
+                if message.timestamp > MAX_STORED_TIMESTAMP:
+                    seq = stream.head + 1
+                else:
+                    seq = await self.log.seek_time(stream, message.timestamp)
                 writer.write(conn.send(TimePosition(stream.name, seq, stream.head, stream.low)))
             elif isinstance(message, ListStreams):
                 infos = tuple(

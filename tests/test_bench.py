@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import pipe
 from bench.kafka.broker import KafkaBroker
+from bench.pipe import run as pipe
 
 COUNT = 3000
 

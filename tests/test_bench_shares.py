@@ -1,5 +1,5 @@
 """The shares workload cannot rot: two worker processes over a real PostgreSQL database,
-every seq applied once by its key's share, each key in order (``bench.shares.check``)."""
+every seq applied once by its key's share, each key in order (``bench.shares.run.check``)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import psycopg
 
-from bench import shares
 from bench.common import Child
+from bench.shares import run as shares
 from tests.pgserver import PostgresServer
 
 

@@ -1,4 +1,4 @@
-"""The transfer workload's crash check (bench/transfer.py), small: streamq and Kafka + outbox
+"""The transfer workload's crash check (bench/transfer/run.py), small: streamq and Kafka + outbox
 credit every transfer exactly once through kill -9 of every process; the naive dual write
 loses the deposits of a producer killed between its commit and its produce; and the checker
 itself sees lost, doubled and wrong credits.
@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from bench import transfer
 from bench.kafka.broker import KafkaBroker
-from bench.transfer_programs import (
+from bench.transfer import run as transfer
+from bench.transfer.common import (
     ACCOUNTS,
     CONSUMER_SCHEMA,
     OPENING_BALANCE,
@@ -31,7 +31,7 @@ RATE = 750  # transfers/s: the kills land while transfers flow
 
 def our_programs() -> list[int]:
     """Pids of this process's children still running a transfer program."""
-    return [pid for pid, cmdline in running_children().items() if "transfer_programs" in cmdline]
+    return [pid for pid, cmdline in running_children().items() if "bench.transfer." in cmdline]
 
 
 def assert_exactly_once(result: dict[str, Any]) -> None:

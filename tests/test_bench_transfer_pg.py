@@ -1,4 +1,4 @@
-"""The transfer workload on PostgreSQL (bench/transfer_pg.py), tiny: streamq and Kafka +
+"""The transfer workload on PostgreSQL (bench/transfer_pg/run.py), tiny: streamq and Kafka +
 outbox (a real broker), with 1 and 2 concurrent writers, each run credited exactly once
 and the result JSON complete; the relay never skips an outbox row that commits after a
 higher id; and the checker sees lost and doubled credits in PostgreSQL databases.
@@ -13,9 +13,10 @@ from typing import Any
 import psycopg
 import pytest
 
-from bench import transfer_pg
 from bench.kafka.broker import KafkaBroker
-from bench.transfer_pg_programs import PostgresOutbox, setup_ledger, setup_payments
+from bench.transfer_pg import run as transfer_pg
+from bench.transfer_pg.common import setup_ledger, setup_payments
+from bench.transfer_pg.kafka import PostgresOutbox
 
 from .children import running_children
 from .pgserver import PostgresServer

@@ -1,4 +1,4 @@
-"""The workers workload (bench/workers.py), tiny: two worker processes publish into one
+"""The workers workload (bench/workers/run.py), tiny: two worker processes publish into one
 database through their own sqlite3 connections while ``streamq serve`` pushes to a
 consumer process; every committed order arrives once, seqs dense and in commit order.
 The same through an outbox, the transfer workload's relay and a real Kafka broker; the
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from bench import workers
 from bench.kafka.broker import KafkaBroker
-from bench.workers_programs import ORDERS_SCHEMA, RECEIVED_SCHEMA, SYNC_VARIANTS
+from bench.workers import run as workers
+from bench.workers.common import ORDERS_SCHEMA, RECEIVED_SCHEMA, SYNC_VARIANTS
 
 from .children import running_children
 

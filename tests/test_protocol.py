@@ -132,7 +132,9 @@ def filtered_records(draw: st.DrawFn) -> Records:
 
 MESSAGE_STRATEGIES: dict[type[Any], st.SearchStrategy[Any]] = {
     ClientHello: st.builds(ClientHello, st.just(PROTOCOL_VERSION), texts, st.none() | texts),
-    ServerHello: st.builds(ServerHello, st.just(PROTOCOL_VERSION), texts, uints, uints),
+    ServerHello: st.builds(
+        ServerHello, st.just(PROTOCOL_VERSION), texts, uints, uints, st.none() | uints
+    ),
     Subscribe: st.builds(
         Subscribe, texts, uints, texts, st.none() | texts, st.none() | uints, st.none() | filters
     ),
@@ -162,6 +164,7 @@ messages = st.one_of(*MESSAGE_STRATEGIES.values())
 # "Optional fields": how many of each message's last fields may be left off.
 OPTIONAL_FIELDS: dict[type[Any], int] = {
     ClientHello: 1,
+    ServerHello: 1,
     Subscribe: 2,
     Subscribed: 2,
     Records: 2,
@@ -171,7 +174,7 @@ OPTIONAL_FIELDS: dict[type[Any], int] = {
 # The wire kind of each field after the message type, as the message docstrings describe.
 FIELD_KINDS: dict[type[Any], tuple[str, ...]] = {
     ClientHello: ("version", "str", "opt_str"),
-    ServerHello: ("version", "str", "uint", "uint"),
+    ServerHello: ("version", "str", "uint", "uint", "uint"),
     Subscribe: ("str", "uint", "str", "opt_str", "opt_uint", "filter"),
     Subscribed: ("str", "uint", "uint", "uint", "uint"),
     Heartbeat: ("uint",),
@@ -789,8 +792,8 @@ def test_nesting_below_msgpacks_limit_is_a_remote_protocol_error(where: str, dep
     """A peer must not turn a bad field into a RecursionError (or any non-protocol error)."""
     body = NEAR_LIMIT_BODIES[where](depth)
     error = decode_error(body)
-    if "hello" in where:  # a version that is not 1: either code describes it
-        assert error.code in (ErrorCode.VERSION_MISMATCH, ErrorCode.MALFORMED_FRAME)
+    if "hello" in where:  # "Handshake": a version that is not the integer 1
+        assert error.code is ErrorCode.VERSION_MISMATCH
     else:
         assert error.code is ErrorCode.MALFORMED_FRAME
 
@@ -832,6 +835,24 @@ def test_hello_with_another_version_is_a_version_mismatch(
         conn.send(ClientHello(PROTOCOL_VERSION, "c"))
     conn.receive_data(frame(packb(items)))
     assert remote_error(conn.next_event).code is ErrorCode.VERSION_MISMATCH
+
+
+@pytest.mark.parametrize(
+    "hello",
+    [ClientHello(PROTOCOL_VERSION, "c", "t"), ServerHello(PROTOCOL_VERSION, "p", 1, 1024, 5000)],
+    ids=lambda m: m.TYPE.name,
+)
+@pytest.mark.parametrize("version", [1.0, True, "1", b"\x01", None, [1]], ids=repr)
+def test_hello_version_equal_to_1_but_not_the_integer_is_a_mismatch(
+    hello: Message, version: Any
+) -> None:
+    """ "Handshake": only the integer 1 passes the version check (not 1.0, not true), and
+    a hello with no fields at all is malformed, not a mismatch."""
+    items = msgpack.unpackb(body_of(hello))
+    assert decode_message(packb(items)) == hello
+    items[1] = version
+    assert decode_error(packb(items)).code is ErrorCode.VERSION_MISMATCH
+    assert decode_error(packb([hello.TYPE.value])).code is ErrorCode.MALFORMED_FRAME
 
 
 # --- 4. Connection state machines ------------------------------------------------------
@@ -1033,6 +1054,40 @@ def test_server_must_send_server_hello_first() -> None:
     with pytest.raises(LocalProtocolError):
         server.send(hello)
     assert server.send_records([]) == encode(Records(()))
+
+
+def test_server_sends_only_records_and_heartbeats_once_subscribed() -> None:
+    """ "What the server sends": SUBSCRIBED moves the server to STREAMING, where RECORDS and
+    HEARTBEAT (and ERROR) are all it may send; no HEARTBEAT outside a subscription."""
+    server = ready_server()
+    with pytest.raises(LocalProtocolError, match="on a subscription only"):
+        server.send(Heartbeat(0))
+    receive(server, Subscribe("s", 1, "c", None))
+    server.send(Subscribed("s", 0, 1))
+    assert server.our_state is State.STREAMING
+    assert server.send(Heartbeat(0)) == encode(Heartbeat(0))
+    assert server.send_records([encode_record(1, 0, None, b"v", {})]) == encode(recs(1))
+    for answer in (StreamInfo("s", 1, 1), RangeEnd(), Subscribed("s", 0, 1)):
+        with pytest.raises(LocalProtocolError, match="on a subscription"):
+            server.send(answer)
+    server.send(Error(int(ErrorCode.SHUTTING_DOWN), "bye", {}))
+    assert server.our_state is State.CLOSED
+
+
+def test_server_hello_heartbeat_interval_is_optional() -> None:
+    """ "Handshake": ``heartbeat_interval_ms`` is optional: a 4-field SERVER_HELLO (from a
+    producer that predates it) still opens the connection, and decodes with None."""
+    old = ServerHello(PROTOCOL_VERSION, "p", 1, 1024)
+    assert body_of(old) == packb([2, 1, "p", 1, 1024])
+    announced = ServerHello(PROTOCOL_VERSION, "p", 1, 1024, 5000)
+    assert body_of(announced) == packb([2, 1, "p", 1, 1024, 5000])
+    for hello in (old, announced):
+        client = ClientConnection()
+        client.send(ClientHello(PROTOCOL_VERSION, "c"))
+        assert receive(client, hello) == hello
+        assert client.their_state is State.READY
+    for bad in (None, -1, 1.5, "5000"):
+        assert decode_error(packb([2, 1, "p", 1, 1024, bad])).code is ErrorCode.MALFORMED_FRAME
 
 
 def test_server_may_refuse_with_an_error_before_its_hello() -> None:

@@ -60,7 +60,7 @@ from streamq.protocol import (
     decode_message,
     encode,
 )
-from streamq.security import Principal
+from streamq.security import Principal, read_secret
 
 from .certs import Certs, make_certs
 from .test_cli import STREAMQ, run
@@ -181,6 +181,37 @@ def test_weak_secrets_and_bad_names_are_refused() -> None:
         TokenAuth(b"short", {})
     with pytest.raises(ValueError, match="no ':'"):
         make_token(SECRET, "a:b")
+
+
+def test_admin_alone_and_an_empty_grant_count_as_grants() -> None:
+    """ "Authentication": a consumer has grants if it is in the table, even with no pattern,
+    or is an admin; only a name in neither is refused."""
+    auth = TokenAuth(SECRET, {"idle": []}, admins=["root"])
+    assert auth.authenticate(make_token(SECRET, "root")) == Principal("root", (), admin=True)
+    assert auth.authenticate(make_token(SECRET, "idle")) == Principal("idle", (), admin=False)
+    with pytest.raises(AuthenticationFailedError, match="'billing' has no grants"):
+        auth.authenticate(BILLING)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"SECRET", b"SECRET\n", b"SECRET\r\n", b"  SECRET \t\n", b"SECRET\nsecond line\n"],
+    ids=["bare", "newline", "crlf", "blanks", "two lines"],
+)
+def test_a_secret_file_is_its_first_line_stripped(content: bytes, tmp_path: Path) -> None:
+    """ "Authentication": the HMAC key is the first line without surrounding ASCII blanks,
+    so a file written by an editor and one written by ``printf`` make the same tokens."""
+    path = tmp_path / "secret"
+    path.write_bytes(content.replace(b"SECRET", SECRET))
+    secret = read_secret(path=str(path))
+    assert secret == SECRET
+    assert make_token(secret, "billing") == BILLING
+
+
+def test_a_secret_from_the_environment_is_stripped_utf8(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STREAMQ_TEST_SECRET", f" {SECRET.decode()}\n")
+    assert read_secret(env="STREAMQ_TEST_SECRET") == SECRET
+    assert read_secret(env="STREAMQ_TEST_SECRET_UNSET") is None
 
 
 # --- TLS -----------------------------------------------------------------------------------

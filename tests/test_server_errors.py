@@ -253,6 +253,7 @@ async def test_overlong_consumer_names_are_refused(producer: Producer, bystander
         error = error_of(await exchange(producer.address, HELLO + request))
         assert error.code == ErrorCode.MALFORMED_FRAME
         assert f"at most {MAX_CONSUMER_NAME} characters" in error.message
+        assert error.details == {"length": MAX_CONSUMER_NAME + 1}  # "Errors": MALFORMED_FRAME
     assert all(p.consumer != long_name for p in producer.consumer_lags())
 
     def report_longest() -> None:
@@ -260,4 +261,19 @@ async def test_overlong_consumer_names_are_refused(producer: Producer, bystander
             client.report_position("orders", "c" * MAX_CONSUMER_NAME, 5)
 
     await asyncio.to_thread(report_longest)
+    await check_unharmed(producer, bystander)
+
+
+@pytest.mark.parametrize("timestamp", [2**63 - 1, 2**63, 2**64 - 1, -(2**63)])
+async def test_seek_time_takes_every_msgpack_int(
+    timestamp: int, producer: Producer, bystander: Consumer
+) -> None:
+    """ "SEEK_TIME": any int, up to 2**64 - 1, which the database cannot even compare: one
+    beyond every stored timestamp answers head + 1, not INTERNAL_ERROR."""
+
+    def seek() -> int:
+        with Client(producer.address, timeout=10) as client:
+            return client.seek_time("orders", timestamp).seq
+
+    assert await asyncio.to_thread(seek) == (1 if timestamp < 0 else 21)
     await check_unharmed(producer, bystander)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -184,6 +185,12 @@ def test_spark_demo_counts_every_sale_once() -> None:
     )
     assert demo.returncode == 0, demo.stdout[-2000:] + demo.stderr[-2000:]
     assert "each shop's own database" in demo.stdout and "FAIL" not in demo.stdout
+    # Spark starts quiet (spark_source.session): no log lines, no hostname or log4j notices.
+    spark_noise = re.compile(
+        r"\b(WARN|INFO)\b|log4j|loopback address|native-hadoop|Setting default log level"
+    )
+    noise = [line for line in demo.stderr.splitlines() if spark_noise.search(line)]
+    assert noise == [], noise
 
 
 def test_producer_added_to_a_running_query_is_read_from_its_start(

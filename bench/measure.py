@@ -1,0 +1,101 @@
+"""The one rate pacer and the one latency recorder every workload uses.
+
+Loads are paced on a fixed schedule and latencies are measured from each item's due
+time, not from when it was sent: a stall delays everything due during it, and that shows
+in the percentiles (no coordinated omission).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+
+from hdrh.histogram import HdrHistogram
+
+HIGHEST_US = 600_000_000  # 10 min: anything slower is recorded as 10 min
+
+
+class Pacer:
+    """RATE items a second: item n (from 0) is due at ``start + n / rate``.
+
+    ``clock`` is ``time.time`` (the default) when due times travel to another process,
+    which reads the same wall clock; ``time.monotonic`` when they stay in one.
+    """
+
+    def __init__(
+        self, rate: float, start: float | None = None, clock: Callable[[], float] = time.time
+    ) -> None:
+        if rate <= 0:
+            raise ValueError(f"a pacer needs a rate above 0, not {rate}")
+        self.rate = rate
+        self.clock = clock
+        self.start = clock() if start is None else start
+        self.taken = 0  # items handed out (sent, applied ...) so far
+        self.per_second: Counter[int] = Counter()  # items taken, by second since start
+
+    def due(self, n: int) -> float:
+        """When item ``n`` is due."""
+        return self.start + n / self.rate
+
+    def owed(self) -> int:
+        """Items due by now and not taken yet (0 or less: ahead of schedule)."""
+        return int((self.clock() - self.start) * self.rate) + 1 - self.taken
+
+    def take(self, count: int) -> list[float]:
+        """Take the next ``count`` items; returns their due times."""
+        dues = [self.due(self.taken + i) for i in range(count)]
+        self.record(count)
+        return dues
+
+    def record(self, count: int) -> None:
+        """``count`` more items done, counted in the current second."""
+        self.taken += count
+        self.per_second[int(self.clock() - self.start)] += count
+
+    def wait(self) -> float:
+        """Seconds until the next item is due (0: it is due)."""
+        return max(0.0, self.due(self.taken) - self.clock())
+
+    def worst_second(self, seconds: float) -> int:
+        """The fewest items taken in one whole second of the first ``seconds``."""
+        return min((self.per_second[s] for s in range(int(seconds))), default=0)
+
+
+class Latencies:
+    """Latencies in microseconds (HdrHistogram, 3 significant digits), with their count."""
+
+    def __init__(self) -> None:
+        self.histogram = HdrHistogram(1, HIGHEST_US, 3)
+        self.count = 0
+
+    def record(self, dues: Sequence[float], at: float) -> None:
+        """Items due at ``dues`` (seconds, the pacer's clock) that arrived at ``at``."""
+        self.record_micros(int((at - due) * 1e6) for due in dues)
+
+    def record_micros(self, micros: Iterable[int]) -> None:
+        for value in micros:
+            self.histogram.record_value(min(HIGHEST_US, max(1, value)))
+            self.count += 1
+
+    def figures(self) -> list[int]:
+        """p50, p99, p99.9, max (microseconds) and the count: one DONE line's fields."""
+        h = self.histogram
+        return [
+            *(int(h.get_value_at_percentile(p)) for p in (50, 99, 99.9)),
+            int(h.get_max_value()),
+            self.count,
+        ]
+
+    def encode(self) -> str:
+        """The histogram as one word, for a child's DONE line (``merged`` reads it)."""
+        return str(self.histogram.encode().decode())
+
+    @classmethod
+    def merged(cls, encoded: Iterable[str]) -> Latencies:
+        """Several processes' histograms (``encode``) as one."""
+        merged = cls()
+        for text in encoded:
+            merged.histogram.add(HdrHistogram.decode(text.encode()))
+        merged.count = int(merged.histogram.get_total_count())
+        return merged

@@ -1,0 +1,2 @@
+"""Workload 8, shares: worker processes splitting one stream by key (``run``; processes:
+``streamq``; Kafka plays no part)."""

@@ -1,0 +1,60 @@
+"""The Spark workload read from Kafka by Spark's own Kafka source: ingest from one topic of
+N partitions, and micro-batch latency from a one-partition topic."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any
+
+from confluent_kafka import Producer
+
+from ..kafka.clients import PRODUCER_LATENCY
+from .common import RECORD, Sink, measure, paced, time_query
+
+
+def _fill_topic(broker: Any, topic: str, partitions: int, total: int) -> None:
+    broker.create_topic(topic, partitions)
+    producer = Producer({"bootstrap.servers": broker.bootstrap, "linger.ms": 20})
+    for i in range(total):
+        while True:
+            try:
+                producer.produce(topic, RECORD, partition=i % partitions)
+                break
+            except BufferError:
+                producer.poll(0.05)
+    producer.flush(300)
+
+
+def ingest(spark: Any, broker: Any, folder: Path, partitions: int, total: int) -> float:
+    topic = f"ingest-{uuid.uuid4().hex[:8]}"
+    _fill_topic(broker, topic, partitions, total)
+    reader = (
+        spark.readStream.format("kafka")
+        .option("kafka.bootstrap.servers", broker.bootstrap)
+        .option("subscribe", topic)
+        .option("startingOffsets", "earliest")
+    )
+    return time_query(spark, reader, folder / "ck")
+
+
+def latency(spark: Any, broker: Any, folder: Path, rate: float, seconds: float) -> Sink:
+    topic = f"latency-{uuid.uuid4().hex[:8]}"
+    broker.create_topic(topic, 1)
+    producer = Producer({"bootstrap.servers": broker.bootstrap, **PRODUCER_LATENCY})
+
+    def send(count: int) -> None:
+        for _ in range(count):
+            producer.produce(topic, RECORD)
+        producer.poll(0)
+
+    reader = (
+        spark.readStream.format("kafka")
+        .option("kafka.bootstrap.servers", broker.bootstrap)
+        .option("subscribe", topic)
+        .option("startingOffsets", "latest")
+    )
+    try:
+        return measure(spark, reader, folder / "ck", lambda: paced(rate, seconds, send))
+    finally:
+        producer.flush(30)

@@ -1,0 +1,627 @@
+"""The transfer workload's driver: the motivating case (the package's docstring).
+
+Three systems (processes in ``bench/transfer/streamq.py`` and ``bench/transfer/kafka.py``):
+
+- **streamq**: the debit and ``tx.publish("deposits", ...)`` commit in one transaction of the
+  payments database; the ledger is a ``streamq.Consumer`` storing its position with the credits.
+- **Kafka + outbox**, as careful practitioners do it: the debit and an outbox row commit
+  together; a relay process produces outbox rows (idempotent producer, ``acks=all``), waits
+  for delivery, then records the last relayed id (at least once); the ledger stores its
+  offsets with the credits and dedupes by transfer id.
+- **Kafka, naive dual write**: commit the debit, then produce the deposit.
+
+Measured without kills, for streamq and Kafka + outbox: transfers/s end to end (from GO until
+the ledger has credited all N) and the latency from each transfer's commit (its due time,
+at a fixed rate) to the commit of its credit. Then, for every system, a crash run: K
+``kill -9`` of the producer, (the relay,) and the consumer while transfers flow, half at a
+random moment and half at each process's worst moment (right after a commit; the relay:
+after delivery and before recording), each process restarted; once everything has
+drained (a condition on the files and the topic, not a timer), the SQLite files are
+checked: money conserved, no deposit lost, none applied twice.
+
+``python -m bench.transfer.run [--quick] [--repeats N] [--no-kafka] [--seed N]`` runs it
+alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import signal
+import socket
+import sqlite3
+import subprocess
+import tempfile
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from rich.progress import Progress, TaskID
+from rich.table import Table
+
+from streamq.engines.sqlite.storage import HEAD_QUERY
+
+from ..common import (
+    Child,
+    LatencyRuns,
+    Series,
+    alternating,
+    comparison_table,
+    console,
+    latency_table,
+    percentile_series,
+    results_dir,
+    save,
+    workload_main,
+)
+from .common import ACCOUNTS, LEDGER, OPENING_BALANCE, STREAM
+from .kafka import KAFKA_CONSUMER, KAFKA_PRODUCER, RELAY_POLL, warm_up
+
+# The processes of each system's module (``kafka-*``: one module for both).
+PROGRAMS = {
+    "streamq": "bench.transfer.streamq",
+    "kafka-outbox": "bench.transfer.kafka",
+    "kafka-naive": "bench.transfer.kafka",
+}
+LABELS = {
+    "streamq": "streamq",
+    "kafka-outbox": "Kafka + outbox",
+    "kafka-naive": "Kafka, naive dual write",
+}
+# The processes of each system, in start order.
+ROLES = {
+    "streamq": ("producer", "consumer"),
+    "kafka-outbox": ("producer", "relay", "consumer"),
+    "kafka-naive": ("producer", "consumer"),
+}
+SHORT = {"streamq": "streamq", "kafka-outbox": "kafka outbox", "kafka-naive": "kafka naive"}
+
+STARTUP_TIMEOUT = 60.0  # s for a process to say READY
+FLOW_TIMEOUT = 900.0  # s for a run without kills to finish
+ARM_TIMEOUT = 30.0  # s for an armed process to reach its worst moment and kill itself
+DRAIN_TIMEOUT = 180.0  # s, after the producer's last commit, for the ledger to catch up
+POLL = 0.02  # s between looks at the files
+
+
+@dataclass(frozen=True)
+class Sizes:
+    transfers: int  # for throughput, as fast as possible
+    latency_rate: int  # transfers/s, for latency
+    latency_seconds: float
+    crash_transfers: int  # for the crash runs, paced at crash_rate
+    crash_rate: int
+    kills: int  # per system
+
+
+FULL = Sizes(200_000, 2_000, 10.0, 20_000, 1_000, 10)
+QUICK = Sizes(20_000, 1_000, 2.0, 5_000, 1_000, 3)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _scalar(path: Path, sql: str, default: int = 0) -> int:
+    """One number from a service's database (``default`` if it or its table is not there yet)."""
+    if not path.exists():
+        return default
+    try:
+        with contextlib.closing(sqlite3.connect(path, timeout=10)) as conn:
+            row = conn.execute(sql).fetchone()
+    except sqlite3.OperationalError as error:
+        if "no such table" in str(error):
+            return default
+        raise
+    return default if row is None or row[0] is None else int(row[0])
+
+
+class Deployment:
+    """One system's services for one run: their files, where they meet, their processes."""
+
+    def __init__(
+        self,
+        system: str,
+        folder: Path,
+        total: int,
+        rate: float,
+        *,
+        broker: Any = None,
+        target: int = 0,
+        port: int = 0,
+        dedupe: bool = True,
+        seed: int = 0,
+    ) -> None:
+        if system != "streamq" and broker is None:
+            raise ValueError(f"{system} needs a Kafka broker")
+        self.system = system
+        self.folder = folder
+        self.total = total
+        self.rate = rate
+        self.target = target
+        self.port = port
+        self.dedupe = dedupe
+        self.rng = random.Random(seed)
+        self.producer_db = folder / "payments.db"
+        self.consumer_db = folder / "ledger.db"
+        self.address = ""
+        self.bootstrap = broker.bootstrap if broker is not None else ""
+        self.topic = ""
+        if broker is not None and system != "streamq":
+            self.topic = f"transfer-{uuid.uuid4().hex[:8]}"
+            broker.create_topic(self.topic, 1)
+            broker.create_topic(f"{self.topic}-warm-up", 1)  # see KafkaSender
+        self.children: dict[str, Child] = {}
+        self.lives: Counter[str] = Counter()
+        self._watermarks: Any = None
+
+    def __enter__(self) -> Deployment:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def _args(self, role: str) -> list[object]:
+        seed = self.rng.randrange(2**31)
+        p, c, total, rate = self.producer_db, self.consumer_db, self.total, self.rate
+        if self.system == "streamq":
+            if role == "producer":
+                return ["producer", p, self.port, total, rate, seed]
+            return ["consumer", self.address, c, self.target]
+        if role == "producer" and self.system == "kafka-outbox":
+            return ["outbox-producer", p, total, rate, seed]
+        if role == "producer":
+            return ["naive-producer", p, self.bootstrap, self.topic, total, rate, seed]
+        if role == "relay":
+            return ["relay", p, self.bootstrap, self.topic]
+        dedupe = "1" if self.dedupe else "0"
+        return ["consumer", self.bootstrap, self.topic, c, self.target, dedupe]
+
+    def start(self, role: str) -> None:
+        """Start one process and wait until it is ready (a producer: also let it go)."""
+        child = Child(PROGRAMS[self.system], *self._args(role))
+        self.children[role] = child
+        self.lives[role] += 1
+        fields = child.expect("READY", STARTUP_TIMEOUT)
+        if role == "producer" and self.system == "streamq" and not self.address:
+            self.address = fields[0]
+        if role == "producer" and self.lives[role] > 1:
+            self.go()
+
+    def start_all(self) -> None:
+        for role in ROLES[self.system]:
+            self.start(role)
+
+    def go(self) -> float:
+        """Let the producer run; returns the wall-clock time it started at."""
+        producer = self.children["producer"]
+        producer.send("GO")
+        return float(producer.expect("START", STARTUP_TIMEOUT)[0])
+
+    def stop(self) -> None:
+        for child in reversed(list(self.children.values())):
+            child.stop()
+        self.children.clear()
+        if self._watermarks is not None:
+            self._watermarks.close()
+            self._watermarks = None
+
+    def check_alive(self) -> None:
+        for role, child in self.children.items():
+            code = child.process.poll()
+            if code is not None:
+                raise RuntimeError(
+                    f"{self.system}: {role} exited with {code} without being killed "
+                    f"(files in {self.folder})"
+                )
+
+    def wait(self, condition: Callable[[], bool], timeout: float) -> bool:
+        """Poll ``condition`` until it holds (True) or ``timeout`` passes (False)."""
+        deadline = time.monotonic() + timeout
+        while not condition():
+            self.check_alive()
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(POLL)
+        return True
+
+    def wait_committed(self, transfers: int, timeout: float) -> None:
+        if not self.wait(lambda: self.committed() >= transfers, timeout):
+            raise TimeoutError(
+                f"{self.system}: fewer than {transfers} transfers committed within {timeout:g} s"
+            )
+
+    # --- what the files say ------------------------------------------------
+
+    def committed(self) -> int:
+        """Transfers the payments service has committed."""
+        return _scalar(self.producer_db, "SELECT MAX(transfer_id) FROM transfers")
+
+    def high_watermark(self) -> int:
+        from confluent_kafka import Consumer, TopicPartition
+
+        if self._watermarks is None:
+            self._watermarks = Consumer(
+                {"bootstrap.servers": self.bootstrap, "group.id": "transfer-check"}
+            )
+        _, high = self._watermarks.get_watermark_offsets(TopicPartition(self.topic, 0), timeout=10)
+        return int(high)
+
+    def drained(self) -> bool:
+        """Everything committed has reached the ledger (deterministic, from files and topic)."""
+        if self.system == "streamq":
+            head = _scalar(self.producer_db, HEAD_QUERY.replace("?", f"'{STREAM}'"), -1)
+            position = _scalar(
+                self.consumer_db,
+                f"SELECT seq FROM streamq_positions WHERE consumer = '{LEDGER}'",
+                -2,
+            )
+            return head == position
+        if self.system == "kafka-outbox":
+            relayed = _scalar(self.producer_db, "SELECT last FROM relay_state", -1)
+            if relayed != _scalar(self.producer_db, "SELECT COALESCE(MAX(id), 0) FROM outbox", -2):
+                return False
+        position = _scalar(
+            self.consumer_db, f"SELECT next FROM offsets WHERE topic = '{self.topic}'", -1
+        )
+        return position == self.high_watermark()
+
+    # --- kills ---------------------------------------------------------------
+
+    def kill(self, role: str, how: str) -> str:
+        """SIGKILL ``role`` (``armed``: it kills itself at its worst moment); restart it.
+
+        Returns how the kill landed: ``armed`` or ``random`` (also an armed kill that did not
+        fire within ``ARM_TIMEOUT``: then it is killed from outside).
+        """
+        self.check_alive()
+        child = self.children[role]
+        landed = how
+        if how == "armed":
+            child.send(f"ARM {self.rng.randint(1, 3)}")
+            try:
+                child.process.wait(ARM_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                landed = "random"
+        if child.process.poll() is None:
+            child.process.kill()
+            child.process.wait(10)
+        if child.process.returncode != -signal.SIGKILL:
+            raise RuntimeError(
+                f"{self.system}: {role} exited with {child.process.returncode}, not by SIGKILL "
+                f"(files in {self.folder})"
+            )
+        child.stop()
+        self.start(role)
+        return landed
+
+
+@dataclass(frozen=True)
+class Flow:
+    """A run without kills."""
+
+    seconds: float  # from GO to the commit of the last credit
+    producer_seconds: float  # from GO to the producer's last commit
+    latency: list[int]  # p50, p99, p99.9, max (microseconds), count
+
+
+def flow(system: str, broker: Any, folder: Path, total: int, rate: float) -> Flow:
+    with Deployment(system, folder, total, rate, broker=broker, target=total) as deployment:
+        deployment.start_all()
+        start = deployment.go()
+        done = deployment.children["consumer"].expect("DONE", FLOW_TIMEOUT)
+        produced = deployment.children["producer"].expect("DONE", STARTUP_TIMEOUT)
+        return Flow(float(done[0]) - start, float(produced[0]) - start, [int(v) for v in done[1:6]])
+
+
+def kill_plan(system: str, kills: int) -> list[tuple[str, str]]:
+    """(role, how) for each kill: the roles in turn, each alternating armed and random.
+
+    A producer's or relay's first kill is armed (the naive dual write then loses deposits
+    for certain), a consumer's first is random.
+    """
+    roles = ROLES[system]
+    done: Counter[str] = Counter()
+    plan = []
+    for i in range(kills):
+        role = roles[i % len(roles)]
+        armed = (done[role] % 2 == 0) == (role != "consumer")
+        done[role] += 1
+        plan.append((role, "armed" if armed else "random"))
+    return plan
+
+
+def crash_run(
+    system: str,
+    broker: Any,
+    folder: Path,
+    total: int,
+    kills: int,
+    rate: float,
+    seed: int,
+    *,
+    dedupe: bool = True,
+    on_kill: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """K kill -9 while ``total`` transfers flow at ``rate``/s; then drain and check the files."""
+    if rate <= 0:
+        raise ValueError("a crash run is paced: rate must be > 0 transfers/s")
+    rng = random.Random(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    began = time.monotonic()
+    delivered: Counter[str] = Counter()
+    events: list[dict[str, Any]] = []
+    deployment = Deployment(
+        system, folder, total, rate, broker=broker, port=free_port(), dedupe=dedupe, seed=seed
+    )
+    with deployment:
+        deployment.start_all()
+        deployment.go()
+        for i, (role, how) in enumerate(kill_plan(system, kills)):
+            # Spread over the flow, the last one well before its end.
+            threshold = max(1, total * (i + 1) // (kills + 2))
+            deployment.wait_committed(threshold, STARTUP_TIMEOUT + 3 * total / rate)
+            if how == "random":
+                time.sleep(rng.uniform(0.0, 0.3))
+            at = deployment.committed()
+            landed = deployment.kill(role, how)
+            delivered[role] += 1
+            events.append(
+                {"role": role, "how": landed, "committed": at, "s": time.monotonic() - began}
+            )
+            if on_kill is not None:
+                on_kill(i + 1)
+        left = total - deployment.committed()
+        deployment.children["producer"].expect("DONE", STARTUP_TIMEOUT + 3 * left / rate)
+        drained = deployment.wait(deployment.drained, DRAIN_TIMEOUT)
+    result = check(deployment.producer_db, deployment.consumer_db)
+    result.update(
+        system=system,
+        label=LABELS[system],
+        seed=seed,
+        kills=dict(delivered),
+        kills_delivered=sum(delivered.values()),
+        kill_events=events,
+        drained=drained,
+        seconds=time.monotonic() - began,
+        dedupe=dedupe if system != "streamq" else None,
+    )
+    return result
+
+
+def check(producer_db: Path, consumer_db: Path) -> dict[str, Any]:
+    """The invariants, from the two services' SQLite files (every process stopped)."""
+    with contextlib.closing(sqlite3.connect(producer_db, timeout=30)) as conn:
+        conn.execute("ATTACH DATABASE ? AS ledger", (str(consumer_db),))
+        payments = {r[0] for r in conn.execute("SELECT name FROM main.sqlite_master")}
+        published: int | None = None
+        if "streamq_streams" in payments:
+            published = int(conn.execute(HEAD_QUERY, (STREAM,)).fetchone()[0] or 0)
+        elif "outbox" in payments:
+            published = int(conn.execute("SELECT COUNT(*) FROM outbox").fetchone()[0])
+        return check_books(conn, published)
+
+
+def check_books(conn: sqlite3.Connection, published: int | None) -> dict[str, Any]:
+    """The invariants, in SQL, on a connection with the payments service's ``transfers``
+    and ``accounts`` in ``main`` and the ledger's tables attached as ``ledger``.
+
+    ``published``: the deposits in the payments service's log or outbox (None: it has
+    neither), which must equal the transfers it committed.
+    """
+
+    def one(sql: str) -> int:
+        row = conn.execute(sql).fetchone()
+        return int(row[0] or 0)
+
+    ledger = {r[0] for r in conn.execute("SELECT name FROM ledger.sqlite_master")}
+    committed = one("SELECT COUNT(*) FROM transfers")
+    debited = one("SELECT SUM(amount) FROM transfers")
+    credited = one("SELECT SUM(amount) FROM ledger.credits")
+    lost, lost_money = conn.execute(
+        "SELECT COUNT(*), COALESCE(SUM(amount), 0) FROM transfers "
+        "WHERE transfer_id NOT IN (SELECT transfer_id FROM ledger.credits)"
+    ).fetchone()
+    result: dict[str, Any] = {
+        "transfers_checked": committed,
+        "published": published,
+        "credited_transfers": one("SELECT COUNT(DISTINCT transfer_id) FROM ledger.credits"),
+        "lost": int(lost),
+        "lost_money": int(lost_money),
+        "applied_twice": one(
+            "SELECT COUNT(*) FROM (SELECT transfer_id FROM ledger.credits "
+            "GROUP BY transfer_id HAVING COUNT(*) > 1)"
+        ),
+        "extra_credit_rows": one(
+            "SELECT COUNT(*) - COUNT(DISTINCT transfer_id) FROM ledger.credits"
+        ),
+        "phantom": one(
+            "SELECT COUNT(DISTINCT transfer_id) FROM ledger.credits "
+            "WHERE transfer_id NOT IN (SELECT transfer_id FROM transfers)"
+        ),
+        "wrong_amount": one(
+            "SELECT COUNT(*) FROM ledger.credits AS c JOIN transfers AS t "
+            "USING (transfer_id) WHERE c.amount != t.amount"
+        ),
+        "debited": debited,
+        "credited": credited,
+        "money_difference": debited - credited,
+        # Each service's own books: balances agree with its journal.
+        "payments_books_ok": ACCOUNTS * OPENING_BALANCE - one("SELECT SUM(balance) FROM accounts")
+        == debited,
+        "ledger_books_ok": one("SELECT SUM(balance) FROM ledger.balances") == credited,
+        # Kafka: deliveries of a transfer id already delivered (the relay re-sent it).
+        "redelivered": (
+            one("SELECT COUNT(*) - COUNT(DISTINCT transfer_id) FROM ledger.received")
+            if "received" in ledger
+            else None
+        ),
+    }
+    result["anomalies"] = (
+        result["lost"]
+        + result["extra_credit_rows"]
+        + result["phantom"]
+        + result["wrong_amount"]
+        + (result["money_difference"] != 0)
+        + (not result["payments_books_ok"])
+        + (not result["ledger_books_ok"])
+        + (published is not None and published != committed)
+    )
+    return result
+
+
+# --- the workload -----------------------------------------------------------------
+
+
+def _series_name(system: str) -> str:
+    return "kafka" if system == "kafka-outbox" else system  # comparison_table's ratio column
+
+
+@contextlib.contextmanager
+def _folder() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="streamq-transfer-") as folder:
+        yield Path(folder)
+
+
+def _anomaly_table(crashes: list[dict[str, Any]]) -> Table:
+    table = Table(
+        title="transfer under kill -9, checked from the SQLite files: kills of producer/"
+        "relay/consumer; transfers committed and checked; deposits lost; applied twice; "
+        "re-sent by the relay (deduped by the ledger); money debited - credited; other: "
+        "each side's books, drained, log == journal, no phantom or wrong credit"
+    )
+    table.add_column("system", no_wrap=True)
+    for column in ("kills p/r/c", "checked", "lost", "twice", "re-sent", "money"):
+        table.add_column(column, justify="right")
+    table.add_column("other")
+    for r in crashes:
+        kills = r["kills"]
+        relay = str(kills.get("relay", 0)) if r["system"] == "kafka-outbox" else "-"
+        problems = [
+            *([] if r["payments_books_ok"] and r["ledger_books_ok"] else ["books"]),
+            *([] if r["drained"] else ["not drained"]),
+            *(["log != journal"] if r["published"] not in (None, r["transfers_checked"]) else []),
+            *(["phantom"] if r["phantom"] else []),
+            *(["amounts"] if r["wrong_amount"] else []),
+        ]
+        red = "[bold red]" if r["anomalies"] else ""
+        table.add_row(
+            SHORT[r["system"]],
+            f"{kills.get('producer', 0)}/{relay}/{kills.get('consumer', 0)}",
+            f"{r['transfers_checked']:,}",
+            f"{red}{r['lost']:,}",
+            f"{red}{r['extra_credit_rows']:,}",
+            "-" if r["redelivered"] is None else f"{r['redelivered']:,}",
+            f"{red}{r['money_difference']:,}",
+            "[bold red]" + ", ".join(problems) if problems else "ok",
+        )
+    return table
+
+
+def run(broker: Any | None, quick: bool, repeats: int, seed: int | None = None) -> dict[str, Any]:
+    sizes = QUICK if quick else FULL
+    seed = random.randrange(2**31) if seed is None else seed
+    flow_systems = ["streamq"] + (["kafka-outbox"] if broker is not None else [])
+    crash_systems = ["streamq"] + (["kafka-outbox", "kafka-naive"] if broker is not None else [])
+    throughput = {
+        s: Series(_series_name(s), f"{sizes.transfers:,}, end to end", "tr/s") for s in flow_systems
+    }
+    committing = {
+        s: Series(_series_name(s), f"{sizes.transfers:,}, producer commits", "tr/s")
+        for s in flow_systems
+    }
+    paced_case = f"{sizes.latency_rate:,}/s"
+    full_case = "max rate"
+    latency: LatencyRuns = {}
+    crashes: list[dict[str, Any]] = []
+    console.print(
+        f"[bold]transfer[/] kafka relay/naive producer {json.dumps(KAFKA_PRODUCER)}; "
+        f"consumer {json.dumps(KAFKA_CONSUMER)}; relay polls the outbox every "
+        f"{RELAY_POLL * 1000:g} ms (PRAGMA data_version); seed {seed}"
+    )
+    if broker is not None:
+        warm_up(broker)
+    steps = 2 * repeats * len(flow_systems) + sizes.kills * len(crash_systems)
+    with Progress(console=console, transient=True) as progress:
+        task: TaskID = progress.add_task("transfer", total=steps)
+        for system in alternating(flow_systems, repeats):
+            progress.update(task, description=f"transfer: throughput, {system}")
+            with _folder() as folder:
+                measured = flow(system, broker, folder, sizes.transfers, 0)
+            throughput[system].values.append(sizes.transfers / measured.seconds)
+            committing[system].values.append(sizes.transfers / measured.producer_seconds)
+            latency.setdefault((_series_name(system), full_case), []).append(measured.latency)
+            progress.advance(task)
+        for system in alternating(flow_systems, repeats):
+            progress.update(task, description=f"transfer: latency, {system}")
+            count = int(sizes.latency_rate * sizes.latency_seconds)
+            with _folder() as folder:
+                measured = flow(system, broker, folder, count, sizes.latency_rate)
+            latency.setdefault((_series_name(system), paced_case), []).append(measured.latency)
+            progress.advance(task)
+        for number, system in enumerate(crash_systems):
+            progress.update(task, description=f"transfer: kill -9, {system}")
+            with _folder() as folder:
+                crashes.append(
+                    crash_run(
+                        system,
+                        broker,
+                        folder,
+                        sizes.crash_transfers,
+                        sizes.kills,
+                        sizes.crash_rate,
+                        seed + number,
+                        on_kill=lambda _: progress.advance(task),
+                    )
+                )
+    series = [*throughput.values(), *committing.values()]
+    console.print(
+        comparison_table(
+            "transfer: debit + deposit, credited exactly once: transfers/s from GO until the "
+            "ledger credited the last one (end to end) and until the payments service "
+            "committed it (producer commits); kafka = transactional outbox + relay + "
+            "deduping consumer",
+            series,
+        )
+    )
+    console.print(
+        latency_table(
+            "transfer latency, microseconds, from each transfer's commit (at a fixed rate: its "
+            "due time) to the commit of its credit; max rate: the throughput runs, "
+            f"{sizes.latency_rate:,}/s: {sizes.latency_seconds:g} s paced",
+            latency,
+        )
+    )
+    console.print(_anomaly_table(crashes))
+    latency_series = percentile_series(latency)
+    folder = results_dir(quick)
+    results = {
+        "sizes": sizes.__dict__,
+        "seed": seed,
+        "kafka_producer": KAFKA_PRODUCER,
+        "kafka_consumer": KAFKA_CONSUMER,
+        "series": [asdict(s) for s in series + latency_series],
+        "crash": crashes,
+    }
+    save("transfer", results, quick)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    return workload_main("python -m bench.transfer.run", __doc__, run, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,26 @@
+"""The charts redraw from the stored results alone (``python -m bench.charts``), each
+labelled with its machine and date."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from bench import charts
+
+
+def test_every_stored_result_redraws(tmp_path: Path) -> None:
+    for stored in charts.RESULTS.glob("*.json"):
+        shutil.copy(stored, tmp_path)
+    assert charts.main([str(tmp_path)]) == 0
+    drawn = {path.name for path in tmp_path.glob("*.png")}
+    committed = {path.name for path in charts.RESULTS.glob("*.png")}
+    assert committed <= drawn
+    assert all((tmp_path / name).stat().st_size > 10_000 for name in drawn)
+
+
+def test_label_names_machine_and_date() -> None:
+    stored = json.loads((charts.RESULTS / "pipe.json").read_text())
+    assert charts.machine_label(stored).startswith(f"{stored['machine']['cores']} cores, Python ")
+    assert charts.machine_label({}) == "cores not recorded, Python not recorded, date not recorded"
