@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import ssl
 from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any, NamedTuple, TypeVar
 
-from .consumer import closed_by_producer, parse_address
 from .errors import ConnectionLostError, SeqsReusedError, StreamQError, error_from_frame
 from .filters import Filter
 from .protocol import (
@@ -43,9 +41,8 @@ from .protocol import (
     StreamList,
     TimePosition,
 )
-from .security import ClientTLS, tls_error, tls_refused
-
-_READ_SIZE = 256 * 1024
+from .security import ClientTLS, tls_refused
+from .transport import closed_by_producer, parse_address, producer_errors, read_message_blocking
 
 T = TypeVar("T")
 
@@ -154,10 +151,8 @@ class Client:
     ) -> None:
         self.address = address
         host, port = parse_address(address)
-        try:
+        with producer_errors(address, "cannot connect to"):
             self._sock = socket.create_connection((host, port), timeout=timeout)
-        except OSError as exc:
-            raise ConnectionLostError(f"cannot connect to producer at {address}: {exc}") from exc
         self._conn = ClientConnection(max_frame_size)
         self.consumer: str | None = None
         try:
@@ -187,12 +182,8 @@ class Client:
 
     def _wrap(self, tls: ClientTLS, host: str) -> socket.socket:
         context = tls.context()  # errors in this side's own files are not the handshake's
-        try:
+        with producer_errors(self.address, "TLS with"):
             return context.wrap_socket(self._sock, server_hostname=tls.server_name or host)
-        except ssl.SSLError as exc:
-            raise tls_error(exc, self.address) from exc
-        except OSError as exc:
-            raise ConnectionLostError(f"TLS with producer at {self.address}: {exc}") from exc
 
     def close(self) -> None:
         self._sock.close()
@@ -209,14 +200,8 @@ class Client:
         self.close()
 
     def _send(self, message: Message) -> None:
-        try:
+        with producer_errors(self.address, "sending to"):
             self._sock.sendall(self._conn.send(message))
-        except ssl.SSLError as exc:
-            raise tls_error(exc, self.address) from exc
-        except OSError as exc:
-            raise ConnectionLostError(
-                f"sending to producer at {self.address} failed: {exc}"
-            ) from exc
 
     def _receive(self) -> Message:
         try:
@@ -226,18 +211,10 @@ class Client:
             raise
 
     def _receive_message(self) -> Message:
-        while (message := self._conn.next_event()) is None:
-            try:
-                data = self._sock.recv(_READ_SIZE)
-            except ssl.SSLError as exc:
-                raise tls_error(exc, self.address) from exc
-            except OSError as exc:
-                raise ConnectionLostError(
-                    f"reading from producer at {self.address} failed: {exc}"
-                ) from exc
-            if not data:
-                raise closed_by_producer(self.address, self._conn)
-            self._conn.receive_data(data)
+        with producer_errors(self.address, "reading from"):
+            message = read_message_blocking(self._conn, self._sock)
+        if message is None:
+            raise closed_by_producer(self.address, self._conn)
         if isinstance(message, Error):
             raise error_from_frame(message.code, message.message, message.details)
         return message

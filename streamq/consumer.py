@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import ssl
 import time
 import traceback
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -65,14 +64,20 @@ from .protocol import (
     Records,
     SeekTime,
     ServerHello,
-    State,
     Subscribe,
     Subscribed,
     TimePosition,
 )
 from .resharing import Move
-from .security import ClientTLS, tls_error, tls_refused
+from .security import ClientTLS, tls_refused
 from .storage import Durability, is_postgres_url
+from .transport import (
+    closed_by_producer,
+    open_connection,
+    parse_address,
+    producer_errors,
+    read_message,
+)
 
 if TYPE_CHECKING:
     pass
@@ -80,9 +85,6 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 logger = logging.getLogger("streamq.consumer")
-
-_READ_SIZE = 256 * 1024
-
 
 # Without heartbeat_timeout=: the connection counts as lost after this many of the
 # producer's announced heartbeat intervals of silence, and never sooner than the floor
@@ -108,23 +110,6 @@ def lost_seqs(position: int, head: int, rewritten_from: int) -> range | None:
     beyond its ``head``, and those from ``rewritten_from`` (if not 0) on; None if none."""
     first = rewritten_from or head + 1
     return range(first, position + 1) if 0 < first <= position else None
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """``host:port`` or ``[v6]:port`` into (host, port)."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"address must be HOST:PORT, not {address!r}")
-    return host.strip("[]") or "127.0.0.1", int(port)
-
-
-def closed_by_producer(address: str, conn: ClientConnection) -> ConnectionLostError:
-    """The error for an EOF from the producer, with a hint when it came before SERVER_HELLO:
-    that is how a producer serving TLS answers a plain connection."""
-    hint = " before its SERVER_HELLO (does it require TLS?)"
-    if conn.their_state is not State.AWAIT_HELLO:
-        hint = ""
-    return ConnectionLostError(f"producer at {address} closed the connection{hint}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -499,7 +484,7 @@ class Consumer:
         # Where positions are stored and reported: each share is a consumer of its own.
         self.name = self.base_name if self.share is None else share_name(name or "", self.share)
         self.filter = filter
-        self._host, self._port = parse_address(address)
+        parse_address(address)  # a bad address fails here, not at the first connect
         self._store: PositionStore | None = None
         if db is not None:
             self._store = open_position_store(db, durability, connect_timeout=connect_timeout)
@@ -669,88 +654,24 @@ class Consumer:
             self._ack(self.applied)
 
     async def _read_message(self, conn: ClientConnection, reader: asyncio.StreamReader) -> Message:
-        while (message := conn.next_event()) is None:
-            data = await reader.read(_READ_SIZE)
-            if not data:
-                raise closed_by_producer(self.address, conn)
-            conn.receive_data(data)
+        message = await read_message(conn, reader)
+        if message is None:
+            raise closed_by_producer(self.address, conn)
         if isinstance(message, Error):
             raise _server_error(message)
         return message
 
     async def _connect(self) -> tuple[asyncio.StreamReader, ClientConnection]:
-        """Connect, check the producer's identity and position, and subscribe."""
-        tls = self._tls
-        try:
-            async with asyncio.timeout(self._connect_timeout):
-                reader, writer = await asyncio.open_connection(
-                    self._host,
-                    self._port,
-                    limit=_READ_SIZE,
-                    ssl=self._ssl,
-                    server_hostname=None if tls is None else tls.server_name or self._host,
-                )
-        except ssl.SSLError as exc:
-            raise tls_error(exc, self.address) from exc
-        except (OSError, TimeoutError) as exc:
-            raise ConnectionLostError(
-                f"cannot connect to producer at {self.address}: {exc}"
-            ) from exc
+        """Connect: the handshake, then the subscription and its position check."""
+        reader, writer = await open_connection(
+            self.address, self._tls, self._ssl, self._connect_timeout
+        )
         conn = ClientConnection(self._max_frame_size)
         try:
-            async with asyncio.timeout(self._connect_timeout):
-                client_hello = conn.send(
-                    ClientHello(PROTOCOL_VERSION, f"consumer {self.name}", self._token)
-                )
-                if tls is None:
-                    writer.write(client_hello)
-                    hello = await self._read_message(conn, reader)
-                else:
-                    # Read first: a producer refusing this client's certificate closes at once.
-                    try:
-                        hello = await self._read_message(conn, reader)
-                    except (ConnectionLostError, ConnectionError) as exc:
-                        raise tls_refused(self.address, tls) from exc
-                    writer.write(client_hello)
-                assert isinstance(hello, ServerHello)
-                self._heartbeat_timeout = heartbeat_timeout(
-                    self._heartbeat_timeout_given, hello.heartbeat_interval_ms
-                )
-                if self._token is not None:
-                    assert isinstance(await self._read_message(conn, reader), Authenticated)
-                start = await self._start_position(hello.producer_id)
-                if start is None:
-                    start = await self._configured_start(conn, reader, writer)
-                seen = self.seen_epoch if start - 1 == self.received else 0
-                subscribe = Subscribe(
-                    self.stream, start, self.name, hello.producer_id, seen, self.filter
-                )
-                writer.write(conn.send(subscribe))
-                # The position to check: one this consumer had (stored or received), not
-                # a configured start_seq, whose errors are the caller's.
-                position = start - 1 if start - 1 == self.received and self.received else 0
-                try:
-                    subscribed = await self._read_message(conn, reader)
-                except OffsetOutOfRangeError as exc:
-                    details = exc.details
-                    head = details.get("head", start)
-                    lost = lost_seqs(position, head, details.get("rewritten_from", 0))
-                    if lost is not None:
-                        raise self._lost(lost, head) from exc
-                    raise
-                assert isinstance(subscribed, Subscribed)
-                rewritten = subscribed.rewritten_from if seen else 0
-                lost = lost_seqs(max(position, start - 1), subscribed.head, rewritten or 0)
-                if lost is not None:
-                    raise self._lost(lost, subscribed.head)
-        except ssl.SSLError as exc:
-            writer.close()
-            raise tls_error(exc, self.address) from exc
-        except (OSError, TimeoutError) as exc:
-            writer.close()
-            raise ConnectionLostError(
-                f"handshake with producer at {self.address} failed: {exc!r}"
-            ) from exc
+            with producer_errors(self.address, "handshake with"):
+                async with asyncio.timeout(self._connect_timeout):
+                    hello = await self._handshake(conn, reader, writer)
+                    start, subscribed = await self._subscribe(conn, reader, writer, hello)
         except BaseException:
             writer.close()
             raise
@@ -763,6 +684,68 @@ class Consumer:
         if self._store is not None and self.applied > 0:
             self._ack(self.applied)  # the producer learns where this consumer stands at once
         return reader, conn
+
+    async def _handshake(
+        self, conn: ClientConnection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> ServerHello:
+        """CLIENT_HELLO and SERVER_HELLO (over TLS, the producer's first: one refusing this
+        client's certificate closes at once), then AUTHENTICATED if a token was sent."""
+        client_hello = conn.send(
+            ClientHello(PROTOCOL_VERSION, f"consumer {self.name}", self._token)
+        )
+        if self._tls is None:
+            writer.write(client_hello)
+            hello = await self._read_message(conn, reader)
+        else:
+            try:
+                hello = await self._read_message(conn, reader)
+            except (ConnectionLostError, ConnectionError) as exc:
+                raise tls_refused(self.address, self._tls) from exc
+            writer.write(client_hello)
+        assert isinstance(hello, ServerHello)
+        self._heartbeat_timeout = heartbeat_timeout(
+            self._heartbeat_timeout_given, hello.heartbeat_interval_ms
+        )
+        if self._token is not None:
+            assert isinstance(await self._read_message(conn, reader), Authenticated)
+        return hello
+
+    async def _subscribe(
+        self,
+        conn: ClientConnection,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        hello: ServerHello,
+    ) -> tuple[int, Subscribed]:
+        """SUBSCRIBE from this consumer's position, and check that the producer still
+        holds what it applied ("Epochs"); the first seq asked for, and SUBSCRIBED."""
+        start = await self._start_position(hello.producer_id)
+        if start is None:
+            start = await self._configured_start(conn, reader, writer)
+        seen = self.seen_epoch if start - 1 == self.received else 0
+        writer.write(
+            conn.send(
+                Subscribe(self.stream, start, self.name, hello.producer_id, seen, self.filter)
+            )
+        )
+        # The position to check: one this consumer had (stored or received), not a
+        # configured start_seq, whose errors are the caller's.
+        position = start - 1 if start - 1 == self.received and self.received else 0
+        try:
+            subscribed = await self._read_message(conn, reader)
+        except OffsetOutOfRangeError as exc:
+            details = exc.details
+            head = details.get("head", start)
+            lost = lost_seqs(position, head, details.get("rewritten_from", 0))
+            if lost is not None:
+                raise self._lost(lost, head) from exc
+            raise
+        assert isinstance(subscribed, Subscribed)
+        rewritten = subscribed.rewritten_from if seen else 0
+        lost = lost_seqs(max(position, start - 1), subscribed.head, rewritten or 0)
+        if lost is not None:
+            raise self._lost(lost, subscribed.head)
+        return start, subscribed
 
     def _lost(self, lost: range, head: int) -> ConsumerPositionError:
         """The error for a producer whose log no longer holds the seqs ``lost`` that this
@@ -916,37 +899,35 @@ class Consumer:
                 delay = min(max(delay * 2, _FIRST_DELAY), _MAX_DELAY)
 
     async def _pump(self, reader: asyncio.StreamReader, conn: ClientConnection) -> None:
+        """Receive the subscription's frames into the queue until the connection fails."""
         while True:
-            while (message := conn.next_event()) is not None:
-                if isinstance(message, Records):
-                    if message.records or message.through is not None:
-                        assert self.producer_id is not None
-                        self.seen_epoch = max(self.seen_epoch, message.epoch or 0)
-                        batch = Batch(
-                            self.stream,
-                            self.producer_id,
-                            self.received,
-                            message.records,
-                            self.seen_epoch,
-                            through=message.through or 0,
-                        )
-                        self.received = batch.last_seq
-                        self.head = max(self.head, self.received)
-                        await self._queue.put(batch)
-                elif isinstance(message, Heartbeat):
-                    self.head = message.head
-                elif isinstance(message, Error):
-                    raise _server_error(message)
             try:
-                async with asyncio.timeout(self._heartbeat_timeout):
-                    data = await reader.read(_READ_SIZE)
+                message = await read_message(conn, reader, read_timeout=self._heartbeat_timeout)
             except TimeoutError:
                 raise ConnectionLostError(
                     f"nothing from producer at {self.address} for {self._heartbeat_timeout:g} s"
                 ) from None
-            if not data:
+            if message is None:
                 raise ConnectionLostError(f"producer at {self.address} closed the connection")
-            conn.receive_data(data)
+            if isinstance(message, Records):
+                if message.records or message.through is not None:
+                    assert self.producer_id is not None
+                    self.seen_epoch = max(self.seen_epoch, message.epoch or 0)
+                    batch = Batch(
+                        self.stream,
+                        self.producer_id,
+                        self.received,
+                        message.records,
+                        self.seen_epoch,
+                        through=message.through or 0,
+                    )
+                    self.received = batch.last_seq
+                    self.head = max(self.head, self.received)
+                    await self._queue.put(batch)
+            elif isinstance(message, Heartbeat):
+                self.head = message.head
+            elif isinstance(message, Error):
+                raise _server_error(message)
 
     def _drop_connection(self) -> None:
         if self._writer is not None:

@@ -61,6 +61,7 @@ from .protocol import (
     TimePosition,
 )
 from .security import Principal, ServerTLS, TokenAuth, check_admin, check_stream
+from .transport import read_message
 
 logger = logging.getLogger("streamq.server")
 
@@ -327,12 +328,7 @@ class Server:
         settings = self.settings
         timeout = settings.handshake_timeout if hello_pending else settings.idle_timeout
         try:
-            async with asyncio.timeout(timeout):
-                while (message := conn.next_event()) is None:
-                    data = await reader.read(_READ_SIZE)
-                    if not data:
-                        return None
-                    conn.receive_data(data)
+            message = await read_message(conn, reader, timeout=timeout)
         except TimeoutError:
             what = "CLIENT_HELLO" if hello_pending else "request"
             raise IdleTimeoutError(f"no complete {what} within {timeout:g} s; closing") from None
@@ -595,31 +591,20 @@ class Server:
         A subscription may be quiet for ever, but a frame once begun must be complete
         within ``frame_timeout``: a trickle of bytes cannot hold a buffer for ever.
         """
-        loop = asyncio.get_running_loop()
-        deadline: float | None = None
+        frame_timeout = self.settings.frame_timeout
         while True:
-            while (message := conn.next_event()) is not None:
-                deadline = None  # a frame completed; the next one has its own deadline
-                if isinstance(message, Error):
-                    return
-                if isinstance(message, Ack):
-                    seq = min(message.seq, sub.sent)  # it cannot have applied what it was not sent
-                    sub.acked = max(sub.acked, seq)
-                    self.positions.report(sub.reporter, sub.stream, seq)
-            if not conn.buffered:
-                deadline = None
-            elif deadline is None:
-                deadline = loop.time() + self.settings.frame_timeout
             try:
-                async with asyncio.timeout_at(deadline):
-                    data = await reader.read(_READ_SIZE)
+                message = await read_message(conn, reader, frame_timeout=frame_timeout)
             except TimeoutError:
                 raise IdleTimeoutError(
-                    f"incomplete frame for {self.settings.frame_timeout:g} s; closing"
+                    f"incomplete frame for {frame_timeout:g} s; closing"
                 ) from None
-            if not data:
+            if message is None or isinstance(message, Error):
                 return
-            conn.receive_data(data)
+            if isinstance(message, Ack):
+                seq = min(message.seq, sub.sent)  # it cannot have applied what it was not sent
+                sub.acked = max(sub.acked, seq)
+                self.positions.report(sub.reporter, sub.stream, seq)
 
     async def _push(
         self,

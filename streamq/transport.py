@@ -1,0 +1,108 @@
+"""The connection plumbing under the server, the consumer and the client.
+
+The protocol (``protocol.py``) turns bytes into messages and knows nothing of sockets;
+this module moves the bytes: addresses, opening a client connection, reading until the
+protocol yields a message (asyncio and blocking), and one place where the socket
+layer's errors become streamq's (as httpcore's ``map_exceptions`` does), so callers
+never see ``ssl.SSLError`` or ``OSError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import ssl
+from collections.abc import Iterator
+
+from .errors import ConnectionLostError
+from .protocol import ClientConnection, Message, State, _Connection
+from .security import ClientTLS, tls_error
+
+READ_SIZE = 256 * 1024
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``host:port`` or ``[v6]:port`` into (host, port); no host means loopback."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"address must be HOST:PORT, not {address!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+@contextlib.contextmanager
+def producer_errors(address: str, doing: str) -> Iterator[None]:
+    """Map the socket layer's failures while ``doing`` something with the producer at
+    ``address``: TLS failures to ``TLSError`` (what went wrong, not retried), anything
+    else from the network (timeouts included) to ``ConnectionLostError``: "``doing``
+    producer at ADDRESS: why"."""
+    try:
+        yield
+    except ssl.SSLError as exc:
+        raise tls_error(exc, address) from exc
+    except OSError as exc:  # TimeoutError is one
+        raise ConnectionLostError(f"{doing} producer at {address}: {exc!r}") from exc
+
+
+def closed_by_producer(address: str, conn: ClientConnection) -> ConnectionLostError:
+    """The error for an EOF from the producer, with a hint when it came before SERVER_HELLO:
+    that is how a producer serving TLS answers a plain connection."""
+    hint = " before its SERVER_HELLO (does it require TLS?)"
+    if conn.their_state is not State.AWAIT_HELLO:
+        hint = ""
+    return ConnectionLostError(f"producer at {address} closed the connection{hint}")
+
+
+async def open_connection(
+    address: str, tls: ClientTLS | None, context: ssl.SSLContext | None, timeout: float
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A TCP (or TLS) connection to the producer at ``address``, within ``timeout``."""
+    host, port = parse_address(address)
+    server_hostname = None if tls is None else tls.server_name or host
+    with producer_errors(address, "cannot connect to"):
+        async with asyncio.timeout(timeout):
+            return await asyncio.open_connection(
+                host, port, limit=READ_SIZE, ssl=context, server_hostname=server_hostname
+            )
+
+
+async def read_message(
+    conn: _Connection,
+    reader: asyncio.StreamReader,
+    *,
+    timeout: float | None = None,
+    read_timeout: float | None = None,
+    frame_timeout: float | None = None,
+) -> Message | None:
+    """The peer's next message, reading as needed; None once the peer has closed.
+
+    ``timeout`` bounds the whole wait; ``read_timeout`` each read (a peer silent that
+    long is gone); ``frame_timeout`` a frame from its first byte (a trickle of bytes
+    cannot hold a buffer for ever). Past one, ``TimeoutError``.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout is None else loop.time() + timeout
+    frame_deadline = None
+    while (message := conn.next_event()) is None:
+        now = loop.time()
+        if frame_timeout is not None and frame_deadline is None and conn.buffered:
+            frame_deadline = now + frame_timeout
+        limits = [d for d in (deadline, frame_deadline) if d is not None]
+        if read_timeout is not None:
+            limits.append(now + read_timeout)
+        async with asyncio.timeout_at(min(limits) if limits else None):
+            data = await reader.read(READ_SIZE)
+        if not data:
+            return None
+        conn.receive_data(data)
+    return message
+
+
+def read_message_blocking(conn: ClientConnection, sock: socket.socket) -> Message | None:
+    """``read_message`` on a blocking socket (its own timeout applies to each read)."""
+    while (message := conn.next_event()) is None:
+        data = sock.recv(READ_SIZE)
+        if not data:
+            return None
+        conn.receive_data(data)
+    return message
