@@ -84,6 +84,11 @@ class RemoteProtocolError(ProtocolError):
     """The peer sent a malformed frame or a message out of order."""
 
 
+# The exception class of each wire error code: every ``ServerError`` subclass that sets
+# ``code`` registers itself here ("Errors": one code, one class).
+ERROR_CLASSES: dict[ErrorCode, type[ServerError]] = {}
+
+
 class ServerError(StreamQError):
     """The producer answered a request with an ERROR frame."""
 
@@ -92,6 +97,13 @@ class ServerError(StreamQError):
     def __init__(self, message: str, details: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.details: dict[str, Any] = details or {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "code" in cls.__dict__:
+            if cls.code in ERROR_CLASSES:
+                raise TypeError(f"{cls.code.name} has a class already: {ERROR_CLASSES[cls.code]}")
+            ERROR_CLASSES[cls.code] = cls
 
 
 class MalformedFrameError(ServerError):
@@ -150,26 +162,6 @@ class NotAuthorizedError(ServerError):
     """The authenticated consumer asked for a stream (or the status) outside its grants."""
 
     code = ErrorCode.NOT_AUTHORIZED
-
-
-ERROR_CLASSES: dict[ErrorCode, type[ServerError]] = {
-    cls.code: cls
-    for cls in (
-        MalformedFrameError,
-        FrameTooLargeError,
-        UnexpectedMessageError,
-        VersionMismatchError,
-        UnknownStreamError,
-        OffsetOutOfRangeError,
-        ProducerMismatchError,
-        TooManyConnectionsError,
-        IdleTimeoutError,
-        ShuttingDownError,
-        InternalServerError,
-        AuthenticationFailedError,
-        NotAuthorizedError,
-    )
-}
 
 
 def error_from_frame(code: int, message: str, details: dict[str, Any]) -> ServerError:

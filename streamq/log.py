@@ -58,10 +58,6 @@ class TailBuffer:
     def first_seq(self) -> int:
         return self._first_seq
 
-    @property
-    def nbytes(self) -> int:
-        return self._nbytes
-
     def reset(self, next_seq: int) -> None:
         """Forget everything: the next append starts at ``next_seq``."""
         self._records = []

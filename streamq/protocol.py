@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from enum import Enum, IntEnum
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple, TypeVar, cast
 
 import msgpack
 
@@ -107,10 +107,82 @@ def record_key(encoded: bytes) -> bytes | None:
 
 
 # --- Messages ("Messages" in docs/protocol.md) -------------------------------
+#
+# Each message class registers itself once, with ``@_message``: its fields' checks in
+# wire order, and how many of its last fields are optional ("Optional fields": a frame
+# may end before them, and they are then None; left as None they are not sent, so frames
+# stay as they were before the fields existed).
+
+Check = Callable[[Any], bool]
 
 
+def _uint(v: Any) -> bool:
+    return type(v) is int and 0 <= v <= MAX_SEQ
+
+
+def _str(v: Any) -> bool:
+    return type(v) is str
+
+
+def _opt_str(v: Any) -> bool:
+    return v is None or type(v) is str
+
+
+def _opt_uint(v: Any) -> bool:
+    return v is None or _uint(v)
+
+
+def _map(v: Any) -> bool:
+    return type(v) is dict
+
+
+def _bin(v: Any) -> bool:
+    return type(v) is bytes
+
+
+def _int(v: Any) -> bool:
+    return type(v) is int
+
+
+def _is_version(v: Any) -> bool:
+    return type(v) is int and v == PROTOCOL_VERSION
+
+
+_CLASSES: dict[MessageType, type[Any]] = {}  # the class decoding each message type
+_FIELD_NAMES: dict[type[Any], tuple[str, ...]] = {}
+_CHECKS: dict[type[Any], tuple[Check, ...]] = {}
+_OPTIONAL_FIELDS: dict[type[Any], int] = {}
+_M = TypeVar("_M")
+
+
+def _message(*checks: Check, optional: int = 0, decoded_by: bool = True) -> Callable[[_M], _M]:
+    """Register a message class: ``checks`` validate its fields in wire order (none for
+    messages with a decoder of their own); ``decoded_by=False`` for a second class of one
+    message type (``RecordRows``), which decoding picks by a flag."""
+
+    def register(cls: _M) -> _M:
+        message_cls = cast(type[Any], cls)
+        if decoded_by:
+            _CLASSES[message_cls.TYPE] = message_cls
+        _FIELD_NAMES[message_cls] = tuple(f.name for f in fields(message_cls))
+        _CHECKS[message_cls] = checks
+        if optional:
+            _OPTIONAL_FIELDS[message_cls] = optional
+        return cls
+
+    return register
+
+
+class Message:
+    """What every message class is: a frozen dataclass with its wire ``TYPE``."""
+
+    __slots__ = ()
+    TYPE: ClassVar[MessageType]
+
+
+@_message(_uint, _str, _opt_str, optional=1)
 @dataclass(frozen=True, slots=True)
-class ClientHello:
+class ClientHello(Message):
     """First frame a client sends: its protocol version, a name for logs and, for producers
     that require one, a token naming the consumer ("Authentication"). Without a token the
     frame has no third field, as before tokens existed."""
@@ -121,8 +193,9 @@ class ClientHello:
     TYPE: ClassVar[MessageType] = MessageType.CLIENT_HELLO
 
 
+@_message(_uint, _str, _uint, _uint, _uint, optional=1)
 @dataclass(frozen=True, slots=True)
-class ServerHello:
+class ServerHello(Message):
     """First frame the producer sends, on accept, before reading anything.
 
     ``heartbeat_interval_ms`` (optional, "Handshake"): how often a caught-up subscription
@@ -138,8 +211,9 @@ class ServerHello:
     TYPE: ClassVar[MessageType] = MessageType.SERVER_HELLO
 
 
+@_message(_str, _uint, _str, _opt_str, _opt_uint, _map, optional=2)
 @dataclass(frozen=True, slots=True)
-class Subscribe:
+class Subscribe(Message):
     """Push ``stream`` from ``start_seq`` on, forever; ``producer_id`` is checked if set.
 
     ``seen_epoch`` (optional, "Epochs"): the highest epoch that wrote any record the client
@@ -159,8 +233,9 @@ class Subscribe:
     TYPE: ClassVar[MessageType] = MessageType.SUBSCRIBE
 
 
+@_message(_str, _uint, _uint, _uint, _uint, optional=2)
 @dataclass(frozen=True, slots=True)
-class Subscribed:
+class Subscribed(Message):
     """The subscription is accepted. With epochs ("Epochs"): ``after_epoch`` is the epoch that
     wrote seq ``start_seq - 1`` in the producer's log now (0 if unknown or none), and
     ``rewritten_from`` the first seq whose record differs from what the client read
@@ -174,8 +249,9 @@ class Subscribed:
     TYPE: ClassVar[MessageType] = MessageType.SUBSCRIBED
 
 
+@_message()  # decoded by _decode_records_message
 @dataclass(frozen=True, slots=True)
-class Records:
+class Records(Message):
     """Records in increasing seq order. Servers send them with ``records_frame``.
 
     ``epoch`` (optional, "Epochs"): the producer instance that wrote every record of the
@@ -192,8 +268,9 @@ class Records:
     TYPE: ClassVar[MessageType] = MessageType.RECORDS
 
 
+@_message(decoded_by=False)
 @dataclass(frozen=True, slots=True)
-class RecordRows:
+class RecordRows(Message):
     """RECORDS as decoded for columnar readers (Arrow): rows of [seq, timestamp, key, value,
     headers], of which only the first and last seq are checked. Every row's shape, field
     types and seq order are the reader's to check, in bulk, as it builds columns; a
@@ -206,30 +283,34 @@ class RecordRows:
     TYPE: ClassVar[MessageType] = MessageType.RECORDS
 
 
+@_message(_uint)
 @dataclass(frozen=True, slots=True)
-class Heartbeat:
+class Heartbeat(Message):
     """Sent on an idle subscription so the consumer can tell a quiet producer from a dead one."""
 
     head: int
     TYPE: ClassVar[MessageType] = MessageType.HEARTBEAT
 
 
+@_message(_uint)
 @dataclass(frozen=True, slots=True)
-class Ack:
+class Ack(Message):
     """A consumer's durable position: every seq up to ``seq`` is applied and committed."""
 
     seq: int
     TYPE: ClassVar[MessageType] = MessageType.ACK
 
 
+@_message(_str)
 @dataclass(frozen=True, slots=True)
-class GetHead:
+class GetHead(Message):
     stream: str
     TYPE: ClassVar[MessageType] = MessageType.GET_HEAD
 
 
+@_message(_str, _uint, _uint)
 @dataclass(frozen=True, slots=True)
-class StreamInfo:
+class StreamInfo(Message):
     """A stream's ``head`` (last committed seq, 0 if none) and ``low`` (first seq still held)."""
 
     stream: str
@@ -238,8 +319,9 @@ class StreamInfo:
     TYPE: ClassVar[MessageType] = MessageType.STREAM_INFO
 
 
+@_message(_str, _uint, _uint, _opt_uint, _map, optional=2)
 @dataclass(frozen=True, slots=True)
-class GetRange:
+class GetRange(Message):
     """Send the records with ``start <= seq < end``, then RANGE_END.
 
     ``seen_epoch`` (optional, "Epochs"): the highest epoch that wrote any record the client
@@ -258,8 +340,9 @@ class GetRange:
     TYPE: ClassVar[MessageType] = MessageType.GET_RANGE
 
 
+@_message(_uint, _uint, optional=2)
 @dataclass(frozen=True, slots=True)
-class RangeEnd:
+class RangeEnd(Message):
     """Ends a range (or history) answer. On a range that asked for epochs ("Epochs"):
     ``after_epoch`` is the epoch that wrote seq ``start - 1`` in the producer's log now (0 if
     unknown or none), and ``rewritten_from`` the first seq up to ``start - 1`` whose record
@@ -270,32 +353,37 @@ class RangeEnd:
     TYPE: ClassVar[MessageType] = MessageType.RANGE_END
 
 
+@_message()
 @dataclass(frozen=True, slots=True)
-class ListStreams:
+class ListStreams(Message):
     TYPE: ClassVar[MessageType] = MessageType.LIST_STREAMS
 
 
+@_message()  # decoded by _decode_stream_list
 @dataclass(frozen=True, slots=True)
-class StreamList:
+class StreamList(Message):
     streams: tuple[StreamInfo, ...]
     TYPE: ClassVar[MessageType] = MessageType.STREAM_LIST
 
 
+@_message()
 @dataclass(frozen=True, slots=True)
-class GetStatus:
+class GetStatus(Message):
     TYPE: ClassVar[MessageType] = MessageType.GET_STATUS
 
 
+@_message(_map)
 @dataclass(frozen=True, slots=True)
-class StatusReport:
+class StatusReport(Message):
     """A free-form map: producer id, streams, connected consumers (docs/protocol.md)."""
 
     status: dict[str, Any]
     TYPE: ClassVar[MessageType] = MessageType.STATUS_REPORT
 
 
+@_message(_str, _str, _uint)
 @dataclass(frozen=True, slots=True)
-class ReportPosition:
+class ReportPosition(Message):
     """A reader that does not subscribe (e.g. a Spark query) tells how far it has durably read.
 
     ``seq`` is its last applied seq; the producer answers with the stream's STREAM_INFO.
@@ -307,8 +395,9 @@ class ReportPosition:
     TYPE: ClassVar[MessageType] = MessageType.REPORT_POSITION
 
 
+@_message(_str, _bin, _uint, _uint)
 @dataclass(frozen=True, slots=True)
-class GetHistory:
+class GetHistory(Message):
     """Send the records of ``stream`` whose key is ``key`` with ``start <= seq < end``
     (``end`` capped at the head + 1), in seq order, then RANGE_END: one entity's
     events without reading the whole stream."""
@@ -320,8 +409,9 @@ class GetHistory:
     TYPE: ClassVar[MessageType] = MessageType.GET_HISTORY
 
 
+@_message(_str, _int)
 @dataclass(frozen=True, slots=True)
-class SeekTime:
+class SeekTime(Message):
     """Ask for the first seq of ``stream`` whose timestamp is >= ``timestamp`` (ms)."""
 
     stream: str
@@ -329,8 +419,9 @@ class SeekTime:
     TYPE: ClassVar[MessageType] = MessageType.SEEK_TIME
 
 
+@_message(_str, _uint, _uint, _uint)
 @dataclass(frozen=True, slots=True)
-class TimePosition:
+class TimePosition(Message):
     """Answer to SEEK_TIME: ``seq`` to start from (``head + 1`` if no record is that late)."""
 
     stream: str
@@ -340,8 +431,9 @@ class TimePosition:
     TYPE: ClassVar[MessageType] = MessageType.TIME_POSITION
 
 
+@_message(_opt_str)
 @dataclass(frozen=True, slots=True)
-class Authenticated:
+class Authenticated(Message):
     """The answer to a CLIENT_HELLO that carried a token: the consumer it names, or nil from
     a producer that does not check tokens."""
 
@@ -349,8 +441,9 @@ class Authenticated:
     TYPE: ClassVar[MessageType] = MessageType.AUTHENTICATED
 
 
+@_message(_uint, _str, _map)
 @dataclass(frozen=True, slots=True)
-class Error:
+class Error(Message):
     """The last frame on a connection: why the sender is closing it."""
 
     code: int
@@ -359,30 +452,6 @@ class Error:
     TYPE: ClassVar[MessageType] = MessageType.ERROR
 
 
-Message = (
-    ClientHello
-    | ServerHello
-    | Subscribe
-    | Subscribed
-    | Records
-    | Heartbeat
-    | Ack
-    | GetHead
-    | StreamInfo
-    | GetRange
-    | RangeEnd
-    | ListStreams
-    | StreamList
-    | GetStatus
-    | StatusReport
-    | Error
-    | ReportPosition
-    | Authenticated
-    | RecordRows
-    | GetHistory
-    | SeekTime
-    | TimePosition
-)
 Request = (
     Subscribe
     | GetHead
@@ -464,101 +533,6 @@ def _to_wire(value: Any) -> Any:
 
 
 # --- Decoding -----------------------------------------------------------------
-
-
-def _uint(v: Any) -> bool:
-    return type(v) is int and 0 <= v <= MAX_SEQ
-
-
-def _str(v: Any) -> bool:
-    return type(v) is str
-
-
-def _opt_str(v: Any) -> bool:
-    return v is None or type(v) is str
-
-
-def _opt_uint(v: Any) -> bool:
-    return v is None or _uint(v)
-
-
-def _map(v: Any) -> bool:
-    return type(v) is dict
-
-
-def _bin(v: Any) -> bool:
-    return type(v) is bytes
-
-
-def _int(v: Any) -> bool:
-    return type(v) is int
-
-
-def _is_version(v: Any) -> bool:
-    return type(v) is int and v == PROTOCOL_VERSION
-
-
-_CLASSES: dict[MessageType, type[Any]] = {
-    cls.TYPE: cls
-    for cls in (
-        ClientHello,
-        ServerHello,
-        Subscribe,
-        Subscribed,
-        Records,
-        Heartbeat,
-        Ack,
-        GetHead,
-        StreamInfo,
-        GetRange,
-        RangeEnd,
-        ListStreams,
-        StreamList,
-        GetStatus,
-        StatusReport,
-        Error,
-        ReportPosition,
-        GetHistory,
-        SeekTime,
-        TimePosition,
-        Authenticated,
-    )
-}
-_FIELD_NAMES: dict[type[Any], tuple[str, ...]] = {
-    cls: tuple(f.name for f in fields(cls)) for cls in _CLASSES.values()
-}
-_CHECKS: dict[type[Any], tuple[Callable[[Any], bool], ...]] = {
-    ClientHello: (_uint, _str, _opt_str),
-    ServerHello: (_uint, _str, _uint, _uint, _uint),
-    Subscribe: (_str, _uint, _str, _opt_str, _opt_uint, _map),
-    Subscribed: (_str, _uint, _uint, _uint, _uint),
-    Heartbeat: (_uint,),
-    Ack: (_uint,),
-    GetHead: (_str,),
-    StreamInfo: (_str, _uint, _uint),
-    GetRange: (_str, _uint, _uint, _opt_uint, _map),
-    RangeEnd: (_uint, _uint),
-    ListStreams: (),
-    GetStatus: (),
-    StatusReport: (_map,),
-    Error: (_uint, _str, _map),
-    ReportPosition: (_str, _str, _uint),
-    GetHistory: (_str, _bin, _uint, _uint),
-    SeekTime: (_str, _int),
-    TimePosition: (_str, _uint, _uint, _uint),
-    Authenticated: (_opt_str,),
-}
-# How many of a message's last fields are optional ("Optional fields"): a frame may end
-# before them, and they are then None; left as None they are not sent, so frames stay as
-# they were before the fields existed.
-_OPTIONAL_FIELDS: dict[type[Any], int] = {
-    ClientHello: 1,
-    ServerHello: 1,
-    Subscribe: 2,
-    Subscribed: 2,
-    GetRange: 2,
-    RangeEnd: 2,
-}
 
 
 _REPR = reprlib.Repr()
@@ -758,14 +732,21 @@ class FrameDecoder:
 
 class State(Enum):
     AWAIT_HELLO = "await hello"
+    AUTHENTICATING = "authenticating"  # the server owes AUTHENTICATED: the hello had a token
     READY = "ready"
     STREAMING = "streaming"
     CLOSED = "closed"
 
 
-_REQUESTS = (GetHead, GetRange, ListStreams, GetStatus, ReportPosition, GetHistory, SeekTime)
-# What the client may receive while the oldest pending request is of each kind.
+class Role(Enum):
+    CLIENT = "client"
+    SERVER = "server"
+
+
+# What the client may receive while the oldest request waiting for its answer is of each
+# kind; the last message of an answer ends it. SUBSCRIBE is answered by SUBSCRIBED.
 _RESPONSES: dict[type[Any], tuple[type[Any], ...]] = {
+    Subscribe: (Subscribed,),
     GetHead: (StreamInfo,),
     GetRange: (Records, RecordRows, RangeEnd),
     ListStreams: (StreamList,),
@@ -774,19 +755,98 @@ _RESPONSES: dict[type[Any], tuple[type[Any], ...]] = {
     GetHistory: (Records, RecordRows, RangeEnd),
     SeekTime: (TimePosition,),
 }
-_FINAL_RESPONSES = (StreamInfo, RangeEnd, StreamList, StatusReport, TimePosition)
+_FINAL_RESPONSES = (Subscribed, StreamInfo, RangeEnd, StreamList, StatusReport, TimePosition)
+_REQUESTS = tuple(r for r in _RESPONSES if r is not Subscribe)
+
+# "Connection states", in one place: for each role, in each state, the messages that
+# role may send and the state each leads to. A message missing from its sender's row is
+# out of order. ERROR is legal in every state and closes the connection (``_Connection``).
+_TRANSITIONS: dict[Role, dict[State, dict[type[Any], State]]] = {
+    Role.CLIENT: {
+        State.AWAIT_HELLO: {ClientHello: State.READY},
+        State.READY: {**dict.fromkeys(_REQUESTS, State.READY), Subscribe: State.STREAMING},
+        State.STREAMING: {Ack: State.STREAMING},
+    },
+    Role.SERVER: {
+        State.AWAIT_HELLO: {ServerHello: State.READY},
+        State.AUTHENTICATING: {Authenticated: State.READY},
+        State.READY: {
+            **dict.fromkeys(
+                (StreamInfo, Records, RecordRows, RangeEnd, StreamList, StatusReport),
+                State.READY,
+            ),
+            TimePosition: State.READY,
+            Subscribed: State.STREAMING,
+        },
+        State.STREAMING: dict.fromkeys((Records, RecordRows, Heartbeat), State.STREAMING),
+    },
+}
+# Why a message is out of order, where the list of legal ones would not say it.
+_HINTS: dict[tuple[Role, State], str] = {
+    (Role.CLIENT, State.STREAMING): "ACK (one subscription per connection)",
+    (Role.CLIENT, State.READY): "a request",
+    (Role.SERVER, State.AUTHENTICATING): (
+        "AUTHENTICATED: it answers a CLIENT_HELLO with a token, before anything else"
+    ),
+    (Role.SERVER, State.STREAMING): "RECORDS or HEARTBEAT (on a subscription)",
+}
+
+
+class _States:
+    """Both roles' states on one connection, moved only by ``_TRANSITIONS``; ERROR closes.
+
+    "Authentication": a CLIENT_HELLO with a token puts the server in AUTHENTICATING as
+    soon as it has sent SERVER_HELLO, whichever of the two hellos came first.
+    """
+
+    def __init__(self) -> None:
+        self.of = {Role.CLIENT: State.AWAIT_HELLO, Role.SERVER: State.AWAIT_HELLO}
+        self._token = False  # a hello with a token, not yet answered
+
+    def next_state(self, role: Role, message: Message) -> State | None:
+        """Where ``role`` goes by sending ``message`` now; None if it may not."""
+        return _TRANSITIONS[role].get(self.of[role], {}).get(type(message))
+
+    def move(self, role: Role, message: Message, state: State) -> None:
+        self.of[role] = state
+        if isinstance(message, ClientHello) and message.token is not None:
+            self._token = True
+        if self._token and self.of[Role.SERVER] is State.READY:
+            self.of[Role.SERVER] = State.AUTHENTICATING
+            self._token = False
+
+    def expected(self, role: Role) -> str:
+        """What ``role`` may send now, for error messages."""
+        state = self.of[role]
+        hint = _HINTS.get((role, state))
+        if hint is not None:
+            return hint
+        names = dict.fromkeys(cls.TYPE.name for cls in _TRANSITIONS[role].get(state, {}))
+        return " or ".join(names) or "nothing"
+
+    def close(self, *roles: Role) -> None:
+        for role in roles:
+            self.of[role] = State.CLOSED
 
 
 class _Connection:
-    """State shared by both roles: the frame decoder and the closed flag."""
+    """One side of a connection: the frame decoder and both roles' states."""
 
-    _hello: ClassVar[type[Any]]
+    our_role: ClassVar[Role]
+    their_role: ClassVar[Role]
 
     def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
         self._decoder = FrameDecoder(max_frame_size)
         self.raw_records = False  # RECORDS as RecordRows (see there), e.g. for Arrow
-        self.their_state = State.AWAIT_HELLO
-        self.our_state = State.AWAIT_HELLO
+        self._states = _States()
+
+    @property
+    def our_state(self) -> State:
+        return self._states.of[self.our_role]
+
+    @property
+    def their_state(self) -> State:
+        return self._states.of[self.their_role]
 
     def receive_data(self, data: bytes) -> None:
         self._decoder.feed(data)
@@ -805,9 +865,17 @@ class _Connection:
         message = decode_message(body, raw_records=self.raw_records)
         if isinstance(message, Error):
             # "Errors": the last frame on a connection, for both directions.
-            self.their_state = self.our_state = State.CLOSED
-        else:
-            self._on_receive(message)
+            self._states.close(Role.CLIENT, Role.SERVER)
+            return message
+        state = self._states.next_state(self.their_role, message)
+        if state is None:
+            raise RemoteProtocolError(
+                f"unexpected {message.TYPE.name} while {self.their_state.value}: "
+                f"expected {self._states.expected(self.their_role)}",
+                ErrorCode.UNEXPECTED_MESSAGE,
+            )
+        self._check_received(message)
+        self._states.move(self.their_role, message, state)
         return message
 
     def send(self, message: Message) -> bytes:
@@ -815,72 +883,29 @@ class _Connection:
         if self.our_state is State.CLOSED:
             raise LocalProtocolError(f"cannot send {message.TYPE.name}: connection closed")
         if isinstance(message, Error):
-            self.our_state = State.CLOSED
-        else:
-            self._on_send(message)
+            self._states.close(self.our_role)
+            return encode(message)
+        state = self._states.next_state(self.our_role, message)
+        if state is None:
+            raise LocalProtocolError(
+                f"cannot send {message.TYPE.name} while {self.our_state.value}: "
+                f"expected {self._states.expected(self.our_role)}"
+            )
+        self._check_sent(message)
+        self._states.move(self.our_role, message, state)
         return encode(message)
 
-    def _unexpected(self, message: Message, expected: str) -> RemoteProtocolError:
-        return RemoteProtocolError(
-            f"unexpected {message.TYPE.name} while {self.their_state.value}: expected {expected}",
-            ErrorCode.UNEXPECTED_MESSAGE,
-        )
+    def _check_received(self, message: Message) -> None:
+        """What the table cannot say about a message it allows (a role's own rules)."""
 
-    def _on_receive(self, message: Message) -> None:
-        raise NotImplementedError
-
-    def _on_send(self, message: Message) -> None:
-        raise NotImplementedError
+    def _check_sent(self, message: Message) -> None:
+        """As ``_check_received``, for what this side sends."""
 
 
 class ServerConnection(_Connection):
     """The producer's side of one connection."""
 
-    def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
-        super().__init__(max_frame_size)
-        # "Authentication": a hello with a token is answered with AUTHENTICATED (or ERROR)
-        # before anything else.
-        self.authenticated_owed = False
-
-    def _on_receive(self, message: Message) -> None:
-        state = self.their_state
-        if state is State.AWAIT_HELLO:
-            if not isinstance(message, ClientHello):
-                raise self._unexpected(message, "CLIENT_HELLO")
-            self.their_state = State.READY
-            self.authenticated_owed = message.token is not None
-        elif state is State.READY:
-            if isinstance(message, Subscribe):
-                self.their_state = State.STREAMING
-            elif not isinstance(message, _REQUESTS):
-                raise self._unexpected(message, "a request")
-        elif not isinstance(message, Ack):
-            # "One connection, one subscription": after SUBSCRIBE only ACKs.
-            raise self._unexpected(message, "ACK (one subscription per connection)")
-
-    def _on_send(self, message: Message) -> None:
-        if self.our_state is State.AWAIT_HELLO:
-            if not isinstance(message, ServerHello):
-                raise LocalProtocolError("the first frame a server sends must be SERVER_HELLO")
-            self.our_state = State.READY
-        elif isinstance(message, ServerHello):
-            raise LocalProtocolError("SERVER_HELLO was already sent")
-        elif self.our_state is State.STREAMING:
-            # "What the server sends": after SUBSCRIBED, only RECORDS and HEARTBEAT.
-            if not isinstance(message, Records | RecordRows | Heartbeat):
-                raise LocalProtocolError(f"cannot send {message.TYPE.name} on a subscription")
-        elif isinstance(message, Heartbeat):
-            raise LocalProtocolError("HEARTBEAT is sent on a subscription only, after SUBSCRIBED")
-        elif isinstance(message, Authenticated) != self.authenticated_owed:
-            raise LocalProtocolError(
-                "AUTHENTICATED answers a CLIENT_HELLO with a token, before anything else"
-                if self.authenticated_owed
-                else "AUTHENTICATED is sent once, only after a CLIENT_HELLO with a token"
-            )
-        elif isinstance(message, Subscribed):
-            self.our_state = State.STREAMING
-        else:
-            self.authenticated_owed = False
+    our_role, their_role = Role.SERVER, Role.CLIENT
 
     def send_records(
         self,
@@ -888,8 +913,9 @@ class ServerConnection(_Connection):
         epoch: int | None = None,
         through: int | None = None,
     ) -> bytes:
-        """A RECORDS frame from stored record encodings (the hot path)."""
-        if self.our_state not in (State.READY, State.STREAMING) or self.authenticated_owed:
+        """A RECORDS frame from stored record encodings (the hot path: no table lookup,
+        RECORDS leaves the server's state as it is)."""
+        if self.our_state not in (State.READY, State.STREAMING):
             raise LocalProtocolError(f"cannot send RECORDS while {self.our_state.value}")
         return records_frame(encoded_records, epoch, through)
 
@@ -901,134 +927,116 @@ class ClientConnection(_Connection):
     was asked, and checks that a subscription's records only move forward.
     """
 
+    our_role, their_role = Role.CLIENT, Role.SERVER
+
     def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
         super().__init__(max_frame_size)
-        self._pending: deque[Request] = deque()
-        self._subscribing = False  # SUBSCRIBE sent: the connection is a subscription for good
-        self._subscribed_ack = False
-        self._authenticated_pending = False  # a token was sent; AUTHENTICATED comes first
-        self._filtered = False  # the subscription has a filter: its RECORDS carry through
+        self._pending: deque[Request] = deque()  # answers owed, oldest first
+        self._subscription: Subscribe | None = None
         self.last_seq = 0
 
-    def _on_send(self, message: Message) -> None:
-        state = self.our_state
-        if state is State.AWAIT_HELLO:
-            if not isinstance(message, ClientHello):
-                raise LocalProtocolError("the first frame a client sends must be CLIENT_HELLO")
-            self.our_state = State.READY
-            self._authenticated_pending = message.token is not None
-        elif state is State.READY:
-            if isinstance(message, Subscribe):
-                if self._pending:
-                    raise LocalProtocolError("SUBSCRIBE while requests are still pending")
-                self.our_state = State.STREAMING
-                self._subscribing = True
-                self._filtered = message.filter is not None
-                self.last_seq = max(0, message.start_seq - 1)
-                self._pending.append(message)
-            elif isinstance(message, _REQUESTS):
-                self._pending.append(message)
-            else:
-                raise LocalProtocolError(f"a client cannot send {message.TYPE.name} now")
-        elif not isinstance(message, Ack):
-            raise LocalProtocolError(f"only ACK may follow SUBSCRIBE, not {message.TYPE.name}")
+    def _check_sent(self, message: Message) -> None:
+        if isinstance(message, Subscribe):
+            if self._pending:
+                raise LocalProtocolError("SUBSCRIBE while requests are still pending")
+            self._subscription = message
+            self.last_seq = max(0, message.start_seq - 1)
+        if type(message) in _RESPONSES:
+            self._pending.append(cast(Request, message))
 
-    def _on_receive(self, message: Message) -> None:
-        if self.their_state is State.AWAIT_HELLO:
-            if not isinstance(message, ServerHello):
-                raise self._unexpected(message, "SERVER_HELLO")
-            self.their_state = State.READY
+    def _check_received(self, message: Message) -> None:
+        if isinstance(message, ServerHello):
             # "Limits": accept frames as large as the producer may send.
             decoder = self._decoder
             decoder.max_frame_size = max(
                 decoder.max_frame_size, min(message.max_frame_size, MAX_ACCEPTED_FRAME_SIZE)
             )
-            return
-        if self._authenticated_pending:
-            if not isinstance(message, Authenticated):
-                raise self._unexpected(message, "AUTHENTICATED (a token was sent)")
-            self._authenticated_pending = False
-            return
-        if isinstance(message, Authenticated):
-            raise self._unexpected(message, "no AUTHENTICATED (no token was sent)")
-        if self._subscribing:
-            self._on_receive_streaming(message)
-            return
+        elif self.their_state is State.STREAMING:
+            if isinstance(message, Records | RecordRows):
+                self._check_pushed(message)
+        elif not isinstance(message, Authenticated):
+            self._check_answer(message)
+
+    def _check_answer(self, message: Message) -> None:
+        """An answer must be to the oldest request waiting for one, within what it asked."""
         if not self._pending:
-            raise self._unexpected(message, "nothing (no request pending)")
+            raise RemoteProtocolError(
+                f"unexpected {message.TYPE.name}: no request pending", ErrorCode.UNEXPECTED_MESSAGE
+            )
         request = self._pending[0]
         allowed = _RESPONSES[type(request)]
         if not isinstance(message, allowed):
-            raise self._unexpected(message, " or ".join(c.TYPE.name for c in allowed))
+            raise RemoteProtocolError(
+                f"unexpected {message.TYPE.name} while {self.their_state.value}: expected "
+                + " or ".join(c.TYPE.name for c in allowed),
+                ErrorCode.UNEXPECTED_MESSAGE,
+            )
         if isinstance(message, Records | RecordRows):
             assert isinstance(request, GetRange | GetHistory)
-            # "Epochs": a frame carries an epoch if and only if its range asked for epochs.
-            if (message.epoch is not None) != _with_epochs(request):
-                raise _malformed(
-                    "RECORDS with an epoch in answer to a request that did not ask for epochs"
-                    if message.epoch is not None
-                    else "RECORDS without an epoch in answer to a range that asked for epochs"
-                )
-            # "Filters": a frame carries ``through`` if and only if its range has a filter.
-            filtered = isinstance(request, GetRange) and request.filter is not None
-            if (message.through is not None) != filtered:
-                raise _malformed(
-                    "RECORDS with through in answer to a request without a filter"
-                    if message.through is not None
-                    else "RECORDS without through in answer to a range with a filter"
-                )
-            # A range or a history holds only seqs in [start, end), in increasing order.
-            seqs = _first_and_last_seq(message)
-            if seqs is not None:
-                first, last = seqs
-                end = request.end
-                if not (request.start <= first and last < end and first > self.last_seq):
-                    raise _malformed(
-                        f"RECORDS outside the requested range [{request.start}, {end})"
-                    )
-                self.last_seq = last
-            if message.through is not None:
-                if not self.last_seq <= message.through < request.end or (
-                    seqs is None and message.through == self.last_seq
-                ):
-                    raise _malformed(
-                        f"RECORDS.through {message.through} is not after seq {self.last_seq} "
-                        f"and within the requested range [{request.start}, {request.end})"
-                    )
-                self.last_seq = message.through
+            self._check_range_records(message, request)
         elif isinstance(message, RangeEnd):
             assert isinstance(request, GetRange | GetHistory)
             _check_range_end(message, request, self.last_seq)
         if isinstance(message, _FINAL_RESPONSES):
             self._pending.popleft()
-            self.last_seq = 0
+            if not isinstance(message, Subscribed):  # a subscription counts from its start
+                self.last_seq = 0
 
-    def _on_receive_streaming(self, message: Message) -> None:
-        if not self._subscribed_ack:
-            if not isinstance(message, Subscribed):
-                raise self._unexpected(message, "SUBSCRIBED")
-            self._subscribed_ack = True
-            self._pending.clear()
-            self.their_state = State.STREAMING
-        elif isinstance(message, Records | RecordRows):
-            through = message.through
-            if (through is not None) != self._filtered:
+    def _check_range_records(
+        self, message: Records | RecordRows, request: GetRange | GetHistory
+    ) -> None:
+        # "Epochs": a frame carries an epoch if and only if its range asked for epochs.
+        if (message.epoch is not None) != _with_epochs(request):
+            raise _malformed(
+                "RECORDS with an epoch in answer to a request that did not ask for epochs"
+                if message.epoch is not None
+                else "RECORDS without an epoch in answer to a range that asked for epochs"
+            )
+        # "Filters": a frame carries ``through`` if and only if its range has a filter.
+        filtered = isinstance(request, GetRange) and request.filter is not None
+        if (message.through is not None) != filtered:
+            raise _malformed(
+                "RECORDS with through in answer to a request without a filter"
+                if message.through is not None
+                else "RECORDS without through in answer to a range with a filter"
+            )
+        # A range or a history holds only seqs in [start, end), in increasing order.
+        seqs = _first_and_last_seq(message)
+        if seqs is not None:
+            first, last = seqs
+            end = request.end
+            if not (request.start <= first and last < end and first > self.last_seq):
+                raise _malformed(f"RECORDS outside the requested range [{request.start}, {end})")
+            self.last_seq = last
+        if message.through is not None:
+            if not self.last_seq <= message.through < request.end or (
+                seqs is None and message.through == self.last_seq
+            ):
                 raise _malformed(
-                    "RECORDS without through on a subscription with a filter"
-                    if self._filtered
-                    else "RECORDS with through on a subscription without a filter"
+                    f"RECORDS.through {message.through} is not after seq {self.last_seq} "
+                    f"and within the requested range [{request.start}, {request.end})"
                 )
-            seqs = _first_and_last_seq(message)
-            if seqs is not None:
-                if seqs[0] <= self.last_seq:
-                    raise _malformed(f"RECORDS went backwards: seq {seqs[0]} after {self.last_seq}")
-                self.last_seq = seqs[1]
-            if through is not None:
-                if through < self.last_seq or (seqs is None and through == self.last_seq):
-                    raise _malformed(f"RECORDS.through went backwards: {through}")
-                self.last_seq = through
-        elif not isinstance(message, Heartbeat):
-            raise self._unexpected(message, "RECORDS or HEARTBEAT")
+            self.last_seq = message.through
+
+    def _check_pushed(self, message: Records | RecordRows) -> None:
+        """A subscription's records only move forward, ``through`` with its filter."""
+        through = message.through
+        filtered = self._subscription is not None and self._subscription.filter is not None
+        if (through is not None) != filtered:
+            raise _malformed(
+                "RECORDS without through on a subscription with a filter"
+                if filtered
+                else "RECORDS with through on a subscription without a filter"
+            )
+        seqs = _first_and_last_seq(message)
+        if seqs is not None:
+            if seqs[0] <= self.last_seq:
+                raise _malformed(f"RECORDS went backwards: seq {seqs[0]} after {self.last_seq}")
+            self.last_seq = seqs[1]
+        if through is not None:
+            if through < self.last_seq or (seqs is None and through == self.last_seq):
+                raise _malformed(f"RECORDS.through went backwards: {through}")
+            self.last_seq = through
 
 
 def _with_epochs(request: GetRange | GetHistory) -> bool:

@@ -351,7 +351,7 @@ class Server:
         while (message := await self._next_message(conn, reader)) is not None:
             if isinstance(message, ClientHello):
                 principal = self._authenticate(message)
-                if conn.authenticated_owed:
+                if conn.our_state is State.AUTHENTICATING:
                     name = None if principal is None else principal.name
                     writer.write(conn.send(Authenticated(name)))
                 continue

@@ -289,6 +289,10 @@ def test_what_the_server_accepts(state: str) -> None:
 
 def server_sending_in(state: str) -> ServerConnection:
     conn = ServerConnection()
+    if state == "AUTHENTICATING":
+        conn.receive_data(encode(ClientHello(PROTOCOL_VERSION, "c", "billing:token")))
+        assert conn.next_event() is not None
+        conn.send(SAMPLES["SERVER_HELLO"])
     if state in ("READY", "STREAMING"):
         conn = server_receiving_in("READY")
         conn.send(SAMPLES["SERVER_HELLO"])
@@ -300,7 +304,7 @@ def server_sending_in(state: str) -> ServerConnection:
     return conn
 
 
-@pytest.mark.parametrize("state", ["AWAIT_HELLO", "READY", "STREAMING"])
+@pytest.mark.parametrize("state", ["AWAIT_HELLO", "AUTHENTICATING", "READY", "STREAMING"])
 def test_what_the_server_sends(state: str) -> None:
     rows = state_table("What the server sends")
     assert set().union(*(names for _, _, names, _ in rows)) == sent_by("S→C")
