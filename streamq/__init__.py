@@ -7,20 +7,11 @@ own database, in the same transaction as their effects.
 """
 
 from .applying import save_position, save_position_async
+from .batches import Batch
 from .blocking import BlockingSQL
 from .client import Client, history
 from .compaction import Compacted
-from .consumer import (
-    Batch,
-    Consumer,
-    ConsumerTransaction,
-    DeadLetter,
-    ParkedRecord,
-    Retry,
-    Stop,
-    list_dead_letters,
-    mark_for_retry,
-)
+from .consumer import Consumer
 from .errors import (
     AlreadyServedError,
     AuthenticationFailedError,
@@ -50,6 +41,7 @@ from .errors import (
     UnsupportedConnectionError,
     VersionMismatchError,
 )
+from .failures import DeadLetter, ParkedRecord, Retry, Stop
 from .fanin import FanInConsumer
 from .filters import Filter, share_of
 from .positions import ConsumerLag
@@ -59,6 +51,7 @@ from .publishing import create_tables, publish, publish_async, publish_many
 from .retention import RetentionPolicy, Truncation
 from .security import ClientTLS, ServerTLS, TokenAuth, make_token
 from .server import ServerSettings
+from .stores import ConsumerTransaction, list_dead_letters, mark_for_retry
 from .sync import SyncProducer, SyncTransaction
 from .transactions import BlockingTransaction, Transaction
 

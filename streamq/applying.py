@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .batches import Batch
 from .connections import resolve_engine, resolve_engine_async
-from .consumer import Batch
 from .engines.postgres import positions as postgres
 from .engines.sqlite import positions as sqlite
 

@@ -20,7 +20,7 @@ from rich.table import Table
 
 from . import _loop
 from .client import Client
-from .consumer import Consumer, list_dead_letters, mark_for_retry, reshare
+from .consumer import Consumer
 from .engines import open_storage
 from .errors import StreamQError
 from .filters import Filter
@@ -30,6 +30,7 @@ from .protocol import Record, decode_record
 from .security import ClientTLS, ServerTLS, TokenAuth, make_token, read_secret
 from .server import ServerSettings
 from .storage import is_postgres_url
+from .stores import list_dead_letters, mark_for_retry, reshare
 from .transport import parse_address
 
 DEFAULT_PORT = 7400

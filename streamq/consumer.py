@@ -6,16 +6,10 @@ producer wait. ``Consumer.transaction(batch)`` applies a batch in one transactio
 that also stores the consumer's position (producer id, stream) -> last seq, so after
 any crash the consumer resumes right after the last committed batch.
 
-The consumer's database is SQLite (a path) or PostgreSQL (a ``postgresql://`` URL).
-The consumer does not know which: it talks to a ``PositionStore``, one per engine
-(``engines/sqlite/positions.py``, ``engines/postgres/positions.py``), each holding all
-of its engine's SQL, picked once from ``db`` (``open_position_store``).
-
-Poison records: ``Consumer(on_failure=...)`` says what ``apply`` does when the
-application's function raises: ``Stop`` (the default), ``Retry`` (the batch again, with
-backoff), ``DeadLetter`` (park the record that fails alone in ``streamq_dead_letters``,
-in the transaction that moves the position past it). To find that record, the batch is
-applied once more in halves, each under a savepoint, in one transaction (``_Parts``).
+The consumer is a facade over parts of one job each: ``transport`` (connections),
+``stores.PositionStore`` (its database, one class per engine: SQLite or PostgreSQL),
+``failures.Policies`` (``on_failure``: what ``apply`` does when the application's
+function raises) and ``batches.Batch`` (what it yields).
 """
 
 from __future__ import annotations
@@ -24,15 +18,11 @@ import asyncio
 import contextlib
 import logging
 import time
-import traceback
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, Protocol, TypeVar, cast, overload
+from typing import Any, TypeVar
 
-import msgpack
-
+from .batches import Batch
 from .errors import (
     ConnectionLostError,
     ConsumerPositionError,
@@ -40,7 +30,6 @@ from .errors import (
     OffsetOutOfRangeError,
     OutOfOrderBatchError,
     ProducerChangedError,
-    RecordFailedError,
     SeqsReusedError,
     ServerError,
     SharesChangedError,
@@ -49,6 +38,7 @@ from .errors import (
     TooManyConnectionsError,
     error_from_frame,
 )
+from .failures import DeadLetter, FailurePolicy, Policies, Retry, Stop
 from .filters import Filter, share_name
 from .protocol import (
     DEFAULT_MAX_FRAME_SIZE,
@@ -60,7 +50,6 @@ from .protocol import (
     Error,
     Heartbeat,
     Message,
-    Record,
     Records,
     SeekTime,
     ServerHello,
@@ -68,9 +57,9 @@ from .protocol import (
     Subscribed,
     TimePosition,
 )
-from .resharing import Move
 from .security import ClientTLS, tls_refused
-from .storage import Durability, is_postgres_url
+from .storage import Durability
+from .stores import ConsumerTransaction, PositionStore, open_position_store
 from .transport import (
     closed_by_producer,
     open_connection,
@@ -78,9 +67,6 @@ from .transport import (
     producer_errors,
     read_message,
 )
-
-if TYPE_CHECKING:
-    pass
 
 T = TypeVar("T")
 
@@ -110,268 +96,6 @@ def lost_seqs(position: int, head: int, rewritten_from: int) -> range | None:
     beyond its ``head``, and those from ``rewritten_from`` (if not 0) on; None if none."""
     first = rewritten_from or head + 1
     return range(first, position + 1) if 0 < first <= position else None
-
-
-@dataclass(frozen=True, slots=True)
-class Batch(Sequence[Record]):
-    """Records pushed by a producer, in seq order, to be applied together.
-
-    ``after`` is the seq this batch follows: the consumer's position before it, and
-    ``last_seq`` its position after it. They enclose every record of the batch; with a
-    filter ("Filters"), the seqs between them that are not records did not match, and a
-    batch may hold no records at all: applying it moves the position all the same.
-    ``epoch`` is the highest producer epoch that wrote any record up to its last (0 if
-    unknown), stored with the position so a producer that lost and reused seqs is caught
-    ("Epochs").
-    """
-
-    stream: str
-    producer_id: str
-    after: int
-    records: tuple[Record, ...]
-    epoch: int = 0
-    consumer: str = ""  # the consumer's name: where ``streamq.save_position`` stores it
-    endpoint: str = ""  # the producer's address, stored with the position
-    origin: int = 0  # where the consumer started when no position was stored (start_seq - 1)
-    through: int = 0  # the producer examined every seq up to this one (0: the last record's)
-
-    @property
-    def first_seq(self) -> int:
-        """The first record's seq (``after + 1`` if the batch holds none)."""
-        return self.records[0].seq if self.records else self.after + 1
-
-    @property
-    def last_seq(self) -> int:
-        """The position once the batch is applied."""
-        return self.through or self.records[-1].seq
-
-    def __len__(self) -> int:
-        return len(self.records)
-
-    def __iter__(self) -> Iterator[Record]:
-        return iter(self.records)
-
-    @overload
-    def __getitem__(self, index: int) -> Record: ...
-    @overload
-    def __getitem__(self, index: slice) -> Sequence[Record]: ...
-    def __getitem__(self, index: int | slice) -> Record | Sequence[Record]:
-        return self.records[index]
-
-
-@dataclass(frozen=True, slots=True)
-class Stop:
-    """``on_failure`` default: at a record whose apply fails, stop. Nothing of its batch
-    commits (the batch is applied again after a restart) and ``apply`` raises the
-    application's own exception, as it always did, with a note naming the consumer,
-    producer, stream and seq (shown in its traceback)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Retry:
-    """``on_failure``: apply a failed batch again, up to ``times`` more times, waiting
-    ``backoff`` seconds before the first retry, doubling up to ``max_backoff``. Then stop
-    at the record that fails alone, with ``RecordFailedError`` naming it."""
-
-    times: int = 5
-    backoff: float = 0.05
-    max_backoff: float = 5.0
-
-    def __post_init__(self) -> None:
-        if self.times < 0 or self.backoff < 0 or self.max_backoff < 0:
-            raise ValueError(f"Retry takes no negative numbers: {self}")
-
-    def delay(self, retry: int) -> float:
-        """Seconds to wait before retry number ``retry`` (1, 2, ...)."""
-        return float(min(self.backoff * 2 ** (retry - 1), self.max_backoff))
-
-
-@dataclass(frozen=True, slots=True)
-class DeadLetter:
-    """``on_failure``: after ``retry``, park each record that fails alone in the
-    consumer's table ``streamq_dead_letters`` (with the error's traceback), in the
-    transaction that applies the batch's other records and moves the position past it,
-    and go on. ``streamq dead-letters list|retry DB`` shows them and has them re-applied."""
-
-    retry: Retry = field(default_factory=lambda: Retry(times=0))
-
-
-FailurePolicy = Stop | Retry | DeadLetter
-
-
-class DeadLetterSQL(NamedTuple):
-    """An engine's statements on ``streamq_dead_letters`` (placeholders its own)."""
-
-    park: str  # (consumer, producer_id, stream, seq, key, value, headers, timestamp,
-    #            error, attempts, parked_at)
-    requested: str  # (consumer, producer_id, stream) -> seq, timestamp, key, value, headers
-    take: str  # delete one marked for retry: (consumer, producer_id, stream, seq)
-    failed_again: str  # (error, consumer, producer_id, stream, seq)
-
-
-class ParkedRecord(NamedTuple):
-    """A record a ``DeadLetter`` consumer parked (``streamq.list_dead_letters``)."""
-
-    consumer: str
-    producer_id: str
-    stream: str
-    record: Record
-    error: str  # the application's exception, with its traceback
-    attempts: int  # tries of the record that failed
-    parked_at: int  # ms since the Unix epoch
-    retry_requested_at: int | None  # set by ``mark_for_retry`` until the consumer re-applies
-
-    @classmethod
-    def from_row(cls, row: Sequence[Any]) -> ParkedRecord:
-        consumer, producer_id, stream, seq, timestamp, key, value, headers, *rest = row
-        record = Record(int(seq), int(timestamp), _bytes(key), bytes(value), _headers(headers))
-        error, attempts, parked_at, requested = rest
-        requested = None if requested is None else int(requested)
-        return cls(consumer, producer_id, stream, record, error, attempts, parked_at, requested)
-
-
-def _bytes(data: Any) -> bytes | None:
-    return None if data is None else bytes(data)
-
-
-def _headers(data: Any) -> dict[str, bytes]:
-    return cast(dict[str, bytes], msgpack.unpackb(bytes(data), raw=False))
-
-
-def list_dead_letters(db: str, consumer: str | None = None) -> list[ParkedRecord]:
-    """The records parked in the consumer database ``db`` (a SQLite file or a
-    ``postgresql://`` URL), by consumer, stream and seq."""
-    if is_postgres_url(db):
-        from .engines.postgres import positions as postgres
-
-        return postgres.list_dead_letters(db, consumer)
-    from .engines.sqlite import positions as sqlite
-
-    return sqlite.list_dead_letters(db, consumer)
-
-
-def mark_for_retry(
-    db: str, consumer: str | None = None, stream: str | None = None, seq: int | None = None
-) -> int:
-    """Mark parked records (all, or those matching) for their consumer to re-apply, once,
-    through its ``apply`` function before its next batch; how many were marked."""
-    if is_postgres_url(db):
-        from .engines.postgres import positions as postgres
-
-        return postgres.mark_for_retry(db, consumer, stream, seq)
-    from .engines.sqlite import positions as sqlite
-
-    return sqlite.mark_for_retry(db, consumer, stream, seq)
-
-
-def reshare(db: str, consumer: str, shares: int) -> list[Move]:
-    """Move ``consumer``'s stored positions in the consumer database ``db`` to a split into
-    ``shares`` (1: unshared), when every share of the old split stands at the same seq;
-    ``ReshareRefusedError`` otherwise (``streamq.resharing``). Stop the workers first."""
-    if is_postgres_url(db):
-        from .engines.postgres import positions as postgres
-
-        return postgres.reshare(db, consumer, shares)
-    from .engines.sqlite import positions as sqlite
-
-    return sqlite.reshare(db, consumer, shares)
-
-
-class ConsumerTransaction(Protocol):
-    """One transaction on the consumer's database, committed with the batch's position.
-
-    Statements are the engine's own: ``?`` placeholders on SQLite (an aiosqlite cursor
-    comes back), ``%s`` on PostgreSQL (a psycopg ``AsyncCursor``).
-    """
-
-    async def execute(self, sql: str, parameters: Any = ...) -> Any:
-        """Run the application's SQL inside this transaction."""
-
-    async def executemany(self, sql: str, parameters: Any) -> Any: ...
-
-
-class PositionStore(Protocol):
-    """The consumer's database, as the consumer uses it: positions, and batches applied
-    with them. One class per engine; the consumer never asks which, and calls one
-    method at a time (under its transaction lock).
-
-    A position moves only from the seq a batch follows (``Batch.after``) to its last, in
-    the transaction applying it, checked in the database under its locks: a batch that a
-    racing process already applied gets ``OutOfOrderBatchError``, before the
-    application's SQL runs, and nothing commits.
-    """
-
-    where: str  # names the database in errors
-    dead_letters: DeadLetterSQL
-
-    @property
-    def connection(self) -> Any:
-        """The engine's asyncio connection (for tests and tools that reach under this)."""
-
-    async def open(self) -> None:
-        """Connect, and create the positions table if missing (``DatabaseOpenError``)."""
-
-    async def close(self) -> None: ...
-
-    async def load(
-        self, consumer: str, stream: str, producer_id: str, endpoint: str
-    ) -> list[tuple[str, int, int]]:
-        """(producer id, seq, epoch) of ``consumer``'s positions on ``stream`` from
-        ``producer_id``, or from whatever producer was reached at ``endpoint``."""
-
-    async def stored(self, consumer: str, producer_id: str, stream: str) -> int | None:
-        """The position as committed, by the consumer or through ``save_position``."""
-
-    async def shares_of(
-        self, consumer: str, stream: str, producer_id: str, endpoint: str
-    ) -> list[tuple[str, int]]:
-        """(name, seq) of the positions stored under ``consumer`` and under names that
-        start with ``consumer[`` (its shares), as ``load`` selects them."""
-
-    def transaction(
-        self, batch: Batch, committed: Callable[[], None]
-    ) -> AbstractAsyncContextManager[ConsumerTransaction]:
-        """One transaction applying ``batch`` with its position; ``committed()`` runs
-        once its COMMIT went through, even if the caller was cancelled meanwhile."""
-
-    async def apply(
-        self,
-        batch: Batch,
-        fn: Callable[..., T],
-        args: tuple[Any, ...],
-        committed: Callable[[], None],
-    ) -> T:
-        """``fn(tx, batch, *args)`` with blocking statements, in one transaction with the
-        position, off the event loop; then ``committed()`` as for ``transaction``."""
-
-    async def run_transaction(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(tx, *args)`` as ``apply`` runs it, in one transaction that leaves the
-        positions alone (the dead letters' own)."""
-
-
-def open_position_store(
-    db: str, durability: Durability = "normal", *, connect_timeout: float = 10.0
-) -> PositionStore:
-    """The store for ``db``: a ``postgresql://`` (or ``postgres://``) URL is a PostgreSQL
-    database, anything else a SQLite file. Not opened yet."""
-    if is_postgres_url(db):
-        from .engines.postgres.positions import PostgresPositionStore
-
-        return PostgresPositionStore(db, durability, connect_timeout=connect_timeout)
-    from .engines.sqlite.positions import SQLitePositionStore
-
-    return SQLitePositionStore(db, durability)
-
-
-def out_of_turn(batch: Batch, stored: int | None) -> OutOfOrderBatchError:
-    """The error for ``batch`` when its consumer's database holds ``stored`` (None:
-    nothing) as the position: another transaction applied it, or one was skipped."""
-    where = "nothing" if stored is None else f"up to seq {stored}"
-    return OutOfOrderBatchError(
-        f"batch follows seq {batch.after}, but consumer {batch.consumer!r} has applied {where} "
-        f"of stream {batch.stream!r} in this database: roll this transaction back "
-        "(each batch is applied once, in the order received)"
-    )
 
 
 _Item = Batch | BaseException
@@ -526,7 +250,7 @@ class Consumer:
         self.retried = 0  # failed batches applied again (Retry)
         self.parked = 0  # records parked in streamq_dead_letters (DeadLetter), committed
         self.reapplied = 0  # parked records re-applied on request (``retry_dead_letters``)
-        self._letters_due = 0.0  # when ``apply`` next looks for records marked for retry
+        self._policies = Policies(self)  # apply under on_failure
 
     def _share_store(self, store: PositionStore, lock: asyncio.Lock) -> None:
         """Apply into ``store``, opened by someone else (``FanInConsumer``), one transaction
@@ -974,106 +698,7 @@ class Consumer:
         records marked for retry (``streamq dead-letters retry``) are re-applied with
         ``fn`` first: ``retry_dead_letters``.
         """
-        if self._store is not None and time.monotonic() >= self._letters_due:
-            self._letters_due = time.monotonic() + _LETTERS_INTERVAL
-            await self.retry_dead_letters(fn, *args)
-        retry = self._retry_policy()
-        calls = _Calls(fn)
-        tries = 0
-        while True:
-            try:
-                async with self._tx_lock:
-                    store = self._check_turn(batch)
-                    return await store.apply(batch, calls, args, lambda: self._applied(batch))
-            except Exception as exc:
-                if exc is not calls.error:
-                    raise  # the database's, or streamq's: not the record's
-                tries += 1
-                if tries > retry.times:
-                    return await self._apply_in_parts(batch, fn, args, tries, exc)
-                self.retried += 1
-                delay = retry.delay(tries)
-                logger.warning(
-                    "consumer %r: applying seqs %d..%d of stream %r failed (%r); "
-                    "retry %d of %d in %.3g s",
-                    self.name, batch.first_seq, batch.last_seq, self.stream, exc,
-                    tries, retry.times, delay,
-                )  # fmt: skip
-            await asyncio.sleep(delay)  # the lock is free meanwhile
-
-    def _retry_policy(self) -> Retry:
-        policy = self.on_failure
-        if isinstance(policy, Retry):
-            return policy
-        return policy.retry if isinstance(policy, DeadLetter) else _NO_RETRY
-
-    async def _apply_in_parts(
-        self,
-        batch: Batch,
-        fn: Callable[..., T],
-        args: tuple[Any, ...],
-        tries: int,
-        error: Exception,
-    ) -> T:
-        """The batch that failed ``tries`` times (last with ``error``), in halves down to
-        the records that fail alone: parked with ``DeadLetter``, else the end."""
-        park = isinstance(self.on_failure, DeadLetter)
-        if not batch.records:
-            raise error  # no record to blame: the function fails on an empty batch
-        if len(batch) == 1 and not park:
-            self._give_up(batch, _Failure(batch.records[0], error, tries))
-        assert self._store is not None
-        parts = _Parts(fn, args, tries, error, self._store.dead_letters.park if park else None)
-
-        def committed() -> None:
-            self._applied(batch)
-            self.parked += len(parts.parked)
-
-        try:
-            async with self._tx_lock:
-                store = self._check_turn(batch)
-                result = await store.apply(batch, parts, (), committed)
-        except Exception as exc:
-            if parts.stopped is None or exc is not parts.stopped.error:
-                raise
-            self._give_up(batch, parts.stopped)
-        for failure in parts.parked:
-            logger.warning(
-                "consumer %r parked seq %d of stream %r from producer %s (%d failed tries): %r",
-                self.name, failure.record.seq, self.stream, batch.producer_id,
-                failure.attempts, failure.error,
-            )  # fmt: skip
-        return cast(T, result)
-
-    def _give_up(self, batch: Batch, failure: _Failure) -> NoReturn:
-        """Stop at ``failure``'s record: nothing of ``batch`` committed."""
-        record, error = failure.record, failure.error
-        where = (
-            f"seq {record.seq} of stream {self.stream!r} from producer {batch.producer_id} "
-            f"at {self.address}"
-        )
-        tries = "1 try" if failure.attempts == 1 else f"{failure.attempts} tries"
-        rest = (
-            f"nothing of its batch (seqs {batch.first_seq}..{batch.last_seq}) committed; the "
-            f"consumer's position stays at {self.applied}"
-        )
-        if isinstance(self.on_failure, Stop):
-            error.add_note(
-                f"streamq: consumer {self.name!r} stopped at {where}: applying it failed "
-                f"({tries}); {rest}. on_failure=streamq.Retry(...) retries, "
-                "streamq.DeadLetter() parks such records and goes on."
-            )
-            raise error
-        raise RecordFailedError(
-            f"consumer {self.name!r} stopped at {where}: applying it failed {tries} "
-            f"({self.on_failure}): {error!r}; {rest}",
-            consumer=self.name,
-            producer_id=batch.producer_id,
-            address=self.address,
-            stream=self.stream,
-            seq=record.seq,
-            attempts=failure.attempts,
-        ) from error
+        return await self._policies.apply(batch, fn, *args)
 
     async def retry_dead_letters(self, fn: Callable[..., Any], *args: Any) -> int:
         """Re-apply, with ``fn`` as ``apply`` runs it, this consumer's parked records that
@@ -1084,43 +709,7 @@ class Consumer:
         deletes its dead-letter row: applied once, even if two processes try. One that
         fails again stays parked, its error and attempts updated, no longer marked.
         """
-        if self._store is None or self.producer_id is None:
-            return 0
-        store, sql = self._store, self._store.dead_letters
-        key = (self.name, self.producer_id, self.stream)
-        async with self._tx_lock:
-            rows = await store.run_transaction(_fetch_all, sql.requested, key)
-        applied = 0
-        for seq, timestamp, record_key, value, headers in rows:
-            record = Record(
-                int(seq), int(timestamp), _bytes(record_key), bytes(value), _headers(headers)
-            )
-            letter = Batch(
-                self.stream, self.producer_id, record.seq - 1, (record,), 0, self.name,
-                self.address, self._origin,
-            )  # fmt: skip
-            calls = _Calls(fn)
-            try:
-                async with self._tx_lock:
-                    taken = await store.run_transaction(
-                        _reapply, sql.take, (*key, record.seq), calls, letter, args
-                    )
-            except Exception as exc:
-                if exc is not calls.error:
-                    raise
-                async with self._tx_lock:
-                    await store.run_transaction(
-                        _execute, sql.failed_again, (_error_text(exc), *key, record.seq)
-                    )
-                logger.warning(
-                    "consumer %r: parked seq %d of stream %r failed again (%r): it stays parked",
-                    self.name, record.seq, self.stream, exc,
-                )  # fmt: skip
-                continue
-            if taken:
-                applied += 1
-                self.reapplied += 1
-        return applied
+        return await self._policies.retry_dead_letters(fn, *args)
 
     def _check_turn(self, batch: Batch) -> PositionStore:
         """The store to apply into, if ``batch`` is the next one to apply (as this process
@@ -1148,155 +737,6 @@ class Consumer:
         if self._writer is not None and self._conn is not None:
             with contextlib.suppress(Exception):
                 self._writer.write(self._conn.send(Ack(seq)))
-
-
-# How often ``apply`` looks for parked records marked for retry, in seconds.
-_LETTERS_INTERVAL = 1.0
-_NO_RETRY = Retry(times=0)
-# One savepoint at a time: each part is rolled back to it, or released, before the next.
-_SAVEPOINT = "SAVEPOINT streamq_part"
-_ROLLBACK_TO = "ROLLBACK TO SAVEPOINT streamq_part"
-_RELEASE = "RELEASE SAVEPOINT streamq_part"
-
-
-class _Calls:
-    """``fn`` as ``apply`` runs it, remembering the exception it raised: that one is the
-    record's failure; any other comes from the database or streamq."""
-
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self.fn = fn
-        self.error: Exception | None = None
-
-    def __call__(self, tx: Any, batch: Batch, *args: Any) -> Any:
-        try:
-            return self.fn(tx, batch, *args)
-        except Exception as exc:
-            self.error = exc
-            raise
-
-
-@dataclass(slots=True)
-class _Failure:
-    record: Record
-    error: Exception
-    attempts: int  # tries that held the record and failed
-
-
-class _Parts:
-    """A batch that failed, applied in halves down to the records that fail alone, each
-    part under a savepoint, all in the transaction ``store.apply`` runs it in (on the
-    database's thread). Parts go in seq order, so the others keep their order.
-
-    ``park`` (the engine's INSERT): each record that fails alone is parked there and the
-    rest goes on. None: the first stops it all (``stopped``, its exception raised, and
-    the transaction rolls back).
-    """
-
-    def __init__(
-        self,
-        fn: Callable[..., Any],
-        args: tuple[Any, ...],
-        tries: int,
-        error: Exception,
-        park: str | None,
-    ) -> None:
-        self.fn, self.args, self.tries, self.error, self.park = fn, args, tries, error, park
-        self.parked: list[_Failure] = []
-        self.stopped: _Failure | None = None
-        self.results: list[Any] = []
-
-    def __call__(self, tx: Any, batch: Batch) -> Any:
-        # (first, end, failed tries holding these records, the last one's error or None
-        # if this part is still to be tried); the whole batch has failed already.
-        todo: list[tuple[int, int, int, Exception | None]] = [
-            (0, len(batch), self.tries, self.error)
-        ]
-        while todo:
-            first, end, tries, error = todo.pop()
-            if error is None:
-                error = self._try(tx, _part(batch, first, end))
-                if error is None:
-                    continue
-                tries += 1
-            if end - first > 1:
-                middle = (first + end) // 2
-                todo += [(middle, end, tries, None), (first, middle, tries, None)]
-                continue
-            failure = _Failure(batch.records[first], error, tries)
-            if self.park is None:
-                self.stopped = failure
-                raise error
-            record = failure.record
-            tx.execute(
-                self.park,
-                (
-                    batch.consumer, batch.producer_id, batch.stream, record.seq, record.key,
-                    record.value, msgpack.packb(record.headers, use_bin_type=True),
-                    record.timestamp, _error_text(error), tries, int(time.time() * 1000),
-                ),
-            )  # fmt: skip
-            self.parked.append(failure)
-        return _combined(self.results)
-
-    def _try(self, tx: Any, part: Batch) -> Exception | None:
-        """Apply ``part`` under a savepoint: None if it did, else its exception (and the
-        savepoint rolled back). A transaction the database ended meanwhile is not a
-        record's failure: that error is raised."""
-        tx.execute(_SAVEPOINT)
-        try:
-            self.results.append(self.fn(tx, part, *self.args))
-        except Exception as exc:
-            tx.execute(_ROLLBACK_TO)
-            tx.execute(_RELEASE)
-            return exc
-        tx.execute(_RELEASE)
-        return None
-
-
-def _part(batch: Batch, first: int, end: int) -> Batch:
-    """Records ``first`` to ``end`` (exclusive) of ``batch`` as a batch of their own."""
-    after = batch.records[first - 1].seq if first else batch.after
-    records = batch.records[first:end]
-    return Batch(
-        batch.stream, batch.producer_id, after, records, batch.epoch, batch.consumer,
-        batch.endpoint, batch.origin,
-    )  # fmt: skip
-
-
-def _combined(results: list[Any]) -> Any:
-    """The parts' results as one: added up if all numbers, all lists or all tuples."""
-    if not results:
-        return None
-    for kind in ((int, float), list, tuple):
-        if all(isinstance(r, kind) and not isinstance(r, bool) for r in results):
-            total = results[0]
-            for r in results[1:]:
-                total = total + r
-            return total
-    return results[-1]
-
-
-def _error_text(error: BaseException) -> str:
-    return "".join(traceback.format_exception(error)).rstrip()
-
-
-def _fetch_all(tx: Any, sql: str, params: tuple[Any, ...]) -> list[Any]:
-    return list(tx.execute(sql, params).fetchall())
-
-
-def _execute(tx: Any, sql: str, params: tuple[Any, ...]) -> None:
-    tx.execute(sql, params)
-
-
-def _reapply(
-    tx: Any, take: str, params: tuple[Any, ...], calls: _Calls, letter: Batch, args: tuple[Any, ...]
-) -> bool:
-    """Delete the dead-letter row marked for retry and apply its record, in one
-    transaction; False if the row is gone (another process re-applied it)."""
-    if tx.execute(take, params).rowcount != 1:
-        return False
-    calls(tx, letter, *args)
-    return True
 
 
 def _share_of(name: str, consumer: str) -> tuple[int, int] | None:

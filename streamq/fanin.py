@@ -16,8 +16,10 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
-from .consumer import Batch, Consumer, ConsumerTransaction, PositionStore, open_position_store
+from .batches import Batch
+from .consumer import Consumer
 from .storage import Durability
+from .stores import ConsumerTransaction, PositionStore, open_position_store
 
 T = TypeVar("T")
 

@@ -706,7 +706,8 @@ django.setup()
 from django.db import connection, transaction
 
 import streamq
-from streamq.consumer import Batch, open_position_store
+from streamq.batches import Batch
+from streamq.stores import open_position_store
 from streamq.protocol import Record
 
 

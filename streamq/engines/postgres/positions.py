@@ -37,10 +37,12 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from ...batches import Batch
 from ...blocking import BlockingSQL, _Scoped, to_the_end
-from ...consumer import Batch, DeadLetterSQL, ParkedRecord, out_of_turn
 from ...errors import SchemaMissingError
+from ...failures import DeadLetterSQL, ParkedRecord
 from ...resharing import Move, StoredPosition, plan
+from ...stores import out_of_turn
 from .append import UNDEFINED_TABLE, Statement, Steps, describe, run, run_async
 from .driver import connect, connect_async, database, in_transaction, psycopg_module
 

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiosqlite
 
+from ...batches import Batch
 from ...blocking import (
     AsyncSQL,
     BlockingSQL,
@@ -32,9 +33,10 @@ from ...blocking import (
     run_on_thread,
     to_the_end,
 )
-from ...consumer import Batch, DeadLetterSQL, ParkedRecord, out_of_turn
 from ...errors import DatabaseOpenError, SchemaMissingError
+from ...failures import DeadLetterSQL, ParkedRecord
 from ...resharing import Move, StoredPosition, plan
+from ...stores import out_of_turn
 from .storage import connect
 
 if TYPE_CHECKING:

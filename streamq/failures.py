@@ -1,0 +1,412 @@
+"""Poison records: what ``Consumer.apply`` does when the application's function raises.
+
+``Consumer(on_failure=...)`` chooses: ``Stop`` (the default), ``Retry`` (the batch again,
+with backoff), ``DeadLetter`` (park the record that fails alone in
+``streamq_dead_letters``, in the transaction that moves the position past it). To find
+that record, the batch is applied once more in halves, each under a savepoint, in one
+transaction (``_Parts``). ``Policies`` runs a consumer's applies under its policy, and
+re-applies parked records marked for retry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, TypeVar, cast
+
+import msgpack
+
+from .batches import Batch
+from .errors import RecordFailedError
+from .protocol import Record
+
+if TYPE_CHECKING:
+    from .consumer import Consumer
+
+T = TypeVar("T")
+
+logger = logging.getLogger("streamq.consumer")
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """``on_failure`` default: at a record whose apply fails, stop. Nothing of its batch
+    commits (the batch is applied again after a restart) and ``apply`` raises the
+    application's own exception, as it always did, with a note naming the consumer,
+    producer, stream and seq (shown in its traceback)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Retry:
+    """``on_failure``: apply a failed batch again, up to ``times`` more times, waiting
+    ``backoff`` seconds before the first retry, doubling up to ``max_backoff``. Then stop
+    at the record that fails alone, with ``RecordFailedError`` naming it."""
+
+    times: int = 5
+    backoff: float = 0.05
+    max_backoff: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.times < 0 or self.backoff < 0 or self.max_backoff < 0:
+            raise ValueError(f"Retry takes no negative numbers: {self}")
+
+    def delay(self, retry: int) -> float:
+        """Seconds to wait before retry number ``retry`` (1, 2, ...)."""
+        return float(min(self.backoff * 2 ** (retry - 1), self.max_backoff))
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """``on_failure``: after ``retry``, park each record that fails alone in the
+    consumer's table ``streamq_dead_letters`` (with the error's traceback), in the
+    transaction that applies the batch's other records and moves the position past it,
+    and go on. ``streamq dead-letters list|retry DB`` shows them and has them re-applied."""
+
+    retry: Retry = field(default_factory=lambda: Retry(times=0))
+
+
+FailurePolicy = Stop | Retry | DeadLetter
+
+
+class DeadLetterSQL(NamedTuple):
+    """An engine's statements on ``streamq_dead_letters`` (placeholders its own)."""
+
+    park: str  # (consumer, producer_id, stream, seq, key, value, headers, timestamp,
+    #            error, attempts, parked_at)
+    requested: str  # (consumer, producer_id, stream) -> seq, timestamp, key, value, headers
+    take: str  # delete one marked for retry: (consumer, producer_id, stream, seq)
+    failed_again: str  # (error, consumer, producer_id, stream, seq)
+
+
+class ParkedRecord(NamedTuple):
+    """A record a ``DeadLetter`` consumer parked (``streamq.list_dead_letters``)."""
+
+    consumer: str
+    producer_id: str
+    stream: str
+    record: Record
+    error: str  # the application's exception, with its traceback
+    attempts: int  # tries of the record that failed
+    parked_at: int  # ms since the Unix epoch
+    retry_requested_at: int | None  # set by ``mark_for_retry`` until the consumer re-applies
+
+    @classmethod
+    def from_row(cls, row: Sequence[Any]) -> ParkedRecord:
+        consumer, producer_id, stream, seq, timestamp, key, value, headers, *rest = row
+        record = Record(int(seq), int(timestamp), _bytes(key), bytes(value), _headers(headers))
+        error, attempts, parked_at, requested = rest
+        requested = None if requested is None else int(requested)
+        return cls(consumer, producer_id, stream, record, error, attempts, parked_at, requested)
+
+
+def _bytes(data: Any) -> bytes | None:
+    return None if data is None else bytes(data)
+
+
+def _headers(data: Any) -> dict[str, bytes]:
+    return cast(dict[str, bytes], msgpack.unpackb(bytes(data), raw=False))
+
+
+class Policies:
+    """One consumer's applies under its ``on_failure`` policy (counted on the consumer:
+    ``retried``, ``parked``, ``reapplied``)."""
+
+    def __init__(self, consumer: Consumer) -> None:
+        self._c = consumer
+        self._letters_due = 0.0  # when ``apply`` next looks for records marked for retry
+
+    async def apply(self, batch: Batch, fn: Callable[..., T], *args: Any) -> T:
+        """``Consumer.apply``."""
+        if self._c._store is not None and time.monotonic() >= self._letters_due:
+            self._letters_due = time.monotonic() + _LETTERS_INTERVAL
+            await self.retry_dead_letters(fn, *args)
+        retry = self._retry_policy()
+        calls = _Calls(fn)
+        tries = 0
+        while True:
+            try:
+                async with self._c._tx_lock:
+                    store = self._c._check_turn(batch)
+                    return await store.apply(batch, calls, args, lambda: self._c._applied(batch))
+            except Exception as exc:
+                if exc is not calls.error:
+                    raise  # the database's, or streamq's: not the record's
+                tries += 1
+                if tries > retry.times:
+                    return await self._apply_in_parts(batch, fn, args, tries, exc)
+                self._c.retried += 1
+                delay = retry.delay(tries)
+                logger.warning(
+                    "consumer %r: applying seqs %d..%d of stream %r failed (%r); "
+                    "retry %d of %d in %.3g s",
+                    self._c.name, batch.first_seq, batch.last_seq, self._c.stream, exc,
+                    tries, retry.times, delay,
+                )  # fmt: skip
+            await asyncio.sleep(delay)  # the lock is free meanwhile
+
+    def _retry_policy(self) -> Retry:
+        policy = self._c.on_failure
+        if isinstance(policy, Retry):
+            return policy
+        return policy.retry if isinstance(policy, DeadLetter) else _NO_RETRY
+
+    async def _apply_in_parts(
+        self,
+        batch: Batch,
+        fn: Callable[..., T],
+        args: tuple[Any, ...],
+        tries: int,
+        error: Exception,
+    ) -> T:
+        """The batch that failed ``tries`` times (last with ``error``), in halves down to
+        the records that fail alone: parked with ``DeadLetter``, else the end."""
+        park = isinstance(self._c.on_failure, DeadLetter)
+        if not batch.records:
+            raise error  # no record to blame: the function fails on an empty batch
+        if len(batch) == 1 and not park:
+            self._give_up(batch, _Failure(batch.records[0], error, tries))
+        assert self._c._store is not None
+        parts = _Parts(fn, args, tries, error, self._c._store.dead_letters.park if park else None)
+
+        def committed() -> None:
+            self._c._applied(batch)
+            self._c.parked += len(parts.parked)
+
+        try:
+            async with self._c._tx_lock:
+                store = self._c._check_turn(batch)
+                result = await store.apply(batch, parts, (), committed)
+        except Exception as exc:
+            if parts.stopped is None or exc is not parts.stopped.error:
+                raise
+            self._give_up(batch, parts.stopped)
+        for failure in parts.parked:
+            logger.warning(
+                "consumer %r parked seq %d of stream %r from producer %s (%d failed tries): %r",
+                self._c.name, failure.record.seq, self._c.stream, batch.producer_id,
+                failure.attempts, failure.error,
+            )  # fmt: skip
+        return cast(T, result)
+
+    def _give_up(self, batch: Batch, failure: _Failure) -> NoReturn:
+        """Stop at ``failure``'s record: nothing of ``batch`` committed."""
+        record, error = failure.record, failure.error
+        where = (
+            f"seq {record.seq} of stream {self._c.stream!r} from producer {batch.producer_id} "
+            f"at {self._c.address}"
+        )
+        tries = "1 try" if failure.attempts == 1 else f"{failure.attempts} tries"
+        rest = (
+            f"nothing of its batch (seqs {batch.first_seq}..{batch.last_seq}) committed; the "
+            f"consumer's position stays at {self._c.applied}"
+        )
+        if isinstance(self._c.on_failure, Stop):
+            error.add_note(
+                f"streamq: consumer {self._c.name!r} stopped at {where}: applying it failed "
+                f"({tries}); {rest}. on_failure=streamq.Retry(...) retries, "
+                "streamq.DeadLetter() parks such records and goes on."
+            )
+            raise error
+        raise RecordFailedError(
+            f"consumer {self._c.name!r} stopped at {where}: applying it failed {tries} "
+            f"({self._c.on_failure}): {error!r}; {rest}",
+            consumer=self._c.name,
+            producer_id=batch.producer_id,
+            address=self._c.address,
+            stream=self._c.stream,
+            seq=record.seq,
+            attempts=failure.attempts,
+        ) from error
+
+    async def retry_dead_letters(self, fn: Callable[..., Any], *args: Any) -> int:
+        """``Consumer.retry_dead_letters``."""
+        if self._c._store is None or self._c.producer_id is None:
+            return 0
+        store, sql = self._c._store, self._c._store.dead_letters
+        key = (self._c.name, self._c.producer_id, self._c.stream)
+        async with self._c._tx_lock:
+            rows = await store.run_transaction(_fetch_all, sql.requested, key)
+        applied = 0
+        for seq, timestamp, record_key, value, headers in rows:
+            record = Record(
+                int(seq), int(timestamp), _bytes(record_key), bytes(value), _headers(headers)
+            )
+            letter = Batch(
+                self._c.stream, self._c.producer_id, record.seq - 1, (record,), 0, self._c.name,
+                self._c.address, self._c._origin,
+            )  # fmt: skip
+            calls = _Calls(fn)
+            try:
+                async with self._c._tx_lock:
+                    taken = await store.run_transaction(
+                        _reapply, sql.take, (*key, record.seq), calls, letter, args
+                    )
+            except Exception as exc:
+                if exc is not calls.error:
+                    raise
+                async with self._c._tx_lock:
+                    await store.run_transaction(
+                        _execute, sql.failed_again, (_error_text(exc), *key, record.seq)
+                    )
+                logger.warning(
+                    "consumer %r: parked seq %d of stream %r failed again (%r): it stays parked",
+                    self._c.name, record.seq, self._c.stream, exc,
+                )  # fmt: skip
+                continue
+            if taken:
+                applied += 1
+                self._c.reapplied += 1
+        return applied
+
+
+# How often ``apply`` looks for parked records marked for retry, in seconds.
+_LETTERS_INTERVAL = 1.0
+_NO_RETRY = Retry(times=0)
+# One savepoint at a time: each part is rolled back to it, or released, before the next.
+_SAVEPOINT = "SAVEPOINT streamq_part"
+_ROLLBACK_TO = "ROLLBACK TO SAVEPOINT streamq_part"
+_RELEASE = "RELEASE SAVEPOINT streamq_part"
+
+
+class _Calls:
+    """``fn`` as ``apply`` runs it, remembering the exception it raised: that one is the
+    record's failure; any other comes from the database or streamq."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.error: Exception | None = None
+
+    def __call__(self, tx: Any, batch: Batch, *args: Any) -> Any:
+        try:
+            return self.fn(tx, batch, *args)
+        except Exception as exc:
+            self.error = exc
+            raise
+
+
+@dataclass(slots=True)
+class _Failure:
+    record: Record
+    error: Exception
+    attempts: int  # tries that held the record and failed
+
+
+class _Parts:
+    """A batch that failed, applied in halves down to the records that fail alone, each
+    part under a savepoint, all in the transaction ``store.apply`` runs it in (on the
+    database's thread). Parts go in seq order, so the others keep their order.
+
+    ``park`` (the engine's INSERT): each record that fails alone is parked there and the
+    rest goes on. None: the first stops it all (``stopped``, its exception raised, and
+    the transaction rolls back).
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        tries: int,
+        error: Exception,
+        park: str | None,
+    ) -> None:
+        self.fn, self.args, self.tries, self.error, self.park = fn, args, tries, error, park
+        self.parked: list[_Failure] = []
+        self.stopped: _Failure | None = None
+        self.results: list[Any] = []
+
+    def __call__(self, tx: Any, batch: Batch) -> Any:
+        # (first, end, failed tries holding these records, the last one's error or None
+        # if this part is still to be tried); the whole batch has failed already.
+        todo: list[tuple[int, int, int, Exception | None]] = [
+            (0, len(batch), self.tries, self.error)
+        ]
+        while todo:
+            first, end, tries, error = todo.pop()
+            if error is None:
+                error = self._try(tx, _part(batch, first, end))
+                if error is None:
+                    continue
+                tries += 1
+            if end - first > 1:
+                middle = (first + end) // 2
+                todo += [(middle, end, tries, None), (first, middle, tries, None)]
+                continue
+            failure = _Failure(batch.records[first], error, tries)
+            if self.park is None:
+                self.stopped = failure
+                raise error
+            record = failure.record
+            tx.execute(
+                self.park,
+                (
+                    batch.consumer, batch.producer_id, batch.stream, record.seq, record.key,
+                    record.value, msgpack.packb(record.headers, use_bin_type=True),
+                    record.timestamp, _error_text(error), tries, int(time.time() * 1000),
+                ),
+            )  # fmt: skip
+            self.parked.append(failure)
+        return _combined(self.results)
+
+    def _try(self, tx: Any, part: Batch) -> Exception | None:
+        """Apply ``part`` under a savepoint: None if it did, else its exception (and the
+        savepoint rolled back). A transaction the database ended meanwhile is not a
+        record's failure: that error is raised."""
+        tx.execute(_SAVEPOINT)
+        try:
+            self.results.append(self.fn(tx, part, *self.args))
+        except Exception as exc:
+            tx.execute(_ROLLBACK_TO)
+            tx.execute(_RELEASE)
+            return exc
+        tx.execute(_RELEASE)
+        return None
+
+
+def _part(batch: Batch, first: int, end: int) -> Batch:
+    """Records ``first`` to ``end`` (exclusive) of ``batch`` as a batch of their own."""
+    after = batch.records[first - 1].seq if first else batch.after
+    records = batch.records[first:end]
+    return Batch(
+        batch.stream, batch.producer_id, after, records, batch.epoch, batch.consumer,
+        batch.endpoint, batch.origin,
+    )  # fmt: skip
+
+
+def _combined(results: list[Any]) -> Any:
+    """The parts' results as one: added up if all numbers, all lists or all tuples."""
+    if not results:
+        return None
+    for kind in ((int, float), list, tuple):
+        if all(isinstance(r, kind) and not isinstance(r, bool) for r in results):
+            total = results[0]
+            for r in results[1:]:
+                total = total + r
+            return total
+    return results[-1]
+
+
+def _error_text(error: BaseException) -> str:
+    return "".join(traceback.format_exception(error)).rstrip()
+
+
+def _fetch_all(tx: Any, sql: str, params: tuple[Any, ...]) -> list[Any]:
+    return list(tx.execute(sql, params).fetchall())
+
+
+def _execute(tx: Any, sql: str, params: tuple[Any, ...]) -> None:
+    tx.execute(sql, params)
+
+
+def _reapply(
+    tx: Any, take: str, params: tuple[Any, ...], calls: _Calls, letter: Batch, args: tuple[Any, ...]
+) -> bool:
+    """Delete the dead-letter row marked for retry and apply its record, in one
+    transaction; False if the row is gone (another process re-applied it)."""
+    if tx.execute(take, params).rowcount != 1:
+        return False
+    calls(tx, letter, *args)
+    return True

@@ -1,0 +1,160 @@
+"""The consumer's database, as the consumer uses it: one ``PositionStore`` per engine.
+
+The consumer's database is SQLite (a path) or PostgreSQL (a ``postgresql://`` URL).
+The consumer does not know which: it talks to a ``PositionStore``, one per engine
+(``engines/sqlite/positions.py``, ``engines/postgres/positions.py``), each holding all
+of its engine's SQL, picked once from ``db`` (``open_position_store``). The functions
+here that take ``db`` (dead letters, resharing) pick the engine the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+from .batches import Batch
+from .errors import OutOfOrderBatchError
+from .storage import Durability, is_postgres_url
+
+if TYPE_CHECKING:
+    from .failures import DeadLetterSQL, ParkedRecord
+    from .resharing import Move
+
+T = TypeVar("T")
+
+
+def list_dead_letters(db: str, consumer: str | None = None) -> list[ParkedRecord]:
+    """The records parked in the consumer database ``db`` (a SQLite file or a
+    ``postgresql://`` URL), by consumer, stream and seq."""
+    if is_postgres_url(db):
+        from .engines.postgres import positions as postgres
+
+        return postgres.list_dead_letters(db, consumer)
+    from .engines.sqlite import positions as sqlite
+
+    return sqlite.list_dead_letters(db, consumer)
+
+
+def mark_for_retry(
+    db: str, consumer: str | None = None, stream: str | None = None, seq: int | None = None
+) -> int:
+    """Mark parked records (all, or those matching) for their consumer to re-apply, once,
+    through its ``apply`` function before its next batch; how many were marked."""
+    if is_postgres_url(db):
+        from .engines.postgres import positions as postgres
+
+        return postgres.mark_for_retry(db, consumer, stream, seq)
+    from .engines.sqlite import positions as sqlite
+
+    return sqlite.mark_for_retry(db, consumer, stream, seq)
+
+
+def reshare(db: str, consumer: str, shares: int) -> list[Move]:
+    """Move ``consumer``'s stored positions in the consumer database ``db`` to a split into
+    ``shares`` (1: unshared), when every share of the old split stands at the same seq;
+    ``ReshareRefusedError`` otherwise (``streamq.resharing``). Stop the workers first."""
+    if is_postgres_url(db):
+        from .engines.postgres import positions as postgres
+
+        return postgres.reshare(db, consumer, shares)
+    from .engines.sqlite import positions as sqlite
+
+    return sqlite.reshare(db, consumer, shares)
+
+
+class ConsumerTransaction(Protocol):
+    """One transaction on the consumer's database, committed with the batch's position.
+
+    Statements are the engine's own: ``?`` placeholders on SQLite (an aiosqlite cursor
+    comes back), ``%s`` on PostgreSQL (a psycopg ``AsyncCursor``).
+    """
+
+    async def execute(self, sql: str, parameters: Any = ...) -> Any:
+        """Run the application's SQL inside this transaction."""
+
+    async def executemany(self, sql: str, parameters: Any) -> Any: ...
+
+
+class PositionStore(Protocol):
+    """The consumer's database, as the consumer uses it: positions, and batches applied
+    with them. One class per engine; the consumer never asks which, and calls one
+    method at a time (under its transaction lock).
+
+    A position moves only from the seq a batch follows (``Batch.after``) to its last, in
+    the transaction applying it, checked in the database under its locks: a batch that a
+    racing process already applied gets ``OutOfOrderBatchError``, before the
+    application's SQL runs, and nothing commits.
+    """
+
+    where: str  # names the database in errors
+    dead_letters: DeadLetterSQL
+
+    @property
+    def connection(self) -> Any:
+        """The engine's asyncio connection (for tests and tools that reach under this)."""
+
+    async def open(self) -> None:
+        """Connect, and create the positions table if missing (``DatabaseOpenError``)."""
+
+    async def close(self) -> None: ...
+
+    async def load(
+        self, consumer: str, stream: str, producer_id: str, endpoint: str
+    ) -> list[tuple[str, int, int]]:
+        """(producer id, seq, epoch) of ``consumer``'s positions on ``stream`` from
+        ``producer_id``, or from whatever producer was reached at ``endpoint``."""
+
+    async def stored(self, consumer: str, producer_id: str, stream: str) -> int | None:
+        """The position as committed, by the consumer or through ``save_position``."""
+
+    async def shares_of(
+        self, consumer: str, stream: str, producer_id: str, endpoint: str
+    ) -> list[tuple[str, int]]:
+        """(name, seq) of the positions stored under ``consumer`` and under names that
+        start with ``consumer[`` (its shares), as ``load`` selects them."""
+
+    def transaction(
+        self, batch: Batch, committed: Callable[[], None]
+    ) -> AbstractAsyncContextManager[ConsumerTransaction]:
+        """One transaction applying ``batch`` with its position; ``committed()`` runs
+        once its COMMIT went through, even if the caller was cancelled meanwhile."""
+
+    async def apply(
+        self,
+        batch: Batch,
+        fn: Callable[..., T],
+        args: tuple[Any, ...],
+        committed: Callable[[], None],
+    ) -> T:
+        """``fn(tx, batch, *args)`` with blocking statements, in one transaction with the
+        position, off the event loop; then ``committed()`` as for ``transaction``."""
+
+    async def run_transaction(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(tx, *args)`` as ``apply`` runs it, in one transaction that leaves the
+        positions alone (the dead letters' own)."""
+
+
+def open_position_store(
+    db: str, durability: Durability = "normal", *, connect_timeout: float = 10.0
+) -> PositionStore:
+    """The store for ``db``: a ``postgresql://`` (or ``postgres://``) URL is a PostgreSQL
+    database, anything else a SQLite file. Not opened yet."""
+    if is_postgres_url(db):
+        from .engines.postgres.positions import PostgresPositionStore
+
+        return PostgresPositionStore(db, durability, connect_timeout=connect_timeout)
+    from .engines.sqlite.positions import SQLitePositionStore
+
+    return SQLitePositionStore(db, durability)
+
+
+def out_of_turn(batch: Batch, stored: int | None) -> OutOfOrderBatchError:
+    """The error for ``batch`` when its consumer's database holds ``stored`` (None:
+    nothing) as the position: another transaction applied it, or one was skipped."""
+    where = "nothing" if stored is None else f"up to seq {stored}"
+    return OutOfOrderBatchError(
+        f"batch follows seq {batch.after}, but consumer {batch.consumer!r} has applied {where} "
+        f"of stream {batch.stream!r} in this database: roll this transaction back "
+        "(each batch is applied once, in the order received)"
+    )
