@@ -1,11 +1,12 @@
 # streamq: `make demo` runs the main job, `make test` runs the test suite.
 # Both create the virtual environment they need on a fresh machine.
+# `make docs` builds the documentation site (mkdocs.yml) into build/site, warnings as errors.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck bench bench-quick soak fuzz powerloss simulate clean
+.PHONY: demo test lint typecheck bench bench-quick soak fuzz powerloss simulate clean docs
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,6 +15,15 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+DOCS_STAMP := $(VENV)/.installed-docs
+
+$(DOCS_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/pip install --quiet -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)  # the site: guides, API and CLI reference, protocol, benchmarks
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 demo: $(STAMP)
 	$(BIN)/python -m streamq demo

@@ -119,7 +119,8 @@ beyond a broker:
   poison records        Consumer(on_failure=DeadLetter()); streamq dead-letters list|retry DB
   only what you want    streamq tail ADDRESS STREAM --key-prefix P --header N=V; Consumer(filter=)
   per-key workers       Consumer(share=(i, n)); streamq reshare DB CONSUMER --shares N
-In Python: compaction (create_stream(compact=True)), wait_applied, FanInConsumer; see README.
+In Python: compaction (create_stream(compact=True)), wait_applied, FanInConsumer; see the
+documentation (docs/, `make docs`).
 """
 
 

@@ -552,7 +552,7 @@ class Consumer:
             f"consumer {self.base_name!r} applied stream {self.stream!r} from {self.address} "
             f"split differently ({listed}), and this one asks for it {asked}: starting from "
             "those positions would skip or re-apply records. Keep the split, or change it with "
-            "`streamq reshare` (see the README, Per-key shares).",
+            "`streamq reshare` (docs/guides/filters-and-shares.md, Changing the number of shares).",
             others,
         )
 

@@ -445,7 +445,7 @@ class Producer:
 
         ``key_index=True`` indexes its records' keys: ``history`` seeks instead of
         scanning the stream, and publishing keyed records costs more (a bulk keyed
-        publish 3.5-4x; one record per transaction: within the noise; ``bench/key_index.py``).
+        publish 3.5-4x; one record per transaction: within the noise; ``bench/tools/key_index.py``).
         ``compact=True`` has it compacted every ``compact_interval`` (``compact``);
         ``notify_compacted=True`` publishes what compaction removes to
         ``"<name>.compacted"``. Compaction needs the key index. Settings are fixed

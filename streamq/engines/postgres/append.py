@@ -25,7 +25,7 @@ The head must not be read in the locking statement: a ``FOR UPDATE`` that waited
 the snapshot it started with, older than the commit it waited for. REPEATABLE READ and
 SERIALIZABLE transactions keep one snapshot throughout, so they are refused (they would
 fail on the primary key instead). The cost is that one stream's appenders commit one at a
-time, fsync included (``bench/pg_lock.py`` measures it). A transaction publishing into
+time, fsync included (``bench/tools/pg_lock.py`` measures it). A transaction publishing into
 several streams should take them in one order, or PostgreSQL may end one of two
 crossing transactions with a deadlock error.
 

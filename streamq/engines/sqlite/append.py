@@ -141,8 +141,8 @@ def _database_file(dbapi: Any) -> str:
 def _no_tables(dbapi: Any) -> str:
     return (
         f"{_database_file(dbapi)} has no streamq log tables: create them once with "
-        "'streamq init DB', by starting a Producer on it, or by the migration in the "
-        "README ('Publishing from your own connection')"
+        "'streamq init DB', by starting a Producer on it, or in a migration with "
+        "streamq.create_tables(conn) (docs/guides/producing.md)"
     )
 
 

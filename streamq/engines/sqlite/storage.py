@@ -15,7 +15,7 @@ Six tables, all prefixed ``streamq_`` so they sit beside the application's own:
   ``key`` repeats the record's key for streams created with ``key_index`` (NULL
   otherwise), and a partial index on it finds one key's records (``history``)
   without a scan. Opt-in per stream: each keyed record dirties a random index
-  page, which costs a bulk keyed publish ~4x (``bench/key_index.py``).
+  page, which costs a bulk keyed publish ~4x (``bench/tools/key_index.py``).
 - ``streamq_time``: a sparse time index. A row (stream, ts, pos) is written each
   time a record's timestamp exceeds every earlier one of its stream, so the
   first row with ``ts >= T`` names the first seq whose timestamp reaches T:
