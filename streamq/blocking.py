@@ -92,6 +92,7 @@ class AsyncSQL(_Scoped):
         return await self._conn.execute(sql, parameters)
 
     async def executemany(self, sql: str, parameters: Iterable[Iterable[Any]]) -> Any:
+        """``execute`` once per parameter set, in one call to the driver."""
         self._check_open()
         return await self._conn.executemany(sql, parameters)
 
@@ -104,9 +105,11 @@ class BlockingSQL(_Scoped):
         self._conn = conn
 
     def execute(self, sql: str, parameters: Sequence[Any] = ()) -> Any:
+        """Run the application's SQL inside this transaction; the driver's cursor."""
         self._check_open()
         return self._conn.execute(sql, parameters)
 
     def executemany(self, sql: str, parameters: Iterable[Sequence[Any]]) -> Any:
+        """``execute`` once per parameter set, in one call to the driver."""
         self._check_open()
         return self._conn.executemany(sql, parameters)

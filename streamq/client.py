@@ -186,6 +186,7 @@ class Client:
             return context.wrap_socket(self._sock, server_hostname=tls.server_name or host)
 
     def close(self) -> None:
+        """Close the connection."""
         self._sock.close()
 
     def __enter__(self) -> Client:
@@ -227,6 +228,7 @@ class Client:
         return info
 
     def streams(self) -> list[StreamInfo]:
+        """Every stream of the producer (those the token may read), with heads and lows."""
         self._send(ListStreams())
         result = self._receive()
         assert isinstance(result, StreamList)

@@ -303,6 +303,7 @@ class Consumer:
         self._task = asyncio.create_task(self._run(reader, conn))
 
     async def close(self) -> None:
+        """Stop receiving and close the connection and the database (idempotent)."""
         if self._closed:
             return
         self._closed = True

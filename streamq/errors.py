@@ -119,10 +119,14 @@ class UnexpectedMessageError(ServerError):
 
 
 class VersionMismatchError(ServerError):
+    """The peer speaks another protocol version ("Handshake")."""
+
     code = ErrorCode.VERSION_MISMATCH
 
 
 class UnknownStreamError(ServerError):
+    """The producer has no stream of that name (``details["stream"]``)."""
+
     code = ErrorCode.UNKNOWN_STREAM
 
 
@@ -133,6 +137,8 @@ class OffsetOutOfRangeError(ServerError):
 
 
 class ProducerMismatchError(ServerError):
+    """The producer at that address is not the one the request named (``producer_id``)."""
+
     code = ErrorCode.PRODUCER_MISMATCH
 
 

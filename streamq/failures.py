@@ -96,6 +96,7 @@ class ParkedRecord(NamedTuple):
 
     @classmethod
     def from_row(cls, row: Sequence[Any]) -> ParkedRecord:
+        """A row of ``streamq_dead_letters`` as both engines select it."""
         consumer, producer_id, stream, seq, timestamp, key, value, headers, *rest = row
         record = Record(int(seq), int(timestamp), _bytes(key), bytes(value), _headers(headers))
         error, attempts, parked_at, requested = rest

@@ -83,6 +83,7 @@ class FanInConsumer:
             raise
 
     async def close(self) -> None:
+        """Close every producer's connection, then the shared database."""
         if self._closed:
             return
         self._closed = True

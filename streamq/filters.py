@@ -100,6 +100,7 @@ class Filter:
         )
 
     def matches(self, key: bytes | None, headers: Mapping[str, bytes]) -> bool:
+        """True if a record with this key and these headers passes the filter."""
         prefix = self.key_prefix
         if prefix is not None and (key is None or not key.startswith(prefix)):
             return False

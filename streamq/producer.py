@@ -141,6 +141,7 @@ class Producer:
         self._closed = False
 
     async def start(self) -> None:
+        """Open the database, load its streams and start serving (``async with`` does it)."""
         try:
             if self._serve:
                 await self.storage.claim_serving()
@@ -177,6 +178,7 @@ class Producer:
         self._started = True
 
     async def close(self) -> None:
+        """Stop serving and the periodic work, save positions, close the database."""
         if self._closed or self._closing:
             return
         self._closing = True
@@ -221,6 +223,7 @@ class Producer:
 
     @property
     def server(self) -> Server | None:
+        """The embedded server (None with ``serve=False``)."""
         return self._server
 
     @property

@@ -61,6 +61,7 @@ class ServerTLS:
     client_ca: str | None = None
 
     def context(self) -> ssl.SSLContext:
+        """The ``ssl`` context these settings make (TLS 1.3 only)."""
         context = _tls13_context(ssl.Purpose.CLIENT_AUTH)
         _load(context.load_cert_chain, self.cert, self.key)
         if self.client_ca is not None:
@@ -88,6 +89,7 @@ class ClientTLS:
             raise ValueError("ClientTLS: key= needs cert=")
 
     def context(self) -> ssl.SSLContext:
+        """The ``ssl`` context these settings make (TLS 1.3 only)."""
         context = _tls13_context(ssl.Purpose.SERVER_AUTH)
         if self.ca is not None:
             _load(context.load_verify_locations, self.ca)

@@ -73,7 +73,8 @@ class ConsumerTransaction(Protocol):
     async def execute(self, sql: str, parameters: Any = ...) -> Any:
         """Run the application's SQL inside this transaction."""
 
-    async def executemany(self, sql: str, parameters: Any) -> Any: ...
+    async def executemany(self, sql: str, parameters: Any) -> Any:
+        """``execute`` once per parameter set, in one call to the driver."""
 
 
 class PositionStore(Protocol):

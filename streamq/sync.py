@@ -72,6 +72,7 @@ class SyncProducer:
         self._loop.close()
 
     def close(self) -> None:
+        """Stop serving, close the database and every thread's session (idempotent)."""
         if self._loop.is_closed():
             return
         self._call(self._producer.close())
@@ -94,10 +95,12 @@ class SyncProducer:
 
     @property
     def address(self) -> str:
+        """``host:port`` where consumers connect."""
         return self._producer.address
 
     @property
     def producer_id(self) -> str:
+        """The database's stable id, made when it was created."""
         return self._producer.producer_id
 
     def head(self, stream: str) -> int:
@@ -168,6 +171,7 @@ class SyncProducer:
         compact: bool = False,
         notify_compacted: bool = False,
     ) -> None:
+        """``Producer.create_stream``."""
         self._call(
             self._producer.create_stream(
                 name, key_index=key_index, compact=compact, notify_compacted=notify_compacted
@@ -175,15 +179,19 @@ class SyncProducer:
         )
 
     def compact(self, stream: str) -> list[Compacted]:
+        """``Producer.compact``."""
         return self._call_fresh(self._producer.compact(stream))
 
     def truncate(self, stream: str, before: int) -> None:
+        """``Producer.truncate``."""
         self._call_fresh(self._producer.truncate(stream, before))
 
     def history(self, stream: str, key: bytes, from_seq: int | None = None) -> list[Record]:
+        """``Producer.history``."""
         return self._call_fresh(self._producer.history(stream, key, from_seq))
 
     def seek_time(self, stream: str, timestamp: int) -> int:
+        """``Producer.seek_time``."""
         return self._call_fresh(self._producer.seek_time(stream, timestamp))
 
     def wait_applied(
@@ -193,14 +201,29 @@ class SyncProducer:
         return self._call(self._producer.wait_applied(consumer, stream, seq, timeout=timeout))
 
     def consumer_lags(self) -> list[ConsumerLag]:
+        """``Producer.consumer_lags``, after catching up with other writers."""
         self._call(self._producer.refresh())
         return self._producer.consumer_lags()
 
-    def register_consumer(self, consumer: str, stream: str) -> None:
-        self._call_fresh(self._producer.register_consumer(consumer, stream))
+    def register_consumer(
+        self,
+        consumer: str,
+        stream: str,
+        *,
+        max_idle_ms: int | None = None,
+        max_bytes: int | None = None,
+    ) -> None:
+        """``Producer.register_consumer``, limits included."""
+        self._call_fresh(
+            self._producer.register_consumer(
+                consumer, stream, max_idle_ms=max_idle_ms, max_bytes=max_bytes
+            )
+        )
 
     def unregister_consumer(self, consumer: str, stream: str) -> bool:
+        """``Producer.unregister_consumer``."""
         return self._call_fresh(self._producer.unregister_consumer(consumer, stream))
 
     def apply_retention(self) -> list[Truncation]:
+        """``Producer.apply_retention``."""
         return self._call_fresh(self._producer.apply_retention())

@@ -375,3 +375,25 @@ async def test_limits_from_the_command_line(tmp_path: Path) -> None:
     assert (row["consumer"], row["max_bytes"], row["max_idle_ms"]) == ("ledger", 5000, None)
     refused = run("consumers", "add", db, "ledger", "orders", "--max-bytes", "0")
     assert refused.returncode != 0 and "max_bytes must be a positive int" in refused.stderr
+
+
+def test_sync_producer_registers_with_limits(tmp_path: Path) -> None:
+    """``SyncProducer.register_consumer`` takes the limits ``Producer``'s does, and they
+    drop a registration that is away too long, as on the asyncio producer."""
+    with streamq.SyncProducer(str(tmp_path / "p.db")) as producer:
+        producer.publish("orders", b"x")
+        producer.register_consumer("billing", "orders", max_idle_ms=1, max_bytes=10_000)
+
+        def billing() -> streamq.ConsumerLag:
+            (lag,) = [p for p in producer.consumer_lags() if p.consumer == "billing"]
+            return lag
+
+        assert (billing().registered, billing().max_idle_ms, billing().max_bytes) == (
+            True,
+            1,
+            10_000,
+        )
+        deadline = time.monotonic() + 10  # passes until one runs 1 ms after registering
+        while billing().registered and time.monotonic() < deadline:
+            producer.apply_retention()
+        assert not billing().registered and "max_idle_ms=1" in billing().dropped
