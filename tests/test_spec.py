@@ -340,6 +340,79 @@ def test_what_the_client_sends(state: str) -> None:
             assert conn.our_state.name == allowed[name]
 
 
+# The requests as the client-accepts test sends them: ranges that hold seq 1.
+ASKED: dict[str, Message] = {
+    "GET_HEAD": GetHead("s"),
+    "GET_RANGE": GetRange("s", 1, 5),
+    "LIST_STREAMS": ListStreams(),
+    "GET_STATUS": GetStatus(),
+    "GET_HISTORY": GetHistory("s", b"k", 1, 5),
+    "SEEK_TIME": SeekTime("s", 0),
+    "REPORT_POSITION": ReportPosition("s", "c", 0),
+}
+ANSWER = re.compile(r"((?:`[A-Z_]+`(?: \(zero or more\))?(?: then )?)+) for `([A-Z_]+)`")
+
+
+def client_accepting(situation: str) -> ClientConnection:
+    """A client in one of the situations of "What the client accepts from the server"."""
+    conn = ClientConnection()
+    token = situation == "AUTHENTICATING"
+    conn.send(ClientHello(PROTOCOL_VERSION, "c", "billing:token" if token else None))
+    if situation == "AWAIT_HELLO":
+        return conn
+    conn.receive_data(encode(SAMPLES["SERVER_HELLO"]))
+    assert conn.next_event() is not None
+    if situation in ASKED:
+        conn.send(ASKED[situation])
+    elif situation in ("SUBSCRIBE", "STREAMING"):
+        conn.send(SAMPLES["SUBSCRIBE"])
+        if situation == "STREAMING":
+            conn.receive_data(encode(SAMPLES["SUBSCRIBED"]))
+            assert conn.next_event() is not None
+    return conn
+
+
+def client_accepts() -> dict[str, tuple[set[str], str]]:
+    """Per situation, what the table lets the client accept, and the server's next state."""
+    accepted: dict[str, tuple[set[str], str]] = {}
+    for state_cell, legal_cell, after in table(
+        section("What the client accepts from the server"), "State"
+    ):
+        state = state_of(state_cell)
+        if "requests pending" in state_cell:
+            for names, request in ANSWER.findall(legal_cell):
+                accepted[request] = (message_names(names), state_of(after))
+        elif "no request pending" in state_cell:
+            accepted["READY"] = (set(), "READY")
+        elif "SUBSCRIBE" in state_cell:
+            accepted["SUBSCRIBE"] = (message_names(legal_cell), state_of(after))
+        elif state != "any":
+            accepted[state] = (message_names(legal_cell), state_of(after))
+    return accepted
+
+
+def test_what_the_client_accepts() -> None:
+    accepted = client_accepts()
+    situations = {"AWAIT_HELLO", "AUTHENTICATING", "READY", "SUBSCRIBE", "STREAMING"}
+    assert set(accepted) == situations | set(ASKED)
+    for situation, (allowed, after) in accepted.items():
+        for name in sent_by("S→C") - {"ERROR"}:
+            conn = client_accepting(situation)
+            conn.receive_data(encode(SAMPLES[name]))
+            try:
+                conn.next_event()
+            except RemoteProtocolError as exc:
+                assert name not in allowed, f"{name} in {situation}: {exc}"
+                assert exc.code is ErrorCode.UNEXPECTED_MESSAGE, f"{name} in {situation}: {exc}"
+            else:
+                assert name in allowed, f"the client accepts {name} in {situation}"
+                if name not in ("RECORDS", "HEARTBEAT"):  # an answer's last frame moves it
+                    assert conn.their_state.name == after, (situation, name)
+        error = client_accepting(situation)
+        error.receive_data(encode(SAMPLES["ERROR"]))
+        assert isinstance(error.next_event(), Error) and error.their_state is State.CLOSED
+
+
 # --- Errors: the table, the cases, the sections ------------------------------------------
 
 
