@@ -6,7 +6,7 @@ its records are gone (``streamq/engines/postgres/append.py``; docs/protocol.md, 
 
 Each test has servers of its own, since it kills them. Two tests are the cases that
 once reused an epoch: a failover after the old primary took an epoch the replica never
-received (epochs now start at the WAL timeline << 32), and a second crash losing an
+received (epochs are at least the WAL timeline << 42), and a second crash losing an
 epoch taken with synchronous_commit=off (a new epoch now commits synchronously).
 """
 

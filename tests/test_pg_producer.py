@@ -137,10 +137,10 @@ async def test_restart_takes_a_new_epoch_and_keeps_the_log(pg_url: str) -> None:
         await producer.publish("orders", b"a")
     async with Producer(pg_url) as producer:
         assert producer.producer_id == producer_id
-        assert producer.epoch == first_epoch + 1
+        assert producer.epoch > first_epoch
         assert await producer.publish("orders", b"b") == 2
         assert producer.log.streams["orders"].epochs.epoch_of(1) == first_epoch
-        assert producer.log.streams["orders"].epochs.epoch_of(2) == first_epoch + 1
+        assert producer.log.streams["orders"].epochs.epoch_of(2) == producer.epoch
         received = await consume(producer.address, "orders", 2)
     assert [r.value for r in received] == [b"a", b"b"]
 

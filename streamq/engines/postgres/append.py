@@ -149,13 +149,17 @@ FROM streamq_streams AS s WHERE s.id = %s"""
 # Taking a new epoch: one appender at a time, each rereading after the lock.
 LOCK_EPOCH = "SELECT value FROM streamq_meta WHERE key = 'epoch' FOR UPDATE"
 # The epoch, whether this server life took one, and the next epoch: one more, and at
-# least the server's WAL timeline << 32. A promoted replica is on a new timeline, higher
-# than its old primary's, so its epochs exceed every epoch the old primary took, even
-# those it never received (the old primary may have crashed and taken one, for seqs lost
-# in the failover). The timeline is the first 8 hex digits of the current WAL file's name.
+# least (the server's WAL timeline << 42) + the server's time in milliseconds. A promoted
+# replica is on a new timeline, higher than its old primary's, so its epochs exceed every
+# epoch the old primary took, even those it never received (the old primary may have
+# crashed and taken one, for seqs lost in the failover); the time makes each instance's
+# epoch its own on one timeline, even after a restore from an older copy brought an
+# older stored epoch back. The timeline is the first 8 hex digits of the current WAL
+# file's name; the time fits in 42 bits until the year 2109.
 EPOCH_QUERY = """
 SELECT value, EXISTS (SELECT FROM streamq_boot), greatest(value::bigint + 1,
-    ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint << 32)
+    (('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint << 42)
+    + (extract(epoch FROM clock_timestamp()) * 1000)::bigint)
 FROM streamq_meta WHERE key = 'epoch'"""
 # The new epoch is committed synchronously whatever synchronous_commit says: a reader may
 # see records stamped with it, and if a crash lost it, the next one would be taken again,

@@ -56,7 +56,7 @@ def append(
         if boot != storage.boot_id():
             # The first writer since the machine booted: a new epoch, committed with the
             # first records that use it (see the module docstring).
-            epoch += 1
+            epoch = storage.next_epoch(epoch)
             cursor.executemany(storage.SET_META, [("epoch", epoch), ("boot_id", storage.boot_id())])
         if stream_id is None:
             cursor.execute(storage.CREATE_DEFAULT_STREAM, (stream,))

@@ -344,6 +344,15 @@ def _migrate_from_1(cursor: Any) -> None:
         last = rows[-1][0]
 
 
+def next_epoch(current: int) -> int:
+    """The epoch after ``current``: one more, and at least the time in milliseconds. Epochs
+    only grow, and each producer instance's is its own even when the database was
+    restored from an older copy (whose stored epoch comes back): the epoch after it is
+    later than every epoch taken before the restore, including the lost records'
+    ("Epochs" in docs/protocol.md)."""
+    return max(current + 1, time.time_ns() // 1_000_000)
+
+
 async def initialize(conn: aiosqlite.Connection, durability: Durability) -> Identity:
     """Create the tables if needed and bump the epoch, committed with a full sync.
 
@@ -354,7 +363,7 @@ async def initialize(conn: aiosqlite.Connection, durability: Durability) -> Iden
     await conn.execute("BEGIN IMMEDIATE")
     try:
         meta, created = await run_on_thread(conn, create_schema, conn._conn)
-        meta["epoch"] = int(meta["epoch"]) + 1
+        meta["epoch"] = next_epoch(int(meta["epoch"]))
         meta["boot_id"] = boot_id()
         await conn.executemany(SET_META, meta.items())
         await conn.execute("COMMIT")
