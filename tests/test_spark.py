@@ -121,7 +121,7 @@ def test_available_now_with_admission_control(
     first = json.loads(query.recentProgress[0]["sources"][0]["endOffset"])
     assert sorted(seq - 1 for pid, seq in first.items() if pid != "epochs") == [117, 233, 350]
     # Beside the seqs, the epoch that wrote each producer's head ("Epochs").
-    assert first["epochs"] == {p.producer_id: 1 for p in producers}
+    assert first["epochs"] == {p.producer_id: p._producer.epoch for p in producers}
     assert seqs_by_producer(spark.read.parquet(str(tmp_path / "out"))) == {
         p.producer_id: list(range(1, 1000 * (i + 1) + 1)) for i, p in enumerate(producers)
     }
