@@ -39,7 +39,7 @@ from .errors import (
     error_from_frame,
 )
 from .failures import DeadLetter, FailurePolicy, Policies, Retry, Stop
-from .filters import Filter, share_name
+from .filters import Filter, share_name, shared_as
 from .protocol import (
     DEFAULT_MAX_FRAME_SIZE,
     PROTOCOL_VERSION,
@@ -563,7 +563,7 @@ class Consumer:
             return False
         if name == self.base_name:
             return True  # unshared, and this one is a share
-        split = _share_of(name, self.base_name)
+        split = shared_as(self.base_name, name)
         return split is not None and (self.share is None or split[1] != self.share[1])
 
     async def _run(self, reader: asyncio.StreamReader, conn: ClientConnection) -> None:
@@ -738,16 +738,6 @@ class Consumer:
         if self._writer is not None and self._conn is not None:
             with contextlib.suppress(Exception):
                 self._writer.write(self._conn.send(Ack(seq)))
-
-
-def _share_of(name: str, consumer: str) -> tuple[int, int] | None:
-    """(i, n) if ``name`` is ``consumer[i/n]``, the name of a share of ``consumer``."""
-    if not (name.startswith(consumer + "[") and name.endswith("]")):
-        return None
-    index, slash, count = name[len(consumer) + 1 : -1].partition("/")
-    if not (slash and index.isdigit() and count.isdigit()):
-        return None
-    return int(index), int(count)
 
 
 def _server_error(message: Error) -> ServerError:

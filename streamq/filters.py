@@ -45,6 +45,19 @@ def share_name(consumer: str, share: tuple[int, int]) -> str:
     return f"{consumer}[{share[0]}/{share[1]}]"
 
 
+def shared_as(consumer: str, name: str) -> tuple[int, int] | None:
+    """``share_name`` backwards: (index, count) if ``name`` is a share of ``consumer``'s
+    (``consumer[i/n]``, a valid share), else None."""
+    prefix = consumer + "["
+    if not (name.startswith(prefix) and name.endswith("]")):
+        return None
+    index, slash, count = name[len(prefix) : -1].partition("/")
+    if not (slash and index.isdigit() and count.isdigit()):
+        return None
+    share = int(index), int(count)
+    return share if 0 <= share[0] < share[1] <= MAX_SHARES else None
+
+
 @dataclass(frozen=True, slots=True)
 class Filter:
     """Records whose key starts with ``key_prefix``, whose headers include every entry of

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from .errors import StreamQError
-from .filters import MAX_SHARES, share_name
+from .filters import MAX_SHARES, share_name, shared_as
 
 
 class ReshareRefusedError(StreamQError):
@@ -55,21 +55,11 @@ def names_for(consumer: str, shares: int) -> tuple[str, ...]:
 def split_of(consumer: str, names: Iterable[str]) -> int | None:
     """How many shares ``names`` are the complete split of, None if they are not one."""
     found = set(names)
-    for count in {1} | {_count(consumer, name) for name in found} - {None}:
-        assert count is not None
+    counts = {1} | {share[1] for name in found if (share := shared_as(consumer, name))}
+    for count in counts:
         if found == set(names_for(consumer, count)):
             return count
     return None
-
-
-def _count(consumer: str, name: str) -> int | None:
-    prefix = consumer + "["
-    if not (name.startswith(prefix) and name.endswith("]")):
-        return None
-    index, slash, count = name[len(prefix) : -1].partition("/")
-    if not (slash and index.isdigit() and count.isdigit()) or not 0 < int(count) <= MAX_SHARES:
-        return None
-    return int(count)
 
 
 def plan(consumer: str, shares: int, rows: Iterable[StoredPosition]) -> list[Move]:
@@ -79,7 +69,7 @@ def plan(consumer: str, shares: int, rows: Iterable[StoredPosition]) -> list[Mov
         raise ReshareRefusedError(f"shares must be between 1 and {MAX_SHARES}, not {shares}")
     groups: dict[tuple[str, str], list[StoredPosition]] = defaultdict(list)
     for row in rows:
-        if row.consumer == consumer or _count(consumer, row.consumer) is not None:
+        if row.consumer == consumer or shared_as(consumer, row.consumer) is not None:
             groups[row.producer_id, row.stream].append(row)
     if not groups:
         raise ReshareRefusedError(f"no stored positions of consumer {consumer!r}")

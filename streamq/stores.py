@@ -24,16 +24,23 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-def list_dead_letters(db: str, consumer: str | None = None) -> list[ParkedRecord]:
-    """The records parked in the consumer database ``db`` (a SQLite file or a
-    ``postgresql://`` URL), by consumer, stream and seq."""
+def _engine(db: str) -> Any:
+    """The positions module of ``db``'s engine: PostgreSQL for a ``postgresql://`` URL,
+    SQLite for anything else (imported only when used: psycopg is optional)."""
     if is_postgres_url(db):
         from .engines.postgres import positions as postgres
 
-        return postgres.list_dead_letters(db, consumer)
+        return postgres
     from .engines.sqlite import positions as sqlite
 
-    return sqlite.list_dead_letters(db, consumer)
+    return sqlite
+
+
+def list_dead_letters(db: str, consumer: str | None = None) -> list[ParkedRecord]:
+    """The records parked in the consumer database ``db`` (a SQLite file or a
+    ``postgresql://`` URL), by consumer, stream and seq."""
+    parked: list[ParkedRecord] = _engine(db).list_dead_letters(db, consumer)
+    return parked
 
 
 def mark_for_retry(
@@ -41,26 +48,15 @@ def mark_for_retry(
 ) -> int:
     """Mark parked records (all, or those matching) for their consumer to re-apply, once,
     through its ``apply`` function before its next batch; how many were marked."""
-    if is_postgres_url(db):
-        from .engines.postgres import positions as postgres
-
-        return postgres.mark_for_retry(db, consumer, stream, seq)
-    from .engines.sqlite import positions as sqlite
-
-    return sqlite.mark_for_retry(db, consumer, stream, seq)
+    return int(_engine(db).mark_for_retry(db, consumer, stream, seq))
 
 
 def reshare(db: str, consumer: str, shares: int) -> list[Move]:
     """Move ``consumer``'s stored positions in the consumer database ``db`` to a split into
     ``shares`` (1: unshared), when every share of the old split stands at the same seq;
     ``ReshareRefusedError`` otherwise (``streamq.resharing``). Stop the workers first."""
-    if is_postgres_url(db):
-        from .engines.postgres import positions as postgres
-
-        return postgres.reshare(db, consumer, shares)
-    from .engines.sqlite import positions as sqlite
-
-    return sqlite.reshare(db, consumer, shares)
+    moves: list[Move] = _engine(db).reshare(db, consumer, shares)
+    return moves
 
 
 class ConsumerTransaction(Protocol):
