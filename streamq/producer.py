@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -32,6 +31,7 @@ from typing import Any, TypeVar
 from .blocking import to_the_end
 from .compaction import Compacted, Compactor, OnCompacted
 from .engines import open_storage
+from .groups import GroupCommit
 from .log import Log
 from .metrics import MetricsServer
 from .positions import ConsumerLag, Positions
@@ -44,7 +44,6 @@ from .retention import Retention, RetentionPasses, RetentionPolicy, Truncation
 from .server import Server, ServerSettings
 from .storage import (
     AppendState,
-    BlockingWriter,
     ConsumerRow,
     Durability,
     EpochRow,
@@ -55,13 +54,7 @@ from .storage import (
     Watch,
     Writer,
 )
-from .transactions import (
-    BlockingTransaction,
-    SyncTransaction,
-    Transaction,
-    _OthersCommitted,
-    _Pending,
-)
+from .transactions import SyncTransaction, Transaction, _Pending
 from .watcher import CommitWatcher
 
 logger = logging.getLogger("streamq.producer")
@@ -123,6 +116,7 @@ class Producer:
         self._watch_interval = watch_interval
         self._in_transaction = False  # holding the writer for a transaction of its own
         self.watcher = CommitWatcher(self)  # other writers' commits
+        self.groups = GroupCommit(self)  # run_in_transaction's commits, shared
         self.positions = Positions()
         self.retention = Retention(RetentionPolicy(retention_ms, retention_bytes))
         self.retention_passes = RetentionPasses(self, retention_interval)
@@ -265,26 +259,7 @@ class Producer:
         self._check_running()
         if not self.storage.features.blocking_transactions:
             return await self._run_in_session(fn, args)
-        async with self._writing():
-            version: int | None = self.watcher.version
-            try:
-                while True:
-                    # One hop: BEGIN, fn and COMMIT, unless another writer committed since
-                    # this producer last looked (then it catches up and fn runs after).
-                    pending = _Pending(self)
-                    try:
-                        return await to_the_end(
-                            self._writer.run_blocking(
-                                self._run_blocking, pending, fn, args, version
-                            ),
-                            functools.partial(self._after_blocking_commit, pending),
-                        )
-                    except _OthersCommitted as others:
-                        await self.watcher.catch_up(others.version)
-                        version = None
-            except BaseException:
-                await self._writer.rollback()  # begun, then caught up or cancelled: not run
-                raise
+        return await self.groups.run(fn, args)
 
     async def _run_in_session(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
         """``run_in_transaction`` where the writer has no thread of its own (PostgreSQL):
@@ -313,17 +288,6 @@ class Producer:
             result = await to_the_end(asyncio.to_thread(run), lambda: None)
         await self.watcher.check()
         return result
-
-    def _run_blocking(
-        self,
-        writer: BlockingWriter,
-        pending: _Pending,
-        fn: Callable[..., T],
-        args: tuple[Any, ...],
-        version: int | None,
-    ) -> T:
-        """On the writer's thread: ``fn`` in a ``BlockingTransaction`` filling ``pending``."""
-        return BlockingTransaction(self, writer, pending)._run(fn, args, version)
 
     @contextlib.asynccontextmanager
     async def _writing(self) -> AsyncIterator[None]:

@@ -54,6 +54,7 @@ class _Appending:
     start: int  # its head when this transaction locked it
     head: int  # the last seq published here (``start`` until the first)
     max_ts: int | None  # its largest timestamp so far
+    last_epoch: int | None  # of its last segment, as found
     settings: StreamSettings
     created: bool  # by this transaction
     # The streamq_epochs row of the segment this transaction starts in it, if the
@@ -72,8 +73,10 @@ class _Pending:
     """A transaction's records: seqs assigned at publish, rows awaiting their INSERT, and
     what the log learns at commit. Bookkeeping only, shared by both kinds of transaction."""
 
-    def __init__(self, producer: Producer) -> None:
+    def __init__(self, producer: Producer, carried: Mapping[str, _Appending] | None = None) -> None:
         self._producer = producer
+        # Streams as the transactions before this one in its commit group left them.
+        self._carried = carried or {}
         self.rows: list[LogRow] = []  # not yet inserted
         self.times: list[TimeRow] = []  # streamq_time rows not yet inserted
         self.streams: dict[str, _Appending] = {}  # in the order this transaction took them
@@ -89,9 +92,27 @@ class _Pending:
         if state.last_epoch != state.epoch:
             segment = (state.id, state.head + 1, state.epoch)
         self.streams[stream] = _Appending(
-            state.id, state.head, state.head, state.max_ts, state.settings, state.created, segment
+            state.id,
+            state.head,
+            state.head,
+            state.max_ts,
+            state.last_epoch,
+            state.settings,
+            state.created,
+            segment,
         )
         return state.id
+
+    def continued(self, stream: str) -> AppendState | None:
+        """``stream`` as an earlier transaction of this one's commit group left it."""
+        before = self._carried.get(stream)
+        if before is None:
+            return None
+        epoch = self._producer.epoch
+        last_epoch = before.last_epoch if before.segment and not before.appended else epoch
+        return AppendState(
+            before.id, before.head, before.max_ts, last_epoch, before.settings, epoch, False
+        )
 
     def next_seq(self, stream: str) -> int:
         return self.streams[stream].head + 1
@@ -273,7 +294,7 @@ class BlockingTransaction(BlockingSQL):
     def _stream_id(self, stream: str) -> int:
         stream_id = self._pending.stream_id(stream)
         if stream_id is None:
-            state = self._producer._memory_state(stream)
+            state = self._pending.continued(stream) or self._producer._memory_state(stream)
             if state is None:
                 settings = StreamSettings()
                 created = self._writer.create_stream(check_stream_name(stream), settings)
@@ -284,24 +305,11 @@ class BlockingTransaction(BlockingSQL):
     def _flush(self, closing: bool = False) -> None:
         self._writer.insert(*self._pending.take_inserts(closing))
 
-    def _run(self, fn: Callable[..., T], args: tuple[Any, ...], version: int | None) -> T:
-        """``fn(self, *args)`` and the buffered records, in one transaction.
-
-        With ``version``, BEGIN first; if another writer committed since the producer's
-        ``version``, raise ``_OthersCommitted`` holding the transaction open (the producer
-        catches up, then calls again with None: the transaction is already begun).
-        """
-        if version is not None:
-            seen = self._writer.begin()
-            if seen is not None and seen != version:
-                raise _OthersCommitted(seen)
+    def _run_member(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+        """``fn(self, *args)``, then the records it left buffered; the caller commits."""
         try:
             result = fn(self, *args)
             self._flush(closing=True)
-            self._writer.commit()
-        except BaseException:
-            self._writer.rollback()
-            raise
         finally:
             self._closed = True
         return result

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sqlite3
+import threading
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -348,13 +349,15 @@ class Journal:
 
     def __init__(self, path: Path | str | None) -> None:
         self._file: IO[str] | None = open(path, "a") if path else None  # noqa: SIM115
+        self._lock = threading.Lock()  # the loop and a producer's writer thread both write
 
     def write(self, event: str, records: Iterable[tuple[int, bytes]]) -> None:
         if self._file is None:
             return
         rows = [[seq, value.decode("latin-1")] for seq, value in records]
-        self._file.write(json.dumps({"event": event, "records": rows}) + "\n")
-        self._file.flush()
+        with self._lock:
+            self._file.write(json.dumps({"event": event, "records": rows}) + "\n")
+            self._file.flush()
 
     def close(self) -> None:
         if self._file is not None:

@@ -613,7 +613,7 @@ async def deleted_while_sent(db: str, request: Message) -> Error:
         reader, writer = await asyncio.open_connection(sock=sock)
         try:
             writer.write(HELLO + encode(request))
-            await wait_for(lambda: "orders" in server.traffic and server.traffic["orders"].records > 0)
+            await wait_for(lambda: "orders" in server.traffic and server.traffic["orders"].records)
             await started.truncate("orders", 64)
             decoder, messages = FrameDecoder(16 * 1024 * 1024), []
             async with asyncio.timeout(30):

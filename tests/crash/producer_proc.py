@@ -45,10 +45,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import streamq
@@ -60,6 +61,7 @@ from tests.oracle import Dialect, Journal, dialect
 
 STREAM = "orders"
 MAX_BATCH = 200
+NO_LIMIT = 1 << 62  # a transaction that dies before COMMIT may publish beyond the allowance
 # Records per executemany into streamq_log, so big transactions write part of
 # the log before COMMIT (and the mid-transaction kill leaves uncommitted rows).
 FLUSH_RECORDS = 64
@@ -126,6 +128,87 @@ def arm_mid_push() -> None:
     ServerConnection.send_records = cut  # type: ignore[method-assign]
 
 
+def make_orders(rng: random.Random, last_id: int, count: int) -> list[tuple[int, int]]:
+    """``count`` orders after ``last_id``: ids with gaps, not the same numbers as seqs."""
+    orders = []
+    for _ in range(count):
+        last_id += rng.randint(1, 3)
+        orders.append((last_id, rng.randint(1, 10_000)))
+    return orders
+
+
+class Withdrawn(Exception):
+    """A member of a commit group that gives up: it rolls back alone."""
+
+
+def group_member(
+    tx: streamq.BlockingTransaction,
+    d: Dialect,
+    seed: int,
+    count: int,
+    limit: int,
+    journal: Journal,
+    kill: bool,
+    withdraw: bool,
+    head: Callable[[], int],
+) -> list[tuple[int, bytes]]:
+    """``one_transaction`` as a member of a commit group (``run_in_transaction``), on the
+    writer's thread. Its order ids follow those of the members before it, which it sees;
+    ``withdraw``: it raises after publishing, and rolls back alone."""
+    rng = random.Random(seed)
+    row = tx.execute("SELECT COALESCE(MAX(id), 0) FROM orders WHERE id > 0").fetchone()
+    orders = make_orders(rng, int(row[0]), count)
+    values = [b"order-%d:%d" % order for order in orders]
+    tx.executemany(d.sql("INSERT INTO orders (id, amount) VALUES (?, ?)"), orders)
+    seqs = tx.publish_many(STREAM, values)
+    journal.write("publish", zip(seqs, values, strict=True))
+    if seqs[-1] > limit:
+        raise Overshoot
+    tx.execute(
+        d.sql("UPDATE totals SET n = n + ?, amount = amount + ? WHERE name = 'orders'"),
+        (count, sum(amount for _, amount in orders)),
+    )
+    if kill:  # the members before it are in the group's open transaction: lost with it
+        FAULTS.fire("mid-tx", f"head={head()} records={count} (a commit group's member)")
+    if withdraw:
+        raise Withdrawn
+    return list(zip(seqs, values, strict=True))
+
+
+async def group_round(
+    producer: streamq.Producer,
+    d: Dialect,
+    rng: random.Random,
+    limit: int,
+    journal: Journal,
+    *,
+    kill: bool = False,
+) -> None:
+    """2 to 8 concurrent ``run_in_transaction`` calls, which the producer commits as one
+    group (members in their own savepoints); some withdraw, one dies with ``kill``."""
+    size = rng.randint(2, 8)
+    killer = rng.randrange(size) if kill else None
+    calls = [
+        producer.run_in_transaction(
+            group_member,
+            d,
+            rng.randrange(2**32),
+            rng.randint(1, 40),
+            limit,
+            journal,
+            i == killer,
+            rng.random() < 0.2,
+            functools.partial(producer.head, STREAM),
+        )
+        for i in range(size)
+    ]
+    for outcome in await asyncio.gather(*calls, return_exceptions=True):
+        if isinstance(outcome, list):
+            journal.write("commit", outcome)
+        elif not isinstance(outcome, Withdrawn | Overshoot):
+            raise outcome
+
+
 async def one_transaction(
     producer: streamq.Producer,
     d: Dialect,
@@ -144,11 +227,7 @@ async def one_transaction(
         cursor = await tx.execute("SELECT COALESCE(MAX(id), 0) FROM orders WHERE id > 0")
         row = await cursor.fetchone()
         assert row is not None
-        order_id = int(row[0])
-        orders = []
-        for _ in range(count):
-            order_id += rng.randint(1, 3)  # ids with gaps: not the same numbers as seqs
-            orders.append((order_id, rng.randint(1, 10_000)))
+        orders = make_orders(rng, int(row[0]), count)
         values = [b"order-%d:%d" % order for order in orders]
         business_first = rng.random() < 0.5
         insert = d.sql("INSERT INTO orders (id, amount) VALUES (?, ?)")
@@ -217,6 +296,8 @@ async def main(args: argparse.Namespace) -> None:
     )
     failing_since: float | None = None  # the first of consecutive database errors
     producer = await start(args, settings)
+    # Commit groups are SQLite's (PostgreSQL groups its own WAL flushes).
+    groups = producer.storage.features.blocking_transactions
     try:
         print(f"READY {args.port} head={producer.head(STREAM)}", flush=True)
         while True:
@@ -240,16 +321,21 @@ async def main(args: argparse.Namespace) -> None:
                 count = min(count, limit - head)
             try:
                 try:
-                    await one_transaction(
-                        producer,
-                        d,
-                        rng,
-                        count,
-                        None if kill or hold else limit,
-                        journal,
-                        kill=kill,
-                        hold=hold,
-                    )
+                    if groups and not hold and rng.random() < 0.3:
+                        await group_round(
+                            producer, d, rng, NO_LIMIT if kill else limit, journal, kill=kill
+                        )
+                    else:
+                        await one_transaction(
+                            producer,
+                            d,
+                            rng,
+                            count,
+                            None if kill or hold else limit,
+                            journal,
+                            kill=kill,
+                            hold=hold,
+                        )
                 except Overshoot:
                     await producer.refresh()  # learn the other writers' commits
                     continue

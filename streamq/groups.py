@@ -1,0 +1,173 @@
+"""Group commit: concurrent ``run_in_transaction`` calls of one producer share a COMMIT.
+
+A COMMIT costs far more than a short transaction's statements, above all with
+``durability="full"``, where it waits for an fsync. Transactions that arrive while the
+writer is busy queue up; the next time the writer is free, one hop to its thread runs
+them all, in arrival order, inside one database transaction, each under its own
+SAVEPOINT, and commits once:
+
+- a member that raises rolls back to its savepoint alone; the others still commit;
+- a member's seqs follow those of the members before it (as if they had committed one
+  by one, in that order), and it sees their effects, as it would have serially;
+- a member's call returns only once the group's COMMIT has returned; a COMMIT that
+  fails (or an error that aborts the whole transaction, such as a full disk) fails
+  every member, and none is acknowledged.
+
+A lone transaction runs as before: no savepoint, one COMMIT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+from .blocking import to_the_end
+from .storage import BlockingWriter
+from .transactions import BlockingTransaction, _Appending, _OthersCommitted, _Pending
+
+if TYPE_CHECKING:
+    from .producer import Producer
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True, eq=False)
+class _Member:
+    """One queued transaction: its function, and what became of it."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    future: asyncio.Future[Any]
+    pending: _Pending | None = None  # set once it ran and was released into the group
+    result: Any = None
+    error: BaseException | None = None
+    taken: bool = field(default=False)  # in a group already: too late to withdraw
+
+
+class GroupCommit:
+    """The producer's queue of blocking transactions and the task that commits them."""
+
+    def __init__(self, producer: Producer) -> None:
+        self._producer = producer
+        self._queue: list[_Member] = []
+        self._committer: asyncio.Task[None] | None = None
+        self.groups = 0  # COMMITs run for queued transactions
+        self.members = 0  # transactions committed in them
+
+    async def run(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+        """Queue ``fn(tx, *args)``; its result once its group has committed.
+
+        Cancelled while queued, it is withdrawn and never runs; cancelled once taken, it
+        runs to the end (its outcome must be known) and the cancel is re-raised after.
+        """
+        member = _Member(fn, args, asyncio.get_running_loop().create_future())
+        self._queue.append(member)
+        if self._committer is None:
+            self._committer = asyncio.create_task(self._commit_next())
+        try:
+            return cast(T, await asyncio.shield(member.future))
+        except asyncio.CancelledError:
+            if not member.taken:
+                self._queue.remove(member)
+                raise
+            while not member.future.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait([member.future])
+            raise
+
+    async def _commit_next(self) -> None:
+        """Wait for the writer, then commit everything queued by then as one group."""
+        producer = self._producer
+        members: list[_Member] = []
+        try:
+            async with producer._writing():
+                members, self._queue = self._queue, []
+                self._committer = None  # later arrivals form the next group
+                for member in members:
+                    member.taken = True
+                if members:
+                    await self._commit(members)
+        except BaseException as error:
+            for member in members:
+                if not member.future.done():
+                    member.future.set_exception(error)
+            if self._committer is None and self._queue:
+                self._committer = asyncio.create_task(self._commit_next())
+            if not isinstance(error, Exception):
+                raise
+
+    async def _commit(self, members: list[_Member]) -> None:
+        producer = self._producer
+        version: int | None = producer.watcher.version
+        try:
+            while True:
+                try:
+                    # One hop: BEGIN, every member and COMMIT, unless another writer
+                    # committed since the producer last looked (it catches up first).
+                    await to_the_end(
+                        producer._writer.run_blocking(_run_group, producer, members, version),
+                        lambda: self._committed(members),
+                    )
+                    break
+                except _OthersCommitted as others:
+                    await producer.watcher.catch_up(others.version)
+                    version = None
+        except BaseException:
+            await producer._writer.rollback()  # begun, then caught up or cancelled: not run
+            raise
+        for member in members:
+            if member.error is not None:
+                member.future.set_exception(member.error)
+            else:
+                member.future.set_result(member.result)
+
+    def _committed(self, members: list[_Member]) -> None:
+        """Hand each member's records to the log, in the group's order."""
+        self.groups += 1
+        for member in members:
+            if member.pending is not None:
+                self.members += 1
+                self._producer._after_blocking_commit(member.pending)
+
+
+def _run_group(
+    writer: BlockingWriter, producer: Producer, members: list[_Member], version: int | None
+) -> None:
+    """On the writer's thread: BEGIN (unless ``version`` is None: begun already), each
+    member in its savepoint, COMMIT. Raises (after ROLLBACK) if the group failed whole."""
+    if version is not None:
+        seen = writer.begin()
+        if seen is not None and seen != version:
+            raise _OthersCommitted(seen)
+    alone = len(members) == 1
+    carried: dict[str, _Appending] = {}  # each stream as the members so far left it
+    try:
+        for member in members:
+            pending = _Pending(producer, carried)
+            tx = BlockingTransaction(producer, writer, pending)
+            if not alone:
+                writer.execute("SAVEPOINT streamq_member")
+            try:
+                member.result = tx._run_member(member.fn, member.args)
+            except BaseException as error:
+                if alone:
+                    raise
+                member.error = error
+                try:
+                    writer.execute("ROLLBACK TO streamq_member")
+                except Exception:
+                    # The error ended the whole transaction (a full disk, an I/O error),
+                    # taking the members before it: the group fails as one.
+                    raise error from None
+            else:
+                member.pending = pending
+                carried.update(pending.streams)
+            if not alone:
+                writer.execute("RELEASE streamq_member")
+        writer.commit()
+    except BaseException:
+        writer.rollback()
+        raise

@@ -1,0 +1,171 @@
+"""Group commit: concurrent ``run_in_transaction`` calls share one COMMIT, each in its own
+savepoint, with the outcome serial execution in arrival order would give."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sqlite3
+import threading
+
+import pytest
+
+import streamq
+from streamq import BlockingTransaction, Producer
+
+from .test_producer import log_seqs
+
+
+class Gate:
+    """Holds the writer's thread inside a transaction until the test opens it, so that the
+    transactions started meanwhile queue up and commit as one group."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.opened = threading.Event()
+
+    def hold(self, tx: BlockingTransaction) -> int:
+        seq = tx.publish("orders", b"first")
+        self.entered.set()
+        assert self.opened.wait(10)
+        return seq
+
+
+def read(address: str, stream: str, head: int) -> list[streamq.Record]:
+    """What a consumer gets of seqs 1..head (a blocking client: on a thread of its own)."""
+    with streamq.Client(address) as client:
+        return [r for batch in client.read_range(stream, 1, head + 1) for r in batch]
+
+
+def count_and_publish(tx: BlockingTransaction, i: int, fail: bool) -> tuple[int, int]:
+    """Increment a counter, publish what it was: the serial order shows in both."""
+    tx.execute("CREATE TABLE IF NOT EXISTS counter (n INTEGER NOT NULL)")
+    tx.execute("INSERT INTO counter SELECT 0 WHERE NOT EXISTS (SELECT 1 FROM counter)")
+    (seen,) = tx.execute("SELECT n FROM counter").fetchone()
+    tx.execute("UPDATE counter SET n = n + 1")
+    seq = tx.publish("orders", b"%d:%d" % (i, seen))
+    if fail:
+        raise ValueError(f"member {i} gives up")
+    return seq, seen
+
+
+async def queued_behind(
+    producer: Producer, gate: Gate, calls: list[asyncio.Future[object]]
+) -> tuple[int, list[object]]:
+    """Run ``gate.hold`` first, queue ``calls`` behind it, then open the gate."""
+    first = asyncio.ensure_future(producer.run_in_transaction(gate.hold))
+    assert await asyncio.to_thread(gate.entered.wait, 10)
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    await asyncio.sleep(0)  # every call is queued
+    gate.opened.set()
+    return await first, await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_queued_transactions_commit_as_one_group_in_serial_order(
+    producer_db: str,
+) -> None:
+    failing = {3, 17, 31}
+    gate = Gate()
+    async with Producer(producer_db) as producer:
+        calls = [producer.run_in_transaction(count_and_publish, i, i in failing) for i in range(32)]
+        first, outcomes = await queued_behind(producer, gate, calls)  # type: ignore[arg-type]
+        assert first == 1
+        assert (producer.groups.groups, producer.groups.members) == (2, 30)
+        assert producer.head("orders") == 30
+        records = await asyncio.to_thread(read, producer.address, "orders", 30)
+    kept = [i for i in range(32) if i not in failing]
+    for i, outcome in enumerate(outcomes):
+        if i in failing:
+            assert isinstance(outcome, ValueError) and f"member {i}" in str(outcome)
+    # Seqs dense after the first, counter values as one after another: the serial order.
+    assert [o for o in outcomes if not isinstance(o, BaseException)] == [
+        (2 + n, n) for n in range(len(kept))
+    ]
+    assert [r.value for r in records[1:]] == [b"%d:%d" % (i, n) for n, i in enumerate(kept)]
+    assert log_seqs(producer_db) == list(range(1, 31))
+    with contextlib.closing(sqlite3.connect(producer_db)) as db:
+        assert db.execute("SELECT n FROM counter").fetchone() == (29,)
+
+
+def create_and_publish(tx: BlockingTransaction, stream: str, fail: bool) -> int:
+    seq = tx.publish(stream, b"x")
+    if fail:
+        raise ValueError("rolled back with its new stream")
+    return seq
+
+
+async def test_a_stream_created_in_a_group_continues_from_the_member_before(
+    producer_db: str,
+) -> None:
+    """The first member to create a stream rolls back; the next creates it, and the ones
+    after continue its seqs: heads, segments and the log follow the members that stayed."""
+    gate = Gate()
+    async with Producer(producer_db) as producer:
+        calls = [producer.run_in_transaction(create_and_publish, "new", i == 0) for i in range(4)]
+        _, outcomes = await queued_behind(producer, gate, calls)  # type: ignore[arg-type]
+        assert isinstance(outcomes[0], ValueError)
+        assert outcomes[1:] == [1, 2, 3]
+        assert producer.head("new") == 3
+        assert await producer.publish("new", b"after") == 4
+        records = await asyncio.to_thread(read, producer.address, "new", 4)
+    assert [r.seq for r in records] == [1, 2, 3, 4]
+    assert log_seqs(producer_db, "new") == [1, 2, 3, 4]
+
+
+def violates_at_commit(tx: BlockingTransaction, i: int) -> int:
+    """A row whose deferred foreign key fails only at COMMIT: the whole group's."""
+    tx.execute("CREATE TABLE IF NOT EXISTS parent (id INTEGER PRIMARY KEY)")
+    tx.execute(
+        "CREATE TABLE IF NOT EXISTS child (parent INTEGER REFERENCES parent (id) "
+        "DEFERRABLE INITIALLY DEFERRED)"
+    )
+    if i == 2:
+        tx.execute("INSERT INTO child VALUES (42)")
+    return tx.publish("orders", b"%d" % i)
+
+
+async def test_a_failed_group_commit_fails_every_member(producer_db: str) -> None:
+    gate = Gate()
+    async with Producer(producer_db) as producer:
+        await producer.storage.writer.execute("PRAGMA foreign_keys = ON")  # type: ignore[attr-defined]
+        calls = [producer.run_in_transaction(violates_at_commit, i) for i in range(5)]
+        first, outcomes = await queued_behind(producer, gate, calls)  # type: ignore[arg-type]
+        assert first == 1
+        assert all(isinstance(o, sqlite3.IntegrityError) for o in outcomes), outcomes
+        assert producer.head("orders") == 1  # none acknowledged, none served
+        assert await producer.run_in_transaction(violates_at_commit, 0) == 2
+    assert log_seqs(producer_db) == [1, 2]
+
+
+def publish_one(tx: BlockingTransaction, value: bytes) -> int:
+    return tx.publish("orders", value)
+
+
+async def test_a_transaction_cancelled_while_queued_never_runs(producer_db: str) -> None:
+    gate = Gate()
+    async with Producer(producer_db) as producer:
+        first = asyncio.ensure_future(producer.run_in_transaction(gate.hold))
+        assert await asyncio.to_thread(gate.entered.wait, 10)
+        withdrawn = asyncio.ensure_future(producer.run_in_transaction(publish_one, b"withdrawn"))
+        kept = asyncio.ensure_future(producer.run_in_transaction(publish_one, b"kept"))
+        await asyncio.sleep(0)
+        withdrawn.cancel()
+        gate.opened.set()
+        assert (await first, await kept) == (1, 2)
+        with pytest.raises(asyncio.CancelledError):
+            await withdrawn
+        records = await asyncio.to_thread(read, producer.address, "orders", 2)
+    assert [r.value for r in records] == [b"first", b"kept"]
+
+
+async def test_full_durability_groups_concurrent_handlers(producer_db: str) -> None:
+    """32 handlers at once with ``durability="full"``: fewer COMMITs (fsyncs) than
+    transactions, every one acknowledged once committed, in one dense seq line."""
+    async with Producer(producer_db, durability="full") as producer:
+        seqs = await asyncio.gather(
+            *(producer.run_in_transaction(publish_one, b"%d" % i) for i in range(32))
+        )
+        assert sorted(seqs) == list(range(1, 33))
+        assert producer.groups.members == 32
+        assert producer.groups.groups < 32
+    assert log_seqs(producer_db) == list(range(1, 33))
