@@ -2,7 +2,8 @@
 restarted, with real consumers that had applied records the image lost.
 
 1. A real Producer (in WAL, ``durability`` normal or full) commits records with business
-   rows, and a quarter of the way through a second Producer process commits once into the
+   rows (every third commit a group of concurrent ``run_in_transaction`` calls: one
+   COMMIT, a member sometimes withdrawn into its savepoint), and a quarter of the way through a second Producer process commits once into the
    same database (as ``streamq publish`` does); a real Consumer applies each commit, and its
    database is snapshotted after each. The test notes the WAL's length when a producer has
    started (its epoch is committed with a full sync) and after each commit returned.
@@ -43,7 +44,13 @@ from pathlib import Path
 
 import msgpack
 
-from streamq import Consumer, ConsumerPositionError, Producer, SeqsReusedError
+from streamq import (
+    BlockingTransaction,
+    Consumer,
+    ConsumerPositionError,
+    Producer,
+    SeqsReusedError,
+)
 from streamq.engines.sqlite.storage import HEAD_QUERY
 from streamq.storage import Durability
 
@@ -149,12 +156,15 @@ async def record_workload(
                     sync_bound = await _other_process_commits(db, wal_path, done, values)
                     await wait_for(lambda: producer.head(STREAM) == done[-1].head)
                     await _apply_until(consumer, producer.head(STREAM))
-                async with producer.transaction() as tx:
-                    for i in range(rng.randint(1, 4)):
-                        value = b"epoch%d-commit%d-%d" % (producer.epoch, k, i)
-                        seq = await tx.publish(STREAM, value)
-                        await tx.execute("INSERT INTO orders VALUES (?, ?)", (seq, value))
-                        values[seq] = value
+                if k % 3 == 2:
+                    await _commit_group(producer, k, values, rng)
+                else:
+                    async with producer.transaction() as tx:
+                        for i in range(rng.randint(1, 4)):
+                            value = b"epoch%d-commit%d-%d" % (producer.epoch, k, i)
+                            seq = await tx.publish(STREAM, value)
+                            await tx.execute("INSERT INTO orders VALUES (?, ?)", (seq, value))
+                            values[seq] = value
                 done.append(Commit(wal_path.stat().st_size, producer.head(STREAM)))
                 await _apply_until(consumer, producer.head(STREAM))
                 snapshot = work / "snapshots" / f"{consumer.applied}.db"
@@ -171,6 +181,43 @@ async def record_workload(
         "commits and WAL commit frames differ"  # besides: the stream, the table, the epoch
     )
     return Workload(image_db, wal, base, sync_bound, done, values, snapshots)
+
+
+class _Withdrawn(Exception):
+    """A member of a commit group that rolls back alone."""
+
+
+def _member(tx: BlockingTransaction, prefix: bytes, count: int, withdraw: bool) -> dict[int, bytes]:
+    published = {}
+    for i in range(count):
+        value = b"%s-%d" % (prefix, i)
+        seq = tx.publish(STREAM, value)
+        tx.execute("INSERT INTO orders VALUES (?, ?)", (seq, value))
+        published[seq] = value
+    if withdraw:
+        raise _Withdrawn
+    return published
+
+
+async def _commit_group(
+    producer: Producer, k: int, values: dict[int, bytes], rng: random.Random
+) -> None:
+    """2 to 4 concurrent transactions, one COMMIT (the WAL check counts commit frames);
+    a withdrawn member's seqs go to the next member, its rows nowhere."""
+    calls = [
+        producer.run_in_transaction(
+            _member,
+            b"epoch%d-commit%d-member%d" % (producer.epoch, k, m),
+            rng.randint(1, 3),
+            rng.random() < 0.25,
+        )
+        for m in range(rng.randint(2, 4))
+    ]
+    for outcome in await asyncio.gather(*calls, return_exceptions=True):
+        if isinstance(outcome, dict):
+            values.update(outcome)
+        elif not isinstance(outcome, _Withdrawn):
+            raise outcome
 
 
 async def _other_process_commits(
