@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck bench bench-quick soak fuzz powerloss simulate clean docs
+.PHONY: demo test lint typecheck bench bench-quick nats-server soak fuzz powerloss simulate clean docs
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,11 +35,16 @@ test: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
 
-bench: $(STAMP)  # every workload at full size, against a real Kafka broker
+bench: $(STAMP) nats-server  # every workload at full size, against real Kafka and NATS servers
 	$(BIN)/python -m bench
 
-bench-quick: $(STAMP)  # every workload at small size, in a few minutes
+bench-quick: $(STAMP) nats-server  # every workload at small size, in a few minutes
 	$(BIN)/python -m bench --quick
+
+# bench/nats/bin/nats-server at the pinned version, by `go install` when missing (or
+# the binary NATS_SERVER names, if set, is checked instead)
+nats-server: $(STAMP)
+	$(BIN)/python -m bench.nats.server --build
 
 # SOAK_ENGINE=postgres: both databases on a throwaway PostgreSQL server, which is killed
 # with -9 too, and other writer processes publishing with streamq.publish.

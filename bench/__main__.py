@@ -1,4 +1,7 @@
-"""``python -m bench [--quick] [--only pipe,latency] [--repeats N] [--no-kafka]``."""
+"""``python -m bench [--quick] [--only pipe,latency] [--repeats N] [--no-kafka] [--no-nats]``.
+
+NATS JetStream is the second baseline of the workloads in ``WITH_NATS``; each starts its
+own servers (one per durability mode), the binary being built first, once, if needed."""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ import argparse
 import contextlib
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from .common import DURABILITY, console, machine
@@ -18,7 +22,7 @@ from .transfer import run as transfer
 from .transfer_pg import run as transfer_pg
 from .workers import run as workers
 
-WORKLOADS = {
+WORKLOADS: dict[str, Callable[..., Any]] = {
     "pipe": pipe.run,
     "latency": latency.run,
     "transfer": transfer.run,
@@ -28,6 +32,7 @@ WORKLOADS = {
     "transfer_pg": transfer_pg.run,
     "shares": shares.run,
 }
+WITH_NATS = {"pipe", "latency"}  # the workloads that take run(..., nats=...)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="every workload at small size")
     parser.add_argument("--only", default=",".join(WORKLOADS), help="comma-separated workloads")
     parser.add_argument("--repeats", type=int, default=None, help="runs per case (3; quick: 1)")
-    parser.add_argument("--no-kafka", action="store_true", help="streamq alone (no broker)")
+    parser.add_argument("--no-kafka", action="store_true", help="no Kafka broker")
+    parser.add_argument("--no-nats", action="store_true", help="no NATS JetStream (pipe, latency)")
     args = parser.parse_args(argv)
     selected = [w.strip() for w in args.only.split(",") if w.strip()]
     unknown = sorted(set(selected) - set(WORKLOADS))
@@ -46,6 +52,16 @@ def main(argv: list[str] | None = None) -> int:
     for mode, systems in DURABILITY.items():
         for system, text in systems.items():
             console.print(f"[bold]durability {mode}[/] {system}: {text}")
+    nats = not args.no_nats and bool(WITH_NATS & set(selected))
+    if nats:  # before Kafka starts: a machine without Go fails here, at once
+        import importlib.metadata
+
+        from .nats.clients import SETTINGS
+        from .nats.server import binary_version, ensure_binary
+
+        console.print(f"[bold]nats-server[/] {binary_version(ensure_binary())}")
+        version = importlib.metadata.version("nats-py")
+        console.print(f"[bold]nats clients[/] nats-py {version} {json.dumps(SETTINGS)}")
     with contextlib.ExitStack() as stack:
         broker: Any = None
         if not args.no_kafka:
@@ -59,7 +75,10 @@ def main(argv: list[str] | None = None) -> int:
             )
         for name in selected:
             console.rule(name)
-            WORKLOADS[name](broker, args.quick, repeats)
+            if name in WITH_NATS:
+                WORKLOADS[name](broker, args.quick, repeats, nats=nats)
+            else:
+                WORKLOADS[name](broker, args.quick, repeats)
     return 0
 
 

@@ -23,11 +23,12 @@ COLORS = {
     "streamq": "tab:blue",
     "kafka": "tab:orange",
     "debezium": "tab:green",
+    "nats": "tab:purple",
     "SyncProducer": "tab:blue",
     "publish": "tab:cyan",
     "sqlite3": "tab:gray",
 }
-LABELS = {"kafka": "Kafka", "debezium": "Debezium + Kafka"}
+LABELS = {"kafka": "Kafka", "debezium": "Debezium + Kafka", "nats": "NATS JetStream"}
 OUTBOX = {**LABELS, "kafka": "Kafka + outbox"}  # workloads whose Kafka side has an outbox
 MS = 1 / 1000  # microseconds (as stored) to milliseconds (as drawn)
 

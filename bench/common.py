@@ -13,7 +13,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,12 +36,18 @@ DURABILITY = {
     "normal": {
         "streamq": "SQLite WAL, synchronous=NORMAL: a commit survives a process crash",
         "kafka": "acks=all, default flush (page cache): survives a process crash",
+        "nats": "JetStream file storage, default sync_interval (2 min, page cache until "
+        "then): survives a process crash",
     },
     "full": {
         "streamq": "SQLite WAL, synchronous=FULL: a commit survives power loss",
         "kafka": "acks=all, log.flush.interval.messages=1: fsync before acknowledging",
+        "nats": "JetStream file storage, sync_interval: always: fsync of every write "
+        "before acknowledging",
     },
 }
+# The systems streamq is compared with, in the order their ratio columns appear.
+BASELINES = ("kafka", "nats")
 
 
 @contextlib.contextmanager
@@ -205,25 +211,36 @@ def percentile_series(runs: LatencyRuns) -> list[Series]:
     ]
 
 
+def baselines_of(systems: Iterable[str]) -> list[str]:
+    """The baselines to give streamq a ratio against: those measured, Kafka if none was
+    (its column then stays empty, as it always did)."""
+    present = set(systems)
+    return [b for b in BASELINES if b in present] or ["kafka"]
+
+
 def latency_table(title: str, runs: LatencyRuns) -> Table:
-    """Median of each percentile per case and system, with streamq's p99 over Kafka's."""
+    """Median of each percentile per case and system, with streamq's p99 over each
+    baseline's (Kafka's; NATS's too when it ran)."""
     table = Table(title=title)
-    for column in ("case", "system", *PERCENTILES, "p99 vs kafka"):
+    baselines = baselines_of(system for system, _ in runs)
+    ratios = [f"p99 vs {b}" for b in baselines]
+    for column in ("case", "system", *PERCENTILES, *ratios):
         table.add_column(column, justify="left" if column in ("case", "system") else "right")
     cases = list(dict.fromkeys(case for _, case in runs))
     for case in cases:
         medians: dict[str, list[int]] = {}
-        for system in ("streamq", "kafka"):
+        for system in ("streamq", *BASELINES):
             figures = runs.get((system, case))
             if figures:
                 medians[system] = [
                     sorted(f[i] for f in figures)[len(figures) // 2] for i in range(4)
                 ]
         for system, m in medians.items():
-            ratio = ""
-            if system == "streamq" and medians.get("kafka", [0, 0])[1]:
-                ratio = f"{m[1] / medians['kafka'][1]:.2f}x"
-            table.add_row(case, system, *(f"{v:,}" for v in m), ratio)
+            cells = []
+            for b in baselines:
+                ok = system == "streamq" and medians.get(b, [0, 0])[1]
+                cells.append(f"{m[1] / medians[b][1]:.2f}x" if ok else "")
+            table.add_row(case, system, *(f"{v:,}" for v in m), *cells)
     return table
 
 
@@ -248,29 +265,34 @@ def save(workload: str, payload: dict[str, Any], quick: bool, folder: Path | Non
 
 
 def comparison_table(title: str, series: Sequence[Series], better: str = "higher") -> Table:
-    """Median and spread per system and case, with streamq / kafka as a ratio."""
+    """Median and spread per system and case, with streamq / kafka as a ratio (and
+    streamq / nats when NATS ran)."""
     table = Table(title=title)
-    streamq_vs_kafka = "streamq / kafka" if better == "higher" else "kafka / streamq"
-    for column in ("case", "system", "median", "spread", "runs", streamq_vs_kafka):
+    baselines = baselines_of(s.system for s in series)
+    ratios = [f"streamq / {b}" if better == "higher" else f"{b} / streamq" for b in baselines]
+    for column in ("case", "system", "median", "spread", "runs", *ratios):
         table.add_column(column, justify="right" if column != "system" else "left")
     by_case: dict[str, dict[str, Series]] = {}
     for s in series:
         by_case.setdefault(s.case, {})[s.system] = s
     for case, systems in by_case.items():
         for name, s in systems.items():
-            ratio = ""
-            if name == "streamq" and "kafka" in systems and systems["kafka"].median:
-                value = s.median / systems["kafka"].median
-                if better == "lower" and s.median:
-                    value = systems["kafka"].median / s.median
-                ratio = f"{value:.2f}x"
+            cells = []
+            for b in baselines:
+                ratio = ""
+                if name == "streamq" and b in systems and systems[b].median:
+                    value = s.median / systems[b].median
+                    if better == "lower" and s.median:
+                        value = systems[b].median / s.median
+                    ratio = f"{value:.2f}x"
+                cells.append(ratio)
             table.add_row(
                 case,
                 name,
                 f"{s.median:,.0f} {s.unit}",
                 f"{s.spread:.0%}",
                 str(len(s.values)),
-                ratio,
+                *cells,
             )
     return table
 
@@ -294,4 +316,27 @@ def workload_main(
 
             broker = stack.enter_context(KafkaBroker())
         run(broker, args.quick, repeats, args.seed)
+    return 0
+
+
+def systems_main(
+    prog: str, doc: str | None, run: Callable[..., Any], argv: list[str] | None
+) -> int:
+    """``python -m bench.<workload>.run`` for the workloads with NATS as a second baseline
+    (pipe, latency): ``run(broker, quick, repeats, nats=...)``, a Kafka broker unless
+    ``--no-kafka``, NATS servers (the workload starts them) unless ``--no-nats``."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeats", type=int, default=None, help="runs per case (3; quick: 1)")
+    parser.add_argument("--no-kafka", action="store_true", help="no Kafka broker")
+    parser.add_argument("--no-nats", action="store_true", help="no NATS JetStream server")
+    args = parser.parse_args(argv)
+    repeats = args.repeats or (1 if args.quick else 3)
+    with contextlib.ExitStack() as stack:
+        broker: Any = None
+        if not args.no_kafka:
+            from .kafka.broker import KafkaBroker
+
+            broker = stack.enter_context(KafkaBroker())
+        run(broker, args.quick, repeats, nats=not args.no_nats)
     return 0

@@ -3,10 +3,11 @@ restarted, with real consumers that had applied records the image lost.
 
 1. A real Producer (in WAL, ``durability`` normal or full) commits records with business
    rows (every third commit a group of concurrent ``run_in_transaction`` calls: one
-   COMMIT, a member sometimes withdrawn into its savepoint), and a quarter of the way through a second Producer process commits once into the
-   same database (as ``streamq publish`` does); a real Consumer applies each commit, and its
-   database is snapshotted after each. The test notes the WAL's length when a producer has
-   started (its epoch is committed with a full sync) and after each commit returned.
+   COMMIT, a member sometimes withdrawn into its savepoint), and a quarter of the way
+   through a second Producer process commits once into the same database (as ``streamq
+   publish`` does); a real Consumer applies each commit, and its database is snapshotted
+   after each. The test notes the WAL's length when a producer has started (its epoch is
+   committed with a full sync) and after each commit returned.
 2. From the final WAL it builds images (``walimage``): the WAL cut at every commit frame,
    torn in the middle of the next frame, or with the next frame zeroed (a page the OS never
    wrote back). With ``synchronous=NORMAL`` nothing after the second producer's start is

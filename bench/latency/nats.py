@@ -1,0 +1,97 @@
+"""NATS JetStream's side of the latency workload: ``producer URL STREAM RATE SECONDS`` and
+``consumer URL STREAM TOTAL``, on nats-py's low-latency settings (``bench.nats.clients``).
+
+The producer publishes every record due with ``publish_async`` and goes on without
+waiting for its ack (as the Kafka producer's ``produce``); the consumer is an ordered push
+consumer, the server pushing each record as it is stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+
+from nats.aio.msg import Msg
+from nats.js import api
+
+from streamq import _loop
+
+from ..common import say, wait_line
+from ..measure import Latencies, Pacer
+from ..nats.clients import PUBLISH_LATENCY, connected
+from . import record_receipt, record_value, schedule_start
+
+DEADLINE = 600.0  # s: the parent gives up on a run after as long
+
+
+async def producer(url: str, stream: str, rate: float, seconds: float) -> None:
+    failed: list[BaseException] = []
+
+    def check(ack: asyncio.Future[api.PubAck]) -> None:
+        error = ack.exception() if not ack.cancelled() else asyncio.CancelledError()
+        if error is not None:
+            failed.append(error)
+
+    async with connected(url) as client:
+        js = client.jetstream(
+            publish_async_max_pending=PUBLISH_LATENCY["publish_async_max_pending"]
+        )
+        await js.stream_info(stream)
+        say("READY")
+        await asyncio.to_thread(wait_line, "GO")
+        pacer, total = Pacer(rate, schedule_start()), int(rate * seconds)
+        say("START", total)
+
+        async def publish_paced() -> None:
+            while pacer.taken < total:
+                count = min(total - pacer.taken, pacer.owed())
+                if count > 0:
+                    first = pacer.taken
+                    for number, due in enumerate(pacer.take(count), first):
+                        ack = await js.publish_async(stream, record_value(due, number))
+                        ack.add_done_callback(check)
+                    await asyncio.sleep(0)  # nats-py's flusher writes them now
+                else:
+                    # As streamq's producer: sleep to just before the next record is due
+                    # (loop timers tick in ms), then yield until it is.
+                    delay = pacer.wait()
+                    await asyncio.sleep(delay - 0.001 if delay > 0.002 else 0)
+            await js.publish_async_completed()
+
+        await asyncio.wait_for(publish_paced(), DEADLINE)
+        if failed:
+            raise RuntimeError(f"{len(failed)} publishes failed, the first: {failed[0]!r}")
+        await asyncio.to_thread(wait_line, "STOP")
+
+
+async def consumer(url: str, stream: str, total: int) -> None:
+    latencies = Latencies()
+    received = asyncio.Event()
+
+    async def on_message(message: Msg) -> None:
+        record_receipt(latencies, [message.data], time.time())
+        if latencies.count >= total:
+            received.set()
+
+    async with connected(url) as client:
+        js = client.jetstream()
+        sub = await js.subscribe(
+            stream,
+            stream=stream,
+            cb=on_message,
+            ordered_consumer=True,
+            deliver_policy=api.DeliverPolicy.ALL,
+        )
+        say("READY")
+        await asyncio.wait_for(received.wait(), DEADLINE)
+        await sub.unsubscribe()
+    say("DONE", *latencies.figures())
+
+
+if __name__ == "__main__":
+    role, *args = sys.argv[1:]
+    if role == "producer":
+        _loop.run(producer(args[0], args[1], float(args[2]), float(args[3])))
+    else:
+        _loop.run(consumer(args[0], args[1], int(args[2])))
