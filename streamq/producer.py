@@ -54,7 +54,7 @@ from .storage import (
     Watch,
     Writer,
 )
-from .transactions import SyncTransaction, Transaction, _Pending
+from .transactions import BlockingTransaction, SyncTransaction, Transaction, _Pending
 from .watcher import CommitWatcher
 
 logger = logging.getLogger("streamq.producer")
@@ -397,6 +397,8 @@ class Producer:
         headers: Mapping[str, bytes] | None = None,
     ) -> int:
         """A transaction holding just this publish; returns the record's seq."""
+        if self.storage.features.blocking_transactions:  # one hop at most, grouped
+            return await self.run_in_transaction(_publish_one, stream, value, key, headers)
         async with self.transaction() as tx:
             return await tx.publish(stream, value, key=key, headers=headers)
 
@@ -588,3 +590,13 @@ class Producer:
         also noticed on their own, within milliseconds on Linux)."""
         self._check_running()
         await self.watcher.check()
+
+
+def _publish_one(
+    tx: BlockingTransaction,
+    stream: str,
+    value: bytes,
+    key: bytes | None,
+    headers: Mapping[str, bytes] | None,
+) -> int:
+    return tx.publish(stream, value, key=key, headers=headers)

@@ -173,11 +173,18 @@ class Reader(Protocol):
         ...
 
 
+class WouldWait(Exception):
+    """Another connection holds the write lock: begin where waiting for it blocks nobody
+    (the writer's own thread, not the event loop's)."""
+
+
 class BlockingWriter(Protocol):
     """The writer connection on its own thread, for a whole transaction run there as one
     function (``Producer.run_in_transaction``; engines with ``blocking_transactions``)."""
 
-    def begin(self) -> int | None: ...
+    def begin(self, wait: bool = True) -> int | None:
+        """``wait=False``: raise ``WouldWait`` at once rather than wait for the lock."""
+        ...
 
     def commit(self) -> None: ...
 
@@ -228,6 +235,12 @@ class Writer(Protocol):
 
     async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(blocking_writer, *args)`` on the connection's own thread (one hop)."""
+        ...
+
+    @property
+    def inline(self) -> BlockingWriter | None:
+        """The blocking writer, for use on the event loop's thread when nothing is queued
+        on its own (a short transaction then costs no hop); None where it cannot be."""
         ...
 
     @property

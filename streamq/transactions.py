@@ -306,13 +306,12 @@ class BlockingTransaction(BlockingSQL):
         self._writer.insert(*self._pending.take_inserts(closing))
 
     def _run_member(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
-        """``fn(self, *args)``, then the records it left buffered; the caller commits."""
+        """``fn(self, *args)``; the caller inserts the records it left buffered (those of
+        a whole commit group at once) and commits."""
         try:
-            result = fn(self, *args)
-            self._flush(closing=True)
+            return fn(self, *args)
         finally:
             self._closed = True
-        return result
 
 
 class SyncTransaction(BlockingSQL):

@@ -101,7 +101,8 @@ async def test_cancelled_caller_still_sees_the_commit_through(
         tx.publish("orders", b"slow")
         held.hold()
 
-    async with Producer(producer_db) as producer:
+    # durability="full": the transaction runs on the writer's thread (never on the loop's).
+    async with Producer(producer_db, durability="full") as producer:
         await producer.publish("orders", b"first")
         task = asyncio.create_task(producer.run_in_transaction(slow))
         assert await asyncio.to_thread(held.entered.wait, 10)

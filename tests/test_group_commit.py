@@ -18,7 +18,9 @@ from .test_producer import log_seqs
 
 class Gate:
     """Holds the writer's thread inside a transaction until the test opens it, so that the
-    transactions started meanwhile queue up and commit as one group."""
+    transactions started meanwhile queue up and commit as one group. (The producers here
+    have ``durability="full"``: their groups run on the writer's thread, never inline on
+    the event loop's, which the gate would hold.)"""
 
     def __init__(self) -> None:
         self.entered = threading.Event()
@@ -66,7 +68,7 @@ async def test_queued_transactions_commit_as_one_group_in_serial_order(
 ) -> None:
     failing = {3, 17, 31}
     gate = Gate()
-    async with Producer(producer_db) as producer:
+    async with Producer(producer_db, durability="full") as producer:
         calls = [producer.run_in_transaction(count_and_publish, i, i in failing) for i in range(32)]
         first, outcomes = await queued_behind(producer, gate, calls)  # type: ignore[arg-type]
         assert first == 1
@@ -100,7 +102,7 @@ async def test_a_stream_created_in_a_group_continues_from_the_member_before(
     """The first member to create a stream rolls back; the next creates it, and the ones
     after continue its seqs: heads, segments and the log follow the members that stayed."""
     gate = Gate()
-    async with Producer(producer_db) as producer:
+    async with Producer(producer_db, durability="full") as producer:
         calls = [producer.run_in_transaction(create_and_publish, "new", i == 0) for i in range(4)]
         _, outcomes = await queued_behind(producer, gate, calls)  # type: ignore[arg-type]
         assert isinstance(outcomes[0], ValueError)
@@ -126,7 +128,7 @@ def violates_at_commit(tx: BlockingTransaction, i: int) -> int:
 
 async def test_a_failed_group_commit_fails_every_member(producer_db: str) -> None:
     gate = Gate()
-    async with Producer(producer_db) as producer:
+    async with Producer(producer_db, durability="full") as producer:
         await producer.storage.writer.execute("PRAGMA foreign_keys = ON")  # type: ignore[attr-defined]
         calls = [producer.run_in_transaction(violates_at_commit, i) for i in range(5)]
         first, outcomes = await queued_behind(producer, gate, calls)  # type: ignore[arg-type]
@@ -143,7 +145,7 @@ def publish_one(tx: BlockingTransaction, value: bytes) -> int:
 
 async def test_a_transaction_cancelled_while_queued_never_runs(producer_db: str) -> None:
     gate = Gate()
-    async with Producer(producer_db) as producer:
+    async with Producer(producer_db, durability="full") as producer:
         first = asyncio.ensure_future(producer.run_in_transaction(gate.hold))
         assert await asyncio.to_thread(gate.entered.wait, 10)
         withdrawn = asyncio.ensure_future(producer.run_in_transaction(publish_one, b"withdrawn"))
@@ -169,3 +171,30 @@ async def test_full_durability_groups_concurrent_handlers(producer_db: str) -> N
         assert producer.groups.members == 32
         assert producer.groups.groups < 32
     assert log_seqs(producer_db) == list(range(1, 33))
+
+
+async def test_short_transactions_run_on_the_loop_long_ones_on_the_writer_thread(
+    producer_db: str,
+) -> None:
+    """With ``durability="normal"`` a short transaction costs no thread hop; one that
+    runs long moves the next ones to the writer's thread until they are short again."""
+    on_threads: list[str] = []
+
+    def where(tx: BlockingTransaction, pause: float) -> int:
+        on_threads.append(threading.current_thread().name)
+        if pause:
+            threading.Event().wait(pause)  # a slow statement, say
+        return tx.publish("orders", b"x")
+
+    async with Producer(producer_db) as producer:
+        loop_thread = threading.current_thread().name
+        for _ in range(3):
+            await producer.run_in_transaction(where, 0)
+        assert on_threads == [loop_thread] * 3
+        await producer.run_in_transaction(where, 0.05)
+        assert await producer.run_in_transaction(where, 0) == 5
+        assert on_threads[4] != loop_thread  # after a long one: the writer's thread
+        while on_threads[-1] != loop_thread:  # short ones bring it back: bounded by the average
+            assert len(on_threads) < 100
+            await producer.run_in_transaction(where, 0)
+    assert log_seqs(producer_db) == list(range(1, len(on_threads) + 1))

@@ -163,11 +163,12 @@ def payloads(transfers: Sequence[Transfer], dues: list[float] | None) -> list[by
     return [deposit(t, due) for t, due in zip(transfers, dues, strict=True)]
 
 
-def open_db(path: str) -> sqlite3.Connection:
-    """A connection as the Kafka-side services use it: WAL, synchronous=NORMAL (as streamq)."""
-    conn = sqlite3.connect(path, isolation_level=None, timeout=30)
+def open_db(path: str, durability: str = "normal") -> sqlite3.Connection:
+    """A connection as the Kafka-side services use it: WAL, synchronous=NORMAL, or FULL
+    with ``durability="full"`` (as streamq's)."""
+    conn = sqlite3.connect(path, isolation_level=None, timeout=30, check_same_thread=False)
     conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute("PRAGMA synchronous=NORMAL")
+    conn.execute(f"PRAGMA synchronous={durability.upper()}")
     conn.execute("PRAGMA busy_timeout=30000")
     return conn
 

@@ -1,11 +1,14 @@
 """Kafka's processes of the transfer workload (the package's docstring): ``outbox-producer
-DB TOTAL RATE SEED``, ``relay DB BOOTSTRAP TOPIC``, ``naive-producer DB BOOTSTRAP TOPIC TOTAL
-RATE SEED`` and ``consumer BOOTSTRAP TOPIC DB TARGET DEDUPE``; and the broker's warm-up."""
+DB TOTAL RATE SEED``, ``outbox-handlers DB TOTAL SEED HANDLERS DURABILITY``, ``relay DB
+BOOTSTRAP TOPIC``, ``naive-producer DB BOOTSTRAP TOPIC TOTAL RATE SEED`` and ``consumer
+BOOTSTRAP TOPIC DB TARGET DEDUPE``; and the broker's warm-up."""
 
 from __future__ import annotations
 
 import random
+import sqlite3
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -25,6 +28,7 @@ from .common import (
     RELAY_SCHEMA,
     Control,
     debits,
+    make_transfers,
     open_db,
     paced_transfers,
     payloads,
@@ -109,6 +113,45 @@ def outbox_producer(db: str, total: int, rate: float, seed: int) -> None:
     say("DONE", time.time())
     control.wait_stop()
     conn.close()
+
+
+def outbox_handlers(db: str, total: int, seed: int, handlers: int, durability: str) -> None:
+    """``handlers`` threads of a web service, each committing one transfer per
+    transaction on its own connection. SQLite has one writer: they take turns on a lock
+    (its busy handler, sleeping and retrying, does worse); each COMMIT is its own."""
+    control = Control()
+    rng = random.Random(seed)
+    conns = [open_db(db, durability) for _ in range(handlers)]
+    last = setup_producer_db(conns[0], outbox=True)
+    requests = iter(make_transfers(rng, last + 1, total - last))
+    taking, writing = threading.Lock(), threading.Lock()
+
+    def handler(conn: sqlite3.Connection) -> None:
+        while not control.stop.is_set():
+            with taking:
+                request = next(requests, None)
+            if request is None:
+                return
+            with writing:
+                conn.execute("BEGIN IMMEDIATE")
+                conn.execute(DEBIT, (request.amount, request.account))
+                conn.execute(JOURNAL, request)
+                conn.execute("INSERT INTO outbox (payload) VALUES (?)", payloads([request], None))
+                conn.execute("COMMIT")
+            control.worst_moment()
+
+    say("READY")
+    control.wait_go()
+    say("START", time.time())
+    threads = [threading.Thread(target=handler, args=(conn,)) for conn in conns]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    say("DONE", time.time())
+    control.wait_stop()
+    for conn in conns:
+        conn.close()
 
 
 class Outbox(Protocol):
@@ -339,6 +382,8 @@ def main(argv: list[str]) -> None:
     role, *args = argv
     if role == "outbox-producer":
         outbox_producer(args[0], int(args[1]), float(args[2]), int(args[3]))
+    elif role == "outbox-handlers":
+        outbox_handlers(args[0], int(args[1]), int(args[2]), int(args[3]), args[4])
     elif role == "relay":
         relay(args[0], args[1], args[2])
     elif role == "naive-producer":

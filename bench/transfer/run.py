@@ -97,10 +97,12 @@ class Sizes:
     crash_transfers: int  # for the crash runs, paced at crash_rate
     crash_rate: int
     kills: int  # per system
+    handler_transfers: int  # by HANDLERS concurrent handlers, one per transaction, durability full
 
 
-FULL = Sizes(200_000, 2_000, 10.0, 20_000, 1_000, 10)
-QUICK = Sizes(20_000, 1_000, 2.0, 5_000, 1_000, 3)
+FULL = Sizes(200_000, 2_000, 10.0, 20_000, 1_000, 10, 20_000)
+QUICK = Sizes(20_000, 1_000, 2.0, 5_000, 1_000, 3, 2_000)
+HANDLERS = 32  # concurrent request handlers of the payments service (its full-durability case)
 
 
 def free_port() -> int:
@@ -138,6 +140,8 @@ class Deployment:
         port: int = 0,
         dedupe: bool = True,
         seed: int = 0,
+        handlers: int = 1,
+        durability: str = "normal",
     ) -> None:
         if system != "streamq" and broker is None:
             raise ValueError(f"{system} needs a Kafka broker")
@@ -148,6 +152,8 @@ class Deployment:
         self.target = target
         self.port = port
         self.dedupe = dedupe
+        self.handlers = handlers
+        self.durability = durability
         self.rng = random.Random(seed)
         self.producer_db = folder / "payments.db"
         self.consumer_db = folder / "ledger.db"
@@ -178,8 +184,10 @@ class Deployment:
         p, c, total, rate = self.producer_db, self.consumer_db, self.total, self.rate
         if self.system == "streamq":
             if role == "producer":
-                return ["producer", p, self.port, total, rate, seed]
+                return ["producer", p, self.port, total, rate, seed, self.handlers, self.durability]
             return ["consumer", self.address, c, self.target]
+        if role == "producer" and self.system == "kafka-outbox" and self.handlers > 1:
+            return ["outbox-handlers", p, total, seed, self.handlers, self.durability]
         if role == "producer" and self.system == "kafka-outbox":
             return ["outbox-producer", p, total, rate, seed]
         if role == "producer":
@@ -317,8 +325,27 @@ class Flow:
     latency: list[int]  # p50, p99, p99.9, max (microseconds), count
 
 
-def flow(system: str, broker: Any, folder: Path, total: int, rate: float) -> Flow:
-    with Deployment(system, folder, total, rate, broker=broker, target=total) as deployment:
+def flow(
+    system: str,
+    broker: Any,
+    folder: Path,
+    total: int,
+    rate: float,
+    handlers: int = 1,
+    durability: str = "normal",
+) -> Flow:
+    """One run without kills (``handlers`` > 1: that many request handlers, one transfer
+    per transaction, as fast as they can)."""
+    with Deployment(
+        system,
+        folder,
+        total,
+        rate,
+        broker=broker,
+        target=total,
+        handlers=handlers,
+        durability=durability,
+    ) as deployment:
         deployment.start_all()
         start = deployment.go()
         done = deployment.children["consumer"].expect("DONE", FLOW_TIMEOUT)
@@ -485,6 +512,16 @@ def check_books(conn: sqlite3.Connection, published: int | None) -> dict[str, An
 # --- the workload -----------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _flushing_broker() -> Iterator[Any]:
+    """A second broker, ``log.flush.interval.messages=1``, warmed up."""
+    from ..kafka.broker import KafkaBroker
+
+    with KafkaBroker(flush_every_message=True) as broker:
+        warm_up(broker)
+        yield broker
+
+
 def _series_name(system: str) -> str:
     return "kafka" if system == "kafka-outbox" else system  # comparison_table's ratio column
 
@@ -542,6 +579,14 @@ def run(broker: Any | None, quick: bool, repeats: int, seed: int | None = None) 
         s: Series(_series_name(s), f"{sizes.transfers:,}, producer commits", "tr/s")
         for s in flow_systems
     }
+    handlers_case = f"{sizes.handler_transfers:,}, full, {HANDLERS} handlers"
+    handled = {
+        s: Series(_series_name(s), f"{handlers_case}, end to end", "tr/s") for s in flow_systems
+    }
+    handled_commits = {
+        s: Series(_series_name(s), f"{handlers_case}, producer commits", "tr/s")
+        for s in flow_systems
+    }
     paced_case = f"{sizes.latency_rate:,}/s"
     full_case = "max rate"
     latency: LatencyRuns = {}
@@ -553,8 +598,8 @@ def run(broker: Any | None, quick: bool, repeats: int, seed: int | None = None) 
     )
     if broker is not None:
         warm_up(broker)
-    steps = 2 * repeats * len(flow_systems) + sizes.kills * len(crash_systems)
-    with Progress(console=console, transient=True) as progress:
+    steps = 3 * repeats * len(flow_systems) + sizes.kills * len(crash_systems)
+    with contextlib.ExitStack() as stack, Progress(console=console, transient=True) as progress:
         task: TaskID = progress.add_task("transfer", total=steps)
         for system in alternating(flow_systems, repeats):
             progress.update(task, description=f"transfer: throughput, {system}")
@@ -571,6 +616,20 @@ def run(broker: Any | None, quick: bool, repeats: int, seed: int | None = None) 
                 measured = flow(system, broker, folder, count, sizes.latency_rate)
             latency.setdefault((_series_name(system), paced_case), []).append(measured.latency)
             progress.advance(task)
+        # Money at full durability: a broker that flushes every message, against streamq's
+        # synchronous=FULL, both payments databases FULL too.
+        flushing = None if broker is None else stack.enter_context(_flushing_broker())
+        for system in alternating(flow_systems, repeats):
+            progress.update(task, description=f"transfer: {HANDLERS} handlers, full, {system}")
+            with _folder() as folder:
+                measured = flow(
+                    system, flushing, folder, sizes.handler_transfers, 0, HANDLERS, "full"
+                )
+            handled[system].values.append(sizes.handler_transfers / measured.seconds)
+            handled_commits[system].values.append(
+                sizes.handler_transfers / measured.producer_seconds
+            )
+            progress.advance(task)
         for number, system in enumerate(crash_systems):
             progress.update(task, description=f"transfer: kill -9, {system}")
             with _folder() as folder:
@@ -586,13 +645,19 @@ def run(broker: Any | None, quick: bool, repeats: int, seed: int | None = None) 
                         on_kill=lambda _: progress.advance(task),
                     )
                 )
-    series = [*throughput.values(), *committing.values()]
+    series = [
+        *throughput.values(),
+        *committing.values(),
+        *handled.values(),
+        *handled_commits.values(),
+    ]
     console.print(
         comparison_table(
             "transfer: debit + deposit, credited exactly once: transfers/s from GO until the "
             "ledger credited the last one (end to end) and until the payments service "
             "committed it (producer commits); kafka = transactional outbox + relay + "
-            "deduping consumer",
+            f"deduping consumer; full, {HANDLERS} handlers: one transfer per transaction, "
+            "synchronous=FULL, the broker flushing every message",
             series,
         )
     )

@@ -1,5 +1,5 @@
 """streamq's processes of the transfer workload (the package's docstring): ``producer DB
-PORT TOTAL RATE SEED`` and ``consumer ADDRESS DB TARGET``."""
+PORT TOTAL RATE SEED [HANDLERS DURABILITY]`` and ``consumer ADDRESS DB TARGET``."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ import random
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import streamq
 from streamq import _loop
+from streamq.storage import Durability
 
 from ..common import say
 from ..measure import Latencies
@@ -48,10 +49,18 @@ def transfer(
     tx.publish_many(STREAM, payloads(batch, dues))
 
 
-async def producer(db: str, port: int, total: int, rate: float, seed: int) -> None:
+async def producer(
+    db: str,
+    port: int,
+    total: int,
+    rate: float,
+    seed: int,
+    handlers: int = 1,
+    durability: Durability = "normal",
+) -> None:
     control = Control()
     rng = random.Random(seed)
-    async with streamq.Producer(db, port=port) as producer:
+    async with streamq.Producer(db, port=port, durability=durability) as producer:
         async with producer.transaction() as tx:
             for statement in PRODUCER_SCHEMA:
                 await tx.execute(statement)
@@ -67,6 +76,11 @@ async def producer(db: str, port: int, total: int, rate: float, seed: int) -> No
         say("READY", producer.address)
         await asyncio.to_thread(control.wait_go)
         say("START", time.time())
+        if handlers > 1:
+            await request_handlers(
+                producer, control, make_transfers(rng, last + 1, total - last), handlers
+            )
+            last = total
         schedule = Schedule(rate, rng)
         while last < total and not control.stop.is_set():
             count, dues, wait = schedule.take(total - last)
@@ -81,6 +95,23 @@ async def producer(db: str, port: int, total: int, rate: float, seed: int) -> No
         say("DONE", time.time())
         while not control.stop.is_set():  # keep serving until told to stop
             await asyncio.sleep(0.05)
+
+
+async def request_handlers(
+    producer: streamq.Producer, control: Control, transfers: list[Transfer], handlers: int
+) -> None:
+    """``handlers`` concurrent request handlers of a web service, each committing one
+    transfer per transaction, as fast as they can: the producer commits them in groups."""
+    requests = iter(transfers)
+
+    async def handler() -> None:
+        for request in requests:  # the next request, whichever handler is free
+            if control.stop.is_set():
+                return
+            await producer.run_in_transaction(transfer, [request], None)
+            control.worst_moment()
+
+    await asyncio.gather(*(handler() for _ in range(handlers)))
 
 
 def credit(tx: streamq.BlockingSQL, batch: streamq.Batch) -> list[tuple[int, int, int, float]]:
@@ -128,7 +159,18 @@ async def consumer(address: str, db: str, target: int, apply_credits: Credit | N
 def main(argv: list[str]) -> None:
     role, *args = argv
     if role == "producer":
-        _loop.run(producer(args[0], int(args[1]), int(args[2]), float(args[3]), int(args[4])))
+        handlers, durability = (int(args[5]), args[6]) if len(args) > 5 else (1, "normal")
+        _loop.run(
+            producer(
+                args[0],
+                int(args[1]),
+                int(args[2]),
+                float(args[3]),
+                int(args[4]),
+                handlers,
+                cast(Durability, durability),
+            )
+        )
     elif role == "consumer":
         _loop.run(consumer(args[0], args[1], int(args[2])))
     else:

@@ -187,6 +187,10 @@ class PostgresWriter:
     async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
         raise NotImplementedError("PostgreSQL runs no transaction on a thread of its own")
 
+    @property
+    def inline(self) -> None:
+        return None
+
     async def _steps(self, steps: Steps) -> Any:
         return await run_async(self.conn, steps)
 

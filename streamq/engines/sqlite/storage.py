@@ -64,6 +64,7 @@ from ...storage import (
     StreamRow,
     StreamSettings,
     TimeRow,
+    WouldWait,
     consumer_rows,
 )
 from .servelock import ServeLock
@@ -222,22 +223,27 @@ def pos(stream_id: int, seq: int) -> int:
 # --- opening ----------------------------------------------------------------------------
 
 
-async def connect(path: str, *, read_only: bool = False) -> aiosqlite.Connection:
+async def connect(
+    path: str, *, read_only: bool = False, any_thread: bool = False
+) -> aiosqlite.Connection:
     """An aiosqlite connection to ``path`` (transactions managed by hand), or a
-    ``DatabaseOpenError`` naming the file.
+    ``DatabaseOpenError`` naming the file. ``any_thread``: usable on the event loop's
+    thread too, between the calls queued to its own (the writer's short transactions).
 
     A refused open stops aiosqlite's thread before returning: left running, it would
     report to an event loop that may be closed by then ("Event loop is closed").
     """
     target, uri = (f"file:{path}?mode=ro", True) if read_only else (path, False)
-    conn = aiosqlite.connect(target, uri=uri, isolation_level=None)
+    conn = aiosqlite.connect(
+        target, uri=uri, isolation_level=None, check_same_thread=not any_thread
+    )
     try:
         await conn
     except sqlite3.Error as exc:
         await asyncio.to_thread(conn._thread.join)
         raise DatabaseOpenError(_cannot_open(path, exc)) from exc
     try:
-        await conn.execute("PRAGMA busy_timeout=10000")
+        await conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
         await conn.execute_fetchall("SELECT count(*) FROM sqlite_schema")  # a database at all?
     except BaseException as exc:
         await conn.close()
@@ -260,7 +266,7 @@ def _cannot_open(path: str, exc: sqlite3.Error) -> str:
 
 async def open_writer(path: str, durability: Durability) -> aiosqlite.Connection:
     """The producer's one writer connection, in WAL mode, transactions managed by hand."""
-    conn = await connect(path)
+    conn = await connect(path, any_thread=True)
     try:
         async with conn.execute("PRAGMA journal_mode=WAL") as cursor:
             row = await cursor.fetchone()
@@ -489,6 +495,9 @@ def insert_blocking(
 _CONCURRENT_WRITER = "another process appended to this producer's log during the transaction"
 
 
+BUSY_TIMEOUT_MS = 10_000  # how long a connection waits for another's write lock
+
+
 def begin_immediate(conn: sqlite3.Connection) -> int:
     """BEGIN IMMEDIATE on the connection's thread; returns ``PRAGMA data_version`` as seen
     holding the write lock."""
@@ -501,13 +510,25 @@ def begin_immediate(conn: sqlite3.Connection) -> int:
 
 
 class SQLiteBlockingWriter:
-    """The writer's sqlite3 connection, on its own thread (``storage.BlockingWriter``)."""
+    """The writer's sqlite3 connection, on its own thread or, for a short transaction
+    while nothing is queued there, on the event loop's (``storage.BlockingWriter``)."""
 
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.conn = conn
+        self._waits = True  # for the write lock, up to BUSY_TIMEOUT_MS (the connection's setting)
 
-    def begin(self) -> int:
-        return begin_immediate(self.conn)
+    def begin(self, wait: bool = True) -> int:
+        """BEGIN IMMEDIATE; with ``wait=False`` (on the event loop's thread) a write lock
+        held by another connection raises ``WouldWait`` at once instead."""
+        if wait != self._waits:
+            self.conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS if wait else 0}")
+            self._waits = wait
+        try:
+            return begin_immediate(self.conn)
+        except sqlite3.OperationalError as exc:
+            if not wait and exc.sqlite_errorcode == sqlite3.SQLITE_BUSY:
+                raise WouldWait from exc
+            raise
 
     def commit(self) -> None:
         self.conn.execute("COMMIT")
@@ -555,9 +576,13 @@ class SQLiteWriter:
     def in_transaction(self) -> bool:
         return self.conn.in_transaction
 
+    @property
+    def inline(self) -> SQLiteBlockingWriter:
+        return self.blocking
+
     async def begin(self) -> int:
         """BEGIN IMMEDIATE: the database's write lock, held to COMMIT."""
-        version: int = await self.run(begin_immediate, self.raw)
+        version: int = await self.run(self.blocking.begin)
         return version
 
     async def commit(self) -> None:
