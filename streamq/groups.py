@@ -17,9 +17,9 @@ A lone transaction runs as before: no savepoint, one COMMIT.
 
 Where it costs no one a wait, the group runs on the event loop's own thread: a short
 transaction costs less than the hop to the writer's thread and back (two thread
-wake-ups), most of all on a loaded machine. It does while groups take under
-``INLINE_BUDGET`` on average and no other connection holds the write lock (BEGIN would
-wait for it), never with ``durability="full"``: there each COMMIT waits for an fsync, and
+wake-ups), most of all on a loaded machine. It does while groups take under 1 ms on
+average (``blocking.InlineBudget``) and no other connection holds the write lock (BEGIN
+would wait for it), never with ``durability="full"``: there each COMMIT waits for an fsync, and
 the next group gathers meanwhile.
 """
 
@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from .blocking import to_the_end
+from .blocking import InlineBudget, to_the_end
 from .storage import BlockingWriter, EpochRow, LogRow, TimeRow, WouldWait
 from .transactions import BlockingTransaction, _Appending, _OthersCommitted, _Pending
 
@@ -40,10 +40,6 @@ if TYPE_CHECKING:
     from .producer import Producer
 
 T = TypeVar("T")
-
-# Seconds a group may take on average and still run on the event loop's thread: the
-# longest the loop stops serving for one.
-INLINE_BUDGET = 0.001
 
 
 @dataclass(slots=True, eq=False)
@@ -69,7 +65,7 @@ class GroupCommit:
         self.groups = 0  # COMMITs run for queued transactions
         self.members = 0  # transactions committed in them
         self.inline = 0  # groups run on the event loop's thread
-        self._cost = 0.0  # seconds a group takes, a moving average
+        self._budget = InlineBudget()
         # Commits wait for an fsync: on the writer's thread, while the next group gathers.
         self._full = producer.durability == "full"
 
@@ -80,6 +76,9 @@ class GroupCommit:
         runs to the end (its outcome must be known) and the cancel is re-raised after.
         """
         member = _Member(fn, args, asyncio.get_running_loop().create_future())
+        if self._committer is None and not self._full:
+            # Committed inline, a transaction would not yield: let the loop serve first.
+            await asyncio.sleep(0)
         if self._committer is None and not self._full and not self._producer._lock.locked():
             # Nothing to wait for or group with: commit it in this task (no committer
             # task, no wake-ups); whoever comes meanwhile forms the next group. (With
@@ -129,9 +128,9 @@ class GroupCommit:
         try:
             inline = producer._writer.inline
             try:
-                if inline is None or self._cost > INLINE_BUDGET or self._full:
+                if inline is None or not self._budget.fits or self._full:
                     raise WouldWait
-                self._note(_run_group(inline, producer, members, version, wait=False))
+                self._budget.note(_run_group(inline, producer, members, version, wait=False))
                 self.inline += 1
                 self._committed(members)
             except WouldWait:  # on the writer's thread then, where BEGIN may wait
@@ -158,14 +157,11 @@ class GroupCommit:
                     producer._writer.run_blocking(_run_group, producer, members, version),
                     lambda: self._committed(members),
                 )
-                self._note(cost)
+                self._budget.note(cost)
                 return
             except _OthersCommitted as others:
                 await producer.watcher.catch_up(others.version)
                 version = None
-
-    def _note(self, cost: float) -> None:
-        self._cost += (cost - self._cost) * 0.2
 
     def _committed(self, members: list[_Member]) -> None:
         """Hand each member's records to the log, in the group's order."""
@@ -184,13 +180,13 @@ def _run_group(
     wait: bool = True,
 ) -> float:
     """BEGIN (unless ``version`` is None: begun already), each member in its savepoint,
-    COMMIT; returns the seconds it took. Raises (after ROLLBACK) if the group failed
+    COMMIT; returns the seconds it took from BEGIN. Raises (after ROLLBACK) if the group failed
     whole; ``wait=False``: ``WouldWait`` if BEGIN would wait for another's write lock."""
-    started = time.perf_counter()
     if version is not None:
         seen = writer.begin(wait)
         if seen is not None and seen != version:
             raise _OthersCommitted(seen)
+    started = time.perf_counter()  # waiting for the write lock is no cost of the group's
     alone = len(members) == 1
     carried: dict[str, _Appending] = {}  # each stream as the members so far left it
     try:

@@ -392,7 +392,8 @@ class Storage(Protocol):
         ...
 
     async def version(self) -> Any:
-        """Changes whenever anyone commits (compare with ``==``)."""
+        """Changes whenever anyone commits (compare with ``==``). Call it holding the
+        producer's lock: nothing else is under way on the writer connection then."""
         ...
 
     async def changes(self, known: dict[int, tuple[int, int]]) -> Changes:

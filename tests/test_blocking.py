@@ -174,6 +174,9 @@ async def test_consumer_apply_cancelled_still_counts_the_commit(
         await producer.run_in_transaction(debit_and_publish, "a1", 3)
         async with Consumer(producer.address, "orders", db=consumer_db, name="c") as consumer:
             batch = await anext(aiter(consumer))
+            # As after a long transaction: this one runs on the connection's thread (on
+            # the loop's, the hold would stop the loop).
+            consumer._store._budget.note(1.0)  # type: ignore[union-attr]
             task = asyncio.create_task(consumer.apply(batch, slow))
             assert await asyncio.to_thread(held.entered.wait, 10)
             task.cancel()
@@ -199,4 +202,28 @@ async def test_the_same_batch_applied_concurrently_is_applied_once(
                 return_exceptions=True,
             )
     assert sorted(type(r).__name__ for r in results) == ["OutOfOrderBatchError", "int"]
+    assert applied(consumer_db) == ([1, 2, 3], 3)
+
+
+async def test_consumer_apply_waits_on_its_thread_while_another_connection_writes(
+    producer_db: str, consumer_db: str
+) -> None:
+    """Applied on the event loop's thread, BEGIN would wait for the application's other
+    connection: the batch goes to the connection's thread, and commits once it is free."""
+    async with Producer(producer_db) as producer:
+        await producer.run_in_transaction(debit_and_publish, "a1", 3)
+        async with Consumer(producer.address, "orders", db=consumer_db, name="c") as consumer:
+            batch = await anext(aiter(consumer))
+            other = sqlite3.connect(consumer_db, isolation_level=None)
+            try:
+                other.execute("BEGIN IMMEDIATE")
+                task = asyncio.create_task(consumer.apply(batch, credit, "credits"))
+                for _ in range(20):  # the loop is free while the batch waits
+                    await asyncio.sleep(0.01)
+                assert not task.done()
+                other.execute("COMMIT")
+                assert await task == 3
+            finally:
+                other.close()
+            assert consumer.applied == 3
     assert applied(consumer_db) == ([1, 2, 3], 3)

@@ -198,3 +198,49 @@ async def test_short_transactions_run_on_the_loop_long_ones_on_the_writer_thread
             assert len(on_threads) < 100
             await producer.run_in_transaction(where, 0)
     assert log_seqs(producer_db) == list(range(1, len(on_threads) + 1))
+
+
+async def test_back_to_back_transactions_let_the_server_serve(producer_db: str) -> None:
+    """A loop of transactions committed on the event loop's thread still yields to it
+    between them: other tasks (the server's) run meanwhile."""
+    turns = 0
+
+    async def other_task() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
+    async with Producer(producer_db) as producer:
+        other = asyncio.create_task(other_task())
+        for _ in range(200):
+            await producer.run_in_transaction(publish_one, b"x")
+        other.cancel()
+        assert producer.groups.inline >= 100  # most of them on the loop's thread
+    assert turns >= 200
+
+
+async def test_while_another_connection_writes_the_transaction_waits_on_the_thread(
+    producer_db: str,
+) -> None:
+    """BEGIN on the event loop's thread would wait for the other connection's write lock:
+    the transaction goes to the writer's thread instead, waits there, and commits once
+    the lock is free; the loop runs on meanwhile."""
+    async with Producer(producer_db) as producer:
+        await producer.run_in_transaction(publish_one, b"first")
+        inline = producer.groups.inline
+        other = sqlite3.connect(producer_db, isolation_level=None)
+        try:
+            other.execute("BEGIN IMMEDIATE")
+            task = asyncio.create_task(producer.run_in_transaction(publish_one, b"second"))
+            for _ in range(20):  # the loop is free while the transaction waits
+                await asyncio.sleep(0.01)
+            assert not task.done()
+            other.execute("COMMIT")
+            assert await task == 2
+        finally:
+            other.close()
+        assert producer.groups.inline == inline  # not on the loop's thread
+        assert await producer.run_in_transaction(publish_one, b"third") == 3
+        assert producer.groups.inline == inline + 1  # back on it
+    assert log_seqs(producer_db) == [1, 2, 3]

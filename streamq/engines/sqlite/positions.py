@@ -28,6 +28,7 @@ from ...batches import Batch
 from ...blocking import (
     AsyncSQL,
     BlockingSQL,
+    InlineBudget,
     in_transaction,
     raw_connection,
     run_on_thread,
@@ -36,8 +37,9 @@ from ...blocking import (
 from ...errors import DatabaseOpenError, SchemaMissingError
 from ...failures import DeadLetterSQL, ParkedRecord
 from ...resharing import Move, StoredPosition, plan
+from ...storage import WouldWait
 from ...stores import out_of_turn
-from .storage import connect
+from .storage import begin_at_once, connect
 
 if TYPE_CHECKING:
     from ...storage import Durability
@@ -114,7 +116,7 @@ _LIST = (
 
 async def open_database(path: str, durability: Durability) -> aiosqlite.Connection:
     """A consumer's database connection, with the positions table."""
-    db = await connect(path)  # a path that is no database: DatabaseOpenError
+    db = await connect(path, any_thread=True)  # a path that is no database: DatabaseOpenError
     try:
         await db.execute("PRAGMA journal_mode=WAL")
         await db.execute(f"PRAGMA synchronous={durability.upper()}")
@@ -261,7 +263,10 @@ class SQLitePositionStore:
     """A consumer's SQLite database: positions, and batches applied with them.
 
     One aiosqlite connection: ``transaction`` awaits each statement on its thread,
-    ``apply`` runs a whole transaction there as one function (one thread hop).
+    ``apply`` runs a whole transaction as one function: on the event loop's thread while
+    transactions are short and the write lock is free (``blocking.InlineBudget``; the
+    caller holds the consumer's transaction lock, so nothing is under way on the
+    connection's own thread), else there (one hop).
     """
 
     dead_letters = DEAD_LETTERS
@@ -272,6 +277,7 @@ class SQLitePositionStore:
         self._durability = durability
         self._db: aiosqlite.Connection | None = None
         self._owned = True
+        self._budget = InlineBudget()
 
     @classmethod
     def shared(cls, db: aiosqlite.Connection, path: str) -> SQLitePositionStore:
@@ -345,23 +351,34 @@ class SQLitePositionStore:
         committed: Callable[[], None],
     ) -> T:
         db = self.connection
-        tx = BlockingSQL(raw_connection(db))
+        conn = raw_connection(db)
 
-        def body() -> T:
+        def body(wait: bool) -> T:
+            tx = BlockingSQL(conn)
             try:
-                _begin(tx._conn, batch)
+                _begin(conn, batch, wait)
+                started = time.perf_counter()  # from BEGIN: waiting for the lock is not its cost
                 result = fn(tx, batch, *args)
                 tx._closed = True
-                _commit(tx._conn, batch)
+                _commit(conn, batch)
             except BaseException:
-                if tx._conn.in_transaction:
-                    tx._conn.execute("ROLLBACK")
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
                 raise
             finally:
                 tx._closed = True
+            self._budget.note(time.perf_counter() - started)
             return result
 
-        return await to_the_end(run_on_thread(db, body), committed)
+        if self._budget.fits:
+            try:
+                result = body(wait=False)
+            except WouldWait:
+                pass  # another connection writes: wait for it on the connection's thread
+            else:
+                committed()
+                return result
+        return await to_the_end(run_on_thread(db, body, True), committed)
 
     async def run_transaction(self, fn: Callable[..., T], *args: Any) -> T:
         db = self.connection
@@ -377,10 +394,14 @@ class SQLitePositionStore:
         return await to_the_end(run_on_thread(db, body), lambda: None)
 
 
-def _begin(conn: sqlite3.Connection, batch: Batch) -> None:
-    """BEGIN IMMEDIATE (the write lock) and claim ``batch``'s turn; on the connection's
-    thread. A batch out of turn is refused before the application's SQL runs."""
-    conn.execute("BEGIN IMMEDIATE")
+def _begin(conn: sqlite3.Connection, batch: Batch, wait: bool = True) -> None:
+    """BEGIN IMMEDIATE (the write lock) and claim ``batch``'s turn. A batch out of turn
+    is refused before the application's SQL runs. ``wait=False`` (on the event loop's
+    thread): ``WouldWait`` at once if another connection holds the write lock."""
+    if wait:
+        conn.execute("BEGIN IMMEDIATE")
+    else:
+        begin_at_once(conn)
     try:
         advance(conn, batch, batch.after)
     except BaseException:

@@ -509,26 +509,30 @@ def begin_immediate(conn: sqlite3.Connection) -> int:
         raise
 
 
+def begin_at_once(conn: sqlite3.Connection) -> int:
+    """``begin_immediate`` without waiting for another connection's write lock (on the
+    event loop's thread): ``WouldWait`` at once instead. The connection waits as before
+    for everything else."""
+    conn.execute("PRAGMA busy_timeout=0")
+    try:
+        return begin_immediate(conn)
+    except sqlite3.OperationalError as exc:
+        if exc.sqlite_errorcode == sqlite3.SQLITE_BUSY:
+            raise WouldWait from exc
+        raise
+    finally:
+        conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+
+
 class SQLiteBlockingWriter:
     """The writer's sqlite3 connection, on its own thread or, for a short transaction
     while nothing is queued there, on the event loop's (``storage.BlockingWriter``)."""
 
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.conn = conn
-        self._waits = True  # for the write lock, up to BUSY_TIMEOUT_MS (the connection's setting)
 
     def begin(self, wait: bool = True) -> int:
-        """BEGIN IMMEDIATE; with ``wait=False`` (on the event loop's thread) a write lock
-        held by another connection raises ``WouldWait`` at once instead."""
-        if wait != self._waits:
-            self.conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS if wait else 0}")
-            self._waits = wait
-        try:
-            return begin_immediate(self.conn)
-        except sqlite3.OperationalError as exc:
-            if not wait and exc.sqlite_errorcode == sqlite3.SQLITE_BUSY:
-                raise WouldWait from exc
-            raise
+        return begin_immediate(self.conn) if wait else begin_at_once(self.conn)
 
     def commit(self) -> None:
         self.conn.execute("COMMIT")
@@ -582,7 +586,7 @@ class SQLiteWriter:
 
     async def begin(self) -> int:
         """BEGIN IMMEDIATE: the database's write lock, held to COMMIT."""
-        version: int = await self.run(self.blocking.begin)
+        version: int = await self.run(begin_immediate, self.raw)
         return version
 
     async def commit(self) -> None:
@@ -758,10 +762,10 @@ class SQLiteStorage:
         return changes
 
     async def version(self) -> int:
-        async with self.writer.conn.execute("PRAGMA data_version") as cursor:
-            row = await cursor.fetchone()
-        assert row is not None
-        return int(row[0])
+        # Read on the event loop's thread: callers hold the producer's lock, so nothing is
+        # under way on the connection's own, and the hop would cost more than the pragma
+        # (the watch asks after every commit, this producer's own included).
+        return int(self.writer.raw.execute("PRAGMA data_version").fetchone()[0])
 
     async def changes(self, known: dict[int, tuple[int, int]]) -> Changes:
         changes: Changes = await self.writer.run(read_changes, self.writer.raw, known)
