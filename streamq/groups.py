@@ -164,12 +164,16 @@ class GroupCommit:
                 version = None
 
     def _committed(self, members: list[_Member]) -> None:
-        """Hand each member's records to the log, in the group's order."""
+        """Hand the members' records to the log, as one transaction's: subscribers are
+        woken once per group."""
         self.groups += 1
-        for member in members:
-            if member.pending is not None:
-                self.members += 1
-                self._producer._after_blocking_commit(member.pending)
+        committed = [member.pending for member in members if member.pending is not None]
+        self.members += len(committed)
+        if committed:
+            group, *later = committed
+            for pending in later:
+                group.absorb(pending)
+            self._producer._after_blocking_commit(group)
 
 
 def _run_group(

@@ -175,6 +175,27 @@ class _Pending:
             if self.full:
                 yield
 
+    def absorb(self, later: _Pending) -> None:
+        """Take in what ``later``, the next transaction of this one's commit group,
+        appended: the log learns the group's commits at once, as if one transaction's."""
+        for name, after in later.streams.items():
+            mine = self.streams.get(name)
+            if mine is None:
+                self.streams[name] = after
+                continue
+            if mine.kept is not None and after.kept is not None:
+                size = mine.kept_bytes + after.kept_bytes
+                if size > self._producer.log.tail_bytes:
+                    mine.kept = None
+                else:
+                    mine.kept += after.kept
+                    mine.kept_bytes = size
+            else:
+                mine.kept = None
+            if mine.segment is None or not mine.appended:
+                mine.segment = after.segment
+            mine.head, mine.max_ts = after.head, after.max_ts
+
     def take_inserts(
         self, closing: bool = False
     ) -> tuple[list[LogRow], list[TimeRow], list[EpochRow]]:
