@@ -76,19 +76,11 @@ class GroupCommit:
         runs to the end (its outcome must be known) and the cancel is re-raised after.
         """
         member = _Member(fn, args, asyncio.get_running_loop().create_future())
-        if self._committer is None and not self._full:
-            # Committed inline, a transaction would not yield: let the loop serve first.
-            await asyncio.sleep(0)
-        if self._committer is None and not self._full and not self._producer._lock.locked():
-            # Nothing to wait for or group with: commit it in this task (no committer
-            # task, no wake-ups); whoever comes meanwhile forms the next group. (With
-            # fsyncs, the committer task lets those woken with this one join it.)
-            member.taken = True
-            async with self._producer._writing():
-                await self._commit([member])
-            return cast(T, member.future.result())
         self._queue.append(member)
         if self._committer is None:
+            # A task of its own: it runs once the tasks ready now have run, so those
+            # that arrive with this one join its group (and the loop serves meanwhile,
+            # even between back-to-back transactions committed on its own thread).
             self._committer = asyncio.create_task(self._commit_next())
         try:
             return cast(T, await asyncio.shield(member.future))

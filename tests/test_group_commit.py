@@ -244,3 +244,16 @@ async def test_while_another_connection_writes_the_transaction_waits_on_the_thre
         assert await producer.run_in_transaction(publish_one, b"third") == 3
         assert producer.groups.inline == inline + 1  # back on it
     assert log_seqs(producer_db) == [1, 2, 3]
+
+
+async def test_transactions_started_together_commit_together_on_the_loop(
+    producer_db: str,
+) -> None:
+    async with Producer(producer_db) as producer:
+        await producer.publish("orders", b"first")
+        groups, inline = producer.groups.groups, producer.groups.inline
+        seqs = await asyncio.gather(
+            *(producer.run_in_transaction(publish_one, b"%d" % i) for i in range(8))
+        )
+        assert seqs == list(range(2, 10))
+        assert (producer.groups.groups, producer.groups.inline) == (groups + 1, inline + 1)
