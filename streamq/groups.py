@@ -107,7 +107,11 @@ class GroupCommit:
                     await self._commit(members)
         except BaseException as error:
             for member in members:
-                if not member.future.done():
+                if member.future.done():
+                    continue
+                if isinstance(error, asyncio.CancelledError):
+                    member.future.cancel()
+                else:
                     member.future.set_exception(error)
             if self._committer is None and self._queue:
                 self._committer = asyncio.create_task(self._commit_next())
