@@ -237,7 +237,7 @@ async def test_caller_cancelled_during_commit_still_sees_the_commit_through(
 ) -> None:
     """A COMMIT already sent to the writer's thread happens whatever the caller does: a
     cancel arriving meanwhile must leave the in-memory log matching the database."""
-    async with Producer(producer_db) as producer:
+    async with Producer(producer_db, durability="full") as producer:  # commits on the thread
         await producer.publish("orders", b"first")
         await cancel_during_commit(producer, producer.publish("orders", b"second"))
         assert log_seqs(producer_db) == [1, 2]

@@ -731,7 +731,9 @@ async def test_error_case_on_a_real_producer(
 async def test_server_hello_announces_the_heartbeat_interval_when_told_to(
     producer_db: str,
 ) -> None:
-    async with producer(producer_db, ServerSettings(heartbeat_interval=0.5)) as quiet:
+    # A short handshake deadline: ``exchange`` reads until the server closes the socket.
+    quiet_settings = ServerSettings(heartbeat_interval=0.5, handshake_timeout=0.5)
+    async with producer(producer_db, quiet_settings) as quiet:
         # Off by default: clients that predate the field refuse a 5-field SERVER_HELLO.
         hello = (await exchange(quiet.address, b"", timeout=30))[0]
         assert isinstance(hello, ServerHello)
@@ -739,7 +741,9 @@ async def test_server_hello_announces_the_heartbeat_interval_when_told_to(
         assert hello == ServerHello(PROTOCOL_VERSION, hello.producer_id, first_epoch, 16 * 1024**2)
         async with Consumer(quiet.address, "orders") as default:
             assert default._heartbeat_timeout == 30.0
-    settings = ServerSettings(heartbeat_interval=0.5, announce_heartbeat=True)
+    settings = ServerSettings(
+        heartbeat_interval=0.5, announce_heartbeat=True, handshake_timeout=0.5
+    )
     async with producer(producer_db, settings) as started:
         hello = (await exchange(started.address, b"", timeout=30))[0]
         assert isinstance(hello, ServerHello)
