@@ -1,8 +1,9 @@
 """``spark.readStream.format("streamq")`` and ``spark.read.format("streamq")``.
 
-The driver asks each producer for its head (``planning``); executors read
-exactly ``[start, end)`` per partition with a range request and yield Arrow
-record batches. Nothing is buffered between producer and Spark: the producer's
+The driver asks each producer for its head (``planning``) on connections it
+keeps from one trigger to the next; executors read exactly ``[start, end)`` per
+partition with a range request and yield Arrow record batches of the columns the
+query reads (``schema``). Nothing is buffered between producer and Spark: the producer's
 own log is the durable, re-readable source, so a restarted query re-reads the
 same seqs from its checkpointed offsets and sinks get every record once.
 
@@ -43,6 +44,12 @@ failOnDataLoss           ``true`` (default): fail if needed seqs are gone (reten
                          go on from the first seq lost, reading what the producer holds now
 consumerName             name positions are reported under (default ``spark``;
                          with a token, the producer counts them under its name)
+includeHeaders           ``false``: no ``headers`` column (Kafka's source has none by
+                         default); default ``true``, the schema before the option existed.
+                         A schema given with ``.schema(...)`` picks columns by name instead
+readOnDriver             streams: ``true`` reads each micro-batch on the driver as it is
+                         planned, with no Python task on the executors: lower latency for
+                         small micro-batches; default ``false`` (executors read, for ingest)
 timeoutMs                connect and read timeout per request (default 30000)
 ssl.enabled              ``true``: TLS, trusting the system's CAs (implied by ssl.ca)
 ssl.ca                   PEM file of the CA that signed the producers' certificates
@@ -61,6 +68,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import pyarrow as pa
+from pyspark.errors import PySparkNotImplementedError
 from pyspark.sql.datasource import (
     DataSource,
     DataSourceReader,
@@ -73,6 +81,7 @@ from pyspark.sql.datasource import (
     InputPartition,
     LessThan,
     LessThanOrEqual,
+    SimpleDataSourceStreamReader,
 )
 from pyspark.sql.streaming.datasource import (
     ReadAllAvailable,
@@ -89,13 +98,15 @@ from . import planning
 from .planning import (
     BatchEpochs,
     Connect,
+    Connections,
     Offsets,
     Position,
     ProducerState,
     Range,
+    Reporter,
     StreamQSourceError,
 )
-from .schema import SCHEMA, to_arrow
+from .schema import EVERY_COLUMN, Columns, default_schema
 
 logger = logging.getLogger("spark_source")
 
@@ -169,10 +180,26 @@ def _token(options: Mapping[str, str]) -> str | None:
         raise StreamQSourceError(f"option tokenFile: {exc}") from None
 
 
+def _default_schema(options: Mapping[str, str]) -> StructType:
+    return default_schema(_flag(options, "includeHeaders", True))
+
+
+def _columns(options: Mapping[str, str], schema: StructType) -> Columns:
+    """The columns to build: the schema Spark hands the reader, ours or one given with
+    ``.schema(...)``."""
+    if not _flag(options, "includeHeaders", True) and "headers" in schema.fieldNames():
+        raise StreamQSourceError("includeHeaders=false, but the schema given has headers")
+    try:
+        return Columns(schema)
+    except ValueError as exc:
+        raise StreamQSourceError(f"schema: {exc}") from None
+
+
 class _Settings:
     """The options, parsed and checked once."""
 
-    def __init__(self, options: Mapping[str, str]) -> None:
+    def __init__(self, options: Mapping[str, str], schema: StructType | None = None) -> None:
+        self.columns = _columns(options, _default_schema(options) if schema is None else schema)
         self._endpoint_options = (
             options.get("endpoints"),
             options.get("endpointsFile"),
@@ -193,6 +220,7 @@ class _Settings:
         self.max_per_partition = _int(options, "maxRecordsPerPartition", 1_000_000) or 1_000_000
         self.fail_on_data_loss = _flag(options, "failOnDataLoss", True)
         self.consumer_name = options.get("consumerName", "spark")
+        self.read_on_driver = _flag(options, "readOnDriver", False)
         timeout = (_int(options, "timeoutMs", 30_000) or 30_000) / 1000
         self.connect = Connect(timeout, _tls(options), _token(options))
 
@@ -200,8 +228,12 @@ class _Settings:
         """Read anew at each call: a file or registry may list new producers."""
         return planning.parse_endpoints(*self._endpoint_options)
 
-    def discover(self, positions: Mapping[str, Position] | None = None) -> dict[str, ProducerState]:
-        return planning.discover(self.endpoints(), self.stream, self.connect, positions)
+    def discover(
+        self,
+        positions: Mapping[str, Position] | None = None,
+        via: Connections | None = None,
+    ) -> dict[str, ProducerState]:
+        return planning.discover(self.endpoints(), self.stream, via or self.connect, positions)
 
     def initial(self, states: Mapping[str, ProducerState], default: str) -> Offsets:
         """Where a query starts: ``startingTimestamp`` if set, else ``startingOffsets``."""
@@ -258,9 +290,9 @@ def _partitions(
     ]
 
 
-def _batch(rng: Range, stream: str, rows: list[list[Any]]) -> pa.RecordBatch:
+def _batch(columns: Columns, rng: Range, stream: str, rows: list[list[Any]]) -> pa.RecordBatch:
     try:
-        return to_arrow(rng.producer_id, rng.endpoint, stream, rows)
+        return columns.batch(rng.producer_id, rng.endpoint, stream, rows)
     except ValueError as exc:
         raise StreamQSourceError(f"producer at {rng.endpoint}: {exc}") from exc
 
@@ -274,7 +306,9 @@ def _check_producer(client: Client, rng: Range) -> None:
         )
 
 
-def _read_keys(partition: StreamQPartition, keys: frozenset[bytes]) -> Iterator[pa.RecordBatch]:
+def _read_keys(
+    partition: StreamQPartition, keys: frozenset[bytes], columns: Columns
+) -> Iterator[pa.RecordBatch]:
     """The records of a few keys in the partition's range, by history requests."""
     rng, stream = partition.range, partition.stream
     try:
@@ -294,7 +328,7 @@ def _read_keys(partition: StreamQPartition, keys: frozenset[bytes]) -> Iterator[
     except StreamQError as exc:
         raise StreamQSourceError(f"producer at {rng.endpoint}: {exc}") from exc
     records.sort(key=lambda record: record.seq)
-    yield _batch(rng, stream, [list(record) for record in records])
+    yield _batch(columns, rng, stream, [list(record) for record in records])
 
 
 class _PartitionRead:
@@ -371,43 +405,74 @@ class _PartitionRead:
             )
 
 
-def read_partition(partition: StreamQPartition) -> Iterator[pa.RecordBatch]:
-    """Read exactly the partition's range from its producer, as Arrow batches."""
+def read_partition(
+    partition: StreamQPartition,
+    columns: Columns = EVERY_COLUMN,
+    connections: Connections | None = None,
+) -> Iterator[pa.RecordBatch]:
+    """Read exactly the partition's range from its producer, as Arrow batches of ``columns``:
+    on a connection of its own (an executor), or on one of ``connections`` (the driver)."""
     if partition.keys is not None:
-        yield from _read_keys(partition, partition.keys)
+        yield from _read_keys(partition, partition.keys, columns)
         return
-    rng, stream = partition.range, partition.stream
+    rng = partition.range
     state = _PartitionRead(partition)
     while state.start < state.end:
         try:
-            with partition.connect.client(rng.endpoint, "spark executor") as client:
-                _check_producer(client, rng)
-                pending: list[list[Any]] = []
-                reader = client.read_range_rows(
-                    stream,
-                    state.start,
-                    state.end,
-                    seen_epoch=state.seen_epoch,
-                    filter=partition.filter,
-                )
-                for rows in reader:
-                    if rows:
-                        state.check_epoch(reader.epoch, rows[0][0])
-                    pending += rows
-                    if len(pending) >= _ROWS_PER_BATCH:
-                        yield _batch(rng, stream, pending)
-                        state.start = pending[-1][0] + 1
-                        state.seen_epoch = None if state.seen_epoch is None else 0
-                        pending = []
-                if pending:
-                    yield _batch(rng, stream, pending)
-                return
+            if connections is None:
+                with partition.connect.client(rng.endpoint, "spark executor") as client:
+                    yield from _read_range(client, state, columns)
+            else:
+                yield from _read_kept(connections, state, columns)
+            return
         except SeqsReusedError as exc:
             state.reused(exc)
         except OffsetOutOfRangeError as exc:
             state.out_of_range(exc)
         except StreamQError as exc:
             raise StreamQSourceError(f"producer at {rng.endpoint}: {exc}") from exc
+
+
+def _read_range(
+    client: Client, state: _PartitionRead, columns: Columns
+) -> Iterator[pa.RecordBatch]:
+    """One range request from where ``state`` stands; it moves on as batches are taken."""
+    partition = state.partition
+    rng, stream = partition.range, partition.stream
+    _check_producer(client, rng)
+    pending: list[list[Any]] = []
+    reader = client.read_range_rows(
+        stream, state.start, state.end, seen_epoch=state.seen_epoch, filter=partition.filter
+    )
+    for rows in reader:
+        if rows:
+            state.check_epoch(reader.epoch, rows[0][0])
+        pending += rows
+        if len(pending) >= _ROWS_PER_BATCH:
+            yield _batch(columns, rng, stream, pending)
+            state.start = pending[-1][0] + 1
+            state.seen_epoch = None if state.seen_epoch is None else 0
+            pending = []
+    if pending:
+        yield _batch(columns, rng, stream, pending)
+    state.start = state.end
+
+
+def _read_kept(
+    connections: Connections, state: _PartitionRead, columns: Columns
+) -> Iterator[pa.RecordBatch]:
+    """``_read_range`` on a kept connection, which only a whole request can use: the batches
+    read before a failure are still handed on, as ``state`` has moved past them."""
+    batches: list[pa.RecordBatch] = []
+
+    def read(client: Client) -> None:
+        for batch in _read_range(client, state, columns):
+            batches.append(batch)
+
+    try:
+        connections.ask(state.partition.range.endpoint, read)
+    finally:
+        yield from batches
 
 
 class StreamQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
@@ -421,9 +486,21 @@ class StreamQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.settings = settings
         self._states: dict[str, ProducerState] = {}
         self._target: Offsets | None = None  # Trigger.AvailableNow's end
+        # The driver's, made at first use: kept open from one trigger to the next.
+        self._connections: Connections | None = None
+        self._reporter: Reporter | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled to the executors: the driver's connections and threads stay behind."""
+        return {**self.__dict__, "_connections": None, "_reporter": None}
+
+    def connections(self) -> Connections:
+        if self._connections is None:
+            self._connections = Connections(self.settings.connect)
+        return self._connections
 
     def _refresh(self, positions: Mapping[str, Position] | None = None) -> dict[str, ProducerState]:
-        self._states = self.settings.discover(positions)
+        self._states = self.settings.discover(positions, self.connections())
         return self._states
 
     def initialOffset(self) -> dict[str, Any]:
@@ -494,6 +571,9 @@ class StreamQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return {pid: s.head + 1 for pid, s in self._states.items()} or None
 
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
+        return self.plan(start, end)
+
+    def plan(self, start: dict[str, Any], end: dict[str, Any]) -> list[StreamQPartition]:
         start_seqs, start_epochs = planning.split_offset(start)
         end_seqs, end_epochs = planning.split_offset(end)
         if not set(end_seqs) <= set(self._states):
@@ -515,22 +595,72 @@ class StreamQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, StreamQPartition)
-        return read_partition(partition)
+        return read_partition(partition, self.settings.columns)
 
     def commit(self, end: dict[str, Any]) -> None:
-        """Advisory: tell each producer how far this query's sink durably holds its stream."""
-        for pid, seq in planning.split_offset(end)[0].items():
-            state = self._states.get(pid)
-            if state is None or seq <= 1:
-                continue
-            try:
-                with self.settings.connect.client(state.endpoint, "spark driver") as client:
-                    if client.producer_id == pid:
-                        client.report_position(
-                            self.settings.stream, self.settings.consumer_name, seq - 1
-                        )
-            except StreamQError as exc:
-                logger.warning("could not report position to %s: %s", state.endpoint, exc)
+        """Advisory: tell each producer how far this query's sink durably holds its stream,
+        in the background (see ``Reporter``); the last batch of Trigger.AvailableNow waits
+        for its reports, since the query ends with it."""
+        settings, seqs = self.settings, planning.split_offset(end)[0]
+        if self._reporter is None:
+            self._reporter = Reporter(settings.connect, settings.stream, settings.consumer_name)
+        self._reporter.report(
+            {
+                pid: (self._states[pid].endpoint, seq - 1)
+                for pid, seq in seqs.items()
+                if pid in self._states and seq > 1
+            }
+        )
+        target = self._target
+        if target is not None and all(seqs.get(pid, 0) >= seq for pid, seq in target.items()):
+            self._reporter.flush(settings.connect.timeout)
+
+    def stop(self) -> None:
+        if self._reporter is not None:
+            self._reporter.close(self.settings.connect.timeout)
+        if self._connections is not None:
+            self._connections.close()
+
+
+class StreamQDriverStreamReader(SimpleDataSourceStreamReader, SupportsTriggerAvailableNow):
+    """``readOnDriver=true``: the driver reads each micro-batch itself, as it plans it, on the
+    connections it keeps, and hands Spark the Arrow batches: no Python task on the executors
+    (a worker round trip, a new connection per producer), so small micro-batches come
+    sooner. Every record then passes through the driver: for low rates and latency, not for
+    ingest. Planning, epochs and position reports are ``StreamQStreamReader``'s; a batch
+    replayed after a restart is read on an executor (``readBetweenOffsets``)."""
+
+    def __init__(self, settings: _Settings) -> None:
+        self.planner = StreamQStreamReader(settings)
+
+    def initialOffset(self) -> dict[str, Any]:
+        return self.planner.initialOffset()
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        self.planner.prepareForTriggerAvailableNow()
+
+    def read(self, start: dict[str, Any]) -> tuple[Iterator[pa.RecordBatch], dict[str, Any]]:
+        planner = self.planner
+        end = planner.latestOffset(start, planner.getDefaultReadLimit())
+        if end == start:
+            return iter(()), end
+        connections = planner.connections()
+        batches = [
+            batch
+            for partition in planner.plan(start, end)
+            for batch in read_partition(partition, planner.settings.columns, connections)
+        ]
+        return iter(batches), end  # a list's iterator: Spark copies it (copy.copy)
+
+    def readBetweenOffsets(
+        self, start: dict[str, Any], end: dict[str, Any]
+    ) -> Iterator[pa.RecordBatch]:
+        columns = self.planner.settings.columns
+        for partition in self.planner.plan(start, end):
+            yield from read_partition(partition, columns)
+
+    def commit(self, end: dict[str, Any]) -> None:
+        self.planner.commit(end)
 
 
 class StreamQBatchReader(DataSourceReader):
@@ -565,7 +695,7 @@ class StreamQBatchReader(DataSourceReader):
         if not isinstance(partition, StreamQPartition):
             # Spark turns an empty list of partitions into one InputPartition(None).
             return iter(())
-        return read_partition(partition)
+        return read_partition(partition, self.settings.columns)
 
 
 def _seq_bounds(pushed: Filter) -> tuple[int, int | None] | None:
@@ -632,13 +762,21 @@ class StreamQDataSource(DataSource):
         return "streamq"
 
     def schema(self) -> StructType:
-        return SCHEMA
+        return _default_schema(self.options)
 
     def reader(self, schema: StructType) -> DataSourceReader:
-        settings = _Settings(self.options)
+        settings = _Settings(self.options, schema)
         if settings.filter_pushdown:
             return StreamQFilteringBatchReader(settings)
         return StreamQBatchReader(settings)
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
-        return StreamQStreamReader(_Settings(self.options))
+        settings = _Settings(self.options, schema)
+        if settings.read_on_driver:  # Spark turns to simpleStreamReader
+            raise PySparkNotImplementedError(
+                errorClass="NOT_IMPLEMENTED", messageParameters={"feature": "streamReader"}
+            )
+        return StreamQStreamReader(settings)
+
+    def simpleStreamReader(self, schema: StructType) -> SimpleDataSourceStreamReader:
+        return StreamQDriverStreamReader(_Settings(self.options, schema))

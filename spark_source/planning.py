@@ -13,17 +13,32 @@ from __future__ import annotations
 import importlib
 import itertools
 import json
+import logging
 import math
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
-from streamq import Client, ClientTLS, OffsetOutOfRangeError, StreamQError, UnknownStreamError
+from streamq import (
+    Client,
+    ClientTLS,
+    ConnectionLostError,
+    OffsetOutOfRangeError,
+    StreamQError,
+    UnknownStreamError,
+)
+from streamq.client import Vouch
 from streamq.consumer import lost_seqs
-from streamq.errors import MalformedFrameError
+from streamq.errors import IdleTimeoutError, MalformedFrameError, ShuttingDownError
 
 Offsets = dict[str, int]
+
+logger = logging.getLogger("spark_source")
+
+T = TypeVar("T")
+U = TypeVar("U")
 
 EARLIEST, LATEST = -2, -1  # in JSON offsets, as in Spark's Kafka source
 # The key of a streaming offset that holds the epochs beside the seqs: never a producer id
@@ -155,30 +170,177 @@ def _load_provider(spec: str) -> Callable[[], Iterable[str]]:
     return cast(Callable[[], Iterable[str]], provider)
 
 
+# How a kept connection may have ended between triggers: the producer stopped (it says so on
+# its open connections), closed it after its idle timeout, or is gone.
+_CLOSED_WHILE_KEPT = (ConnectionLostError, ShuttingDownError, IdleTimeoutError)
+
+
+class Connections:
+    """The driver's connections to producers, one per endpoint, kept open across triggers:
+    a trigger then costs each producer a round trip or two, not a connect, a hello (and a
+    TLS handshake) and a close. Each is used by one thread at a time. A kept connection
+    found closed (the producer restarted, or closed it after its idle timeout) is made
+    anew, once; one whose request failed is closed (an ERROR ends a connection)."""
+
+    def __init__(self, connect: Connect, name: str = "spark driver") -> None:
+        self.connect = connect
+        self._name = name
+        self._open: dict[str, Client] = {}
+        self._pool: ThreadPoolExecutor | None = None
+
+    def ask(self, endpoint: str, request: Callable[[Client], T]) -> T:
+        """``request(client)`` on the endpoint's connection."""
+        client = self._open.pop(endpoint, None)
+        if client is not None:
+            try:
+                return self._kept(endpoint, client, request)
+            except _CLOSED_WHILE_KEPT:
+                pass  # once more, on a new connection
+        return self._kept(endpoint, self.connect.client(endpoint, self._name), request)
+
+    def _kept(self, endpoint: str, client: Client, request: Callable[[Client], T]) -> T:
+        try:
+            result = request(client)
+        except BaseException:
+            client.close()
+            raise
+        self._open[endpoint] = client
+        return result
+
+    def map(self, function: Callable[[U], T], items: Sequence[U]) -> list[T]:
+        """``function`` over ``items`` in parallel (up to 32 threads, kept as well)."""
+        if len(items) <= 1:
+            return [function(item) for item in items]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="streamq")
+        return list(self._pool.map(function, items))
+
+    def close(self) -> None:
+        for client in self._open.values():
+            client.close()
+        self._open.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+
+    def __del__(self) -> None:
+        """Closed with whatever dropped them (a reader Spark never stopped, say)."""
+        self.close()
+
+
+class Reporter:
+    """Reports a query's committed positions to its producers from a thread of its own, off
+    the trigger's path (Spark calls ``commit`` inside a micro-batch's walCommit), on
+    connections of its own, kept. Reports are advisory and only the newest position per
+    producer matters, so a report still waiting is replaced by a newer one."""
+
+    def __init__(self, connect: Connect, stream: str, consumer: str) -> None:
+        self._connections = Connections(connect)
+        self._stream, self._consumer = stream, consumer
+        self._waiting: dict[str, tuple[str, int]] = {}  # producer id -> endpoint, seq
+        self._sending = False
+        self._closed = False
+        self._changed = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def report(self, positions: Mapping[str, tuple[str, int]]) -> None:
+        """Send ``{producer id: (endpoint, last seq held)}`` soon."""
+        with self._changed:
+            self._waiting.update(positions)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="streamq positions", daemon=True
+                )
+                self._thread.start()
+            self._changed.notify_all()
+
+    def flush(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` s) until every report so far has been sent or failed."""
+        with self._changed:
+            self._changed.wait_for(lambda: not (self._waiting or self._sending), timeout)
+
+    def close(self, timeout: float) -> None:
+        """Send what is waiting (within ``timeout`` s), then stop the thread."""
+        self.flush(timeout)
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._changed:
+                    self._sending = False
+                    self._changed.notify_all()
+                    self._changed.wait_for(lambda: bool(self._waiting) or self._closed)
+                    if self._closed:
+                        return
+                    waiting, self._waiting, self._sending = self._waiting, {}, True
+                self._connections.map(lambda item: self._send(*item), list(waiting.items()))
+        finally:
+            self._connections.close()
+
+    def _send(self, producer_id: str, where: tuple[str, int]) -> None:
+        endpoint, seq = where
+
+        def send(client: Client) -> None:
+            if client.producer_id == producer_id:
+                client.report_position(self._stream, self._consumer, seq)
+
+        try:
+            self._connections.ask(endpoint, send)
+        except StreamQError as exc:
+            logger.warning("could not report position to %s: %s", endpoint, exc)
+
+
+def _via(via: Connect | Connections) -> tuple[Connections, Callable[[], None]]:
+    """Kept connections, or connections for one call (closed by the returned function)."""
+    if isinstance(via, Connections):
+        return via, lambda: None
+    connections = Connections(via)
+    return connections, connections.close
+
+
 def _probe(
-    endpoint: str, stream: str, connect: Connect, positions: Mapping[str, Position] | None
+    connections: Connections,
+    endpoint: str,
+    stream: str,
+    positions: Mapping[str, Position] | None,
 ) -> ProducerState:
     try:
-        with connect.client(endpoint, "spark driver") as client:
-            producer_id = client.producer_id
-            position = None if positions is None else positions.get(producer_id)
-            try:
-                info = client.head(stream)
-            except UnknownStreamError:  # nothing published yet
-                if positions is None:
-                    return ProducerState(producer_id, endpoint, 0, 1)
-                lost = lost_seqs(position.seq - 1, 0, 0) if position is not None else None
-                return ProducerState(producer_id, endpoint, 0, 1, 0, lost)
+        try:
+            producer_id, info = connections.ask(endpoint, lambda c: (c.producer_id, c.head(stream)))
+        except UnknownStreamError:  # nothing published yet
+            producer_id = connections.ask(endpoint, lambda c: c.producer_id)
             if positions is None:
-                return ProducerState(producer_id, endpoint, info.head, info.low)
-            epoch, lost = _vouch(client, stream, info.head, position)
+                return ProducerState(producer_id, endpoint, 0, 1)
+            position = positions.get(producer_id)
+            lost = lost_seqs(position.seq - 1, 0, 0) if position is not None else None
+            return ProducerState(producer_id, endpoint, 0, 1, 0, lost)
+        if positions is None:
+            return ProducerState(producer_id, endpoint, info.head, info.low)
+
+        def ask(request: Callable[[Client], T]) -> T:
+            """On the same producer: a new connection may reach another one."""
+
+            def checked(client: Client) -> T:
+                if client.producer_id != producer_id:
+                    raise StreamQError(f"now serves producer {client.producer_id}")
+                return request(client)
+
+            return connections.ask(endpoint, checked)
+
+        epoch, lost = _vouch(ask, stream, info.head, positions.get(producer_id))
     except StreamQError as exc:
         raise StreamQSourceError(f"producer at {endpoint}: {exc}") from exc
     return ProducerState(producer_id, endpoint, info.head, info.low, epoch, lost)
 
 
 def _vouch(
-    client: Client, stream: str, head: int, position: Position | None
+    ask: Callable[[Callable[[Client], Vouch]], Vouch],
+    stream: str,
+    head: int,
+    position: Position | None,
 ) -> tuple[int | None, range | None]:
     """The epoch that wrote ``head``, and the seqs up to the query's position that the
     producer's log no longer holds as the query read them ("Epochs"): beyond its head, or
@@ -190,15 +352,15 @@ def _vouch(
     lost = lost_seqs(seq - 1, head, 0)
     try:
         if seen and seq - 1 == head:  # nothing new (an idle trigger): one question does
-            vouch = client.vouch(stream, head, seen)
+            vouch = ask(lambda c: c.vouch(stream, head, seen))
             return vouch.after_epoch, lost_seqs(seq - 1, head, vouch.rewritten_from)
-        epoch = client.vouch(stream, head).after_epoch
+        epoch = ask(lambda c: c.vouch(stream, head)).after_epoch
     except MalformedFrameError:  # a producer that predates epochs: the head check only
         return None, lost
     if not seen:
         return epoch, lost
     try:
-        rewritten = client.vouch(stream, seq - 1, seen).rewritten_from
+        rewritten = ask(lambda c: c.vouch(stream, seq - 1, seen)).rewritten_from
     except OffsetOutOfRangeError as exc:  # beyond the head, or before low (retention)
         details = exc.details
         now = int(details.get("head", head))
@@ -209,7 +371,7 @@ def _vouch(
 def discover(
     endpoints: Sequence[str],
     stream: str,
-    connect: Connect,
+    via: Connect | Connections,
     positions: Mapping[str, Position] | None = None,
 ) -> dict[str, ProducerState]:
     """Every producer's id, head and low, asked in parallel; raises naming what failed.
@@ -217,8 +379,11 @@ def discover(
     With ``positions`` (a streaming query's, possibly empty), also the epoch of each head
     and the seqs each producer lost under the query's position (``ProducerState.lost``).
     """
-    with ThreadPoolExecutor(max_workers=min(32, len(endpoints))) as pool:
-        states = list(pool.map(lambda e: _probe(e, stream, connect, positions), endpoints))
+    connections, done = _via(via)
+    try:
+        states = connections.map(lambda e: _probe(connections, e, stream, positions), endpoints)
+    finally:
+        done()
     by_id: dict[str, ProducerState] = {}
     for state in states:
         if state.producer_id in by_id:

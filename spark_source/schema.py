@@ -2,7 +2,10 @@
 
 Columns follow Spark's Kafka source where the meaning is the same (key,
 value, timestamp, headers); producer, endpoint and seq take the place of
-topic, partition and offset.
+topic, partition and offset. A query may read fewer: ``includeHeaders=false``
+drops ``headers``, and a schema given with ``.schema(...)`` names the columns
+it wants. Python sources get no column pruning from Spark, so every column the
+source builds costs the executor's Python and the JVM per row.
 """
 
 from __future__ import annotations
@@ -39,8 +42,13 @@ SCHEMA = StructType(
         StructField("headers", ArrayType(HEADER_TYPE, False), False),
     ]
 )
+FIELDS = {field.name: field for field in SCHEMA.fields}
 
-# What Spark checks ``read()``'s batches against, exactly.
+# How each column is built: from the partition's constants, or from rows [seq, timestamp,
+# key, value, headers] as the client decodes records.
+_CONSTANTS = ("producer", "endpoint", "stream")
+_ROW_INDEX = {"seq": 0, "timestamp": 1, "key": 2, "value": 3, "headers": 4}
+
 ARROW_SCHEMA: pa.Schema = to_arrow_schema(SCHEMA, timezone="UTC")
 _HEADERS_TYPE = ARROW_SCHEMA.field("headers").type
 _TIMESTAMP = ARROW_SCHEMA.field("timestamp").type
@@ -48,33 +56,87 @@ _MILLISECONDS = pa.timestamp("ms", tz="UTC")  # records carry milliseconds since
 _NO_HEADER_VALUES = pa.array([], _HEADERS_TYPE.value_type)
 
 
-def to_arrow(
-    producer: str, endpoint: str, stream: str, rows: Sequence[Sequence[Any]]
-) -> pa.RecordBatch:
-    """One RecordBatch from rows [seq, timestamp, key, value, headers], built column by column.
+def default_schema(include_headers: bool) -> StructType:
+    """The schema without ``.schema(...)``: every column, ``headers`` if asked for."""
+    if include_headers:
+        return SCHEMA
+    return StructType([field for field in SCHEMA.fields if field.name != "headers"])
 
-    No Python object per record: Arrow checks every field's type as it builds each column,
-    and seq order is checked on the column. Raises ``ValueError`` for malformed rows.
-    """
-    count = len(rows)
-    try:
-        seqs, timestamps, keys, values, headers = zip(*rows, strict=True) if count else ((),) * 5
-        seq_column = pa.array(seqs, pa.int64())
-        columns = [
-            pa.repeat(pa.scalar(producer, pa.string()), count),
-            pa.repeat(pa.scalar(endpoint, pa.string()), count),
-            pa.repeat(pa.scalar(stream, pa.string()), count),
-            seq_column,
-            pa.array(keys, pa.binary()),
-            pa.array(values, pa.binary()),
-            pa.array(timestamps, pa.int64()).cast(_MILLISECONDS).cast(_TIMESTAMP),
-            _headers(headers),
-        ]
-    except (pa.ArrowException, TypeError, ValueError) as exc:
-        raise ValueError(f"malformed records from producer {producer}: {exc}") from None
-    if count > 1 and not pc.all(pc.less(seq_column[:-1], seq_column[1:])).as_py():
-        raise ValueError(f"records from producer {producer} are not in increasing seq order")
-    return pa.RecordBatch.from_arrays(columns, schema=ARROW_SCHEMA)
+
+def _check_schema(schema: StructType) -> None:
+    """A schema given with ``.schema(...)`` must pick columns of ``SCHEMA`` by name, with
+    their types (nested nullability aside); raises ``ValueError`` saying what is wrong."""
+    if not schema.fields:
+        raise ValueError("the schema names no column")
+    for field in schema.fields:
+        ours = FIELDS.get(field.name)
+        if ours is None:
+            raise ValueError(
+                f"no column {field.name!r}; the columns are {', '.join(FIELDS)} "
+                "(pick any of them, in any order)"
+            )
+        if field.dataType.simpleString() != ours.dataType.simpleString():
+            raise ValueError(
+                f"column {field.name!r} is {ours.dataType.simpleString()}, "
+                f"not {field.dataType.simpleString()}"
+            )
+        if ours.nullable and not field.nullable:
+            raise ValueError(f"column {field.name!r} is nullable")
+
+
+class Columns:
+    """Builds Arrow record batches of one schema's columns, and no others, from rows
+    [seq, timestamp, key, value, headers] as the client decodes them: one list per column
+    read, then one Arrow array each, which checks every field's type as it is built."""
+
+    def __init__(self, schema: StructType) -> None:
+        _check_schema(schema)
+        self.names = tuple(schema.fieldNames())
+        self.arrow_schema: pa.Schema = to_arrow_schema(schema, timezone="UTC")
+        # A given schema may declare nested fields nullable where ours are not.
+        self._casts = {
+            name: self.arrow_schema.field(name).type
+            for name in self.names
+            if self.arrow_schema.field(name).type != ARROW_SCHEMA.field(name).type
+        }
+
+    def batch(
+        self, producer: str, endpoint: str, stream: str, rows: Sequence[Sequence[Any]]
+    ) -> pa.RecordBatch:
+        """One RecordBatch of ``rows``; raises ``ValueError`` for malformed rows or rows out
+        of seq order."""
+        count = len(rows)
+        constants = {"producer": producer, "endpoint": endpoint, "stream": stream}
+        try:
+            if count and set(map(len, rows)) != {5}:
+                raise ValueError("a record must have 5 fields")
+            seqs = pa.array([row[0] for row in rows], pa.int64())
+            columns = []
+            for name in self.names:
+                if name in _CONSTANTS:
+                    column = pa.repeat(pa.scalar(constants[name], pa.string()), count)
+                elif name == "seq":
+                    column = seqs
+                else:
+                    column = _build(name, [row[_ROW_INDEX[name]] for row in rows])
+                cast = self._casts.get(name)
+                columns.append(column if cast is None else column.cast(cast))
+        except (pa.ArrowException, TypeError, ValueError, LookupError) as exc:
+            raise ValueError(f"malformed records from producer {producer}: {exc}") from None
+        if count > 1 and not pc.all(pc.less(seqs[:-1], seqs[1:])).as_py():
+            raise ValueError(f"records from producer {producer} are not in increasing seq order")
+        return pa.RecordBatch.from_arrays(columns, schema=self.arrow_schema)
+
+
+EVERY_COLUMN = Columns(SCHEMA)
+
+
+def _build(name: str, values: list[Any]) -> pa.Array:
+    if name == "timestamp":
+        return pa.array(values, pa.int64()).cast(_MILLISECONDS).cast(_TIMESTAMP)
+    if name == "headers":
+        return _headers(values)
+    return pa.array(values, pa.binary())  # key, value
 
 
 def _headers(headers: Sequence[Any]) -> pa.Array:

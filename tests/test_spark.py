@@ -223,3 +223,88 @@ def test_batch_read_a_postgresql_producer_beside_a_sqlite_one(
         }
         values = {r.value for r in df.filter("seq = 500").collect()}
         assert values == {b"pg-500", b"sqlite-500"}
+
+
+def test_a_query_reads_only_the_columns_it_asks_for(
+    spark: SparkSession, producers: list[streamq.SyncProducer]
+) -> None:
+    """includeHeaders=false drops headers (the Kafka source's default columns); a schema
+    given with .schema(...) picks columns by name, in its order."""
+    eps = endpoints(producers)
+    no_headers = read(spark, eps, includeHeaders="false")
+    assert no_headers.columns == [f.name for f in SCHEMA.fields if f.name != "headers"]
+    assert no_headers.count() == 6000
+    picked = (
+        spark.read.format("streamq")
+        .option("endpoints", eps)
+        .option("stream", "orders")
+        .schema(
+            "value binary, seq long, key binary, headers array<struct<key:string,value:binary>>"
+        )
+        .load()
+    )
+    assert picked.columns == ["value", "seq", "key", "headers"]
+    last = sorted(tuple(r) for r in picked.filter("key is not null").collect())
+    assert [(r[0], r[2], [tuple(h) for h in r[3]]) for r in last] == [
+        (b"last", b"k%d" % i, [("h", b"v")]) for i in range(3)
+    ]
+    stream = (
+        spark.readStream.format("streamq")
+        .option("endpoints", eps)
+        .option("stream", "orders")
+        .option("startingOffsets", "earliest")
+        .schema("seq long")
+        .load()
+    )
+    assert stream.columns == ["seq"]
+    headers = "headers array<struct<key:string,value:binary>>"
+    for schema, options, error in [
+        ("nope int", {}, "no column 'nope'"),
+        ("seq string", {}, "column 'seq' is bigint, not string"),
+        ("key binary not null", {}, "column 'key' is nullable"),
+        (headers, {"includeHeaders": "false"}, "includeHeaders=false, but the schema given"),
+    ]:
+        given = spark.read.format("streamq").schema(schema).options(**options)
+        with pytest.raises(PySparkException, match=error):
+            given.option("endpoints", eps).option("stream", "orders").load().count()
+
+
+def test_read_on_driver_and_a_batch_replayed_after_a_restart(
+    spark: SparkSession, producers: list[streamq.SyncProducer], tmp_path: Path
+) -> None:
+    """readOnDriver=true: the driver reads each micro-batch as it plans it (maxRecordsPerTrigger
+    still applies); a batch replayed after a restart is read again from the producers."""
+    seen: dict[int, list[tuple[str, int]]] = {}
+
+    def sink(df: DataFrame, batch_id: int) -> None:
+        seen[batch_id] = sorted((r.producer, r.seq) for r in df.select("producer", "seq").collect())
+
+    def run() -> None:
+        query = (
+            spark.readStream.format("streamq")
+            .option("endpoints", endpoints(producers))
+            .option("stream", "orders")
+            .option("startingOffsets", "earliest")
+            .option("readOnDriver", "true")
+            .option("maxRecordsPerTrigger", "2500")
+            .load()
+            .writeStream.foreachBatch(sink)
+            .option("checkpointLocation", str(tmp_path / "ck"))
+            .trigger(availableNow=True)
+            .start()
+        )
+        assert query.awaitTermination(120), "AvailableNow query did not finish"
+
+    run()
+    assert [len(seen[b]) for b in sorted(seen)] == [2500, 2500, 1000]
+    assert sorted(r for rows in seen.values() for r in rows) == sorted(
+        (p.producer_id, seq)
+        for i, p in enumerate(producers)
+        for seq in range(1, 1000 * (i + 1) + 1)
+    )
+    # The sink never committed the last batch: the restarted query reads it again, the same.
+    for name in ("2", ".2.crc"):
+        (tmp_path / "ck" / "commits" / name).unlink()
+    last = seen.pop(2)
+    run()
+    assert seen[2] == last

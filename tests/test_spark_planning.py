@@ -107,6 +107,38 @@ def test_discover_real_producers(tmp_path: Path) -> None:
         planning.discover([a.address], "orders", Connect(timeout=10))
 
 
+def test_the_driver_keeps_its_connections_across_triggers(tmp_path: Path) -> None:
+    """Discovery and position reports reuse one connection per producer, and make it anew
+    once when the producer closed it (restarted, here on the same port)."""
+    db = str(tmp_path / "a.db")
+    with streamq.SyncProducer(db) as a:
+        address, pid = a.address, a.producer_id
+        port = int(address.rsplit(":", 1)[1])
+        a.publish("orders", b"1")
+        kept = planning.Connections(Connect(timeout=10))
+        reporter = planning.Reporter(Connect(timeout=10), "orders", "spark")
+        for head in (1, 2):
+            assert planning.discover([address], "orders", kept)[pid].head == head
+            reporter.report({pid: (address, head)})
+            reporter.flush(10)
+            with streamq.Client(address) as client:
+                status = client.status()
+            # This client, the driver's kept connection and the reporter's: no others.
+            assert status["connections"] == 3
+            assert [p["applied"] for p in status["positions"]] == [head]
+            a.publish("orders", b"more")
+    with streamq.SyncProducer(db, port=port) as restarted:
+        assert planning.discover([address], "orders", kept)[pid].head == 3
+        reporter.report({pid: (address, 3)})
+        reporter.close(10)
+        kept.close()
+        with streamq.Client(address) as client:
+            status = client.status()
+        assert status["connections"] == 1
+        assert [p["applied"] for p in status["positions"]] == [3]
+        assert restarted.producer_id == pid
+
+
 def registry() -> list[str]:
     """An endpoints provider, as a service registry lookup would be."""
     return ["r:1", "r:2"]

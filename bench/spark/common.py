@@ -1,18 +1,22 @@
 """What the Spark workload's two sources share: timing an AvailableNow query, and the
-micro-batch latency measurement (a paced publisher, a ``foreachBatch`` sink)."""
+micro-batch latency measurement (a ``foreachBatch`` sink fed by the latency workload's
+paced publisher, run as a process of its own)."""
 
 from __future__ import annotations
 
+import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..measure import Latencies, Pacer
+from ..common import Child
+from ..latency import DUE, START_DELAY
+from ..measure import Latencies
 
 RECORD = b"v" * 100
-TICK = 0.01  # s between the publisher's batches
 WARMUP = 3.0  # s of micro-batches not counted (query start-up)
+# The parts of a micro-batch's ``durationMs`` worth comparing between sources (in order).
+PHASES = ("latestOffset", "walCommit", "queryPlanning", "addBatch", "commitOffsets")
 
 
 def time_query(spark: Any, reader: Any, checkpoint: Path) -> float:
@@ -31,48 +35,63 @@ def time_query(spark: Any, reader: Any, checkpoint: Path) -> float:
     return rows / (time.perf_counter() - started)
 
 
-def paced(rate: float, seconds: float, send: Callable[[int], None]) -> int:
-    """Call ``send(count)`` every TICK with the records due by then, for ``seconds``;
-    returns the publish time (ms) of the last batch."""
-    pacer, total, last_ms = Pacer(rate, clock=time.monotonic), int(rate * seconds), 0
-    while pacer.taken < total:
-        due = min(total - pacer.taken, pacer.owed())
-        if due > 0:
-            last_ms = int(time.time() * 1000)
-            send(due)
-            pacer.record(due)
-        time.sleep(TICK)  # pacing a load generator, not synchronising a test
-    return last_ms
-
-
 class Sink:
-    """foreachBatch: records each row's publish-to-visible latency, in microseconds."""
+    """foreachBatch: each row's latency from the due time its value carries (the latency
+    workload's records: measured from the schedule, no coordinated omission) to when it is
+    visible in the sink."""
 
     def __init__(self, after: float) -> None:
-        self.after = after  # epoch seconds; rows published earlier are start-up
+        self.after = after  # epoch seconds; rows due earlier are start-up
         self.latencies = Latencies()
-        self.newest_ms = 0  # the newest publish time seen
+        self.rows = 0  # every row seen, start-up included
 
     def __call__(self, df: Any, batch_id: int) -> None:
-        published = [row[0] for row in df.selectExpr("unix_millis(timestamp)").collect()]
+        dues = [DUE.unpack_from(row[0])[0] for row in df.select("value").collect()]
         now = time.time()
-        self.newest_ms = max([self.newest_ms, *published])
-        self.latencies.record([ms / 1000 for ms in published if ms >= self.after * 1000], now)
+        self.rows += len(dues)
+        self.latencies.record([due for due in dues if due >= self.after], now)
 
 
-def measure(spark: Any, reader: Any, checkpoint: Path, publish: Callable[[], int]) -> Sink:
-    sink = Sink(after=time.time() + WARMUP)
+class Latency:
+    """One latency run: the sink's figures and the query's micro-batch phases."""
+
+    def __init__(self, sink: Sink, progress: list[dict[str, Any]]) -> None:
+        self.sink = sink
+        # Median ms per phase over the micro-batches that read rows (the newest ones Spark
+        # keeps: 100 by default, after the warm-up at this workload's rates).
+        batches = [p for p in progress if p["numInputRows"]]
+        self.phases = {
+            name: statistics.median(p["durationMs"].get(name, 0) for p in batches)
+            for name in (*PHASES, "triggerExecution")
+            if batches
+        }
+
+
+def measure(
+    spark: Any, reader: Any, checkpoint: Path, publisher: Child, rate: float, seconds: float
+) -> Latency:
+    """Start the query on a fresh, empty stream (read from its earliest record), tell the
+    publisher to go (``rate`` records/s for ``seconds``), and wait until the sink has seen
+    every record."""
+    total = int(rate * seconds)
+    sink = Sink(after=time.time() + START_DELAY + WARMUP)
     query = (
-        reader.load()
+        reader.option("startingOffsets", "earliest")
+        .load()
         .writeStream.foreachBatch(sink)
         .option("checkpointLocation", str(checkpoint))
         .start()
     )
     try:
-        last_ms = publish()
-        deadline = time.monotonic() + 60
-        while sink.newest_ms < last_ms and query.isActive and time.monotonic() < deadline:
-            time.sleep(0.1)  # until the last batch published is visible in the sink
+        publisher.send("GO")
+        publisher.expect("START")
+        deadline = time.monotonic() + seconds + 60
+        while sink.rows < total and query.isActive and time.monotonic() < deadline:
+            time.sleep(0.1)  # until the last record published is visible in the sink
+        progress = query.recentProgress
     finally:
         query.stop()
-    return sink
+        publisher.send("STOP")
+    if sink.rows < total:
+        raise RuntimeError(f"the sink saw {sink.rows} of {total} records")
+    return Latency(sink, progress)

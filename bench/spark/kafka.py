@@ -9,8 +9,8 @@ from typing import Any
 
 from confluent_kafka import Producer
 
-from ..kafka.clients import PRODUCER_LATENCY
-from .common import RECORD, Sink, measure, paced, time_query
+from ..common import Child
+from .common import RECORD, Latency, measure, time_query
 
 
 def _fill_topic(broker: Any, topic: str, partitions: int, total: int) -> None:
@@ -38,23 +38,16 @@ def ingest(spark: Any, broker: Any, folder: Path, partitions: int, total: int) -
     return time_query(spark, reader, folder / "ck")
 
 
-def latency(spark: Any, broker: Any, folder: Path, rate: float, seconds: float) -> Sink:
+def latency(spark: Any, broker: Any, folder: Path, rate: float, seconds: float) -> Latency:
+    """The latency workload's Kafka producer (configured for latency) in its own process."""
     topic = f"latency-{uuid.uuid4().hex[:8]}"
     broker.create_topic(topic, 1)
-    producer = Producer({"bootstrap.servers": broker.bootstrap, **PRODUCER_LATENCY})
-
-    def send(count: int) -> None:
-        for _ in range(count):
-            producer.produce(topic, RECORD)
-        producer.poll(0)
-
     reader = (
         spark.readStream.format("kafka")
         .option("kafka.bootstrap.servers", broker.bootstrap)
         .option("subscribe", topic)
-        .option("startingOffsets", "latest")
     )
-    try:
-        return measure(spark, reader, folder / "ck", lambda: paced(rate, seconds, send))
-    finally:
-        producer.flush(30)
+    args = ("producer", broker.bootstrap, topic, rate, seconds)
+    with Child("bench.latency.kafka", *args) as publisher:
+        publisher.expect("READY")
+        return measure(spark, reader, folder / "ck", publisher, rate, seconds)

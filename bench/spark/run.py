@@ -3,17 +3,25 @@
 streamq: N producer processes (``streamq serve``), read directly by the ``streamq`` source.
 Kafka: one topic with N partitions holding the same records, read by Spark's own Kafka
 source (``spark-sql-kafka-0-10``, resolved through Maven). N sweeps 1, 4, 16, 64.
-Then micro-batch latency, publish to visible in the sink (``common.measure``).
+Then micro-batch latency, publish to visible in the sink (``common.measure``), with the
+median of each micro-batch phase (Spark's ``durationMs``) to say where the time goes.
+
+``python -m bench.spark.run [--quick] [--repeats N] [--no-kafka] [--producers 1,4]
+[--rows N] [--no-ingest] [--no-latency]``: the whole workload (saved like ``python -m
+bench --only spark``), or part of it at a chosen size (printed, not saved).
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from rich.progress import Progress
+from rich.table import Table
 
 from ..common import (
     Series,
@@ -23,17 +31,20 @@ from ..common import (
     save,
 )
 from . import kafka, streamq
-from .common import WARMUP
+from .common import PHASES, WARMUP, Latency
 
 SWEEP = [1, 4, 16, 64]
 LATENCY_FULL = (1000, 20.0)  # records/s, seconds
 LATENCY_QUICK = (500, 6.0)
+# Latency is measured as the source reads by default (executors, "streamq") and in its
+# mode for small micro-batches from many producers (readOnDriver) too.
+ON_DRIVER = "streamq readOnDriver"
 PERCENTILES = {"p50": 50.0, "p99": 99.0, "max": 100.0}
 
 
 def _warm_up(spark: Any, broker: Any | None) -> None:
     """One small query per source first: the session's first query pays JVM start-up costs
-    (class loading, JIT, Python workers) that would be charged to whichever system ran first."""
+    (class loading, JIT) that would be charged to whichever system ran first."""
     with tempfile.TemporaryDirectory() as folder:
         streamq.ingest(spark, Path(folder), 1, 20_000)
     if broker is not None:
@@ -41,25 +52,57 @@ def _warm_up(spark: Any, broker: Any | None) -> None:
             kafka.ingest(spark, broker, Path(folder), 1, 20_000)
 
 
+def _latency_run(
+    spark: Any, broker: Any | None, system: str, rate: float, seconds: float
+) -> Latency:
+    with tempfile.TemporaryDirectory() as folder:
+        if system == "kafka":
+            return kafka.latency(spark, broker, Path(folder), rate, seconds)
+        return streamq.latency(spark, Path(folder), rate, seconds, system == ON_DRIVER)
+
+
 def _latency(
     spark: Any, broker: Any | None, systems: list[str], quick: bool, repeats: int
-) -> list[Series]:
+) -> tuple[list[Series], list[Series]]:
+    """Percentiles of publish -> visible, and the median ms of each micro-batch phase."""
     rate, seconds = LATENCY_QUICK if quick else LATENCY_FULL
+    systems = [*systems, ON_DRIVER]
+    for system in systems:
+        # Not counted: the session's first foreachBatch starts Py4J's callback server, and
+        # each way of reading has its first micro-batch (class loading, JIT) to pay.
+        _latency_run(spark, broker, system, *LATENCY_QUICK)
     series = {
         (system, name): Series(system, f"{rate:,}/s {name}", "ms")
         for system in systems
         for name in PERCENTILES
     }
+    phases = {
+        (system, name): Series(system, name, "ms")
+        for system in systems
+        for name in (*PHASES, "triggerExecution")
+    }
     for system in alternating(systems, repeats):
-        with tempfile.TemporaryDirectory() as folder:
-            if system == "streamq":
-                sink = streamq.latency(spark, Path(folder), rate, seconds)
-            else:
-                sink = kafka.latency(spark, broker, Path(folder), rate, seconds)
+        run = _latency_run(spark, broker, system, rate, seconds)
+        histogram = run.sink.latencies.histogram
         for name, percentile in PERCENTILES.items():
-            value = sink.latencies.histogram.get_value_at_percentile(percentile) / 1000
+            value = histogram.get_value_at_percentile(percentile) / 1000
             series[system, name].values.append(value)
-    return list(series.values())
+        for name, ms in run.phases.items():
+            phases[system, name].values.append(ms)
+    return list(series.values()), [s for s in phases.values() if s.values]
+
+
+def _phase_table(title: str, phases: list[Series]) -> Table:
+    table = Table(title=title)
+    systems = list(dict.fromkeys(s.system for s in phases))
+    for column in ("phase", *systems):
+        table.add_column(column, justify="right")
+    by_phase: dict[str, dict[str, float]] = {}
+    for s in phases:
+        by_phase.setdefault(s.case, {})[s.system] = s.median
+    for phase, medians in by_phase.items():
+        table.add_row(phase, *(f"{medians.get(system, 0):,.0f} ms" for system in systems))
+    return table
 
 
 def spark_session(with_kafka: bool) -> Any:
@@ -73,17 +116,29 @@ def spark_session(with_kafka: bool) -> Any:
     return local_spark("streamq bench", driver_memory="2g", jars=jars)
 
 
-def run(broker: Any | None, quick: bool, repeats: int) -> dict[str, Any]:
-    total = 200_000 if quick else 2_000_000
+def run(
+    broker: Any | None,
+    quick: bool,
+    repeats: int,
+    *,
+    sweep: list[int] | None = None,
+    total: int | None = None,
+    ingest: bool = True,
+    latency: bool = True,
+    saved: bool = True,
+) -> dict[str, Any]:
+    sweep = SWEEP if sweep is None else sweep
+    total = total or (200_000 if quick else 2_000_000)
     systems = ["streamq"] + (["kafka"] if broker is not None else [])
     spark = spark_session(broker is not None)
     series: list[Series] = []
-    latency: list[Series] = []
+    percentiles: list[Series] = []
+    phases: list[Series] = []
     try:
         _warm_up(spark, broker)
         with Progress(console=console, transient=True) as progress:
-            task = progress.add_task("spark", total=len(SWEEP) * repeats * len(systems))
-            for n in SWEEP:
+            task = progress.add_task("spark", total=len(sweep) * repeats * len(systems))
+            for n in sweep if ingest else []:
                 rates = {
                     s: Series(s, f"{n} producers" if n > 1 else "1 producer", "rows/s")
                     for s in systems
@@ -97,27 +152,66 @@ def run(broker: Any | None, quick: bool, repeats: int) -> dict[str, Any]:
                     rates[system].values.append(rate)
                     progress.advance(task)
                 series += rates.values()
-        latency = _latency(spark, broker, systems, quick, repeats)
+        if latency:
+            percentiles, phases = _latency(spark, broker, systems, quick, repeats)
     finally:
         spark.stop()
-    console.print(
-        comparison_table(
-            f"spark: rows/s into a noop sink, AvailableNow, {total:,} rows of 100 B", series
-        )
-    )
     rate, seconds = LATENCY_QUICK if quick else LATENCY_FULL
-    console.print(
-        comparison_table(
+    if series:
+        title = f"spark: rows/s into a noop sink, AvailableNow, {total:,} rows of 100 B"
+        console.print(comparison_table(title, series))
+    if percentiles:
+        title = (
             f"spark: publish to visible in a foreachBatch sink, ms, {rate:,} records/s for "
-            f"{seconds:.0f} s (first {WARMUP:.0f} s not counted)",
-            latency,
-            better="lower",
+            f"{seconds:.0f} s (first {WARMUP:.0f} s not counted)"
         )
-    )
+        console.print(comparison_table(title, percentiles, better="lower"))
+        console.print(_phase_table("spark: median ms per micro-batch phase", phases))
     results = {
         "rows": total,
         "series": [asdict(s) for s in series],
-        "latency": {"rate": rate, "seconds": seconds, "series": [asdict(s) for s in latency]},
+        "latency": {
+            "rate": rate,
+            "seconds": seconds,
+            "series": [asdict(s) for s in percentiles],
+            "phases": [asdict(s) for s in phases],
+        },
     }
-    save("spark", results, quick)
+    if saved:
+        save("spark", results, quick)
     return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.spark.run", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="small sizes")
+    parser.add_argument("--repeats", type=int, default=None, help="runs per case (3; quick: 1)")
+    parser.add_argument("--no-kafka", action="store_true", help="streamq alone (no broker)")
+    parser.add_argument("--producers", help="comma-separated producer counts (not saved)")
+    parser.add_argument("--rows", type=int, help="rows per ingest case (not saved)")
+    parser.add_argument("--no-ingest", action="store_true", help="latency only (not saved)")
+    parser.add_argument("--no-latency", action="store_true", help="ingest only (not saved)")
+    args = parser.parse_args(argv)
+    sweep = [int(n) for n in args.producers.split(",")] if args.producers else None
+    partial = sweep is not None or args.rows or args.no_ingest or args.no_latency
+    with contextlib.ExitStack() as stack:
+        broker: Any = None
+        if not args.no_kafka:
+            from ..kafka.broker import KafkaBroker
+
+            broker = stack.enter_context(KafkaBroker())
+        run(
+            broker,
+            args.quick,
+            args.repeats or (1 if args.quick else 3),
+            sweep=sweep,
+            total=args.rows,
+            ingest=not args.no_ingest,
+            latency=not args.no_latency,
+            saved=not partial,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,9 @@ from typing import Any
 
 import streamq
 
-from .common import RECORD, Sink, measure, paced, time_query
+from ..common import Child
+from ..latency.streamq import STREAM
+from .common import RECORD, Latency, measure, time_query
 
 
 def _fill_producers(folder: Path, producers: int, total: int) -> list[Path]:
@@ -39,13 +42,14 @@ class Fleet:
             )
             for path in paths
         ]
-        self.endpoints = []
+        self.endpoints, self.producer_ids = [], []
         for process in self.processes:
             assert process.stdout is not None
             line = process.stdout.readline()
             if not line.startswith("serving producer"):
                 raise RuntimeError(f"streamq serve failed: {line!r}")
             self.endpoints.append(line.rsplit(" on ", 1)[1].strip())
+            self.producer_ids.append(line.split()[2])
 
     def stop(self) -> None:
         for process in self.processes:
@@ -54,32 +58,46 @@ class Fleet:
             process.communicate(timeout=30)
 
 
+def warm_workers(spark: Any, fleet: Fleet) -> None:
+    """Two records in two tasks first, so that both of ``local[2]``'s Python workers are
+    running and have imported the source: Spark stops a worker idle for a minute, and
+    starting one (forking, importing pyarrow) would be charged to the timed query."""
+    count = (
+        spark.read.format("streamq")
+        .option("endpoints", fleet.endpoints[0])
+        .option("stream", "ingest")
+        .option("endingOffsets", json.dumps({fleet.producer_ids[0]: 3}))
+        .option("minPartitions", 2)
+        .load()
+        .count()
+    )
+    assert count == 2, count
+
+
 def ingest(spark: Any, folder: Path, producers: int, total: int) -> float:
     fleet = Fleet(_fill_producers(folder, producers, total))
     try:
+        warm_workers(spark, fleet)
         reader = (
             spark.readStream.format("streamq")
             .option("endpoints", ",".join(fleet.endpoints))
             .option("stream", "ingest")
             .option("startingOffsets", "earliest")
+            .option("includeHeaders", "false")  # the Kafka source's columns (its default)
         )
         return time_query(spark, reader, folder / "ck")
     finally:
         fleet.stop()
 
 
-def latency(spark: Any, folder: Path, rate: float, seconds: float) -> Sink:
-    with streamq.SyncProducer(str(folder / "p.db")) as producer:
-        producer.create_stream("events")
-
-        def send(count: int) -> None:
-            with producer.transaction() as tx:
-                tx.publish_many("events", [RECORD] * count)
-
+def latency(spark: Any, folder: Path, rate: float, seconds: float, on_driver: bool) -> Latency:
+    """The latency workload's streamq producer in its own process: never sharing the GIL
+    of the driver's Python, where the foreachBatch sink runs. ``on_driver``: readOnDriver,
+    the low-latency mode."""
+    args = ("producer", folder / "p.db", rate, seconds, "normal")
+    with Child("bench.latency.streamq", *args) as publisher:
+        (address,) = publisher.expect("READY")
         reader = (
-            spark.readStream.format("streamq")
-            .option("endpoints", producer.address)
-            .option("stream", "events")
-            .option("startingOffsets", "latest")
+            spark.readStream.format("streamq").option("endpoints", address).option("stream", STREAM)
         )
-        return measure(spark, reader, folder / "ck", lambda: paced(rate, seconds, send))
+        return measure(spark, reader, folder / "ck", publisher, rate, seconds)
