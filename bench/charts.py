@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import textwrap
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -124,7 +125,9 @@ def grouped_bars(
         log_y(ax)
         ylabel += " (log scale)"
     ax.margins(y=0.15)
-    ax.set_xticks(range(len(groups)), groups, fontsize=8)
+    # Long case names wrap rather than run into their neighbours.
+    wrapped = [textwrap.fill(group, 22) for group in groups]
+    ax.set_xticks(range(len(groups)), wrapped, fontsize=8)
     ax.set_ylabel(ylabel, fontsize=8)
     ax.tick_params(axis="y", labelsize=8)
     ax.legend(fontsize=8)
