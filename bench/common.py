@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import json
 import os
 import platform
@@ -340,3 +341,23 @@ def systems_main(
             broker = stack.enter_context(KafkaBroker())
         run(broker, args.quick, repeats, nats=not args.no_nats)
     return 0
+
+
+@contextlib.contextmanager
+def file_lock(path: Path, timeout: float, error: type[Exception]) -> Iterator[None]:
+    """An exclusive ``flock`` on ``path``, waited for at most ``timeout`` seconds (then
+    ``error``): two processes must not download or build the same thing at once."""
+    with path.open("a") as handle:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise error(f"{path} stayed locked for {timeout:.0f} s") from None
+                time.sleep(0.2)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)

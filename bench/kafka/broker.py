@@ -24,7 +24,6 @@ import argparse
 import atexit
 import base64
 import contextlib
-import fcntl
 import hashlib
 import importlib.metadata
 import json
@@ -38,7 +37,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
@@ -53,6 +52,8 @@ from confluent_kafka.admin import (  # type: ignore[import-untyped,attr-defined,
     AdminClient,
     NewTopic,
 )
+
+from ..common import file_lock
 
 HERE = Path(__file__).resolve().parent
 POM = HERE / "pom.xml"
@@ -201,25 +202,6 @@ def _complete(folder: Path, stamps: list[str]) -> bool:
     return all((folder / name).is_file() for name in marker.get("jars", []))
 
 
-@contextlib.contextmanager
-def _locked(path: Path, timeout: float) -> Iterator[None]:
-    """An exclusive ``flock`` on ``path``, waited for at most ``timeout`` seconds."""
-    with path.open("a") as handle:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise KafkaBrokerError(f"{path} stayed locked for {timeout:.0f} s") from None
-                time.sleep(0.2)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
-
-
 def _maven_jars(
     pom: Path,
     folder: Path,
@@ -236,7 +218,7 @@ def _maven_jars(
     stamps = [stamp] + [_stamp(pom, other) for other in accept or []]
     if _complete(folder, stamps):
         return folder
-    with _locked(folder.parent / f".{folder.name}.lock", MAVEN_TIMEOUT + 60):
+    with file_lock(folder.parent / f".{folder.name}.lock", MAVEN_TIMEOUT + 60, KafkaBrokerError):
         if _complete(folder, stamps):  # another process filled it while we waited
             return folder
         mvn = shutil.which("mvn")

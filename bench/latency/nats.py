@@ -19,7 +19,7 @@ from streamq import _loop
 
 from ..common import say, wait_line
 from ..measure import Latencies, Pacer
-from ..nats.clients import PUBLISH_LATENCY, connected
+from ..nats.clients import PUBLISH_LATENCY, ack_checker, connected
 from . import record_receipt, record_value, schedule_start
 
 DEADLINE = 600.0  # s: the parent gives up on a run after as long
@@ -27,11 +27,7 @@ DEADLINE = 600.0  # s: the parent gives up on a run after as long
 
 async def producer(url: str, stream: str, rate: float, seconds: float) -> None:
     failed: list[BaseException] = []
-
-    def check(ack: asyncio.Future[api.PubAck]) -> None:
-        error = ack.exception() if not ack.cancelled() else asyncio.CancelledError()
-        if error is not None:
-            failed.append(error)
+    check = ack_checker(failed)
 
     async with connected(url) as client:
         js = client.jetstream(

@@ -5,8 +5,9 @@ Printed with every run (``SETTINGS``), as Kafka's client settings are.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import nats
@@ -110,3 +111,15 @@ async def round_trip(url: str, name: str, count: int) -> int:
         while len(got) < count:
             got += [m.data for m in await sub.fetch(count - len(got), timeout=5)]
         return len(got)
+
+
+def ack_checker(failed: list[BaseException]) -> Callable[[asyncio.Future[api.PubAck]], None]:
+    """A ``publish_async`` ack callback noting every failed (or cancelled) publish in
+    ``failed``: the run is checked once its acks are in."""
+
+    def check(ack: asyncio.Future[api.PubAck]) -> None:
+        error = ack.exception() if not ack.cancelled() else asyncio.CancelledError()
+        if error is not None:
+            failed.append(error)
+
+    return check

@@ -23,7 +23,6 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
-import fcntl
 import json
 import os
 import shutil
@@ -39,6 +38,8 @@ from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
+
+from ..common import file_lock
 
 HERE = Path(__file__).resolve().parent
 BIN = HERE / "bin"  # git-ignored: the built binary
@@ -105,7 +106,7 @@ def ensure_binary() -> Path:
     if binary_version(binary) == VERSION:
         return binary
     BIN.mkdir(parents=True, exist_ok=True)
-    with _locked(BIN / ".build.lock", BUILD_TIMEOUT + 60):
+    with file_lock(BIN / ".build.lock", BUILD_TIMEOUT + 60, NatsServerError):
         if binary_version(binary) == VERSION:  # another process built it while we waited
             return binary
         _go_install(binary)
@@ -153,25 +154,6 @@ def _go_environment(gobin: Path) -> dict[str, str]:
         env.setdefault("GOCACHE", str(BIN / ".go-cache"))
         env.setdefault("GOFLAGS", "-modcacherw")  # so the cache can be deleted like any folder
     return env
-
-
-@contextlib.contextmanager
-def _locked(path: Path, timeout: float) -> Iterator[None]:
-    """An exclusive ``flock`` on ``path`` (two test processes must not build at once)."""
-    with path.open("a") as handle:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise NatsServerError(f"{path} stayed locked for {timeout:.0f} s") from None
-                time.sleep(0.2)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
 def run_coroutine(coroutine: Coroutine[Any, Any, T], timeout: float = API_TIMEOUT) -> T:

@@ -23,7 +23,7 @@ from nats.js import api
 from streamq import _loop
 
 from ..common import say, wait_line
-from ..nats.clients import FETCH_THROUGHPUT, PUBLISH_THROUGHPUT, connected, fetch_size
+from ..nats.clients import FETCH_THROUGHPUT, PUBLISH_THROUGHPUT, ack_checker, connected, fetch_size
 
 CONSUMER = "pipe"  # the durable's name, one per stream
 
@@ -31,11 +31,7 @@ CONSUMER = "pipe"  # the durable's name, one per stream
 async def producer(url: str, stream: str, count: int, size: int) -> None:
     value = os.urandom(size)
     failed: list[BaseException] = []
-
-    def check(ack: asyncio.Future[api.PubAck]) -> None:
-        error = ack.exception() if not ack.cancelled() else asyncio.CancelledError()
-        if error is not None:
-            failed.append(error)
+    check = ack_checker(failed)
 
     async with connected(url) as client:
         js = client.jetstream(
