@@ -299,38 +299,20 @@ def comparison_table(title: str, series: Sequence[Series], better: str = "higher
 
 
 def workload_main(
-    prog: str, doc: str | None, run: Callable[[Any, bool, int, int | None], Any], argv: Any
+    prog: str, doc: str | None, run: Callable[..., Any], argv: Any, *, nats: bool = False
 ) -> int:
     """``python -m bench.<workload>.run``: its options, a Kafka broker unless ``--no-kafka``,
-    then ``run(broker, quick, repeats, seed)``."""
-    parser = argparse.ArgumentParser(prog=prog, description=doc)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--repeats", type=int, default=None, help="runs per case (3; quick: 1)")
-    parser.add_argument("--no-kafka", action="store_true", help="streamq alone (no broker)")
-    parser.add_argument("--seed", type=int, default=None)
-    args = parser.parse_args(argv)
-    repeats = args.repeats or (1 if args.quick else 3)
-    with contextlib.ExitStack() as stack:
-        broker: Any = None
-        if not args.no_kafka:
-            from .kafka.broker import KafkaBroker
-
-            broker = stack.enter_context(KafkaBroker())
-        run(broker, args.quick, repeats, args.seed)
-    return 0
-
-
-def systems_main(
-    prog: str, doc: str | None, run: Callable[..., Any], argv: list[str] | None
-) -> int:
-    """``python -m bench.<workload>.run`` for the workloads with NATS as a second baseline
-    (pipe, latency): ``run(broker, quick, repeats, nats=...)``, a Kafka broker unless
-    ``--no-kafka``, NATS servers (the workload starts them) unless ``--no-nats``."""
+    then ``run(broker, quick, repeats, seed)``; with ``nats`` (the workloads with NATS as a
+    second baseline, which start its servers themselves) ``run(broker, quick, repeats,
+    nats=...)``, NATS unless ``--no-nats``."""
     parser = argparse.ArgumentParser(prog=prog, description=doc)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int, default=None, help="runs per case (3; quick: 1)")
     parser.add_argument("--no-kafka", action="store_true", help="no Kafka broker")
-    parser.add_argument("--no-nats", action="store_true", help="no NATS JetStream server")
+    if nats:
+        parser.add_argument("--no-nats", action="store_true", help="no NATS JetStream server")
+    else:
+        parser.add_argument("--seed", type=int, default=None)
     args = parser.parse_args(argv)
     repeats = args.repeats or (1 if args.quick else 3)
     with contextlib.ExitStack() as stack:
@@ -339,7 +321,10 @@ def systems_main(
             from .kafka.broker import KafkaBroker
 
             broker = stack.enter_context(KafkaBroker())
-        run(broker, args.quick, repeats, nats=not args.no_nats)
+        if nats:
+            run(broker, args.quick, repeats, nats=not args.no_nats)
+        else:
+            run(broker, args.quick, repeats, args.seed)
     return 0
 
 

@@ -28,7 +28,7 @@ from ..common import (
     durability_modes,
     percentile_series,
     save,
-    systems_main,
+    workload_main,
 )
 from ..nats.server import NatsServer, durability_servers, recorded_settings
 
@@ -135,7 +135,7 @@ def run(broker: Any | None, quick: bool, repeats: int, nats: bool = True) -> dic
 
 
 def main(argv: list[str] | None = None) -> int:
-    return systems_main("python -m bench.latency.run", __doc__, run, argv)
+    return workload_main("python -m bench.latency.run", __doc__, run, argv, nats=True)
 
 
 if __name__ == "__main__":
