@@ -45,13 +45,16 @@ class TailBuffer:
     """A stream's most recently committed records, encoded, bounded in memory.
 
     It holds a contiguous run of seqs ending at the head; anything older is
-    evicted first. Evicted records are still in SQLite.
+    evicted first. Evicted records are still in SQLite. Evicting moves a start
+    index; the list drops its dead front only once that is half of it, so a commit
+    costs its own records, not a shift of everything held.
     """
 
     def __init__(self, max_bytes: int, next_seq: int) -> None:
         self.max_bytes = max_bytes
         self._records: list[bytes] = []
-        self._first_seq = next_seq
+        self._dead = 0  # evicted records still at the front of ``_records``
+        self._first_seq = next_seq  # of ``_records[_dead]``
         self._nbytes = 0
 
     @property
@@ -61,28 +64,33 @@ class TailBuffer:
     def reset(self, next_seq: int) -> None:
         """Forget everything: the next append starts at ``next_seq``."""
         self._records = []
+        self._dead = 0
         self._first_seq = next_seq
         self._nbytes = 0
 
     def append(self, first_seq: int, records: Sequence[bytes]) -> None:
-        if first_seq != self._first_seq + len(self._records):
+        if first_seq != self._first_seq + len(self._records) - self._dead:
             self.reset(first_seq)
         self._records.extend(records)
         self._nbytes += memory_cost(records)
         if self._nbytes > self.max_bytes:
-            drop = 0
+            held, dead = self._records, self._dead
             while self._nbytes > self.max_bytes:
-                self._nbytes -= len(self._records[drop]) + RECORD_OVERHEAD
-                drop += 1
-            del self._records[:drop]
-            self._first_seq += drop
+                self._nbytes -= len(held[dead]) + RECORD_OVERHEAD
+                dead += 1
+            self._first_seq += dead - self._dead
+            if dead > len(held) // 2:
+                del held[:dead]
+                dead = 0
+            self._dead = dead
 
     def get(self, seq: int, end: int, max_records: int, max_bytes: int) -> Sequence[bytes] | None:
         """Records from ``seq`` (up to ``end``, exclusive), or None if not held here."""
         i = seq - self._first_seq
-        if i < 0 or i >= len(self._records):
+        if i < 0 or i >= len(self._records) - self._dead:
             return None
         count = min(max_records, end - seq)
+        i += self._dead
         return take(self._records[i : i + count], count, max_bytes)
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import psycopg
 
+from streamq.engines.sqlite.storage import unpack_rows
 from streamq.storage import is_postgres_url
 
 SEQ_MASK = (1 << 40) - 1  # SQLite packs (stream id, seq) in its rowid
@@ -23,14 +24,15 @@ def _one(database: str, sqlite_sql: str, postgres_sql: str, params: tuple[Any, .
 
 
 def stored_seqs(database: str, stream_id: int = 1) -> list[int]:
-    """The seqs a stream's records are stored under, in order."""
+    """The seqs a stream's records are stored under, in order (on SQLite, a row holds a
+    run of records: ``unpack_rows``; on PostgreSQL, one record)."""
     rows = _one(
         database,
-        f"SELECT pos & {SEQ_MASK} FROM streamq_log WHERE pos >> 40 = ? ORDER BY pos",
-        "SELECT seq FROM streamq_log WHERE stream_id = %s ORDER BY seq",
+        "SELECT pos, count, record FROM streamq_log WHERE pos >> 40 = ? ORDER BY pos",
+        "SELECT seq, 1, NULL FROM streamq_log WHERE stream_id = %s ORDER BY seq",
         (stream_id,),
     )
-    return [int(seq) for (seq,) in rows]
+    return [position & SEQ_MASK for position, _ in unpack_rows(rows)]
 
 
 def stored_bytes(database: str) -> int:

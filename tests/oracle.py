@@ -265,7 +265,7 @@ def read_log(db: Path | str, stream: str) -> dict[int, bytes]:
         return _read_log_postgres(str(db), stream)
     import msgpack
 
-    from streamq.engines.sqlite.storage import MAX_STORED_SEQ, SEQ_BITS
+    from streamq.engines.sqlite.storage import MAX_STORED_SEQ, SEQ_BITS, unpack_rows
 
     with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10) as conn:
         row = conn.execute("SELECT id FROM streamq_streams WHERE name = ?", (stream,)).fetchone()
@@ -273,12 +273,12 @@ def read_log(db: Path | str, stream: str) -> dict[int, bytes]:
             return {}
         stream_id = int(row[0])
         rows = conn.execute(
-            "SELECT pos, record FROM streamq_log WHERE pos > ? AND pos < ? ORDER BY pos",
+            "SELECT pos, count, record FROM streamq_log WHERE pos > ? AND pos < ? ORDER BY pos",
             (stream_id << SEQ_BITS, (stream_id + 1) << SEQ_BITS),
         ).fetchall()
     conn.close()
     records = {}
-    for pos, encoded in rows:
+    for pos, encoded in unpack_rows(rows):
         seq, _, _, value, _ = msgpack.unpackb(encoded)
         assert seq == pos & MAX_STORED_SEQ, (seq, pos)
         records[seq] = value

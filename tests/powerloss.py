@@ -52,7 +52,7 @@ from streamq import (
     Producer,
     SeqsReusedError,
 )
-from streamq.engines.sqlite.storage import HEAD_QUERY
+from streamq.engines.sqlite.storage import HEAD_QUERY, unpack_rows
 from streamq.storage import Durability
 
 from .conftest import wait_for
@@ -342,8 +342,8 @@ def ends(work: Workload) -> list[int]:
 def _log(path: Path) -> dict[int, bytes]:
     """seq -> value of every record in the producer's log, read from its file."""
     with contextlib.closing(sqlite3.connect(path)) as db:
-        rows = db.execute("SELECT record FROM streamq_log ORDER BY pos").fetchall()
-    decoded = [msgpack.unpackb(record) for (record,) in rows]
+        rows = db.execute("SELECT pos, count, record FROM streamq_log ORDER BY pos").fetchall()
+    decoded = [msgpack.unpackb(record) for _, record in unpack_rows(rows)]
     return {seq: value for seq, _, _, value, _ in decoded}
 
 

@@ -12,6 +12,7 @@ import pytest
 
 import streamq
 from streamq import Producer, ServerSettings, SyncProducer
+from streamq.engines.sqlite.storage import unpack_rows
 from streamq.errors import RecordTooLargeError, TransactionClosedError
 
 from .conftest import wait_for
@@ -24,9 +25,10 @@ def log_seqs(path: str, stream: str = "orders") -> list[int]:
             "SELECT id FROM streamq_streams WHERE name = ?", (stream,)
         ).fetchone()
         rows = db.execute(
-            "SELECT pos FROM streamq_log WHERE pos >> 40 = ? ORDER BY pos", (stream_id,)
+            "SELECT pos, count, record FROM streamq_log WHERE pos >> 40 = ? ORDER BY pos",
+            (stream_id,),
         ).fetchall()
-    return [pos & ((1 << 40) - 1) for (pos,) in rows]
+    return [pos & ((1 << 40) - 1) for pos, _ in unpack_rows(rows)]
 
 
 async def test_publish_commits_with_business_writes(producer_db: str) -> None:

@@ -92,7 +92,8 @@ async def test_age_cap_deletes_and_reports_the_loss(producer_db: str, consumer_d
 async def test_size_cap_keeps_the_newest_bytes(producer_db: str) -> None:
     async with Producer(producer_db, retention_bytes=5_000) as producer:
         for _ in range(4):  # passes in between: the size is counted incrementally
-            await publish(producer, 30)
+            for _ in range(30):  # a transaction each: the cap deletes transactions' records
+                await publish(producer, 1)
             await producer.apply_retention()
             held = stored_bytes(producer_db)
             assert 5_000 - 100 < held <= 5_000 or producer.log.stream("orders").low == 1
@@ -196,20 +197,25 @@ async def test_manual_truncate_counts_what_registered_consumers_lose(producer_db
 def expected_low(
     path: str, low: int, cap_bytes: int | None, since_ms: int | None, keep: int
 ) -> int:
-    """The retention rules computed the slow way, from every row of the stream."""
+    """The retention rules computed the slow way, from every row of the stream. A row (one
+    insert's run of records) is what they delete: it goes whole, or stays whole."""
     with contextlib.closing(sqlite3.connect(path)) as db:
-        rows = db.execute(
-            "SELECT pos & 1099511627775, ts, length(record) FROM streamq_log ORDER BY pos"
+        rows = db.execute(  # (first seq, last seq, newest timestamp, bytes), oldest first
+            "SELECT (pos & 1099511627775) - count + 1, pos & 1099511627775, ts, length(record) "
+            "FROM streamq_log ORDER BY pos"
         ).fetchall()
-    end = rows[-1][0] + 1 if rows else low
+    end = rows[-1][1] + 1 if rows else low
     target = low
     if since_ms is not None:
-        target = max(target, next((seq for seq, ts, _ in rows if ts >= since_ms), end))
+        target = max(target, next((first for first, _, ts, _ in rows if ts >= since_ms), end))
     if cap_bytes is not None:
-        sizes = {seq: size for seq, _, size in rows}
+        held = sum(size for *_, size in rows)
         start = low
-        while start < end and sum(sizes[s] for s in range(start, end)) > cap_bytes:
-            start += 1
+        for _, last, _, size in rows:
+            if held <= cap_bytes:
+                break
+            held -= size
+            start = last + 1
         target = max(target, start)
     return max(target, min(keep, end))
 

@@ -24,7 +24,7 @@ from ...blocking import run_on_thread
 from ...errors import SchemaMissingError
 from ...protocol import DEFAULT_MAX_FRAME_SIZE, FRAME_OVERHEAD
 from ...records import CheckedRecord, encode_checked
-from ...storage import Durability
+from ...storage import Durability, LogRow
 from . import storage
 
 DEFAULT_MAX_RECORD_SIZE = DEFAULT_MAX_FRAME_SIZE - FRAME_OVERHEAD
@@ -61,20 +61,20 @@ def append(
         if stream_id is None:
             cursor.execute(storage.CREATE_DEFAULT_STREAM, (stream,))
             stream_id, key_index, head = cursor.lastrowid, 0, 0
-        rows, times = [], []
+        rows: list[LogRow] = []
+        times = []
         seqs = list(range(head + 1, head + 1 + len(records)))
         if seqs and seqs[-1] > storage.MAX_STORED_SEQ:
             raise OverflowError(f"stream {stream!r} has reached the last seq")
         encoded = encode_checked(seqs, records, max_record_size)
         for seq, (_, key, _, ts), record in zip(seqs, records, encoded, strict=True):
-            position = storage.pos(stream_id, seq)
-            rows.append((position, ts, record, key if key_index else None))
+            rows.append((stream_id, seq, ts, record, key if key_index else None))
             if max_ts is None or ts > max_ts:  # "streamq_time" in storage.py
                 max_ts = ts
-                times.append((stream_id, ts, position))
+                times.append((stream_id, ts, storage.pos(stream_id, seq)))
         if rows and last_epoch != epoch:
             cursor.execute(storage.INSERT_EPOCHS, (stream_id, seqs[0], epoch))
-        cursor.executemany(storage.INSERT_RECORDS, rows)
+        cursor.executemany(storage.INSERT_RECORDS, storage.stored_rows(rows))
         if times:
             cursor.executemany(storage.INSERT_TIMES, times)
         return seqs

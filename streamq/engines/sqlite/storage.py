@@ -8,14 +8,23 @@ Six tables, all prefixed ``streamq_`` so they sit beside the application's own:
   held) and its settings (``key_index``). The head is derived, never written per
   commit: the last seq in the log, or ``low - 1`` when retention emptied the
   stream, so seqs are never reused.
-- ``streamq_log``: the records. ``pos`` packs (stream id, seq) into SQLite's
-  rowid, so appends and range scans are rowid b-tree operations with no second
-  index (measured: ~25 % faster inserts than a composite primary key). ``record``
-  holds the record's wire encoding (``protocol.encode_record``), sent as is.
+- ``streamq_log``: the records. A row holds one record or a run of consecutive
+  records of one stream written by one insert (a transaction's, or a commit group's):
+  ``count`` of them, up to ``BATCH_RECORDS`` and ``BATCH_BYTES``, so a transaction
+  costs one row per stream, not one per record. ``pos`` packs (stream id, the row's
+  LAST seq) into SQLite's rowid, so appends and range scans are rowid b-tree
+  operations with no second index (measured: ~25 % faster inserts than a composite
+  primary key), the head is ``max(pos)``, and the row holding a seq is the first with
+  ``pos`` at or after it. ``record`` holds the records' wire encodings
+  (``protocol.encode_record``) back to back, sent as they are once apart again
+  (``protocol.split_records``); ``ts`` is the largest of their timestamps.
   ``key`` repeats the record's key for streams created with ``key_index`` (NULL
   otherwise), and a partial index on it finds one key's records (``history``)
   without a scan. Opt-in per stream: each keyed record dirties a random index
-  page, which costs a bulk keyed publish ~4x (``bench/tools/key_index.py``).
+  page, which costs a bulk keyed publish ~4x (``bench/tools/key_index.py``). A keyed
+  record of such a stream has a row of its own, so compaction deletes records, never
+  parts of rows; retention deletes rows wholly below ``low`` (a row it cuts through
+  stays until the rest of it is, and reads skip the seqs before ``low``).
 - ``streamq_time``: a sparse time index. A row (stream, ts, pos) is written each
   time a record's timestamp exceeds every earlier one of its stream, so the
   first row with ``ts >= T`` names the first seq whose timestamp reaches T:
@@ -41,17 +50,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import operator
 import os
 import sqlite3
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import aiosqlite
 
 from ...blocking import raw_connection, run_on_thread
 from ...errors import ConcurrentWriterError, DatabaseOpenError, SchemaMissingError
+from ...protocol import split_records
 from ...storage import (
     AppendState,
     Changes,
@@ -72,9 +83,13 @@ from .walwatch import WalWatch
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 SEQ_BITS = 40
 MAX_STORED_SEQ = (1 << SEQ_BITS) - 1
+# At most this many records, and bytes, share a log row: a read that starts inside a row
+# reads all of it, and a row is the unit retention deletes.
+BATCH_RECORDS = 1024
+BATCH_BYTES = 1 << 20
 
 CONSUMERS_SCHEMA = """CREATE TABLE IF NOT EXISTS streamq_consumers (
     consumer TEXT NOT NULL,
@@ -106,8 +121,9 @@ _SCHEMA = (
     """CREATE TABLE IF NOT EXISTS streamq_log (
         pos INTEGER PRIMARY KEY,  -- stream id << 40 | seq
         ts INTEGER NOT NULL,      -- milliseconds since the Unix epoch
-        record BLOB NOT NULL,     -- protocol.encode_record(...)
-        key BLOB                  -- the record's key if its stream has key_index, else NULL
+        record BLOB NOT NULL,     -- protocol.encode_record(...) of each record, back to back
+        key BLOB,                 -- the record's key if its stream has key_index, else NULL
+        count INTEGER NOT NULL DEFAULT 1  -- records in the row: seqs pos - count + 1 .. pos
     )""",
     """CREATE TABLE IF NOT EXISTS streamq_epochs (
         stream_id INTEGER NOT NULL,
@@ -128,7 +144,7 @@ _INDEXES = (
     ) WITHOUT ROWID""",
 )
 
-INSERT_RECORDS = "INSERT INTO streamq_log (pos, ts, record, key) VALUES (?, ?, ?, ?)"
+INSERT_RECORDS = "INSERT INTO streamq_log (pos, ts, record, key, count) VALUES (?, ?, ?, ?, ?)"
 INSERT_TIMES = "INSERT INTO streamq_time (stream_id, ts, pos) VALUES (?, ?, ?)"
 INSERT_EPOCHS = "INSERT INTO streamq_epochs (stream_id, first_seq, epoch) VALUES (?, ?, ?)"
 
@@ -176,6 +192,8 @@ META_EPOCH_QUERY = "SELECT value FROM streamq_meta WHERE key = 'epoch'"
 _CREATE_STREAM = (
     "INSERT INTO streamq_streams (name, key_index, compact, notify_compacted) VALUES (?, ?, ?, ?)"
 )
+# Rows from a pos on, in order: the records of every seq from it (``read_range``).
+RANGE_QUERY = "SELECT pos, count, record FROM streamq_log WHERE pos >= ? AND pos < ? ORDER BY pos"
 KEY_RECORDS_QUERY = (
     "SELECT pos, record FROM streamq_log WHERE key = ? AND pos >= ? AND pos < ? "
     "ORDER BY pos LIMIT ?"
@@ -216,8 +234,72 @@ def _machine_boot_id() -> str:
 
 
 def pos(stream_id: int, seq: int) -> int:
-    """The rowid of a stream's record."""
+    """The rowid of a stream's record (of the row whose last record it is)."""
     return (stream_id << SEQ_BITS) | seq
+
+
+# A streamq_log row as inserted: pos, ts, record(s), key, count.
+StoredRow = tuple[int, int, bytes, bytes | None, int]
+
+
+def stored_rows(rows: Sequence[LogRow]) -> list[StoredRow]:
+    """``rows`` (one per record) as streamq_log rows: each run of consecutive records of
+    one stream with no indexed key shares one row (the module docstring)."""
+    if len({row[0] for row in rows}) > 1:  # one run per stream; sorted() is stable
+        rows = sorted(rows, key=operator.itemgetter(0))
+    stored: list[StoredRow] = []
+    run: list[bytes] = []
+    stream_id = last = max_ts = size = 0
+    for s, seq, ts, record, key in rows:
+        joins = key is None and run and s == stream_id and seq == last + 1
+        if joins and len(run) < BATCH_RECORDS and size + len(record) <= BATCH_BYTES:
+            run.append(record)
+            last, size, max_ts = seq, size + len(record), max(max_ts, ts)
+            continue
+        if run:
+            stored.append((pos(stream_id, last), max_ts, b"".join(run), None, len(run)))
+            run = []
+        if key is None:
+            run, stream_id, last, max_ts, size = [record], s, seq, ts, len(record)
+        else:
+            stored.append((pos(s, seq), ts, record, key, 1))
+    if run:
+        stored.append((pos(stream_id, last), max_ts, b"".join(run), None, len(run)))
+    return stored
+
+
+def unpack_rows(rows: Iterable[tuple[int, int, bytes]]) -> Iterator[tuple[int, bytes]]:
+    """(pos, count, record) rows of streamq_log, in pos order, as (pos, record) per record:
+    what a tool reading a producer's file with sqlite3 needs."""
+    for position, count, record in rows:
+        if count == 1:
+            yield position, record
+        else:
+            first = position - count + 1
+            yield from zip(range(first, position + 1), split_records(record, count), strict=True)
+
+
+def read_range(
+    conn: sqlite3.Connection, stream_id: int, start: int, end: int, limit: int
+) -> list[tuple[int, bytes]]:
+    """Up to ``limit`` (seq, record) with ``start <= seq < end``, on the connection's thread.
+    Rows whose last seq reaches ``end`` may hold seqs below it: read up to the longest row
+    beyond it, and stop at the first seq past it."""
+    upper = min(pos(stream_id, end) + BATCH_RECORDS, pos(stream_id + 1, 0))
+    found: list[tuple[int, bytes]] = []
+    cursor = conn.execute(RANGE_QUERY, (pos(stream_id, start), upper))
+    try:
+        for position, record in unpack_rows(cursor):
+            seq = position & MAX_STORED_SEQ
+            if seq >= end:
+                break
+            if seq >= start:
+                found.append((seq, record))
+                if len(found) >= limit:
+                    break
+    finally:
+        cursor.close()
+    return found
 
 
 # --- opening ----------------------------------------------------------------------------
@@ -303,8 +385,10 @@ def create_schema(dbapi: Any) -> tuple[dict[str, Any], bool]:
             "created_at": int(time.time() * 1000),
             "epoch": 0,
         }
-    elif meta.get("schema_version") == 1:
-        _migrate_from_1(cursor)
+    elif meta.get("schema_version") in (1, 2):
+        if meta["schema_version"] == 1:
+            _migrate_from_1(cursor)
+        cursor.execute("ALTER TABLE streamq_log ADD COLUMN count INTEGER NOT NULL DEFAULT 1")
         meta["schema_version"] = SCHEMA_VERSION
     elif meta.get("schema_version") != SCHEMA_VERSION:
         raise SchemaMissingError(
@@ -426,11 +510,9 @@ class SQLiteReader:
     async def read_records(
         self, stream_id: int, start: int, end: int, limit: int
     ) -> list[tuple[int, bytes]]:
-        rows = await self.conn.execute_fetchall(
-            "SELECT pos, record FROM streamq_log WHERE pos >= ? AND pos < ? ORDER BY pos LIMIT ?",
-            (pos(stream_id, start), pos(stream_id, end), limit),
+        return await run_on_thread(
+            self.conn, read_range, raw_connection(self.conn), stream_id, start, end, limit
         )
-        return [(p & MAX_STORED_SEQ, record) for p, record in rows]
 
     async def read_key_records(
         self, stream_id: int, key: bytes, start: int, end: int, limit: int
@@ -480,10 +562,9 @@ def insert_blocking(
     """``SQLiteWriter.insert`` on the connection's own thread."""
     try:
         if rows:
-            conn.executemany(
-                INSERT_RECORDS,
-                [(pos(s, seq), ts, record, key) for s, seq, ts, record, key in rows],
-            )
+            stored = stored_rows(rows)
+            _check_unwritten(conn, stored)
+            conn.executemany(INSERT_RECORDS, stored)
         if times:
             conn.executemany(INSERT_TIMES, [(s, ts, pos(s, seq)) for s, ts, seq in times])
         if epochs:
@@ -493,6 +574,20 @@ def insert_blocking(
 
 
 _CONCURRENT_WRITER = "another process appended to this producer's log during the transaction"
+_ANY_FROM = "SELECT 1 FROM streamq_log WHERE pos >= ? AND pos < ? LIMIT 1"
+
+
+def _check_unwritten(conn: sqlite3.Connection, stored: Sequence[StoredRow]) -> None:
+    """Nothing in the log at or after the first seq each stream has in ``stored``: a row's
+    pos is its last seq only, so the primary key alone would not catch a seq taken inside
+    it. One seek per stream per insert."""
+    checked = set()
+    for position, _, _, _, count in stored:  # each stream's rows together, ascending
+        stream_id = position >> SEQ_BITS
+        if stream_id not in checked:
+            checked.add(stream_id)
+            if conn.execute(_ANY_FROM, (position - count + 1, pos(stream_id + 1, 0))).fetchone():
+                raise ConcurrentWriterError(_CONCURRENT_WRITER)
 
 
 BUSY_TIMEOUT_MS = 10_000  # how long a connection waits for another's write lock
@@ -632,13 +727,19 @@ class SQLiteWriter:
         )
 
     async def first_seq_since(self, stream_id: int, start: int, end: int, since_ms: int) -> int:
+        """A row's ``ts`` is its newest record's: the whole row is kept for it."""
         rows = await self.conn.execute_fetchall(
-            "SELECT pos FROM streamq_log WHERE pos >= ? AND pos < ? AND ts >= ? "
-            "ORDER BY pos LIMIT 1",
-            (pos(stream_id, start), pos(stream_id, end), since_ms),
+            "SELECT pos - count + 1 FROM streamq_log WHERE pos >= ? AND pos < ? AND ts >= ? "
+            "AND pos - count < ? ORDER BY pos LIMIT 1",
+            (
+                pos(stream_id, start),
+                min(pos(stream_id, end) + BATCH_RECORDS, pos(stream_id + 1, 0)),
+                since_ms,
+                pos(stream_id, end) - 1,
+            ),
         )
         for (found,) in rows:
-            return int(found) & MAX_STORED_SEQ
+            return max(start, int(found) & MAX_STORED_SEQ)
         return end
 
     async def bytes_between(self, stream_id: int, start: int, end: int) -> int:
@@ -651,20 +752,23 @@ class SQLiteWriter:
     async def seq_after_bytes(
         self, stream_id: int, start: int, end: int, excess: int
     ) -> tuple[int, int]:
+        """Whole rows: a row of several records goes at once (they were one insert)."""
         dropped, seq = 0, start
         async with self.conn.execute(
-            "SELECT pos, length(record) FROM streamq_log WHERE pos >= ? AND pos < ? ORDER BY pos",
+            "SELECT pos, count, length(record) FROM streamq_log WHERE pos >= ? AND pos < ? "
+            "ORDER BY pos",
             (pos(stream_id, start), pos(stream_id, end)),
         ) as cursor:
             while dropped < excess:
                 rows = await cursor.fetchmany(1024)
                 if not rows:
                     return end, dropped
-                for position, size in rows:
+                for position, count, size in rows:
+                    last = int(position) & MAX_STORED_SEQ
                     if dropped >= excess:
-                        return int(position) & MAX_STORED_SEQ, dropped
+                        return max(start, last - int(count) + 1), dropped
                     dropped += int(size)
-                    seq = (int(position) & MAX_STORED_SEQ) + 1
+                    seq = last + 1
         return seq, dropped
 
     async def compaction_candidates(
