@@ -39,6 +39,7 @@ from ...failures import DeadLetterSQL, ParkedRecord
 from ...resharing import Move, StoredPosition, plan
 from ...storage import WouldWait
 from ...stores import out_of_turn
+from .checkpoints import WRITER_AUTOCHECKPOINT, Checkpointer
 from .storage import begin_at_once, connect
 
 if TYPE_CHECKING:
@@ -278,6 +279,7 @@ class SQLitePositionStore:
         self._db: aiosqlite.Connection | None = None
         self._owned = True
         self._budget = InlineBudget()
+        self._checkpointer: Checkpointer | None = None
 
     @classmethod
     def shared(cls, db: aiosqlite.Connection, path: str) -> SQLitePositionStore:
@@ -296,8 +298,15 @@ class SQLitePositionStore:
     async def open(self) -> None:
         if self._db is None:
             self._db = await open_database(self.path, self._durability)
+            if self.path != ":memory:":  # the applies' commits leave checkpoints to it
+                await self._db.execute(f"PRAGMA wal_autocheckpoint={WRITER_AUTOCHECKPOINT}")
+                self._checkpointer = Checkpointer(self.path, self._durability)
+                await self._checkpointer.start()
 
     async def close(self) -> None:
+        if self._checkpointer is not None:
+            await self._checkpointer.close()
+            self._checkpointer = None
         db, self._db = self._db, None
         if db is not None and self._owned:
             await db.close()

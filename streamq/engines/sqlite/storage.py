@@ -78,6 +78,7 @@ from ...storage import (
     WouldWait,
     consumer_rows,
 )
+from .checkpoints import WRITER_AUTOCHECKPOINT, Checkpointer
 from .servelock import ServeLock
 from .walwatch import WalWatch
 
@@ -347,7 +348,8 @@ def _cannot_open(path: str, exc: sqlite3.Error) -> str:
 
 
 async def open_writer(path: str, durability: Durability) -> aiosqlite.Connection:
-    """The producer's one writer connection, in WAL mode, transactions managed by hand."""
+    """The producer's one writer connection, in WAL mode, transactions managed by hand;
+    it leaves checkpoints to a ``Checkpointer``."""
     conn = await connect(path, any_thread=True)
     try:
         async with conn.execute("PRAGMA journal_mode=WAL") as cursor:
@@ -355,6 +357,8 @@ async def open_writer(path: str, durability: Durability) -> aiosqlite.Connection
         if row is None or str(row[0]).lower() != "wal":
             raise DatabaseOpenError(f"{path}: SQLite refused WAL mode (got {row!r})")
         await conn.execute(f"PRAGMA synchronous={durability.upper()}")
+        # Checkpoints run on a connection of their own (checkpoints.py), not in COMMIT.
+        await conn.execute(f"PRAGMA wal_autocheckpoint={WRITER_AUTOCHECKPOINT}")
     except BaseException:
         await conn.close()
         raise
@@ -836,6 +840,7 @@ class SQLiteStorage:
         self._readers: asyncio.Queue[SQLiteReader] = asyncio.Queue()
         self._all_readers: list[aiosqlite.Connection] = []
         self._serve_lock: ServeLock | None = None
+        self.checkpointer: Checkpointer | None = None
 
     @property
     def writer(self) -> SQLiteWriter:
@@ -845,7 +850,10 @@ class SQLiteStorage:
     async def open(self, durability: Durability) -> Identity:
         conn = await open_writer(self.path, durability)
         self._writer = SQLiteWriter(conn)
-        return await initialize(conn, durability)
+        identity = await initialize(conn, durability)
+        self.checkpointer = Checkpointer(self.path, durability)
+        await self.checkpointer.start()
+        return identity
 
     async def open_readers(self, count: int) -> None:
         for _ in range(count):
@@ -891,6 +899,9 @@ class SQLiteStorage:
             self._serve_lock.serving(address)
 
     async def close(self) -> None:
+        if self.checkpointer is not None:
+            await self.checkpointer.close()
+            self.checkpointer = None
         for conn in self._all_readers:
             await conn.close()
         self._all_readers.clear()

@@ -1,0 +1,73 @@
+"""WAL checkpoints run beside the writer (checkpoints.py), never inside its COMMITs."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+
+from streamq import Consumer, Producer
+from streamq.engines.sqlite.checkpoints import WRITER_AUTOCHECKPOINT
+from streamq.engines.sqlite.positions import SQLitePositionStore
+from streamq.engines.sqlite.storage import SQLiteStorage
+
+from .conftest import wait_for
+
+PAGE = 4096  # SQLite's default page size, the tests' databases'
+
+
+async def publish(producer: Producer, transactions: int) -> None:
+    for _ in range(transactions):
+        async with producer.transaction() as tx:
+            await tx.publish_many("orders", [b"v" * 1000] * 20)
+
+
+async def test_the_checkpointer_copies_the_wal_back(producer_db: str) -> None:
+    async with Producer(producer_db, serve=False) as producer:
+        storage = producer.storage
+        assert isinstance(storage, SQLiteStorage) and storage.checkpointer is not None
+        (pages,) = storage.writer.raw.execute("PRAGMA wal_autocheckpoint").fetchone()
+        assert pages == WRITER_AUTOCHECKPOINT  # the writer's own: a fallback only
+        await publish(producer, 300)  # several thousand WAL pages: a burst
+        checkpointer = storage.checkpointer
+
+        def all_copied() -> bool:
+            return checkpointer.last is not None and checkpointer.last[1] == checkpointer.last[2]
+
+        await wait_for(all_copied, what="a checkpoint that copied the whole WAL")
+        assert checkpointer.last is not None and checkpointer.last[1] > 1000
+        assert producer.head("orders") == 6000
+
+
+async def test_commits_leave_the_wal_to_the_checkpointer(producer_db: str) -> None:
+    """Had a commit checkpointed at SQLite's usual 1,000 pages, the WAL would have started
+    over from its beginning and stayed near that size."""
+    async with Producer(producer_db, serve=False) as producer:
+        storage = producer.storage
+        assert isinstance(storage, SQLiteStorage) and storage.checkpointer is not None
+        await storage.checkpointer.close()  # stopped: nothing copies the WAL back now
+        await publish(producer, 300)
+        assert os.path.getsize(producer_db + "-wal") > 1.5 * 1000 * PAGE
+
+
+async def test_consumers_databases_are_checkpointed_beside_their_commits(
+    producer_db: str, consumer_db: str
+) -> None:
+    with contextlib.closing(sqlite3.connect(consumer_db)) as db:
+        db.execute("CREATE TABLE seen (v BLOB)")
+    async with Producer(producer_db) as producer:
+        await publish(producer, 100)
+        consumer = Consumer(producer.address, "orders", db=consumer_db, name="billing")
+        async with consumer:
+            store = consumer._store
+            assert isinstance(store, SQLitePositionStore) and store._checkpointer is not None
+            checkpointer = store._checkpointer
+            async for batch in consumer:
+                async with consumer.transaction(batch) as tx:
+                    await tx.executemany(
+                        "INSERT INTO seen (v) VALUES (?)", [(r.value,) for r in batch]
+                    )
+                if batch.last_seq == 2000:
+                    break
+            await checkpointer.checkpoint()
+            assert checkpointer.last is not None and checkpointer.last[1] > 0
