@@ -120,7 +120,7 @@ _SCHEMA = (
         compacted INTEGER NOT NULL DEFAULT 0   -- compaction ran up to this seq: gaps below
     )""",
     """CREATE TABLE IF NOT EXISTS streamq_log (
-        pos INTEGER PRIMARY KEY,  -- stream id << 40 | seq
+        pos INTEGER PRIMARY KEY,  -- stream id << 40 | the last seq of the row
         ts INTEGER NOT NULL,      -- milliseconds since the Unix epoch
         record BLOB NOT NULL,     -- protocol.encode_record(...) of each record, back to back
         key BLOB,                 -- the record's key if its stream has key_index, else NULL
