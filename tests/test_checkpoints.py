@@ -1,4 +1,5 @@
-"""WAL checkpoints run beside the writer (checkpoints.py), never inside its COMMITs."""
+"""WAL checkpoints run beside the writer (checkpoints.py), never inside its COMMITs, with
+``durability="normal"``; with ``"full"`` the commits keep SQLite's own."""
 
 from __future__ import annotations
 
@@ -71,3 +72,13 @@ async def test_consumers_databases_are_checkpointed_beside_their_commits(
                     break
             await checkpointer.checkpoint()
             assert checkpointer.last is not None and checkpointer.last[1] > 0
+
+
+async def test_full_durability_keeps_sqlite_s_own_checkpoints(producer_db: str) -> None:
+    async with Producer(producer_db, serve=False, durability="full") as producer:
+        storage = producer.storage
+        assert isinstance(storage, SQLiteStorage) and storage.checkpointer is None
+        (pages,) = storage.writer.raw.execute("PRAGMA wal_autocheckpoint").fetchone()
+        assert pages == 1000
+        await publish(producer, 300)
+        assert os.path.getsize(producer_db + "-wal") < 1.5 * 1000 * PAGE  # restarted

@@ -39,7 +39,7 @@ from ...failures import DeadLetterSQL, ParkedRecord
 from ...resharing import Move, StoredPosition, plan
 from ...storage import WouldWait
 from ...stores import out_of_turn
-from .checkpoints import WRITER_AUTOCHECKPOINT, Checkpointer
+from .checkpoints import Checkpointer, take_over
 from .storage import begin_at_once, connect
 
 if TYPE_CHECKING:
@@ -298,10 +298,7 @@ class SQLitePositionStore:
     async def open(self) -> None:
         if self._db is None:
             self._db = await open_database(self.path, self._durability)
-            if self.path != ":memory:":  # the applies' commits leave checkpoints to it
-                await self._db.execute(f"PRAGMA wal_autocheckpoint={WRITER_AUTOCHECKPOINT}")
-                self._checkpointer = Checkpointer(self.path, self._durability)
-                await self._checkpointer.start()
+            self._checkpointer = await take_over(self._db, self.path, self._durability)
 
     async def close(self) -> None:
         if self._checkpointer is not None:

@@ -78,7 +78,7 @@ from ...storage import (
     WouldWait,
     consumer_rows,
 )
-from .checkpoints import WRITER_AUTOCHECKPOINT, Checkpointer
+from .checkpoints import Checkpointer, take_over
 from .servelock import ServeLock
 from .walwatch import WalWatch
 
@@ -348,8 +348,7 @@ def _cannot_open(path: str, exc: sqlite3.Error) -> str:
 
 
 async def open_writer(path: str, durability: Durability) -> aiosqlite.Connection:
-    """The producer's one writer connection, in WAL mode, transactions managed by hand;
-    it leaves checkpoints to a ``Checkpointer``."""
+    """The producer's one writer connection, in WAL mode, transactions managed by hand."""
     conn = await connect(path, any_thread=True)
     try:
         async with conn.execute("PRAGMA journal_mode=WAL") as cursor:
@@ -357,8 +356,6 @@ async def open_writer(path: str, durability: Durability) -> aiosqlite.Connection
         if row is None or str(row[0]).lower() != "wal":
             raise DatabaseOpenError(f"{path}: SQLite refused WAL mode (got {row!r})")
         await conn.execute(f"PRAGMA synchronous={durability.upper()}")
-        # Checkpoints run on a connection of their own (checkpoints.py), not in COMMIT.
-        await conn.execute(f"PRAGMA wal_autocheckpoint={WRITER_AUTOCHECKPOINT}")
     except BaseException:
         await conn.close()
         raise
@@ -851,8 +848,7 @@ class SQLiteStorage:
         conn = await open_writer(self.path, durability)
         self._writer = SQLiteWriter(conn)
         identity = await initialize(conn, durability)
-        self.checkpointer = Checkpointer(self.path, durability)
-        await self.checkpointer.start()
+        self.checkpointer = await take_over(conn, self.path, durability)
         return identity
 
     async def open_readers(self, count: int) -> None:
