@@ -3,8 +3,11 @@
 Each block is a complete program. It runs as ``python example.py`` in a fresh process, in an
 empty temporary directory (its SQLite files land there), with warnings as errors. A block
 that reads ``DATABASE_URL`` gets a fresh database on the session's PostgreSQL server
-(``pg_url``). Spark blocks start their own local Spark (``spark_source.session``). A block
-that cannot run (a shell command, a configuration file) belongs in another fence (```bash,
+(``pg_url``). Spark blocks (those importing ``pyspark`` or ``spark_source``) start and stop
+their own local Spark, but run one after another in one Python process
+(``tests/spark_programs/examples.py``), each as ``__main__`` in its own namespace, directory
+and environment, so that Spark's JVM starts once rather than once per block. A block that
+cannot run (a shell command, a configuration file) belongs in another fence (```bash,
 ```text, ...): a fence that looks like Python but is not tagged ``python`` is refused.
 
 The site's structure is checked here too: the API reference documents each name of
@@ -15,10 +18,14 @@ command, and the README's links resolve. ``make docs`` builds the site with ``--
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import queue
 import re
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,8 +39,9 @@ PAGES = sorted([ROOT / "README.md", *DOCS.rglob("*.md")])
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^`\n]*)$")
 # Fence tags that must not hide Python from this test.
 PYTHON_LIKE = re.compile(r"^\{?\.?(py|python|python3|py3|pycon|ipython|pyi)\b", re.IGNORECASE)
-TIMEOUT = 60.0  # seconds per example; Spark examples start a JVM
-SPARK_TIMEOUT = 420.0
+TIMEOUT = 60.0  # seconds per example
+SPARK_TIMEOUT = 420.0  # the first Spark example starts the JVM
+SPARK_RUNNER = Path(__file__).resolve().parent / "spark_programs" / "examples.py"
 
 
 @dataclass(frozen=True)
@@ -107,35 +115,142 @@ def test_examples_fit_in_100_columns() -> None:
     assert wide == []
 
 
+def starts_spark(block: Block) -> bool:
+    return "pyspark" in block.code or "spark_source" in block.code
+
+
+class SparkRunner:
+    """``tests/spark_programs/examples.py``, running the Spark examples in one process: started
+    for the first one, and again for the next one after one fails."""
+
+    def __init__(self, log: Path) -> None:
+        self.log = log  # the runner's own output: Spark's JVM, its Python workers
+        self.log.touch()
+        self.process: subprocess.Popen[str] | None = None
+        self.answers: queue.Queue[str | None] = queue.Queue()
+        self.reader: threading.Thread | None = None
+
+    def _start(self, env: dict[str, str]) -> subprocess.Popen[str]:
+        with self.log.open("ab") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-W", "error", str(SPARK_RUNNER)],
+                cwd=self.log.parent,
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+            )
+        answers: queue.Queue[str | None] = queue.Queue()
+
+        def read_answers() -> None:
+            assert process.stdout is not None
+            for line in process.stdout:
+                answers.put(line)
+            answers.put(None)  # the runner exited
+
+        reader = threading.Thread(target=read_answers, daemon=True)
+        reader.start()
+        self.process, self.answers, self.reader = process, answers, reader
+        return process
+
+    def run(self, script: Path, out: Path, env: dict[str, str], timeout: float) -> str | None:
+        """Run ``script`` (its output to ``out``.stdout/.stderr); None if it exited with 0,
+        else what went wrong, with what the runner logged meanwhile."""
+        process = self.process or self._start(env)
+        assert process.stdin is not None
+        offset = self.log.stat().st_size
+        request = {
+            "script": str(script),
+            "stdout": str(out.with_suffix(".stdout")),
+            "stderr": str(out.with_suffix(".stderr")),
+            "env": env,
+        }
+        process.stdin.write(json.dumps(request) + "\n")
+        process.stdin.flush()
+        try:
+            answer = self.answers.get(timeout=timeout)
+        except queue.Empty:
+            problem = f"still running after {timeout} s"
+        else:
+            if answer is None:
+                problem = f"the runner exited with {process.wait()}"
+            else:
+                status = json.loads(answer)["status"]
+                problem = f"exited with {status}" if status else ""
+        if not problem:
+            return None
+        self.close(kill=True)  # whatever the failed example left behind goes with it
+        with self.log.open("rb") as log:
+            log.seek(offset)
+            logged = log.read().decode(errors="replace").splitlines()
+        return f"{problem}\n--- the runner's log (Spark)\n" + "\n".join(logged[-100:])
+
+    def close(self, kill: bool = False) -> None:
+        """End the runner: it stops once it has read every request, or at once (``kill``);
+        its JVM exits as the runner's end of its stdin closes."""
+        process, self.process = self.process, None
+        if process is None:
+            return
+        assert process.stdin is not None and process.stdout is not None
+        if kill:
+            process.kill()
+        process.stdin.close()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        if self.reader is not None:
+            self.reader.join(timeout=10)
+        process.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def spark_runner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SparkRunner]:
+    runner = SparkRunner(tmp_path_factory.mktemp("spark-examples") / "runner.log")
+    yield runner
+    runner.close()
+
+
 @pytest.mark.timeout(SPARK_TIMEOUT + 60)
 @pytest.mark.parametrize("block", EXAMPLES, ids=[block.name for block in EXAMPLES])
 def test_example_runs(block: Block, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("STREAMQ_", "PYTEST"))}
     if "DATABASE_URL" in block.code:
         env["DATABASE_URL"] = request.getfixturevalue("pg_url")
-    spark = "spark" in block.code
-    script = tmp_path / "example.py"
+    script = tmp_path / "example" / "example.py"
+    script.parent.mkdir()
     script.write_text(block.code, encoding="utf-8")
-    try:
-        done = subprocess.run(
-            [sys.executable, "-W", "error", str(script)],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=SPARK_TIMEOUT if spark else TIMEOUT,
-            stdin=subprocess.DEVNULL,
-        )
-    except subprocess.TimeoutExpired as exc:
-        raise AssertionError(f"{block.name}: still running after {exc.timeout} s") from None
-    if done.returncode != 0:
-        numbered = "\n".join(
-            f"{block.line + n:5} | {line}" for n, line in enumerate(block.code.splitlines(), 1)
-        )
-        raise AssertionError(
-            f"{block.name} exited with {done.returncode}\n{numbered}\n"
-            f"--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
-        )
+    if starts_spark(block):
+        runner: SparkRunner = request.getfixturevalue("spark_runner")
+        problem = runner.run(script, tmp_path / "output", env, SPARK_TIMEOUT)
+        if problem is None:
+            return
+        outputs = [tmp_path / "output.stdout", tmp_path / "output.stderr"]
+        stdout, stderr = (p.read_text(errors="replace") if p.exists() else "" for p in outputs)
+    else:
+        try:
+            done = subprocess.run(
+                [sys.executable, "-W", "error", str(script)],
+                cwd=script.parent,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=TIMEOUT,
+                stdin=subprocess.DEVNULL,
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise AssertionError(f"{block.name}: still running after {exc.timeout} s") from None
+        if done.returncode == 0:
+            return
+        problem, stdout, stderr = f"exited with {done.returncode}", done.stdout, done.stderr
+    numbered = "\n".join(
+        f"{block.line + n:5} | {line}" for n, line in enumerate(block.code.splitlines(), 1)
+    )
+    raise AssertionError(
+        f"{block.name} {problem}\n{numbered}\n--- stdout\n{stdout}\n--- stderr\n{stderr}"
+    )
 
 
 # --- the site's structure ------------------------------------------------------------

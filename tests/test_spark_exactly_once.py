@@ -8,8 +8,11 @@ The test kills the query's whole process tree (Python driver, JVM, Python
 workers) with SIGKILL at random moments while batches run, stops it gracefully
 once, restarting it from the same checkpoint each time; then, once the
 producers have published everything, drains them with a last
-``trigger(availableNow=True)`` run. What the sink committed (the files listed
-in ``OUT/_spark_metadata``, read both directly and with ``spark.read.parquet``)
+``trigger(availableNow=True)`` run. Each run's process starts its SparkSession
+(its JVM, ~10 s) while the run before it works, after that run's first batch,
+and starts its query on the checkpoint only once that run is gone
+(``--wait-go``). What the sink committed (the files listed in
+``OUT/_spark_metadata``, read both directly and with ``spark.read.parquet``)
 must hold every record of every producer exactly once, as the producer serves it.
 
 Set STREAMQ_SPARK_SEED to replay a run; the seed is in every failure message.
@@ -45,13 +48,14 @@ QUERY_PROGRAM = Path(__file__).resolve().parent / "spark_programs" / "query.py"
 STREAM = "orders"
 
 PRODUCERS = 3
-TOTAL = 3_000  # records each producer publishes
-PACE = 50  # records per second each producer publishes at, on average: ~60 s in all
+TOTAL = 2_500  # records each producer publishes
+PACE = 50  # records per second each producer publishes at, on average: ~50 s in all
 KILLS = 3  # runs of the query ended by SIGKILL
 STOPS = 1  # and gracefully
 KILL_DELAY = (0.0, 2.5)  # seconds after the run's first completed batch
 PRODUCER_START_TIMEOUT = 20.0
-QUERY_START_TIMEOUT = 60.0  # until the first completed batch of a run
+SESSION_TIMEOUT = 60.0  # for a run's SparkSession to start
+QUERY_START_TIMEOUT = 60.0  # from a run's go until its first completed batch
 STOP_TIMEOUT = 60.0
 PUBLISH_TIMEOUT = 150.0  # from the producers' start until they have published all
 LAST_RUN_TIMEOUT = 90.0
@@ -98,9 +102,10 @@ def adopting_orphans() -> Iterator[None]:
 
 
 class Proc:
-    """A program in its own session, its output going to a log file."""
+    """A program in its own session, its output going to a log file; its stdin a pipe
+    (``send``) with ``piped``."""
 
-    def __init__(self, args: list[str], log: Path) -> None:
+    def __init__(self, args: list[str], log: Path, piped: bool = False) -> None:
         self.log = log
         paths = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
@@ -109,11 +114,17 @@ class Proc:
                 [sys.executable, *args],
                 cwd=ROOT,
                 env=env,
-                stdin=subprocess.DEVNULL,
+                stdin=subprocess.PIPE if piped else subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+
+    def send(self, line: str) -> None:
+        """Write ``line`` to the program's stdin, then close it."""
+        assert self.popen.stdin is not None
+        with self.popen.stdin:
+            self.popen.stdin.write(line.encode() + b"\n")
 
     def lines(self) -> list[str]:
         return self.log.read_text(errors="replace").splitlines()
@@ -142,6 +153,8 @@ class Proc:
     def kill_all(self) -> int | None:
         """SIGKILL every process of the program's session at once, and reap them; returns
         the program's exit status (-9 if it was still running)."""
+        if self.popen.stdin is not None:
+            self.popen.stdin.close()
         deadline = time.monotonic() + 20
         while members := session_members(self.popen.pid):
             live = [pid for pid, state, _ in members if state not in ("Z", "X")]
@@ -238,6 +251,7 @@ class SparkRun:
         self.producers: list[Proc] = []
         self.addresses: list[str] = []
         self.query: Proc | None = None
+        self.next_query: Proc | None = None  # started, its query waiting for its go
         self.runs = 0
         self.events: list[str] = []
         self.started = time.monotonic()
@@ -301,21 +315,35 @@ class SparkRun:
 
     # --- the query ---------------------------------------------------------
 
-    def start_query(self, *extra: str) -> Proc:
+    def prepare_query(self, *extra: str) -> None:
+        """Start the next run's program, which starts its SparkSession and then waits for its
+        go (``start_query``) to start the query."""
+        assert self.next_query is None
         self.runs += 1
         name = f"query-{self.runs}.log"
         args = [str(QUERY_PROGRAM), ",".join(self.addresses), str(self.checkpoint), str(self.out)]
         self.event(f"{name}: start {' '.join(extra)}")
-        self.query = Proc([*args, *extra], self.dir / name)
-        return self.query
+        self.next_query = Proc([*args, *extra, "--wait-go"], self.dir / name, piped=True)
 
-    def interrupted_run(self, how: str) -> None:
-        """A run of the query, SIGKILLed (``kill``) or stopped (``stop``) while it works."""
+    def start_query(self) -> Proc:
+        """Start the query of the prepared run, once its SparkSession runs."""
+        query, self.next_query = self.next_query, None
+        assert query is not None
+        query.wait_line("SESSION", SESSION_TIMEOUT, self.context)
+        query.send("go")
+        self.event(f"{query.log.name}: go")
+        self.query = query
+        return query
+
+    def interrupted_run(self, how: str, *next_run: str) -> None:
+        """A run of the query, SIGKILLed (``kill``) or stopped (``stop``) while it works; the
+        next run (its arguments ``next_run``) is prepared meanwhile."""
         self.stop_file.unlink(missing_ok=True)
         heads_before = self.heads()
-        query = self.start_query("--stop-file", str(self.stop_file))
+        query = self.start_query()
         first = query.wait_line("BATCH", QUERY_START_TIMEOUT, self.context)
         self.event(f"{query.log.name}: {first.partition(' end=')[0]}")
+        self.prepare_query(*next_run)  # once this run's own start no longer needs the CPU
         time.sleep(self.rng.uniform(*KILL_DELAY))  # fault injection, not synchronization
         if how == "kill":
             rc = query.kill_all()
@@ -365,8 +393,9 @@ class SparkRun:
             self.committed[pid] = len(found)
         self.event(f"sink holds {len(rows)} records: {sorted(self.committed.values())}")
 
-    def last_run(self, dump: Path) -> None:
-        query = self.start_query("--available-now", "--dump", str(dump))
+    def last_run(self) -> None:
+        """The prepared run with ``--available-now``."""
+        query = self.start_query()
         rc = query.wait(LAST_RUN_TIMEOUT)
         assert rc == 0, f"last run: exit {rc}:\n{query.tail()}\n{self.context()}"
         assert query.matching("DONE") and query.matching("DUMPED"), query.tail()
@@ -374,7 +403,7 @@ class SparkRun:
         self.event(f"{query.log.name}: {query.matching('DUMPED')[0]}")
 
     def stop(self) -> None:
-        for proc in [self.query, *self.producers]:
+        for proc in [self.query, self.next_query, *self.producers]:
             if proc is not None:
                 proc.kill_all()
 
@@ -391,10 +420,13 @@ def test_spark_parquet_sink_gets_every_record_once_through_kill_9_and_restarts(
             run.start_producers()
             interruptions = ["kill"] * KILLS + ["stop"] * STOPS
             run.rng.shuffle(interruptions)
-            for how in interruptions:
-                run.interrupted_run(how)
+            interrupted = ("--stop-file", str(run.stop_file))
+            draining = ("--available-now", "--dump", str(dump))
+            run.prepare_query(*interrupted)
+            for n, how in enumerate(interruptions, 1):
+                run.interrupted_run(how, *(interrupted if n < len(interruptions) else draining))
             run.wait_published()
-            run.last_run(dump)
+            run.last_run()
             expected = run.expected()
         finally:
             run.stop()

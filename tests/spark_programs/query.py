@@ -2,7 +2,7 @@
 tests/test_spark_exactly_once.py.
 
     query.py ENDPOINTS CHECKPOINT OUT [--available-now] [--stop-file FILE] [--dump FILE]
-             [--max-seconds S]
+             [--max-seconds S] [--wait-go]
 
 Reads stream ``orders`` of every producer in ENDPOINTS (comma-separated
 host:port) from the earliest seq, at most 500 records per micro-batch, and
@@ -18,6 +18,9 @@ starts (``trigger(availableNow=True)``), print ``DONE`` and exit 0.
 reads only the files the sink committed in ``OUT/_spark_metadata``) and write
 its rows to FILE as one parquet file; prints ``DUMPED rows=<n>``.
 ``--max-seconds``: give up (exit 3) if the query still runs after this long.
+``--wait-go``: once the SparkSession runs, print ``SESSION`` and start the query only
+when a line ``go`` comes on stdin (anything else, or its end: print ``ABANDONED``, exit
+0), so that the JVM can start while another run still uses the checkpoint.
 """
 
 from __future__ import annotations
@@ -100,6 +103,12 @@ def dump(spark: SparkSession, out: str, path: str) -> None:
 
 def main(args: argparse.Namespace) -> int:
     spark = session()
+    if args.wait_go:
+        print("SESSION", flush=True)
+        if sys.stdin.readline().strip() != "go":
+            print("ABANDONED", flush=True)
+            spark.stop()
+            return 0
     query = start(spark, args)
     print(f"STARTED id={query.id}", flush=True)
     deadline = time.monotonic() + args.max_seconds
@@ -136,4 +145,5 @@ if __name__ == "__main__":
     parser.add_argument("--stop-file", default=None)
     parser.add_argument("--dump", default=None)
     parser.add_argument("--max-seconds", type=float, default=240.0)
+    parser.add_argument("--wait-go", action="store_true")
     sys.exit(main(parser.parse_args()))
