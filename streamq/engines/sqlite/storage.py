@@ -280,15 +280,20 @@ def unpack_rows(rows: Iterable[tuple[int, int, bytes]]) -> Iterator[tuple[int, b
             yield from zip(range(first, position + 1), split_records(record, count), strict=True)
 
 
+def rows_upper_bound(stream_id: int, end: int) -> int:
+    """A pos past every row that holds a seq below ``end``: a row's records end at its pos
+    and number at most ``BATCH_RECORDS``."""
+    return min(pos(stream_id, end) + BATCH_RECORDS, pos(stream_id + 1, 0))
+
+
 def read_range(
     conn: sqlite3.Connection, stream_id: int, start: int, end: int, limit: int
 ) -> list[tuple[int, bytes]]:
     """Up to ``limit`` (seq, record) with ``start <= seq < end``, on the connection's thread.
     Rows whose last seq reaches ``end`` may hold seqs below it: read up to the longest row
     beyond it, and stop at the first seq past it."""
-    upper = min(pos(stream_id, end) + BATCH_RECORDS, pos(stream_id + 1, 0))
     found: list[tuple[int, bytes]] = []
-    cursor = conn.execute(RANGE_QUERY, (pos(stream_id, start), upper))
+    cursor = conn.execute(RANGE_QUERY, (pos(stream_id, start), rows_upper_bound(stream_id, end)))
     try:
         for position, record in unpack_rows(cursor):
             seq = position & MAX_STORED_SEQ
@@ -734,7 +739,7 @@ class SQLiteWriter:
             "AND pos - count < ? ORDER BY pos LIMIT 1",
             (
                 pos(stream_id, start),
-                min(pos(stream_id, end) + BATCH_RECORDS, pos(stream_id + 1, 0)),
+                rows_upper_bound(stream_id, end),
                 since_ms,
                 pos(stream_id, end) - 1,
             ),
