@@ -75,7 +75,8 @@ class GroupCommit:
         Cancelled while queued, it is withdrawn and never runs; cancelled once taken, it
         runs to the end (its outcome must be known) and the cancel is re-raised after.
         """
-        member = _Member(fn, args, asyncio.get_running_loop().create_future())
+        loop = asyncio.get_running_loop()
+        member = _Member(fn, args, loop.create_future())
         self._queue.append(member)
         if self._committer is None:
             # A task of its own: it runs once the tasks ready now have run, so those
@@ -83,11 +84,15 @@ class GroupCommit:
             # even between back-to-back transactions committed on its own thread).
             self._committer = asyncio.create_task(self._commit_next())
         try:
-            return cast(T, await asyncio.shield(member.future))
+            # Not shielded (a shield costs a future and a callback per call): a cancel
+            # cancels the member's future, and the group resolves its replacement.
+            return cast(T, await member.future)
         except asyncio.CancelledError:
             if not member.taken:
                 self._queue.remove(member)
                 raise
+            if member.future.cancelled():  # by this cancel: its group has not ended
+                member.future = loop.create_future()
             while not member.future.done():
                 with contextlib.suppress(asyncio.CancelledError):
                     await asyncio.wait([member.future])

@@ -103,16 +103,27 @@ class _Pending:
         )
         return state.id
 
-    def continued(self, stream: str) -> AppendState | None:
-        """``stream`` as an earlier transaction of this one's commit group left it."""
+    def continued(self, stream: str) -> int | None:
+        """Take ``stream`` as an earlier transaction of this one's commit group left it
+        (as ``start`` would, without the round trip through an ``AppendState``); its id,
+        or None if none of them took it."""
         before = self._carried.get(stream)
         if before is None:
             return None
-        epoch = self._producer.epoch
-        last_epoch = before.last_epoch if before.segment and not before.appended else epoch
-        return AppendState(
-            before.id, before.head, before.max_ts, last_epoch, before.settings, epoch, False
+        # A segment begun before, with nothing appended to it yet, is still to begin.
+        segment = before.segment if not before.appended else None
+        last_epoch = before.last_epoch if segment is not None else self._producer.epoch
+        self.streams[stream] = _Appending(
+            before.id,
+            before.head,
+            before.head,
+            before.max_ts,
+            last_epoch,
+            before.settings,
+            False,
+            segment,
         )
+        return before.id
 
     def next_seq(self, stream: str) -> int:
         return self.streams[stream].head + 1
@@ -315,7 +326,9 @@ class BlockingTransaction(BlockingSQL):
     def _stream_id(self, stream: str) -> int:
         stream_id = self._pending.stream_id(stream)
         if stream_id is None:
-            state = self._pending.continued(stream) or self._producer._memory_state(stream)
+            stream_id = self._pending.continued(stream)
+        if stream_id is None:
+            state = self._producer._memory_state(stream)
             if state is None:
                 settings = StreamSettings()
                 created = self._writer.create_stream(check_stream_name(stream), settings)

@@ -160,6 +160,29 @@ async def test_a_transaction_cancelled_while_queued_never_runs(producer_db: str)
     assert [r.value for r in records] == [b"first", b"kept"]
 
 
+async def test_a_transaction_cancelled_once_running_commits_then_raises(
+    producer_db: str,
+) -> None:
+    """Cancelled while its group runs, a transaction runs to the end: its caller gets the
+    cancel only once the COMMIT returned (cancelled again meanwhile, too), and what it
+    published is in the log; the producer goes on."""
+    gate = Gate()
+    async with Producer(producer_db, durability="full") as producer:
+        running = asyncio.ensure_future(producer.run_in_transaction(gate.hold))
+        assert await asyncio.to_thread(gate.entered.wait, 10)
+        running.cancel()
+        await asyncio.sleep(0)
+        running.cancel()  # twice: still waits for the COMMIT
+        await asyncio.sleep(0)
+        assert not running.done()
+        gate.opened.set()
+        with pytest.raises(asyncio.CancelledError):
+            await running
+        assert await producer.run_in_transaction(publish_one, b"after") == 2
+        records = await asyncio.to_thread(read, producer.address, "orders", 2)
+    assert [r.value for r in records] == [b"first", b"after"]
+
+
 async def test_full_durability_groups_concurrent_handlers(producer_db: str) -> None:
     """32 handlers at once with ``durability="full"``: fewer COMMITs (fsyncs) than
     transactions, every one acknowledged once committed, in one dense seq line."""

@@ -97,10 +97,12 @@ class Sizes:
     crash_transfers: int  # for the crash runs, paced at crash_rate
     crash_rate: int
     kills: int  # per system
-    handler_transfers: int  # by HANDLERS concurrent handlers, one per transaction, durability full
+    # By HANDLERS concurrent handlers, one per transaction, durability full; at full size
+    # enough for seconds of steady state (20,000 took streamq under one second).
+    handler_transfers: int
 
 
-FULL = Sizes(200_000, 2_000, 10.0, 20_000, 1_000, 10, 20_000)
+FULL = Sizes(200_000, 2_000, 10.0, 20_000, 1_000, 10, 60_000)
 QUICK = Sizes(20_000, 1_000, 2.0, 5_000, 1_000, 3, 2_000)
 HANDLERS = 32  # concurrent request handlers of the payments service (its full-durability case)
 
