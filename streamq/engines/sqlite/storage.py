@@ -631,6 +631,10 @@ class SQLiteBlockingWriter:
 
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.conn = conn
+        # Statements go straight to the driver, with no call of ours in between: a
+        # commit group runs several per transaction.
+        self.execute: Callable[..., sqlite3.Cursor] = conn.execute
+        self.executemany: Callable[..., sqlite3.Cursor] = conn.executemany
 
     def begin(self, wait: bool = True) -> int:
         return begin_immediate(self.conn) if wait else begin_at_once(self.conn)
@@ -641,12 +645,6 @@ class SQLiteBlockingWriter:
     def rollback(self) -> None:
         if self.conn.in_transaction:
             self.conn.execute("ROLLBACK")
-
-    def execute(self, sql: str, parameters: Any = ()) -> sqlite3.Cursor:
-        return self.conn.execute(sql, parameters)
-
-    def executemany(self, sql: str, parameters: Any) -> sqlite3.Cursor:
-        return self.conn.executemany(sql, parameters)
 
     def create_stream(self, name: str, settings: StreamSettings) -> int:
         return create_stream_blocking(self.conn, name, settings)
