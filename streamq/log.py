@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .errors import OffsetOutOfRangeError, UnknownStreamError
-from .protocol import record_key
-from .storage import Storage, StreamRow, StreamSettings
+from .protocol import record_key, split_records
+from .storage import Run, Storage, StreamRow, StreamSettings
 
 
 def take(records: Sequence[bytes], max_records: int, max_bytes: int) -> Sequence[bytes]:
@@ -30,6 +30,56 @@ def take(records: Sequence[bytes], max_records: int, max_bytes: int) -> Sequence
         if total > max_bytes:
             return records[: max(i, 1)]
     return records
+
+
+@dataclass(frozen=True, slots=True)
+class Packed:
+    """``count`` records' encodings in ``parts``, each part one record or several back to
+    back, as the log holds them: a RECORDS frame joins the parts as they are, with no
+    step per record (``protocol.records_frame``'s ``count``)."""
+
+    parts: Sequence[bytes]
+    count: int
+
+    def records(self) -> Sequence[bytes]:
+        """One encoding per record (for what looks at each one: filters)."""
+        if len(self.parts) == self.count:
+            return self.parts
+        return split_records(b"".join(self.parts), self.count)
+
+
+NOTHING = Packed((), 0)
+
+
+def take_runs(runs: Sequence[Run], max_records: int, max_bytes: int) -> tuple[Packed, int]:
+    """``take`` for runs (not empty): whole runs while both limits allow, then the records
+    of the next one that still fit, never less than one record; and the last seq taken."""
+    parts: list[bytes] = []
+    count = size = 0
+    last = runs[0][0] - 1
+    for first, n, data in runs:
+        if count + n <= max_records and size + len(data) <= max_bytes:
+            parts.append(data)
+            count, size, last = count + n, size + len(data), first + n - 1
+            continue
+        for i, record in enumerate(split_records(data, n)):
+            if count and (count == max_records or size + len(record) > max_bytes):
+                break
+            parts.append(record)
+            count, size, last = count + 1, size + len(record), first + i
+        break
+    return Packed(parts, count), last
+
+
+def _records(runs: Sequence[Run]) -> list[tuple[int, bytes]]:
+    """(seq, encoding) of each record of ``runs``."""
+    found: list[tuple[int, bytes]] = []
+    for first, count, data in runs:
+        if count == 1:
+            found.append((first, data))
+        else:
+            found += zip(range(first, first + count), split_records(data, count), strict=True)
+    return found
 
 
 # What holding one record in memory costs beyond its bytes: the bytes object's header
@@ -231,13 +281,14 @@ class Log:
             stream.tail.reset(head + 1)
         elif records:
             stream.tail.append(head - len(records) + 1, records)
-            self._note_sizes(records)
+            sample = records[-16:]
+            self._note_sizes(sum(map(len, sample)), len(sample))
         stream.notify()
 
-    def _note_sizes(self, records: Sequence[bytes]) -> None:
-        sample = records[-16:]
-        mean = sum(map(len, sample)) // len(sample)
-        self._avg_record_size = max(1, (self._avg_record_size + mean) // 2)
+    def _note_sizes(self, nbytes: int, count: int) -> None:
+        """Records of ``nbytes`` in all were committed or read: the average record size
+        that sizes reads from the database follows them."""
+        self._avg_record_size = max(1, (self._avg_record_size + nbytes // count) // 2)
 
     def check_available(self, stream: Stream, seq: int) -> None:
         """Raise if records from ``seq`` on can no longer be read."""
@@ -251,23 +302,24 @@ class Log:
 
     async def read(
         self, stream: Stream, seq: int, end: int, max_records: int, max_bytes: int
-    ) -> tuple[Sequence[bytes], int]:
+    ) -> tuple[Packed, int]:
         """Encoded records with ``seq <= s < min(end, head + 1)``, and the last seq read.
 
-        Returns an empty batch once caught up with the head, or, with a last seq
-        at or beyond ``seq``, when compaction removed every record of ``[seq, end)``.
+        Returns no records once caught up with the head, or, with a last seq at or
+        beyond ``seq``, when compaction removed every record of ``[seq, end)``. Records
+        read from the database come as stored: a part per row (``Packed``).
         """
         self.check_available(stream, seq)
         end = min(end, stream.head + 1)
         if seq >= end:
-            return (), seq - 1
+            return NOTHING, seq - 1
         records = stream.tail.get(seq, end, max_records, max_bytes)
         if records is not None:
-            return records, seq + len(records) - 1
+            return Packed(records, len(records)), seq + len(records) - 1
         limit = max(1, min(max_records, max_bytes // max(1, self._avg_record_size)))
         async with self.storage.reader() as reader:
-            rows = await reader.read_records(stream.id, seq, end, limit)
-            first = rows[0][0] if rows else end
+            runs = await reader.read_runs(stream.id, seq, end, limit)
+            first = runs[0][0] if runs else end
             low, compacted = stream.low, stream.compacted
             if first != seq and first - 1 > compacted:
                 # Another process may have compacted (or truncated) before this one's watch
@@ -281,11 +333,11 @@ class Log:
                 f"stream {stream.name!r}: seqs from {seq} were deleted while being read",
                 {"stream": stream.name, "requested": seq, "low": low, "head": stream.head},
             )
-        if not rows:  # compaction removed all of [seq, end)
-            return (), end - 1
-        records = take([record for _, record in rows], max_records, max_bytes)
-        self._note_sizes(records)
-        return records, rows[len(records) - 1][0]
+        if not runs:  # compaction removed all of [seq, end)
+            return NOTHING, end - 1
+        packed, last = take_runs(runs, max_records, max_bytes)
+        self._note_sizes(sum(map(len, packed.parts)), packed.count)
+        return packed, last
 
     async def history(
         self, stream: Stream, key: bytes, seq: int, end: int, max_records: int, max_bytes: int
@@ -305,8 +357,8 @@ class Log:
                 scanned_to = rows[-1][0] if len(rows) == max_records else end - 1
             else:
                 limit = max(1, max_bytes // max(1, self._avg_record_size))
-                rows = await reader.read_records(stream.id, seq, end, limit)
-                scanned_to = rows[-1][0] if len(rows) == limit else end - 1
+                rows = _records(await reader.read_runs(stream.id, seq, end, limit))
+                scanned_to = rows[-1][0] if len(rows) >= limit else end - 1
                 rows = [(s, record) for s, record in rows if record_key(record) == key]
         records = take([record for _, record in rows], max_records, max_bytes)
         if len(records) < len(rows):

@@ -118,6 +118,23 @@ def split_records(encoded: bytes, count: int) -> list[bytes]:
     return records
 
 
+def slice_records(encoded: bytes, count: int, skip: int, take: int) -> bytes:
+    """Records ``skip`` to ``skip + take - 1`` of ``count`` stored back to back, as one
+    slice: only the records before the slice's two ends are skipped over."""
+    if skip == 0 and take == count:
+        return encoded
+    unpacker = msgpack.Unpacker(max_buffer_size=max(len(encoded), 1))
+    unpacker.feed(encoded)
+    for _ in range(skip):
+        unpacker.skip()
+    begin = unpacker.tell()
+    if skip + take == count:
+        return encoded[begin:]
+    for _ in range(take):
+        unpacker.skip()
+    return encoded[begin : unpacker.tell()]
+
+
 def record_key(encoded: bytes) -> bytes | None:
     """The key of a stored record."""
     key: bytes | None = msgpack.unpackb(encoded, raw=False)[2]
@@ -505,12 +522,17 @@ _RECORDS_PREFIXES = [bytes((0x92 + extra,)) + _RECORDS_TYPE for extra in range(3
 
 
 def records_frame(
-    encoded_records: Sequence[bytes], epoch: int | None = None, through: int | None = None
+    encoded_records: Sequence[bytes],
+    epoch: int | None = None,
+    through: int | None = None,
+    count: int | None = None,
 ) -> bytes:
     """A RECORDS frame built from records already encoded by ``encode_record``.
 
-    With ``epoch``, the frame carries it after the records ("Epochs"); with ``through``,
-    that comes last ("Filters"), after the epoch or nil.
+    With ``count``, ``encoded_records`` are parts that hold that many records in all,
+    each one record or several back to back (as a producer stores them), joined as
+    they are. With ``epoch``, the frame carries it after the records ("Epochs"); with
+    ``through``, that comes last ("Filters"), after the epoch or nil.
     """
     if through is not None:
         tail = [_NIL if epoch is None else _packb(epoch), _packb(through)]
@@ -518,7 +540,7 @@ def records_frame(
         tail = [] if epoch is None else [_packb(epoch)]
     body_parts = [
         _RECORDS_PREFIXES[len(tail)],
-        _array_header(len(encoded_records)),
+        _array_header(len(encoded_records) if count is None else count),
         *encoded_records,
         *tail,
     ]
@@ -930,12 +952,13 @@ class ServerConnection(_Connection):
         encoded_records: Sequence[bytes],
         epoch: int | None = None,
         through: int | None = None,
+        count: int | None = None,
     ) -> bytes:
         """A RECORDS frame from stored record encodings (the hot path: no table lookup,
-        RECORDS leaves the server's state as it is)."""
+        RECORDS leaves the server's state as it is); ``count`` as ``records_frame``'s."""
         if self.our_state not in (State.READY, State.STREAMING):
             raise LocalProtocolError(f"cannot send RECORDS while {self.our_state.value}")
-        return records_frame(encoded_records, epoch, through)
+        return records_frame(encoded_records, epoch, through, count)
 
 
 class ClientConnection(_Connection):

@@ -15,7 +15,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +31,7 @@ from .errors import (
     UnknownStreamError,
 )
 from .filters import Filter, share_name
-from .log import Log, Stream
+from .log import NOTHING, Log, Packed, Stream
 from .positions import Positions
 from .protocol import (
     DEFAULT_MAX_FRAME_SIZE,
@@ -493,16 +493,18 @@ class Server:
         seq, wanted = request.start, request.filter
         while seq < request.end:
             end = min(request.end, epochs.segment_end(seq)) if with_epochs else request.end
-            records, last = await self.log.read(
+            packed, last = await self.log.read(
                 stream, seq, end, settings.max_batch_records, settings.max_batch_bytes
             )
             if wanted is not None:
-                records = wanted.select(records)
-            if records:  # none when compaction removed the rest of the range, or a filter
+                packed = Packed(selected := wanted.select(packed.records()), len(selected))
+            if packed.count:  # none when compaction removed the rest of the range, or a filter
                 epoch = epochs.epoch_of(seq) if with_epochs else None
-                frame = conn.send_records(records, epoch, None if wanted is None else last)
+                frame = conn.send_records(
+                    packed.parts, epoch, None if wanted is None else last, packed.count
+                )
                 writer.write(frame)
-                traffic.records += len(records)
+                traffic.records += packed.count
                 traffic.bytes += len(frame)
                 await writer.drain()
             seq = last + 1
@@ -630,13 +632,15 @@ class Server:
         progress_due = loop.time() + settings.progress_interval
         examined = sub.sent  # with a filter: the last seq read, matching or not
 
-        async def send(records: Sequence[bytes], through: int) -> None:
+        async def send(packed: Packed, through: int) -> None:
             nonlocal progress_due
             # A read never spans two segments, so ``through``'s epoch is every record's.
             epoch = epochs.epoch_of(through) if with_epochs else None
-            frame = conn.send_records(records, epoch, None if wanted is None else through)
+            frame = conn.send_records(
+                packed.parts, epoch, None if wanted is None else through, packed.count
+            )
             writer.write(frame)
-            traffic.records += len(records)
+            traffic.records += packed.count
             traffic.bytes += len(frame)
             sub.sent = through
             progress_due = loop.time() + settings.progress_interval
@@ -646,15 +650,15 @@ class Server:
             end = seq + settings.max_batch_records
             if with_epochs:
                 end = min(end, epochs.segment_end(seq))
-            records, last = await self.log.read(
+            packed, last = await self.log.read(
                 stream, seq, end, settings.max_batch_records, settings.max_batch_bytes
             )
             if wanted is not None and last >= seq:
-                records, examined, seq = wanted.select(records), last, last + 1
-                if records or loop.time() >= progress_due:
-                    await send(records, examined)
-            elif records:
-                await send(records, last)
+                selected, examined, seq = wanted.select(packed.records()), last, last + 1
+                if selected or loop.time() >= progress_due:
+                    await send(Packed(selected, len(selected)), examined)
+            elif packed.count:
+                await send(packed, last)
                 seq = last + 1
             elif last >= seq:  # a compacted stream's gap: nothing to send, nothing lost
                 seq = last + 1
@@ -665,7 +669,7 @@ class Server:
                     timeout = max(0.0, min(timeout, progress_due - loop.time()))
                 if not await stream.wait_beyond(seq - 1, timeout):
                     if progress:
-                        await send((), examined)
+                        await send(NOTHING, examined)
                     else:
                         writer.write(conn.send(Heartbeat(stream.head)))
                         await writer.drain()

@@ -127,6 +127,8 @@ class AppendState:
 
 # (stream id, seq, timestamp, encoded record, key or None)
 LogRow = tuple[int, int, int, bytes, bytes | None]
+# (first seq, count, their encodings back to back): consecutive records as read
+Run = tuple[int, int, bytes]
 # (stream id, timestamp, seq): the time index ("streamq_time")
 TimeRow = tuple[int, int, int]
 # (stream id, first seq, epoch): "streamq_epochs"
@@ -148,10 +150,9 @@ class Features:
 class Reader(Protocol):
     """A read-only connection: committed records only."""
 
-    async def read_records(
-        self, stream_id: int, start: int, end: int, limit: int
-    ) -> list[tuple[int, bytes]]:
-        """Up to ``limit`` (seq, encoded record) pairs with ``start <= seq < end``."""
+    async def read_runs(self, stream_id: int, start: int, end: int, limit: int) -> list[Run]:
+        """The records with ``start <= seq < end``, in seq order, as runs of consecutive
+        ones as stored (cut to the range), until ``limit`` records at least, or the end."""
         ...
 
     async def read_key_records(

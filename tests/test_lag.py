@@ -192,8 +192,8 @@ async def test_prometheus_metrics_read_live_state(producer_db: str, consumer_db:
         assert metrics[("streamq_consumer_registered", audit)] == 1
         assert metrics[("streamq_sent_records_total", stream)] == 50
         async with producer.storage.reader() as reader:  # as stored, whatever the engine
-            records = await reader.read_records(producer.log.streams["orders"].id, 1, 51, 100)
-        stored = sum(len(record) for _, record in records)
+            runs = await reader.read_runs(producer.log.streams["orders"].id, 1, 51, 100)
+        stored = sum(len(data) for *_, data in runs)
         # Frames: the stored record encodings plus a few bytes of framing each.
         assert stored < metrics[("streamq_sent_bytes_total", stream)] < stored + 100
         assert metrics[("streamq_connections", ())] >= 1

@@ -8,11 +8,14 @@ import contextlib
 import sqlite3
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import streamq
 from streamq import ConcurrentWriterError, Producer
 from streamq.engines.sqlite.storage import BATCH_BYTES, BATCH_RECORDS, SEQ_BITS, pos
-from streamq.protocol import decode_record, split_records
+from streamq.log import take, take_runs
+from streamq.protocol import decode_record, encode_record, split_records
 
 from .logsql import stored_seqs
 
@@ -47,14 +50,49 @@ async def test_every_range_reads_exactly_its_records(producer_db: str) -> None:
         assert [count for *_, count in rows_of(producer_db)] == [1, 5, 20]
         for start in range(1, 27):
             for end in range(start, 28):
-                records, last = await producer.log.read(stream, start, end, 1000, 1 << 20)
-                seqs = [decode_record(record).seq for record in records]
+                packed, last = await producer.log.read(stream, start, end, 1000, 1 << 20)
+                seqs = [decode_record(record).seq for record in packed.records()]
                 assert seqs == list(range(start, min(end, 27))), (start, end)
                 assert last == min(end, 27) - 1
-            records, last = await producer.log.read(stream, start, 27, 3, 1 << 20)
-            assert [decode_record(r).seq for r in records] == list(range(start, start + 3))[
-                : 27 - start
-            ]
+            packed, last = await producer.log.read(stream, start, 27, 3, 1 << 20)
+            assert [decode_record(r).seq for r in packed.records()] == list(
+                range(start, start + 3)
+            )[: 27 - start]
+        # Whole rows go out as stored, a part each; rows cut by the range, as one slice.
+        packed, _ = await producer.log.read(stream, 1, 27, 1000, 1 << 20)
+        assert (len(packed.parts), packed.count) == (3, 26)
+        packed, last = await producer.log.read(stream, 4, 20, 1000, 1 << 20)
+        assert (len(packed.parts), packed.count, last) == (2, 16, 19)
+
+
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 3), st.lists(st.integers(1, 40), min_size=1, max_size=6)),
+        min_size=1,
+        max_size=6,
+    ),
+    st.integers(1, 12),
+    st.integers(1, 150),
+)
+def test_taking_runs_takes_what_taking_their_records_would(
+    shape: list[tuple[int, list[int]]], max_records: int, max_bytes: int
+) -> None:
+    """``take_runs`` (whole rows while they fit) gives the records ``take`` gives from the
+    same records one by one: the same prefix, never less than one record."""
+    runs, records, seq = [], [], 0
+    for gap, value_sizes in shape:  # a gap: seqs compacted away between rows
+        seq += gap
+        encoded = [
+            encode_record(seq + i + 1, 0, None, b"v" * n, {}) for i, n in enumerate(value_sizes)
+        ]
+        runs.append((seq + 1, len(encoded), b"".join(encoded)))
+        records += [(seq + i + 1, e) for i, e in enumerate(encoded)]
+        seq += len(encoded)
+    expected = take([e for _, e in records], max_records, max_bytes)
+    packed, last = take_runs(runs, max_records, max_bytes)
+    assert list(packed.records()) == list(expected)
+    assert packed.count == len(expected)
+    assert last == records[len(expected) - 1][0]
 
 
 async def test_consumers_resume_inside_a_row(producer_db: str) -> None:

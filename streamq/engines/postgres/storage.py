@@ -43,6 +43,7 @@ from ...storage import (
     Identity,
     Limits,
     LogRow,
+    Run,
     StreamRow,
     StreamSettings,
     TimeRow,
@@ -138,15 +139,13 @@ class PostgresReader:
         rows: list[Any] = await cursor.fetchall()
         return rows
 
-    async def read_records(
-        self, stream_id: int, start: int, end: int, limit: int
-    ) -> list[tuple[int, bytes]]:
-        rows = await self._rows(
+    async def read_runs(self, stream_id: int, start: int, end: int, limit: int) -> list[Run]:
+        rows = await self._rows(  # a row per record here: runs of one
             "SELECT seq, record FROM streamq_log WHERE stream_id = %s AND seq >= %s "
             "AND seq < %s ORDER BY seq LIMIT %s",
             (stream_id, start, end, limit),
         )
-        return [(seq, bytes(record)) for seq, record in rows]
+        return [(seq, 1, bytes(record)) for seq, record in rows]
 
     async def read_key_records(
         self, stream_id: int, key: bytes, start: int, end: int, limit: int

@@ -62,7 +62,7 @@ import aiosqlite
 
 from ...blocking import raw_connection, run_on_thread
 from ...errors import ConcurrentWriterError, DatabaseOpenError, SchemaMissingError
-from ...protocol import split_records
+from ...protocol import slice_records, split_records
 from ...storage import (
     AppendState,
     Changes,
@@ -72,6 +72,7 @@ from ...storage import (
     Identity,
     Limits,
     LogRow,
+    Run,
     StreamRow,
     StreamSettings,
     TimeRow,
@@ -193,7 +194,7 @@ META_EPOCH_QUERY = "SELECT value FROM streamq_meta WHERE key = 'epoch'"
 _CREATE_STREAM = (
     "INSERT INTO streamq_streams (name, key_index, compact, notify_compacted) VALUES (?, ?, ?, ?)"
 )
-# Rows from a pos on, in order: the records of every seq from it (``read_range``).
+# Rows from a pos on, in order: the records of every seq from it (``read_runs``).
 RANGE_QUERY = "SELECT pos, count, record FROM streamq_log WHERE pos >= ? AND pos < ? ORDER BY pos"
 KEY_RECORDS_QUERY = (
     "SELECT pos, record FROM streamq_log WHERE key = ? AND pos >= ? AND pos < ? "
@@ -286,26 +287,32 @@ def rows_upper_bound(stream_id: int, end: int) -> int:
     return min(pos(stream_id, end) + BATCH_RECORDS, pos(stream_id + 1, 0))
 
 
-def read_range(
+def read_runs(
     conn: sqlite3.Connection, stream_id: int, start: int, end: int, limit: int
-) -> list[tuple[int, bytes]]:
-    """Up to ``limit`` (seq, record) with ``start <= seq < end``, on the connection's thread.
-    Rows whose last seq reaches ``end`` may hold seqs below it: read up to the longest row
-    beyond it, and stop at the first seq past it."""
-    found: list[tuple[int, bytes]] = []
+) -> list[Run]:
+    """``SQLiteReader.read_runs`` on the connection's thread: a run per row, as stored,
+    the rows at either end cut to ``[start, end)``. Rows whose last seq reaches ``end``
+    may hold seqs below it: read up to the longest row beyond it."""
+    runs: list[Run] = []
+    taken = 0
     cursor = conn.execute(RANGE_QUERY, (pos(stream_id, start), rows_upper_bound(stream_id, end)))
     try:
-        for position, record in unpack_rows(cursor):
-            seq = position & MAX_STORED_SEQ
-            if seq >= end:
+        for position, count, record in cursor:
+            last = position & MAX_STORED_SEQ
+            first = last - count + 1
+            if first >= end:
                 break
-            if seq >= start:
-                found.append((seq, record))
-                if len(found) >= limit:
-                    break
+            if first < start or last >= end:
+                skip, stop = max(start - first, 0), min(last, end - 1) - first + 1
+                record = slice_records(record, count, skip, stop - skip)
+                first, count = first + skip, stop - skip
+            runs.append((first, count, record))
+            taken += count
+            if taken >= limit:
+                break
     finally:
         cursor.close()
-    return found
+    return runs
 
 
 # --- opening ----------------------------------------------------------------------------
@@ -513,11 +520,9 @@ class SQLiteReader:
     def __init__(self, conn: aiosqlite.Connection) -> None:
         self.conn = conn
 
-    async def read_records(
-        self, stream_id: int, start: int, end: int, limit: int
-    ) -> list[tuple[int, bytes]]:
+    async def read_runs(self, stream_id: int, start: int, end: int, limit: int) -> list[Run]:
         return await run_on_thread(
-            self.conn, read_range, raw_connection(self.conn), stream_id, start, end, limit
+            self.conn, read_runs, raw_connection(self.conn), stream_id, start, end, limit
         )
 
     async def read_key_records(
