@@ -115,12 +115,14 @@ def arm_mid_push() -> None:
         encoded_records: Sequence[bytes],
         epoch: int | None = None,
         through: int | None = None,
+        count: int | None = None,
     ) -> bytes:
         if dying:  # the half frame was handed to the socket: die before any further frame
             FAULTS.fire("mid-push", dying[0])
-        data = send_records(self, encoded_records, epoch, through)
+        data = send_records(self, encoded_records, epoch, through, count)
         if FAULTS.due("mid-push"):
-            dying.append(f"frame={len(data)} bytes records={len(encoded_records)}")
+            records = len(encoded_records) if count is None else count
+            dying.append(f"frame={len(data)} bytes records={records}")
             asyncio.get_running_loop().call_soon(FAULTS.fire, "mid-push", dying[0])
             return data[: len(data) // 2]
         return data
