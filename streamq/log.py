@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .errors import OffsetOutOfRangeError, UnknownStreamError
-from .protocol import record_key, split_records
+from .protocol import numbered_records, record_key, split_records
 from .storage import Run, Storage, StreamRow, StreamSettings
 
 
@@ -40,6 +40,11 @@ class Packed:
 
     parts: Sequence[bytes]
     count: int
+
+    @classmethod
+    def of(cls, records: Sequence[bytes]) -> Packed:
+        """Records one by one: a part each."""
+        return cls(records, len(records))
 
     def records(self) -> Sequence[bytes]:
         """One encoding per record (for what looks at each one: filters)."""
@@ -69,17 +74,6 @@ def take_runs(runs: Sequence[Run], max_records: int, max_bytes: int) -> tuple[Pa
             count, size, last = count + 1, size + len(record), first + i
         break
     return Packed(parts, count), last
-
-
-def _records(runs: Sequence[Run]) -> list[tuple[int, bytes]]:
-    """(seq, encoding) of each record of ``runs``."""
-    found: list[tuple[int, bytes]] = []
-    for first, count, data in runs:
-        if count == 1:
-            found.append((first, data))
-        else:
-            found += zip(range(first, first + count), split_records(data, count), strict=True)
-    return found
 
 
 # What holding one record in memory costs beyond its bytes: the bytes object's header
@@ -315,7 +309,7 @@ class Log:
             return NOTHING, seq - 1
         records = stream.tail.get(seq, end, max_records, max_bytes)
         if records is not None:
-            return Packed(records, len(records)), seq + len(records) - 1
+            return Packed.of(records), seq + len(records) - 1
         limit = max(1, min(max_records, max_bytes // max(1, self._avg_record_size)))
         async with self.storage.reader() as reader:
             runs = await reader.read_runs(stream.id, seq, end, limit)
@@ -357,7 +351,8 @@ class Log:
                 scanned_to = rows[-1][0] if len(rows) == max_records else end - 1
             else:
                 limit = max(1, max_bytes // max(1, self._avg_record_size))
-                rows = _records(await reader.read_runs(stream.id, seq, end, limit))
+                runs = await reader.read_runs(stream.id, seq, end, limit)
+                rows = [pair for run in runs for pair in numbered_records(*run)]
                 scanned_to = rows[-1][0] if len(rows) >= limit else end - 1
                 rows = [(s, record) for s, record in rows if record_key(record) == key]
         records = take([record for _, record in rows], max_records, max_bytes)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import reprlib
 import struct
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 from enum import Enum, IntEnum
 from typing import Any, ClassVar, NamedTuple, TypeVar, cast
@@ -116,6 +116,13 @@ def split_records(encoded: bytes, count: int) -> list[bytes]:
     if start != len(encoded):
         raise ValueError(f"{len(encoded) - start} bytes left after {count} records")
     return records
+
+
+def numbered_records(first: int, count: int, encoded: bytes) -> Iterable[tuple[int, bytes]]:
+    """(seq, encoding) of ``count`` records stored back to back, the first at seq ``first``."""
+    if count == 1:
+        return ((first, encoded),)
+    return zip(range(first, first + count), split_records(encoded, count), strict=True)
 
 
 def slice_records(encoded: bytes, count: int, skip: int, take: int) -> bytes:

@@ -497,7 +497,7 @@ class Server:
                 stream, seq, end, settings.max_batch_records, settings.max_batch_bytes
             )
             if wanted is not None:
-                packed = Packed(selected := wanted.select(packed.records()), len(selected))
+                packed = Packed.of(wanted.select(packed.records()))
             if packed.count:  # none when compaction removed the rest of the range, or a filter
                 epoch = epochs.epoch_of(seq) if with_epochs else None
                 frame = conn.send_records(
@@ -654,9 +654,9 @@ class Server:
                 stream, seq, end, settings.max_batch_records, settings.max_batch_bytes
             )
             if wanted is not None and last >= seq:
-                selected, examined, seq = wanted.select(packed.records()), last, last + 1
-                if selected or loop.time() >= progress_due:
-                    await send(Packed(selected, len(selected)), examined)
+                selected, examined, seq = Packed.of(wanted.select(packed.records())), last, last + 1
+                if selected.count or loop.time() >= progress_due:
+                    await send(selected, examined)
             elif packed.count:
                 await send(packed, last)
                 seq = last + 1

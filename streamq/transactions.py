@@ -80,7 +80,6 @@ class _Pending:
         self.rows: list[LogRow] = []  # not yet inserted
         self.times: list[TimeRow] = []  # streamq_time rows not yet inserted
         self.streams: dict[str, _Appending] = {}  # in the order this transaction took them
-        self._segments = False  # a stream taken here starts a segment (most never do)
 
     def stream_id(self, stream: str) -> int | None:
         """The id of ``stream`` if this transaction holds it already."""
@@ -92,7 +91,6 @@ class _Pending:
         segment = None
         if state.last_epoch != state.epoch:
             segment = (state.id, state.head + 1, state.epoch)
-            self._segments = True
         self.streams[stream] = _Appending(
             state.id,
             state.head,
@@ -115,7 +113,6 @@ class _Pending:
         # A segment begun before, with nothing appended to it yet, is still to begin.
         segment = before.segment if not before.appended else None
         last_epoch = before.last_epoch if segment is not None else self._producer.epoch
-        self._segments = self._segments or segment is not None
         self.streams[stream] = _Appending(
             before.id,
             before.head,
@@ -217,7 +214,7 @@ class _Pending:
         (just before COMMIT), the epoch rows of the segments this transaction started."""
         rows, times = self.rows, self.times
         self.rows, self.times = [], []
-        epochs = list(self.segment_rows().values()) if closing and self._segments else []
+        epochs = list(self.segment_rows().values()) if closing else []
         return rows, times, epochs
 
 

@@ -62,7 +62,7 @@ import aiosqlite
 
 from ...blocking import raw_connection, run_on_thread
 from ...errors import ConcurrentWriterError, DatabaseOpenError, SchemaMissingError
-from ...protocol import slice_records, split_records
+from ...protocol import numbered_records, slice_records
 from ...storage import (
     AppendState,
     Changes,
@@ -274,11 +274,7 @@ def unpack_rows(rows: Iterable[tuple[int, int, bytes]]) -> Iterator[tuple[int, b
     """(pos, count, record) rows of streamq_log, in pos order, as (pos, record) per record:
     what a tool reading a producer's file with sqlite3 needs."""
     for position, count, record in rows:
-        if count == 1:
-            yield position, record
-        else:
-            first = position - count + 1
-            yield from zip(range(first, position + 1), split_records(record, count), strict=True)
+        yield from numbered_records(position - count + 1, count, record)
 
 
 def rows_upper_bound(stream_id: int, end: int) -> int:
