@@ -767,7 +767,8 @@ class FrameDecoder:
             end = pos + FRAME_HEADER.size + size
             if len(buffer) >= end:
                 self._pos = end
-                return bytes(buffer[pos + FRAME_HEADER.size : end])
+                with memoryview(buffer) as view:  # one copy, not a slice's two
+                    return view[pos + FRAME_HEADER.size : end].tobytes()
         if pos:
             del buffer[:pos]
             self._pos = 0

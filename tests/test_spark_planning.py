@@ -180,3 +180,41 @@ def test_time_seek_and_key_reads_over_tls_with_a_token(tmp_path: Path) -> None:
             list(read_partition(StreamQPartition(rng, "orders", True, connect, keys)))
         lenient = read_partition(StreamQPartition(rng, "orders", False, connect, keys))
         assert [seq for batch in lenient for seq in batch.column("seq").to_pylist()] == [6, 8]
+
+
+def test_executors_pause_the_collector_only_while_they_build_a_batch(tmp_path: Path) -> None:
+    """A range read in many frames comes back whole and in order, in batches of about a
+    frame; the garbage collector is on whenever Spark holds control, after a failed read
+    too, and a caller's own choice to turn it off stands."""
+    import gc
+
+    from spark_source.datasource import StreamQPartition, read_partition
+
+    settings = streamq.ServerSettings(max_batch_records=1000)
+    with streamq.SyncProducer(str(tmp_path / "p.db"), settings=settings) as producer:
+        with producer.transaction() as tx:
+            tx.publish_many("orders", [b"%d" % n for n in range(1, 20_001)])
+        connect = Connect(10)
+
+        def read(start: int, end: int, fail_on_data_loss: bool = True) -> list[int]:
+            rng = Range(producer.producer_id, producer.address, start, end)
+            collecting, seqs = gc.isenabled(), []
+            for batch in read_partition(
+                StreamQPartition(rng, "orders", fail_on_data_loss, connect)
+            ):
+                assert gc.isenabled() == collecting
+                assert 0 < batch.num_rows <= 9000  # whole frames: 1,000 records each here
+                seqs += batch.column("seq").to_pylist()
+            return seqs
+
+        assert read(1, 20_001) == list(range(1, 20_001))
+        with pytest.raises(StreamQSourceError, match="lost commits"):
+            read(19_000, 20_010)  # beyond the head: refused once the read has begun
+        assert gc.isenabled()
+        assert read(19_000, 20_010, fail_on_data_loss=False) == list(range(19_000, 20_001))
+        gc.disable()
+        try:
+            assert read(5, 9) == [5, 6, 7, 8]
+            assert not gc.isenabled()
+        finally:
+            gc.enable()
