@@ -62,8 +62,6 @@ token, tokenFile         the token naming this query's consumer; tokenFile is re
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import json
 import logging
 from collections.abc import Iterator, Mapping, Sequence
@@ -96,6 +94,7 @@ from pyspark.sql.types import StructType
 from streamq import Client, ClientTLS, OffsetOutOfRangeError, SeqsReusedError, StreamQError
 from streamq import Filter as RecordFilter
 from streamq.client import RangeRead
+from streamq.protocol import collector_paused
 
 from . import planning
 from .planning import (
@@ -452,7 +451,8 @@ def _read_range(
         filter=partition.filter,
     )
     while True:
-        with _collector_paused():
+        # Rows live only while one batch is built: the collector need not scan them at all.
+        with collector_paused():
             taken = _next_batch(reader, state, columns)
         if taken is None:
             break
@@ -479,22 +479,6 @@ def _next_batch(
         return None
     partition = state.partition
     return _batch(columns, partition.range, partition.stream, pending), pending[-1][0]
-
-
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Decoding makes a Python list per record, and the cyclic garbage collector scans each
-    of them again and again while they live, though none can be in a cycle: measured, that
-    doubled the executor's CPU per row. Rows live only while one batch is built, and
-    reference counting frees them, so the collector pauses for that long, and no longer."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 def _read_kept(
