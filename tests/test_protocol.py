@@ -22,6 +22,7 @@ from streamq.errors import ErrorCode, LocalProtocolError, RemoteProtocolError
 from streamq.filters import MAX_SHARES, Filter
 from streamq.protocol import (
     DEFAULT_MAX_FRAME_SIZE,
+    FRAME_HEADER,
     MAX_SEQ,
     PROTOCOL_VERSION,
     Ack,
@@ -1663,3 +1664,29 @@ def test_connected_pair_delivers_every_message_as_sent(data: st.DataObject) -> N
     assert server.buffered == 0
     assert to_server.delivered >= 1
     assert to_client.delivered >= 1
+
+
+@pytest.mark.parametrize("raw_records", [False, True])
+def test_decoding_a_large_frame_leaves_the_garbage_collector_as_it_found_it(
+    raw_records: bool,
+) -> None:
+    """Large bodies decode with the collector paused (``collector_paused``): on again after
+    a good frame and after a malformed one, and still off if the caller had turned it off."""
+    import gc
+
+    records = [encode_record(seq, 1000, None, b"v" * 100, {}) for seq in range(1, 1001)]
+    body = records_frame(records)[FRAME_HEADER.size :]
+    broken = body[:-50]  # large, and cut short in its last record
+    assert len(broken) > 16 * 1024
+    decoded = decode_message(body, raw_records=raw_records)
+    assert isinstance(decoded, RecordRows if raw_records else Records)
+    assert gc.isenabled()
+    with pytest.raises(RemoteProtocolError, match="not valid msgpack"):
+        decode_message(broken, raw_records=raw_records)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        decode_message(body, raw_records=raw_records)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
