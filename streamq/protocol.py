@@ -656,21 +656,21 @@ def _decode_record_rows(items: Any) -> RecordRows:
     return RecordRows(items)
 
 
+_LARGE_BODY = 16 * 1024  # decoding this many bytes makes hundreds of Python objects or more
+
+
 def decode_message(body: bytes, *, raw_records: bool = False) -> Message:
     """Parse and validate one frame body; raises ``RemoteProtocolError``.
 
     With ``raw_records``, RECORDS decode to ``RecordRows`` instead of ``Records``.
     """
     try:
-        if len(body) < _MANY_OBJECTS:
+        if len(body) < _LARGE_BODY:
             return _decode_message(body, raw_records)
         with collector_paused():
             return _decode_message(body, raw_records)
     except RecursionError:  # a deeply nested value where a scalar belongs
         raise _malformed("frame body is nested too deeply") from None
-
-
-_MANY_OBJECTS = 16 * 1024  # a body this large makes hundreds of Python objects or more
 
 
 @contextlib.contextmanager

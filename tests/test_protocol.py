@@ -7,6 +7,7 @@ stream, garbage and hostile frames (which may only ever raise
 
 from __future__ import annotations
 
+import gc
 import itertools
 import struct
 from collections import deque
@@ -1672,8 +1673,6 @@ def test_decoding_a_large_frame_leaves_the_garbage_collector_as_it_found_it(
 ) -> None:
     """Large bodies decode with the collector paused (``collector_paused``): on again after
     a good frame and after a malformed one, and still off if the caller had turned it off."""
-    import gc
-
     records = [encode_record(seq, 1000, None, b"v" * 100, {}) for seq in range(1, 1001)]
     body = records_frame(records)[FRAME_HEADER.size :]
     broken = body[:-50]  # large, and cut short in its last record

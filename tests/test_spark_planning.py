@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -186,8 +187,6 @@ def test_executors_pause_the_collector_only_while_they_build_a_batch(tmp_path: P
     """A range read in many frames comes back whole and in order, in batches of about a
     frame; the garbage collector is on whenever Spark holds control, after a failed read
     too, and a caller's own choice to turn it off stands."""
-    import gc
-
     from spark_source.datasource import StreamQPartition, read_partition
 
     settings = streamq.ServerSettings(max_batch_records=1000)
