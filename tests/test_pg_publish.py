@@ -11,9 +11,8 @@ import select
 import subprocess
 import sys
 import threading
-import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,8 @@ from sqlalchemy.orm import Session
 
 import streamq
 from streamq.protocol import decode_record
+
+from .waiting import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 ORDERS = "CREATE TABLE orders (worker text NOT NULL, n integer NOT NULL)"
@@ -52,15 +53,6 @@ def log(url: str, stream: str = "orders") -> list[streamq.Record]:
 
 def sqlalchemy_url(url: str, driver: str = "psycopg") -> str:
     return url.replace("postgresql://", f"postgresql+{driver}://")
-
-
-def wait_until(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    """Check ``condition`` until it holds; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.005)
 
 
 def test_publish_commits_with_the_business_row_and_a_rollback_publishes_nothing(

@@ -14,6 +14,8 @@ import streamq
 from spark_source import planning
 from spark_source.planning import Connect, ProducerState, Range, StreamQSourceError
 
+from .waiting import wait_until
+
 STATES = {
     "a": ProducerState("a", "h:1", head=100, low=1),
     "b": ProducerState("b", "h:2", head=10, low=5),
@@ -122,22 +124,28 @@ def test_the_driver_keeps_its_connections_across_triggers(tmp_path: Path) -> Non
             assert planning.discover([address], "orders", kept)[pid].head == head
             reporter.report({pid: (address, head)})
             reporter.flush(10)
+            # A status client, the driver's kept connection and the reporter's: no others.
+            # (The server counts a closed connection out once it has read its end.)
+            wait_until(lambda: connections(address) == 3, "three connections")
             with streamq.Client(address) as client:
-                status = client.status()
-            # This client, the driver's kept connection and the reporter's: no others.
-            assert status["connections"] == 3
-            assert [p["applied"] for p in status["positions"]] == [head]
+                assert [p["applied"] for p in client.status()["positions"]] == [head]
             a.publish("orders", b"more")
     with streamq.SyncProducer(db, port=port) as restarted:
         assert planning.discover([address], "orders", kept)[pid].head == 3
         reporter.report({pid: (address, 3)})
         reporter.close(10)
         kept.close()
+        wait_until(lambda: connections(address) == 1, "only the status client's connection")
         with streamq.Client(address) as client:
-            status = client.status()
-        assert status["connections"] == 1
-        assert [p["applied"] for p in status["positions"]] == [3]
+            assert [p["applied"] for p in client.status()["positions"]] == [3]
         assert restarted.producer_id == pid
+
+
+def connections(address: str) -> int:
+    """The producer's open connections, as its status counts them (this one's included)."""
+    with streamq.Client(address) as client:
+        count: int = client.status()["connections"]
+        return count
 
 
 def registry() -> list[str]:
