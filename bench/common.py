@@ -25,8 +25,11 @@ from rich.table import Table
 RESULTS = Path(__file__).parent / "results"  # full runs: committed, shown in the README
 
 
-def results_dir(quick: bool) -> Path:
-    """Where a run's JSON and charts go; quick runs stay out of the committed results."""
+def results_dir(quick: bool, partial: bool = False) -> Path:
+    """Where a run's JSON and charts go. Quick runs, and partial ones (a baseline left
+    out), stay out of the committed results, which only a whole run may replace."""
+    if partial:
+        return RESULTS / "partial"
     return RESULTS / "quick" if quick else RESULTS
 
 
@@ -245,10 +248,17 @@ def latency_table(title: str, runs: LatencyRuns) -> Table:
     return table
 
 
-def save(workload: str, payload: dict[str, Any], quick: bool, folder: Path | None = None) -> Path:
-    """``folder/WORKLOAD.json`` (default: ``results_dir(quick)``) with the machine's details
-    and the date, then the workload's charts, drawn from what was saved."""
-    folder = results_dir(quick) if folder is None else folder
+def save(
+    workload: str,
+    payload: dict[str, Any],
+    quick: bool,
+    folder: Path | None = None,
+    *,
+    partial: bool = False,
+) -> Path:
+    """``folder/WORKLOAD.json`` (default: ``results_dir(quick, partial)``) with the machine's
+    details and the date, then the workload's charts, drawn from what was saved."""
+    folder = results_dir(quick, partial) if folder is None else folder
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{workload}.json"
     payload = {

@@ -1,13 +1,15 @@
 """The charts redraw from the stored results alone (``python -m bench.charts``), each
-labelled with its machine and date."""
+labelled with its machine and date; only whole runs replace the stored results."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 from bench import charts
+from bench.common import RESULTS, results_dir
 
 
 def test_every_stored_result_redraws(tmp_path: Path) -> None:
@@ -24,3 +26,15 @@ def test_label_names_machine_and_date() -> None:
     stored = json.loads((charts.RESULTS / "pipe.json").read_text())
     assert charts.machine_label(stored).startswith(f"{stored['machine']['cores']} cores, Python ")
     assert charts.machine_label({}) == "cores not recorded, Python not recorded, date not recorded"
+
+
+def test_quick_and_partial_runs_save_where_git_ignores_them() -> None:
+    """A run without Kafka or NATS must not overwrite the committed figures."""
+    assert results_dir(quick=False) == RESULTS
+    for quick, partial in ((True, False), (False, True), (True, True)):
+        folder = results_dir(quick, partial)
+        assert folder != RESULTS
+        ignored = subprocess.run(
+            ["git", "check-ignore", "-q", str(folder / "pipe.json")], cwd=RESULTS, check=False
+        )
+        assert ignored.returncode == 0, f"{folder} is not ignored by git"

@@ -130,7 +130,7 @@ def run(broker: Any | None, quick: bool, repeats: int, nats: bool = True) -> dic
     }
     if nats_servers:
         results["nats"] = recorded_settings(nats_servers)
-    save("latency", results, quick)
+    save("latency", results, quick, partial=broker is None or not nats)
     return results
 
 

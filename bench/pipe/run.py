@@ -115,7 +115,7 @@ def run(broker: Any | None, quick: bool, repeats: int, nats: bool = True) -> dic
     }
     if nats_servers:
         results["nats"] = recorded_settings(nats_servers)
-    save("pipe", results, quick)
+    save("pipe", results, quick, partial=broker is None or not nats)
     return results
 
 

@@ -96,5 +96,5 @@ def run(broker: Any | None, quick: bool, repeats: int) -> dict[str, Any]:
             table.add_row(system, *(f"{f[c]:,.0f}" if c in f else "-" for c in columns))
     console.print(table)
     results = {"rate": rate, "seconds": seconds, "runs": runs}
-    save("slow_consumer", results, quick)
+    save("slow_consumer", results, quick, partial=broker is None)
     return results

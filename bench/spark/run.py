@@ -178,7 +178,7 @@ def run(
         },
     }
     if saved:
-        save("spark", results, quick)
+        save("spark", results, quick, partial=broker is None)
     return results
 
 

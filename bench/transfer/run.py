@@ -56,7 +56,6 @@ from ..common import (
     console,
     latency_table,
     percentile_series,
-    results_dir,
     save,
     workload_main,
 )
@@ -673,7 +672,6 @@ def run(broker: Any | None, quick: bool, repeats: int, seed: int | None = None) 
     )
     console.print(_anomaly_table(crashes))
     latency_series = percentile_series(latency)
-    folder = results_dir(quick)
     results = {
         "sizes": sizes.__dict__,
         "seed": seed,
@@ -682,7 +680,7 @@ def run(broker: Any | None, quick: bool, repeats: int, seed: int | None = None) 
         "series": [asdict(s) for s in series + latency_series],
         "crash": crashes,
     }
-    save("transfer", results, quick)
+    save("transfer", results, quick, partial=broker is None)
     return results
 
 

