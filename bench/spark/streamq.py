@@ -98,6 +98,9 @@ def latency(spark: Any, folder: Path, rate: float, seconds: float, on_driver: bo
     with Child("bench.latency.streamq", *args) as publisher:
         (address,) = publisher.expect("READY")
         reader = (
-            spark.readStream.format("streamq").option("endpoints", address).option("stream", STREAM)
+            spark.readStream.format("streamq")
+            .option("endpoints", address)
+            .option("stream", STREAM)
+            .option("readOnDriver", str(on_driver).lower())
         )
         return measure(spark, reader, folder / "ck", publisher, rate, seconds)
