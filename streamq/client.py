@@ -42,7 +42,13 @@ from .protocol import (
     TimePosition,
 )
 from .security import ClientTLS, tls_refused
-from .transport import closed_by_producer, parse_address, producer_errors, read_message_blocking
+from .transport import (
+    READ_SIZE,
+    closed_by_producer,
+    parse_address,
+    producer_errors,
+    read_message_blocking,
+)
 
 T = TypeVar("T")
 
@@ -154,6 +160,7 @@ class Client:
         with producer_errors(address, "cannot connect to"):
             self._sock = socket.create_connection((host, port), timeout=timeout)
         self._conn = ClientConnection(max_frame_size)
+        self._received = bytearray(READ_SIZE)  # every read lands here first
         self.consumer: str | None = None
         try:
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -213,7 +220,7 @@ class Client:
 
     def _receive_message(self) -> Message:
         with producer_errors(self.address, "reading from"):
-            message = read_message_blocking(self._conn, self._sock)
+            message = read_message_blocking(self._conn, self._sock, self._received)
         if message is None:
             raise closed_by_producer(self.address, self._conn)
         if isinstance(message, Error):

@@ -772,7 +772,7 @@ class FrameDecoder:
         self._buffer = bytearray()
         self._pos = 0
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes | memoryview) -> None:
         self._buffer += data
 
     @property
@@ -924,7 +924,7 @@ class _Connection:
     def their_state(self) -> State:
         return self._states.of[self.their_role]
 
-    def receive_data(self, data: bytes) -> None:
+    def receive_data(self, data: bytes | memoryview) -> None:
         self._decoder.feed(data)
 
     @property

@@ -392,6 +392,26 @@ def test_frame_decoder_arbitrary_splits(sent: list[Message], data: st.DataObject
     assert decoder.next_frame() is None
 
 
+@THOROUGH
+@given(sent=st.lists(messages, min_size=1, max_size=8), data=st.data())
+def test_frame_decoder_keeps_what_it_was_fed_from_a_reused_buffer(
+    sent: list[Message], data: st.DataObject
+) -> None:
+    """As ``read_message_blocking`` feeds it: views of one buffer, overwritten by each read."""
+    stream = b"".join(map(encode, sent))
+    landing = bytearray(len(stream))
+    received = []
+    decoder = FrameDecoder()
+    with memoryview(landing) as view:
+        for chunk in split(data, stream):
+            landing[: len(chunk)] = chunk
+            decoder.feed(view[: len(chunk)])
+            landing[:] = b"\xff" * len(landing)  # the next read lands in the same place
+            while (body := decoder.next_frame()) is not None:
+                received.append(decode_message(body))
+    assert received == sent
+
+
 client_requests = st.one_of(
     MESSAGE_STRATEGIES[GetHead],
     MESSAGE_STRATEGIES[GetRange],
