@@ -175,3 +175,22 @@ async def test_a_consumer_database_that_cannot_be_opened_is_named(
         with pytest.raises(streamq.DatabaseOpenError, match="it is a directory"):
             await consumer.start()
         await producer.publish("orders", b"the producer goes on")
+
+
+async def test_connections_switching_a_new_database_to_wal_at_once_all_open(
+    tmp_path: Path,
+) -> None:
+    """Worker processes starting together, or consumers sharing a database, switch a new
+    database to WAL at the same moment: SQLite refuses some of them at once, without
+    waiting its busy timeout, and each must open all the same."""
+    from streamq.engines.sqlite.positions import open_database
+    from streamq.engines.sqlite.storage import open_writer
+
+    for n in range(20):
+        for opener in (open_writer, open_database):
+            path = str(tmp_path / f"{opener.__name__}-{n}.db")
+            connections = await asyncio.gather(*(opener(path, "normal") for _ in range(4)))
+            for conn in connections:
+                mode = await conn.execute_fetchall("PRAGMA journal_mode")
+                await conn.close()
+                assert list(mode) == [("wal",)]

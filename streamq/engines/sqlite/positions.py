@@ -40,7 +40,7 @@ from ...resharing import Move, StoredPosition, plan
 from ...storage import WouldWait
 from ...stores import out_of_turn
 from .checkpoints import Checkpointer, take_over
-from .storage import begin_at_once, connect
+from .storage import begin_at_once, connect, journal_mode_wal
 
 if TYPE_CHECKING:
     from ...storage import Durability
@@ -119,7 +119,7 @@ async def open_database(path: str, durability: Durability) -> aiosqlite.Connecti
     """A consumer's database connection, with the positions table."""
     db = await connect(path, any_thread=True)  # a path that is no database: DatabaseOpenError
     try:
-        await db.execute("PRAGMA journal_mode=WAL")
+        await journal_mode_wal(db)
         await db.execute(f"PRAGMA synchronous={durability.upper()}")
         await db.execute(SCHEMA)
         await db.execute(DEAD_LETTERS_SCHEMA)

@@ -355,14 +355,33 @@ def _cannot_open(path: str, exc: sqlite3.Error) -> str:
     return f"cannot open SQLite database {path!r}: {reason}"
 
 
+async def journal_mode_wal(conn: aiosqlite.Connection) -> str:
+    """``PRAGMA journal_mode=WAL``; the journal mode the database is in after it.
+
+    Connections that switch a new database to WAL at the same moment (worker processes
+    starting, consumers sharing a database) can each hold the lock the other needs;
+    SQLite refuses one of them at once ("database is locked") instead of waiting the busy
+    timeout. Asked again a moment later, it finds the database switched, or gets its turn.
+    """
+    deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
+    while True:
+        try:
+            async with conn.execute("PRAGMA journal_mode=WAL") as cursor:
+                row = await cursor.fetchone()
+            return "" if row is None else str(row[0]).lower()
+        except sqlite3.OperationalError as exc:
+            if exc.sqlite_errorcode != sqlite3.SQLITE_BUSY or time.monotonic() > deadline:
+                raise
+        await asyncio.sleep(0.01)
+
+
 async def open_writer(path: str, durability: Durability) -> aiosqlite.Connection:
     """The producer's one writer connection, in WAL mode, transactions managed by hand."""
     conn = await connect(path, any_thread=True)
     try:
-        async with conn.execute("PRAGMA journal_mode=WAL") as cursor:
-            row = await cursor.fetchone()
-        if row is None or str(row[0]).lower() != "wal":
-            raise DatabaseOpenError(f"{path}: SQLite refused WAL mode (got {row!r})")
+        mode = await journal_mode_wal(conn)
+        if mode != "wal":
+            raise DatabaseOpenError(f"{path}: SQLite refused WAL mode (got {mode!r})")
         await conn.execute(f"PRAGMA synchronous={durability.upper()}")
     except BaseException:
         await conn.close()
