@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 from bench import charts
-from bench.common import RESULTS, results_dir
+from bench.common import results_dir
 
 
 def test_every_stored_result_redraws(tmp_path: Path) -> None:
@@ -30,11 +30,13 @@ def test_label_names_machine_and_date() -> None:
 
 def test_quick_and_partial_runs_save_where_git_ignores_them() -> None:
     """A run without Kafka or NATS must not overwrite the committed figures."""
-    assert results_dir(quick=False) == RESULTS
+    assert results_dir(quick=False) == charts.RESULTS
     for quick, partial in ((True, False), (False, True), (True, True)):
         folder = results_dir(quick, partial)
-        assert folder != RESULTS
+        assert folder != charts.RESULTS
         ignored = subprocess.run(
-            ["git", "check-ignore", "-q", str(folder / "pipe.json")], cwd=RESULTS, check=False
+            ["git", "check-ignore", "-q", str(folder / "pipe.json")],
+            cwd=charts.RESULTS,
+            check=False,
         )
         assert ignored.returncode == 0, f"{folder} is not ignored by git"
