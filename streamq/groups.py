@@ -61,6 +61,7 @@ class GroupCommit:
     def __init__(self, producer: Producer) -> None:
         self._producer = producer
         self._queue: list[_Member] = []
+        self._loop: asyncio.AbstractEventLoop | None = None  # the producer's, once running
         self._committer: asyncio.Task[None] | None = None
         self.groups = 0  # COMMITs run for queued transactions
         self.members = 0  # transactions committed in them
@@ -75,7 +76,9 @@ class GroupCommit:
         Cancelled while queued, it is withdrawn and never runs; cancelled once taken, it
         runs to the end (its outcome must be known) and the cancel is re-raised after.
         """
-        loop = asyncio.get_running_loop()
+        loop = self._loop
+        if loop is None:  # asked once: each ask costs a system call (the pid's check)
+            loop = self._loop = asyncio.get_running_loop()
         member = _Member(fn, args, loop.create_future())
         self._queue.append(member)
         if self._committer is None:
@@ -199,7 +202,7 @@ def _run_group(
             pending = _Pending(producer, carried)
             tx = BlockingTransaction(producer, writer, pending)
             if not alone:
-                writer.execute("SAVEPOINT streamq_member")
+                writer.savepoint()
             try:
                 member.result = tx._run_member(member.fn, member.args)
             except BaseException as error:
@@ -207,7 +210,7 @@ def _run_group(
                     raise
                 member.error = error
                 try:
-                    writer.execute("ROLLBACK TO streamq_member")
+                    writer.rollback_to_savepoint()
                 except Exception:
                     # The error ended the whole transaction (a full disk, an I/O error),
                     # taking the members before it: the group fails as one.
@@ -216,7 +219,7 @@ def _run_group(
                 member.pending = pending
                 carried.update(pending.streams)
             if not alone:
-                writer.execute("RELEASE streamq_member")
+                writer.release_savepoint()
         _insert_buffered(writer, members)
         writer.commit()
     except BaseException:

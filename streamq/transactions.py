@@ -141,27 +141,31 @@ class _Pending:
         appending = self.streams[stream]
         seq = appending.head + 1
         record = encode_record(seq, ts, key, value, headers)
-        if len(record) > self._producer.max_record_size:
+        size = len(record)
+        producer = self._producer
+        if size > producer.max_record_size:
             raise RecordTooLargeError(
-                f"record of {len(record)} bytes exceeds the limit of "
-                f"{self._producer.max_record_size} (max_frame_size minus framing)"
+                f"record of {size} bytes exceeds the limit of "
+                f"{producer.max_record_size} (max_frame_size minus framing)"
             )
         if seq > MAX_SEQ:
             raise OverflowError(f"stream {stream!r} has reached the last seq")
         self.rows.append(
             (stream_id, seq, ts, record, key if appending.settings.key_index else None)
         )
-        if appending.max_ts is None or ts > appending.max_ts:  # "streamq_time": a new largest
+        max_ts = appending.max_ts
+        if max_ts is None or ts > max_ts:  # "streamq_time": a new largest
             appending.max_ts = ts
             self.times.append((stream_id, ts, seq))
         appending.head = seq
-        if appending.kept is not None:
-            size = appending.kept_bytes + len(record) + RECORD_OVERHEAD
-            if size > self._producer.log.tail_bytes:
+        kept = appending.kept
+        if kept is not None:
+            kept_bytes = appending.kept_bytes + size + RECORD_OVERHEAD
+            if kept_bytes > producer.log.tail_bytes:
                 appending.kept = None
             else:
-                appending.kept.append(record)
-                appending.kept_bytes = size
+                kept.append(record)
+                appending.kept_bytes = kept_bytes
         return seq
 
     @property
@@ -214,7 +218,10 @@ class _Pending:
         (just before COMMIT), the epoch rows of the segments this transaction started."""
         rows, times = self.rows, self.times
         self.rows, self.times = [], []
-        epochs = list(self.segment_rows().values()) if closing else []
+        epochs: list[EpochRow] = []
+        if closing:  # as segment_rows(), with no dict made for each transaction
+            streams = self.streams.values()
+            epochs = [s.segment for s in streams if s.segment is not None and s.appended]
         return rows, times, epochs
 
 

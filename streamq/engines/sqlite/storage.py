@@ -655,16 +655,27 @@ class SQLiteBlockingWriter:
         # commit group runs several per transaction.
         self.execute: Callable[..., sqlite3.Cursor] = conn.execute
         self.executemany: Callable[..., sqlite3.Cursor] = conn.executemany
+        # streamq's own statements, on one cursor: ``conn.execute`` makes one per call.
+        self._own = conn.cursor()
 
     def begin(self, wait: bool = True) -> int:
         return begin_immediate(self.conn) if wait else begin_at_once(self.conn)
 
     def commit(self) -> None:
-        self.conn.execute("COMMIT")
+        self._own.execute("COMMIT")
 
     def rollback(self) -> None:
         if self.conn.in_transaction:
-            self.conn.execute("ROLLBACK")
+            self._own.execute("ROLLBACK")
+
+    def savepoint(self) -> None:
+        self._own.execute("SAVEPOINT streamq_member")
+
+    def rollback_to_savepoint(self) -> None:
+        self._own.execute("ROLLBACK TO streamq_member")
+
+    def release_savepoint(self) -> None:
+        self._own.execute("RELEASE streamq_member")
 
     def create_stream(self, name: str, settings: StreamSettings) -> int:
         return create_stream_blocking(self.conn, name, settings)
