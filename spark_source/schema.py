@@ -108,9 +108,9 @@ class Columns:
         count = len(rows)
         constants = {"producer": producer, "endpoint": endpoint, "stream": stream}
         try:
-            if count and set(map(len, rows)) != {5}:
-                raise ValueError("a record must have 5 fields")
-            seqs = pa.array([row[0] for row in rows], pa.int64())
+            # Rows to fields in one pass in C (a tuple per field), not a list per column.
+            fields = _fields(rows) if count else [()] * 5
+            seqs = pa.array(fields[0], pa.int64())
             columns = []
             for name in self.names:
                 if name in _CONSTANTS:
@@ -118,7 +118,7 @@ class Columns:
                 elif name == "seq":
                     column = seqs
                 else:
-                    column = _build(name, [row[_ROW_INDEX[name]] for row in rows])
+                    column = _build(name, fields[_ROW_INDEX[name]])
                 cast = self._casts.get(name)
                 columns.append(column if cast is None else column.cast(cast))
         except (pa.ArrowException, TypeError, ValueError, LookupError) as exc:
@@ -131,7 +131,18 @@ class Columns:
 EVERY_COLUMN = Columns(SCHEMA)
 
 
-def _build(name: str, values: list[Any]) -> pa.Array:
+def _fields(rows: Sequence[Sequence[Any]]) -> list[tuple[Any, ...]]:
+    """``rows`` of 5 fields each as 5 tuples, one per field."""
+    try:
+        fields = list(zip(*rows, strict=True))
+    except ValueError:  # rows of different lengths
+        fields = []
+    if len(fields) != 5:
+        raise ValueError("a record must have 5 fields")
+    return fields
+
+
+def _build(name: str, values: Sequence[Any]) -> pa.Array:
     if name == "timestamp":
         return pa.array(values, pa.int64()).cast(_MILLISECONDS).cast(_TIMESTAMP)
     if name == "headers":
