@@ -120,3 +120,17 @@ def test_checker_sees_lost_doubled_and_wrong_credits(tmp_path: Path) -> None:
     assert result["payments_books_ok"] and result["ledger_books_ok"]
     assert result["published"] is None and result["redelivered"] is None
     assert result["anomalies"] > 0
+
+
+def test_the_full_durability_case_runs_alone(capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m bench.transfer.handlers``: the case ``run`` measures among the others,
+    every transfer credited in each run, its table printed, its processes gone after."""
+    from bench.transfer import handlers
+
+    handled, commits = transfer.measure_handlers(["streamq"], None, 640, 2)
+    assert [(s.system, len(s.values)) for s in handled + commits] == [("streamq", 2)] * 2
+    assert all(rate > 0 for s in handled + commits for rate in s.values)
+    assert handlers.main(["--no-kafka", "--repeats", "1", "--transfers", "320"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if "tr/s" in line]
+    assert len(rows) == 2 and all("│ streamq │" in row and "│    1 │" in row for row in rows)
+    assert our_programs() == []

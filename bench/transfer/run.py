@@ -513,8 +513,40 @@ def check_books(conn: sqlite3.Connection, published: int | None) -> dict[str, An
 # --- the workload -----------------------------------------------------------------
 
 
+TITLE = (
+    "transfer: debit + deposit, credited exactly once: transfers/s from GO until the "
+    "ledger credited the last one (end to end) and until the payments service "
+    "committed it (producer commits); kafka = transactional outbox + relay + "
+    f"deduping consumer; full, {HANDLERS} handlers: one transfer per transaction, "
+    "synchronous=FULL, the broker flushing every message"
+)
+
+
+def measure_handlers(
+    systems: list[str],
+    flushing: Any | None,
+    transfers: int,
+    repeats: int,
+    after_run: Callable[[str], None] = lambda system: None,
+) -> tuple[list[Series], list[Series]]:
+    """Money at full durability: ``HANDLERS`` request handlers, one transfer per
+    transaction, ``synchronous=FULL``, against ``flushing`` (a broker that flushes every
+    message); each system's runs alternating with the others'. Transfers/s end to end,
+    and as the producer committed them."""
+    case = f"{transfers:,}, full, {HANDLERS} handlers"
+    handled = {s: Series(_series_name(s), f"{case}, end to end", "tr/s") for s in systems}
+    commits = {s: Series(_series_name(s), f"{case}, producer commits", "tr/s") for s in systems}
+    for system in alternating(systems, repeats):
+        with _folder() as folder:
+            measured = flow(system, flushing, folder, transfers, 0, HANDLERS, "full")
+        handled[system].values.append(transfers / measured.seconds)
+        commits[system].values.append(transfers / measured.producer_seconds)
+        after_run(system)
+    return list(handled.values()), list(commits.values())
+
+
 @contextlib.contextmanager
-def _flushing_broker() -> Iterator[Any]:
+def flushing_broker() -> Iterator[Any]:
     """A second broker, ``log.flush.interval.messages=1``, warmed up."""
     from ..kafka.broker import KafkaBroker
 
@@ -580,14 +612,6 @@ def run(broker: Any | None, quick: bool, repeats: int, seed: int | None = None) 
         s: Series(_series_name(s), f"{sizes.transfers:,}, producer commits", "tr/s")
         for s in flow_systems
     }
-    handlers_case = f"{sizes.handler_transfers:,}, full, {HANDLERS} handlers"
-    handled = {
-        s: Series(_series_name(s), f"{handlers_case}, end to end", "tr/s") for s in flow_systems
-    }
-    handled_commits = {
-        s: Series(_series_name(s), f"{handlers_case}, producer commits", "tr/s")
-        for s in flow_systems
-    }
     paced_case = f"{sizes.latency_rate:,}/s"
     full_case = "max rate"
     latency: LatencyRuns = {}
@@ -619,18 +643,15 @@ def run(broker: Any | None, quick: bool, repeats: int, seed: int | None = None) 
             progress.advance(task)
         # Money at full durability: a broker that flushes every message, against streamq's
         # synchronous=FULL, both payments databases FULL too.
-        flushing = None if broker is None else stack.enter_context(_flushing_broker())
-        for system in alternating(flow_systems, repeats):
-            progress.update(task, description=f"transfer: {HANDLERS} handlers, full, {system}")
-            with _folder() as folder:
-                measured = flow(
-                    system, flushing, folder, sizes.handler_transfers, 0, HANDLERS, "full"
-                )
-            handled[system].values.append(sizes.handler_transfers / measured.seconds)
-            handled_commits[system].values.append(
-                sizes.handler_transfers / measured.producer_seconds
-            )
-            progress.advance(task)
+        flushing = None if broker is None else stack.enter_context(flushing_broker())
+        progress.update(task, description=f"transfer: {HANDLERS} handlers, full")
+        handled, handled_commits = measure_handlers(
+            flow_systems,
+            flushing,
+            sizes.handler_transfers,
+            repeats,
+            lambda _: progress.advance(task),
+        )
         for number, system in enumerate(crash_systems):
             progress.update(task, description=f"transfer: kill -9, {system}")
             with _folder() as folder:
@@ -646,22 +667,8 @@ def run(broker: Any | None, quick: bool, repeats: int, seed: int | None = None) 
                         on_kill=lambda _: progress.advance(task),
                     )
                 )
-    series = [
-        *throughput.values(),
-        *committing.values(),
-        *handled.values(),
-        *handled_commits.values(),
-    ]
-    console.print(
-        comparison_table(
-            "transfer: debit + deposit, credited exactly once: transfers/s from GO until the "
-            "ledger credited the last one (end to end) and until the payments service "
-            "committed it (producer commits); kafka = transactional outbox + relay + "
-            f"deduping consumer; full, {HANDLERS} handlers: one transfer per transaction, "
-            "synchronous=FULL, the broker flushing every message",
-            series,
-        )
-    )
+    series = [*throughput.values(), *committing.values(), *handled, *handled_commits]
+    console.print(comparison_table(TITLE, series))
     console.print(
         latency_table(
             "transfer latency, microseconds, from each transfer's commit (at a fixed rate: its "
