@@ -218,10 +218,7 @@ class _Pending:
         (just before COMMIT), the epoch rows of the segments this transaction started."""
         rows, times = self.rows, self.times
         self.rows, self.times = [], []
-        epochs: list[EpochRow] = []
-        if closing:  # as segment_rows(), with no dict made for each transaction
-            streams = self.streams.values()
-            epochs = [s.segment for s in streams if s.segment is not None and s.appended]
+        epochs = list(self.segment_rows().values()) if closing else []
         return rows, times, epochs
 
 
