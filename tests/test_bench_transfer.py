@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from bench.kafka.broker import KafkaBroker
+from bench.transfer import handlers
 from bench.transfer import run as transfer
 from bench.transfer.common import (
     ACCOUNTS,
@@ -125,8 +126,6 @@ def test_checker_sees_lost_doubled_and_wrong_credits(tmp_path: Path) -> None:
 def test_the_full_durability_case_runs_alone(capsys: pytest.CaptureFixture[str]) -> None:
     """``python -m bench.transfer.handlers``: the case ``run`` measures among the others,
     every transfer credited in each run, its table printed, its processes gone after."""
-    from bench.transfer import handlers
-
     handled, commits = transfer.measure_handlers(["streamq"], None, 640, 2)
     assert [(s.system, len(s.values)) for s in handled + commits] == [("streamq", 2)] * 2
     assert all(rate > 0 for s in handled + commits for rate in s.values)
