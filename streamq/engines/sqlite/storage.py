@@ -655,7 +655,8 @@ class SQLiteBlockingWriter:
         # commit group runs several per transaction.
         self.execute: Callable[..., sqlite3.Cursor] = conn.execute
         self.executemany: Callable[..., sqlite3.Cursor] = conn.executemany
-        # streamq's own statements, on one cursor: ``conn.execute`` makes one per call.
+        # COMMIT, ROLLBACK and each member's savepoint, on one cursor: ``conn.execute``
+        # makes a cursor per call, and a commit group runs two savepoint statements a member.
         self._own = conn.cursor()
 
     def begin(self, wait: bool = True) -> int:
