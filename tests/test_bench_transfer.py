@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from bench.kafka.broker import KafkaBroker
-from bench.transfer import handlers
+from bench.transfer import floor, handlers
 from bench.transfer import run as transfer
 from bench.transfer.common import (
     ACCOUNTS,
@@ -132,4 +132,30 @@ def test_the_full_durability_case_runs_alone(capsys: pytest.CaptureFixture[str])
     assert handlers.main(["--no-kafka", "--repeats", "1", "--transfers", "320"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if "tr/s" in line]
     assert len(rows) == 2 and all("│ streamq │" in row and "│    1 │" in row for row in rows)
+    assert our_programs() == []
+
+
+def test_the_floor_credits_every_transfer_once(tmp_path: Path) -> None:
+    """``python -m bench.transfer.floor``: the one-writer case's SQL with no framework. Its
+    ledger credits each transfer the producer journaled, once, and the money adds up."""
+    rate, producer_us, ledger_us = floor.floor_flow(tmp_path, 3000)
+    assert rate > 0 and producer_us > 0 and ledger_us > 0
+    with contextlib.closing(sqlite3.connect(tmp_path / "payments.db")) as payments:
+        journal = payments.execute("SELECT transfer_id, amount FROM transfers").fetchall()
+        (debited,) = payments.execute(
+            f"SELECT {ACCOUNTS * OPENING_BALANCE} - sum(balance) FROM accounts"
+        ).fetchone()
+    with contextlib.closing(sqlite3.connect(tmp_path / "ledger.db")) as ledger:
+        credits = ledger.execute("SELECT transfer_id, amount FROM credits").fetchall()
+        (credited,) = ledger.execute("SELECT sum(balance) FROM balances").fetchone()
+        (position,) = ledger.execute("SELECT seq FROM position").fetchone()
+    assert len(journal) == 3000 and sorted(credits) == sorted(journal)
+    assert debited == credited == sum(amount for _, amount in journal)
+    assert position == 3000
+
+
+def test_the_floor_runs_beside_streamq(capsys: pytest.CaptureFixture[str]) -> None:
+    assert floor.main(["--repeats", "1", "--transfers", "2000"]) == 0
+    out = capsys.readouterr().out
+    assert "│ floor   │" in out and "│ streamq │" in out and "100%" in out
     assert our_programs() == []

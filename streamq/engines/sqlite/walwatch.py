@@ -11,6 +11,11 @@ visible, and this producer's own commits cause events too. Callers recheck once 
 after an event that found nothing new, and keep a slow periodic check besides, so a
 missed event delays a record and never loses it. Elsewhere than Linux, only the periodic
 check runs.
+
+The first event after a ``wait`` stops the watching until the next ``wait``: the kernel
+keeps what comes meanwhile, merging repeats, and that ``wait`` returns at once if
+anything came. A producer committing back to back would otherwise be woken by each of
+its own commits.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ class WalWatch(Events):
         self.path = database + "-wal"
         self._fd = -1
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._armed = False  # the loop watches the descriptor
 
     @property
     def active(self) -> bool:
@@ -67,17 +73,38 @@ class WalWatch(Events):
             return
         self._fd = fd
         self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(fd, self._on_readable)
+        self._arm()
+
+    async def wait(self, timeout: float) -> float | None:
+        if self._fd >= 0 and not self._armed:
+            if self._drain():  # written since the last event: an event now
+                self.wake()
+            self._arm()
+        return await super().wait(timeout)
 
     async def close(self) -> None:
         if self._fd >= 0:
-            if self._loop is not None and not self._loop.is_closed():
+            if self._armed and self._loop is not None and not self._loop.is_closed():
                 self._loop.remove_reader(self._fd)
             os.close(self._fd)
             self._fd = -1
 
+    def _arm(self) -> None:
+        assert self._loop is not None
+        self._loop.add_reader(self._fd, self._on_readable)
+        self._armed = True
+
     def _on_readable(self) -> None:
-        with contextlib.suppress(BlockingIOError, InterruptedError):
-            while os.read(self._fd, 65536):  # the events say nothing more than "written"
-                pass
+        assert self._loop is not None
+        self._loop.remove_reader(self._fd)  # until the next wait
+        self._armed = False
+        self._drain()
         self.wake()
+
+    def _drain(self) -> bool:
+        """Read the pending events (they say nothing more than "written"); True if any."""
+        read = False
+        with contextlib.suppress(BlockingIOError, InterruptedError):
+            while os.read(self._fd, 65536):
+                read = True
+        return read

@@ -1,0 +1,192 @@
+"""The one-writer transfer's floor: the SQL both of streamq's processes must run, with no
+framework around it, measured beside streamq's one-writer flow.
+
+Two processes of plain Python and ``sqlite3``, joined by a socket pair. The producer runs
+streamq's statements per transaction (BEGIN IMMEDIATE, the debits, the journal rows, one
+log row holding the transaction's deposits, COMMIT), then sends that row's bytes. The
+ledger takes whatever has arrived, credits it, and moves its position, in one
+transaction. No asyncio, no encoding per record, no acknowledgements, no tail, no
+protocol: what is left when everything streamq adds is free. The gap between the two is
+streamq's own cost; the floor bounds what any producer and consumer of this design
+written in Python could do on this machine.
+
+``python -m bench.transfer.floor [--repeats N] [--transfers N] [--floor-only]`` prints
+transfers/s end to end for both, and the floor's CPU per transfer; it saves nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import random
+import resource
+import socket
+import struct
+import tempfile
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from rich.progress import Progress
+from rich.table import Table
+
+from ..common import Series, alternating, console
+from .common import (
+    CONSUMER_SCHEMA,
+    CREDIT,
+    DEBIT,
+    DEPOSIT,
+    JOURNAL,
+    MAX_BATCH,
+    RECORD_CREDIT,
+    debits,
+    make_transfers,
+    open_db,
+    payloads,
+    setup_consumer_db,
+    setup_producer_db,
+)
+from .run import FULL, flow
+
+FRAME = struct.Struct("<I")  # a log row's length, before its bytes
+TITLE = "transfer, one writer: streamq against the floor (the same SQL, no framework)"
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _producer(path: str, total: int, sock: socket.socket, report: Connection) -> None:
+    conn = open_db(path)
+    setup_producer_db(conn, outbox=False)
+    conn.execute("CREATE TABLE log (pos INTEGER PRIMARY KEY, count INTEGER, record BLOB)")
+    rng = random.Random(1)
+    cpu, last = _cpu_seconds(), 0
+    report.recv()  # GO
+    while last < total:
+        transfers = make_transfers(rng, last + 1, min(total - last, rng.randint(1, MAX_BATCH)))
+        last += len(transfers)
+        conn.execute("BEGIN IMMEDIATE")
+        conn.executemany(DEBIT, debits(transfers))
+        conn.executemany(JOURNAL, transfers)
+        row = b"".join(payloads(transfers, None))
+        conn.execute("INSERT INTO log VALUES (?, ?, ?)", (last, len(transfers), row))
+        conn.execute("COMMIT")
+        sock.sendall(FRAME.pack(len(row)) + row)
+    report.send(_cpu_seconds() - cpu)
+
+
+def _ledger(path: str, total: int, sock: socket.socket, report: Connection) -> None:
+    setup_consumer_db(path, CONSUMER_SCHEMA)
+    conn = open_db(path)
+    conn.execute("CREATE TABLE position (id INTEGER PRIMARY KEY, seq INTEGER NOT NULL)")
+    conn.execute("INSERT INTO position VALUES (0, 0)")
+    cpu, buffer, credited = _cpu_seconds(), bytearray(), 0
+    report.send("READY")
+    while credited < total:
+        received = sock.recv(1 << 20)
+        if not received:
+            raise ConnectionError(f"the producer closed after {credited} of {total}")
+        buffer += received
+        rows, start = [], 0
+        while len(buffer) - start >= FRAME.size:
+            (size,) = FRAME.unpack_from(buffer, start)
+            if len(buffer) - start - FRAME.size < size:
+                break
+            rows.append(bytes(buffer[start + FRAME.size : start + FRAME.size + size]))
+            start += FRAME.size + size
+        del buffer[:start]
+        deposits = [d for row in rows for d in DEPOSIT.iter_unpack(row)]
+        if not deposits:
+            continue
+        credited += len(deposits)
+        conn.execute("BEGIN IMMEDIATE")
+        conn.executemany(CREDIT, [(amount, to) for _, to, amount, _ in deposits])
+        conn.executemany(RECORD_CREDIT, [(tid, amount) for tid, _, amount, _ in deposits])
+        conn.execute("UPDATE position SET seq = ? WHERE id = 0", (credited,))
+        conn.execute("COMMIT")
+    report.send((time.perf_counter(), _cpu_seconds() - cpu))
+
+
+def floor_flow(folder: Path, total: int) -> tuple[float, float, float]:
+    """One run of the floor: (transfers/s end to end, producer's and ledger's CPU
+    microseconds per transfer)."""
+    context = multiprocessing.get_context("spawn")
+    producer_end, ledger_end = socket.socketpair()
+    (producer_report, producer_here), (ledger_report, ledger_here) = (
+        context.Pipe(),
+        context.Pipe(),
+    )
+    producer = context.Process(
+        target=_producer, args=(str(folder / "payments.db"), total, producer_end, producer_report)
+    )
+    ledger = context.Process(
+        target=_ledger, args=(str(folder / "ledger.db"), total, ledger_end, ledger_report)
+    )
+    try:
+        producer.start()
+        ledger.start()
+        producer_end.close()
+        ledger_end.close()
+        assert ledger_here.recv() == "READY"
+        started = time.perf_counter()
+        producer_here.send("GO")
+        finished, ledger_cpu = ledger_here.recv()
+        producer_cpu = producer_here.recv()
+    finally:
+        for process in (producer, ledger):
+            process.join(60)
+            if process.exitcode is None:
+                process.kill()
+    for process in (producer, ledger):
+        if process.exitcode != 0:
+            raise RuntimeError(f"the floor's {process.name} exited with {process.exitcode}")
+    return total / (finished - started), producer_cpu / total * 1e6, ledger_cpu / total * 1e6
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.transfer.floor", description=__doc__)
+    parser.add_argument("--repeats", type=int, default=3, help="runs per system (3)")
+    parser.add_argument("--transfers", type=int, default=FULL.transfers, help="transfers per run")
+    parser.add_argument("--floor-only", action="store_true", help="the floor alone")
+    args = parser.parse_args(argv)
+    systems = ["floor"] + ([] if args.floor_only else ["streamq"])
+    case = f"{args.transfers:,} transfers"
+    series = {s: Series(s, case, "tr/s") for s in systems}
+    cpu = {
+        role: Series("floor", f"{role}'s CPU a transfer", "µs") for role in ("producer", "ledger")
+    }
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("transfer: the floor", total=args.repeats * len(systems))
+        for system in alternating(systems, args.repeats):
+            with tempfile.TemporaryDirectory(prefix="streamq-floor-") as folder:
+                if system == "floor":
+                    rate, producer_us, ledger_us = floor_flow(Path(folder), args.transfers)
+                    cpu["producer"].values.append(producer_us)
+                    cpu["ledger"].values.append(ledger_us)
+                else:
+                    measured = flow("streamq", None, Path(folder), args.transfers, 0)
+                    rate = args.transfers / measured.seconds
+            series[system].values.append(rate)
+            progress.advance(task)
+    table = Table(title=TITLE)
+    for column in ("case", "system", "median", "spread", "runs", "of the floor"):
+        table.add_column(column, justify="left" if column == "system" else "right")
+    floor = series["floor"].median
+    for s in [*series.values(), *cpu.values()]:
+        share = f"{s.median / floor:.0%}" if s.unit == "tr/s" else ""
+        table.add_row(
+            s.case,
+            s.system,
+            f"{s.median:,.1f} {s.unit}",
+            f"{s.spread:.0%}",
+            str(len(s.values)),
+            share,
+        )
+    console.print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
