@@ -97,6 +97,13 @@ def encode_record(
 _packb: Callable[[Any], bytes] = msgpack.Packer(use_bin_type=True).pack
 
 
+def encode_values(first_seq: int, timestamp: int, values: Sequence[bytes]) -> list[bytes]:
+    """``encode_record`` of each value, with no key and no headers, under consecutive seqs
+    from ``first_seq``: a batch's records in one pass."""
+    pack = _packb
+    return [pack([seq, timestamp, None, value, {}]) for seq, value in enumerate(values, first_seq)]
+
+
 def decode_record(encoded: bytes) -> Record:
     """A stored record back as a ``Record`` (the producer's own bytes: trusted)."""
     return Record._make(msgpack.unpackb(encoded, raw=False))

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from itertools import islice, repeat
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .blocking import AsyncSQL, BlockingSQL, to_the_end
 from .errors import RecordTooLargeError
 from .log import RECORD_OVERHEAD
-from .protocol import encode_record
+from .protocol import encode_record, encode_values
 from .records import (
     CheckedRecord,
     as_bytes,
@@ -182,11 +183,43 @@ class _Pending:
         }
 
     def append_many(self, stream: str, stream_id: int, values: Iterable[bytes]) -> Iterator[None]:
-        """``append`` each value (no key, no headers, one timestamp); yields whenever
-        ``full``, so the caller inserts the buffered rows before going on."""
+        """``append`` each value (no key, no headers, one timestamp), as many at once as
+        fit before ``full``; yields whenever ``full``, so the caller inserts the buffered
+        rows before going on. Each such chunk is checked whole before any of it is taken."""
         ts = checked_timestamp(None)
-        for value in values:
-            self.append(stream, stream_id, as_bytes(value, "value"), None, {}, ts)
+        appending = self.streams[stream]
+        producer = self._producer
+        remaining = iter(values)
+        while chunk := list(islice(remaining, max(1, producer.flush_records - len(self.rows)))):
+            if set(map(type, chunk)) != {bytes}:
+                chunk = [as_bytes(value, "value") for value in chunk]
+            first = appending.head + 1
+            records = encode_values(first, ts, chunk)
+            size = max(map(len, records))
+            if size > producer.max_record_size:
+                raise RecordTooLargeError(
+                    f"record of {size} bytes exceeds the limit of "
+                    f"{producer.max_record_size} (max_frame_size minus framing)"
+                )
+            last = first + len(records) - 1
+            if last > MAX_SEQ:
+                raise OverflowError(f"stream {stream!r} has reached the last seq")
+            self.rows += zip(
+                repeat(stream_id), range(first, last + 1), repeat(ts), records, repeat(None)
+            )
+            if appending.max_ts is None or ts > appending.max_ts:  # "streamq_time"
+                appending.max_ts = ts
+                self.times.append((stream_id, ts, first))
+            appending.head = last
+            kept = appending.kept
+            if kept is not None:
+                kept_bytes = appending.kept_bytes + sum(map(len, records))
+                kept_bytes += RECORD_OVERHEAD * len(records)
+                if kept_bytes > producer.log.tail_bytes:
+                    appending.kept = None
+                else:
+                    kept += records
+                    appending.kept_bytes = kept_bytes
             if self.full:
                 yield
 

@@ -247,8 +247,19 @@ StoredRow = tuple[int, int, bytes, bytes | None, int]
 def stored_rows(rows: Sequence[LogRow]) -> list[StoredRow]:
     """``rows`` (one per record) as streamq_log rows: each run of consecutive records of
     one stream with no indexed key shares one row (the module docstring)."""
-    if len({row[0] for row in rows}) > 1:  # one run per stream; sorted() is stable
-        rows = sorted(rows, key=operator.itemgetter(0))
+    streams = set(map(_STREAM_OF, rows))
+    if len(streams) == 1 and _one_run(rows):
+        return [
+            (
+                pos(rows[-1][0], rows[-1][1]),
+                max(map(_TS_OF, rows)),
+                b"".join(map(_RECORD_OF, rows)),
+                None,
+                len(rows),
+            )
+        ]
+    if len(streams) > 1:  # one run per stream; sorted() is stable
+        rows = sorted(rows, key=_STREAM_OF)
     stored: list[StoredRow] = []
     run: list[bytes] = []
     stream_id = last = max_ts = size = 0
@@ -268,6 +279,21 @@ def stored_rows(rows: Sequence[LogRow]) -> list[StoredRow]:
     if run:
         stored.append((pos(stream_id, last), max_ts, b"".join(run), None, len(run)))
     return stored
+
+
+_STREAM_OF, _SEQ_OF, _TS_OF, _RECORD_OF, _KEY_OF = map(operator.itemgetter, range(5))
+
+
+def _one_run(rows: Sequence[LogRow]) -> bool:
+    """``rows``, all of one stream, fit one streamq_log row: consecutive seqs, no indexed
+    key, within a row's limits (checked without a Python step per row)."""
+    first = rows[0][1]
+    return (
+        len(rows) <= BATCH_RECORDS
+        and set(map(_KEY_OF, rows)) == {None}
+        and list(map(_SEQ_OF, rows)) == list(range(first, first + len(rows)))
+        and sum(map(len, map(_RECORD_OF, rows))) <= BATCH_BYTES
+    )
 
 
 def unpack_rows(rows: Iterable[tuple[int, int, bytes]]) -> Iterator[tuple[int, bytes]]:
