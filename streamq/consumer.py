@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from types import TracebackType
@@ -137,6 +138,13 @@ class Consumer:
     every applied batch survive power loss as soon as it commits. On PostgreSQL,
     ``"normal"`` keeps the server's ``synchronous_commit`` and ``"full"`` sets it on.
 
+    ``ack_interval``: the consumer tells the producer its durable position (an ``ACK``:
+    lag, ``Producer.wait_applied``, retention) after each batch it applies, but at most
+    once per this many seconds: a batch applied sooner after the last ``ACK`` is
+    acknowledged when the interval is up, with the newest position then. Each ``ACK``
+    wakes the producer; a consumer applying thousands of batches a second would
+    otherwise cost it more than its pushes do. 0 acknowledges every batch at once.
+
     ``heartbeat_timeout``: reconnect after this many seconds without a byte from the
     producer. Left out, it is six of the heartbeat intervals the producer announces
     (at least 2 s), or 30 s with a producer that announces none.
@@ -182,7 +190,10 @@ class Consumer:
         on_failure: FailurePolicy | None = None,
         filter: Filter | None = None,
         share: tuple[int, int] | None = None,
+        ack_interval: float = 0.005,
     ) -> None:
+        if ack_interval < 0:
+            raise ValueError(f"ack_interval must be 0 or more seconds, not {ack_interval!r}")
         if share is not None:
             if filter is not None and filter.share is not None:
                 raise ValueError("give share= or a filter with a share, not both")
@@ -236,6 +247,10 @@ class Consumer:
         self._conn: ClientConnection | None = None
         self._pending_error: BaseException | None = None
         self._closed = False
+        self._ack_interval = ack_interval
+        self._acked_at = -math.inf  # the event loop's time of the last ACK sent
+        self._ack_timer: asyncio.TimerHandle | None = None  # an ACK due at the interval's end
+        self._loop: asyncio.AbstractEventLoop | None = None  # once an ACK was sent
         self.producer_id: str | None = None
         self.epoch = 0
         self.head = 0  # the producer's head as last reported
@@ -311,6 +326,8 @@ class Consumer:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        if self._ack_timer is not None:  # the last position, before the connection goes
+            self._ack_now()
         self._drop_connection()
         if self._store is not None and self._owns_store:
             await self._store.close()
@@ -376,7 +393,7 @@ class Consumer:
             seq = await self._store.stored(self.name, self.producer_id, self.stream)
         if seq is not None and seq > self.applied:
             self.applied = seq
-            self._ack(self.applied)
+            self._ack()
 
     async def _read_message(self, conn: ClientConnection, reader: asyncio.StreamReader) -> Message:
         message = await read_message(conn, reader)
@@ -407,7 +424,7 @@ class Consumer:
         self.received = start - 1
         self._writer, self._conn = writer, conn
         if self._store is not None and self.applied > 0:
-            self._ack(self.applied)  # the producer learns where this consumer stands at once
+            self._ack_now()  # the producer learns where this consumer stands at once
         return reader, conn
 
     async def _handshake(
@@ -731,13 +748,34 @@ class Consumer:
 
     def _applied(self, batch: Batch) -> None:
         self.applied = batch.last_seq
-        self._ack(batch.last_seq)
+        self._ack()
 
-    def _ack(self, seq: int) -> None:
-        """Tell the producer this position is durable (informational: status, lag)."""
+    def _ack(self) -> None:
+        """Tell the producer ``applied`` is durable (informational: status, lag): now, or
+        once ``ack_interval`` has passed since the last ``ACK``."""
+        if self._ack_timer is not None:
+            return  # it sends the newest position
+        loop = self._running_loop()
+        due = self._acked_at + self._ack_interval
+        if loop.time() >= due:
+            self._ack_now()
+        else:
+            self._ack_timer = loop.call_at(due, self._ack_now)
+
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        """The consumer's event loop, asked once (each ask is a system call on 3.11)."""
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        return self._loop
+
+    def _ack_now(self) -> None:
+        if self._ack_timer is not None:
+            self._ack_timer.cancel()
+            self._ack_timer = None
+        self._acked_at = self._running_loop().time()
         if self._writer is not None and self._conn is not None:
             with contextlib.suppress(Exception):
-                self._writer.write(self._conn.send(Ack(seq)))
+                self._writer.write(self._conn.send(Ack(self.applied)))
 
 
 def _server_error(message: Error) -> ServerError:

@@ -107,6 +107,50 @@ async def test_wait_applied_resolves_on_the_report(producer_db: str, consumer_db
             assert {p.consumer for p in producer.consumer_lags()} == {"billing"}
 
 
+async def test_acks_wait_out_the_interval_and_closing_sends_the_last(
+    producer_db: str, consumer_db: str
+) -> None:
+    """The first batch is acknowledged at once; one applied within ``ack_interval`` of
+    that ACK waits for the interval's end (here: never, before the close), and the close
+    sends the newest position before the connection goes."""
+    async with Producer(producer_db) as producer:
+        await producer.create_stream("orders")
+        consumer = Consumer(
+            producer.address, "orders", db=consumer_db, name="billing", ack_interval=3600
+        )
+        async with consumer:
+            first = await producer.publish("orders", b"order 1")
+            await apply_until(consumer, first)
+            assert await producer.wait_applied("billing", "orders", first, timeout=10) == first
+            second = await producer.publish("orders", b"order 2")
+            await apply_until(consumer, second)
+            assert consumer.applied == second and consumer._ack_timer is not None
+            lag = lag_of(producer, "billing", "orders")
+            assert lag is not None and lag.applied == first  # no ACK for it yet
+        assert await producer.wait_applied("billing", "orders", second, timeout=10) == second
+
+
+async def test_without_an_interval_every_batch_is_acknowledged(
+    producer_db: str, consumer_db: str
+) -> None:
+    async with Producer(producer_db) as producer:
+        await producer.create_stream("orders")
+        consumer = Consumer(
+            producer.address, "orders", db=consumer_db, name="billing", ack_interval=0
+        )
+        async with consumer:
+            for n in range(1, 4):
+                seq = await producer.publish("orders", b"order %d" % n)
+                await apply_until(consumer, seq)
+                assert consumer._ack_timer is None
+                assert await producer.wait_applied("billing", "orders", seq, timeout=10) == seq
+
+
+def test_a_negative_ack_interval_is_refused() -> None:
+    with pytest.raises(ValueError, match="ack_interval"):
+        Consumer("127.0.0.1:1", "orders", ack_interval=-1)
+
+
 async def test_spark_style_reports_count_as_positions(producer_db: str) -> None:
     async with Producer(producer_db) as producer:
         async with producer.transaction() as tx:
