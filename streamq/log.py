@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -212,24 +211,46 @@ class Stream:
     max_ts: int | None = None  # largest timestamp committed so far (the time index's top)
     compacted: int = 0  # compaction ran up to this seq: seqs from low to it may be absent
     epochs: Epochs = field(default_factory=Epochs)
-    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    # The waits for the next commit: futures, True once it came, False when time is up (a
+    # dict: ordered, and a wait leaves it in O(1)).
+    _waiters: dict[asyncio.Future[bool], None] = field(default_factory=dict)
+    _loop: asyncio.AbstractEventLoop | None = None  # asked once: each ask is a system call
 
     def notify(self) -> None:
         """Wake everyone waiting for a commit."""
-        self._changed.set()
-        self._changed = asyncio.Event()
+        waiters, self._waiters = self._waiters, {}
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(True)
 
     async def wait_beyond(self, seq: int, timeout: float) -> bool:
-        """Wait until head > ``seq``; False if ``timeout`` passed first."""
+        """Wait until head > ``seq``; False if ``timeout`` passed first.
+
+        A future and a timer per wait: this runs once per commit for every subscriber
+        that is caught up, and an ``asyncio.Event`` under ``asyncio.timeout`` cost several
+        times as much."""
         if self.head > seq:
             return True
-        changed = self._changed
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout):
-                while self.head <= seq:
-                    await changed.wait()
-                    changed = self._changed
-        return self.head > seq
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.head <= seq:
+            waiter: asyncio.Future[bool] = loop.create_future()
+            self._waiters[waiter] = None
+            timer = loop.call_at(deadline, _time_up, waiter)
+            try:
+                if not await waiter:
+                    return self.head > seq
+            finally:
+                timer.cancel()
+                self._waiters.pop(waiter, None)
+        return True
+
+
+def _time_up(waiter: asyncio.Future[bool]) -> None:
+    if not waiter.done():
+        waiter.set_result(False)
 
 
 class Log:
