@@ -141,33 +141,43 @@ class _Pending:
         """Encode the record under the stream's next seq and buffer its row; returns the seq."""
         appending = self.streams[stream]
         seq = appending.head + 1
-        record = encode_record(seq, ts, key, value, headers)
-        size = len(record)
+        indexed = key if appending.settings.key_index else None
+        self._take(stream, stream_id, [encode_record(seq, ts, key, value, headers)], ts, indexed)
+        return seq
+
+    def _take(
+        self, stream: str, stream_id: int, records: list[bytes], ts: int, key: bytes | None
+    ) -> None:
+        """Buffer the rows of ``records``, encoded under the stream's next seqs and stamped
+        ``ts``, and keep them for the tail; all of them, or none if one cannot be."""
+        appending = self.streams[stream]
         producer = self._producer
+        size = max(map(len, records))
         if size > producer.max_record_size:
             raise RecordTooLargeError(
                 f"record of {size} bytes exceeds the limit of "
                 f"{producer.max_record_size} (max_frame_size minus framing)"
             )
-        if seq > MAX_SEQ:
+        first = appending.head + 1
+        last = first + len(records) - 1
+        if last > MAX_SEQ:
             raise OverflowError(f"stream {stream!r} has reached the last seq")
-        self.rows.append(
-            (stream_id, seq, ts, record, key if appending.settings.key_index else None)
+        self.rows += zip(
+            repeat(stream_id), range(first, last + 1), repeat(ts), records, repeat(key)
         )
-        max_ts = appending.max_ts
-        if max_ts is None or ts > max_ts:  # "streamq_time": a new largest
+        if appending.max_ts is None or ts > appending.max_ts:  # "streamq_time": a new largest
             appending.max_ts = ts
-            self.times.append((stream_id, ts, seq))
-        appending.head = seq
+            self.times.append((stream_id, ts, first))
+        appending.head = last
         kept = appending.kept
         if kept is not None:
-            kept_bytes = appending.kept_bytes + size + RECORD_OVERHEAD
+            kept_bytes = appending.kept_bytes + sum(map(len, records))
+            kept_bytes += RECORD_OVERHEAD * len(records)
             if kept_bytes > producer.log.tail_bytes:
                 appending.kept = None
             else:
-                kept.append(record)
+                kept += records
                 appending.kept_bytes = kept_bytes
-        return seq
 
     @property
     def full(self) -> bool:
@@ -185,41 +195,15 @@ class _Pending:
     def append_many(self, stream: str, stream_id: int, values: Iterable[bytes]) -> Iterator[None]:
         """``append`` each value (no key, no headers, one timestamp), as many at once as
         fit before ``full``; yields whenever ``full``, so the caller inserts the buffered
-        rows before going on. Each such chunk is checked whole before any of it is taken."""
+        rows before going on."""
         ts = checked_timestamp(None)
-        appending = self.streams[stream]
         producer = self._producer
         remaining = iter(values)
         while chunk := list(islice(remaining, max(1, producer.flush_records - len(self.rows)))):
             if set(map(type, chunk)) != {bytes}:
                 chunk = [as_bytes(value, "value") for value in chunk]
-            first = appending.head + 1
-            records = encode_values(first, ts, chunk)
-            size = max(map(len, records))
-            if size > producer.max_record_size:
-                raise RecordTooLargeError(
-                    f"record of {size} bytes exceeds the limit of "
-                    f"{producer.max_record_size} (max_frame_size minus framing)"
-                )
-            last = first + len(records) - 1
-            if last > MAX_SEQ:
-                raise OverflowError(f"stream {stream!r} has reached the last seq")
-            self.rows += zip(
-                repeat(stream_id), range(first, last + 1), repeat(ts), records, repeat(None)
-            )
-            if appending.max_ts is None or ts > appending.max_ts:  # "streamq_time"
-                appending.max_ts = ts
-                self.times.append((stream_id, ts, first))
-            appending.head = last
-            kept = appending.kept
-            if kept is not None:
-                kept_bytes = appending.kept_bytes + sum(map(len, records))
-                kept_bytes += RECORD_OVERHEAD * len(records)
-                if kept_bytes > producer.log.tail_bytes:
-                    appending.kept = None
-                else:
-                    kept += records
-                    appending.kept_bytes = kept_bytes
+            first = self.streams[stream].head + 1
+            self._take(stream, stream_id, encode_values(first, ts, chunk), ts, None)
             if self.full:
                 yield
 
