@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from itertools import islice, repeat
+from itertools import count, islice, repeat
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .blocking import AsyncSQL, BlockingSQL, to_the_end
@@ -141,39 +141,45 @@ class _Pending:
         """Encode the record under the stream's next seq and buffer its row; returns the seq."""
         appending = self.streams[stream]
         seq = appending.head + 1
-        indexed = key if appending.settings.key_index else None
-        self._take(stream, stream_id, [encode_record(seq, ts, key, value, headers)], ts, indexed)
+        record = encode_record(seq, ts, key, value, headers)
+        size = len(record)
+        self._check(stream, size, seq)
+        self.rows.append(
+            (stream_id, seq, ts, record, key if appending.settings.key_index else None)
+        )
+        self._advance(appending, stream_id, ts, seq, [record], size)
         return seq
 
-    def _take(
-        self, stream: str, stream_id: int, records: list[bytes], ts: int, key: bytes | None
-    ) -> None:
-        """Buffer the rows of ``records``, encoded under the stream's next seqs and stamped
-        ``ts``, and keep them for the tail; all of them, or none if one cannot be."""
-        appending = self.streams[stream]
-        producer = self._producer
-        size = max(map(len, records))
-        if size > producer.max_record_size:
+    def _check(self, stream: str, largest: int, last_seq: int) -> None:
+        """Records whose largest is ``largest`` bytes may take seqs up to ``last_seq``."""
+        limit = self._producer.max_record_size
+        if largest > limit:
             raise RecordTooLargeError(
-                f"record of {size} bytes exceeds the limit of "
-                f"{producer.max_record_size} (max_frame_size minus framing)"
+                f"record of {largest} bytes exceeds the limit of {limit} "
+                "(max_frame_size minus framing)"
             )
-        first = appending.head + 1
-        last = first + len(records) - 1
-        if last > MAX_SEQ:
+        if last_seq > MAX_SEQ:
             raise OverflowError(f"stream {stream!r} has reached the last seq")
-        self.rows += zip(
-            repeat(stream_id), range(first, last + 1), repeat(ts), records, repeat(key)
-        )
+
+    def _advance(
+        self,
+        appending: _Appending,
+        stream_id: int,
+        ts: int,
+        first: int,
+        records: list[bytes],
+        nbytes: int,
+    ) -> None:
+        """The stream past ``records`` (from seq ``first``, ``nbytes`` in all, stamped
+        ``ts``), their rows buffered: the time index and the tail follow."""
         if appending.max_ts is None or ts > appending.max_ts:  # "streamq_time": a new largest
             appending.max_ts = ts
             self.times.append((stream_id, ts, first))
-        appending.head = last
+        appending.head = first + len(records) - 1
         kept = appending.kept
         if kept is not None:
-            kept_bytes = appending.kept_bytes + sum(map(len, records))
-            kept_bytes += RECORD_OVERHEAD * len(records)
-            if kept_bytes > producer.log.tail_bytes:
+            kept_bytes = appending.kept_bytes + nbytes + RECORD_OVERHEAD * len(records)
+            if kept_bytes > self._producer.log.tail_bytes:
                 appending.kept = None
             else:
                 kept += records
@@ -194,16 +200,23 @@ class _Pending:
 
     def append_many(self, stream: str, stream_id: int, values: Iterable[bytes]) -> Iterator[None]:
         """``append`` each value (no key, no headers, one timestamp), as many at once as
-        fit before ``full``; yields whenever ``full``, so the caller inserts the buffered
-        rows before going on."""
+        fit before ``full``, each such chunk checked whole before any of it is taken;
+        yields whenever ``full``, so the caller inserts the buffered rows before going on."""
         ts = checked_timestamp(None)
+        appending = self.streams[stream]
         producer = self._producer
         remaining = iter(values)
         while chunk := list(islice(remaining, max(1, producer.flush_records - len(self.rows)))):
-            if set(map(type, chunk)) != {bytes}:
-                chunk = [as_bytes(value, "value") for value in chunk]
-            first = self.streams[stream].head + 1
-            self._take(stream, stream_id, encode_values(first, ts, chunk), ts, None)
+            if len(chunk) == 1:  # the one-record path costs less
+                self.append(stream, stream_id, as_bytes(chunk[0], "value"), None, {}, ts)
+            else:
+                if set(map(type, chunk)) != {bytes}:
+                    chunk = [as_bytes(value, "value") for value in chunk]
+                first = appending.head + 1
+                records = encode_values(first, ts, chunk)
+                self._check(stream, max(map(len, records)), first + len(records) - 1)
+                self.rows += zip(repeat(stream_id), count(first), repeat(ts), records, repeat(None))
+                self._advance(appending, stream_id, ts, first, records, sum(map(len, records)))
             if self.full:
                 yield
 
