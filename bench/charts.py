@@ -28,9 +28,11 @@ COLORS = {
     "SyncProducer": "tab:blue",
     "publish": "tab:cyan",
     "sqlite3": "tab:gray",
+    "floor": "tab:gray",
 }
 LABELS = {"kafka": "Kafka", "debezium": "Debezium + Kafka", "nats": "NATS JetStream"}
-OUTBOX = {**LABELS, "kafka": "Kafka + outbox"}  # workloads whose Kafka side has an outbox
+# Workloads whose Kafka side has an outbox (the transfer's floor: its SQL, no framework).
+OUTBOX = {**LABELS, "kafka": "Kafka + outbox", "floor": "floor (the same SQL, no framework)"}
 MS = 1 / 1000  # microseconds (as stored) to milliseconds (as drawn)
 
 Results = Mapping[str, Any]

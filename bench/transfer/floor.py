@@ -10,8 +10,10 @@ protocol: what is left when everything streamq adds is free. The gap between the
 streamq's own cost; the floor bounds what any producer and consumer of this design
 written in Python could do on this machine.
 
+``python -m bench --only transfer`` measures it beside streamq and Kafka + outbox;
 ``python -m bench.transfer.floor [--repeats N] [--transfers N] [--floor-only]`` prints
-transfers/s end to end for both, and the floor's CPU per transfer; it saves nothing.
+transfers/s end to end for it and streamq alone, and the floor's CPU per transfer, and
+saves nothing.
 """
 
 from __future__ import annotations
@@ -46,7 +48,6 @@ from .common import (
     setup_consumer_db,
     setup_producer_db,
 )
-from .run import FULL, flow
 
 FRAME = struct.Struct("<I")  # a log row's length, before its bytes
 TITLE = "transfer, one writer: streamq against the floor (the same SQL, no framework)"
@@ -146,6 +147,8 @@ def floor_flow(folder: Path, total: int) -> tuple[float, float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .run import FULL, flow  # here: the workload's run measures the floor, importing this
+
     parser = argparse.ArgumentParser(prog="python -m bench.transfer.floor", description=__doc__)
     parser.add_argument("--repeats", type=int, default=3, help="runs per system (3)")
     parser.add_argument("--transfers", type=int, default=FULL.transfers, help="transfers per run")

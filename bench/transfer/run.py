@@ -11,7 +11,8 @@ Three systems (processes in ``bench/transfer/streamq.py`` and ``bench/transfer/k
 - **Kafka, naive dual write**: commit the debit, then produce the deposit.
 
 Measured without kills, for streamq and Kafka + outbox: transfers/s end to end (from GO until
-the ledger has credited all N) and the latency from each transfer's commit (its due time,
+the ledger has credited all N; one writer, also for the floor, ``floor.py``: the same SQL
+with no framework) and the latency from each transfer's commit (its due time,
 at a fixed rate) to the commit of its credit. Then, for every system, a crash run: K
 ``kill -9`` of the producer, (the relay,) and the consumer while transfers flow, half at a
 random moment and half at each process's worst moment (right after a commit; the relay:
@@ -60,6 +61,7 @@ from ..common import (
     workload_main,
 )
 from .common import ACCOUNTS, LEDGER, OPENING_BALANCE, STREAM
+from .floor import floor_flow
 from .kafka import KAFKA_CONSUMER, KAFKA_PRODUCER, RELAY_POLL, warm_up
 
 # The processes of each system's module (``kafka-*``: one module for both).
@@ -612,6 +614,8 @@ def run(broker: Any | None, quick: bool, repeats: int, seed: int | None = None) 
         s: Series(_series_name(s), f"{sizes.transfers:,}, producer commits", "tr/s")
         for s in flow_systems
     }
+    # The same SQL with no framework (floor.py): what 1.5x the outbox asks for, in this run.
+    floor = Series("floor", f"{sizes.transfers:,}, end to end", "tr/s")
     paced_case = f"{sizes.latency_rate:,}/s"
     full_case = "max rate"
     latency: LatencyRuns = {}
@@ -623,11 +627,16 @@ def run(broker: Any | None, quick: bool, repeats: int, seed: int | None = None) 
     )
     if broker is not None:
         warm_up(broker)
-    steps = 3 * repeats * len(flow_systems) + sizes.kills * len(crash_systems)
+    steps = 3 * repeats * len(flow_systems) + repeats + sizes.kills * len(crash_systems)
     with contextlib.ExitStack() as stack, Progress(console=console, transient=True) as progress:
         task: TaskID = progress.add_task("transfer", total=steps)
-        for system in alternating(flow_systems, repeats):
+        for system in alternating([*flow_systems, "floor"], repeats):
             progress.update(task, description=f"transfer: throughput, {system}")
+            if system == "floor":
+                with _folder() as folder:
+                    floor.values.append(floor_flow(folder, sizes.transfers)[0])
+                progress.advance(task)
+                continue
             with _folder() as folder:
                 measured = flow(system, broker, folder, sizes.transfers, 0)
             throughput[system].values.append(sizes.transfers / measured.seconds)
@@ -667,7 +676,7 @@ def run(broker: Any | None, quick: bool, repeats: int, seed: int | None = None) 
                         on_kill=lambda _: progress.advance(task),
                     )
                 )
-    series = [*throughput.values(), *committing.values(), *handled, *handled_commits]
+    series = [*throughput.values(), floor, *committing.values(), *handled, *handled_commits]
     console.print(comparison_table(TITLE, series))
     console.print(
         latency_table(
