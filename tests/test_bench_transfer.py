@@ -152,6 +152,7 @@ def test_the_floor_credits_every_transfer_once(tmp_path: Path) -> None:
     assert len(journal) == 3000 and sorted(credits) == sorted(journal)
     assert debited == credited == sum(amount for _, amount in journal)
     assert position == 3000
+    assert our_programs() == []
 
 
 def test_the_floor_runs_beside_streamq(capsys: pytest.CaptureFixture[str]) -> None:

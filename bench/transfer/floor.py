@@ -19,20 +19,19 @@ saves nothing.
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import random
 import resource
 import socket
 import struct
+import sys
 import tempfile
 import time
-from multiprocessing.connection import Connection
 from pathlib import Path
 
 from rich.progress import Progress
 from rich.table import Table
 
-from ..common import Series, alternating, console
+from ..common import Child, Series, alternating, console, say, wait_line
 from .common import (
     CONSUMER_SCHEMA,
     CREDIT,
@@ -51,6 +50,7 @@ from .common import (
 
 FRAME = struct.Struct("<I")  # a log row's length, before its bytes
 TITLE = "transfer, one writer: streamq against the floor (the same SQL, no framework)"
+TIMEOUT = 600.0  # s for one run, at most
 
 
 def _cpu_seconds() -> float:
@@ -58,13 +58,18 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _producer(path: str, total: int, sock: socket.socket, report: Connection) -> None:
+def producer(path: str, total: int, port: int) -> None:
+    """``producer DB TOTAL PORT``: READY once connected to the ledger, then, told GO,
+    commits and sends ``total`` transfers; DONE with its CPU seconds."""
     conn = open_db(path)
     setup_producer_db(conn, outbox=False)
     conn.execute("CREATE TABLE log (pos INTEGER PRIMARY KEY, count INTEGER, record BLOB)")
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     rng = random.Random(1)
+    say("READY")
+    wait_line("GO")
     cpu, last = _cpu_seconds(), 0
-    report.recv()  # GO
     while last < total:
         transfers = make_transfers(rng, last + 1, min(total - last, rng.randint(1, MAX_BATCH)))
         last += len(transfers)
@@ -75,16 +80,22 @@ def _producer(path: str, total: int, sock: socket.socket, report: Connection) ->
         conn.execute("INSERT INTO log VALUES (?, ?, ?)", (last, len(transfers), row))
         conn.execute("COMMIT")
         sock.sendall(FRAME.pack(len(row)) + row)
-    report.send(_cpu_seconds() - cpu)
+    say("DONE", _cpu_seconds() - cpu)
+    wait_line("STOP")
 
 
-def _ledger(path: str, total: int, sock: socket.socket, report: Connection) -> None:
+def ledger(path: str, total: int) -> None:
+    """``ledger DB TOTAL``: READY with the port it listens on; credits what arrives, each
+    read in one transaction with its position; DONE when it credited the last
+    (``time.time()``) with its CPU seconds."""
     setup_consumer_db(path, CONSUMER_SCHEMA)
     conn = open_db(path)
     conn.execute("CREATE TABLE position (id INTEGER PRIMARY KEY, seq INTEGER NOT NULL)")
     conn.execute("INSERT INTO position VALUES (0, 0)")
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        say("READY", server.getsockname()[1])
+        sock, _ = server.accept()
     cpu, buffer, credited = _cpu_seconds(), bytearray(), 0
-    report.send("READY")
     while credited < total:
         received = sock.recv(1 << 20)
         if not received:
@@ -107,42 +118,23 @@ def _ledger(path: str, total: int, sock: socket.socket, report: Connection) -> N
         conn.executemany(RECORD_CREDIT, [(tid, amount) for tid, _, amount, _ in deposits])
         conn.execute("UPDATE position SET seq = ? WHERE id = 0", (credited,))
         conn.execute("COMMIT")
-    report.send((time.perf_counter(), _cpu_seconds() - cpu))
+    say("DONE", time.time(), _cpu_seconds() - cpu)
+    sock.close()
 
 
 def floor_flow(folder: Path, total: int) -> tuple[float, float, float]:
     """One run of the floor: (transfers/s end to end, producer's and ledger's CPU
     microseconds per transfer)."""
-    context = multiprocessing.get_context("spawn")
-    producer_end, ledger_end = socket.socketpair()
-    (producer_report, producer_here), (ledger_report, ledger_here) = (
-        context.Pipe(),
-        context.Pipe(),
-    )
-    producer = context.Process(
-        target=_producer, args=(str(folder / "payments.db"), total, producer_end, producer_report)
-    )
-    ledger = context.Process(
-        target=_ledger, args=(str(folder / "ledger.db"), total, ledger_end, ledger_report)
-    )
-    try:
-        producer.start()
-        ledger.start()
-        producer_end.close()
-        ledger_end.close()
-        assert ledger_here.recv() == "READY"
-        started = time.perf_counter()
-        producer_here.send("GO")
-        finished, ledger_cpu = ledger_here.recv()
-        producer_cpu = producer_here.recv()
-    finally:
-        for process in (producer, ledger):
-            process.join(60)
-            if process.exitcode is None:
-                process.kill()
-    for process in (producer, ledger):
-        if process.exitcode != 0:
-            raise RuntimeError(f"the floor's {process.name} exited with {process.exitcode}")
+    module = "bench.transfer.floor"
+    with Child(module, "ledger", folder / "ledger.db", total) as credits:
+        (port,) = credits.expect("READY")
+        with Child(module, "producer", folder / "payments.db", total, port) as payments:
+            payments.expect("READY")
+            started = time.time()
+            payments.send("GO")
+            finished, ledger_cpu = map(float, credits.expect("DONE", TIMEOUT))
+            (producer_cpu,) = map(float, payments.expect("DONE", TIMEOUT))
+            payments.send("STOP")
     return total / (finished - started), producer_cpu / total * 1e6, ledger_cpu / total * 1e6
 
 
@@ -192,4 +184,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    role, *args = sys.argv[1:] or [""]
+    if role == "producer":
+        producer(args[0], int(args[1]), int(args[2]))
+    elif role == "ledger":
+        ledger(args[0], int(args[1]))
+    else:
+        raise SystemExit(main())
