@@ -1,7 +1,7 @@
 """The one-writer transfer's floor: the SQL both of streamq's processes must run, with no
 framework around it, measured beside streamq's one-writer flow.
 
-Two processes of plain Python and ``sqlite3``, joined by a socket pair. The producer runs
+Two processes of plain Python and ``sqlite3``, joined by loopback TCP. The producer runs
 streamq's statements per transaction (BEGIN IMMEDIATE, the debits, the journal rows, one
 log row holding the transaction's deposits, COMMIT), then sends that row's bytes. The
 ledger takes whatever has arrived, credits it, and moves its position, in one
