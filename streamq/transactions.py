@@ -147,7 +147,7 @@ class _Pending:
         self.rows.append(
             (stream_id, seq, ts, record, key if appending.settings.key_index else None)
         )
-        self._advance(appending, stream_id, ts, seq, [record], size)
+        self._advance(appending, ts, [record], size)
         return seq
 
     def _check(self, stream: str, largest: int, last_seq: int) -> None:
@@ -161,20 +161,13 @@ class _Pending:
         if last_seq > MAX_SEQ:
             raise OverflowError(f"stream {stream!r} has reached the last seq")
 
-    def _advance(
-        self,
-        appending: _Appending,
-        stream_id: int,
-        ts: int,
-        first: int,
-        records: list[bytes],
-        nbytes: int,
-    ) -> None:
-        """The stream past ``records`` (from seq ``first``, ``nbytes`` in all, stamped
-        ``ts``), their rows buffered: the time index and the tail follow."""
+    def _advance(self, appending: _Appending, ts: int, records: list[bytes], nbytes: int) -> None:
+        """The stream past ``records`` (its next seqs, ``nbytes`` in all, stamped ``ts``),
+        their rows buffered: the time index and the tail follow."""
+        first = appending.head + 1
         if appending.max_ts is None or ts > appending.max_ts:  # "streamq_time": a new largest
             appending.max_ts = ts
-            self.times.append((stream_id, ts, first))
+            self.times.append((appending.id, ts, first))
         appending.head = first + len(records) - 1
         kept = appending.kept
         if kept is not None:
@@ -216,7 +209,7 @@ class _Pending:
                 records = encode_values(first, ts, chunk)
                 self._check(stream, max(map(len, records)), first + len(records) - 1)
                 self.rows += zip(repeat(stream_id), count(first), repeat(ts), records, repeat(None))
-                self._advance(appending, stream_id, ts, first, records, sum(map(len, records)))
+                self._advance(appending, ts, records, sum(map(len, records)))
             if self.full:
                 yield
 

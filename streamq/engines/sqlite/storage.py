@@ -249,15 +249,8 @@ def stored_rows(rows: Sequence[LogRow]) -> list[StoredRow]:
     one stream with no indexed key shares one row (the module docstring)."""
     streams = set(map(_STREAM_OF, rows))
     if len(streams) == 1 and _one_run(rows):
-        return [
-            (
-                pos(rows[-1][0], rows[-1][1]),
-                max(map(_TS_OF, rows)),
-                b"".join(map(_RECORD_OF, rows)),
-                None,
-                len(rows),
-            )
-        ]
+        stream_id, last = rows[-1][:2]
+        return [_run_row(stream_id, last, max(map(_TS_OF, rows)), list(map(_RECORD_OF, rows)))]
     if len(streams) > 1:  # one run per stream; sorted() is stable
         rows = sorted(rows, key=_STREAM_OF)
     stored: list[StoredRow] = []
@@ -270,15 +263,20 @@ def stored_rows(rows: Sequence[LogRow]) -> list[StoredRow]:
             last, size, max_ts = seq, size + len(record), max(max_ts, ts)
             continue
         if run:
-            stored.append((pos(stream_id, last), max_ts, b"".join(run), None, len(run)))
+            stored.append(_run_row(stream_id, last, max_ts, run))
             run = []
         if key is None:
             run, stream_id, last, max_ts, size = [record], s, seq, ts, len(record)
         else:
             stored.append((pos(s, seq), ts, record, key, 1))
     if run:
-        stored.append((pos(stream_id, last), max_ts, b"".join(run), None, len(run)))
+        stored.append(_run_row(stream_id, last, max_ts, run))
     return stored
+
+
+def _run_row(stream_id: int, last: int, max_ts: int, records: list[bytes]) -> StoredRow:
+    """The row of a run of unkeyed records ending at seq ``last``."""
+    return pos(stream_id, last), max_ts, b"".join(records), None, len(records)
 
 
 _STREAM_OF, _SEQ_OF, _TS_OF, _RECORD_OF, _KEY_OF = map(operator.itemgetter, range(5))
