@@ -48,6 +48,7 @@ from .positions import ConsumerLag
 from .producer import Producer
 from .protocol import PROTOCOL_VERSION, Record, StreamInfo, TimePosition
 from .publishing import create_tables, publish, publish_async, publish_many
+from .records import Receipt
 from .retention import RetentionPolicy, Truncation
 from .security import ClientTLS, ServerTLS, TokenAuth, make_token
 from .server import ServerSettings
@@ -87,6 +88,7 @@ __all__ = [
     "ProducerChangedError",
     "ProducerMismatchError",
     "ProtocolError",
+    "Receipt",
     "Record",
     "RecordFailedError",
     "RecordTooLargeError",

@@ -5,11 +5,12 @@ database) and its one writer connection. ``Transaction.publish`` assigns the nex
 once and buffers the record; the records reach ``streamq_log`` in one insert at commit
 (or every ``flush_records`` for very large transactions). Only after COMMIT returns are
 the records handed to the ``Log``, which wakes the subscribers: a rolled-back
-transaction publishes nothing. Seqs are dense and in commit order because appenders to
-a stream never overlap: on SQLite, one writer at a time, each catching up at BEGIN with
-what other connections committed (``_begin``); on PostgreSQL, a lock on the stream's
-row from its first append in the transaction to the commit, its head read under it
-(``storage.Features``).
+transaction publishes nothing. Seqs are dense and in commit order: on SQLite, appenders
+never overlap (one writer at a time, each catching up at BEGIN with what other
+connections committed: ``_begin``); on PostgreSQL, writers publish records unnumbered
+and the serving producer numbers them once committed (``storage.Features``,
+``engines/postgres/numbering.py``), so ``Transaction.publish`` returns a ``Receipt``
+there and ``wait_served`` tells its seqs.
 
 The ``Producer`` is the facade: its lifecycle, its transactions' begin and commit, and
 consumer registrations. The rest is in parts of one job each: ``transactions`` (what
@@ -25,8 +26,9 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import replace
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from .blocking import to_the_end
 from .compaction import Compacted, Compactor, OnCompacted
@@ -36,7 +38,9 @@ from .log import Log
 from .metrics import MetricsServer
 from .positions import ConsumerLag, Positions
 from .protocol import FRAME_OVERHEAD, Record, decode_record
+from .receipts import ServedReceipts
 from .records import (
+    Receipt,
     as_bytes,
     check_stream_name,
 )
@@ -48,6 +52,7 @@ from .storage import (
     Durability,
     EpochRow,
     Limits,
+    NumberingStorage,
     Session,
     StreamRow,
     StreamSettings,
@@ -56,6 +61,9 @@ from .storage import (
 )
 from .transactions import BlockingTransaction, SyncTransaction, Transaction, _Pending
 from .watcher import CommitWatcher
+
+if TYPE_CHECKING:
+    from .engines.postgres.numbering import Numbered, Numberer
 
 logger = logging.getLogger("streamq.producer")
 
@@ -128,6 +136,10 @@ class Producer:
         self._session_lock = asyncio.Lock()
         self._lock = asyncio.Lock()
         self._server: Server | None = None
+        # Where seqs are given after the commit (PostgreSQL): the serving producer's
+        # numbering, and the seqs it gave to recent receipts.
+        self.numberer: Numberer | None = None
+        self.receipts = ServedReceipts()
         self.producer_id = ""
         self.epoch = 0
         self._started = False
@@ -164,6 +176,12 @@ class Producer:
             if self._watch is not None:
                 watching = self.watcher.run(self._watch, self._watch_interval)
                 self._tasks.append(asyncio.create_task(watching))
+            if self._serve and self.storage.features.numbered_after_commit:
+                storage = cast(NumberingStorage, self.storage)
+                self.numberer = storage.numberer(self._numbered, self._resync)
+                if self._watch_interval is not None:
+                    self.numberer.idle_check = self._watch_interval
+                self._tasks.append(asyncio.create_task(self.numberer.run()))
             self._tasks.append(asyncio.create_task(self.retention_passes.run()))
             self._tasks.append(asyncio.create_task(self.compactor.run()))
         except BaseException:
@@ -192,6 +210,8 @@ class Producer:
         self._closed = True
         if self._watch is not None:
             await self._watch.close()
+        if self.numberer is not None:
+            await self.numberer.close()
         if self._session is not None:
             await asyncio.to_thread(self._session.close)
         await self.storage.close()
@@ -229,7 +249,9 @@ class Producer:
 
     @contextlib.asynccontextmanager
     async def transaction(self) -> AsyncIterator[Transaction]:
-        """One transaction: the application's SQL and its publishes commit together."""
+        """One transaction: the application's SQL and its publishes commit together.
+        When the block ends, its records are served (where seqs are given after the
+        commit, once this serving producer has numbered them)."""
         self._check_running()
         async with self._writing():
             await self._begin()
@@ -247,6 +269,14 @@ class Producer:
             tx._closed = True
             if self._after_commit(tx._pending):
                 await self.watcher.catch_up(await self.storage.version())
+        await self._served(tx.last_receipt)
+
+    async def _served(self, last: Receipt | None) -> None:
+        """Wait until a committed transaction's records are served, given the receipt
+        of its last publish (numbered after all the others); nothing to wait for where
+        seqs are given at publish, or where this producer does not number."""
+        if last is not None and self.numberer is not None:
+            await self.receipts.wait(last)
 
     async def run_in_transaction(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(tx, *args)`` as one transaction on the writer's thread; returns its result.
@@ -271,7 +301,7 @@ class Producer:
                 self._session = await asyncio.to_thread(self.storage.session, self.durability)
             session = self._session
 
-            def run() -> T:
+            def run() -> tuple[T, Receipt | None]:
                 session.begin()
                 tx = SyncTransaction(session, self.max_record_size)
                 try:
@@ -282,11 +312,12 @@ class Producer:
                     raise
                 finally:
                     tx._closed = True
-                return result
+                return result, tx.last_receipt
 
             # What runs on the thread cannot be stopped: wait for it, even if cancelled.
-            result = await to_the_end(asyncio.to_thread(run), lambda: None)
+            result, last = await to_the_end(asyncio.to_thread(run), lambda: None)
         await self.watcher.check()
+        await self._served(last)
         return result
 
     @contextlib.asynccontextmanager
@@ -316,12 +347,8 @@ class Producer:
                 raise
 
     async def _append_state(self, stream: str, settings: StreamSettings | None) -> AppendState:
-        """``stream`` as this transaction's appends start from: locked and read from the
-        database (PostgreSQL), or from memory, caught up at BEGIN (SQLite)."""
-        if self.storage.features.stream_locks:
-            if stream not in self.log.streams:
-                check_stream_name(stream)
-            return await self._writer.lock_stream(stream, settings)
+        """``stream`` as this transaction's appends start from: from memory, caught up at
+        BEGIN (SQLite)."""
         state = self._memory_state(stream)
         if state is None:
             settings = settings or StreamSettings()
@@ -395,12 +422,53 @@ class Producer:
         *,
         key: bytes | None = None,
         headers: Mapping[str, bytes] | None = None,
-    ) -> int:
-        """A transaction holding just this publish; returns the record's seq."""
+    ) -> int | Receipt:
+        """A transaction holding just this publish; returns the record's seq (where seqs
+        are given after the commit, once it is served; with ``serve=False`` there, its
+        ``Receipt``)."""
+        seq: int | Receipt
         if self.storage.features.blocking_transactions:  # one hop at most, grouped
-            return await self.run_in_transaction(_publish_one, stream, value, key, headers)
-        async with self.transaction() as tx:
-            return await tx.publish(stream, value, key=key, headers=headers)
+            seq = await self.run_in_transaction(_publish_one, stream, value, key, headers)
+        else:
+            async with self.transaction() as tx:
+                seq = await tx.publish(stream, value, key=key, headers=headers)
+        if isinstance(seq, Receipt) and self.numberer is not None:
+            return (await self.wait_served(seq))[0]
+        return seq
+
+    async def wait_served(self, receipt: Receipt, *, timeout: float | None = None) -> range:
+        """The seqs of a receipt's records (``Transaction.publish`` on PostgreSQL), once
+        this serving producer has numbered and served them. Raises ``TimeoutError`` after
+        ``timeout``, and ``RuntimeError`` where this producer does not number records
+        (SQLite, or ``serve=False``)."""
+        if self.numberer is None:
+            raise RuntimeError(
+                "only the serving producer of a PostgreSQL database numbers records: "
+                "wait_served needs Producer(url) with serve=True"
+            )
+        async with asyncio.timeout(timeout):
+            return await self.receipts.wait(receipt)
+
+    async def _resync(self) -> None:
+        await self.watcher.check(heads=True)
+
+    def _numbered(self, done: Numbered) -> None:
+        """A numbering round, flushed: its records to the log (which wakes subscribers),
+        then to those waiting for their receipts."""
+        for numbered in done.streams:
+            stream = self.log.streams.get(numbered.name)
+            if stream is None:
+                row = StreamRow(numbered.id, numbered.name, numbered.first - 1, numbered.low)
+                stream = self.log.add(replace(row, settings=numbered.settings))
+            if numbered.segment:
+                stream.epochs.add(numbered.first, done.epoch)  # before subscribers wake
+            stream.max_ts = numbered.max_ts
+            if numbered.first == stream.head + 1:
+                self.log.committed(stream, numbered.head, numbered.records)
+            elif numbered.head > stream.head:  # after a lost round: read from the database
+                self.log.committed(stream, numbered.head, None)
+        self.epoch = done.epoch
+        self.receipts.served(done)
 
     async def create_stream(
         self,
@@ -429,6 +497,11 @@ class Producer:
         if name in self.log.streams:
             return
         settings = StreamSettings(key_index, compact, notify_compacted)
+        if self.storage.features.numbered_after_commit:
+            async with self.transaction():  # it may have records already: caught up
+                await self._writer.create_stream(name, settings)
+            await self.watcher.check()
+            return
         async with self.transaction() as tx:
             await tx._stream_id(name, settings)
 

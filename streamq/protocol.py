@@ -104,6 +104,20 @@ def encode_values(first_seq: int, timestamp: int, values: Sequence[bytes]) -> li
     return [pack([seq, timestamp, None, value, {}]) for seq, value in enumerate(values, first_seq)]
 
 
+# An unnumbered record (``encode_record`` with seq 0) starts with these two bytes: a
+# 5-element array, then 0. Numbering puts the seq's encoding in place of the 0.
+UNNUMBERED_PREFIX = b"\x95\x00"
+# The most a seq's encoding adds to an unnumbered record (uint64: 9 bytes, not 1).
+SEQ_GROWTH = 8
+
+
+def numbered(unnumbered: bytes, seq: int) -> bytes:
+    """An unnumbered record's encoding under ``seq``, without decoding it."""
+    if not unnumbered.startswith(UNNUMBERED_PREFIX):
+        raise ValueError("not an unnumbered record")
+    return b"\x95" + _packb(seq) + unnumbered[2:]
+
+
 def decode_record(encoded: bytes) -> Record:
     """A stored record back as a ``Record`` (the producer's own bytes: trusted)."""
     return Record._make(msgpack.unpackb(encoded, raw=False))

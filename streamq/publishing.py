@@ -8,8 +8,10 @@ application holds (``connections.resolve_engine``): a ``sqlite3.Connection``, a 
 ``publish_async`` takes aiosqlite, psycopg's and SQLAlchemy's asyncio ones.
 
 Each engine keeps its own SQL, and says why its seqs are dense and in commit order
-(``engines.sqlite``: SQLite's one writer; ``engines.postgres``: a per-stream row lock);
-this module only checks the records and hands them to the connection's engine.
+(``engines.sqlite``: SQLite's one writer; ``engines.postgres``: records inserted
+unnumbered, numbered by the serving producer once committed, so ``publish`` returns a
+``Receipt`` there); this module only checks the records and hands them to the
+connection's engine.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from .engines import postgres, sqlite
 from .engines.sqlite import DEFAULT_MAX_RECORD_SIZE
 from .records import (
     CheckedRecord,
+    Receipt,
     check_stream_name,
     checked_record,
     seq_range,
@@ -39,31 +42,35 @@ def publish(
     key: bytes | None = None,
     headers: Mapping[str, bytes] | None = None,
     timestamp: int | None = None,
-) -> int:
-    """Append a record to ``stream`` in ``conn``'s open transaction; returns its seq.
+) -> int | Receipt:
+    """Append a record to ``stream`` in ``conn``'s open transaction; returns its seq
+    (SQLite), or a ``Receipt`` (PostgreSQL: seqs are given after the commit, by the
+    serving producer).
 
     Consumers see it once the application's transaction commits; a rollback publishes
     nothing. The stream is created if it does not exist. The database needs the log
     tables (``streamq init DB``, or any ``Producer`` started on it once).
     """
     checked = checked_record(value, key, headers, timestamp)
-    return _append(conn, check_stream_name(stream), [checked])[0]
+    published = _append(conn, check_stream_name(stream), [checked])
+    return published if isinstance(published, Receipt) else published[0]
 
 
-def publish_many(conn: Any, stream: str, values: Iterable[bytes]) -> range:
+def publish_many(conn: Any, stream: str, values: Iterable[bytes]) -> range | Receipt:
     """Append one record per value (no key, no headers) in ``conn``'s open transaction;
-    returns their seqs."""
-    return seq_range(_append(conn, check_stream_name(stream), values_only(values)))
+    returns their seqs (or a ``Receipt``, as ``publish``)."""
+    published = _append(conn, check_stream_name(stream), values_only(values))
+    return published if isinstance(published, Receipt) else seq_range(published)
 
 
-def _append(conn: Any, stream: str, records: Sequence[CheckedRecord]) -> list[int]:
+def _append(conn: Any, stream: str, records: Sequence[CheckedRecord]) -> list[int] | Receipt:
     """``append`` on the engine ``conn`` is connected to."""
     resolved = resolve_engine(conn)
     engine = ENGINES[resolved.engine]
-    seqs: list[int] = engine.append(
+    published: list[int] | Receipt = engine.append(
         resolved.dbapi, stream, records, max_record_size=DEFAULT_MAX_RECORD_SIZE
     )
-    return seqs
+    return published
 
 
 async def publish_async(
@@ -74,7 +81,7 @@ async def publish_async(
     key: bytes | None = None,
     headers: Mapping[str, bytes] | None = None,
     timestamp: int | None = None,
-) -> int:
+) -> int | Receipt:
     """``publish`` for asyncio connections: aiosqlite, psycopg's ``AsyncConnection``,
     SQLAlchemy's ``AsyncConnection`` and ``AsyncSession``. The same statements, run where
     the connection runs them."""
@@ -82,10 +89,10 @@ async def publish_async(
     name = check_stream_name(stream)
     resolved = await resolve_engine_async(conn)
     engine = ENGINES[resolved.engine]
-    seqs: list[int] = await engine.append_async(
+    published: list[int] | Receipt = await engine.append_async(
         resolved.dbapi, name, [checked], max_record_size=DEFAULT_MAX_RECORD_SIZE
     )
-    return seqs[0]
+    return published if isinstance(published, Receipt) else published[0]
 
 
 def create_tables(conn: Any) -> None:

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from .errors import RecordTooLargeError
-from .protocol import encode_record
+from .protocol import SEQ_GROWTH, encode_record
 
 _MAX_STREAM_NAME = 255
+MAX_SEQ = (1 << 40) - 1  # the largest seq either engine stores (SQLite packs it in 40 bits)
 
 # A checked record: value, key, headers, timestamp (ms since the Unix epoch).
 CheckedRecord = tuple[bytes, bytes | None, dict[str, bytes], int]
@@ -74,20 +76,44 @@ def values_only(values: Iterable[Any]) -> list[CheckedRecord]:
 
 
 def encode_checked(
-    seqs: Sequence[int], records: Sequence[CheckedRecord], max_record_size: int
+    seqs: Sequence[int], records: Sequence[CheckedRecord], max_record_size: int, growth: int = 0
 ) -> list[bytes]:
     """Each record's wire encoding under its seq; ``RecordTooLargeError`` for one that
-    cannot fit in a frame (raised before anything is written)."""
+    cannot fit in a frame (raised before anything is written), counting ``growth``
+    more bytes for each."""
     encoded = []
     for seq, (value, key, headers, ts) in zip(seqs, records, strict=True):
         record = encode_record(seq, ts, key, value, headers)
-        if len(record) > max_record_size:
+        if len(record) + growth > max_record_size:
             raise RecordTooLargeError(
-                f"record of {len(record)} bytes exceeds the limit of {max_record_size} "
-                "(max_frame_size minus framing)"
+                f"record of {len(record) + growth} bytes exceeds the limit of "
+                f"{max_record_size} (max_frame_size minus framing)"
             )
         encoded.append(record)
     return encoded
+
+
+def encode_unnumbered(records: Sequence[CheckedRecord], max_record_size: int) -> list[bytes]:
+    """Each record's encoding with seq 0, numbered later (``protocol.numbered``);
+    ``RecordTooLargeError`` for one that could not fit in a frame under any seq."""
+    return encode_checked([0] * len(records), records, max_record_size, SEQ_GROWTH)
+
+
+@dataclass(frozen=True, slots=True)
+class Receipt:
+    """Records published where seqs are given after the commit (PostgreSQL): the
+    serving producer numbers each committed transaction's records in commit order.
+
+    They are ``count`` records that transaction ``xid`` published to ``stream`` in one
+    call, the first stored as pending row ``id``; they get consecutive seqs.
+    ``await producer.wait_served(receipt)`` (in the serving process) returns them once
+    the records are served.
+    """
+
+    stream: str
+    xid: int  # the publishing transaction's id (pg_current_xact_id())
+    id: int  # the first record's row in streamq_pending
+    count: int
 
 
 def seq_range(seqs: list[int]) -> range:

@@ -15,8 +15,8 @@ A serving producer talks to its database through three objects, which an engine
 
 Engines differ in how appenders are kept in seq order (``Features``): SQLite has one
 writer at a time, so the producer catches up with other writers once at BEGIN and numbers
-records from memory; PostgreSQL locks each stream's row, so the producer reads a stream's
-head from the database when it first appends to it in a transaction.
+records from memory; on PostgreSQL writers insert records unnumbered, and the serving
+producer numbers them once committed.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeVar
 
@@ -139,10 +139,11 @@ EpochRow = tuple[int, int, int]
 class Features:
     """What differs between engines, so callers branch on a capability, not a name."""
 
-    # Appenders lock each stream (PostgreSQL): a stream's head is read from the database
-    # at its first append in a transaction. Otherwise (SQLite) BEGIN locks the whole
-    # database and the producer numbers records from memory, caught up at BEGIN.
-    stream_locks: bool
+    # Writers do not number records: they insert them unnumbered, and the serving
+    # producer gives them seqs once they committed (PostgreSQL: ``numbering.py``), so
+    # ``publish`` returns a ``Receipt``. Otherwise (SQLite: one writer at a time) a
+    # record's seq is known when it is published.
+    numbered_after_commit: bool
     # ``run_in_transaction`` runs the whole transaction on the writer's own thread.
     blocking_transactions: bool
 
@@ -227,8 +228,9 @@ class Session(Protocol):
 
     def executemany(self, sql: str, parameters: Any) -> Any: ...
 
-    def append(self, stream: str, records: Sequence[Any], max_record_size: int) -> list[int]:
-        """Append checked records (``records.checked_record``); their seqs."""
+    def append(self, stream: str, records: Sequence[Any], max_record_size: int) -> Any:
+        """Append checked records (``records.checked_record``): their seqs (a list), or
+        a ``records.Receipt`` where seqs are given after the commit."""
         ...
 
     def head(self, stream: str) -> int | None:
@@ -271,12 +273,7 @@ class Writer(Protocol):
     async def executemany(self, sql: str, parameters: Any) -> Any: ...
 
     async def create_stream(self, name: str, settings: StreamSettings) -> int:
-        """Insert a stream row; its id. (Engines without ``stream_locks``.)"""
-        ...
-
-    async def lock_stream(self, name: str, settings: StreamSettings | None) -> AppendState:
-        """Lock ``name`` until the transaction ends, creating it (with ``settings``) if
-        missing, and read its state. (Engines with ``stream_locks``.)"""
+        """Insert a stream row; its id."""
         ...
 
     async def insert(
@@ -330,6 +327,15 @@ class Writer(Protocol):
 
     async def save_positions(self, positions: list[tuple[str, str, int]]) -> None:
         """Store registered consumers' reported (consumer, stream, applied)."""
+        ...
+
+
+class UnnumberedWriter(Writer, Protocol):
+    """The writer of an engine with ``numbered_after_commit``."""
+
+    async def append(self, stream: str, records: Sequence[Any], max_record_size: int) -> Any:
+        """Publish checked records (``records.checked_record``) unnumbered: a
+        ``records.Receipt``."""
         ...
 
 
@@ -425,3 +431,13 @@ class Storage(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+class NumberingStorage(Storage, Protocol):
+    """The storage of an engine with ``numbered_after_commit``."""
+
+    def numberer(self, serve: Callable[[Any], None], resync: Callable[[], Awaitable[Any]]) -> Any:
+        """The serving producer's numbering (``engines/postgres/numbering.Numberer``):
+        ``serve`` is given each round once flushed; ``resync`` is awaited after a
+        failure, once what committed is flushed."""
+        ...

@@ -2,8 +2,8 @@
 
 Transactions run on the calling thread, on a connection of that thread's own
 (``storage.Session``), appending as ``streamq.publish`` does on the application's
-connection: no hop to another thread, and seqs taken under the database's lock, so threads
-and processes publish at once.
+connection: no hop to another thread, and no lock held across another thread's commit, so
+threads and processes publish at once.
 The server runs on an event loop in a background thread, woken after each commit; the
 other calls (history, compaction, retention) hand a coroutine to that loop.
 """
@@ -22,6 +22,7 @@ from .compaction import Compacted
 from .positions import ConsumerLag
 from .producer import Producer
 from .protocol import Record
+from .records import Receipt
 from .retention import Truncation
 from .storage import Session
 from .transactions import SyncTransaction
@@ -140,6 +141,8 @@ class SyncProducer:
             tx._closed = True
         if self._serves:
             self._loop.call_soon_threadsafe(self._producer.wake)  # serve it now
+            if tx.last_receipt is not None:  # numbered after the commit: once served
+                self.wait_served(tx.last_receipt)
 
     def publish(
         self,
@@ -148,10 +151,18 @@ class SyncProducer:
         *,
         key: bytes | None = None,
         headers: Mapping[str, bytes] | None = None,
-    ) -> int:
-        """A transaction holding just this publish; returns the record's seq."""
+    ) -> int | Receipt:
+        """A transaction holding just this publish; returns the record's seq (on
+        PostgreSQL once served, or a ``Receipt`` with ``serve=False``)."""
         with self.transaction() as tx:
-            return tx.publish(stream, value, key=key, headers=headers)
+            seq = tx.publish(stream, value, key=key, headers=headers)
+        if isinstance(seq, Receipt) and self._serves:
+            return self.wait_served(seq)[0]  # served: known at once
+        return seq
+
+    def wait_served(self, receipt: Receipt, *, timeout: float | None = None) -> range:
+        """The seqs of a receipt's records, once served (``Producer.wait_served``)."""
+        return self._call(self._producer.wait_served(receipt, timeout=timeout))
 
     def run_in_transaction(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(tx, *args)`` in one transaction on the calling thread; returns its result."""

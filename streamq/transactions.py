@@ -13,14 +13,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import count, islice, repeat
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from .blocking import AsyncSQL, BlockingSQL, to_the_end
 from .errors import RecordTooLargeError
 from .log import RECORD_OVERHEAD
 from .protocol import encode_record, encode_values
 from .records import (
+    MAX_SEQ,
     CheckedRecord,
+    Receipt,
     as_bytes,
     check_stream_name,
     checked_record,
@@ -36,14 +38,13 @@ from .storage import (
     Session,
     StreamSettings,
     TimeRow,
+    UnnumberedWriter,
 )
 
 if TYPE_CHECKING:
     from .producer import Producer
 
 T = TypeVar("T")
-
-MAX_SEQ = (1 << 40) - 1  # the largest seq either engine stores (SQLite packs it in 40 bits)
 
 
 @dataclass(slots=True)
@@ -257,6 +258,12 @@ class Transaction(AsyncSQL):
         super().__init__(producer._writer)
         self._producer = producer
         self._pending = _Pending(producer)
+        # Where records are numbered after the commit (PostgreSQL), the writer that
+        # publishes them unnumbered.
+        self._unnumbered: UnnumberedWriter | None = None
+        if producer.storage.features.numbered_after_commit:
+            self._unnumbered = cast(UnnumberedWriter, producer._writer)
+        self.last_receipt: Receipt | None = None  # of the last unnumbered publish
         self.committed = False  # set once COMMIT returned, even to a cancelled caller
 
     async def publish(
@@ -267,19 +274,33 @@ class Transaction(AsyncSQL):
         key: bytes | None = None,
         headers: Mapping[str, bytes] | None = None,
         timestamp: int | None = None,
-    ) -> int:
-        """Append a record to ``stream``; returns its seq. Visible to consumers at commit."""
+    ) -> int | Receipt:
+        """Append a record to ``stream``; returns its seq (SQLite), or a ``Receipt``
+        where seqs are given after the commit (PostgreSQL). Visible to consumers at
+        commit."""
         self._check_open()
         checked = checked_record(value, key, headers, timestamp)
+        if self._unnumbered is not None:
+            return await self._publish_unnumbered(stream, [checked])
         stream_id = await self._stream_id(stream)
         seq = self._pending.append(stream, stream_id, *checked)
         if self._pending.full:
             await self._flush()
         return seq
 
-    async def publish_many(self, stream: str, values: Iterable[bytes]) -> range:
-        """Append one record per value (no key, no headers); returns their seqs."""
+    async def _publish_unnumbered(self, stream: str, records: list[CheckedRecord]) -> Receipt:
+        assert self._unnumbered is not None
+        limit = self._producer.max_record_size
+        receipt: Receipt = await self._unnumbered.append(check_stream_name(stream), records, limit)
+        self.last_receipt = receipt
+        return receipt
+
+    async def publish_many(self, stream: str, values: Iterable[bytes]) -> range | Receipt:
+        """Append one record per value (no key, no headers); returns their seqs (or a
+        ``Receipt``, as ``publish``)."""
         self._check_open()
+        if self._unnumbered is not None:
+            return await self._publish_unnumbered(stream, values_only(values))
         stream_id = await self._stream_id(stream)
         first = self._pending.next_seq(stream)
         for _ in self._pending.append_many(stream, stream_id, values):
@@ -385,6 +406,7 @@ class SyncTransaction(BlockingSQL):
         super().__init__(session)
         self._session = session
         self._max_record_size = max_record_size
+        self.last_receipt: Receipt | None = None  # of the last unnumbered publish
 
     def publish(
         self,
@@ -394,19 +416,27 @@ class SyncTransaction(BlockingSQL):
         key: bytes | None = None,
         headers: Mapping[str, bytes] | None = None,
         timestamp: int | None = None,
-    ) -> int:
-        """Append a record to ``stream``; returns its seq. Visible to consumers at commit."""
+    ) -> int | Receipt:
+        """Append a record to ``stream``; returns its seq, or a ``Receipt`` where seqs
+        are given after the commit (PostgreSQL). Visible to consumers at commit."""
         self._check_open()
         checked = checked_record(value, key, headers, timestamp)
-        return self._append(stream, [checked])[0]
+        published = self._append(stream, [checked])
+        return published if isinstance(published, Receipt) else published[0]
 
-    def publish_many(self, stream: str, values: Iterable[bytes]) -> range:
-        """Append one record per value (no key, no headers); returns their seqs."""
+    def publish_many(self, stream: str, values: Iterable[bytes]) -> range | Receipt:
+        """Append one record per value (no key, no headers); returns their seqs (or a
+        ``Receipt``, as ``publish``)."""
         self._check_open()
-        return seq_range(self._append(stream, values_only(values)))
+        published = self._append(stream, values_only(values))
+        return published if isinstance(published, Receipt) else seq_range(published)
 
-    def _append(self, stream: str, records: list[CheckedRecord]) -> list[int]:
-        return self._session.append(check_stream_name(stream), records, self._max_record_size)
+    def _append(self, stream: str, records: list[CheckedRecord]) -> list[int] | Receipt:
+        name = check_stream_name(stream)
+        published: list[int] | Receipt = self._session.append(name, records, self._max_record_size)
+        if isinstance(published, Receipt):
+            self.last_receipt = published
+        return published
 
 
 class _OthersCommitted(Exception):

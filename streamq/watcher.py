@@ -73,22 +73,31 @@ class CommitWatcher:
         if not self._producer._in_transaction:
             await self.check()
 
-    async def check(self) -> bool:
+    async def check(self, *, heads: bool | None = None) -> bool:
         """Catch up if another connection committed; True if one had."""
         producer = self._producer
         async with producer._lock:
             version = await producer.storage.version()
-            if version == self.version:
+            if version == self.version and not heads:
                 return False
-            await self.catch_up(version)
+            await self.catch_up(version, heads=heads)
             return True
 
-    async def catch_up(self, version: Any) -> None:
+    async def catch_up(self, version: Any, *, heads: bool | None = None) -> None:
         """Load what other writers committed up to ``version`` (the caller holds the
         producer's lock): heads, lows, epochs, the database's epoch, registrations, read
         in one hop. Their records are served from the database; the producer's next seqs
-        continue after theirs."""
+        continue after theirs.
+
+        Where the producer numbers records itself (PostgreSQL), heads move when a
+        numbering round is served, after its flush: a catch-up takes no head from the
+        database (its rounds may not be flushed yet) unless ``heads`` says so (the
+        numbering, resuming after a failure, flushed first), and adds a stream it does
+        not know only if no round is serving it."""
         producer = self._producer
+        numberer = producer.numberer
+        if heads is None:
+            heads = numberer is None
         log = producer.log
         known = {s.id: (s.head, s.epochs.last_first_seq) for s in log.streams.values()}
         changes = await producer.storage.changes(known)
@@ -98,7 +107,11 @@ class CommitWatcher:
         for stream_id, first_seq, epoch in changes.epoch_rows:
             new_epochs.setdefault(stream_id, []).append((first_seq, epoch))
         for row in changes.streams:
-            stream = log.streams.get(row.name) or log.add(row)
+            stream = log.streams.get(row.name)
+            if stream is None:
+                if numberer is not None and row.name in numberer.unserved:
+                    continue
+                stream = log.add(row)
             # Their epoch rows first: subscribers woken next send epochs.
             for first_seq, epoch in new_epochs.get(row.id, ()):
                 stream.epochs.add(first_seq, epoch)
@@ -108,6 +121,6 @@ class CommitWatcher:
                 stream.compacted = row.compacted
                 stream.tail.reset(stream.head + 1)
                 producer.retention.forget(stream.name)
-            if row.head > stream.head:
+            if heads and row.head > stream.head:
                 log.committed(stream, row.head, None)
         self.version = version

@@ -1,6 +1,7 @@
 """A producer serving from PostgreSQL: ``Producer("postgresql://...")`` against a real
-server (``tests/pgserver.py``). Business rows and records commit together; other
-processes' ``streamq.publish`` are served as they commit (LISTEN/NOTIFY, no polling);
+server (``tests/pgserver.py``). Business rows and records commit together, numbered by
+the serving producer once committed; other processes' ``streamq.publish`` are served as
+they commit (an idle producer woken by the doorbell's NOTIFY, not by polling);
 one process serves a database; and retention, compaction, history, seeks, epochs and
 registrations behave as they do on SQLite."""
 
@@ -50,15 +51,22 @@ async def test_business_rows_and_records_commit_together(pg_url: str) -> None:
             await tx.execute("INSERT INTO stock VALUES (%s, %s)", ("a1", 10))
         async with producer.transaction() as tx:
             await tx.execute("UPDATE stock SET n = n - 1 WHERE sku = %s", ("a1",))
-            assert await tx.publish("orders", b"payload", key=b"a1") == 1
-            assert await tx.publish("orders", b"second") == 2
+            first = await tx.publish("orders", b"payload", key=b"a1")
+            second = await tx.publish("orders", b"second")
+        # Numbered after the commit, and served when the block ends.
+        assert isinstance(first, streamq.Receipt) and isinstance(second, streamq.Receipt)
+        assert (first.stream, first.xid, first.count) == ("orders", second.xid, 1)
+        assert await producer.wait_served(first) == range(1, 2)
+        assert await producer.wait_served(second) == range(2, 3)
         with pytest.raises(RuntimeError, match="boom"):
             async with producer.transaction() as tx:
                 await tx.execute("UPDATE stock SET n = 0")
-                assert await tx.publish("orders", b"rolled back") == 3
-                assert await tx.publish("new-stream", b"rolled back") == 1
+                rolled_back = await tx.publish("orders", b"rolled back")
+                await tx.publish("new-stream", b"rolled back")
                 raise RuntimeError("boom")
-        assert await producer.publish("orders", b"third") == 3  # the rolled-back seq, again
+        with pytest.raises(TimeoutError):  # never numbered
+            await producer.wait_served(rolled_back, timeout=0.2)  # type: ignore[arg-type]
+        assert await producer.publish("orders", b"third") == 3
         assert producer.head("orders") == 3
         assert "new-stream" not in producer.log.streams
         received = await consume(producer.address, "orders", 3)
@@ -71,14 +79,18 @@ async def test_business_rows_and_records_commit_together(pg_url: str) -> None:
 
 
 async def test_other_processes_commits_are_served_without_polling(pg_url: str) -> None:
-    """``streamq.publish`` on the application's own connection: the serving producer
-    hears the commit's NOTIFY. The fallback check is set to an hour, so only the
-    notification can wake it within the test's timeout."""
+    """``streamq.publish`` on the application's own connection: an idle serving producer
+    has armed the doorbell, and the first publish after it rings (NOTIFY). The fallback
+    check is set to an hour, so only the doorbell can wake it within the test's
+    timeout."""
     async with Producer(pg_url, watch_interval=3600) as producer:
         await producer.create_stream("orders")
+        numberer = producer.numberer
+        assert numberer is not None
         async with Consumer(producer.address, "orders") as consumer:
             with psycopg.connect(pg_url) as conn:
                 for n in range(3):
+                    await wait_for(lambda: numberer.armed, what="the numberer to go idle")
                     with conn.transaction():
                         streamq.publish(conn, "orders", b"app %d" % n)
                 with conn.transaction():  # a rollback sends no notification, and no record
@@ -96,23 +108,25 @@ async def test_other_processes_commits_are_served_without_polling(pg_url: str) -
 
 
 async def test_producer_and_application_interleave_with_dense_seqs(pg_url: str) -> None:
-    """The producer's transactions and the application's publishes share each stream's
-    lock: seqs stay dense and in commit order whoever writes."""
+    """The producer's transactions and the application's publishes, numbered by the
+    serving producer: seqs stay dense, each record once, whoever writes."""
     async with Producer(pg_url) as producer:
         await producer.create_stream("orders")
 
-        def application(count: int) -> list[int]:
+        def application(count: int) -> list[streamq.Receipt]:
             with psycopg.connect(pg_url) as conn:
-                seqs = []
+                receipts = []
                 for n in range(count):
                     with conn.transaction():
-                        seqs.append(streamq.publish(conn, "orders", b"app %d" % n))
-                return seqs
+                        receipt = streamq.publish(conn, "orders", b"app %d" % n)
+                        assert isinstance(receipt, streamq.Receipt)
+                        receipts.append(receipt)
+                return receipts
 
         app = asyncio.create_task(asyncio.to_thread(application, 200))
         ours = [await producer.publish("orders", b"producer %d" % n) for n in range(200)]
-        theirs = await app
-        assert sorted(ours + theirs) == list(range(1, 401))
+        theirs = [(await producer.wait_served(r, timeout=20))[0] for r in await app]
+        assert sorted(ours + theirs) == list(range(1, 401))  # type: ignore[operator]
         await wait_for(lambda: producer.head("orders") == 400, what="the head to reach 400")
         received = await consume(producer.address, "orders", 400)
     assert [r.seq for r in received] == list(range(1, 401))
@@ -124,8 +138,11 @@ async def test_one_process_serves_a_database(pg_url: str) -> None:
             async with Producer(pg_url):
                 pass
         async with Producer(pg_url, serve=False) as writer:  # publishing needs no lock
-            assert await writer.publish("orders", b"from a worker") == 1
-        await wait_for(lambda: first.log.streams.get("orders") is not None, what="catch-up")
+            receipt = await writer.publish("orders", b"from a worker")
+            assert isinstance(receipt, streamq.Receipt)
+            with pytest.raises(RuntimeError, match="only the serving producer"):
+                await writer.wait_served(receipt)
+        assert await first.wait_served(receipt, timeout=20) == range(1, 2)
     async with Producer(pg_url):  # the lock went with the first one's session
         pass
 
@@ -197,18 +214,20 @@ async def test_run_in_transaction_runs_on_a_worker_thread(pg_url: str) -> None:
     """``fn(tx)`` as one transaction on a connection of its own: the business row and
     the records commit together, a raise commits neither, and the records are served."""
 
-    def debit_and_publish(tx: streamq.SyncTransaction, sku: str, count: int) -> range:
+    def debit_and_publish(tx: streamq.SyncTransaction, sku: str, count: int) -> streamq.Receipt:
         tx.execute("UPDATE stock SET n = n - %s WHERE sku = %s", (count, sku))
-        seqs = tx.publish_many("orders", [sku.encode()] * count)
+        receipt = tx.publish_many("orders", [sku.encode()] * count)
+        assert isinstance(receipt, streamq.Receipt)
         if count > 5:
             raise ValueError("not that many")
-        return seqs
+        return receipt
 
     async with Producer(pg_url) as producer:
         async with producer.transaction() as tx:
             await tx.execute("CREATE TABLE stock (sku text PRIMARY KEY, n integer)")
             await tx.execute("INSERT INTO stock VALUES ('a1', 10)")
-        assert await producer.run_in_transaction(debit_and_publish, "a1", 3) == range(1, 4)
+        receipt = await producer.run_in_transaction(debit_and_publish, "a1", 3)
+        assert await producer.wait_served(receipt) == range(1, 4)  # served on return
         with pytest.raises(ValueError, match="not that many"):
             await producer.run_in_transaction(debit_and_publish, "a1", 6)
         assert await producer.publish("orders", b"after") == 4
@@ -238,7 +257,9 @@ def test_sync_producer_on_postgresql(pg_url: str) -> None:
             for _ in range(20):
                 with producer.transaction() as tx:
                     tx.execute("UPDATE stock SET n = n - 1 WHERE sku = %s", ("a1",))
-                    seqs.append(tx.publish("orders", b"%d" % n))
+                    receipt = tx.publish("orders", b"%d" % n)
+                assert isinstance(receipt, streamq.Receipt)
+                seqs += producer.wait_served(receipt)  # served when the block ended
             return seqs
 
         with ThreadPoolExecutor(4) as pool:

@@ -1,45 +1,58 @@
-"""The PostgreSQL engine: the log's tables and the append path, through psycopg 3.
+"""The PostgreSQL engine: the log's tables and the publish path, through psycopg 3.
 
 The tables are the SQLite engine's (``sqlite/storage.py``), in PostgreSQL's types: ``streamq_meta``,
 ``streamq_streams``, ``streamq_log`` keyed by (stream_id, seq), ``streamq_time``,
-``streamq_epochs``, ``streamq_consumers``; plus ``streamq_boot``, below.
+``streamq_epochs``, ``streamq_consumers``; plus ``streamq_pending`` and ``streamq_boot``, below.
 
-Appending: dense seqs in commit order
+Publishing: no lock across the commit
 -------------------------------------
 A sequence or identity column cannot number a log: values are taken at insert and
 committed in any order, and rolled-back ones leave gaps, so a reader that has seen 8
-may later see 7 commit, or wait forever for a 7 that never will. Instead an appender
-takes the stream's row lock (``SELECT ... FOR UPDATE`` on its ``streamq_streams`` row),
-which it holds until its transaction ends, and only then, in a *new statement*, reads the
-stream's head (its largest seq). Under READ COMMITTED each statement takes a fresh
-snapshot, and a waiter is woken only once the holder's commit is visible, so the head it
-reads includes every earlier holder's records. Hence, per stream:
+may later see 7 commit, or wait forever for a 7 that never will. Numbering at publish
+time needs a lock held until the commit (and its WAL flush), which makes one stream's
+writers commit one at a time. So writers do not number: ``publish`` inserts the record,
+unnumbered, into ``streamq_pending`` with its transaction's id (``pg_current_xact_id()``)
+and an identity id, in one statement and with no lock, and its transaction commits in
+PostgreSQL's group commit with everyone else's. The serving producer numbers what has
+committed (``numbering.py``): in transactions of its own, it moves the pending rows its
+snapshot sees into ``streamq_log``, giving each stream's records the next seqs in
+(xid, id) order, and serves them once that numbering is flushed. Hence:
 
-- appenders are serialized from the read of the head to their commit (or rollback);
-- seq s is numbered only after s - 1 has committed, so commit order = lock order = seq
-  order: no reader can see a seq committed before a lower one;
-- a rollback releases the lock with its seqs unused, and the next holder reads the same
-  head and reuses them: no gaps.
+- a record gets its seq only once its transaction has committed, and that seq never
+  changes: seqs are dense, and a rollback (or a writer killed before its COMMIT) leaves
+  nothing to number;
+- if T1 committed before T2 began, T1's records come first: every snapshot that sees T2
+  sees T1, and T1's xid is the smaller (it was taken before T1 committed);
+- one transaction's records to a stream get consecutive seqs, in publish order.
 
-The head must not be read in the locking statement: a ``FOR UPDATE`` that waited keeps
-the snapshot it started with, older than the commit it waited for. REPEATABLE READ and
-SERIALIZABLE transactions keep one snapshot throughout, so they are refused (they would
-fail on the primary key instead). The cost is that one stream's appenders commit one at a
-time, fsync included (``bench/tools/pg_lock.py`` measures it). A transaction publishing into
-several streams should take them in one order, or PostgreSQL may end one of two
-crossing transactions with a deadlock error.
+``publish`` returns a ``Receipt`` (the transaction's id, the first row's id, how many)
+instead of a seq; the serving producer says the seqs (``Producer.wait_served``).
+Any isolation level works: the writer reads nothing.
+
+Waking the serving producer: a doorbell, not NOTIFY per commit
+--------------------------------------------------------------
+A ``NOTIFY`` in every publishing transaction would make them queue again: PostgreSQL
+takes a lock over the whole database at the commit of a notifying transaction and
+holds it through the WAL flush. While records keep coming, the numberer looks for
+them itself, waiting inside the server (``streamq_wait``: a few milliseconds' naps,
+no round trip). Once idle it *arms the doorbell*: it takes ``DOORBELL`` exclusively,
+only if no publishing transaction holds it shared (every publish takes it shared until
+its transaction ends, with ``pg_try_``: it never waits). A publish that finds it armed
+sends ``NOTIFY streamq``: only the first few transactions after an idle spell do. No
+commit is missed: a transaction that published before the doorbell was armed had ended
+by then, so the numberer's last look, just after arming, sees its records.
 
 Epochs (docs/protocol.md): records are stamped with the database's epoch. PostgreSQL
 loses commits only by a crash (with ``synchronous_commit=off``) or a failover to a replica
 that had not received them; ``streamq_boot``, an UNLOGGED table, is emptied by both (crash
-recovery resets unlogged tables; replicas never receive them). The first appender that
+recovery resets unlogged tables; replicas never receive them). The first numbering that
 finds it empty takes a new epoch, in its own transaction, and records it there; so seqs
 written again after a loss carry a higher epoch than the ones lost. (SQLite's boot id
 would not do: it is the client machine's, and clients on two machines would take a new
 epoch at every turn.)
 
-The logic is written once, as generators of statements (``append_steps``): ``append``
-and ``append_async`` only run them on a psycopg ``Connection`` or ``AsyncConnection``.
+The logic is written once, as generators of statements (``Steps``): ``append`` and
+``append_async`` only run them on a psycopg ``Connection`` or ``AsyncConnection``.
 """
 
 from __future__ import annotations
@@ -50,13 +63,14 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ...errors import SchemaMissingError, UnsupportedConnectionError
-from ...records import CheckedRecord, encode_checked
-from ...storage import AppendState, EpochRow, LogRow, StreamSettings, TimeRow
+from ...errors import SchemaMissingError
+from ...records import CheckedRecord, Receipt, encode_unnumbered
+from ...storage import EpochRow, LogRow, TimeRow
 from .driver import connect, database, in_transaction
 
-SCHEMA_VERSION = 1  # of the PostgreSQL tables (SQLite's have their own, store.SCHEMA_VERSION)
-MAX_SEQ = (1 << 63) - 1
+# Of the PostgreSQL tables (SQLite's have their own, store.SCHEMA_VERSION). 2: unnumbered
+# records in streamq_pending, numbered by the serving producer.
+SCHEMA_VERSION = 2
 UNDEFINED_TABLE = "42P01"  # SQLSTATE
 
 # Two create_schema at once would race on the catalog: the second waits for the first.
@@ -112,6 +126,36 @@ _SCHEMA = (
         ADD COLUMN IF NOT EXISTS max_bytes bigint""",
     # Emptied by crash recovery and absent on a promoted replica: the module docstring.
     "CREATE UNLOGGED TABLE IF NOT EXISTS streamq_boot (epoch bigint NOT NULL)",
+    # Committed records not numbered yet: the module docstring. (xid, id) is the order
+    # they are numbered in; the serving producer deletes them as it numbers them.
+    """CREATE TABLE IF NOT EXISTS streamq_pending (
+        xid xid8 NOT NULL DEFAULT pg_current_xact_id(),  -- the publishing transaction
+        id bigint GENERATED ALWAYS AS IDENTITY,          -- publish order within it
+        stream text NOT NULL,
+        ts bigint NOT NULL,      -- milliseconds since the Unix epoch
+        record bytea NOT NULL,   -- protocol.encode_record(...) with seq 0
+        key bytea,
+        PRIMARY KEY (xid, id)
+    )""",
+    # The numberer's wait, inside the server (numbering.py): returns at once when records
+    # are pending, when the WAL is flushed up to what was written before the call (if
+    # ``flush``), or after ``timeout_ms``; meanwhile naps ``nap_ms`` between looks.
+    """CREATE OR REPLACE FUNCTION streamq_wait(flush boolean, timeout_ms integer,
+        nap_ms double precision, OUT pending boolean, OUT target pg_lsn, OUT flushed pg_lsn)
+    LANGUAGE plpgsql VOLATILE AS $$
+    DECLARE
+        deadline timestamptz := clock_timestamp() + timeout_ms * interval '1 millisecond';
+    BEGIN
+        target := CASE WHEN flush THEN pg_current_wal_insert_lsn() END;
+        LOOP
+            pending := EXISTS (SELECT FROM streamq_pending);
+            flushed := pg_current_wal_flush_lsn();
+            IF pending OR flushed >= target OR clock_timestamp() >= deadline THEN
+                RETURN;
+            END IF;
+            PERFORM pg_sleep(nap_ms / 1000.0);
+        END LOOP;
+    END $$""",
 )
 META_QUERY = "SELECT json_object_agg(key, value) FROM streamq_meta"  # one row: {key: value}
 SET_META = (
@@ -119,34 +163,24 @@ SET_META = (
     "ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value"
 )
 
-# --- appending (the module docstring) --------------------------------------------------
-LOCK_STREAM = (
-    "SELECT id, key_index, compact, notify_compacted FROM streamq_streams "
-    "WHERE name = %s FOR UPDATE"
-)
-CREATE_STREAM = (
-    "INSERT INTO streamq_streams (name, key_index, compact, notify_compacted) "
-    "VALUES (%s, %s, %s, %s) ON CONFLICT (name) DO NOTHING RETURNING id"
-)
-# NOTIFY's channel: the serving producer LISTENs on it. Sent by every appender's
-# transaction, so delivered at its commit and never for a rollback (PostgreSQL folds a
-# transaction's identical notifications into one).
+# --- publishing (the module docstring) -------------------------------------------------
+# NOTIFY's channel: the serving producer LISTENs on it.
 CHANNEL = "streamq"
-# Read in a statement of its own, after LOCK_STREAM returned: it sees the last holder's
-# commit. The database's epoch, whether this server life took one, the schema version, the
-# isolation level; the stream's head, largest timestamp and the epoch of its last segment;
-# and the notification of this transaction's commit.
-APPEND_STATE_QUERY = f"""
-SELECT (SELECT value FROM streamq_meta WHERE key = 'epoch'),
-    EXISTS (SELECT FROM streamq_boot),
-    (SELECT value FROM streamq_meta WHERE key = 'schema_version'),
-    current_setting('transaction_isolation'),
-    greatest(s.low - 1, coalesce((SELECT max(seq) FROM streamq_log WHERE stream_id = s.id), 0)),
-    (SELECT max(ts) FROM streamq_time WHERE stream_id = s.id),
-    (SELECT epoch FROM streamq_epochs WHERE stream_id = s.id ORDER BY first_seq DESC LIMIT 1),
-    pg_notify('{CHANNEL}', '')
-FROM streamq_streams AS s WHERE s.id = %s"""
-# Taking a new epoch: one appender at a time, each rereading after the lock.
+# The doorbell: an advisory lock (per database) with two int4 keys, "strq" and 2.
+DOORBELL = "1937011313, 2"
+# A publish, in one statement: the records, unnumbered, with their transaction's id; the
+# first row's id and how many; and whether the doorbell is unarmed (taken shared until
+# the transaction ends: the numberer cannot arm it meanwhile).
+PUBLISH = f"""
+WITH added AS (
+    INSERT INTO streamq_pending (stream, ts, record, key)
+    SELECT %(stream)s, * FROM unnest(%(ts)s::bigint[], %(records)s::bytea[], %(keys)s::bytea[])
+    RETURNING id)
+SELECT pg_current_xact_id()::text::bigint, min(id), count(*),
+    pg_try_advisory_xact_lock_shared({DOORBELL})
+FROM added"""
+RING = f"SELECT pg_notify('{CHANNEL}', '')"  # delivered at the commit
+# Taking a new epoch: one numberer at a time, each rereading after the lock.
 LOCK_EPOCH = "SELECT value FROM streamq_meta WHERE key = 'epoch' FOR UPDATE"
 # The epoch, whether this server life took one, and the next epoch: one more, and at
 # least (the server's WAL timeline << 42) + the server's time in milliseconds. A promoted
@@ -176,64 +210,20 @@ class Statement:
     sql: str
     params: Sequence[Any] | dict[str, Any] | None = None
     fetch: bool = False  # the step wants the statement's first row back (None: no row)
+    fetch_all: bool = False  # the step wants every row back
 
 
-# A generator of the statements one operation runs: each yield is sent its first row.
+# A generator of the statements one operation runs: each yield is sent its row(s).
 Steps = Generator[Statement, Any, Any]
-
-
-def lock_steps(stream: str, settings: StreamSettings | None, *, where: str) -> Steps:
-    """Lock ``stream`` until the transaction ends (creating it, with ``settings``, if it
-    is new) and read its state: an ``AppendState``. ``where`` names the database in
-    errors."""
-    settings = settings or StreamSettings()
-    try:
-        locked = yield Statement(LOCK_STREAM, (stream,), fetch=True)
-    except Exception as exc:
-        if getattr(exc, "sqlstate", None) == UNDEFINED_TABLE:
-            raise SchemaMissingError(_no_tables(where)) from exc
-        raise
-    created = False
-    if locked is None:
-        # A stream's first record: create its row (waiting for a concurrent creator's
-        # transaction if there is one), then lock it.
-        row = (stream, settings.key_index, settings.compact, settings.notify_compacted)
-        created = (yield Statement(CREATE_STREAM, row, fetch=True)) is not None
-        locked = yield Statement(LOCK_STREAM, (stream,), fetch=True)
-    stream_id, key_index, compact, notify_compacted = locked
-    state = yield Statement(APPEND_STATE_QUERY, (stream_id,), fetch=True)
-    epoch, booted, version, isolation, head, max_ts, last_epoch, _ = state
-    if version is None or int(version) != SCHEMA_VERSION:
-        raise SchemaMissingError(_old_schema(where, version))
-    if isolation != "read committed":
-        raise UnsupportedConnectionError(
-            f"publishing on PostgreSQL needs a READ COMMITTED transaction (the default); "
-            f"this one is {isolation.upper()}: its snapshot cannot see the previous "
-            "publisher's commit, so seqs would collide"
-        )
-    epoch = int(epoch)
-    if not booted:
-        # The first appender since the server started after a crash, or was promoted:
-        # a new epoch, committed with the first records that use it.
-        epoch = yield from new_epoch_steps(if_not_booted=True)
-    return AppendState(
-        stream_id,
-        head,
-        max_ts,
-        last_epoch,
-        StreamSettings(key_index, compact, notify_compacted),
-        epoch,
-        created,
-    )
 
 
 def new_epoch_steps(*, if_not_booted: bool) -> Steps:
     """Take a new epoch (only if this server life took none, with ``if_not_booted``), one
-    appender at a time, committed synchronously; returns the epoch to stamp records with."""
+    at a time, committed synchronously; returns the epoch to stamp records with."""
     yield Statement(LOCK_EPOCH, fetch=True)
     epoch, booted, new = yield Statement(EPOCH_QUERY, fetch=True)
     if if_not_booted and booted:
-        return int(epoch)  # another appender took it while this one waited for the lock
+        return int(epoch)  # another took it while this one waited for the lock
     yield Statement(SYNC_COMMIT)
     yield Statement(NEW_EPOCH, {"epoch": new})
     return int(new)
@@ -242,26 +232,24 @@ def new_epoch_steps(*, if_not_booted: bool) -> Steps:
 def append_steps(
     stream: str, records: Sequence[CheckedRecord], *, max_record_size: int, where: str
 ) -> Steps:
-    """Append ``records`` to ``stream``; returns their seqs. ``where`` names the database
-    in errors. Statements in the caller's transaction, which holds the stream's lock
-    until it ends."""
-    state: AppendState = yield from lock_steps(stream, None, where=where)
-    seqs = list(range(state.head + 1, state.head + 1 + len(records)))
-    if seqs and seqs[-1] > MAX_SEQ:
-        raise OverflowError(f"stream {stream!r} has reached the last seq")
-    encoded = encode_checked(seqs, records, max_record_size)
-    rows: list[LogRow] = []
-    times: list[TimeRow] = []
-    max_ts = state.max_ts
-    for seq, (_, key, _, ts), record in zip(seqs, records, encoded, strict=True):
-        rows.append((state.id, seq, ts, record, key if state.settings.key_index else None))
-        if max_ts is None or ts > max_ts:  # "streamq_time" in the sqlite engine
-            max_ts = ts
-            times.append((state.id, ts, seq))
-    if seqs:
-        epochs = [(state.id, seqs[0], state.epoch)] if state.last_epoch != state.epoch else []
-        yield insert_statement(rows, times, epochs)
-    return seqs
+    """Publish ``records`` to ``stream`` in the caller's transaction: a ``Receipt``.
+    ``where`` names the database in errors. Takes no lock that others wait for."""
+    encoded = encode_unnumbered(records, max_record_size)
+    params = {
+        "stream": stream,
+        "ts": [ts for _, _, _, ts in records],
+        "records": encoded,
+        "keys": [key for _, key, _, _ in records],
+    }
+    try:
+        xid, first_id, count, unarmed = yield Statement(PUBLISH, params, fetch=True)
+    except Exception as exc:
+        if getattr(exc, "sqlstate", None) == UNDEFINED_TABLE:
+            raise SchemaMissingError(_no_tables(where)) from exc
+        raise
+    if not unarmed:
+        yield Statement(RING)
+    return Receipt(stream, int(xid), int(first_id or 0), int(count))
 
 
 def insert_statement(
@@ -315,6 +303,9 @@ def create_schema_steps() -> Steps:
         }
         for item in meta.items():
             yield Statement(SET_META, item)
+    elif meta.get("schema_version") == "1":  # the pending table is all it lacked
+        meta["schema_version"] = str(SCHEMA_VERSION)
+        yield Statement(SET_META, ("schema_version", meta["schema_version"]))
     elif int(meta.get("schema_version", -1)) != SCHEMA_VERSION:
         raise SchemaMissingError(
             f"database has streamq schema version {meta.get('schema_version')!r}, "
@@ -334,7 +325,10 @@ def run(conn: Any, steps: Steps) -> Any:
             while True:
                 try:
                     cursor.execute(step.sql, step.params)
-                    row = cursor.fetchone() if step.fetch else None
+                    if step.fetch_all:
+                        row = cursor.fetchall()
+                    else:
+                        row = cursor.fetchone() if step.fetch else None
                 except Exception as exc:  # the steps turn it into streamq's error, or not
                     step = steps.throw(exc)
                     continue
@@ -351,7 +345,10 @@ async def run_async(conn: Any, steps: Steps) -> Any:
             while True:
                 try:
                     await cursor.execute(step.sql, step.params)
-                    row = await cursor.fetchone() if step.fetch else None
+                    if step.fetch_all:
+                        row = await cursor.fetchall()
+                    else:
+                        row = await cursor.fetchone() if step.fetch else None
                 except Exception as exc:
                     step = steps.throw(exc)
                     continue
@@ -362,21 +359,21 @@ async def run_async(conn: Any, steps: Steps) -> Any:
 
 def append(
     conn: Any, stream: str, records: Sequence[CheckedRecord], *, max_record_size: int
-) -> list[int]:
-    """Append ``records`` to ``stream`` in ``conn``'s (a psycopg ``Connection``) open
-    transaction; returns their seqs."""
+) -> Receipt:
+    """Publish ``records`` to ``stream`` in ``conn``'s (a psycopg ``Connection``) open
+    transaction."""
     steps = append_steps(stream, records, max_record_size=max_record_size, where=describe(conn))
-    seqs: list[int] = run(conn, steps)
-    return seqs
+    receipt: Receipt = run(conn, steps)
+    return receipt
 
 
 async def append_async(
     conn: Any, stream: str, records: Sequence[CheckedRecord], *, max_record_size: int
-) -> list[int]:
+) -> Receipt:
     """``append`` on a psycopg ``AsyncConnection``."""
     steps = append_steps(stream, records, max_record_size=max_record_size, where=describe(conn))
-    seqs: list[int] = await run_async(conn, steps)
-    return seqs
+    receipt: Receipt = await run_async(conn, steps)
+    return receipt
 
 
 HEAD_QUERY = """
@@ -417,7 +414,7 @@ class PostgresSession:
 
     def append(
         self, stream: str, records: Sequence[CheckedRecord], max_record_size: int
-    ) -> list[int]:
+    ) -> Receipt:
         return append(self.conn, stream, records, max_record_size=max_record_size)
 
     def head(self, stream: str) -> int | None:
@@ -444,13 +441,7 @@ def describe(conn: Any) -> str:
 
 def _no_tables(where: str) -> str:
     return (
-        f"{where} has no streamq log tables: create them once with "
+        f"{where} has no streamq log tables (or tables older than schema version "
+        f"{SCHEMA_VERSION}, which has streamq_pending): create or upgrade them once with "
         "streamq.create_tables(conn) in a transaction (or a migration that calls it)"
-    )
-
-
-def _old_schema(where: str, version: Any) -> str:
-    return (
-        f"{where} has streamq schema version {version!r}, this streamq writes version "
-        f"{SCHEMA_VERSION}: run streamq.create_tables(conn) on it"
     )

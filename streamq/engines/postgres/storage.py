@@ -5,16 +5,12 @@ readers (psycopg_pool), a connection that LISTENs for other processes' commits, 
 that holds the serving lock. The tables, the append path and why its seqs are dense and
 in commit order are in ``append.py``.
 
-- **Appending.** Each transaction locks a stream's row at its first append to it and
-  reads the head under the lock (``append.lock_steps``), so the producer's transactions
-  and every other process's ``streamq.publish`` interleave safely; the producer numbers
-  later appends of the same transaction from memory.
-- **No polling.** Every appending transaction sends ``NOTIFY streamq`` (delivered at its
-  commit). The producer's watch LISTENs and wakes the catch-up; notifications of the
-  producer's own writer are ignored, since it knows its commits. A slow periodic check
-  compares ``pg_current_snapshot()``, which changes whenever any transaction commits, so
-  a missed notification (or a writer that sends none: retention run from elsewhere)
-  delays, never loses.
+- **Appending.** The producer's transactions publish as every other process's
+  ``streamq.publish`` does: records inserted unnumbered (``append.py``), numbered by the
+  serving producer once committed (``numbering.py``, on a connection of its own).
+- **Catching up.** What else other processes change (registrations, retention) is read
+  when the watch hears ``NOTIFY streamq``, and by a slow periodic check comparing
+  ``pg_current_snapshot()``, which changes whenever any transaction commits.
 - **One serving process.** ``pg_try_advisory_lock`` on a connection held while serving;
   a second server is told which process (its ``application_name``) holds it.
 - **Durability.** ``durability="full"`` sets ``synchronous_commit=on`` on the writer;
@@ -29,12 +25,12 @@ import logging
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from ...errors import AlreadyServedError, DatabaseOpenError
+from ...records import CheckedRecord, Receipt
 from ...storage import (
-    AppendState,
     Changes,
     Durability,
     EpochRow,
@@ -53,13 +49,14 @@ from .append import (
     CHANNEL,
     PostgresSession,
     Steps,
+    append_steps,
     create_schema_steps,
     insert_statement,
-    lock_steps,
     new_epoch_steps,
     run_async,
 )
 from .driver import cannot_open, connect_async, database, in_transaction, psycopg_module
+from .numbering import Numbered, Numberer
 
 T = TypeVar("T")
 
@@ -68,7 +65,7 @@ logger = logging.getLogger("streamq.postgres")
 # Between attempts to connect again (the watch, the writer) while the server is away.
 _RECONNECT_DELAY = 1.0
 
-FEATURES = Features(stream_locks=True, blocking_transactions=False)
+FEATURES = Features(numbered_after_commit=True, blocking_transactions=False)
 
 STREAMS_QUERY = """
 SELECT s.id, s.name, s.low,
@@ -119,6 +116,16 @@ WITH dirty AS (
 SELECT l.seq, l.key, l.record FROM dirty JOIN streamq_log AS l
     ON l.stream_id = %(id)s AND l.key = dirty.key AND l.seq >= %(low)s AND l.seq <= %(through)s
 ORDER BY l.key, l.seq"""
+
+
+CREATE_STREAM = (
+    "INSERT INTO streamq_streams (name, key_index, compact, notify_compacted) "
+    "VALUES (%s, %s, %s, %s) ON CONFLICT (name) DO NOTHING"
+)
+
+
+def settings_row(settings: StreamSettings) -> tuple[bool, bool, bool]:
+    return settings.key_index, settings.compact, settings.notify_compacted
 
 
 def _stream_rows(rows: Sequence[Any]) -> list[StreamRow]:
@@ -235,11 +242,17 @@ class PostgresWriter:
         return cursor
 
     async def create_stream(self, name: str, settings: StreamSettings) -> int:
-        return (await self.lock_stream(name, settings)).id
+        await self.conn.execute(CREATE_STREAM, (name, *settings_row(settings)))
+        (row,) = await self._rows("SELECT id FROM streamq_streams WHERE name = %s", (name,))
+        return int(row[0])
 
-    async def lock_stream(self, name: str, settings: StreamSettings | None) -> AppendState:
-        state: AppendState = await self._steps(lock_steps(name, settings, where=self.where))
-        return state
+    async def append(
+        self, stream: str, records: Sequence[CheckedRecord], max_record_size: int
+    ) -> Receipt:
+        """Publish ``records`` unnumbered (``append.py``)."""
+        steps = append_steps(stream, records, max_record_size=max_record_size, where=self.where)
+        receipt: Receipt = await self._steps(steps)
+        return receipt
 
     async def insert(
         self, rows: Sequence[LogRow], times: Sequence[TimeRow], epochs: Sequence[EpochRow]
@@ -479,6 +492,12 @@ class PostgresStorage:
 
     def watch(self) -> PostgresWatch:
         return PostgresWatch(self.url, self.where, self.writer)
+
+    def numberer(
+        self, serve: Callable[[Numbered], None], resync: Callable[[], Awaitable[Any]]
+    ) -> Numberer:
+        """The serving producer's numbering of what writers published."""
+        return Numberer(self.url, self.where, serve, resync)
 
     def session(self, durability: Durability) -> PostgresSession:
         return PostgresSession(self.url, durability)

@@ -64,7 +64,6 @@ from ...blocking import raw_connection, run_on_thread
 from ...errors import ConcurrentWriterError, DatabaseOpenError, SchemaMissingError
 from ...protocol import numbered_records, slice_records
 from ...storage import (
-    AppendState,
     Changes,
     Durability,
     EpochRow,
@@ -210,7 +209,7 @@ SELECT l.pos, l.key, l.record FROM dirty JOIN streamq_log AS l
     ON l.key = dirty.key AND l.pos >= ?3 AND l.pos <= ?2
 ORDER BY l.key, l.pos"""
 
-FEATURES = Features(stream_locks=False, blocking_transactions=True)
+FEATURES = Features(numbered_after_commit=False, blocking_transactions=True)
 
 
 def boot_id() -> str:
@@ -760,9 +759,6 @@ class SQLiteWriter:
     async def create_stream(self, name: str, settings: StreamSettings) -> int:
         stream_id: int = await self.run(create_stream_blocking, self.raw, name, settings)
         return stream_id
-
-    async def lock_stream(self, name: str, settings: StreamSettings | None) -> AppendState:
-        raise NotImplementedError("SQLite locks the whole database at BEGIN")
 
     async def insert(
         self, rows: Sequence[LogRow], times: Sequence[TimeRow], epochs: Sequence[EpochRow]

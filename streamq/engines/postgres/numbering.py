@@ -1,0 +1,370 @@
+"""Numbering what writers published on PostgreSQL: the serving producer's side of
+``append.py``'s publish path.
+
+Writers insert records unnumbered into ``streamq_pending`` and take no lock; the
+serving producer numbers what committed, one *round* at a time: a transaction of its
+own deletes the pending rows its snapshot sees (at most ``LIMIT`` of them, in
+(xid, id) order), gives each stream's rows the seqs after its head, in that order, and
+inserts them into ``streamq_log`` with their time-index and epoch rows. A second numberer
+(there should be none: it runs in the process holding the serving lock) would fail on
+the log's primary key and roll back, losing nothing.
+
+Rounds commit without waiting for their WAL flush (``synchronous_commit=off``), so that
+they ride on the writers' flushes instead of adding one of their own between them; a
+round's records are served only once the WAL is flushed past its commit, so a consumer
+never sees a seq that a crash could give to another record. When no writer flushes
+soon (``FLUSH_PATIENCE_MS``), the numberer flushes itself.
+
+Between rounds it waits inside the server (``streamq_wait``) while records keep coming,
+and on ``NOTIFY`` once idle for ``ACTIVE_MS`` (the doorbell: ``append.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import logging
+from collections import Counter, deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...errors import DatabaseOpenError
+from ...protocol import numbered
+from ...records import MAX_SEQ
+from ...storage import EpochRow, LogRow, StreamSettings, TimeRow
+from .append import (
+    CHANNEL,
+    DOORBELL,
+    Statement,
+    Steps,
+    insert_statement,
+    new_epoch_steps,
+    run,
+    run_async,
+)
+from .driver import connect_async, psycopg_module
+
+logger = logging.getLogger("streamq.postgres")
+
+LIMIT = 10_000  # pending rows numbered per round at most
+NAP_MS = 1.0  # between looks for pending records, inside the server
+ACTIVE_MS = 100  # looking that long finding nothing: idle, arm the doorbell
+FLUSH_PATIENCE_MS = 3  # a round's flush left to the writers that long at most
+IDLE_CHECK = 5.0  # seconds: armed, a round anyway after this long (no wake can be lost)
+_RECONNECT_DELAY = 1.0
+
+# The committed pending rows this round's snapshot sees, in numbering order at most LIMIT:
+# (xid, id, stream, timestamp, unnumbered record, key).
+TAKE = """
+DELETE FROM streamq_pending WHERE (xid, id) IN (
+    SELECT xid, id FROM streamq_pending ORDER BY xid, id LIMIT %s)
+RETURNING xid::text::bigint, id, stream, ts, record, key"""
+# The streams named, as found: their head, largest timestamp, last segment's epoch; and
+# the database's epoch, and whether this server life took one (append.py, epochs).
+STATE = """
+SELECT s.id, s.name, s.low, s.key_index, s.compact, s.notify_compacted,
+    greatest(s.low - 1, coalesce((SELECT max(seq) FROM streamq_log WHERE stream_id = s.id), 0)),
+    (SELECT max(ts) FROM streamq_time WHERE stream_id = s.id),
+    (SELECT epoch FROM streamq_epochs WHERE stream_id = s.id ORDER BY first_seq DESC LIMIT 1),
+    m.value, EXISTS (SELECT FROM streamq_boot)
+FROM streamq_streams AS s, streamq_meta AS m
+WHERE s.name = ANY(%s) AND m.key = 'epoch'"""
+CREATE_STREAMS = (
+    "INSERT INTO streamq_streams (name) SELECT unnest(%s::text[]) ON CONFLICT (name) DO NOTHING"
+)
+WAIT = (
+    "SELECT pending, (target - '0/0')::bigint, (flushed - '0/0')::bigint "
+    "FROM streamq_wait(%s, %s, %s)"
+)
+# A transaction that writes WAL and commits synchronously: flushes all WAL before it.
+FLUSH = (
+    "BEGIN; SET LOCAL synchronous_commit = on; "
+    "SELECT pg_logical_emit_message(true, 'streamq', 'flush'); COMMIT"
+)
+
+
+@dataclass(slots=True)
+class Group:
+    """One transaction's records in one stream: consecutive seqs from ``first_seq``."""
+
+    xid: int
+    ids: list[int]  # their pending ids, ascending
+    first_seq: int
+
+
+@dataclass(slots=True)
+class NumberedStream:
+    """What a round gave one stream: seqs ``first`` to ``first + len(records) - 1``."""
+
+    id: int
+    name: str
+    low: int
+    settings: StreamSettings
+    first: int
+    records: list[bytes]  # their encodings, numbered
+    max_ts: int | None  # the stream's largest timestamp after them
+    segment: bool  # they start a segment under the round's epoch
+    groups: list[Group] = field(default_factory=list)
+
+    @property
+    def head(self) -> int:
+        return self.first + len(self.records) - 1
+
+
+@dataclass(slots=True)
+class Numbered:
+    """One round: the epoch its records carry, and each stream's."""
+
+    epoch: int
+    streams: list[NumberedStream]
+
+
+def number_steps(
+    limit: int = LIMIT, before_commit: Callable[[Numbered], None] | None = None
+) -> Steps:
+    """One round, in the caller's transaction: a ``Numbered``, or None if nothing was
+    pending. ``before_commit`` is told what it numbered before the caller commits."""
+    rows = yield Statement(TAKE, (limit,), fetch_all=True)
+    if not rows:
+        return None
+    rows.sort(key=lambda row: (row[0], row[1]))  # RETURNING keeps no order
+    names = list(dict.fromkeys(row[2] for row in rows))
+    states = {state[1]: state for state in (yield Statement(STATE, (names,), fetch_all=True))}
+    missing = [name for name in names if name not in states]
+    if missing:
+        yield Statement(CREATE_STREAMS, (missing,))
+        found = yield Statement(STATE, (missing,), fetch_all=True)
+        states |= {state[1]: state for state in found}
+    any_state = next(iter(states.values()))
+    epoch, booted = int(any_state[9]), any_state[10]
+    if not booted:
+        # The first numbering since the server started after a crash, or was promoted.
+        epoch = yield from new_epoch_steps(if_not_booted=True)
+    result = Numbered(epoch, [])
+    log_rows: list[LogRow] = []
+    times: list[TimeRow] = []
+    epochs: list[EpochRow] = []
+    by_stream: dict[str, list[Any]] = {name: [] for name in names}
+    for row in rows:
+        by_stream[row[2]].append(row)
+    for name, taken in by_stream.items():
+        sid, _, low, key_index, compact, notify, head, max_ts, last_epoch, _, _ = states[name]
+        first = int(head) + 1
+        if first + len(taken) - 1 > MAX_SEQ:
+            raise OverflowError(f"stream {name!r} has reached the last seq")
+        stream = NumberedStream(
+            sid,
+            name,
+            low,
+            StreamSettings(key_index, compact, notify),
+            first,
+            [],
+            max_ts,
+            last_epoch != epoch,
+        )
+        records = stream.records
+        groups = stream.groups
+        seq = first
+        for xid, pending_id, _, ts, record, key in taken:
+            encoded = numbered(bytes(record), seq)
+            records.append(encoded)
+            log_rows.append((sid, seq, ts, encoded, bytes(key) if key_index and key else None))
+            if stream.max_ts is None or ts > stream.max_ts:
+                stream.max_ts = ts
+                times.append((sid, ts, seq))
+            if groups and groups[-1].xid == xid:
+                groups[-1].ids.append(pending_id)
+            else:
+                groups.append(Group(xid, [pending_id], seq))
+            seq += 1
+        if stream.segment:
+            epochs.append((sid, first, epoch))
+        result.streams.append(stream)
+    yield insert_statement(log_rows, times, epochs)
+    if before_commit is not None:
+        before_commit(result)
+    return result
+
+
+def number_all(conn: Any) -> int:
+    """Number everything pending, on a psycopg ``Connection`` (autocommit), with nothing
+    served: for tools and tests with no serving producer. The records numbered."""
+    total = 0
+    while True:
+        with conn.transaction():
+            done = run(conn, number_steps())
+        if done is None:
+            return total
+        total += sum(len(s.records) for s in done.streams)
+
+
+@dataclass(slots=True)
+class _Unflushed:
+    numbered: Numbered
+    bound: int | None = None  # the WAL position its commit ends before, once known
+
+
+class Numberer:
+    """The serving producer's numbering loop, on a connection of its own. ``serve`` is
+    given each round once its WAL is flushed, in order; ``unserved`` names the streams
+    of rounds committed (or about to be) and not served yet."""
+
+    def __init__(
+        self,
+        url: str,
+        where: str,
+        serve: Callable[[Numbered], None],
+        resync: Callable[[], Awaitable[Any]],
+    ) -> None:
+        self._url, self._where = url, where
+        self._serve = serve
+        # After a failure, rounds may have committed unserved: once reconnected and
+        # flushed, the producer takes heads (and epoch rows) from the database.
+        self._resync = resync
+        self._lost = False
+        self.idle_check = IDLE_CHECK  # armed, a round anyway after this long (seconds)
+        self.armed = False  # waiting for the doorbell
+        self._conn: Any = None
+        self._unflushed: deque[_Unflushed] = deque()
+        self.unserved: Counter[str] = Counter()
+        self.rounds = 0
+
+    async def run(self) -> None:
+        """For ever: a lost connection (the server restarting) is made again, a second
+        apart at most; a round that failed is rolled back, its rows still pending."""
+        while True:
+            try:
+                if self._conn is None or self._conn.closed or self._conn.broken:
+                    await self._connect()
+                if self._lost:
+                    await self._conn.execute(FLUSH)
+                    await self._resync()
+                    self._lost = False
+                await self._turn()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if not isinstance(exc, DatabaseOpenError | psycopg_module().OperationalError):
+                    logger.exception("numbering records on %s failed", self._where)
+                else:
+                    logger.warning("numbering on %s: %s; connecting again", self._where, exc)
+                self._lost = True
+                await self._reset()
+                await asyncio.sleep(_RECONNECT_DELAY)
+
+    async def _connect(self) -> None:
+        self._conn = await connect_async(
+            self._url, self._where, application_name="streamq numbering"
+        )
+        await self._conn.execute("SET synchronous_commit = off")
+        await self._conn.execute(f"LISTEN {CHANNEL}")
+
+    async def _reset(self) -> None:
+        """After a failure: rounds not known to be flushed are not served (their commit
+        may be lost with the server; if not, a catch-up finds them)."""
+        self._unflushed.clear()
+        self.unserved.clear()
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                await self._conn.close()
+        self._conn = None
+
+    async def _turn(self) -> None:
+        """A round; then, if it found nothing, wait: for more records, for the flush of
+        what is numbered, or (idle) for the doorbell."""
+        if await self._round():
+            await self._wait(0)
+            return
+        if self._unflushed:
+            if not await self._wait(FLUSH_PATIENCE_MS) and self._unflushed:
+                await self._flush()
+            return
+        if not await self._wait(ACTIVE_MS):
+            await self._sleep()
+
+    async def _round(self) -> bool:
+        conn = self._conn
+        await conn.execute("BEGIN")
+        try:
+            done: Numbered | None = await run_async(conn, number_steps(LIMIT, self._taken))
+            await conn.execute("COMMIT")
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await conn.execute("ROLLBACK")
+            raise
+        if done is None:
+            return False
+        self.rounds += 1
+        self._unflushed.append(_Unflushed(done))
+        return True
+
+    def _taken(self, done: Numbered) -> None:
+        for stream in done.streams:
+            self.unserved[stream.name] += 1
+
+    async def _wait(self, timeout_ms: int) -> bool:
+        """``streamq_wait``; True if records are pending. Serves what is flushed."""
+        cursor = await self._conn.execute(WAIT, (bool(self._unflushed), timeout_ms, NAP_MS))
+        pending, target, flushed = await cursor.fetchone()
+        for item in self._unflushed:
+            if item.bound is None:
+                item.bound = target
+        while self._unflushed:
+            bound = self._unflushed[0].bound
+            if bound is None or flushed < bound:
+                break
+            self._served(self._unflushed.popleft().numbered)
+        return bool(pending)
+
+    async def _flush(self) -> None:
+        await self._conn.execute(FLUSH)
+        while self._unflushed:
+            self._served(self._unflushed.popleft().numbered)
+
+    def _served(self, done: Numbered) -> None:
+        try:
+            self._serve(done)
+        finally:
+            for stream in done.streams:
+                self.unserved[stream.name] -= 1
+                if not self.unserved[stream.name]:
+                    del self.unserved[stream.name]
+
+    async def _sleep(self) -> None:
+        """Arm the doorbell (if no publishing transaction holds it), look once more, and
+        wait for a ring; disarm."""
+        conn = self._conn
+        async for _ in conn.notifies(timeout=0):  # rings of the active spell: heard
+            pass
+        cursor = await conn.execute(f"SELECT pg_try_advisory_lock({DOORBELL})")
+        (armed,) = await cursor.fetchone()
+        if not armed:
+            return  # a transaction is publishing: look again
+        try:
+            cursor = await conn.execute("SELECT EXISTS (SELECT FROM streamq_pending)")
+            (pending,) = await cursor.fetchone()
+            if not pending:
+                self.armed = True
+                async for _ in conn.notifies(timeout=self.idle_check, stop_after=1):
+                    pass
+        finally:
+            self.armed = False
+            await conn.execute(f"SELECT pg_advisory_unlock({DOORBELL})")
+
+    async def close(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                await self._conn.close()
+            self._conn = None
+
+
+def group_seqs(group: Group, first_id: int, count: int) -> range | None:
+    """The seqs of the ``count`` records from pending id ``first_id``, if ``group`` (of
+    their transaction and stream) numbered the first."""
+    offset = bisect.bisect_left(group.ids, first_id)
+    if offset == len(group.ids) or group.ids[offset] != first_id:
+        return None
+    start = group.first_seq + offset
+    return range(start, start + count)
