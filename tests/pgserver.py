@@ -96,9 +96,15 @@ class PostgresServer:
     """One server, in its own temporary directory; ``start`` then ``stop`` (which removes
     the directory, whatever happened)."""
 
-    def __init__(self, bindir: Path | None = None, settings: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        bindir: Path | None = None,
+        settings: dict[str, str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.bindir = bindir or find_bindir()
         self.settings = settings or {}
+        self.env = env or {}  # for the server's programs (bench.tools.fsync_delay: LD_PRELOAD)
         self.base = Path(tempfile.mkdtemp(prefix="streamq-pg-"))
         self.data = self.base / "data"
         self.logfile = self.base / "server.log"
@@ -123,7 +129,7 @@ class PostgresServer:
         result = subprocess.run(
             [str(self.bindir / args[0]), *args[1:]],
             cwd=self.base,  # the postgres user may not be allowed into ours
-            env=dict(os.environ, LC_ALL="C", LANG="C"),
+            env=dict(os.environ, LC_ALL="C", LANG="C", **self.env),
             stdin=subprocess.DEVNULL,
             capture_output=True,
             text=True,

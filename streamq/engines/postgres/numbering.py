@@ -56,21 +56,21 @@ IDLE_CHECK = 5.0  # seconds: armed, a round anyway after this long (no wake can 
 _RECONNECT_DELAY = 1.0
 
 # The committed pending rows this round's snapshot sees, in numbering order at most LIMIT:
-# (xid, id, stream, timestamp, unnumbered record, key).
+# (xid, id, stream, timestamp, unnumbered record, key); with each, the database's epoch
+# and whether this server life took one (append.py, epochs), computed once.
 TAKE = """
 DELETE FROM streamq_pending WHERE (xid, id) IN (
     SELECT xid, id FROM streamq_pending ORDER BY xid, id LIMIT %s)
-RETURNING xid::text::bigint, id, stream, ts, record, key"""
-# The streams named, as found: their head, largest timestamp, last segment's epoch; and
-# the database's epoch, and whether this server life took one (append.py, epochs).
+RETURNING xid::text::bigint, id, stream, ts, record, key,
+    (SELECT value FROM streamq_meta WHERE key = 'epoch'),
+    (SELECT EXISTS (SELECT FROM streamq_boot))"""
+# The streams named, as found: their head, largest timestamp, last segment's epoch.
 STATE = """
-SELECT s.id, s.name, s.low, s.key_index, s.compact, s.notify_compacted,
+SELECT s.name, s.id, s.low, s.key_index, s.compact, s.notify_compacted,
     greatest(s.low - 1, coalesce((SELECT max(seq) FROM streamq_log WHERE stream_id = s.id), 0)),
     (SELECT max(ts) FROM streamq_time WHERE stream_id = s.id),
-    (SELECT epoch FROM streamq_epochs WHERE stream_id = s.id ORDER BY first_seq DESC LIMIT 1),
-    m.value, EXISTS (SELECT FROM streamq_boot)
-FROM streamq_streams AS s, streamq_meta AS m
-WHERE s.name = ANY(%s) AND m.key = 'epoch'"""
+    (SELECT epoch FROM streamq_epochs WHERE stream_id = s.id ORDER BY first_seq DESC LIMIT 1)
+FROM streamq_streams AS s WHERE s.name = ANY(%s)"""
 CREATE_STREAMS = (
     "INSERT INTO streamq_streams (name) SELECT unnest(%s::text[]) ON CONFLICT (name) DO NOTHING"
 )
@@ -83,6 +83,20 @@ FLUSH = (
     "BEGIN; SET LOCAL synchronous_commit = on; "
     "SELECT pg_logical_emit_message(true, 'streamq', 'flush'); COMMIT"
 )
+
+
+@dataclass(frozen=True, slots=True)
+class StreamState:
+    """A stream as numbering left it. The numberer keeps them between rounds (it alone
+    appends to the log); a round that finds another appended meanwhile fails on the
+    log's primary key, and the numberer reads them again."""
+
+    id: int
+    low: int
+    settings: StreamSettings
+    head: int
+    max_ts: int | None
+    last_epoch: int | None
 
 
 @dataclass(slots=True)
@@ -120,25 +134,32 @@ class Numbered:
     epoch: int
     streams: list[NumberedStream]
 
+    def states(self) -> dict[str, StreamState]:
+        """The streams as this round leaves them."""
+        return {
+            s.name: StreamState(s.id, s.low, s.settings, s.head, s.max_ts, self.epoch)
+            for s in self.streams
+        }
+
 
 def number_steps(
-    limit: int = LIMIT, before_commit: Callable[[Numbered], None] | None = None
+    limit: int = LIMIT,
+    known: dict[str, StreamState] | None = None,
+    before_commit: Callable[[Numbered], None] | None = None,
 ) -> Steps:
     """One round, in the caller's transaction: a ``Numbered``, or None if nothing was
-    pending. ``before_commit`` is told what it numbered before the caller commits."""
+    pending. Streams not in ``known`` are read (and created if new); ``before_commit`` is
+    told what it numbered before the caller commits."""
     rows = yield Statement(TAKE, (limit,), fetch_all=True)
     if not rows:
         return None
     rows.sort(key=lambda row: (row[0], row[1]))  # RETURNING keeps no order
+    epoch, booted = int(rows[0][6]), rows[0][7]
     names = list(dict.fromkeys(row[2] for row in rows))
-    states = {state[1]: state for state in (yield Statement(STATE, (names,), fetch_all=True))}
-    missing = [name for name in names if name not in states]
-    if missing:
-        yield Statement(CREATE_STREAMS, (missing,))
-        found = yield Statement(STATE, (missing,), fetch_all=True)
-        states |= {state[1]: state for state in found}
-    any_state = next(iter(states.values()))
-    epoch, booted = int(any_state[9]), any_state[10]
+    states = {name: known[name] for name in names if known and name in known}
+    unknown = [name for name in names if name not in states]
+    if unknown:
+        states |= yield from _read_states(unknown)
     if not booted:
         # The first numbering since the server started after a crash, or was promoted.
         epoch = yield from new_epoch_steps(if_not_booted=True)
@@ -150,24 +171,22 @@ def number_steps(
     for row in rows:
         by_stream[row[2]].append(row)
     for name, taken in by_stream.items():
-        sid, _, low, key_index, compact, notify, head, max_ts, last_epoch, _, _ = states[name]
-        first = int(head) + 1
+        state = states[name]
+        sid, key_index, first = state.id, state.settings.key_index, state.head + 1
         if first + len(taken) - 1 > MAX_SEQ:
             raise OverflowError(f"stream {name!r} has reached the last seq")
         stream = NumberedStream(
             sid,
             name,
-            low,
-            StreamSettings(key_index, compact, notify),
+            state.low,
+            state.settings,
             first,
             [],
-            max_ts,
-            last_epoch != epoch,
+            state.max_ts,
+            state.last_epoch != epoch,
         )
-        records = stream.records
-        groups = stream.groups
-        seq = first
-        for xid, pending_id, _, ts, record, key in taken:
+        records, groups, seq = stream.records, stream.groups, first
+        for xid, pending_id, _, ts, record, key, _, _ in taken:
             encoded = numbered(bytes(record), seq)
             records.append(encoded)
             log_rows.append((sid, seq, ts, encoded, bytes(key) if key_index and key else None))
@@ -186,6 +205,21 @@ def number_steps(
     if before_commit is not None:
         before_commit(result)
     return result
+
+
+def _read_states(names: list[str]) -> Steps:
+    """The streams named, as committed, creating those that do not exist."""
+    found = yield Statement(STATE, (names,), fetch_all=True)
+    missing = set(names) - {row[0] for row in found}
+    if missing:
+        yield Statement(CREATE_STREAMS, (sorted(missing),))
+        found += yield Statement(STATE, (sorted(missing),), fetch_all=True)
+    return {
+        name: StreamState(
+            sid, low, StreamSettings(key_index, compact, notify), int(head), max_ts, last_epoch
+        )
+        for name, sid, low, key_index, compact, notify, head, max_ts, last_epoch in found
+    }
 
 
 def number_all(conn: Any) -> int:
@@ -228,6 +262,7 @@ class Numberer:
         self.armed = False  # waiting for the doorbell
         self._conn: Any = None
         self._unflushed: deque[_Unflushed] = deque()
+        self._known: dict[str, StreamState] = {}  # streams as the last rounds left them
         self.unserved: Counter[str] = Counter()
         self.rounds = 0
 
@@ -265,6 +300,7 @@ class Numberer:
         """After a failure: rounds not known to be flushed are not served (their commit
         may be lost with the server; if not, a catch-up finds them)."""
         self._unflushed.clear()
+        self._known.clear()
         self.unserved.clear()
         if self._conn is not None:
             with contextlib.suppress(Exception):
@@ -275,7 +311,6 @@ class Numberer:
         """A round; then, if it found nothing, wait: for more records, for the flush of
         what is numbered, or (idle) for the doorbell."""
         if await self._round():
-            await self._wait(0)
             return
         if self._unflushed:
             if not await self._wait(FLUSH_PATIENCE_MS) and self._unflushed:
@@ -285,19 +320,29 @@ class Numberer:
             await self._sleep()
 
     async def _round(self) -> bool:
+        """Number what is pending, in two round trips: BEGIN and the rows taken; the
+        records, COMMIT and a wait for their flush (or for more records). True if it
+        numbered anything."""
         conn = self._conn
-        await conn.execute("BEGIN")
         try:
-            done: Numbered | None = await run_async(conn, number_steps(LIMIT, self._taken))
-            await conn.execute("COMMIT")
+            async with conn.pipeline():
+                await conn.execute("BEGIN")
+                steps = number_steps(LIMIT, self._known, self._taken)
+                done: Numbered | None = await run_async(conn, steps)
+                if done is None:
+                    await conn.execute("ROLLBACK")
+                    return False
+                await conn.execute("COMMIT")
+                self._unflushed.append(_Unflushed(done))
+                waited = await conn.execute(WAIT, (True, FLUSH_PATIENCE_MS, NAP_MS))
         except BaseException:
+            self._known.clear()  # heads may have moved under another numberer
             with contextlib.suppress(Exception):
                 await conn.execute("ROLLBACK")
             raise
-        if done is None:
-            return False
+        self._known |= done.states()
         self.rounds += 1
-        self._unflushed.append(_Unflushed(done))
+        self._waited(await waited.fetchone())
         return True
 
     def _taken(self, done: Numbered) -> None:
@@ -307,7 +352,11 @@ class Numberer:
     async def _wait(self, timeout_ms: int) -> bool:
         """``streamq_wait``; True if records are pending. Serves what is flushed."""
         cursor = await self._conn.execute(WAIT, (bool(self._unflushed), timeout_ms, NAP_MS))
-        pending, target, flushed = await cursor.fetchone()
+        return self._waited(await cursor.fetchone())
+
+    def _waited(self, row: tuple[bool, int | None, int]) -> bool:
+        """What ``streamq_wait`` returned: serve the rounds the flush covers."""
+        pending, target, flushed = row
         for item in self._unflushed:
             if item.bound is None:
                 item.bound = target

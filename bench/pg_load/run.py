@@ -1,0 +1,417 @@
+"""The PostgreSQL load workload's driver: many application processes commit to one
+PostgreSQL database, each transaction a business row and the event that goes with it,
+on a disk whose flush costs what a cloud disk's does (``--fsync-delay-us``: 0 and 1,000
+µs in the full run; ``bench.tools.fsync_delay``), ``synchronous_commit=on``.
+
+Three systems, alternating, side by side in one run (the package's docstring):
+
+- **streamq**: ``streamq.publish`` in the application's transaction; ``streamq serve``
+  numbers and pushes to a ``streamq.Consumer``;
+- **Kafka + outbox**: an outbox row instead, shipped by a relay (idempotent producer,
+  ``acks=all``) to a Kafka broker and read by a Kafka consumer;
+- **outbox alone**: the outbox row and nothing reading it: what the database does with
+  the application's transactions when nothing else runs, the ceiling of both.
+
+Per writer count (1, 8, 32, 64 processes), as fast as they can for ``seconds``:
+transactions/s, the transaction's latency in the application (first statement to COMMIT
+returned) p50/p99, and WAL flushes per commit; at a fixed rate (1,000 tx/s over 8
+writers): COMMIT returned -> received by the consumer, p50/p99. Every run is checked:
+each committed event received exactly once, each writer's in order, and streamq's seqs
+dense from 1. Last, the idle ``streamq serve``: CPU of the process and of its database
+sessions over ``IDLE_SECONDS``.
+
+``python -m bench.pg_load.run [--quick] [--repeats N] [--no-kafka] [--fsync-delay-us N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import array
+import contextlib
+import itertools
+import os
+import statistics
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from rich.table import Table
+
+import streamq
+
+from ..common import Child, alternating, console, proc_cpu_seconds, save
+from ..tools.fsync_delay import server_env
+from .procs import SCHEMA, STREAM
+
+PROCS = "bench.pg_load.procs"
+SYSTEMS = ("streamq", "kafka", "outbox")
+LABELS = {
+    "streamq": "streamq",
+    "kafka": "Kafka + outbox",
+    "outbox": "outbox alone (nothing reads it)",
+}
+STARTUP_TIMEOUT = 60.0
+DRAIN_TIMEOUT = 120.0  # s after the writers' end for the consumer to receive everything
+IDLE_SECONDS = 10.0
+SERVER_SETTINGS = {"synchronous_commit": "on", "max_connections": "200", "fsync": "on"}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    delays: tuple[int, ...]  # µs added to each flush
+    writers: tuple[int, ...]
+    seconds: float  # of each run as fast as they can
+    paced_writers: int
+    rate: int  # transactions/s over all paced writers
+    paced_seconds: float
+
+
+FULL = Sizes((0, 1000), (1, 8, 32, 64), 8.0, 8, 1000, 10.0)
+QUICK = Sizes((1000,), (1, 8), 2.0, 8, 400, 2.0)
+
+
+@dataclass
+class Run:
+    system: str
+    delay_us: int
+    writers: int
+    rate: int  # 0: as fast as they can
+    committed: int
+    seconds: float
+    tx_per_s: float
+    tx_latency_us: list[int]  # first statement -> COMMIT returned: p50, p99
+    commit_latency_us: list[int]  # COMMIT sent -> returned: p50, p99
+    receipt_latency_us: list[int] | None  # COMMIT returned -> received: p50, p99
+    flushes_per_commit: float
+    received: int | None
+    anomalies: int
+
+
+def percentiles(values: Sequence[int]) -> list[int]:
+    """p50 and p99, in µs, of nanosecond figures."""
+    if not values:
+        return [0, 0]
+    ordered = sorted(values)
+    pick = [ordered[min(len(ordered) - 1, int(q * len(ordered)))] for q in (0.5, 0.99)]
+    return [v // 1000 for v in pick]
+
+
+def _load(path: Path) -> array.array[int]:
+    values = array.array("q")
+    values.frombytes(path.read_bytes())
+    return values
+
+
+def _wal_syncs(url: str) -> int:
+    with psycopg.connect(url) as conn:
+        row = conn.execute("SELECT wal_sync FROM pg_stat_wal").fetchone()
+    return int(row[0]) if row else 0
+
+
+@contextlib.contextmanager
+def _database(server: Any) -> Iterator[str]:
+    name = f"load_{uuid.uuid4().hex[:10]}"
+    url: str = server.create_database(name)
+    try:
+        with psycopg.connect(url) as conn:
+            for statement in SCHEMA:
+                conn.execute(statement)
+            streamq.create_tables(conn)
+            conn.execute("INSERT INTO streamq_streams (name) VALUES (%s)", (STREAM,))
+        yield url
+    finally:
+        server.drop_database(name)
+
+
+def _reader(system: str, url: str, broker: Any, out: Path, stack: contextlib.ExitStack) -> Child:
+    """What reads the events as they commit: the consumer, behind its server or relay."""
+    if system == "streamq":
+        serving = stack.enter_context(Child("streamq", "serve", url, "--port", 0))
+        address = serving.expect("serving", STARTUP_TIMEOUT)[-1]
+        consumer = stack.enter_context(Child(PROCS, "consumer", address, out))
+    else:
+        topic = f"pg-load-{uuid.uuid4().hex[:8]}"
+        broker.create_topic(topic, 1)
+        broker.create_topic(f"{topic}-warm-up", 1)  # the relay's sender warms up there
+        relay = stack.enter_context(Child(PROCS, "relay", url, broker.bootstrap, topic))
+        relay.expect("READY", STARTUP_TIMEOUT)
+        consumer = stack.enter_context(Child(PROCS, "kafka-consumer", broker.bootstrap, topic, out))
+    consumer.expect("READY", STARTUP_TIMEOUT)
+    return consumer
+
+
+def run_once(
+    system: str, server: Any, broker: Any, delay: int, writers: int, seconds: float, rate: int
+) -> Run:
+    """``writers`` processes for ``seconds`` (``rate`` tx/s over all; 0: unpaced) on a
+    fresh database; the figures and the check."""
+    with _database(server) as url, tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        with contextlib.ExitStack() as stack:
+            consumer = None
+            if system != "outbox":
+                consumer = _reader(system, url, broker, folder / "received", stack)
+            each = rate / writers if rate else 0
+            children = [
+                stack.enter_context(
+                    Child(PROCS, "writer", system, url, i, seconds, each, folder / f"w{i}")
+                )
+                for i in range(writers)
+            ]
+            for child in children:
+                child.expect("READY", STARTUP_TIMEOUT)
+            syncs = _wal_syncs(url)
+            for child in children:
+                child.send("GO")
+            committed = sum(int(child.expect("DONE", seconds + 120)[0]) for child in children)
+            flushes = (_wal_syncs(url) - syncs) / max(committed, 1)
+            received: int | None = None
+            anomalies = 0
+            if consumer is not None:
+                consumer.send(f"EXPECT {committed}")
+                got, anomalies = map(int, consumer.expect("DONE", DRAIN_TIMEOUT))
+                received = got
+                anomalies += abs(got - committed)
+        times = [_load(folder / f"w{i}") for i in range(writers)]
+        commits: dict[tuple[int, int], int] = {}
+        tx, commit = [], []
+        for i, values in enumerate(times):
+            for n, began, sent, done in zip(*(values[k::4] for k in range(4)), strict=True):
+                tx.append(done - int(began))
+                commit.append(done - sent)
+                commits[(i, n)] = done
+        receipt = None
+        if consumer is not None:
+            rows = _load(folder / "received")
+            receipt = []
+            for index, n, at in zip(rows[0::3], rows[1::3], rows[2::3], strict=True):
+                done = commits.get((index, n))
+                if done is None:
+                    anomalies += 1  # received, never committed
+                else:
+                    receipt.append(at - done)
+        anomalies += _check_database(system, url, committed)
+    return Run(
+        system,
+        delay,
+        writers,
+        rate,
+        committed,
+        seconds,
+        committed / seconds,
+        percentiles(tx),
+        percentiles(commit),
+        percentiles(receipt) if receipt is not None else None,
+        round(flushes, 3),
+        received,
+        anomalies,
+    )
+
+
+def _check_database(system: str, url: str, committed: int) -> int:
+    """What the database holds against what the writers committed: the business rows, and
+    streamq's log (every record numbered, seqs dense)."""
+    with psycopg.connect(url) as conn:
+        (orders,) = conn.execute("SELECT count(*) FROM orders").fetchone() or (0,)
+        anomalies = abs(orders - committed)
+        if system == "streamq":
+            row = conn.execute(
+                "SELECT count(*), coalesce(max(seq), 0), "
+                "(SELECT count(*) FROM streamq_pending) FROM streamq_log"
+            ).fetchone()
+            assert row is not None
+            logged, head, pending = row
+            anomalies += abs(logged - committed) + abs(head - committed) + pending
+    return int(anomalies)
+
+
+def measure_idle(server: Any, seconds: float = IDLE_SECONDS) -> dict[str, float]:
+    """CPU of an idle ``streamq serve`` (after a few records, then none) and of its
+    database sessions, as % of one core."""
+    with _database(server) as url, Child("streamq", "serve", url, "--port", 0) as serving:
+        serving.expect("serving", STARTUP_TIMEOUT)
+        with psycopg.connect(url) as conn:
+            for n in range(10):
+                streamq.publish(conn, STREAM, b"%d" % n)
+                conn.commit()
+            time.sleep(2.0)  # numbered, served, then idle
+            pids = [
+                int(pid)
+                for (pid,) in conn.execute(
+                    "SELECT pid FROM pg_stat_activity WHERE application_name LIKE 'streamq%%' "
+                    "AND datname = current_database()"
+                ).fetchall()
+            ]
+        process = serving.process.pid
+        before = proc_cpu_seconds(process), sum(map(proc_cpu_seconds, pids))
+        time.sleep(seconds)
+        after = proc_cpu_seconds(process), sum(map(proc_cpu_seconds, pids))
+    return {
+        "serve_percent": round(100 * (after[0] - before[0]) / seconds, 2),
+        "sessions_percent": round(100 * (after[1] - before[1]) / seconds, 2),
+        "sessions": len(pids),
+    }
+
+
+def _median(runs: list[Run], pick: Any) -> float:
+    return float(statistics.median(pick(r) for r in runs))
+
+
+def summary(runs: list[Run]) -> list[dict[str, Any]]:
+    """Per delay, writers, rate and system: medians, and streamq's ratios to the others."""
+    rows = []
+    key = lambda r: (r.delay_us, r.writers, r.rate)  # noqa: E731
+    for (delay, writers, rate), group in itertools.groupby(sorted(runs, key=key), key=key):
+        by_system: dict[str, list[Run]] = {}
+        for r in group:
+            by_system.setdefault(r.system, []).append(r)
+        row: dict[str, Any] = {"delay_us": delay, "writers": writers, "rate": rate}
+        for system, rs in by_system.items():
+            row[system] = {
+                "tx_per_s": _median(rs, lambda r: r.tx_per_s),
+                "tx_p50_us": _median(rs, lambda r: r.tx_latency_us[0]),
+                "tx_p99_us": _median(rs, lambda r: r.tx_latency_us[1]),
+                "flushes_per_commit": _median(rs, lambda r: r.flushes_per_commit),
+                "anomalies": sum(r.anomalies for r in rs),
+                "runs": len(rs),
+            }
+            if rs[0].receipt_latency_us is not None:
+                row[system]["receipt_p50_us"] = _median(rs, lambda r: r.receipt_latency_us[0])
+                row[system]["receipt_p99_us"] = _median(rs, lambda r: r.receipt_latency_us[1])
+        mine = row.get("streamq")
+        for other in ("kafka", "outbox"):
+            theirs = row.get(other)
+            if mine and theirs:
+                row[f"tx_ratio_{other}"] = round(mine["tx_per_s"] / theirs["tx_per_s"], 3)
+                row[f"p99_ratio_{other}"] = round(
+                    mine["tx_p99_us"] / max(theirs["tx_p99_us"], 1), 3
+                )
+        rows.append(row)
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> Table:
+    out = Table(title="PostgreSQL at load: transactions/s and latency (medians)")
+    for column in (
+        "fsync +µs",
+        "writers",
+        "rate",
+        "system",
+        "tx/s",
+        "tx p50/p99 ms",
+        "flushes/commit",
+        "COMMIT->received p50/p99 ms",
+        "anomalies",
+    ):
+        out.add_column(column)
+    for row in rows:
+        for system in SYSTEMS:
+            s = row.get(system)
+            if s is None:
+                continue
+            receipt = (
+                f"{s['receipt_p50_us'] / 1000:.1f} / {s['receipt_p99_us'] / 1000:.1f}"
+                if "receipt_p50_us" in s
+                else "-"
+            )
+            out.add_row(
+                str(row["delay_us"]),
+                str(row["writers"]),
+                f"{row['rate']:,}" if row["rate"] else "max",
+                LABELS[system],
+                f"{s['tx_per_s']:,.0f}",
+                f"{s['tx_p50_us'] / 1000:.1f} / {s['tx_p99_us'] / 1000:.1f}",
+                f"{s['flushes_per_commit']:.2f}",
+                receipt,
+                str(s["anomalies"]),
+            )
+    return out
+
+
+def run(
+    broker: Any, quick: bool, repeats: int, delays: Sequence[int] | None = None
+) -> dict[str, Any]:
+    from tests.pgserver import PostgresServer
+
+    sizes = QUICK if quick else FULL
+    systems = [s for s in SYSTEMS if s != "kafka" or broker is not None]
+    runs: list[Run] = []
+    idle: dict[str, float] = {}
+    for delay in delays if delays is not None else sizes.delays:
+        server = PostgresServer(settings=SERVER_SETTINGS, env=server_env(delay))
+        server.start()
+        try:
+            for writers in sizes.writers:
+                for system in alternating(systems, repeats):
+                    r = run_once(system, server, broker, delay, writers, sizes.seconds, 0)
+                    console.print(
+                        f"fsync +{delay} µs, {writers} writers, {system}: {r.tx_per_s:,.0f} "
+                        f"tx/s, tx p99 {r.tx_latency_us[1] / 1000:.1f} ms, "
+                        f"anomalies {r.anomalies}"
+                    )
+                    runs.append(r)
+            for system in alternating([s for s in systems if s != "outbox"], repeats):
+                r = run_once(
+                    system,
+                    server,
+                    broker,
+                    delay,
+                    sizes.paced_writers,
+                    sizes.paced_seconds,
+                    sizes.rate,
+                )
+                console.print(
+                    f"fsync +{delay} µs, {sizes.rate}/s, {system}: COMMIT->received "
+                    f"p99 {(r.receipt_latency_us or [0, 0])[1] / 1000:.1f} ms"
+                )
+                runs.append(r)
+            if delay == max(delays if delays is not None else sizes.delays):
+                idle = measure_idle(server)
+        finally:
+            server.stop()
+    rows = summary(runs)
+    console.print(table(rows))
+    console.print(f"idle streamq serve: {idle}")
+    payload = {
+        "sizes": asdict(sizes),
+        "labels": LABELS,
+        "summary": rows,
+        "idle": idle,
+        "runs": [asdict(r) for r in runs],
+    }
+    save("pg_load", payload, quick, partial=broker is None)
+    return payload
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.pg_load.run", description=__doc__)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeats", type=int, default=None, help="runs per case (3; quick: 1)")
+    parser.add_argument("--no-kafka", action="store_true", help="no Kafka broker")
+    parser.add_argument(
+        "--fsync-delay-us",
+        type=int,
+        action="append",
+        default=None,
+        help="µs added to each flush of the server (repeatable; default 0 and 1000)",
+    )
+    args = parser.parse_args(argv)
+    repeats = args.repeats or (1 if args.quick else 3)
+    with contextlib.ExitStack() as stack:
+        broker: Any = None
+        if not args.no_kafka:
+            from ..kafka.broker import KafkaBroker
+
+            broker = stack.enter_context(KafkaBroker())
+        run(broker, args.quick, repeats, args.fsync_delay_us)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    raise SystemExit(main())
