@@ -25,11 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 from .batches import Batch
-from .connections import resolve_engine, resolve_engine_async
-from .engines.postgres import positions as postgres
-from .engines.sqlite import positions as sqlite
-
-ENGINES = {"sqlite": sqlite, "postgresql": postgres}
+from .engines import for_connection, for_connection_async
 
 
 def save_position(conn: Any, batch: Batch) -> None:
@@ -38,16 +34,16 @@ def save_position(conn: Any, batch: Batch) -> None:
     takes: a sqlite3 or psycopg connection, a SQLAlchemy Connection or Session, Django's
     connection."""
     _check(batch)
-    resolved = resolve_engine(conn)
-    ENGINES[resolved.engine].save_position(resolved.dbapi, batch)
+    engine, dbapi = for_connection(conn)
+    engine.save_position(dbapi, batch)
 
 
 async def save_position_async(conn: Any, batch: Batch) -> None:
     """``save_position`` for asyncio connections: aiosqlite, psycopg's ``AsyncConnection``,
     SQLAlchemy's ``AsyncConnection`` and ``AsyncSession``."""
     _check(batch)
-    resolved = await resolve_engine_async(conn)
-    await ENGINES[resolved.engine].save_position_async(resolved.dbapi, batch)
+    engine, dbapi = await for_connection_async(conn)
+    await engine.save_position_async(dbapi, batch)
 
 
 def _check(batch: Batch) -> None:

@@ -28,7 +28,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import replace
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 from .blocking import to_the_end
 from .compaction import Compacted, Compactor, OnCompacted
@@ -52,6 +52,8 @@ from .storage import (
     Durability,
     EpochRow,
     Limits,
+    Numbered,
+    Numbering,
     NumberingStorage,
     Session,
     StreamRow,
@@ -61,9 +63,6 @@ from .storage import (
 )
 from .transactions import BlockingTransaction, SyncTransaction, Transaction, _Pending
 from .watcher import CommitWatcher
-
-if TYPE_CHECKING:
-    from .engines.postgres.numbering import Numbered, Numberer
 
 logger = logging.getLogger("streamq.producer")
 
@@ -138,7 +137,7 @@ class Producer:
         self._server: Server | None = None
         # Where seqs are given after the commit (PostgreSQL): the serving producer's
         # numbering, and the seqs it gave to recent receipts.
-        self.numberer: Numberer | None = None
+        self.numberer: Numbering | None = None
         self.receipts = ServedReceipts()
         self.producer_id = ""
         self.epoch = 0

@@ -19,10 +19,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from .connections import resolve_engine, resolve_engine_async
-from .engines import postgres, sqlite
-from .engines.sqlite import DEFAULT_MAX_RECORD_SIZE
+from .engines import for_connection, for_connection_async
 from .records import (
+    DEFAULT_MAX_RECORD_SIZE,
     CheckedRecord,
     Receipt,
     check_stream_name,
@@ -30,8 +29,6 @@ from .records import (
     seq_range,
     values_only,
 )
-
-ENGINES = {"sqlite": sqlite, "postgresql": postgres}
 
 
 def publish(
@@ -65,12 +62,8 @@ def publish_many(conn: Any, stream: str, values: Iterable[bytes]) -> range | Rec
 
 def _append(conn: Any, stream: str, records: Sequence[CheckedRecord]) -> list[int] | Receipt:
     """``append`` on the engine ``conn`` is connected to."""
-    resolved = resolve_engine(conn)
-    engine = ENGINES[resolved.engine]
-    published: list[int] | Receipt = engine.append(
-        resolved.dbapi, stream, records, max_record_size=DEFAULT_MAX_RECORD_SIZE
-    )
-    return published
+    engine, dbapi = for_connection(conn)
+    return engine.append(dbapi, stream, records, max_record_size=DEFAULT_MAX_RECORD_SIZE)
 
 
 async def publish_async(
@@ -87,10 +80,9 @@ async def publish_async(
     the connection runs them."""
     checked = checked_record(value, key, headers, timestamp)
     name = check_stream_name(stream)
-    resolved = await resolve_engine_async(conn)
-    engine = ENGINES[resolved.engine]
-    published: list[int] | Receipt = await engine.append_async(
-        resolved.dbapi, name, [checked], max_record_size=DEFAULT_MAX_RECORD_SIZE
+    engine, dbapi = await for_connection_async(conn)
+    published = await engine.append_async(
+        dbapi, name, [checked], max_record_size=DEFAULT_MAX_RECORD_SIZE
     )
     return published if isinstance(published, Receipt) else published[0]
 
@@ -99,5 +91,5 @@ def create_tables(conn: Any) -> None:
     """Create the log tables (or migrate older ones) in ``conn``'s open transaction: for
     a schema migration, e.g. Django's ``RunPython`` with ``schema_editor.connection``, or
     Alembic's ``op.get_bind()``. ``streamq init DB`` does the same from the shell (SQLite)."""
-    resolved = resolve_engine(conn)
-    ENGINES[resolved.engine].create_schema(resolved.dbapi)
+    engine, dbapi = for_connection(conn)
+    engine.create_schema(dbapi)

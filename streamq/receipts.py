@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-from .engines.postgres.numbering import Group, Numbered, group_seqs
 from .records import Receipt
+from .storage import Group, Numbered, group_seqs
 
 KEEP = 65_536  # (transaction, stream) groups remembered
 

@@ -10,9 +10,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import RecordTooLargeError
-from .protocol import SEQ_GROWTH, encode_record
+from .protocol import DEFAULT_MAX_FRAME_SIZE, FRAME_OVERHEAD, SEQ_GROWTH, encode_record
 
 _MAX_STREAM_NAME = 255
+# The largest record a frame of the default size holds.
+DEFAULT_MAX_RECORD_SIZE = DEFAULT_MAX_FRAME_SIZE - FRAME_OVERHEAD
 MAX_SEQ = (1 << 40) - 1  # the largest seq either engine stores (SQLite packs it in 40 bits)
 
 # A checked record: value, key, headers, timestamp (ms since the Unix epoch).

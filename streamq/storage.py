@@ -22,10 +22,11 @@ producer numbers them once committed.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Container, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeVar
 
 T = TypeVar("T")
@@ -146,6 +147,55 @@ class Features:
     numbered_after_commit: bool
     # ``run_in_transaction`` runs the whole transaction on the writer's own thread.
     blocking_transactions: bool
+
+
+# --- numbering after the commit (engines with ``numbered_after_commit``) -------------
+
+
+@dataclass(slots=True)
+class Group:
+    """One transaction's records in one stream: consecutive seqs from ``first_seq``."""
+
+    xid: int
+    ids: list[int]  # their pending ids, ascending
+    first_seq: int
+
+
+@dataclass(slots=True)
+class NumberedStream:
+    """What a round gave one stream: seqs ``first`` to ``first + len(records) - 1``."""
+
+    id: int
+    name: str
+    low: int
+    settings: StreamSettings
+    first: int
+    records: list[bytes]  # their encodings, numbered
+    max_ts: int | None  # the stream's largest timestamp after them
+    segment: bool  # they start a segment under the round's epoch
+    groups: list[Group] = field(default_factory=list)
+
+    @property
+    def head(self) -> int:
+        return self.first + len(self.records) - 1
+
+
+@dataclass(slots=True)
+class Numbered:
+    """One round: the epoch its records carry, and each stream's."""
+
+    epoch: int
+    streams: list[NumberedStream]
+
+
+def group_seqs(group: Group, first_id: int, count: int) -> range | None:
+    """The seqs of the ``count`` records from pending id ``first_id``, if ``group`` (of
+    their transaction and stream) numbered the first."""
+    offset = bisect.bisect_left(group.ids, first_id)
+    if offset == len(group.ids) or group.ids[offset] != first_id:
+        return None
+    start = group.first_seq + offset
+    return range(start, start + count)
 
 
 class Reader(Protocol):
@@ -433,10 +483,26 @@ class Storage(Protocol):
     async def close(self) -> None: ...
 
 
+class Numbering(Protocol):
+    """The serving producer's numbering of records published unnumbered."""
+
+    unserved: Container[str]  # streams of rounds numbered and not served yet
+    armed: bool  # idle, waiting for the doorbell
+    idle_check: float  # seconds: armed, a round anyway after this long
+
+    async def run(self) -> None:
+        """Number, and serve once flushed, for ever."""
+        ...
+
+    async def close(self) -> None: ...
+
+
 class NumberingStorage(Storage, Protocol):
     """The storage of an engine with ``numbered_after_commit``."""
 
-    def numberer(self, serve: Callable[[Any], None], resync: Callable[[], Awaitable[Any]]) -> Any:
+    def numberer(
+        self, serve: Callable[[Numbered], None], resync: Callable[[], Awaitable[Any]]
+    ) -> Numbering:
         """The serving producer's numbering (``engines/postgres/numbering.Numberer``):
         ``serve`` is given each round once flushed; ``resync`` is awaited after a
         failure, once what committed is flushed."""

@@ -14,8 +14,9 @@ from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from .batches import Batch
+from .engines import for_target
 from .errors import OutOfOrderBatchError
-from .storage import Durability, is_postgres_url
+from .storage import Durability
 
 if TYPE_CHECKING:
     from .failures import DeadLetterSQL, ParkedRecord
@@ -24,23 +25,10 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-def _engine(db: str) -> Any:
-    """The positions module of ``db``'s engine: PostgreSQL for a ``postgresql://`` URL,
-    SQLite for anything else (imported only when used: psycopg is optional)."""
-    if is_postgres_url(db):
-        from .engines.postgres import positions as postgres
-
-        return postgres
-    from .engines.sqlite import positions as sqlite
-
-    return sqlite
-
-
 def list_dead_letters(db: str, consumer: str | None = None) -> list[ParkedRecord]:
     """The records parked in the consumer database ``db`` (a SQLite file or a
     ``postgresql://`` URL), by consumer, stream and seq."""
-    parked: list[ParkedRecord] = _engine(db).list_dead_letters(db, consumer)
-    return parked
+    return for_target(db).list_dead_letters(db, consumer)
 
 
 def mark_for_retry(
@@ -48,15 +36,14 @@ def mark_for_retry(
 ) -> int:
     """Mark parked records (all, or those matching) for their consumer to re-apply, once,
     through its ``apply`` function before its next batch; how many were marked."""
-    return int(_engine(db).mark_for_retry(db, consumer, stream, seq))
+    return for_target(db).mark_for_retry(db, consumer, stream, seq)
 
 
 def reshare(db: str, consumer: str, shares: int) -> list[Move]:
     """Move ``consumer``'s stored positions in the consumer database ``db`` to a split into
     ``shares`` (1: unshared), when every share of the old split stands at the same seq;
     ``ReshareRefusedError`` otherwise (``streamq.resharing``). Stop the workers first."""
-    moves: list[Move] = _engine(db).reshare(db, consumer, shares)
-    return moves
+    return for_target(db).reshare(db, consumer, shares)
 
 
 class ConsumerTransaction(Protocol):
@@ -137,13 +124,7 @@ def open_position_store(
 ) -> PositionStore:
     """The store for ``db``: a ``postgresql://`` (or ``postgres://``) URL is a PostgreSQL
     database, anything else a SQLite file. Not opened yet."""
-    if is_postgres_url(db):
-        from .engines.postgres.positions import PostgresPositionStore
-
-        return PostgresPositionStore(db, durability, connect_timeout=connect_timeout)
-    from .engines.sqlite.positions import SQLitePositionStore
-
-    return SQLitePositionStore(db, durability)
+    return for_target(db).open_position_store(db, durability, connect_timeout=connect_timeout)
 
 
 def out_of_turn(batch: Batch, stored: int | None) -> OutOfOrderBatchError:

@@ -178,3 +178,47 @@ def test_importing_protocol_loads_no_io_module() -> None:
     loaded = set(json.loads(result.stdout))
     assert set(SANS_IO_MODULES) <= loaded
     assert {name for name in loaded if name.split(".")[0] in FORBIDDEN} == set()
+
+
+ENGINE_PACKAGES = ("streamq.engines.sqlite", "streamq.engines.postgres")
+
+
+def engine_reaches(package_dir: Path, package: str) -> dict[str, set[str]]:
+    """Modules outside ``<package>.engines`` that import an engine's package directly
+    (module -> the names): the engine must be chosen in one place, ``engines``."""
+    found: dict[str, set[str]] = {}
+    for path in sorted(package_dir.rglob("*.py")):
+        relative = path.relative_to(package_dir).with_suffix("")
+        parts = [package, *relative.parts]
+        if parts[-1] == "__init__":
+            parts.pop()
+        module = ".".join(parts)
+        if module.startswith(f"{package}.engines"):
+            continue
+        names = {
+            name
+            for name in _imported_names(path, module)
+            if any(name == p or name.startswith(p + ".") for p in ENGINE_PACKAGES)
+        }
+        if names:
+            found[module] = names
+    return found
+
+
+def test_the_engine_is_chosen_in_one_place() -> None:
+    """Only ``streamq.engines`` (``for_target``, ``for_connection``) reaches into an
+    engine's package; the rest of streamq talks to the ``Engine`` it returns."""
+    assert engine_reaches(PACKAGE_DIR, PACKAGE) == {}
+
+
+def test_engine_reaches_are_detected(tmp_path: Path) -> None:
+    """The check flags a direct import, so a green run means something."""
+    pkg = tmp_path / "streamq"
+    (pkg / "engines" / "sqlite").mkdir(parents=True)
+    (pkg / "engines" / "__init__.py").write_text("from .sqlite import storage\n")
+    (pkg / "engines" / "sqlite" / "__init__.py").write_text("")
+    (pkg / "producer.py").write_text("from .engines import for_target\n")
+    (pkg / "cli.py").write_text("def f():\n    from .engines.sqlite import storage\n")
+    assert engine_reaches(pkg, "streamq") == {
+        "streamq.cli": {"streamq.engines.sqlite", "streamq.engines.sqlite.storage"}
+    }

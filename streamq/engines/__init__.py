@@ -1,21 +1,106 @@
-"""The database engines: one package each, holding all of that engine's SQL.
+"""The database engines: one package each, holding all of that engine's SQL, and one
+``Engine`` object each, the only way the code above reaches it.
 
-``sqlite`` (the embedded default) and ``postgres``. Each has the append path used by
-``streamq.publish`` on the application's own connection (``append``), the schema
-(``create_schema``), and the storage a serving producer uses.
+``sqlite`` (the embedded default) and ``postgres``. An engine is found in one place, by
+what the caller holds: ``for_target`` for a database named by a path or a URL,
+``for_connection`` / ``for_connection_async`` for the application's own connection.
+Code above never branches on an engine's name: it asks the ``Engine``, or its
+``features`` (independent capabilities, each commented in ``storage.Features``). Each
+engine imports its driver only when used (psycopg is an optional extra).
 """
 
 from __future__ import annotations
 
-from ..storage import Storage, is_postgres_url
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ..connections import resolve_engine, resolve_engine_async
+from ..storage import Durability, Features, Storage, is_postgres_url
+
+if TYPE_CHECKING:
+    from ..batches import Batch
+    from ..failures import ParkedRecord
+    from ..records import CheckedRecord, Receipt
+    from ..resharing import Move
+    from ..stores import PositionStore
+
+
+class Engine(Protocol):
+    """One database engine: a producer's storage, a consumer's position store, and what
+    the application's own connection runs (publish, positions, tables)."""
+
+    name: str  # as connections.resolve_engine names it: "sqlite", "postgresql"
+    features: Features
+    max_seq: int  # the largest seq it stores
+
+    def open_storage(self, target: str) -> Storage: ...
+
+    def open_position_store(
+        self, db: str, durability: Durability, *, connect_timeout: float
+    ) -> PositionStore: ...
+
+    def append(
+        self, dbapi: Any, stream: str, records: Sequence[CheckedRecord], *, max_record_size: int
+    ) -> list[int] | Receipt:
+        """Publish in the connection's open transaction: seqs, or a ``Receipt`` where
+        ``features.numbered_after_commit``."""
+        ...
+
+    async def append_async(
+        self, dbapi: Any, stream: str, records: Sequence[CheckedRecord], *, max_record_size: int
+    ) -> list[int] | Receipt: ...
+
+    def create_schema(self, dbapi: Any) -> None: ...
+
+    def save_position(self, dbapi: Any, batch: Batch) -> None: ...
+
+    async def save_position_async(self, dbapi: Any, batch: Batch) -> None: ...
+
+    def list_dead_letters(self, db: str, consumer: str | None) -> list[ParkedRecord]: ...
+
+    def mark_for_retry(
+        self, db: str, consumer: str | None, stream: str | None, seq: int | None
+    ) -> int: ...
+
+    def reshare(self, db: str, consumer: str, shares: int) -> list[Move]: ...
+
+
+def for_target(target: str) -> Engine:
+    """The engine of a database named by ``target``: a ``postgresql://`` (or
+    ``postgres://``) URL is PostgreSQL, anything else a SQLite file's path."""
+    if is_postgres_url(target):
+        from .postgres.engine import ENGINE as POSTGRES
+
+        return POSTGRES
+    from .sqlite.engine import ENGINE as SQLITE
+
+    return SQLITE
+
+
+def _by_name(name: str) -> Engine:
+    if name == "postgresql":
+        from .postgres.engine import ENGINE as POSTGRES
+
+        return POSTGRES
+    from .sqlite.engine import ENGINE as SQLITE
+
+    return SQLITE
+
+
+def for_connection(conn: Any) -> tuple[Engine, Any]:
+    """The engine of the application's connection (``connections.resolve_engine``: a
+    sqlite3 or psycopg connection, SQLAlchemy's, Django's), and the DB-API connection to
+    run its statements on, checked to be in a transaction."""
+    resolved = resolve_engine(conn)
+    return _by_name(resolved.engine), resolved.dbapi
+
+
+async def for_connection_async(conn: Any) -> tuple[Engine, Any]:
+    """``for_connection`` for asyncio connections."""
+    resolved = await resolve_engine_async(conn)
+    return _by_name(resolved.engine), resolved.dbapi
 
 
 def open_storage(target: str) -> Storage:
     """The storage for ``target``: a ``postgresql://`` URL, or a SQLite file's path."""
-    if is_postgres_url(target):
-        from .postgres.storage import PostgresStorage  # psycopg: an optional extra
-
-        return PostgresStorage(target)
-    from .sqlite.storage import SQLiteStorage
-
-    return SQLiteStorage(target)
+    return for_target(target).open_storage(target)

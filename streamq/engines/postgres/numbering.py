@@ -22,18 +22,25 @@ and on ``NOTIFY`` once idle for ``ACTIVE_MS`` (the doorbell: ``append.py``).
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
 import logging
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ...errors import DatabaseOpenError
 from ...protocol import numbered
 from ...records import MAX_SEQ
-from ...storage import EpochRow, LogRow, StreamSettings, TimeRow
+from ...storage import (
+    EpochRow,
+    Group,
+    LogRow,
+    Numbered,
+    NumberedStream,
+    StreamSettings,
+    TimeRow,
+)
 from .append import (
     CHANNEL,
     DOORBELL,
@@ -99,47 +106,12 @@ class StreamState:
     last_epoch: int | None
 
 
-@dataclass(slots=True)
-class Group:
-    """One transaction's records in one stream: consecutive seqs from ``first_seq``."""
-
-    xid: int
-    ids: list[int]  # their pending ids, ascending
-    first_seq: int
-
-
-@dataclass(slots=True)
-class NumberedStream:
-    """What a round gave one stream: seqs ``first`` to ``first + len(records) - 1``."""
-
-    id: int
-    name: str
-    low: int
-    settings: StreamSettings
-    first: int
-    records: list[bytes]  # their encodings, numbered
-    max_ts: int | None  # the stream's largest timestamp after them
-    segment: bool  # they start a segment under the round's epoch
-    groups: list[Group] = field(default_factory=list)
-
-    @property
-    def head(self) -> int:
-        return self.first + len(self.records) - 1
-
-
-@dataclass(slots=True)
-class Numbered:
-    """One round: the epoch its records carry, and each stream's."""
-
-    epoch: int
-    streams: list[NumberedStream]
-
-    def states(self) -> dict[str, StreamState]:
-        """The streams as this round leaves them."""
-        return {
-            s.name: StreamState(s.id, s.low, s.settings, s.head, s.max_ts, self.epoch)
-            for s in self.streams
-        }
+def states_after(done: Numbered) -> dict[str, StreamState]:
+    """The streams as a round leaves them."""
+    return {
+        s.name: StreamState(s.id, s.low, s.settings, s.head, s.max_ts, done.epoch)
+        for s in done.streams
+    }
 
 
 def number_steps(
@@ -340,7 +312,7 @@ class Numberer:
             with contextlib.suppress(Exception):
                 await conn.execute("ROLLBACK")
             raise
-        self._known |= done.states()
+        self._known |= states_after(done)
         self.rounds += 1
         self._waited(await waited.fetchone())
         return True
@@ -407,13 +379,3 @@ class Numberer:
             with contextlib.suppress(Exception):
                 await self._conn.close()
             self._conn = None
-
-
-def group_seqs(group: Group, first_id: int, count: int) -> range | None:
-    """The seqs of the ``count`` records from pending id ``first_id``, if ``group`` (of
-    their transaction and stream) numbered the first."""
-    offset = bisect.bisect_left(group.ids, first_id)
-    if offset == len(group.ids) or group.ids[offset] != first_id:
-        return None
-    start = group.first_seq + offset
-    return range(start, start + count)

@@ -35,10 +35,10 @@ from ...storage import (
     Durability,
     EpochRow,
     Events,
-    Features,
     Identity,
     Limits,
     LogRow,
+    Numbered,
     Run,
     StreamRow,
     StreamSettings,
@@ -56,7 +56,8 @@ from .append import (
     run_async,
 )
 from .driver import cannot_open, connect_async, database, in_transaction, psycopg_module
-from .numbering import Numbered, Numberer
+from .engine import ENGINE
+from .numbering import Numberer
 
 T = TypeVar("T")
 
@@ -64,8 +65,6 @@ logger = logging.getLogger("streamq.postgres")
 
 # Between attempts to connect again (the watch, the writer) while the server is away.
 _RECONNECT_DELAY = 1.0
-
-FEATURES = Features(numbered_after_commit=True, blocking_transactions=False)
 
 STREAMS_QUERY = """
 SELECT s.id, s.name, s.low,
@@ -420,7 +419,7 @@ class PostgresWatch(Events):
 class PostgresStorage:
     """A producer's PostgreSQL database (``storage.Storage``)."""
 
-    features = FEATURES
+    features = ENGINE.features
 
     def __init__(self, url: str) -> None:
         self.url = url

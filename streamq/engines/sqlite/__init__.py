@@ -4,7 +4,7 @@
 ``append.py`` the append path of ``streamq.publish`` on the application's connection.
 """
 
-from .append import DEFAULT_MAX_RECORD_SIZE, append, append_async
+from .append import append, append_async
 from .storage import SQLiteStorage, create_schema
 
-__all__ = ["DEFAULT_MAX_RECORD_SIZE", "SQLiteStorage", "append", "append_async", "create_schema"]
+__all__ = ["SQLiteStorage", "append", "append_async", "create_schema"]

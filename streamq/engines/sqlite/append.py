@@ -22,12 +22,9 @@ from typing import Any
 
 from ...blocking import run_on_thread
 from ...errors import SchemaMissingError
-from ...protocol import DEFAULT_MAX_FRAME_SIZE, FRAME_OVERHEAD
-from ...records import CheckedRecord, encode_checked
+from ...records import DEFAULT_MAX_RECORD_SIZE, CheckedRecord, encode_checked
 from ...storage import Durability, LogRow
 from . import storage
-
-DEFAULT_MAX_RECORD_SIZE = DEFAULT_MAX_FRAME_SIZE - FRAME_OVERHEAD
 
 
 def append(

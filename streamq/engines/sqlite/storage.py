@@ -67,7 +67,6 @@ from ...storage import (
     Changes,
     Durability,
     EpochRow,
-    Features,
     Identity,
     Limits,
     LogRow,
@@ -79,6 +78,7 @@ from ...storage import (
     consumer_rows,
 )
 from .checkpoints import Checkpointer, take_over
+from .engine import ENGINE
 from .servelock import ServeLock
 from .walwatch import WalWatch
 
@@ -208,8 +208,6 @@ WITH dirty(key) AS (
 SELECT l.pos, l.key, l.record FROM dirty JOIN streamq_log AS l
     ON l.key = dirty.key AND l.pos >= ?3 AND l.pos <= ?2
 ORDER BY l.key, l.pos"""
-
-FEATURES = Features(numbered_after_commit=False, blocking_transactions=True)
 
 
 def boot_id() -> str:
@@ -883,7 +881,7 @@ class SQLiteWriter:
 class SQLiteStorage:
     """A producer's SQLite database file (``storage.Storage``)."""
 
-    features = FEATURES
+    features = ENGINE.features
 
     def __init__(self, path: str) -> None:
         self.path = path
