@@ -372,3 +372,56 @@ async def test_history_seeks_and_time_seeks_use_indexes(pg_url: str) -> None:
         assert "streamq_log_key_seq" in history and "Sort" not in history, history
         seek = plan(postgres_storage.SEEK_TIME_QUERY, (1, 0))
         assert "Index" in seek and "Seq Scan" not in seek, seek
+
+
+async def test_a_long_transaction_holds_back_nobody_and_loses_nothing(pg_url: str) -> None:
+    """A transaction that published and stays open: others' records are numbered and
+    served meanwhile; its own come after them once it commits (commit order), and a
+    transaction killed between its publish and its COMMIT leaves nothing."""
+    async with Producer(pg_url) as producer:
+        await producer.create_stream("orders")
+        with psycopg.connect(pg_url) as long, psycopg.connect(pg_url) as other:
+            long_receipt = streamq.publish(long, "orders", b"long")  # its transaction stays open
+            for n in range(3):
+                with other.transaction():
+                    streamq.publish(other, "orders", b"other %d" % n)
+            received = await consume(producer.address, "orders", 3)
+            assert [r.value for r in received] == [b"other 0", b"other 1", b"other 2"]
+            long.commit()
+        assert isinstance(long_receipt, streamq.Receipt)
+        assert await producer.wait_served(long_receipt, timeout=20) == range(4, 5)
+        # A writer killed with its publish inserted and its COMMIT not sent.
+        killed = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "import os, sys, psycopg, streamq\n"
+                "conn = psycopg.connect(sys.argv[1])\n"
+                "streamq.publish(conn, 'orders', b'never committed')\n"
+                "print('published', flush=True)\n"
+                "os.kill(os.getpid(), 9)\n",
+                pg_url,
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        with killed:
+            assert killed.stdout is not None
+            assert killed.stdout.readline() == "published\n"
+            assert killed.wait(timeout=30) == -9
+        assert await producer.publish("orders", b"after") == 5
+        received = await consume(producer.address, "orders", 5)
+    assert [r.value for r in received] == [
+        b"other 0",
+        b"other 1",
+        b"other 2",
+        b"long",
+        b"after",
+    ]
+    with psycopg.connect(pg_url) as conn:
+        # The killed writer's row went with its transaction; nothing is left to number.
+        await wait_for(
+            lambda: conn.execute("SELECT count(*) FROM streamq_pending").fetchone() == (0,),
+            what="the killed writer's session to end",
+        )
+        assert conn.execute("SELECT count(*) FROM streamq_log").fetchone() == (5,)
