@@ -15,7 +15,9 @@ applied twice leaves two rows and a sum too large, instead of being hidden.
 - reordered: applied after a higher seq; gapped: applied right after a seq that is not
   its predecessor (in apply order);
 - phantom: pushed or applied but never committed (e.g. published by a rolled-back
-  transaction);
+  transaction; where seqs are given after the commit, as on PostgreSQL, such a record
+  never had a seq: it is journalled under ``UNNUMBERED``, and is a phantom at any seq
+  while its payload was never committed);
 - conflicting: one seq seen with two different payloads (in the log, pushed or applied)
   other than a phantom's;
 - position: the stored position or sum disagrees with the applied effects.
@@ -134,6 +136,12 @@ APPLY_ROWS = "INSERT INTO applied (seq, value) VALUES (?, ?)"  # through Dialect
 ADD_TO_SUM = "UPDATE applied_sum SET total = total + ? WHERE id = 1"
 
 
+# The seq journalled for a record published where seqs are given after the commit
+# (PostgreSQL: ``publish`` returns a ``streamq.Receipt``): it has none until it commits
+# and is numbered (never, if rolled back). No record has this seq (seqs start at 1).
+UNNUMBERED = 0
+
+
 def amount(value: bytes) -> int:
     """What a record adds to the consumer's sum: the number after the last ':' (else 1)."""
     _, sep, tail = value.rpartition(b":")
@@ -155,6 +163,7 @@ class History:
     complete: bool = False  # the consumer was to apply everything committed
 
     def attempt(self, seq: int, value: bytes) -> None:
+        """A record published (committed or not), at ``seq`` or ``UNNUMBERED``."""
         self.attempted[seq].add(value)
 
 
@@ -201,9 +210,18 @@ def check(history: History, value_amount: Callable[[bytes], int] = amount) -> Re
     report = Report(records=len(committed))
     applied_seqs = Counter(seq for seq, _ in history.applied)
 
+    unnumbered = history.attempted.get(UNNUMBERED, set())
+    committed_values = set(committed.values()) if unnumbered else set()
+
     def is_phantom(seq: int, value: bytes) -> bool:
-        return seq not in committed or (
-            committed[seq] != value and value in history.attempted.get(seq, ())
+        """Never committed at ``seq``: not in the log, or the payload of a publish at
+        that seq, or of an unnumbered one, that did not commit (else: conflicting)."""
+        if seq not in committed:
+            return True
+        if committed[seq] == value:
+            return False
+        return value in history.attempted.get(seq, ()) or (
+            value in unnumbered and value not in committed_values
         )
 
     phantom = {seq for seq, value in [*history.pushed, *history.applied] if is_phantom(seq, value)}

@@ -15,6 +15,7 @@ from .oracle import (
     EFFECT_SCHEMA,
     POSTGRES,
     SQLITE,
+    UNNUMBERED,
     History,
     Journal,
     amount,
@@ -124,6 +125,23 @@ def test_phantom_replaced_by_a_later_commit() -> None:
     assert report.phantom == [7] and not report.conflicting, report
 
 
+def test_phantom_published_unnumbered() -> None:
+    """Where seqs are given after the commit (PostgreSQL), a rolled-back record never had
+    a seq: journalled ``UNNUMBERED``, it is a phantom wherever it shows up, even at a seq
+    that committed with another payload; a committed record's payload at the wrong seq
+    stays a conflict."""
+    history = clean()
+    history.attempt(UNNUMBERED, b"rolled-back:1")
+    history.attempt(UNNUMBERED, VALUES[2])  # published unnumbered, then committed as seq 2
+    history.applied[6] = (7, b"rolled-back:1")
+    history.stored_sum = sum(amount(v) for _, v in history.applied)
+    report = check(history)
+    assert report.phantom == [7] and not report.conflicting, report
+    history.pushed[3] = (4, VALUES[2])
+    report = check(history)
+    assert report.phantom == [7] and report.conflicting == [4], report
+
+
 def test_one_seq_with_two_payloads() -> None:
     history = clean()
     history.pushed[2] = (3, b"something else:30")
@@ -172,11 +190,17 @@ async def test_history_from_real_files(
     journal = Journal(tmp_path / "p.jsonl")
     async with streamq.Producer(producer_db) as producer:
         async with producer.transaction() as tx:
-            seqs = await tx.publish_many("s", [b"a:1", b"b:2"])
-        journal.write("commit", [(seqs[0], b"a:1"), (seqs[1], b"b:2")])
+            published = await tx.publish_many("s", [b"a:1", b"b:2"])
+        if isinstance(published, streamq.Receipt):  # PostgreSQL: numbered after the commit
+            assert engine == "postgres"
+            published = await producer.wait_served(published, timeout=10)  # served already
+        assert published == range(1, 3)
+        journal.write("commit", zip(published, [b"a:1", b"b:2"], strict=True))
         with pytest.raises(RuntimeError):
             async with producer.transaction() as tx:
                 seq = await tx.publish("s", b"c:3")
+                if isinstance(seq, streamq.Receipt):  # no seq before the commit: never one
+                    seq = UNNUMBERED
                 journal.write("publish", [(seq, b"c:3")])
                 raise RuntimeError("roll back")
         async with streamq.Consumer(producer.address, "s", db=consumer_db, name="n") as consumer:
@@ -201,6 +225,7 @@ async def test_history_from_real_files(
     report = check(history)
     assert history.committed == {1: b"a:1", 2: b"b:2"}
     assert read_head(producer_db, "s") == 2
+    assert history.attempted == {3 if engine == "sqlite" else UNNUMBERED: {b"c:3"}}
     if rolled_back:
         assert report.phantom == [3] and report.position, report
     else:

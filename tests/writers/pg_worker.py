@@ -5,11 +5,17 @@ told to on stdin; then prints how many it committed and how many were refused
 ``--via``: ``psycopg`` (a plain psycopg connection: the transaction begins at the first
 statement), ``autocommit`` (an autocommit connection inside ``conn.transaction()``) or
 ``sqlalchemy`` (a SQLAlchemy Session on ``postgresql+psycopg://``).
+
+``--times FILE``: for each committed order, a line ``n started ended``: ``time.monotonic_ns()``
+(one clock for every process of the machine) before the transaction's first statement was
+sent, and after its COMMIT returned. So if one transaction's ``ended`` is below another's
+``started``, the first committed before the second began.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 from collections.abc import Callable
 
 import psycopg
@@ -57,14 +63,40 @@ def committer(url: str, via: str, name: str) -> tuple[Callable[[int], None], Cal
     return commit, conn.close
 
 
+def timed(
+    commit: Callable[[int], None], close: Callable[[], None], path: str
+) -> tuple[Callable[[int], None], Callable[[], None]]:
+    """``commit`` and ``close``, noting when each committed transaction started and ended,
+    written to ``path`` at the close."""
+    times: list[tuple[int, int, int]] = []
+
+    def commit_timed(n: int) -> None:
+        started = time.monotonic_ns()
+        commit(n)  # a refused one (it raises) is not noted
+        times.append((n, started, time.monotonic_ns()))
+
+    def close_timed() -> None:
+        try:
+            close()
+        finally:
+            with open(path, "w") as f:
+                f.writelines(f"{n} {started} {ended}\n" for n, started, ended in times)
+
+    return commit_timed, close_timed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("url")
     parser.add_argument("name")
     parser.add_argument("--via", choices=["psycopg", "autocommit", "sqlalchemy"])
     parser.add_argument("--transactions", type=int, default=300)
+    parser.add_argument("--times", default=None, help="file to note each commit's times in")
     args = parser.parse_args()
-    run(*committer(args.url, args.via, args.name), args.transactions)
+    commit, close = committer(args.url, args.via, args.name)
+    if args.times:
+        commit, close = timed(commit, close, args.times)
+    run(commit, close, args.transactions)
 
 
 if __name__ == "__main__":

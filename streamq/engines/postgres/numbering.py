@@ -3,8 +3,8 @@
 
 Writers insert records unnumbered into ``streamq_pending`` and take no lock; the
 serving producer numbers what committed, one *round* at a time: a transaction of its
-own deletes the pending rows its snapshot sees (at most ``LIMIT`` of them, in
-(xid, id) order), gives each stream's rows the seqs after its head, in that order, and
+own deletes the pending rows its snapshot sees (whole transactions, those of the first
+``LIMIT`` rows in (xid, id) order), gives each stream's rows the seqs after its head, in that order, and
 inserts them into ``streamq_log`` with their time-index and epoch rows. A second numberer
 (there should be none: it runs in the process holding the serving lock) would fail on
 the log's primary key and roll back, losing nothing.
@@ -55,19 +55,23 @@ from .driver import connect_async, psycopg_module
 
 logger = logging.getLogger("streamq.postgres")
 
-LIMIT = 10_000  # pending rows numbered per round at most
+# A round takes the transactions of the first LIMIT pending rows, each whole: a round
+# that cut one could see an older transaction commit before the next, and put its
+# records between the two parts of the one it cut.
+LIMIT = 10_000
 NAP_MS = 1.0  # between looks for pending records, inside the server
 ACTIVE_MS = 100  # looking that long finding nothing: idle, arm the doorbell
 FLUSH_PATIENCE_MS = 3  # a round's flush left to the writers that long at most
 IDLE_CHECK = 5.0  # seconds: armed, a round anyway after this long (no wake can be lost)
 _RECONNECT_DELAY = 1.0
 
-# The committed pending rows this round's snapshot sees, in numbering order at most LIMIT:
+# The committed pending rows this round's snapshot sees, the transactions of the first
+# LIMIT in numbering order, whole:
 # (xid, id, stream, timestamp, unnumbered record, key); with each, the database's epoch
 # and whether this server life took one (append.py, epochs), computed once.
 TAKE = """
-DELETE FROM streamq_pending WHERE (xid, id) IN (
-    SELECT xid, id FROM streamq_pending ORDER BY xid, id LIMIT %s)
+DELETE FROM streamq_pending WHERE xid IN (
+    SELECT xid FROM streamq_pending ORDER BY xid, id LIMIT %s)
 RETURNING xid::text::bigint, id, stream, ts, record, key,
     (SELECT value FROM streamq_meta WHERE key = 'epoch'),
     (SELECT EXISTS (SELECT FROM streamq_boot))"""
