@@ -14,6 +14,7 @@ from typing import Any
 
 from .common import DURABILITY, console, machine
 from .latency import run as latency
+from .pg_load import run as pg_load
 from .pipe import run as pipe
 from .shares import run as shares
 from .slow import run as slow
@@ -30,6 +31,7 @@ WORKLOADS: dict[str, Callable[..., Any]] = {
     "spark": spark.run,
     "workers": workers.run,
     "transfer_pg": transfer_pg.run,
+    "pg_load": pg_load.run,
     "shares": shares.run,
 }
 WITH_NATS = {"pipe", "latency"}  # the workloads that take run(..., nats=...)

@@ -322,6 +322,51 @@ def transfer_pg(results: Results, folder: Path) -> list[Path]:
     ]
 
 
+PG_LOAD = {"kafka": "Kafka + outbox", "outbox": "outbox alone (nothing reads it)"}
+
+
+def pg_load(results: Results, folder: Path) -> list[Path]:
+    """Per fsync delay (a row each): transactions/s by writer count, the application's
+    transaction p99, and COMMIT -> received p50/p99 at the paced rate."""
+    runs = results["runs"]
+    delays = sorted({r["delay_us"] for r in runs})
+    fig, axes = figure(len(delays), 3, 16, 4.2 * len(delays))
+    for row, delay in enumerate(delays):
+        mine = [r for r in runs if r["delay_us"] == delay]
+        unpaced = [r for r in mine if not r["rate"]]
+        paced = [r for r in mine if r["rate"]]
+        throughput: Values = {}
+        p99: Values = {}
+        for r in unpaced:
+            case = f"{r['writers']} writer{'s' if r['writers'] > 1 else ''}"
+            throughput.setdefault((r["system"], case), []).append(r["tx_per_s"])
+            p99.setdefault((r["system"], case), []).append(r["tx_latency_us"][1])
+        receipt: Values = {}
+        for r in paced:
+            if r["receipt_latency_us"]:
+                for label, value in zip(("p50", "p99"), r["receipt_latency_us"], strict=True):
+                    receipt.setdefault((r["system"], label), []).append(value)
+        disk = f"fsync +{delay} µs" if delay else "this VM's disk"
+        grouped_bars(axes[row][0], throughput, "transactions/s", labels=PG_LOAD)
+        axes[row][0].set_title(f"{disk}: transactions/s (higher is better)", fontsize=9)
+        grouped_bars(axes[row][1], p99, "ms", MS, PG_LOAD)
+        axes[row][1].set_title(f"{disk}: transaction p99 (lower is better)", fontsize=9)
+        if receipt:
+            rate = paced[0]["rate"]
+            grouped_bars(axes[row][2], receipt, "ms", MS, PG_LOAD)
+            axes[row][2].set_title(
+                f"{disk}: COMMIT -> received at {rate:,}/s (lower is better)", fontsize=9
+            )
+    return [
+        finish(
+            fig,
+            folder / "pg_load.png",
+            "PostgreSQL at load: writer processes on one database, synchronous_commit=on",
+            results,
+        )
+    ]
+
+
 def shares(results: Results, folder: Path) -> list[Path]:
     """records/s against workers: measured (min..max), n x one worker, and the apply bound."""
     workers = [int(n) for n in results["runs"]]
@@ -362,6 +407,7 @@ CHARTS: dict[str, Callable[[Results, Path], list[Path]]] = {
     "spark": spark,
     "workers": workers,
     "transfer_pg": transfer_pg,
+    "pg_load": pg_load,
     "shares": shares,
 }
 

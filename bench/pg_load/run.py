@@ -334,11 +334,18 @@ def table(rows: list[dict[str, Any]]) -> Table:
 
 
 def run(
-    broker: Any, quick: bool, repeats: int, delays: Sequence[int] | None = None
+    broker: Any,
+    quick: bool,
+    repeats: int,
+    delays: Sequence[int] | None = None,
+    *,
+    sizes: Sizes | None = None,
+    folder: Path | None = None,
 ) -> dict[str, Any]:
+    """Every case, side by side; saved (``folder``: where, for tests) and drawn."""
     from tests.pgserver import PostgresServer
 
-    sizes = QUICK if quick else FULL
+    sizes = sizes or (QUICK if quick else FULL)
     systems = [s for s in SYSTEMS if s != "kafka" or broker is not None]
     runs: list[Run] = []
     idle: dict[str, float] = {}
@@ -384,7 +391,7 @@ def run(
         "idle": idle,
         "runs": [asdict(r) for r in runs],
     }
-    save("pg_load", payload, quick, partial=broker is None)
+    save("pg_load", payload, quick, folder, partial=broker is None)
     return payload
 
 

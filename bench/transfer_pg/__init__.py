@@ -11,8 +11,10 @@ bench.transfer_pg.kafka ROLE ARGS``):
   the payments service, on its own psycopg connection. Each transaction: lock the debited
   accounts in id order (``SELECT ... ORDER BY id FOR UPDATE``: concurrent writers cannot
   deadlock), debit them, journal the transfers, then emit the deposits, one COMMIT.
-  streamq's: ``streamq.publish_many(conn, "deposits", ...)`` (the stream's row
-  lock is taken last and held to the commit); kafka's: one INSERT into ``outbox``.
+  streamq's: ``streamq.publish_many(conn, "deposits", ...)`` (one INSERT of the
+  records, unnumbered, into ``streamq_pending``, no lock: it returns a ``Receipt``, the
+  seqs are given after the commit by the serving process); kafka's: one INSERT into
+  ``outbox``.
   The writer commits its share of TOTAL (transfer ids INDEX + 1, INDEX + 1 + WRITERS,
   ...) at RATE / WRITERS transfers/s, offset by INDEX / RATE so that the service's due
   times interleave (RATE 0: as fast as it can, 1 to 50 transfers per transaction).
@@ -35,8 +37,9 @@ bench.transfer_pg.kafka ROLE ARGS``):
   ledger loop (offsets stored with the credits, dedupe by transfer id) over
   ``PostgresKafkaLedger``.
 
-streamq's serving process is ``python -m streamq serve URL --port 0`` itself: it hears
-the writers' commits by LISTEN/NOTIFY and pushes them to the ledger.
+streamq's serving process is ``python -m streamq serve URL --port 0`` itself: it numbers
+the writers' records once committed (looking for them while they keep coming, woken by a
+NOTIFY when idle) and pushes them to the ledger once that numbering is flushed.
 
 The relay and late-committing ids
 ---------------------------------

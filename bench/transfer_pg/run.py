@@ -6,9 +6,10 @@ Two systems, side by side in one run (processes in ``bench/transfer_pg/``, the l
 SQLite workload, ``bench/transfer/``, with PostgreSQL's SQL):
 
 - **streamq**: each writer's debit, journal rows and ``streamq.publish_many`` commit in one
-  transaction on its own psycopg connection; ``streamq serve URL`` (its own process) hears
-  the commits by LISTEN/NOTIFY and pushes them to the ledger, a ``streamq.Consumer`` whose
-  position commits with the credits in the ledger's database.
+  transaction on its own psycopg connection (the deposits unnumbered, no lock);
+  ``streamq serve URL`` (its own process) numbers them once committed and pushes them to
+  the ledger, a ``streamq.Consumer`` whose position commits with the credits in the
+  ledger's database.
 - **Kafka + outbox**: the writers insert outbox rows instead; the SQLite workload's relay
   (idempotent producer, ``acks=all``, waits for delivery, then records its position) reads
   them in (xid, id) order below the oldest running transaction's xmin, so rows that
@@ -25,7 +26,9 @@ the ledger committed the credit of the last of N transfers, writers as fast as t
 and the latency from each transfer's due time, at a fixed rate over all writers, to the
 commit of its credit (p50, p99). After every run, the exactly-once check of the SQLite
 workload (``transfer.run.check_books``) on copies of both databases' tables: money conserved,
-no deposit lost, none credited twice, log or outbox == journal (streamq: seqs dense).
+no deposit lost, none credited twice, log or outbox == journal (streamq: seqs dense, and
+by content: the log holds each journalled transfer's deposit exactly once, and no other,
+with nothing left unnumbered in ``streamq_pending``).
 
 ``python -m bench.transfer_pg.run [--quick] [--repeats N] [--no-kafka] [--seed N]`` runs
 it alone.
@@ -51,6 +54,8 @@ import psycopg
 from rich.progress import Progress, TaskID
 from rich.table import Table
 
+from streamq.protocol import decode_record
+
 from ..common import (
     Child,
     LatencyRuns,
@@ -64,7 +69,7 @@ from ..common import (
     workload_main,
 )
 from ..measure import Latencies
-from ..transfer.common import CONSUMER_SCHEMA, PRODUCER_SCHEMA, STREAM
+from ..transfer.common import CONSUMER_SCHEMA, DEPOSIT, PRODUCER_SCHEMA, STREAM
 from ..transfer.kafka import KAFKA_CONSUMER, KAFKA_PRODUCER, RELAY_POLL, warm_up
 from ..transfer.run import check_books
 from .common import RELAY_FETCH, setup_ledger, setup_payments
@@ -336,22 +341,63 @@ def check_pg(payments: str, ledger: str) -> dict[str, Any]:
         extra: dict[str, Any] = {}
         published: int | None = None
         if _exists(source, "streamq_log"):
-            row = source.execute(
-                "SELECT count(*), coalesce(min(seq), 1), coalesce(max(seq), 0) FROM streamq_log "
-                "WHERE stream_id = (SELECT id FROM streamq_streams WHERE name = %s)",
-                (STREAM,),
-            ).fetchone()
-            assert row is not None
-            published = int(row[0])
-            extra["log_dense"] = int(row[1]) == 1 and int(row[2]) == published
+            extra = check_log(source)
+            published = extra.pop("published")
         elif _exists(source, "outbox"):
             row = source.execute("SELECT count(*) FROM outbox").fetchone()
             assert row is not None
             published = int(row[0])
         result = check_books(conn, published)
     result.update(extra)
-    result["anomalies"] += not extra.get("log_dense", True)
+    result["anomalies"] += (
+        (not extra.get("log_dense", True))
+        + (not extra.get("log_matches_journal", True))
+        + (extra.get("unnumbered", 0) != 0)
+    )
     return result
+
+
+LOG_RECORDS = """
+SELECT seq, record FROM streamq_log
+WHERE stream_id = (SELECT id FROM streamq_streams WHERE name = %s) ORDER BY seq"""
+PENDING_RECORDS = "SELECT record FROM streamq_pending WHERE stream = %s"
+
+
+def check_log(source: psycopg.Connection[Any]) -> dict[str, Any]:
+    """streamq's log against the payments service's journal (``transfers``), by content,
+    every process stopped. Seqs are given after the commit (by ``streamq serve``), so the
+    log is what was numbered, and ``streamq_pending`` what committed and was not (none, once
+    the ledger credited every transfer). ``published``: both; ``log_dense``: seqs 1 to the
+    last; ``log_matches_journal``: each journalled transfer's deposit (id, to account,
+    amount) there exactly once, and no other; ``unnumbered``: the pending ones."""
+    deposits: list[tuple[int, int, int]] = []  # (transfer id, to account, amount)
+    last = 0
+    dense = True
+    with source.transaction(), source.cursor(name="check_log") as cursor:  # any size
+        cursor.execute(LOG_RECORDS, (STREAM,))
+        for seq, encoded in cursor:
+            record = decode_record(bytes(encoded))
+            dense = dense and seq == last + 1 and record.seq == seq
+            last = int(seq)
+            deposits.append(DEPOSIT.unpack(record.value)[:3])
+        pending = [
+            DEPOSIT.unpack(decode_record(bytes(encoded)).value)[:3]
+            for (encoded,) in source.execute(PENDING_RECORDS, (STREAM,))
+        ]
+        journal = {
+            int(transfer_id): (int(to_account), int(amount))
+            for transfer_id, to_account, amount in source.execute(
+                "SELECT transfer_id, to_account, amount FROM transfers"
+            )
+        }
+    published = deposits + pending
+    found = {transfer_id: (to, amount) for transfer_id, to, amount in published}
+    return {
+        "published": len(published),
+        "log_dense": dense,
+        "log_matches_journal": len(found) == len(published) and found == journal,
+        "unnumbered": len(pending),
+    }
 
 
 # --- the workload -----------------------------------------------------------------------
@@ -460,6 +506,8 @@ def _check_table(runs: list[Run], warmed: list[Run]) -> Table:
             *([] if c["payments_books_ok"] and c["ledger_books_ok"] else ["books"]),
             *([] if c.get("log_dense", True) else ["seqs not dense"]),
             *(["log != journal"] if c["published"] != c["transfers_checked"] else []),
+            *([] if c.get("log_matches_journal", True) else ["log's deposits != journal"]),
+            *([f"{c['unnumbered']} unnumbered"] if c.get("unnumbered") else []),
             *(["phantom"] if c["phantom"] else []),
             *(["amounts"] if c["wrong_amount"] else []),
         ]
