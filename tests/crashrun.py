@@ -21,6 +21,13 @@ again on the same data directory and port, and runs other writer processes
 (tests/crash/writer_proc.py, ``Plan.writers``) that publish into the same stream with
 ``streamq.publish`` on their own psycopg connections, their orders in the same business
 tables, some killed at random and some mid-transaction, each restarted like the producer.
+There a publish returns a ``Receipt``, not a seq: the serving producer numbers the
+records once committed. The writers journal their records by value, and the harness
+finds each transaction they committed in the log, or still pending (not numbered yet),
+in one snapshot of both (``check_unnumbered_commits``): every record exactly once, a
+transaction's records at consecutive seqs in publish order, a writer's transactions in
+the order it committed them; at the end nothing is left pending. The producer journals
+the seqs ``wait_served`` gives its commits.
 Server kills are survived, not restarted around: the producer, the consumer and the
 writers run with ``--survive-db-outages`` and carry on by themselves (the producer's and
 the consumer's connections open again inside streamq; a transaction cut by the kill is
@@ -48,8 +55,19 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import streamq
+from streamq.protocol import decode_record
 
-from .oracle import History, Report, check, dialect, history_from_files, read_head, read_log
+from .crash.producer_proc import COMMIT_UNNUMBERED
+from .oracle import (
+    POSTGRES,
+    History,
+    Report,
+    check,
+    dialect,
+    history_from_files,
+    read_head,
+    read_log,
+)
 from .pgserver import PostgresServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -276,13 +294,52 @@ def engine_from_env() -> str:
 
 
 def last_journal_records(path: Path) -> list[tuple[int, bytes]]:
-    """The records of a journal's last line: the transaction a fault point killed."""
+    """The records of a journal's last line: the transaction a fault point killed (its
+    seqs 0 where they are given after the commit, PostgreSQL)."""
     lines = path.read_text().splitlines() if path.exists() else []
     if not lines:
         return []
     event = json.loads(lines[-1])
     assert event["event"] == "publish", f"{path.name} ends with {event}"
     return [(int(seq), value.encode("latin-1")) for seq, value in event["records"]]
+
+
+def journal_transactions(path: Path, event: str) -> list[list[bytes]]:
+    """The values of each ``event`` line of a journal, in order (a truncated last line,
+    a kill mid-write, is skipped)."""
+    found = []
+    for line in path.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if entry["event"] == event:
+            found.append([value.encode("latin-1") for _, value in entry["records"]])
+    return found
+
+
+def read_published(db: str, stream: str) -> tuple[dict[int, bytes], list[bytes]]:
+    """A stream's numbered records (seq -> value) and the values of its committed records
+    not numbered yet (PostgreSQL's ``streamq_pending``), in one snapshot: the serving
+    producer moves records from one to the other in a transaction, so each committed
+    record is in exactly one of them. SQLite numbers at publish: nothing is pending."""
+    if dialect(db) is not POSTGRES:
+        return read_log(db, stream), []
+    with POSTGRES.connect(db, snapshot=True) as conn:
+        rows = conn.execute(
+            "SELECT l.seq, l.record FROM streamq_log AS l "
+            "JOIN streamq_streams AS s ON s.id = l.stream_id WHERE s.name = %s",
+            (stream,),
+        ).fetchall()
+        pending = conn.execute(
+            "SELECT record FROM streamq_pending WHERE stream = %s ORDER BY xid, id", (stream,)
+        ).fetchall()
+    log = {}
+    for seq, encoded in rows:
+        record = decode_record(bytes(encoded))
+        assert record.seq == seq, (record.seq, seq)
+        log[int(seq)] = bytes(record.value)
+    return log, [bytes(decode_record(bytes(encoded)).value) for (encoded,) in pending]
 
 
 class CrashRun:
@@ -370,11 +427,70 @@ class CrashRun:
         )
 
     def check_history(self, complete: bool = False) -> Report:
-        """The oracle on everything so far; any anomaly fails the run at once."""
+        """The oracle on everything so far, and the commits journalled without seqs; any
+        anomaly fails the run at once."""
+        self.check_unnumbered_commits(complete)
         report = check(self.history(complete))
         self.figures.checks += 1
         assert report.ok, f"{report}: {self.context()}"
         return report
+
+    def check_unnumbered_commits(self, complete: bool) -> None:
+        """The transactions the writers committed and journalled by value (PostgreSQL: a
+        publish says no seq), found in the log or pending, read after the journals: each
+        record exactly once in all; a transaction numbered whole, at consecutive seqs in
+        publish order; each writer's transactions (one after another, each committed
+        before the next began, a restarted one's after its last life's) numbered in that
+        order, at increasing seqs. ``complete``:
+        nothing committed is left pending."""
+
+        # Per program (``writer-2`` of ``writer-2-3.jsonl``), its lives in order: a life
+        # starts once the one before ended.
+        def life(path: Path) -> tuple[str, int]:
+            program, _, number = path.stem.rpartition("-")
+            return program, int(number)
+
+        commits: dict[str, list[list[bytes]]] = {}
+        for path in sorted(self.dir.glob("*.jsonl"), key=life):
+            transactions = journal_transactions(path, COMMIT_UNNUMBERED)
+            commits.setdefault(life(path)[0], []).extend(transactions)
+        log, pending = read_published(self.producer_db, STREAM)
+        context = self.context
+        where = Counter(pending)
+        seq_of: dict[bytes, int] = {}
+        for seq, value in log.items():
+            where[value] += 1
+            seq_of[value] = seq
+        twice = [value for value, n in where.items() if n > 1]
+        assert not twice, f"records in the log or pending twice, e.g. {twice[:3]}: {context()}"
+        if complete:
+            assert not pending, f"{len(pending)} committed records never numbered: {context()}"
+        for name, transactions in commits.items():
+            last = 0  # the last seq of the writer's last numbered transaction
+            waiting: list[bytes] | None = None  # its first transaction not numbered yet
+            for values in transactions:
+                lost = [value for value in values if not where[value]]
+                assert not lost, (
+                    f"{name}: committed {values}, {len(lost)} of them neither in the log nor "
+                    f"pending: {context()}"
+                )
+                seqs = [seq_of[value] for value in values if value in seq_of]
+                if not seqs:
+                    waiting = waiting or values
+                    continue
+                assert len(seqs) == len(values), (
+                    f"{name}: {values} partly numbered, at {seqs}: {context()}"
+                )
+                assert waiting is None, (
+                    f"{name}: {values} numbered, an earlier transaction not: {waiting}: {context()}"
+                )
+                assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), (
+                    f"{name}: one transaction's records at seqs {seqs}: {context()}"
+                )
+                assert seqs[0] > last, (
+                    f"{name}: a transaction at seqs {seqs} after one at {last}: {context()}"
+                )
+                last = seqs[-1]
 
     # --- the database server (PostgreSQL) ------------------------------------
 
@@ -490,10 +606,11 @@ class CrashRun:
         are its own), so any of them there would be the killed transaction's."""
         killed = {value for _, value in last_journal_records(proc.log.with_suffix(".jsonl"))}
         assert killed, f"{proc.log.name}: no transaction journalled before the kill"
-        committed = killed & set(read_log(self.producer_db, STREAM).values())
+        log, pending = read_published(self.producer_db, STREAM)
+        committed = killed & {*log.values(), *pending}
         assert not committed, (
             f"{proc.log.name}: {len(committed)} records of the transaction killed before "
-            f"COMMIT are in the log, e.g. {sorted(committed)[:3]}: {self.context()}"
+            f"COMMIT are in the log or pending, e.g. {sorted(committed)[:3]}: {self.context()}"
         )
 
     def kill_producer(self) -> None:

@@ -1,7 +1,8 @@
 """The transfer workload on PostgreSQL (bench/transfer_pg/run.py), tiny: streamq and Kafka +
 outbox (a real broker), with 1 and 2 concurrent writers, each run credited exactly once
 and the result JSON complete; the relay never skips an outbox row that commits after a
-higher id; and the checker sees lost and doubled credits in PostgreSQL databases.
+higher id; and the checker sees lost and doubled credits in PostgreSQL databases, and
+streamq's log (numbered after the commit) against the journal by content.
 """
 
 from __future__ import annotations
@@ -13,10 +14,13 @@ from typing import Any
 import psycopg
 import pytest
 
+import streamq
 from bench.kafka.broker import KafkaBroker
+from bench.transfer.common import STREAM, Transfer, payloads
 from bench.transfer_pg import run as transfer_pg
-from bench.transfer_pg.common import setup_ledger, setup_payments
+from bench.transfer_pg.common import JOURNAL, setup_ledger, setup_payments
 from bench.transfer_pg.kafka import PostgresOutbox
+from streamq.engines.postgres.numbering import number_all
 
 from .children import running_children
 from .pgserver import PostgresServer
@@ -54,7 +58,11 @@ def test_tiny_run_exactly_once_and_results(tmp_path: Path) -> None:
         assert check["money_difference"] == 0 and check["debited"] > 0, context
         assert check["payments_books_ok"] and check["ledger_books_ok"], context
         assert check["anomalies"] == 0, context
-        assert check.get("log_dense", True), context
+        if r["system"] == "streamq":  # the log by content: each deposit once, none left
+            assert check["log_dense"] and check["log_matches_journal"], context
+            assert check["unnumbered"] == 0, context
+        else:
+            assert "log_dense" not in check, context
         assert r["seconds"] > 0 and r["producer_seconds"] > 0, context
         assert r["latency"][4] == expected and r["commit_latency"][4] == expected, context
         assert r["commit_to_credit"][4] == expected, context  # every transfer, from COMMIT
@@ -102,6 +110,42 @@ def test_relay_waits_for_rows_that_commit_late(pg_url: str) -> None:
     restarted = PostgresOutbox(pg_url)  # from the recorded position
     assert [payload for _, payload in restarted.fetch(10)] == [b"three"]
     restarted.close()
+
+
+def test_checker_matches_the_log_with_the_journal(pg_url: str) -> None:
+    """streamq's log by content: a journalled transfer's deposit numbered or still pending
+    (committed, with no serving process to number it) is there, once; a deposit twice, one
+    with another amount, or one of no transfer is not the journal."""
+    setup_payments(pg_url, "streamq")
+    transfers = [Transfer(1, 0, 5, 100), Transfer(2, 1, 6, 200), Transfer(3, 2, 7, 300)]
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+
+        def publish(*deposits: Transfer) -> None:
+            with conn.transaction():
+                receipt = streamq.publish_many(conn, STREAM, payloads(list(deposits), None))
+                assert isinstance(receipt, streamq.Receipt)  # numbered after the commit
+
+        with conn.transaction():
+            conn.execute(JOURNAL, tuple(map(list, zip(*transfers, strict=True))))
+        publish(*transfers[:2])
+        assert number_all(conn) == 2
+        publish(transfers[2])  # committed, not numbered
+        checked = transfer_pg.check_log(conn)
+        assert checked == {
+            "published": 3,
+            "log_dense": True,
+            "log_matches_journal": True,
+            "unnumbered": 1,
+        }
+        assert number_all(conn) == 1
+        assert transfer_pg.check_log(conn)["unnumbered"] == 0
+        for wrong in (transfers[1], Transfer(3, 2, 7, 301), Transfer(4, 0, 5, 1)):
+            with conn.transaction():
+                publish(wrong)
+                checked = transfer_pg.check_log(conn)
+                assert checked["published"] == 4 and checked["unnumbered"] == 1, checked
+                assert not checked["log_matches_journal"], (wrong, checked)
+                raise psycopg.Rollback
 
 
 def test_checker_sees_lost_and_doubled_credits(postgres: PostgresServer) -> None:

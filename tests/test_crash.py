@@ -11,7 +11,12 @@ same kills, plus kill -9 of the server itself four times (while the producer, th
 consumer and another writer are each held in the middle of a transaction, and once at a
 random moment; restarted on its data directory and port, the programs carry on through
 it) and two other writer processes publishing into the stream with ``streamq.publish``,
-killed at random and mid-transaction too.
+killed at random and mid-transaction too. There records are numbered after the commit,
+by the serving producer (a publish returns a ``Receipt``): the writers journal their
+commits by value, and the harness finds each in the log (or still pending) once, whole,
+at consecutive seqs and in the order each writer committed them, with nothing left
+pending at the end; the stream's length is counted in the business table every
+publishing transaction updates.
 """
 
 from __future__ import annotations

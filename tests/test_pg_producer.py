@@ -20,6 +20,7 @@ import pytest
 import streamq
 from streamq import Consumer, Producer
 from streamq.engines.postgres import storage as postgres_storage
+from streamq.engines.postgres.numbering import Numberer
 from streamq.errors import AlreadyServedError, DatabaseOpenError
 
 from .conftest import started_server, wait_for
@@ -425,3 +426,31 @@ async def test_a_long_transaction_holds_back_nobody_and_loses_nothing(pg_url: st
             what="the killed writer's session to end",
         )
         assert conn.execute("SELECT count(*) FROM streamq_log").fetchone() == (5,)
+
+
+async def test_a_round_committed_before_its_connection_was_lost_is_served(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The numberer's connection dies right after a round's COMMIT, before it learns the
+    round was flushed (a dead socket where the pipelined wait's answer should be): once
+    connected again it finds the round committed and serves it, so whoever waits for
+    those records learns their seqs instead of waiting for ever."""
+    failed: list[bool] = []
+    waited = Numberer._waited
+
+    def lose_the_connection_once(self: Numberer, row: tuple[bool, int | None, int]) -> bool:
+        if self._unflushed and not failed:
+            failed.append(True)
+            raise psycopg.OperationalError("the connection is lost")
+        return waited(self, row)
+
+    monkeypatch.setattr(Numberer, "_waited", lose_the_connection_once)
+    async with Producer(pg_url) as producer:
+        await producer.create_stream("orders")
+        async with asyncio.timeout(20), producer.transaction() as tx:
+            receipt = await tx.publish("orders", b"x")
+        assert failed == [True]
+        assert await producer.wait_served(receipt) == range(1, 2)
+        assert await producer.publish("orders", b"y") == 2
+        received = await consume(producer.address, "orders", 2)
+    assert [r.value for r in received] == [b"x", b"y"]

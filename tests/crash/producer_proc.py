@@ -12,10 +12,16 @@ writers (writer_proc.py) take negative ones.
 
 ``--allow FILE``: never publish beyond the number written in FILE (the test
 releases records a little at a time, so the consumer always has work while it
-is being killed); a transaction whose seqs would go beyond it, because another writer
-published meanwhile, is rolled back. ``--journal FILE``: every record published
-(``publish``) and every transaction that committed (``commit``) is journalled for the
-oracle.
+is being killed); a transaction whose records would go beyond it, because another writer
+published meanwhile, is rolled back. How many records the stream has is the number of
+orders in ``totals``: every publishing transaction adds its records there, under that
+row's lock until its COMMIT. (On PostgreSQL the other writers' records are numbered only
+after their commit, by this serving producer, so neither the producer's head nor a seq
+says that at once; see writer_proc.py.) ``--journal FILE``: every record published and
+every transaction that committed, for the oracle, with their seqs (``publish``,
+``commit``); on PostgreSQL, where ``publish`` returns a ``Receipt``, the records are
+published ``UNNUMBERED``, and journalled as committed once served, with the seqs
+``wait_served`` says.
 
 ``--survive-db-outages S`` (PostgreSQL, whose server the harness kills): a transaction
 that fails because the database server went away (psycopg's ``OperationalError``, or
@@ -46,10 +52,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import os
 import random
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import streamq
@@ -57,15 +64,26 @@ from streamq._loop import run
 from streamq.errors import AlreadyServedError, DatabaseOpenError
 from streamq.protocol import ServerConnection
 from tests.crash.faults import FAULTS, HOLDS
-from tests.oracle import Dialect, Journal, dialect
+from tests.oracle import UNNUMBERED, Dialect, Journal, dialect
 
 STREAM = "orders"
+# The journal event (tests/crashrun.py reads it; the oracle reads ``publish`` and
+# ``commit``) of a transaction that a writer which does not serve (writer_proc.py)
+# committed, its records ``UNNUMBERED`` (the oracle's seq of a record that has none yet):
+# the harness finds them in the log, or still pending, by their values.
+COMMIT_UNNUMBERED = "commit-unnumbered"
 MAX_BATCH = 200
 NO_LIMIT = 1 << 62  # a transaction that dies before COMMIT may publish beyond the allowance
 # Records per executemany into streamq_log, so big transactions write part of
 # the log before COMMIT (and the mid-transaction kill leaves uncommitted rows).
 FLUSH_RECORDS = 64
 START_TIMEOUT = 20.0
+# A transaction's records are served when its block ends: wait_served answers at once.
+SERVED_TIMEOUT = 5.0
+# Seconds a committed transaction's block may wait for its records to be served (numbered
+# and flushed, through a server restart); beyond, the process says so and exits 3 (the
+# block would wait for ever: a lost receipt).
+SERVE_PATIENCE = 20.0
 
 
 class Overshoot(Exception):
@@ -79,6 +97,17 @@ def outage_errors(db: str) -> tuple[type[BaseException], ...]:
     import psycopg
 
     return (psycopg.OperationalError, psycopg.InterfaceError, DatabaseOpenError)
+
+
+def unnumbered(values: Iterable[bytes]) -> list[tuple[int, bytes]]:
+    """Records for the journal that have no seq yet."""
+    return [(UNNUMBERED, value) for value in values]
+
+
+# The orders committed, which is the stream's records committed (numbered or not): every
+# publishing transaction adds its records here. As UPDATE ... RETURNING, under the row's lock.
+COUNT_ORDERS = "SELECT n FROM totals WHERE name = 'orders'"
+ADD_ORDERS = "UPDATE totals SET n = n + ?, amount = amount + ? WHERE name = 'orders' RETURNING n"
 
 
 def allowance(path: str | None, total: int) -> int:
@@ -211,6 +240,35 @@ async def group_round(
             raise outcome
 
 
+class Watchdog:
+    """Where a transaction's block ends once its records are served (PostgreSQL), a
+    block still waiting ``SERVE_PATIENCE`` after its COMMIT returned ends the process
+    with ``UNSERVED <receipt>`` and exit code 3, instead of waiting for ever."""
+
+    def __init__(self) -> None:
+        self.tx: streamq.Transaction | None = None  # the transaction block open, if any
+        self.since: tuple[streamq.Transaction, float] | None = None
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            tx = self.tx
+            if tx is None or not tx.committed:
+                self.since = None
+            elif self.since is None or self.since[0] is not tx:
+                self.since = (tx, time.monotonic())
+            elif time.monotonic() - self.since[1] > SERVE_PATIENCE:
+                print(
+                    f"UNSERVED {tx.last_receipt}: committed {SERVE_PATIENCE:g} s ago, its "
+                    "records still not served",
+                    flush=True,
+                )
+                os._exit(3)
+
+
+WATCHDOG = Watchdog()
+
+
 async def one_transaction(
     producer: streamq.Producer,
     d: Dialect,
@@ -222,37 +280,69 @@ async def one_transaction(
     kill: bool = False,
     hold: bool = False,
 ) -> None:
-    """One transaction of ``count`` orders: rolled back (``Overshoot``) if its seqs go
-    beyond ``limit`` (None: wherever they go); killed before COMMIT with ``kill``; held
-    there with ``hold`` (whatever its hit, see HOLDS), or at the hit HOLDS is set for."""
-    async with producer.transaction() as tx:
-        cursor = await tx.execute("SELECT COALESCE(MAX(id), 0) FROM orders WHERE id > 0")
-        row = await cursor.fetchone()
-        assert row is not None
-        orders = make_orders(rng, int(row[0]), count)
-        values = [b"order-%d:%d" % order for order in orders]
-        business_first = rng.random() < 0.5
-        insert = d.sql("INSERT INTO orders (id, amount) VALUES (?, ?)")
-        if business_first:
-            await tx.executemany(insert, orders)
-        if count == 1:
-            seqs: Sequence[int] = [await tx.publish(STREAM, values[0], key=b"%d" % orders[0][0])]
-        else:
-            seqs = await tx.publish_many(STREAM, values)
-        journal.write("publish", zip(seqs, values, strict=True))
-        if limit is not None and seqs[-1] > limit:
-            raise Overshoot
-        if not business_first:
-            await tx.executemany(insert, orders)
-        await tx.execute(
-            d.sql("UPDATE totals SET n = n + ?, amount = amount + ? WHERE name = 'orders'"),
-            (count, sum(amount for _, amount in orders)),
-        )
-        if hold or HOLDS.due("mid-tx"):
-            HOLDS.hold("mid-tx", f"records={count}")
-        if kill:
-            FAULTS.fire("mid-tx", f"head={producer.head(STREAM)} records={count}")
+    """One transaction of ``count`` orders: rolled back (``Overshoot``) if its records
+    would take the stream beyond ``limit`` (None: wherever they go); killed before COMMIT
+    with ``kill``; held there with ``hold`` (whatever its hit, see HOLDS), or at the hit
+    HOLDS is set for."""
+    try:
+        async with producer.transaction() as tx:
+            WATCHDOG.tx = tx
+            cursor = await tx.execute("SELECT COALESCE(MAX(id), 0) FROM orders WHERE id > 0")
+            row = await cursor.fetchone()
+            assert row is not None
+            orders = make_orders(rng, int(row[0]), count)
+            values = [b"order-%d:%d" % order for order in orders]
+            business_first = rng.random() < 0.5
+            insert = d.sql("INSERT INTO orders (id, amount) VALUES (?, ?)")
+            if business_first:
+                await tx.executemany(insert, orders)
+            published: int | range | streamq.Receipt
+            if count == 1:
+                published = await tx.publish(STREAM, values[0], key=b"%d" % orders[0][0])
+            else:
+                published = await tx.publish_many(STREAM, values)
+            seqs: Sequence[int] | None = None
+            if isinstance(published, streamq.Receipt):  # seqs given after the commit
+                receipt = published
+                assert receipt.count == count, receipt
+                journal.write("publish", unnumbered(values))
+            else:
+                seqs = [published] if isinstance(published, int) else published
+                journal.write("publish", zip(seqs, values, strict=True))
+            if not business_first:
+                await tx.executemany(insert, orders)
+            cursor = await tx.execute(d.sql(ADD_ORDERS), (count, sum(a for _, a in orders)))
+            row = await cursor.fetchone()
+            assert row is not None
+            committed = int(row[0])  # the stream's records, with these if they commit
+            # Where seqs are known at publish (SQLite), they end at that count: one writer
+            # at a time, each adding its records to it.
+            assert seqs is None or seqs[-1] == committed, (seqs[-1], committed)
+            if limit is not None and committed > limit:
+                raise Overshoot
+            if hold or HOLDS.due("mid-tx"):
+                HOLDS.hold("mid-tx", f"records={count}")
+            if kill:
+                FAULTS.fire("mid-tx", f"head={producer.head(STREAM)} records={count}")
+    finally:
+        WATCHDOG.tx = None
+    if seqs is None:  # committed and (the block waited for it) served: its seqs are known
+        seqs = await producer.wait_served(receipt, timeout=SERVED_TIMEOUT)
+        assert len(seqs) == count, (receipt, seqs)
     journal.write("commit", zip(seqs, values, strict=True))
+
+
+async def committed_head(producer: streamq.Producer) -> int:
+    """How many records the stream has, committed: the producer's head (SQLite: caught up
+    with the other connections at BEGIN); where the other writers' records are numbered
+    after their commit (PostgreSQL), the orders committed (``COUNT_ORDERS``)."""
+    if not producer.storage.features.numbered_after_commit:
+        return producer.head(STREAM)
+    async with producer.transaction() as tx:
+        cursor = await tx.execute(COUNT_ORDERS)
+        row = await cursor.fetchone()
+    assert row is not None
+    return int(row[0])
 
 
 async def start(args: argparse.Namespace, settings: streamq.ServerSettings) -> streamq.Producer:
@@ -298,30 +388,32 @@ async def main(args: argparse.Namespace) -> None:
     )
     failing_since: float | None = None  # the first of consecutive database errors
     producer = await start(args, settings)
+    watchdog = asyncio.create_task(WATCHDOG.run())
     # Commit groups are SQLite's (PostgreSQL groups its own WAL flushes).
     groups = producer.storage.features.blocking_transactions
     try:
         print(f"READY {args.port} head={producer.head(STREAM)}", flush=True)
         while True:
-            head = producer.head(STREAM)
-            limit = allowance(args.allow, args.total)
-            # Waiting for records the test releases only once its kills are over.
-            at_cap = limit <= head and limit >= args.kill_waiting_from
-            # The N-th transaction is killed; so is the next one once all is published, or
-            # at the cap. A transaction to hold does not wait either: it cannot commit (the
-            # test kills the database server under it).
-            kill = FAULTS.armed("mid-tx") and (head >= args.total or at_cap)
-            hold = HOLDS.pending("mid-tx") and at_cap and not kill
-            if head >= limit and not (kill or hold):
-                if head >= args.total:
-                    break
-                await asyncio.sleep(0.005)
-                continue
-            kill = FAULTS.due("mid-tx") or kill
-            count = rng.randint(1, MAX_BATCH)
-            if not (kill or hold):
-                count = min(count, limit - head)
+            kill = False
             try:
+                head = await committed_head(producer)
+                limit = allowance(args.allow, args.total)
+                # Waiting for records the test releases only once its kills are over.
+                at_cap = limit <= head and limit >= args.kill_waiting_from
+                # The N-th transaction is killed; so is the next one once all is published,
+                # or at the cap. A transaction to hold does not wait either: it cannot commit
+                # (the test kills the database server under it).
+                kill = FAULTS.armed("mid-tx") and (head >= args.total or at_cap)
+                hold = HOLDS.pending("mid-tx") and at_cap and not kill
+                if head >= limit and not (kill or hold):
+                    if head >= args.total:
+                        break
+                    await asyncio.sleep(0.005)
+                    continue
+                kill = FAULTS.due("mid-tx") or kill
+                count = rng.randint(1, MAX_BATCH)
+                if not (kill or hold):
+                    count = min(count, limit - head)
                 try:
                     if groups and not hold and rng.random() < 0.3:
                         await group_round(
@@ -353,9 +445,10 @@ async def main(args: argparse.Namespace) -> None:
             failing_since = None
             if args.pace:
                 await asyncio.sleep(count / args.pace * rng.uniform(0.5, 1.5))
-        print(f"COMPLETE head={producer.head(STREAM)}", flush=True)
+        print(f"COMPLETE head={head}", flush=True)
         await asyncio.Event().wait()  # serve until killed
     finally:
+        watchdog.cancel()
         await producer.close()
 
 

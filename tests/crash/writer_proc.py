@@ -11,11 +11,19 @@ into ``orders`` and adds them to ``totals``, as the producer does. Its order ids
 negative and its own (``-(64 * m + NUMBER)``, m growing), so writers never collide on
 them; a restarted writer goes on after its last committed id.
 
-Seqs never go beyond the allowance (``--allow FILE``, as the producer) or TOTAL: the
-first publish returns the seq the stream's lock gave it, and the transaction keeps only
-the records that fit (none: it rolls back). Once a publish finds the stream at TOTAL the
-writer prints ``COMPLETE`` and exits 0. ``--journal FILE``: every record published
-(``publish``) and every transaction committed (``commit``), for the oracle.
+Seqs never go beyond the allowance (``--allow FILE``, as the producer) or TOTAL. A
+publish takes no lock and, on PostgreSQL, says no seq (it returns a ``Receipt``: the
+serving producer numbers the records after the commit), so the stream's length is
+counted where the application counts its orders: every publishing transaction (the
+producer's too) adds its records to ``totals`` (``UPDATE ... RETURNING n``, the row
+locked until its COMMIT). A transaction publishes what fits as far as the writer knows,
+and rolls back if that count, with its records, goes beyond the allowance (other writers
+committed meanwhile); the next one publishes what fits then. Once the stream is found at
+TOTAL the writer prints ``COMPLETE`` and exits 0. ``--journal FILE``: every record
+published and every transaction committed, for the oracle: on SQLite with their seqs
+(``publish``, ``commit``); on PostgreSQL without seqs (producer_proc's ``UNNUMBERED``;
+a commit as ``COMMIT_UNNUMBERED``), one line per transaction, which the harness finds in
+the log (or still pending) by their values (order ids are unique).
 
 Fault point (``STREAMQ_FAULT=mid-tx:N``, see faults.py): the N-th transaction kills the
 process after its publishes and business SQL, before COMMIT; so does one that would
@@ -29,7 +37,9 @@ test kills the server under it).
 went away is dropped (a failed COMMIT's records stay attempted) and the writer connects
 again, for up to S seconds of consecutive failures, printing ``DBERROR <error>``.
 
-Prints ``READY m=<its last m>`` once connected and ``COMMIT <n> last=<seq>`` after each commit.
+Prints ``READY m=<its last m> head=<records committed>`` once connected and, after each
+commit, ``COMMIT <n> head=<records committed> last=<seq>`` (SQLite) or ``... xid=<its
+transaction id>`` (PostgreSQL).
 """
 
 from __future__ import annotations
@@ -43,7 +53,15 @@ from typing import Any
 
 import streamq
 from tests.crash.faults import FAULTS, HOLDS
-from tests.crash.producer_proc import STREAM, allowance, outage_errors
+from tests.crash.producer_proc import (
+    ADD_ORDERS,
+    COMMIT_UNNUMBERED,
+    COUNT_ORDERS,
+    STREAM,
+    allowance,
+    outage_errors,
+    unnumbered,
+)
 from tests.oracle import Dialect, Journal, dialect
 
 STRIDE = 64  # writer NUMBER's ids: -(STRIDE * m + NUMBER)
@@ -59,7 +77,7 @@ class Writer:
         self.journal = Journal(args.journal)
         self.conn: Any = None
         self.m = 0  # the m of this writer's last order id
-        self.head = 0  # the stream's head as this writer last saw it
+        self.head = 0  # the stream's records committed, as this writer last saw them
         self.commits = 0
 
     def connect(self) -> None:
@@ -76,8 +94,9 @@ class Writer:
             self.d.sql("SELECT COALESCE(MAX(-id), 0) FROM orders WHERE id < 0 AND (-id) % ? = ?"),
             (STRIDE, self.args.number),
         ).fetchone()
-        self.conn.rollback()
         self.m = int(row[0]) // STRIDE
+        self.head = int(self.conn.execute(COUNT_ORDERS).fetchone()[0])
+        self.conn.rollback()
 
     def close(self) -> None:
         if self.conn is not None:
@@ -93,44 +112,55 @@ class Writer:
         """One transaction; False if the stream had no room for it (rolled back). With
         ``kill`` or ``hold``, whatever the room: it dies or stops before COMMIT."""
         count = self.rng.randint(1, MAX_RECORDS)
+        if not (kill or hold):  # what fits as far as this writer knows (checked below)
+            count = max(1, min(count, limit - self.head))
         m = self.m
         orders = []
         for _ in range(count):
             m += self.rng.randint(1, 3)
             orders.append((-(STRIDE * m + self.args.number), self.rng.randint(1, 9_999)))
         values = [b"order-%d:%d" % order for order in orders]
-        first_value = values[0]
         self.begin()
-        # The first publish takes the stream's lock and says where the head is.
-        seqs = [streamq.publish(self.conn, STREAM, values[0], key=b"%d" % orders[0][0])]
-        self.head = seqs[0] - 1
-        if not (kill or hold):  # keep what fits under the allowance
-            count = max(0, min(count, limit - self.head))
-            orders, values = orders[:count], values[:count]
-        for order, value in zip(orders[1:], values[1:], strict=True):
-            seqs.append(streamq.publish(self.conn, STREAM, value, key=b"%d" % order[0]))
+        published = [
+            streamq.publish(self.conn, STREAM, value, key=b"%d" % order[0])
+            for order, value in zip(orders, values, strict=True)
+        ]
+        receipts = [r for r in published if isinstance(r, streamq.Receipt)]
+        seqs = [seq for seq in published if isinstance(seq, int)]
         # This transaction's attempts, in one line (the last, if it dies before COMMIT).
-        self.journal.write("publish", zip(seqs, values or [first_value], strict=True))
-        if not orders:
-            self.conn.rollback()
-            return False
+        if receipts:  # PostgreSQL: numbered after the commit, one transaction's
+            assert len(receipts) == count and len({r.xid for r in receipts}) == 1, receipts
+            self.journal.write("publish", unnumbered(values))
+            done = f"xid={receipts[0].xid}"
+        else:
+            self.journal.write("publish", zip(seqs, values, strict=True))
+            done = f"last={seqs[-1]}"
         self.conn.cursor().executemany(
             self.d.sql("INSERT INTO orders (id, amount) VALUES (?, ?)"), orders
         )
-        self.conn.execute(
-            self.d.sql("UPDATE totals SET n = n + ?, amount = amount + ? WHERE name = 'orders'"),
-            (len(orders), sum(amount for _, amount in orders)),
-        )
+        row = self.conn.execute(
+            self.d.sql(ADD_ORDERS), (count, sum(amount for _, amount in orders))
+        ).fetchone()
+        committed = int(row[0])  # the stream's records with these (under the row's lock)
+        self.head = committed - count
+        # Where seqs are known at publish (SQLite), they end at that count.
+        assert not seqs or seqs[-1] == committed, (seqs, committed)
+        if committed > limit and not (kill or hold):  # others committed meanwhile
+            self.conn.rollback()
+            return False
         if hold or HOLDS.due("mid-tx"):
-            HOLDS.hold("mid-tx", f"first={seqs[0]} records={len(orders)}")
+            HOLDS.hold("mid-tx", f"{done} records={count}")
         if kill:
-            FAULTS.fire("mid-tx", f"first={seqs[0]} records={len(orders)}")
+            FAULTS.fire("mid-tx", f"{done} records={count}")
         self.conn.commit()
-        self.journal.write("commit", zip(seqs, values, strict=True))
+        if receipts:
+            self.journal.write(COMMIT_UNNUMBERED, unnumbered(values))
+        else:
+            self.journal.write("commit", zip(seqs, values, strict=True))
         self.m = -orders[-1][0] // STRIDE
-        self.head = seqs[-1]
+        self.head = committed
         self.commits += 1
-        print(f"COMMIT {self.commits} last={seqs[-1]}", flush=True)
+        print(f"COMMIT {self.commits} head={committed} {done}", flush=True)
         return True
 
     def run(self) -> int:
@@ -143,7 +173,7 @@ class Writer:
             try:
                 if self.conn is None:
                     self.connect()
-                    print(f"READY m={self.m}", flush=True)
+                    print(f"READY m={self.m} head={self.head}", flush=True)
                 limit = allowance(args.allow, args.total)
                 waiting = self.head >= limit
                 if waiting and self.head >= args.total and not FAULTS.armed("mid-tx"):

@@ -4,10 +4,10 @@
 Writers insert records unnumbered into ``streamq_pending`` and take no lock; the
 serving producer numbers what committed, one *round* at a time: a transaction of its
 own deletes the pending rows its snapshot sees (whole transactions, those of the first
-``LIMIT`` rows in (xid, id) order), gives each stream's rows the seqs after its head, in that order, and
-inserts them into ``streamq_log`` with their time-index and epoch rows. A second numberer
-(there should be none: it runs in the process holding the serving lock) would fail on
-the log's primary key and roll back, losing nothing.
+``LIMIT`` rows in (xid, id) order), gives each stream's rows the seqs after its head, in
+that order, and inserts them into ``streamq_log`` with their time-index and epoch rows.
+A second numberer (there should be none: it runs in the process holding the serving
+lock) would fail on the log's primary key and roll back, losing nothing.
 
 Rounds commit without waiting for their WAL flush (``synchronous_commit=off``), so that
 they ride on the writers' flushes instead of adding one of their own between them; a
@@ -250,8 +250,7 @@ class Numberer:
                 if self._conn is None or self._conn.closed or self._conn.broken:
                     await self._connect()
                 if self._lost:
-                    await self._conn.execute(FLUSH)
-                    await self._resync()
+                    await self._recover()
                     self._lost = False
                 await self._turn()
             except asyncio.CancelledError:
@@ -273,11 +272,9 @@ class Numberer:
         await self._conn.execute(f"LISTEN {CHANNEL}")
 
     async def _reset(self) -> None:
-        """After a failure: rounds not known to be flushed are not served (their commit
-        may be lost with the server; if not, a catch-up finds them)."""
-        self._unflushed.clear()
+        """After a failure: the connection goes; rounds not known to be flushed wait for
+        ``_recover``."""
         self._known.clear()
-        self.unserved.clear()
         if self._conn is not None:
             with contextlib.suppress(Exception):
                 await self._conn.close()
@@ -308,8 +305,8 @@ class Numberer:
                 if done is None:
                     await conn.execute("ROLLBACK")
                     return False
+                self._unflushed.append(_Unflushed(done))  # committed or not: _recover
                 await conn.execute("COMMIT")
-                self._unflushed.append(_Unflushed(done))
                 waited = await conn.execute(WAIT, (True, FLUSH_PATIENCE_MS, NAP_MS))
         except BaseException:
             self._known.clear()  # heads may have moved under another numberer
@@ -319,6 +316,31 @@ class Numberer:
         self._known |= states_after(done)
         self.rounds += 1
         self._waited(await waited.fetchone())
+        return True
+
+    async def _recover(self) -> None:
+        """Once connected again after a failure: flush what committed, have the producer
+        take heads (and epoch rows) from the database, then serve the rounds that did
+        commit (those waiting for their receipts learn their seqs); a round whose commit
+        was lost left its rows pending, to be numbered again."""
+        await self._conn.execute(FLUSH)
+        await self._resync()
+        while self._unflushed:
+            done = self._unflushed.popleft().numbered
+            if await self._committed(done):
+                self._served(done)
+            else:
+                self._forget(done)
+
+    async def _committed(self, done: Numbered) -> bool:
+        for stream in done.streams:
+            cursor = await self._conn.execute(
+                "SELECT record FROM streamq_log WHERE stream_id = %s AND seq = %s",
+                (stream.id, stream.first),
+            )
+            row = await cursor.fetchone()
+            if row is None or bytes(row[0]) != stream.records[0]:
+                return False
         return True
 
     def _taken(self, done: Numbered) -> None:
@@ -352,10 +374,14 @@ class Numberer:
         try:
             self._serve(done)
         finally:
-            for stream in done.streams:
-                self.unserved[stream.name] -= 1
-                if not self.unserved[stream.name]:
-                    del self.unserved[stream.name]
+            self._forget(done)
+
+    def _forget(self, done: Numbered) -> None:
+        """``done`` is served, or was never committed: its streams are no more unserved."""
+        for stream in done.streams:
+            self.unserved[stream.name] -= 1
+            if not self.unserved[stream.name]:
+                del self.unserved[stream.name]
 
     async def _sleep(self) -> None:
         """Arm the doorbell (if no publishing transaction holds it), look once more, and
