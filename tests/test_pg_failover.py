@@ -2,12 +2,22 @@
 must hold: the records a crash or a failover loses are never replaced silently. Their seqs
 are numbered again, densely from the surviving head, under a higher epoch
 (``streamq_epochs``), so a consumer that remembers the (epoch, seq) it read up to can tell
-its records are gone (``streamq/engines/postgres/append.py``; docs/protocol.md, "Epochs").
+its records are gone (``streamq/engines/postgres/numbering.py``; docs/protocol.md,
+"Epochs").
+
+Writers insert records unnumbered (``streamq_pending``); a *numbering round* gives them
+their seqs once committed. With no serving producer here, ``number`` runs the rounds
+(``numbering.number_all``); reading ``streamq_log`` right after one is what a reader of
+the table sees. A serving producer serves a round only once its WAL is flushed, so through
+it a consumer never sees what a crash of the server loses (as
+``test_a_consumer_is_served_only_what_a_crash_with_asynchronous_commits_keeps`` checks); a
+failover to a replica that lagged can still lose served records.
 
 Each test has servers of its own, since it kills them. Two tests are the cases that
 once reused an epoch: a failover after the old primary took an epoch the replica never
 received (epochs are at least the WAL timeline << 42), and a second crash losing an
-epoch taken with synchronous_commit=off (a new epoch now commits synchronously).
+epoch taken with synchronous_commit=off (the round that takes a new epoch commits
+synchronously).
 """
 
 from __future__ import annotations
@@ -22,18 +32,25 @@ import psycopg
 import pytest
 
 import streamq
+from streamq.engines.postgres.numbering import number_all
 from streamq.protocol import decode_record
 
+from .conftest import wait_for
 from .pgserver import PostgresMissingError, PostgresServer, find_bindir
 
 ORDERS = "orders"
-# Crash tests with synchronous_commit=off: a commit returns before its WAL is written,
-# and the WAL writer writes the last, partial WAL page only every wal_writer_delay
-# (200 ms by default). 10 s: a kill right after the last commit loses the commits on that
-# page whatever the machine's speed, instead of most of the time.
+# Crash tests: a commit with synchronous_commit=off (writers on the ASYNC_COMMIT servers;
+# numbering rounds, which the serving producer always commits so) returns before its WAL
+# is written, and the WAL writer writes the last, partial WAL page only every
+# wal_writer_delay (200 ms by default). 10 s: a kill right after the last commit loses
+# the commits on that page whatever the machine's speed, instead of most of the time.
 # Autovacuum off: its commits flush the WAL (synchronously) and would save the records a
 # test means to lose, when a loaded machine lets it run in between.
-ASYNC_COMMIT = {"synchronous_commit": "off", "wal_writer_delay": "10s", "autovacuum": "off"}
+DELAYED_WAL = {"wal_writer_delay": "10s", "autovacuum": "off"}
+ASYNC_COMMIT = {"synchronous_commit": "off", **DELAYED_WAL}
+# A connection's own setting, whatever the server's (a writer or a numbering round).
+SYNC = {"synchronous_commit": "on"}
+ASYNC = {"synchronous_commit": "off"}  # as the serving producer's rounds always commit
 
 
 class Servers:
@@ -84,14 +101,51 @@ def servers() -> Iterator[Servers]:
         group.stop_all()
 
 
-def publish(url: str, values: Iterable[bytes]) -> list[int]:
-    """Publish each value in a transaction of its own, committed; the seqs returned."""
-    seqs = []
-    with psycopg.connect(url) as conn:
+def options(settings: dict[str, str]) -> str:
+    return " ".join(f"-c {name}={value}" for name, value in settings.items())
+
+
+def publish(url: str, values: Iterable[bytes], **settings: str) -> list[streamq.Receipt]:
+    """Publish each value in a transaction of its own, committed (on a connection with
+    ``settings``); their receipts. The records wait unnumbered in streamq_pending."""
+    receipts = []
+    with psycopg.connect(url, options=options(settings)) as conn:
         for value in values:
-            seqs.append(streamq.publish(conn, ORDERS, value))
+            receipt = streamq.publish(conn, ORDERS, value)
+            assert isinstance(receipt, streamq.Receipt)
+            receipts.append(receipt)
             conn.commit()
-    return seqs
+    return receipts
+
+
+def number(url: str, **settings: str) -> int:
+    """Number every pending record, in rounds as the serving producer's, serving nothing
+    (``number_all``), on a connection with ``settings``: how many it numbered."""
+    with psycopg.connect(url, autocommit=True, options=options(settings)) as conn:
+        return number_all(conn)
+
+
+def seqs_of(url: str, values: Iterable[bytes]) -> list[int]:
+    """The seqs ``values`` got in "orders" (each value published there once)."""
+    records = log(url)
+    seqs = {value: seq for seq, value in records}
+    assert len(seqs) == len(records), "a value published twice: seqs_of cannot tell"
+    return [seqs[value] for value in values]
+
+
+def publish_numbered(url: str, values: list[bytes]) -> list[int]:
+    """``publish`` then ``number``, with nothing else pending: the seqs they got."""
+    publish(url, values)
+    assert number(url) == len(values)
+    return seqs_of(url, values)
+
+
+def pending(url: str) -> list[bytes]:
+    """The values of the unnumbered records of "orders", in numbering order."""
+    rows = query(
+        url, "SELECT record FROM streamq_pending WHERE stream = %s ORDER BY xid, id", (ORDERS,)
+    )
+    return [decode_record(record).value for (record,) in rows]
 
 
 def query(url: str, sql: str, params: tuple[object, ...] = ()) -> list[tuple[Any, ...]]:
@@ -147,8 +201,9 @@ def check_new_epoch(new_epoch: int, seen_epoch: int) -> None:
 
 
 def boot_rows(url: str) -> int:
-    """Rows of the unlogged streamq_boot: 0 until a writer of this server life takes an
-    epoch (unreadable on a standby: unlogged tables cannot be read during recovery)."""
+    """Rows of the unlogged streamq_boot: 0 until this server life takes an epoch (its
+    first numbering round, or a producer's start; a writer takes none). Unreadable on a
+    standby: unlogged tables cannot be read during recovery."""
     ((count,),) = query(url, "SELECT count(*) FROM streamq_boot")
     return int(count)
 
@@ -163,19 +218,24 @@ N, M = 5, 9  # records the replica replays; records only the old primary has (N+
 def test_a_promoted_replica_numbers_the_lost_seqs_again_under_a_higher_epoch(
     servers: Servers,
 ) -> None:
-    """Asynchronous replication: the replica misses the primary's last commits, and the
-    failover loses them. The promoted replica goes on from its own head, N, so seqs
+    """Asynchronous replication: the replica misses the primary's last numbering rounds,
+    and the failover loses them (a serving producer may have served them: they were
+    flushed on the primary). The promoted replica goes on from its own head, N, so seqs
     N+1..M are written again, to other records: under a higher epoch, because the
-    unlogged streamq_boot is empty on a promoted replica."""
+    unlogged streamq_boot is empty on a promoted replica, so its first numbering round
+    takes one."""
     primary = servers.start()
-    assert publish(primary.url(), values(1, 2)) == [1, 2]
-    assert boot_rows(primary.url()) == 1  # copied by the base backup? (no: unlogged)
-    replica = servers.replica(primary)
-    assert publish(primary.url(), values(3, N)) == list(range(3, N + 1))
+    publish(primary.url(), values(1, 2))
+    assert boot_rows(primary.url()) == 0  # writers take no epoch
+    assert number(primary.url()) == 2
+    assert seqs_of(primary.url(), values(1, 2)) == [1, 2]
+    assert boot_rows(primary.url()) == 1  # the first round of this server life took it
+    replica = servers.replica(primary)  # copies streamq_boot? (no: unlogged)
+    assert publish_numbered(primary.url(), values(3, N)) == list(range(3, N + 1))
     replica.wait_replayed(primary)
     assert log(replica.url()) == list(enumerate(values(1, N), 1))  # copied, then streamed
     replica.crash()
-    assert publish(primary.url(), values(N + 1, M)) == list(range(N + 1, M + 1))
+    assert publish_numbered(primary.url(), values(N + 1, M)) == list(range(N + 1, M + 1))
     old_segments = epochs(primary.url())
     seen_epoch = epoch_of(old_segments, M)  # what a consumer that read up to M remembers
     primary.crash()  # the replica never received N+1..M
@@ -184,10 +244,14 @@ def test_a_promoted_replica_numbers_the_lost_seqs_again_under_a_higher_epoch(
     replica.promote()
     url = replica.url()
     assert log(url) == list(enumerate(values(1, N), 1))  # the head is N
+    assert pending(url) == []
     assert epochs(url) == [s for s in old_segments if s[0] <= N]
     assert boot_rows(url) == 0  # unlogged: neither the base backup nor the WAL has it
-    assert publish(url, [b"after the failover"]) == [N + 1]
-    assert boot_rows(url) == 1  # this server life took its epoch
+    publish(url, [b"after the failover"])
+    assert boot_rows(url) == 0  # the writer took no epoch
+    assert number(url) == 1
+    assert seqs_of(url, [b"after the failover"]) == [N + 1]
+    assert boot_rows(url) == 1  # this server life's first round took its epoch
     new_segments = epochs(url)
     new_epoch = epoch_of(new_segments, N + 1)
     check_new_epoch(new_epoch, max(epoch for _, epoch in old_segments))
@@ -201,18 +265,21 @@ def test_a_promoted_replica_numbers_the_lost_seqs_again_under_a_higher_epoch(
 
 def test_failover_after_a_new_epoch_the_replica_never_received(servers: Servers) -> None:
     """The primary crashes and restarts (synchronous_commit=on, nothing lost): its first
-    writer takes a new epoch for N+1..M. The asynchronous replica had stopped before and
-    never receives them; promoted, it is on a new WAL timeline, and the epoch it takes
-    is above every epoch of the old one's: a consumer that read N+1..M is told they were
-    written again."""
+    numbering round takes a new epoch for N+1..M. The asynchronous replica had stopped
+    before and never receives them; promoted, it is on a new WAL timeline, and the epoch
+    its first round takes is above every epoch of the old one's: a consumer that read
+    N+1..M is told they were written again."""
     primary = servers.start()
     replica = servers.replica(primary)
-    publish(primary.url(), values(1, N))
+    assert publish_numbered(primary.url(), values(1, N)) == list(range(1, N + 1))
     replica.wait_replayed(primary)
     replica.crash()
     primary.crash()
     primary.restart()  # crash recovery: streamq_boot emptied
-    assert publish(primary.url(), values(N + 1, M)) == list(range(N + 1, M + 1))
+    publish(primary.url(), values(N + 1, M))
+    assert boot_rows(primary.url()) == 0  # the writers took no epoch: the round does
+    assert number(primary.url()) == M - N
+    assert seqs_of(primary.url(), values(N + 1, M)) == list(range(N + 1, M + 1))
     old_segments = epochs(primary.url())
     assert [first for first, _ in old_segments] == [1, N + 1]  # the crash: a new epoch
     assert old_segments[0][1] < old_segments[1][1]
@@ -221,23 +288,56 @@ def test_failover_after_a_new_epoch_the_replica_never_received(servers: Servers)
 
     replica.restart()
     replica.promote()
-    assert publish(replica.url(), [b"after the failover"]) == [N + 1]
+    assert publish_numbered(replica.url(), [b"after the failover"]) == [N + 1]
     new_segments = epochs(replica.url())
     check_new_epoch(epoch_of(new_segments, N + 1), seen_epoch)  # counters alone: both equal
     assert rewritten_from(new_segments, seen_epoch) == N + 1
 
 
-def test_a_crash_with_asynchronous_commits_numbers_again_from_the_surviving_head(
-    servers: Servers, figures: Callable[[str], None]
+async def apply_all(
+    address: str, db: str, count: int, received: list[tuple[int, bytes]] | None = None
+) -> list[tuple[int, bytes]]:
+    """Apply "orders" as the consumer "ledger" (its position in ``db``) until it has
+    applied up to ``count``: the (seq, value) of each record this call was served, added
+    to ``received`` as they come (a caller that cancels it knows them all)."""
+    received = [] if received is None else received
+    async with streamq.Consumer(address, ORDERS, db=db, name="ledger") as consumer:
+        async with asyncio.timeout(20):
+            while consumer.applied < count:
+                batch = await anext(consumer)
+                received += [(record.seq, record.value) for record in batch]
+                async with consumer.transaction(batch):
+                    pass
+    return received
+
+
+async def test_a_crash_with_asynchronous_commits_numbers_again_from_the_surviving_head(
+    servers: Servers, figures: Callable[[str], None], tmp_path: Path
 ) -> None:
-    """synchronous_commit=off: a commit returns (and readers see it) before its WAL is
-    written, so SIGKILL loses the last ones. Whatever survived, the seqs go on densely
-    from the surviving head, under an epoch above every epoch a reader saw before."""
+    """synchronous_commit=off: a commit returns (and readers of the table see it) before
+    its WAL is written, so SIGKILL loses the last ones: writers' commits (their records
+    are gone) and numbering rounds (their records, if their writers' commits survived,
+    are pending again). Whatever survived, the seqs go on densely from the surviving
+    head, under an epoch above every epoch a reader saw before; a consumer, served only
+    what is flushed, lost nothing it received."""
     server = servers.start(**ASYNC_COMMIT)
     url = server.url()
+    ledger = str(tmp_path / "ledger.db")
     published = values(1, 100)
-    assert publish(url, published) == list(range(1, 101))
-    seen = log(url)  # what a consumer could read before the crash: all 100
+
+    # 1..50 through a serving producer: numbered, flushed, served, applied.
+    async with streamq.Producer(url) as producer:
+        receipts = await asyncio.to_thread(publish, url, published[:50])
+        served = [await producer.wait_served(r, timeout=20) for r in receipts]
+        assert served == [range(seq, seq + 1) for seq in range(1, 51)]
+        received = await apply_all(producer.address, ledger, 50)
+    assert received == list(enumerate(published[:50], 1))
+    # 51..100 numbered by a round no producer serves: its writers' commits are
+    # synchronous for 51..80 (they survive, pending) and not for 81..100.
+    publish(url, published[50:80], **SYNC)
+    publish(url, published[80:])
+    assert number(url) == 50
+    seen = log(url)  # what a reader of the table sees before the crash: all 100
     assert seen == list(enumerate(published, 1))
     seen_segments = epochs(url)
     server.kill()
@@ -245,19 +345,90 @@ def test_a_crash_with_asynchronous_commits_numbers_again_from_the_surviving_head
 
     survived = log(url)
     head = len(survived)
-    figures(f"published {len(published)} records, {head} survived SIGKILL")
-    assert head < len(seen), "no commit lost: the crash tested nothing"
+    again = pending(url)  # committed, their numbering lost: numbered again below
+    figures(
+        f"published {len(published)} records, {head} numbered and {len(again)} pending "
+        "survived SIGKILL"
+    )
+    assert head < len(seen), "no numbering round lost: the crash tested nothing"
+    assert head >= len(received), "a record a consumer received was lost"
     assert survived == seen[:head]  # a prefix: commit order is seq order
+    assert again == published[head : head + len(again)]  # in order, none twice
+    assert len(again) >= 80 - head  # every synchronous commit's record
     assert epochs(url) == seen_segments  # the segment rows of survivors survive with them
     assert boot_rows(url) == 0  # crash recovery reset the unlogged table
-    assert publish(url, [b"after the crash"]) == [head + 1]
-    assert log(url) == [*seen[:head], (head + 1, b"after the crash")]  # dense, no gap
+    publish(url, [b"after the crash"])
+    assert boot_rows(url) == 0  # the writer took no epoch: the round does
+    assert number(url) == len(again) + 1
+    assert boot_rows(url) == 1
+    kept = [*published[: head + len(again)], b"after the crash"]
+    assert log(url) == list(enumerate(kept, 1))  # dense, no gap, none twice
     ((count, low, high),) = query(url, "SELECT count(*), min(seq), max(seq) FROM streamq_log")
-    assert (count, low, high) == (head + 1, 1, head + 1)
+    assert (count, low, high) == (len(kept), 1, len(kept))
     new_epoch = epoch_of(epochs(url), head + 1)
     seen_epoch = max(epoch for _, epoch in seen_segments)
     check_new_epoch(new_epoch, seen_epoch)
-    assert rewritten_from(epochs(url), seen_epoch) == head + 1  # a consumer at 100 is told
+    assert epochs(url) == [*seen_segments, (head + 1, new_epoch)]
+    assert rewritten_from(epochs(url), seen_epoch) == head + 1  # a reader at 100 is told
+    # The consumer's records were not written again: it goes on from 51, told nothing.
+    async with streamq.Producer(url) as producer:
+        rest = await apply_all(producer.address, ledger, len(kept))
+    assert rest == list(enumerate(kept, 1))[50:]
+
+
+async def test_a_consumer_is_served_only_what_a_crash_with_asynchronous_commits_keeps(
+    servers: Servers, figures: Callable[[str], None], tmp_path: Path
+) -> None:
+    """synchronous_commit=off, with a serving producer: writers' commits and the
+    producer's numbering rounds return before their WAL is written, and the producer
+    serves a round only once the WAL is flushed past it. The server is killed right after
+    the last commit of a burst, while the producer numbers and a consumer applies: every
+    record the consumer was served survives, at its seq, and it goes on from its
+    position once a producer serves again (a record served, then lost, would make it
+    stop: ``ConsumerPositionError`` or ``SeqsReusedError``). What was lost was never
+    served; what survived unnumbered is numbered after the crash."""
+    server = servers.start(**ASYNC_COMMIT)
+    url = server.url()
+    ledger = str(tmp_path / "ledger.db")
+    published = values(1, 300)
+    received: list[tuple[int, bytes]] = []
+    async with streamq.Producer(url) as producer:
+        await producer.create_stream(ORDERS)  # the consumer subscribes before any record
+        consuming = asyncio.create_task(
+            apply_all(producer.address, ledger, len(published), received)
+        )
+        receipts = await asyncio.to_thread(publish, url, published[:100])
+        assert await producer.wait_served(receipts[-1], timeout=20) == range(100, 101)
+        await wait_for(lambda: len(received) == 100, what="the consumer to be served 100")
+        # The burst's rounds wait for a flush: the producer's own, once writers pause,
+        # or the WAL writer's (wal_writer_delay). The kill comes first.
+        await asyncio.to_thread(publish, url, published[100:])
+        await asyncio.to_thread(server.kill)  # the producer and the consumer still running
+        served = producer.head(ORDERS)  # what it would serve any consumer: all flushed
+        consuming.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await consuming
+    server.restart()
+
+    survived = log(url)
+    again = pending(url)
+    figures(
+        f"published {len(published)} records, {served} served ({len(received)} received), "
+        f"{len(survived)} numbered and {len(again)} pending survived SIGKILL"
+    )
+    assert len(received) >= 100
+    assert survived[: len(received)] == received  # every record served, at its seq
+    assert len(survived) >= served, "the producer served seqs the crash lost"
+    kept = [value for _, value in survived] + again
+    assert kept == published[: len(kept)]  # commit order; none twice
+    assert len(kept) < len(published), "no commit lost: the crash tested nothing"
+    async with streamq.Producer(url) as producer:  # numbers the pending ones
+        rest = await apply_all(producer.address, ledger, len(kept))
+    # It went on from its position, told of no loss (it was served none), to the end.
+    applied = rest[0][0] - 1 if rest else len(kept)  # its position when it was cancelled
+    assert applied <= len(received)
+    assert rest == list(enumerate(kept, 1))[applied:]
+    assert log(url) == list(enumerate(kept, 1))
 
 
 ROUNDS = 5  # second crashes at most, until one lost a record
@@ -266,35 +437,51 @@ ROUNDS = 5  # second crashes at most, until one lost a record
 def test_a_second_crash_with_asynchronous_commits_never_loses_the_new_epoch(
     servers: Servers,
 ) -> None:
-    """After a first crash the first writer takes a new epoch and commits it synchronously,
-    though synchronous_commit is off; the records after it, under that epoch, commit
-    asynchronously and readers see them. A second crash loses some of those, not the
-    epoch: the seqs written again get a higher one. (Were the epoch lost with them, the
-    next writer would take the same number again, for other records at those seqs.)"""
+    """After a first crash the first numbering round takes a new epoch and commits
+    synchronously, though synchronous_commit is off; the rounds after it, under that
+    epoch, commit asynchronously and readers of the table see them. A second crash loses
+    some of those, not the epoch: the seqs written again get a higher one. (Were the
+    epoch lost with them, the next round would take the same number again, for other
+    records at those seqs.)"""
     server = servers.start(**ASYNC_COMMIT)
     url = server.url()
-    publish(url, values(1, 50))
+    publish_numbered(url, values(1, 50))
     first_epoch = epoch_of(epochs(url), 1)
     server.kill()
     server.restart()
-    # The records after the epoch's synchronous commit sit on the WAL page it flushed,
-    # which the WAL writer writes again only after wal_writer_delay, unless they cross
-    # into the next page (then the writer flushes the full one): a kill loses them, or,
-    # rarely, not all of them. Rounds until one lost something, a few at most.
-    for _ in range(ROUNDS):
-        (taker,) = publish(url, [b"takes the new epoch"])
-        seen = publish(url, values(1, 2, "under the new epoch"))  # a consumer reads them
-        seen_epoch = epoch_of(epochs(url), seen[-1])
-        assert seen_epoch == epoch_of(epochs(url), taker) > first_epoch
+    # The records numbered after the round that took the epoch (committed synchronously)
+    # sit on the WAL page it flushed, which the WAL writer writes again only after
+    # wal_writer_delay, unless they cross into the next page (then the writer flushes the
+    # full one): a kill loses them, or, rarely, not all of them. Attempts until one lost
+    # something, a few at most.
+    for attempt in range(ROUNDS):
+        taker = f"takes the new epoch {attempt}".encode()
+        publish(url, [taker])
+        assert boot_rows(url) == 0  # the writer took no epoch
+        assert number(url) == 1
+        (taker_seq,) = seqs_of(url, [taker])
+        under = values(1, 2, f"under the new epoch {attempt}:")
+        assert publish_numbered(url, under) == [taker_seq + 1, taker_seq + 2]
+        seen = log(url)  # a reader of the table reads them
+        seen_epoch = epoch_of(epochs(url), taker_seq + 2)
+        assert seen_epoch == epoch_of(epochs(url), taker_seq) > first_epoch
+        assert (taker_seq, seen_epoch) in epochs(url)  # the round's segment row
         server.kill()
         server.restart()
         head = len(log(url))
-        assert taker <= head, "the epoch's first record, committed synchronously, was lost"
-        if head < seen[-1]:
+        lost_epoch = "the round that took the epoch, committed synchronously, was lost"
+        assert taker_seq <= head, lost_epoch
+        assert (taker_seq, seen_epoch) in epochs(url), "the epoch's segment row was lost"
+        if head < len(seen):
             break
         first_epoch = seen_epoch  # nothing lost: the next round's epoch is above this one
-    assert head < seen[-1], f"no commit lost in {ROUNDS} rounds: the crash tested nothing"
-    assert publish(url, [b"after the second crash"]) == [head + 1]  # seqs written again
+    assert head < len(seen), f"no round lost in {ROUNDS} attempts: the crash tested nothing"
+    again = pending(url)  # committed, their numbering lost
+    assert again == [value for _, value in seen[head : head + len(again)]]
+    publish(url, [b"after the second crash"])
+    assert number(url) == len(again) + 1  # seqs written again, from head + 1
+    kept = [*(value for _, value in seen[: head + len(again)]), b"after the second crash"]
+    assert log(url) == list(enumerate(kept, 1))
     check_new_epoch(epoch_of(epochs(url), head + 1), seen_epoch)
     assert rewritten_from(epochs(url), seen_epoch) == head + 1
 
@@ -302,28 +489,44 @@ def test_a_second_crash_with_asynchronous_commits_never_loses_the_new_epoch(
 def test_a_crash_with_synchronous_commits_keeps_every_acknowledged_publish(
     servers: Servers,
 ) -> None:
-    """synchronous_commit=on (the default): a commit returns once its WAL is flushed, so
-    every publish acknowledged before the SIGKILL survives it, and the one not committed
-    yet is gone without a gap. The crash still starts a new epoch."""
-    server = servers.start()
+    """synchronous_commit=on (the default): a writer's commit returns once its WAL is
+    flushed, so every publish acknowledged before the SIGKILL survives it, numbered or
+    not yet, and the one not committed yet is gone without a gap. Numbering rounds
+    commit asynchronously (as the serving producer's do; it serves one only once
+    flushed): a round the crash loses costs no record, its records are pending again and
+    numbered again in the same order. The crash still starts a new epoch."""
+    server = servers.start(**DELAYED_WAL)  # the last round stays unwritten until the kill
     url = server.url()
     published = values(1, 50)
-    assert publish(url, published) == list(range(1, 51))
+    publish(url, published[:30])
+    assert number(url, **ASYNC) == 30  # this server life's first round: takes the epoch
     before = epochs(url)
-    with contextlib.closing(psycopg.connect(url)) as pending:  # closed, never committed
-        assert streamq.publish(pending, ORDERS, b"not committed") == 51
+    assert [first for first, _ in before] == [1]
+    publish(url, published[30:])  # acknowledged: each commit waited for its flush
+    with contextlib.closing(psycopg.connect(url)) as uncommitted:  # closed, never committed
+        receipt = streamq.publish(uncommitted, ORDERS, b"not committed")
+        assert isinstance(receipt, streamq.Receipt)
+        assert number(url, **ASYNC) == 20  # the uncommitted record is not numbered
+        assert log(url) == list(enumerate(published, 1))
         server.kill()
     server.restart()
 
-    assert log(url) == list(enumerate(published, 1))  # every acknowledged one, no other
-    assert [first for first, _ in before] == [1]
+    survived = log(url)
+    head = len(survived)
+    assert head < len(published), "the asynchronous round survived: the crash tested nothing"
+    assert head == 30  # the round before the acknowledged commits was flushed by them
+    assert survived == list(enumerate(published[:head], 1))
+    assert pending(url) == published[head:]  # every acknowledged one, no other
     assert epochs(url) == before
-    assert publish(url, [b"after the crash"]) == [51]  # the uncommitted seq, reused
+    assert boot_rows(url) == 0
+    publish(url, [b"after the crash"])
+    assert number(url) == len(published) - head + 1
+    assert log(url) == list(enumerate([*published, b"after the crash"], 1))  # same order
     ((count, low, high),) = query(url, "SELECT count(*), min(seq), max(seq) FROM streamq_log")
-    assert (count, low, high) == (51, 1, 51)
-    [(_, after)] = [segment for segment in epochs(url) if segment not in before]
-    assert epochs(url) == [*before, (51, after)]  # nothing lost, yet a new epoch: a crash
-    assert after > before[0][1]
+    assert (count, low, high) == (51, 1, 51)  # the uncommitted record: no seq, no gap
+    [(first, after)] = [segment for segment in epochs(url) if segment not in before]
+    assert epochs(url) == [*before, (head + 1, after)]  # a new epoch: a crash
+    assert first == head + 1 and after > before[0][1]
 
 
 async def test_consumers_beyond_a_promoted_replicas_head_stop(
