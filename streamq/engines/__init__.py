@@ -77,14 +77,14 @@ def for_target(target: str) -> Engine:
     return SQLITE
 
 
+_ENGINES: dict[str, Engine] = {}  # by name, once imported
+
+
 def _by_name(name: str) -> Engine:
-    if name == "postgresql":
-        from .postgres.engine import ENGINE as POSTGRES
-
-        return POSTGRES
-    from .sqlite.engine import ENGINE as SQLITE
-
-    return SQLITE
+    engine = _ENGINES.get(name)
+    if engine is None:
+        engine = _ENGINES[name] = for_target("postgresql://" if name == "postgresql" else "")
+    return engine
 
 
 def for_connection(conn: Any) -> tuple[Engine, Any]:

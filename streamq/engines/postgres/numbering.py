@@ -24,9 +24,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import DatabaseOpenError
@@ -213,6 +214,7 @@ def number_all(conn: Any) -> int:
 @dataclass(slots=True)
 class _Unflushed:
     numbered: Numbered
+    at: float = field(default_factory=time.monotonic)  # committed (or about to be)
     bound: int | None = None  # the WAL position its commit ends before, once known
 
 
@@ -239,6 +241,8 @@ class Numberer:
         self._conn: Any = None
         self._unflushed: deque[_Unflushed] = deque()
         self._known: dict[str, StreamState] = {}  # streams as the last rounds left them
+        self._flushed = 0  # the WAL flushed up to here, as last seen
+        self._flush_moved_at = 0.0  # when it was seen to move last
         self.unserved: Counter[str] = Counter()
         self.rounds = 0
 
@@ -284,6 +288,13 @@ class Numberer:
         """A round; then, if it found nothing, wait: for more records, for the flush of
         what is numbered, or (idle) for the doorbell."""
         if await self._round():
+            # Writers committing without waiting for their flush (synchronous_commit off)
+            # leave it to the WAL writer, every 200 ms: once a round has waited, and no
+            # flush was seen meanwhile, flush.
+            patience, now = FLUSH_PATIENCE_MS / 1000, time.monotonic()
+            waited = self._unflushed and now - self._unflushed[0].at > patience
+            if waited and now - self._flush_moved_at > patience:
+                await self._flush()
             return
         if self._unflushed:
             if not await self._wait(FLUSH_PATIENCE_MS) and self._unflushed:
@@ -355,6 +366,8 @@ class Numberer:
     def _waited(self, row: tuple[bool, int | None, int]) -> bool:
         """What ``streamq_wait`` returned: serve the rounds the flush covers."""
         pending, target, flushed = row
+        if flushed > self._flushed:  # someone flushed: what is unflushed will be soon
+            self._flushed, self._flush_moved_at = flushed, time.monotonic()
         for item in self._unflushed:
             if item.bound is None:
                 item.bound = target

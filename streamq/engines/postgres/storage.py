@@ -249,7 +249,8 @@ class PostgresWriter:
         self, stream: str, records: Sequence[CheckedRecord], max_record_size: int
     ) -> Receipt:
         """Publish ``records`` unnumbered (``append.py``)."""
-        steps = append_steps(stream, records, max_record_size=max_record_size, where=self.where)
+        where = self.where
+        steps = append_steps(stream, records, max_record_size=max_record_size, where=lambda: where)
         receipt: Receipt = await self._steps(steps)
         return receipt
 
