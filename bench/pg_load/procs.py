@@ -30,6 +30,7 @@ import streamq
 from streamq import _loop
 
 from ..common import say, wait_line
+from ..transfer_pg.common import OUTBOX_SCHEMA
 
 STREAM = "orders"
 # An event: the writer, its transaction number, padding to 100 bytes.
@@ -39,12 +40,7 @@ OUTBOX = "INSERT INTO outbox (payload) VALUES (%s)"
 SCHEMA = (
     "CREATE TABLE orders (id bigserial PRIMARY KEY, writer integer NOT NULL, "
     "n bigint NOT NULL, note text NOT NULL)",
-    "CREATE TABLE outbox (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, "
-    "xid xid8 NOT NULL DEFAULT pg_current_xact_id(), payload bytea NOT NULL)",
-    "CREATE INDEX outbox_relay_order ON outbox (xid, id)",
-    "CREATE TABLE relay_state (id integer PRIMARY KEY CHECK (id = 0), "
-    "last_xid xid8 NOT NULL, last_id bigint NOT NULL)",
-    "INSERT INTO relay_state (id, last_xid, last_id) VALUES (0, '0', 0)",
+    *OUTBOX_SCHEMA,  # the transfer workload's: its relay reads it
 )
 
 

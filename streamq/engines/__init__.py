@@ -11,8 +11,10 @@ engine imports its driver only when used (psycopg is an optional extra).
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from ..connections import resolve_engine, resolve_engine_async
 from ..storage import Durability, Features, Storage, is_postgres_url
@@ -63,6 +65,53 @@ class Engine(Protocol):
     ) -> int: ...
 
     def reshare(self, db: str, consumer: str, shares: int) -> list[Move]: ...
+
+
+class ModuleEngine:
+    """What an engine does on the application's connection, and with a consumer's
+    database, by its own modules, imported when first used: ``append`` (``append``,
+    ``append_async``), ``schema`` (``create_schema``) and ``positions``
+    (``save_position``, its async twin, dead letters, resharing)."""
+
+    modules: ClassVar[dict[str, str]]  # role -> module name
+
+    def _module(self, role: str) -> ModuleType:
+        return importlib.import_module(self.modules[role])
+
+    def append(
+        self, dbapi: Any, stream: str, records: Sequence[CheckedRecord], *, max_record_size: int
+    ) -> Any:
+        return self._module("append").append(
+            dbapi, stream, records, max_record_size=max_record_size
+        )
+
+    async def append_async(
+        self, dbapi: Any, stream: str, records: Sequence[CheckedRecord], *, max_record_size: int
+    ) -> Any:
+        append_async = self._module("append").append_async
+        return await append_async(dbapi, stream, records, max_record_size=max_record_size)
+
+    def create_schema(self, dbapi: Any) -> None:
+        self._module("schema").create_schema(dbapi)
+
+    def save_position(self, dbapi: Any, batch: Batch) -> None:
+        self._module("positions").save_position(dbapi, batch)
+
+    async def save_position_async(self, dbapi: Any, batch: Batch) -> None:
+        await self._module("positions").save_position_async(dbapi, batch)
+
+    def list_dead_letters(self, db: str, consumer: str | None) -> list[ParkedRecord]:
+        parked: list[ParkedRecord] = self._module("positions").list_dead_letters(db, consumer)
+        return parked
+
+    def mark_for_retry(
+        self, db: str, consumer: str | None, stream: str | None, seq: int | None
+    ) -> int:
+        return int(self._module("positions").mark_for_retry(db, consumer, stream, seq))
+
+    def reshare(self, db: str, consumer: str, shares: int) -> list[Move]:
+        moves: list[Move] = self._module("positions").reshare(db, consumer, shares)
+        return moves
 
 
 def for_target(target: str) -> Engine:
