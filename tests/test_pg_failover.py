@@ -400,10 +400,16 @@ async def test_a_consumer_is_served_only_what_a_crash_with_asynchronous_commits_
         receipts = await asyncio.to_thread(publish, url, published[:100])
         assert await producer.wait_served(receipts[-1], timeout=20) == range(100, 101)
         await wait_for(lambda: len(received) == 100, what="the consumer to be served 100")
-        # The burst's rounds wait for a flush: the producer's own, once writers pause,
-        # or the WAL writer's (wal_writer_delay). The kill comes first.
-        await asyncio.to_thread(publish, url, published[100:])
-        await asyncio.to_thread(server.kill)  # the producer and the consumer still running
+        # The numberer flushes a round within milliseconds, which would save the burst:
+        # a lock on the log holds its next round (an EXCLUSIVE lock writes no WAL, and
+        # readers still read), so the burst stays unflushed until the kill.
+        blocker = psycopg.connect(url)  # closed, not committed: the server is killed
+        try:
+            blocker.execute("LOCK TABLE streamq_log IN EXCLUSIVE MODE")
+            await asyncio.to_thread(publish, url, published[100:])
+            await asyncio.to_thread(server.kill)  # the producer and the consumer still running
+        finally:
+            blocker.close()
         served = producer.head(ORDERS)  # what it would serve any consumer: all flushed
         consuming.cancel()
         with contextlib.suppress(asyncio.CancelledError):

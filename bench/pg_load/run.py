@@ -18,7 +18,7 @@ returned) p50/p99, and WAL flushes per commit; at a fixed rate (1,000 tx/s over 
 writers): COMMIT returned -> received by the consumer, p50/p99. Every run is checked:
 each committed event received exactly once, each writer's in order, and streamq's seqs
 dense from 1. Last, the idle ``streamq serve``: CPU of the process and of its database
-sessions over ``IDLE_SECONDS``.
+sessions over ``idle_seconds``.
 
 ``python -m bench.pg_load.run [--quick] [--repeats N] [--no-kafka] [--fsync-delay-us N]``.
 """
@@ -57,7 +57,6 @@ LABELS = {
 }
 STARTUP_TIMEOUT = 60.0
 DRAIN_TIMEOUT = 120.0  # s after the writers' end for the consumer to receive everything
-IDLE_SECONDS = 10.0
 SERVER_SETTINGS = {"synchronous_commit": "on", "max_connections": "200", "fsync": "on"}
 
 
@@ -69,10 +68,11 @@ class Sizes:
     paced_writers: int
     rate: int  # transactions/s over all paced writers
     paced_seconds: float
+    idle_seconds: float = 10.0  # the idle serving process measured this long
 
 
 FULL = Sizes((0, 1000), (1, 8, 32, 64), 8.0, 8, 1000, 10.0)
-QUICK = Sizes((1000,), (1, 8), 2.0, 8, 400, 2.0)
+QUICK = Sizes((1000,), (1, 8), 2.0, 8, 400, 2.0, 3.0)
 
 
 @dataclass
@@ -230,7 +230,22 @@ def _check_database(system: str, url: str, committed: int) -> int:
     return int(anomalies)
 
 
-def measure_idle(server: Any, seconds: float = IDLE_SECONDS) -> dict[str, float]:
+def flush_seconds(server: Any, commits: int = 20) -> float:
+    """A one-row synchronous commit's time on ``server``, the median of ``commits``: what
+    the added fsync delay makes of it."""
+    with psycopg.connect(server.url()) as conn:
+        conn.execute("CREATE TABLE IF NOT EXISTS flush_probe (n integer)")
+        conn.commit()
+        times = []
+        for n in range(commits):
+            started = time.perf_counter()
+            conn.execute("INSERT INTO flush_probe VALUES (%s)", (n,))
+            conn.commit()
+            times.append(time.perf_counter() - started)
+    return round(statistics.median(times), 6)
+
+
+def measure_idle(server: Any, seconds: float) -> dict[str, float]:
     """CPU of an idle ``streamq serve`` (after a few records, then none) and of its
     database sessions, as % of one core."""
     with _database(server) as url, Child("streamq", "serve", url, "--port", 0) as serving:
@@ -239,7 +254,7 @@ def measure_idle(server: Any, seconds: float = IDLE_SECONDS) -> dict[str, float]
             for n in range(10):
                 streamq.publish(conn, STREAM, b"%d" % n)
                 conn.commit()
-            time.sleep(2.0)  # numbered, served, then idle
+            time.sleep(1.0)  # numbered, served, then idle (ACTIVE_MS: 0.1 s)
             pids = [
                 int(pid)
                 for (pid,) in conn.execute(
@@ -349,10 +364,12 @@ def run(
     systems = [s for s in SYSTEMS if s != "kafka" or broker is not None]
     runs: list[Run] = []
     idle: dict[str, float] = {}
+    slowed: dict[str, float] = {}  # fsync delay -> a synchronous commit's time, measured
     for delay in delays if delays is not None else sizes.delays:
         server = PostgresServer(settings=SERVER_SETTINGS, env=server_env(delay))
         server.start()
         try:
+            slowed[str(delay)] = flush_seconds(server)
             for writers in sizes.writers:
                 for system in alternating(systems, repeats):
                     r = run_once(system, server, broker, delay, writers, sizes.seconds, 0)
@@ -378,7 +395,7 @@ def run(
                 )
                 runs.append(r)
             if delay == max(delays if delays is not None else sizes.delays):
-                idle = measure_idle(server)
+                idle = measure_idle(server, sizes.idle_seconds)
         finally:
             server.stop()
     rows = summary(runs)
@@ -389,6 +406,7 @@ def run(
         "labels": LABELS,
         "summary": rows,
         "idle": idle,
+        "commit_seconds": slowed,
         "runs": [asdict(r) for r in runs],
     }
     save("pg_load", payload, quick, folder, partial=broker is None)
