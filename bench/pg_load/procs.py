@@ -155,7 +155,8 @@ def kafka_consumer(bootstrap: str, topic: str, out: str) -> None:
     consumer.assign([TopicPartition(topic, 0, OFFSET_BEGINNING)])
     say("READY")
     while not received.done():
-        messages = consumer.consume(10_000, 0.2)
+        # What has arrived, after 5 ms at most (consume waits for all it asks for).
+        messages = consumer.consume(10_000, 0.005)
         now = time.time_ns()
         for message in messages:
             if message.error() is None:
