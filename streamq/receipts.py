@@ -1,7 +1,7 @@
 """Which seqs the serving producer gave to published records, where seqs are given after
 the commit (PostgreSQL: ``engines/postgres/numbering.py``): ``Producer.wait_served``.
 
-Recent rounds are remembered (``KEEP`` transactions' records per stream), so a receipt
+Recent rounds are remembered (``KEEP`` transactions' records in a stream), so a receipt
 asked about just after its records were served is answered at once; one asked about
 before is answered when they are.
 """
@@ -19,7 +19,8 @@ KEEP = 65_536  # (transaction, stream) groups remembered
 
 class ServedReceipts:
     def __init__(self, keep: int = KEEP) -> None:
-        self._recent: dict[tuple[int, str], list[Group]] = {}
+        # A round takes whole transactions: one group per (transaction, stream).
+        self._recent: dict[tuple[int, str], Group] = {}
         self._order: deque[tuple[int, str]] = deque()
         self._keep = keep
         self._waiting: dict[tuple[int, str], list[tuple[Receipt, asyncio.Future[range]]]] = {}
@@ -30,11 +31,8 @@ class ServedReceipts:
         for stream in numbered.streams:
             for group in stream.groups:
                 key = (group.xid, stream.name)
-                if key in recent:
-                    recent[key].append(group)  # a transaction numbered over two rounds
-                else:
-                    recent[key] = [group]
-                    order.append(key)
+                recent[key] = group
+                order.append(key)
                 if waiting and key in waiting:
                     self._answer(key, group)
         while len(order) > self._keep:
@@ -44,7 +42,7 @@ class ServedReceipts:
         still = []
         for receipt, future in self._waiting.pop(key):
             seqs = group_seqs(group, receipt.id, receipt.count)
-            if seqs is None:
+            if seqs is None:  # not a receipt of this transaction's: it waits on
                 still.append((receipt, future))
             elif not future.done():
                 future.set_result(seqs)
@@ -52,11 +50,8 @@ class ServedReceipts:
             self._waiting[key] = still
 
     def find(self, receipt: Receipt) -> range | None:
-        for group in self._recent.get((receipt.xid, receipt.stream), ()):
-            seqs = group_seqs(group, receipt.id, receipt.count)
-            if seqs is not None:
-                return seqs
-        return None
+        group = self._recent.get((receipt.xid, receipt.stream))
+        return None if group is None else group_seqs(group, receipt.id, receipt.count)
 
     async def wait(self, receipt: Receipt) -> range:
         """The receipt's seqs, once served."""

@@ -115,7 +115,8 @@ class Changes:
 
 @dataclass(frozen=True, slots=True)
 class AppendState:
-    """A stream as an appender finds it holding the stream's lock (``Writer.lock_stream``)."""
+    """A stream as a transaction's appends start from (SQLite: from memory, caught up at
+    BEGIN under the database's write lock)."""
 
     id: int
     head: int
