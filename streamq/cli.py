@@ -549,6 +549,13 @@ def _status(args: argparse.Namespace) -> None:
         f"producer [bold]{status['producer_id']}[/] epoch {status['epoch']} at {args.address}, "
         f"{status['connections']} connection(s)"
     )
+    open_transactions = status.get("open_transactions")
+    if open_transactions and open_transactions["count"]:
+        console.print(
+            f"{open_transactions['count']} transaction(s) published and not ended yet, "
+            f"the oldest open for {open_transactions['oldest_age_ms'] / 1000:.1f} s: "
+            "their records are served once they commit"
+        )
     heads = {s["stream"]: s["head"] for s in status["streams"]}
     streams = Table("stream", "head", "first held", title="streams")
     for s in status["streams"]:

@@ -33,6 +33,11 @@ _SUPPORTED = (
 )
 
 
+# psycopg connection classes seen, all and the blocking ones: known without string tests.
+_PSYCOPG: set[type] = set()
+_PSYCOPG_SYNC: set[type] = set()
+
+
 @dataclass(frozen=True, slots=True)
 class Resolved:
     """The DB-API connection to write through, and which engine's SQL it speaks."""
@@ -46,8 +51,11 @@ def resolve_engine(conn: Any) -> Resolved:
     transaction."""
     if isinstance(conn, sqlite3.Connection):
         return Resolved("sqlite", _checked_sqlite(conn, "the sqlite3 connection"))
+    if type(conn) in _PSYCOPG_SYNC:  # the hot path: a publish per request
+        return Resolved("postgresql", _checked_psycopg(conn, "the psycopg connection"))
     module = type(conn).__module__
     if _is_psycopg(conn) and not _is_psycopg_async(conn):
+        _PSYCOPG_SYNC.add(type(conn))
         return Resolved("postgresql", _checked_psycopg(conn, "the psycopg connection"))
     if module.startswith("sqlalchemy."):
         return _sqlalchemy(conn)
@@ -131,20 +139,23 @@ def _checked_psycopg(conn: Any, what: str) -> Any:
     """A psycopg ``Connection`` or ``AsyncConnection`` in a transaction, or about to open
     one: without autocommit, psycopg begins one before the first statement, ours
     included, as it would before the application's."""
-    if not _is_psycopg(conn):  # psycopg2 under Django, say
-        raise _unsupported(conn)
-    import psycopg
-    from psycopg.pq import TransactionStatus
+    if type(conn) not in _PSYCOPG:
+        if not _is_psycopg(conn):  # psycopg2 under Django, say
+            raise _unsupported(conn)
+        import psycopg
 
-    if not isinstance(conn, psycopg.Connection | psycopg.AsyncConnection):
-        raise _unsupported(conn)
-    status = conn.info.transaction_status
-    if conn.autocommit and status == TransactionStatus.IDLE:
-        raise NotInTransactionError(
-            f"{what} is in autocommit mode with no transaction open: publish inside "
-            "'with conn.transaction():' (or without autocommit), so the record commits "
-            "with the application's writes"
-        )
+        if not isinstance(conn, psycopg.Connection | psycopg.AsyncConnection):
+            raise _unsupported(conn)
+        _PSYCOPG.add(type(conn))
+    if conn.autocommit:
+        from psycopg.pq import TransactionStatus
+
+        if conn.info.transaction_status == TransactionStatus.IDLE:
+            raise NotInTransactionError(
+                f"{what} is in autocommit mode with no transaction open: publish inside "
+                "'with conn.transaction():' (or without autocommit), so the record commits "
+                "with the application's writes"
+            )
     return conn
 
 

@@ -9,6 +9,7 @@ copied first (``list(...)``), so a scrape never races the event loop's changes.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -67,6 +68,18 @@ class ProducerCollector(Collector):
             registered.add_metric(key, int(position.registered))
             lost.add_metric(key, position.lost)
         yield from (applied, lag, registered, lost)
+        if producer.numberer is not None:
+            found = producer.numberer.open_transactions
+            yield GaugeMetricFamily(
+                "streamq_open_transactions",
+                "Transactions that published and have not ended (their records wait)",
+                found.count,
+            )
+            yield GaugeMetricFamily(
+                "streamq_oldest_open_transaction_seconds",
+                "How long the oldest of them has been open (0 with none)",
+                found.oldest_age(time.time()),
+            )
         yield CounterMetricFamily(
             "streamq_registrations_dropped",
             "Registrations dropped by their limits (max_idle_ms, max_bytes)",

@@ -177,9 +177,11 @@ class Producer:
                 self._tasks.append(asyncio.create_task(watching))
             if self._serve and self.storage.features.numbered_after_commit:
                 storage = cast(NumberingStorage, self.storage)
-                self.numberer = storage.numberer(self._numbered, self._resync)
+                self.numberer = numberer = storage.numberer(self._numbered, self._resync)
                 if self._watch_interval is not None:
-                    self.numberer.idle_check = self._watch_interval
+                    numberer.idle_check = self._watch_interval
+                if self._server is not None:
+                    self._server.open_transactions = lambda: numberer.open_transactions
                 self._tasks.append(asyncio.create_task(self.numberer.run()))
             self._tasks.append(asyncio.create_task(self.retention_passes.run()))
             self._tasks.append(asyncio.create_task(self.compactor.run()))

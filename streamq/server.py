@@ -61,6 +61,7 @@ from .protocol import (
     TimePosition,
 )
 from .security import Principal, ServerTLS, TokenAuth, check_admin, check_stream
+from .storage import OpenTransactions
 from .transport import read_message
 
 logger = logging.getLogger("streamq.server")
@@ -208,6 +209,9 @@ class Server:
         # Called before answering a request: the producer catches up with commits made
         # by other connections, so a client that saw its commit return finds it here.
         self.refresh: Callable[[], Awaitable[object]] | None = None
+        # Where records are numbered after the commit (PostgreSQL): the transactions that
+        # published and are still open (``storage.OpenTransactions``), for the status.
+        self.open_transactions: Callable[[], OpenTransactions] | None = None
 
     async def start(self, host: str, port: int) -> None:
         tls = self.settings.tls
@@ -437,6 +441,18 @@ class Server:
             },
             "connections": self.connections,
             "errors_sent": self.errors_sent,
+            **self._open_transactions(),
+        }
+
+    def _open_transactions(self) -> dict[str, Any]:
+        if self.open_transactions is None:
+            return {}
+        found = self.open_transactions()
+        return {
+            "open_transactions": {
+                "count": found.count,
+                "oldest_age_ms": int(found.oldest_age(time.time()) * 1000),
+            }
         }
 
     def _check_start(self, stream: Stream, start: int, end: int | None = None) -> None:

@@ -484,12 +484,26 @@ class Storage(Protocol):
     async def close(self) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class OpenTransactions:
+    """Transactions that published and have not ended, as last looked at: their records
+    are numbered once they commit (and nobody else's wait for them)."""
+
+    count: int = 0
+    oldest_start: float | None = None  # Unix time the oldest began
+
+    def oldest_age(self, now: float) -> float:
+        """Seconds the oldest has been open (0 with none)."""
+        return 0.0 if self.oldest_start is None else max(0.0, now - self.oldest_start)
+
+
 class Numbering(Protocol):
     """The serving producer's numbering of records published unnumbered."""
 
     unserved: Container[str]  # streams of rounds numbered and not served yet
     armed: bool  # idle, waiting for the doorbell
     idle_check: float  # seconds: armed, a round anyway after this long
+    open_transactions: OpenTransactions  # looked at every second or so
 
     async def run(self) -> None:
         """Number, and serve once flushed, for ever."""

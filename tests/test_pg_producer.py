@@ -22,6 +22,7 @@ from streamq import Consumer, Producer
 from streamq.engines.postgres import storage as postgres_storage
 from streamq.engines.postgres.numbering import Numberer
 from streamq.errors import AlreadyServedError, DatabaseOpenError
+from streamq.metrics import ProducerCollector
 
 from .conftest import started_server, wait_for
 from .pgserver import PostgresServer
@@ -375,10 +376,34 @@ async def test_history_seeks_and_time_seeks_use_indexes(pg_url: str) -> None:
         assert "Index" in seek and "Seq Scan" not in seek, seek
 
 
+async def open_transactions(producer: Producer, count: int) -> bool:
+    """Whether the producer's status and metrics report ``count`` open publishing
+    transactions (and, if any, an age)."""
+
+    def status() -> dict[str, int]:
+        with streamq.Client(producer.address) as client:
+            found: dict[str, int] = client.status()["open_transactions"]
+        return found
+
+    found = await asyncio.to_thread(status)
+    metrics = {
+        m.name: m.samples[0].value
+        for m in ProducerCollector(producer).collect()
+        if m.name.startswith("streamq_o")
+    }
+    aged = (found["oldest_age_ms"] > 0) == (count > 0)
+    return (
+        found["count"] == metrics["streamq_open_transactions"] == count
+        and aged
+        and (metrics["streamq_oldest_open_transaction_seconds"] > 0) == (count > 0)
+    )
+
+
 async def test_a_long_transaction_holds_back_nobody_and_loses_nothing(pg_url: str) -> None:
     """A transaction that published and stays open: others' records are numbered and
-    served meanwhile; its own come after them once it commits (commit order), and a
-    transaction killed between its publish and its COMMIT leaves nothing."""
+    served meanwhile, it is reported (status, metrics); its own come after them once it
+    commits (commit order), and a transaction killed between its publish and its COMMIT
+    leaves nothing."""
     async with Producer(pg_url) as producer:
         await producer.create_stream("orders")
         with psycopg.connect(pg_url) as long, psycopg.connect(pg_url) as other:
@@ -388,9 +413,12 @@ async def test_a_long_transaction_holds_back_nobody_and_loses_nothing(pg_url: st
                     streamq.publish(other, "orders", b"other %d" % n)
             received = await consume(producer.address, "orders", 3)
             assert [r.value for r in received] == [b"other 0", b"other 1", b"other 2"]
+            # Reported while open: in the status (streamq status) and the metrics.
+            await wait_for(lambda: open_transactions(producer, 1), 20, "the open one reported")
             long.commit()
         assert isinstance(long_receipt, streamq.Receipt)
         assert await producer.wait_served(long_receipt, timeout=20) == range(4, 5)
+        await wait_for(lambda: open_transactions(producer, 0), 20, "no open one reported")
         # A writer killed with its publish inserted and its COMMIT not sent.
         killed = subprocess.Popen(
             [

@@ -28,7 +28,7 @@ from sqlalchemy.orm import Session
 
 import streamq
 from streamq.engines.postgres.append import run
-from streamq.engines.postgres.numbering import number_all, number_steps
+from streamq.engines.postgres.numbering import SNAPSHOT, TAKE, Window, number_all, number_steps
 from streamq.protocol import decode_record
 
 from .conftest import wait_for
@@ -447,3 +447,81 @@ def test_a_round_takes_whole_transactions(db: str) -> None:
         *((n + 1, b"big %d" % n) for n in range(5)),
         (6, b"old"),
     ]
+
+
+def _round(conn: Any, window: Window, limit: int) -> tuple[Any, Window]:
+    """One round as the numberer runs it: the snapshot read before TAKE gives the next
+    window."""
+    with conn.transaction():
+        snapshot = conn.execute(SNAPSHOT).fetchone()
+        done = run(conn, number_steps(limit=limit, window=window))
+    return done, Window.after(snapshot, done, limit)
+
+
+def test_rounds_in_their_window_miss_nothing(db: str) -> None:
+    """Rounds that look only where pending rows can still be (``Window``): transactions
+    open across rounds, older and younger than those taken, and rounds cut by their
+    limit, are all numbered, each once, in commit order."""
+    with (
+        psycopg.connect(db) as older,
+        psycopg.connect(db) as younger,
+        psycopg.connect(db) as writer,
+        psycopg.connect(db, autocommit=True) as numbering,
+    ):
+        streamq.publish(older, "orders", b"older")  # open across the rounds below
+        for n in range(4):
+            streamq.publish(writer, "orders", b"w%d" % n)
+            writer.commit()
+        window = Window()
+        done, window = _round(numbering, window, limit=2)  # cut: w0, w1
+        assert [len(s.records) for s in done.streams] == [2]
+        streamq.publish(younger, "orders", b"younger")  # begun after that snapshot
+        done, window = _round(numbering, window, limit=2)  # w2, w3
+        assert older.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
+        older.commit()
+        done, window = _round(numbering, window, limit=10)  # older
+        younger.commit()
+        streamq.publish(writer, "orders", b"last")
+        writer.commit()
+        done, window = _round(numbering, window, limit=10)  # younger, last
+        assert _round(numbering, window, limit=10)[0] is None
+        assert pending(db) == []
+    assert [r.value for r in log(db)] == [b"w0", b"w1", b"w2", b"w3", b"older", b"younger", b"last"]
+    assert [r.seq for r in log(db)] == list(range(1, 8))
+
+
+def test_rounds_skip_rows_taken_while_an_old_snapshot_is_held(db: str) -> None:
+    """Rows taken stay in the table and its index while a snapshot older than them is
+    held (vacuum may not remove them): a round in its window does not read them again,
+    where a round over the whole index reads their pages (PostgreSQL's count of buffers
+    the round's TAKE touched)."""
+    with (
+        psycopg.connect(db, autocommit=True) as held,
+        psycopg.connect(db) as writer,
+        psycopg.connect(db, autocommit=True) as numbering,
+    ):
+        held.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        held.execute("SELECT 1")  # its snapshot, older than every row below
+        window = Window()
+        for batch in range(20):
+            streamq.publish_many(writer, "orders", [b"%d" % batch] * 1000)
+            writer.commit()
+            done, window = _round(numbering, window, limit=10_000)
+            assert done is not None
+        streamq.publish(writer, "orders", b"one more")
+        writer.commit()
+        numbering.execute("ANALYZE streamq_pending")  # as autovacuum would have
+
+        def buffers_touched(round_window: Window) -> int:
+            with numbering.transaction():
+                (plan,) = numbering.execute(
+                    "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + TAKE, round_window.params(10)
+                ).fetchone()
+                raise psycopg.Rollback  # the same round again, over the whole index
+            assert plan[0]["Plan"]["Actual Rows"] == 1  # "one more"
+            return int(plan[0]["Plan"]["Shared Hit Blocks"] + plan[0]["Plan"]["Shared Read Blocks"])
+
+        in_window, everywhere = buffers_touched(window), buffers_touched(Window())
+        held.execute("ROLLBACK")
+    assert in_window < 30
+    assert everywhere > 5 * in_window, (in_window, everywhere)

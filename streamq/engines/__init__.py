@@ -75,8 +75,14 @@ class ModuleEngine:
 
     modules: ClassVar[dict[str, str]]  # role -> module name
 
+    def __init__(self) -> None:
+        self._imported: dict[str, ModuleType] = {}
+
     def _module(self, role: str) -> ModuleType:
-        return importlib.import_module(self.modules[role])
+        module = self._imported.get(role)
+        if module is None:  # import_module costs microseconds even once imported
+            module = self._imported[role] = importlib.import_module(self.modules[role])
+        return module
 
     def append(
         self, dbapi: Any, stream: str, records: Sequence[CheckedRecord], *, max_record_size: int

@@ -139,17 +139,22 @@ _SCHEMA = (
         PRIMARY KEY (xid, id)
     )""",
     # The numberer's wait, inside the server (numbering.py): returns at once when records
-    # are pending, when the WAL is flushed up to what was written before the call (if
-    # ``flush``), or after ``timeout_ms``; meanwhile naps ``nap_ms`` between looks.
+    # are pending (in the numberer's window: ``numbering.Window``), when the WAL is
+    # flushed up to what was written before the call (if ``flush``), or after
+    # ``timeout_ms``; meanwhile naps ``nap_ms`` between looks.
+    "DROP FUNCTION IF EXISTS streamq_wait(boolean, integer, double precision)",
     """CREATE OR REPLACE FUNCTION streamq_wait(flush boolean, timeout_ms integer,
-        nap_ms double precision, OUT pending boolean, OUT target pg_lsn, OUT flushed pg_lsn)
+        nap_ms double precision, frontier xid8, open xid8[],
+        OUT pending boolean, OUT target pg_lsn, OUT flushed pg_lsn)
     LANGUAGE plpgsql VOLATILE AS $$
     DECLARE
         deadline timestamptz := clock_timestamp() + timeout_ms * interval '1 millisecond';
     BEGIN
         target := CASE WHEN flush THEN pg_current_wal_insert_lsn() END;
         LOOP
-            pending := EXISTS (SELECT FROM streamq_pending);
+            pending := EXISTS (SELECT FROM streamq_pending WHERE xid > frontier)
+                OR EXISTS (SELECT FROM streamq_pending WHERE xid = ANY(ARRAY(
+                    SELECT x FROM unnest(open) AS x WHERE pg_xact_status(x) = 'committed')));
             flushed := pg_current_wal_flush_lsn();
             IF pending OR flushed >= target OR clock_timestamp() >= deadline THEN
                 RETURN;

@@ -39,6 +39,7 @@ from ...storage import (
     LogRow,
     Numbered,
     NumberedStream,
+    OpenTransactions,
     StreamSettings,
     TimeRow,
 )
@@ -64,18 +65,36 @@ NAP_MS = 1.0  # between looks for pending records, inside the server
 ACTIVE_MS = 100  # looking that long finding nothing: idle, arm the doorbell
 FLUSH_PATIENCE_MS = 3  # a round's flush left to the writers that long at most
 IDLE_CHECK = 5.0  # seconds: armed, a round anyway after this long (no wake can be lost)
+# A transaction that published and stays open keeps the doorbell from being armed: the
+# numberer looks for records (naps this long) instead of sleeping.
+BLOCKED_NAP_MS = 10.0
+OPEN_LOOK_S = 1.0  # how often open publishing transactions are looked up
 _RECONNECT_DELAY = 1.0
 
 # The committed pending rows this round's snapshot sees, the transactions of the first
-# LIMIT in numbering order, whole:
+# LIMIT in numbering order, whole, among those the window names (``Window``):
 # (xid, id, stream, timestamp, unnumbered record, key); with each, the database's epoch
-# and whether this server life took one (append.py, epochs), computed once.
+# and whether this server life took one (append.py, epochs), computed once. Of the
+# window's open transactions, only those committed are looked up: one open for an hour
+# and its rows are not read again each round.
 TAKE = """
-DELETE FROM streamq_pending WHERE xid IN (
-    SELECT xid FROM streamq_pending ORDER BY xid, id LIMIT %s)
+DELETE FROM streamq_pending WHERE xid = ANY(ARRAY(
+    SELECT xid FROM (
+        (SELECT xid, id FROM streamq_pending
+         WHERE xid = ANY(ARRAY(SELECT x FROM unnest(%(open)s::text[]::xid8[]) AS x
+                               WHERE pg_xact_status(x) = 'committed'))
+         ORDER BY xid, id LIMIT %(limit)s)
+        UNION ALL
+        (SELECT xid, id FROM streamq_pending WHERE xid > %(frontier)s::text::xid8
+         ORDER BY xid, id LIMIT %(limit)s)) AS candidates
+    ORDER BY xid, id LIMIT %(limit)s))
 RETURNING xid::text::bigint, id, stream, ts, record, key,
     (SELECT value FROM streamq_meta WHERE key = 'epoch'),
     (SELECT EXISTS (SELECT FROM streamq_boot))"""
+# Taken before a round's TAKE (its snapshot is older): the next round's window.
+SNAPSHOT = """
+SELECT pg_snapshot_xmax(s)::text::bigint, ARRAY(SELECT pg_snapshot_xip(s)::text::bigint)
+FROM pg_current_snapshot() AS s"""
 # The streams named, as found: their head, largest timestamp, last segment's epoch.
 STATE = """
 SELECT s.name, s.id, s.low, s.key_index, s.compact, s.notify_compacted,
@@ -88,13 +107,65 @@ CREATE_STREAMS = (
 )
 WAIT = (
     "SELECT pending, (target - '0/0')::bigint, (flushed - '0/0')::bigint "
-    "FROM streamq_wait(%s, %s, %s)"
+    "FROM streamq_wait(%(flush)s, %(timeout_ms)s, %(nap_ms)s, %(frontier)s::text::xid8, "
+    "%(open)s::text[]::xid8[])"
 )
+# Transactions of this database that published and have not ended (they hold their
+# INSERT's lock on the pending table), other than the numberer's own: how many, and
+# when the oldest began.
+OPEN_TRANSACTIONS = """
+SELECT count(*), extract(epoch FROM min(a.xact_start))::float8
+FROM pg_locks AS l JOIN pg_stat_activity AS a ON a.pid = l.pid
+WHERE l.locktype = 'relation' AND l.relation = 'streamq_pending'::regclass
+    AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+    AND l.mode = 'RowExclusiveLock' AND l.pid <> pg_backend_pid()"""
 # A transaction that writes WAL and commits synchronously: flushes all WAL before it.
 FLUSH = (
     "BEGIN; SET LOCAL synchronous_commit = on; "
     "SELECT pg_logical_emit_message(true, 'streamq', 'flush'); COMMIT"
 )
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """Where pending rows can still be, as rounds left them: transactions above
+    ``frontier``, and the ``open`` ones below it (in progress at a snapshot).
+
+    Rows a round took stay in the table's index, dead, until vacuum removes them, and
+    vacuum cannot while any snapshot older than them is held (a long transaction, a
+    report, ``pg_dump``): a round that read the index from its start would walk them all
+    again, a little longer each round. Looking only in the window skips them.
+
+    Why nothing is missed: let S be any snapshot taken before a round's TAKE. A row the
+    round cannot see belongs to a transaction in progress at S (in S's xip), one begun
+    after S (xid at least S's xmax), or one that aborted. A row it can see but left
+    behind (the LIMIT) has an xid above the last it took. So the next window is: above
+    min(xmax - 1, last xid taken if the LIMIT may have cut), and S's xip below that.
+    """
+
+    frontier: int = 0
+    open: tuple[int, ...] = ()
+
+    @classmethod
+    def after(cls, snapshot: tuple[int, list[int]], done: Numbered | None, limit: int) -> Window:
+        """The window after a round that took ``done`` (None: nothing), given a
+        snapshot's (xmax, xip) taken before its TAKE."""
+        xmax, xip = snapshot
+        frontier = xmax - 1
+        if done is not None and sum(len(s.records) for s in done.streams) >= limit:
+            frontier = min(frontier, max(g.xid for s in done.streams for g in s.groups))
+        return cls(frontier, tuple(x for x in xip if x <= frontier))
+
+    def params(self, limit: int) -> dict[str, Any]:
+        """TAKE's parameters."""
+        return {"open": [str(x) for x in self.open], "frontier": str(self.frontier), "limit": limit}
+
+    def wait(self, flush: bool, timeout_ms: float, nap_ms: float) -> dict[str, Any]:
+        """WAIT's parameters."""
+        return self.params(0) | {"flush": flush, "timeout_ms": timeout_ms, "nap_ms": nap_ms}
+
+
+EVERYWHERE = Window()
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,11 +194,12 @@ def number_steps(
     limit: int = LIMIT,
     known: dict[str, StreamState] | None = None,
     before_commit: Callable[[Numbered], None] | None = None,
+    window: Window = EVERYWHERE,
 ) -> Steps:
     """One round, in the caller's transaction: a ``Numbered``, or None if nothing was
-    pending. Streams not in ``known`` are read (and created if new); ``before_commit`` is
-    told what it numbered before the caller commits."""
-    rows = yield Statement(TAKE, (limit,), fetch_all=True)
+    pending (in ``window``). Streams not in ``known`` are read (and created if new);
+    ``before_commit`` is told what it numbered before the caller commits."""
+    rows = yield Statement(TAKE, window.params(limit), fetch_all=True)
     if not rows:
         return None
     rows.sort(key=lambda row: (row[0], row[1]))  # RETURNING keeps no order
@@ -241,10 +313,14 @@ class Numberer:
         self._conn: Any = None
         self._unflushed: deque[_Unflushed] = deque()
         self._known: dict[str, StreamState] = {}  # streams as the last rounds left them
+        self._window = EVERYWHERE  # where pending rows can be, as the last round left them
         self._flushed = 0  # the WAL flushed up to here, as last seen
         self._flush_moved_at = 0.0  # when it was seen to move last
         self.unserved: Counter[str] = Counter()
         self.rounds = 0
+        self.open_transactions = OpenTransactions()
+        self._looked_at = -OPEN_LOOK_S  # monotonic time of the last look
+        self._blocked = False  # the doorbell could not be armed: an open transaction
 
     async def run(self) -> None:
         """For ever: a lost connection (the server restarting) is made again, a second
@@ -279,6 +355,7 @@ class Numberer:
         """After a failure: the connection goes; rounds not known to be flushed wait for
         ``_recover``."""
         self._known.clear()
+        self._window = EVERYWHERE
         if self._conn is not None:
             with contextlib.suppress(Exception):
                 await self._conn.close()
@@ -287,7 +364,10 @@ class Numberer:
     async def _turn(self) -> None:
         """A round; then, if it found nothing, wait: for more records, for the flush of
         what is numbered, or (idle) for the doorbell."""
+        if time.monotonic() - self._looked_at >= OPEN_LOOK_S:
+            await self._look()
         if await self._round():
+            self._blocked = False
             # Writers committing without waiting for their flush (synchronous_commit off)
             # leave it to the WAL writer, every 200 ms: once a round has waited, and no
             # flush was seen meanwhile, flush.
@@ -300,7 +380,7 @@ class Numberer:
             if not await self._wait(FLUSH_PATIENCE_MS) and self._unflushed:
                 await self._flush()
             return
-        if not await self._wait(ACTIVE_MS):
+        if not await self._wait(ACTIVE_MS, BLOCKED_NAP_MS if self._blocked else NAP_MS):
             await self._sleep()
 
     async def _round(self) -> bool:
@@ -311,20 +391,26 @@ class Numberer:
         try:
             async with conn.pipeline():
                 await conn.execute("BEGIN")
-                steps = number_steps(LIMIT, self._known, self._taken)
+                snapshot = await conn.execute(SNAPSHOT)  # read with TAKE's rows
+                steps = number_steps(LIMIT, self._known, self._taken, self._window)
                 done: Numbered | None = await run_async(conn, steps)
+                window = Window.after(await snapshot.fetchone(), done, LIMIT)
                 if done is None:
                     await conn.execute("ROLLBACK")
+                    self._window = window
                     return False
                 self._unflushed.append(_Unflushed(done))  # committed or not: _recover
                 await conn.execute("COMMIT")
-                waited = await conn.execute(WAIT, (True, FLUSH_PATIENCE_MS, NAP_MS))
+                waited = await conn.execute(WAIT, window.wait(True, FLUSH_PATIENCE_MS, NAP_MS))
         except BaseException:
-            self._known.clear()  # heads may have moved under another numberer
+            # Heads may have moved under another numberer; rows may be pending again.
+            self._known.clear()
+            self._window = EVERYWHERE
             with contextlib.suppress(Exception):
                 await conn.execute("ROLLBACK")
             raise
         self._known |= states_after(done)
+        self._window = window
         self.rounds += 1
         self._waited(await waited.fetchone())
         return True
@@ -358,9 +444,16 @@ class Numberer:
         for stream in done.streams:
             self.unserved[stream.name] += 1
 
-    async def _wait(self, timeout_ms: int) -> bool:
+    async def _look(self) -> None:
+        cursor = await self._conn.execute(OPEN_TRANSACTIONS)
+        count, oldest = await cursor.fetchone()
+        self.open_transactions = OpenTransactions(int(count), oldest)
+        self._looked_at = time.monotonic()
+
+    async def _wait(self, timeout_ms: float, nap_ms: float = NAP_MS) -> bool:
         """``streamq_wait``; True if records are pending. Serves what is flushed."""
-        cursor = await self._conn.execute(WAIT, (bool(self._unflushed), timeout_ms, NAP_MS))
+        params = self._window.wait(bool(self._unflushed), timeout_ms, nap_ms)
+        cursor = await self._conn.execute(WAIT, params)
         return self._waited(await cursor.fetchone())
 
     def _waited(self, row: tuple[bool, int | None, int]) -> bool:
@@ -404,12 +497,12 @@ class Numberer:
             pass
         cursor = await conn.execute(f"SELECT pg_try_advisory_lock({DOORBELL})")
         (armed,) = await cursor.fetchone()
+        self._blocked = not armed
         if not armed:
             return  # a transaction is publishing: look again
+        self.open_transactions = OpenTransactions()  # none holds the doorbell
         try:
-            cursor = await conn.execute("SELECT EXISTS (SELECT FROM streamq_pending)")
-            (pending,) = await cursor.fetchone()
-            if not pending:
+            if not await self._wait(0):
                 self.armed = True
                 async for _ in conn.notifies(timeout=self.idle_check, stop_after=1):
                     pass
