@@ -59,3 +59,4 @@ def test_tiny_run_is_checked_and_saved(tmp_path: Path) -> None:
     assert saved["commit_seconds"]["20000"] >= 0.02
     idle = saved["idle"]
     assert idle["sessions"] >= 3 and idle["serve_percent"] >= 0
+    assert idle["open_serve_percent"] >= 0 and idle["open_sessions_percent"] >= 0

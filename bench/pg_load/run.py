@@ -247,14 +247,15 @@ def flush_seconds(server: Any, commits: int = 20) -> float:
 
 def measure_idle(server: Any, seconds: float) -> dict[str, float]:
     """CPU of an idle ``streamq serve`` (after a few records, then none) and of its
-    database sessions, as % of one core."""
+    database sessions, as % of one core: while a transaction that published among those
+    records stays open (it keeps the doorbell from being armed), then with none open."""
     with _database(server) as url, Child("streamq", "serve", url, "--port", 0) as serving:
         serving.expect("serving", STARTUP_TIMEOUT)
-        with psycopg.connect(url) as conn:
+        with psycopg.connect(url) as conn, psycopg.connect(url) as held:
             for n in range(10):
                 streamq.publish(conn, STREAM, b"%d" % n)
                 conn.commit()
-            time.sleep(1.0)  # numbered, served, then idle (ACTIVE_MS: 0.1 s)
+            streamq.publish(held, STREAM, b"held open")  # its transaction stays open
             pids = [
                 int(pid)
                 for (pid,) in conn.execute(
@@ -262,14 +263,27 @@ def measure_idle(server: Any, seconds: float) -> dict[str, float]:
                     "AND datname = current_database()"
                 ).fetchall()
             ]
-        process = serving.process.pid
-        before = proc_cpu_seconds(process), sum(map(proc_cpu_seconds, pids))
-        time.sleep(seconds)
-        after = proc_cpu_seconds(process), sum(map(proc_cpu_seconds, pids))
+            conn.commit()
+            process = serving.process.pid
+
+            def cpu() -> tuple[float, float]:
+                return proc_cpu_seconds(process), sum(map(proc_cpu_seconds, pids))
+
+            time.sleep(1.0)  # numbered, served, then idle (ACTIVE_MS: 0.1 s)
+            before_open = cpu()
+            time.sleep(seconds)
+            held_open = cpu()
+            held.commit()
+            time.sleep(1.0)
+            before = cpu()
+            time.sleep(seconds)
+            idle = cpu()
     return {
-        "serve_percent": round(100 * (after[0] - before[0]) / seconds, 2),
-        "sessions_percent": round(100 * (after[1] - before[1]) / seconds, 2),
+        "serve_percent": round(100 * (idle[0] - before[0]) / seconds, 2),
+        "sessions_percent": round(100 * (idle[1] - before[1]) / seconds, 2),
         "sessions": len(pids),
+        "open_serve_percent": round(100 * (held_open[0] - before_open[0]) / seconds, 2),
+        "open_sessions_percent": round(100 * (held_open[1] - before_open[1]) / seconds, 2),
     }
 
 

@@ -66,8 +66,9 @@ ACTIVE_MS = 100  # looking that long finding nothing: idle, arm the doorbell
 FLUSH_PATIENCE_MS = 3  # a round's flush left to the writers that long at most
 IDLE_CHECK = 5.0  # seconds: armed, a round anyway after this long (no wake can be lost)
 # A transaction that published and stays open keeps the doorbell from being armed: the
-# numberer looks for records (naps this long) instead of sleeping.
-BLOCKED_NAP_MS = 10.0
+# numberer waits for records inside the server instead, up to a second at a time (a
+# round trip and a round each), looking every 20 ms.
+BLOCKED_WAIT_MS, BLOCKED_NAP_MS = 1000, 20.0
 OPEN_LOOK_S = 1.0  # how often open publishing transactions are looked up
 _RECONNECT_DELAY = 1.0
 
@@ -380,7 +381,10 @@ class Numberer:
             if not await self._wait(FLUSH_PATIENCE_MS) and self._unflushed:
                 await self._flush()
             return
-        if not await self._wait(ACTIVE_MS, BLOCKED_NAP_MS if self._blocked else NAP_MS):
+        if self._blocked:
+            if not await self._wait(BLOCKED_WAIT_MS, BLOCKED_NAP_MS):
+                await self._sleep()
+        elif not await self._wait(ACTIVE_MS):
             await self._sleep()
 
     async def _round(self) -> bool:
