@@ -157,10 +157,11 @@ class GroupCommit:
             try:
                 # One hop: BEGIN, every member and COMMIT, unless another writer committed
                 # since the producer last looked (it catches up first).
-                cost = await to_the_end(
-                    producer._writer.run_blocking(_run_group, producer, members, version),
-                    lambda: self._committed(members),
-                )
+                with producer.waiting_to_begin():  # _run_group ends it, holding the lock
+                    cost = await to_the_end(
+                        producer._writer.run_blocking(_run_group, producer, members, version),
+                        lambda: self._committed(members),
+                    )
                 self._budget.note(cost)
                 return
             except _OthersCommitted as others:
@@ -194,6 +195,7 @@ def _run_group(
         seen = writer.begin(wait)
         if seen is not None and seen != version:
             raise _OthersCommitted(seen)
+    producer.beginning = False  # holding the write lock: nobody else commits now
     started = time.perf_counter()  # waiting for the write lock is no cost of the group's
     alone = len(members) == 1
     carried: dict[str, _Appending] = {}  # each stream as the members so far left it

@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import replace
 from types import TracebackType
 from typing import Any, TypeVar, cast
@@ -122,6 +122,11 @@ class Producer:
         self._watch: Watch | None = None
         self._watch_interval = watch_interval
         self._in_transaction = False  # holding the writer for a transaction of its own
+        # A BEGIN of this producer's waits for another connection's write lock (SQLite):
+        # that connection may commit meanwhile, and requests read its commits on a read
+        # connection (``CommitWatcher.read_ahead``). ``begins`` tells BEGINs apart.
+        self.beginning = False
+        self.begins = 0
         self.watcher = CommitWatcher(self)  # other writers' commits
         self.groups = GroupCommit(self)  # run_in_transaction's commits, shared
         self.positions = Positions()
@@ -331,6 +336,21 @@ class Producer:
             finally:
                 self._in_transaction = False
 
+    @contextlib.contextmanager
+    def waiting_to_begin(self) -> Iterator[None]:
+        """Around a BEGIN that may wait for another connection's write lock (engines
+        with ``blocking_transactions``); what runs BEGIN on a thread clears ``beginning``
+        there once it has the lock."""
+        if not self.storage.features.blocking_transactions:
+            yield
+            return
+        self.begins += 1
+        self.beginning = True
+        try:
+            yield
+        finally:
+            self.beginning = False
+
     @property
     def _writer(self) -> Writer:
         return self.storage.writer
@@ -339,7 +359,8 @@ class Producer:
         """BEGIN. On SQLite, holding the write lock, catch up with what other writers
         committed: seqs continue from what is committed, never from a stale head. (On
         PostgreSQL each stream's head is read under its lock: ``_append_state``.)"""
-        version = await self._writer.begin()
+        with self.waiting_to_begin():
+            version = await self._writer.begin()
         if version is not None and version != self.watcher.version:
             try:
                 await self.watcher.catch_up(version)

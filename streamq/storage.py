@@ -462,9 +462,10 @@ class Storage(Protocol):
         producer's lock: nothing else is under way on the writer connection then."""
         ...
 
-    async def changes(self, known: dict[int, tuple[int, int]]) -> Changes:
+    async def changes(self, known: dict[int, tuple[int, int]], *, reading: bool = False) -> Changes:
         """What a catch-up needs, given ``known`` ({stream id: (head, last first seq)}):
-        every stream and registration, and the epoch rows after the known ones."""
+        every stream and registration, and the epoch rows after the known ones.
+        ``reading``: on a read connection, not the writer's (it may be waiting)."""
         ...
 
     def watch(self) -> Watch: ...

@@ -14,7 +14,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
-from .storage import Watch
+from .storage import Changes, Watch
 
 if TYPE_CHECKING:
     from .producer import Producer
@@ -68,14 +68,21 @@ class CommitWatcher:
                 delay *= 2
 
     async def before_request(self) -> None:
-        """Before a request is answered: catch up unless the producer is in a transaction
-        (its next BEGIN catches up; a request does not wait for the application's work)."""
-        if not self._producer._in_transaction:
+        """Before a request is answered: catch up, so a client that saw its commit return
+        finds it served. Not while the producer's transaction holds the write lock: then
+        nobody else commits, and its BEGIN caught up (a request does not wait for the
+        application's work); while that BEGIN still waits for the lock, ``read_ahead``."""
+        producer = self._producer
+        if producer.beginning:
+            await self.read_ahead()
+        elif not producer._in_transaction:
             await self.check()
 
     async def check(self, *, heads: bool | None = None) -> bool:
         """Catch up if another connection committed; True if one had."""
         producer = self._producer
+        if producer.beginning and not heads:
+            return await self.read_ahead()
         async with producer._lock:
             version = await producer.storage.version()
             if version == self.version and not heads:
@@ -95,14 +102,41 @@ class CommitWatcher:
         numbering, resuming after a failure, flushed first), and adds a stream it does
         not know only if no round is serving it."""
         producer = self._producer
-        numberer = producer.numberer
         if heads is None:
-            heads = numberer is None
-        log = producer.log
-        known = {s.id: (s.head, s.epochs.last_first_seq) for s in log.streams.values()}
-        changes = await producer.storage.changes(known)
+            heads = producer.numberer is None
+        changes = await producer.storage.changes(self._known())
         producer.epoch = changes.epoch
         producer._apply_registrations(changes.consumers)
+        self._apply(changes, heads)
+        self.version = version
+
+    async def read_ahead(self) -> bool:
+        """While the producer's BEGIN waits for another connection's write lock (SQLite),
+        catch up with that connection's commits from a read connection (the writer's is
+        the one waiting): streams, heads and epoch rows, forward only; True if a head
+        moved. Dropped if the BEGIN went through meanwhile: then it caught up itself, and
+        what was read may hold the producer's own commit, not yet in memory. The version
+        stays: the BEGIN compares its own."""
+        producer = self._producer
+        begins = producer.begins
+        changes = await producer.storage.changes(self._known(), reading=True)
+        if not producer.beginning or producer.begins != begins:
+            return False
+        return self._apply(changes, heads=True)
+
+    def _known(self) -> dict[int, tuple[int, int]]:
+        """{stream id: (head, first seq of the last epoch segment)}, as the log has them."""
+        return {
+            s.id: (s.head, s.epochs.last_first_seq) for s in self._producer.log.streams.values()
+        }
+
+    def _apply(self, changes: Changes, heads: bool) -> bool:
+        """Hand ``changes`` to the log: new streams, epoch rows, lows and compaction, and
+        (``heads``) heads that moved, which wakes their subscribers; True if one did."""
+        producer = self._producer
+        numberer = producer.numberer
+        log = producer.log
+        moved = False
         new_epochs: dict[int, list[tuple[int, int]]] = {}
         for stream_id, first_seq, epoch in changes.epoch_rows:
             new_epochs.setdefault(stream_id, []).append((first_seq, epoch))
@@ -123,4 +157,5 @@ class CommitWatcher:
                 producer.retention.forget(stream.name)
             if heads and row.head > stream.head:
                 log.committed(stream, row.head, None)
-        self.version = version
+                moved = True
+        return moved

@@ -21,6 +21,7 @@ import pytest
 import streamq
 from streamq import Consumer, Producer
 
+from .conftest import wait_for
 from .writers.worker import ORDERS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -194,3 +195,44 @@ async def test_connections_switching_a_new_database_to_wal_at_once_all_open(
                 mode = await conn.execute_fetchall("PRAGMA journal_mode")
                 await conn.close()
                 assert list(mode) == [("wal",)]
+
+
+async def test_commits_of_others_are_served_while_the_producer_waits_for_the_write_lock(
+    producer_db: str,
+) -> None:
+    """While the serving producer's own transaction waits at BEGIN for another
+    connection's write lock, that connection's commits are answered and pushed (read on a
+    read connection): a client that saw its commit return finds it served. The other
+    connection takes the lock again at once, so the producer keeps waiting throughout."""
+
+    def read(address: str) -> tuple[int, list[bytes]]:
+        with streamq.Client(address) as client:
+            head = client.head("orders").head
+            return head, [r.value for batch in client.read_range("orders", 1, 2) for r in batch]
+
+    async with Producer(producer_db) as producer:
+        await producer.create_stream("orders")
+        other = sqlite3.connect(producer_db, isolation_level=None, timeout=10)
+        async with Consumer(producer.address, "orders") as subscriber:
+            other.execute("BEGIN IMMEDIATE")
+
+            async def mine() -> int:
+                async with producer.transaction() as tx:  # waits at BEGIN for `other`
+                    return await tx.publish("orders", b"mine")
+
+            task = asyncio.create_task(mine())
+            await wait_for(lambda: producer.beginning, what="the producer waiting at BEGIN")
+            assert streamq.publish(other, "orders", b"theirs") == 1
+            other.execute("COMMIT")
+            other.execute("BEGIN IMMEDIATE")  # the producer waits on
+            assert await asyncio.to_thread(read, producer.address) == (1, [b"theirs"])
+            async with asyncio.timeout(10):
+                pushed = await anext(subscriber)
+            assert [(r.seq, r.value) for r in pushed] == [(1, b"theirs")]
+            assert not task.done() and producer.beginning, "the producer took the lock"
+            other.execute("ROLLBACK")
+            other.close()
+            assert await task == 2
+            async with asyncio.timeout(10):
+                pushed = await anext(subscriber)
+            assert [(r.seq, r.value) for r in pushed] == [(2, b"mine")]

@@ -476,9 +476,9 @@ class PostgresStorage:
             row = await cursor.fetchone()
         return str(row[0])
 
-    async def changes(self, known: dict[int, tuple[int, int]]) -> Changes:
+    async def changes(self, known: dict[int, tuple[int, int]], *, reading: bool = False) -> Changes:
         """One statement (``CHANGES_QUERY``): streams, registrations, the epoch, and the
-        epoch rows after the last known one of each stream."""
+        epoch rows after the last known one of each stream (always on a pooled reader)."""
         params = {"ids": list(known), "afters": [after for _, after in known.values()]}
         async with self._pool.connection() as conn:
             cursor = await conn.execute(CHANGES_QUERY, params)

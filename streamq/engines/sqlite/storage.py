@@ -928,9 +928,15 @@ class SQLiteStorage:
         # (the watch asks after every commit, this producer's own included).
         return int(self.writer.raw.execute("PRAGMA data_version").fetchone()[0])
 
-    async def changes(self, known: dict[int, tuple[int, int]]) -> Changes:
-        changes: Changes = await self.writer.run(read_changes, self.writer.raw, known)
-        return changes
+    async def changes(self, known: dict[int, tuple[int, int]], *, reading: bool = False) -> Changes:
+        if not reading:
+            changes: Changes = await self.writer.run(read_changes, self.writer.raw, known)
+            return changes
+        async with self.reader() as reader:
+            read: Changes = await run_on_thread(
+                reader.conn, read_changes, raw_connection(reader.conn), known
+            )
+        return read
 
     def watch(self) -> WalWatch:
         return WalWatch(self.path)
