@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from .blocking import InlineBudget, to_the_end
-from .storage import BlockingWriter, EpochRow, LogRow, TimeRow, WouldWait
+from .storage import BlockingWriter, EpochRow, LogRow, ThreadedWriter, TimeRow, WouldWait
 from .transactions import BlockingTransaction, _Appending, _OthersCommitted, _Pending
 
 if TYPE_CHECKING:
@@ -126,14 +126,20 @@ class GroupCommit:
             if not isinstance(error, Exception):
                 raise
 
+    @property
+    def _writer(self) -> ThreadedWriter:
+        writer = self._producer._writer.threaded
+        assert writer is not None  # transactions are grouped only where there is a thread
+        return writer
+
     async def _commit(self, members: list[_Member]) -> None:
         producer = self._producer
         version: int | None = producer.watcher.version
         try:
-            inline = producer._writer.inline
             try:
-                if inline is None or not self._budget.fits or self._full:
+                if not self._budget.fits or self._full:
                     raise WouldWait
+                inline = self._writer.inline
                 self._budget.note(_run_group(inline, producer, members, version, wait=False))
                 self.inline += 1
                 self._committed(members)
@@ -159,7 +165,7 @@ class GroupCommit:
                 # since the producer last looked (it catches up first).
                 with producer.waiting_to_begin():  # _run_group ends it, holding the lock
                     cost = await to_the_end(
-                        producer._writer.run_blocking(_run_group, producer, members, version),
+                        self._writer.run_blocking(_run_group, producer, members, version),
                         lambda: self._committed(members),
                     )
                 self._budget.note(cost)

@@ -293,7 +293,7 @@ class Producer:
         On PostgreSQL ``fn`` runs on a worker thread, on a connection of its own.
         """
         self._check_running()
-        if not self.storage.features.blocking_transactions:
+        if self._writer.threaded is None:
             return await self._run_in_session(fn, args)
         return await self.groups.run(fn, args)
 
@@ -339,9 +339,9 @@ class Producer:
     @contextlib.contextmanager
     def waiting_to_begin(self) -> Iterator[None]:
         """Around a BEGIN that may wait for another connection's write lock (engines
-        with ``blocking_transactions``); what runs BEGIN on a thread clears ``beginning``
-        there once it has the lock."""
-        if not self.storage.features.blocking_transactions:
+        with ``single_writer``); what runs BEGIN on a thread clears ``beginning`` there
+        once it has the lock."""
+        if not self.storage.features.single_writer:
             yield
             return
         self.begins += 1
@@ -449,7 +449,7 @@ class Producer:
         are given after the commit, once it is served; with ``serve=False`` there, its
         ``Receipt``)."""
         seq: int | Receipt
-        if self.storage.features.blocking_transactions:  # one hop at most, grouped
+        if self._writer.threaded is not None:  # one hop at most, grouped
             seq = await self.run_in_transaction(_publish_one, stream, value, key, headers)
         else:
             async with self.transaction() as tx:

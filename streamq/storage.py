@@ -146,8 +146,10 @@ class Features:
     # ``publish`` returns a ``Receipt``. Otherwise (SQLite: one writer at a time) a
     # record's seq is known when it is published.
     numbered_after_commit: bool
-    # ``run_in_transaction`` runs the whole transaction on the writer's own thread.
-    blocking_transactions: bool
+    # One writer at a time (SQLite's write lock): a BEGIN waits while another connection
+    # holds it, and that connection may commit meanwhile. Otherwise (PostgreSQL) writers
+    # do not wait for each other.
+    single_writer: bool
 
 
 # --- numbering after the commit (engines with ``numbered_after_commit``) -------------
@@ -233,7 +235,7 @@ class WouldWait(Exception):
 
 class BlockingWriter(Protocol):
     """The writer connection on its own thread, for a whole transaction run there as one
-    function (``Producer.run_in_transaction``; engines with ``blocking_transactions``)."""
+    function (``Producer.run_in_transaction``, on a ``ThreadedWriter``)."""
 
     def begin(self, wait: bool = True) -> int | None:
         """``wait=False``: raise ``WouldWait`` at once rather than wait for the lock."""
@@ -295,14 +297,10 @@ class Writer(Protocol):
     """The producer's writer connection. Every method but ``begin`` runs in the
     transaction ``begin`` opened."""
 
-    async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(blocking_writer, *args)`` on the connection's own thread (one hop)."""
-        ...
-
     @property
-    def inline(self) -> BlockingWriter | None:
-        """The blocking writer, for use on the event loop's thread when nothing is queued
-        on its own (a short transaction then costs no hop); None where it cannot be."""
+    def threaded(self) -> ThreadedWriter | None:
+        """This writer, if its connection has a thread of its own that whole
+        transactions can run on (``run_in_transaction``, grouped: SQLite); else None."""
         ...
 
     @property
@@ -378,6 +376,20 @@ class Writer(Protocol):
 
     async def save_positions(self, positions: list[tuple[str, str, int]]) -> None:
         """Store registered consumers' reported (consumer, stream, applied)."""
+        ...
+
+
+class ThreadedWriter(Writer, Protocol):
+    """A writer whose connection has a thread of its own (SQLite's aiosqlite)."""
+
+    async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(blocking_writer, *args)`` on the connection's own thread (one hop)."""
+        ...
+
+    @property
+    def inline(self) -> BlockingWriter:
+        """The blocking writer, for use on the event loop's thread when nothing is queued
+        on its own (a short transaction then costs no hop)."""
         ...
 
 

@@ -390,7 +390,7 @@ async def main(args: argparse.Namespace) -> None:
     producer = await start(args, settings)
     watchdog = asyncio.create_task(WATCHDOG.run())
     # Commit groups are SQLite's (PostgreSQL groups its own WAL flushes).
-    groups = producer.storage.features.blocking_transactions
+    groups = producer.storage.writer.threaded is not None
     try:
         print(f"READY {args.port} head={producer.head(STREAM)}", flush=True)
         while True:

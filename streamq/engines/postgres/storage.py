@@ -189,12 +189,9 @@ class PostgresWriter:
     def in_transaction(self) -> bool:
         return in_transaction(self.conn)
 
-    async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
-        raise NotImplementedError("PostgreSQL runs no transaction on a thread of its own")
-
     @property
-    def inline(self) -> None:
-        return None
+    def threaded(self) -> None:
+        return None  # psycopg's asyncio connection: no thread of its own
 
     async def _steps(self, steps: Steps) -> Any:
         return await run_async(self.conn, steps)

@@ -22,7 +22,7 @@ class SQLiteEngine(ModuleEngine):
     name = "sqlite"
     # One writer at a time: a record's seq is known when it is published, and a whole
     # transaction can run on the writer's own thread.
-    features = Features(numbered_after_commit=False, blocking_transactions=True)
+    features = Features(numbered_after_commit=False, single_writer=True)
     max_seq = MAX_SEQ  # seqs are packed in 40 bits of the log's key
 
     def open_storage(self, target: str) -> SQLiteStorage:

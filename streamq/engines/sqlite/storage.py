@@ -725,6 +725,10 @@ class SQLiteWriter:
         """``fn(*args)`` on the connection's thread, after what is queued there."""
         return await run_on_thread(self.conn, fn, *args)
 
+    @property
+    def threaded(self) -> SQLiteWriter:
+        return self
+
     async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
         return await self.run(fn, self.blocking, *args)
 
