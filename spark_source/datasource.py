@@ -14,7 +14,8 @@ endpoints                comma-separated ``host:port`` of the producers
 endpointsFile            a file with one endpoint per line (instead of, or beside, it)
 endpointsProvider        ``module:function`` returning endpoints (e.g. a registry lookup);
                          list, file and provider are read again at every trigger
-stream                   the stream to read
+stream                   the stream to read; a producer without it fails the read (the
+                         query's first trigger) naming it and the streams it has
 startingOffsets          ``earliest``, ``latest`` or JSON ``{producer id: seq}``
                          (-2 earliest, -1 latest); default: latest (stream),
                          earliest (batch)

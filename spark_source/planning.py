@@ -32,6 +32,7 @@ from streamq import (
 from streamq.client import Vouch
 from streamq.consumer import lost_seqs
 from streamq.errors import IdleTimeoutError, MalformedFrameError, ShuttingDownError
+from streamq.transport import parse_address
 
 Offsets = dict[str, int]
 
@@ -154,6 +155,11 @@ def parse_endpoints(
         raise StreamQSourceError(
             "set option 'endpoints' (host:port,...), 'endpointsFile' or 'endpointsProvider'"
         )
+    for endpoint in found:  # here, not in a thread of discover, as one line
+        try:
+            parse_address(endpoint)
+        except ValueError as exc:
+            raise StreamQSourceError(f"endpoints: {exc}") from None
     return list(dict.fromkeys(found))
 
 
@@ -301,22 +307,27 @@ def _via(via: Connect | Connections) -> tuple[Connections, Callable[[], None]]:
     return connections, connections.close
 
 
+@dataclass(frozen=True, slots=True)
+class _Missing:
+    """A producer without the stream asked for, and the streams it has (those the query's
+    token may read): reading it as empty would be a silent wrong answer (a misspelt name)."""
+
+    endpoint: str
+    streams: list[str]
+
+
 def _probe(
     connections: Connections,
     endpoint: str,
     stream: str,
     positions: Mapping[str, Position] | None,
-) -> ProducerState:
+) -> ProducerState | _Missing:
     try:
         try:
             producer_id, info = connections.ask(endpoint, lambda c: (c.producer_id, c.head(stream)))
-        except UnknownStreamError:  # nothing published yet
-            producer_id = connections.ask(endpoint, lambda c: c.producer_id)
-            if positions is None:
-                return ProducerState(producer_id, endpoint, 0, 1)
-            position = positions.get(producer_id)
-            lost = lost_seqs(position.seq - 1, 0, 0) if position is not None else None
-            return ProducerState(producer_id, endpoint, 0, 1, 0, lost)
+        except UnknownStreamError:
+            names = connections.ask(endpoint, lambda c: sorted(s.stream for s in c.streams()))
+            return _Missing(endpoint, names)
         if positions is None:
             return ProducerState(producer_id, endpoint, info.head, info.low)
 
@@ -374,18 +385,24 @@ def discover(
     via: Connect | Connections,
     positions: Mapping[str, Position] | None = None,
 ) -> dict[str, ProducerState]:
-    """Every producer's id, head and low, asked in parallel; raises naming what failed.
+    """Every producer's id, head and low, asked in parallel; raises naming what failed,
+    and if any producer lacks ``stream``, naming each such producer and its streams.
 
     With ``positions`` (a streaming query's, possibly empty), also the epoch of each head
     and the seqs each producer lost under the query's position (``ProducerState.lost``).
     """
     connections, done = _via(via)
     try:
-        states = connections.map(lambda e: _probe(connections, e, stream, positions), endpoints)
+        found = connections.map(lambda e: _probe(connections, e, stream, positions), endpoints)
     finally:
         done()
+    missing = [m for m in found if isinstance(m, _Missing)]
+    if missing:
+        token = connections.connect.token is not None
+        raise StreamQSourceError(_unknown_stream(stream, missing, len(found), token))
     by_id: dict[str, ProducerState] = {}
-    for state in states:
+    for state in found:
+        assert isinstance(state, ProducerState)
         if state.producer_id in by_id:
             other = by_id[state.producer_id].endpoint
             raise StreamQSourceError(
@@ -393,6 +410,31 @@ def discover(
             )
         by_id[state.producer_id] = state
     return by_id
+
+
+_MISSING_SHOWN = 5  # producers an unknown stream's error lists; it counts the others
+
+
+def _unknown_stream(stream: str, missing: Sequence[_Missing], producers: int, token: bool) -> str:
+    """One line for a stream some producers lack, like the CLI's "unknown stream 'ordres';
+    this producer has ['orders']", with the streams each of them has."""
+
+    def has(m: _Missing) -> str:
+        names = m.streams or "no streams"
+        return f"lets this query's token read {names}" if token else f"has {names}"
+
+    hint = (
+        "every producer the query reads must have the stream: check its name, or create it "
+        "(Producer.create_stream) before a query reads the producer"
+    )
+    if producers == 1:
+        only = missing[0]
+        where = f"producer at {only.endpoint}"
+        return f"{where}: unknown stream {stream!r}; this producer {has(only)} ({hint})"
+    shown = "; ".join(f"the producer at {m.endpoint} {has(m)}" for m in missing[:_MISSING_SHOWN])
+    if len(missing) > _MISSING_SHOWN:
+        shown += f"; and {len(missing) - _MISSING_SHOWN} more"
+    return f"unknown stream {stream!r} at {len(missing)} of {producers} producers: {shown} ({hint})"
 
 
 def _seek(state: ProducerState, stream: str, timestamp: int, connect: Connect) -> int:
@@ -404,8 +446,6 @@ def _seek(state: ProducerState, stream: str, timestamp: int, connect: Connect) -
                     f"not {state.producer_id}"
                 )
             return client.seek_time(stream, timestamp).seq
-    except UnknownStreamError:
-        return state.low  # nothing published yet: its first record will be late enough
     except StreamQError as exc:
         raise StreamQSourceError(f"producer at {state.endpoint}: {exc}") from exc
 

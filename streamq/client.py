@@ -13,7 +13,13 @@ from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any, NamedTuple, TypeVar
 
-from .errors import ConnectionLostError, SeqsReusedError, StreamQError, error_from_frame
+from .errors import (
+    ConnectionLostError,
+    RemoteProtocolError,
+    SeqsReusedError,
+    StreamQError,
+    error_from_frame,
+)
 from .filters import Filter
 from .protocol import (
     DEFAULT_MAX_FRAME_SIZE,
@@ -180,6 +186,13 @@ class Client:
                 authenticated = self._receive()
                 assert isinstance(authenticated, Authenticated)
                 self.consumer = authenticated.consumer
+        except RemoteProtocolError as exc:  # no producer answers so: another service's port
+            self._sock.close()
+            raise RemoteProtocolError(
+                f"the peer at {address} is not a streamq producer: it answered with no "
+                f"SERVER_HELLO ({exc})",
+                exc.code,
+            ) from exc
         except BaseException:
             self._sock.close()
             raise

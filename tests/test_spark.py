@@ -158,6 +158,101 @@ def test_failures_name_the_producer(
     assert seqs_by_producer(lenient) == {a.producer_id: list(range(600, 1001))}
 
 
+def stream_query(
+    spark: SparkSession, eps: str, stream: str, checkpoint: Path, seen: list[int], **options: str
+) -> StreamingQuery:
+    """A query of ``stream`` from the earliest seqs, collecting its batch ids in ``seen``."""
+    reader = spark.readStream.format("streamq").option("endpoints", eps).option("stream", stream)
+    return (
+        reader.options(startingOffsets="earliest", **options)
+        .load()
+        .writeStream.foreachBatch(lambda df, batch: seen.append(batch))
+        .option("checkpointLocation", str(checkpoint))
+        .start()
+    )
+
+
+def fails_at_first_trigger(query: StreamingQuery, message: str) -> None:
+    """The query ends with an error matching ``message`` before any micro-batch."""
+    try:
+        with pytest.raises(PySparkException, match=message):
+            query.awaitTermination(120)
+    finally:
+        query.stop()
+
+
+def test_an_unknown_stream_fails_the_first_plan_naming_each_producer_lacking_it(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """``stream`` that a producer lacks (a misspelt name, say) is never read as empty: the
+    batch read and the streaming query's first trigger fail, naming the stream asked for and
+    each producer lacking it with the streams it has."""
+    with (
+        streamq.SyncProducer(str(tmp_path / "a.db")) as a,
+        streamq.SyncProducer(str(tmp_path / "b.db")) as b,
+        streamq.SyncProducer(str(tmp_path / "c.db")) as c,
+    ):
+        for producer in (a, b):
+            producer.publish("sales", b"sold")
+        c.create_stream("returns")
+        two, three = endpoints([a, b]), endpoints([a, b, c])
+        on_both = re.escape(
+            f"unknown stream 'sale' at 2 of 2 producers: the producer at {a.address} has "
+            f"['sales']; the producer at {b.address} has ['sales'] (every producer the query "
+            "reads must have the stream"
+        )
+        with pytest.raises(PySparkException, match=on_both):
+            spark.read.format("streamq").options(endpoints=two, stream="sale").load().count()
+        on_c = re.escape(
+            f"unknown stream 'sales' at 1 of 3 producers: the producer at {c.address} has "
+            "['returns'] ("
+        )
+        with pytest.raises(PySparkException, match=on_c):
+            spark.read.format("streamq").options(endpoints=three, stream="sales").load().count()
+
+        for on_driver in ("false", "true"):
+            seen: list[int] = []
+            ck = tmp_path / f"ck-{on_driver}"
+            query = stream_query(spark, three, "sales", ck, seen, readOnDriver=on_driver)
+            fails_at_first_trigger(query, on_c)
+            assert seen == []
+        seen = []
+        query = stream_query(spark, two, "sale", tmp_path / "ck-sale", seen)
+        fails_at_first_trigger(query, on_both)
+        assert seen == []
+
+        # Once c has the stream, the same query reads every producer.
+        c.create_stream("sales")
+        read = spark.read.format("streamq").options(endpoints=three, stream="sales").load()
+        assert seqs_by_producer(read) == {a.producer_id: [1], b.producer_id: [1]}
+
+
+def test_wrong_endpoints_fail_the_first_plan_naming_the_address(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """Nothing listening, a port that never answers, an endpoint not of the form host:port:
+    an error naming the address (within timeoutMs), not a hang or an empty answer."""
+    with streamq.SyncProducer(str(tmp_path / "a.db")) as a:
+        a.publish("orders", b"1")
+        with socket.socket() as closed:
+            closed.bind(("127.0.0.1", 0))
+            dead = f"127.0.0.1:{closed.getsockname()[1]}"
+        seen: list[int] = []
+        query = stream_query(spark, f"{a.address},{dead}", "orders", tmp_path / "ck", seen)
+        fails_at_first_trigger(query, f"producer at {dead}: cannot connect")
+        assert seen == []
+
+        with socket.socket() as silent:  # connections complete in its backlog, unanswered
+            silent.bind(("127.0.0.1", 0))
+            silent.listen()
+            mute = f"127.0.0.1:{silent.getsockname()[1]}"
+            with pytest.raises(PySparkException, match=f"reading from producer at {mute}: Time"):
+                read(spark, f"{a.address},{mute}", timeoutMs="500").count()
+
+        with pytest.raises(PySparkException, match="endpoints: address must be HOST:PORT, not"):
+            read(spark, f"{a.address},localhost").count()
+
+
 def test_replaced_producer_fails_a_running_query(spark: SparkSession, tmp_path: Path) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

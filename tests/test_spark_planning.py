@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import gc
 import json
+import socket
+import socketserver
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -96,11 +100,11 @@ def test_discover_real_producers(tmp_path: Path) -> None:
         streamq.SyncProducer(str(tmp_path / "b.db")) as b,
     ):
         a.publish("orders", b"x")
-        b.create_stream("other")
+        b.create_stream("orders")
         states = planning.discover([a.address, b.address], "orders", Connect(timeout=10))
         assert states == {
             a.producer_id: ProducerState(a.producer_id, a.address, 1, 1),
-            b.producer_id: ProducerState(b.producer_id, b.address, 0, 1),  # no stream yet
+            b.producer_id: ProducerState(b.producer_id, b.address, 0, 1),  # nothing published
         }
         with pytest.raises(StreamQSourceError, match="serve the same producer"):
             planning.discover(
@@ -108,6 +112,90 @@ def test_discover_real_producers(tmp_path: Path) -> None:
             )
     with pytest.raises(StreamQSourceError, match=f"producer at {a.address}: cannot connect"):
         planning.discover([a.address], "orders", Connect(timeout=10))
+
+
+def test_a_stream_missing_on_any_producer_is_an_error_naming_each(tmp_path: Path) -> None:
+    """A misspelt stream, or one a producer lacks, is no empty read: the error names the
+    stream asked for, and each producer lacking it with the streams it has (only those
+    the query's token may read)."""
+    secret = b"planning-test-secret-0123"
+    secured = streamq.ServerSettings(auth=streamq.TokenAuth(secret, {"analytics": ["sale*"]}))
+    with (
+        streamq.SyncProducer(str(tmp_path / "a.db")) as a,
+        streamq.SyncProducer(str(tmp_path / "b.db")) as b,
+        streamq.SyncProducer(str(tmp_path / "c.db"), settings=secured) as c,
+        streamq.SyncProducer(str(tmp_path / "d.db")) as d,
+    ):
+        a.publish("sales", b"x")
+        b.create_stream("sales")
+        b.create_stream("returns")
+        c.publish("sales", b"y")
+        c.publish("secret", b"z")
+        connect = Connect(timeout=10)
+        with pytest.raises(StreamQSourceError) as one:
+            planning.discover([a.address], "sale", connect)
+        assert str(one.value).startswith(
+            f"producer at {a.address}: unknown stream 'sale'; this producer has ['sales'] "
+            "(every producer the query reads must have the stream"
+        )
+        with pytest.raises(StreamQSourceError) as some:
+            planning.discover([a.address, b.address, d.address], "returns", connect)
+        assert str(some.value).startswith(
+            f"unknown stream 'returns' at 2 of 3 producers: the producer at {a.address} has "
+            f"['sales']; the producer at {d.address} has no streams ("
+        )
+        token = Connect(timeout=10, token=streamq.make_token(secret, "analytics"))
+        with pytest.raises(StreamQSourceError) as granted:
+            planning.discover([c.address], "sale", token)
+        assert "this producer lets this query's token read ['sales'] (" in str(granted.value)
+        states = planning.discover([a.address, b.address], "sales", connect)
+        assert {pid: s.head for pid, s in states.items()} == {a.producer_id: 1, b.producer_id: 0}
+        assert planning.seek_time(states, "sales", 0, connect) == {
+            a.producer_id: 1,
+            b.producer_id: 1,
+        }
+
+
+def test_wrong_endpoints_are_errors_naming_the_address() -> None:
+    """Nothing listening, another service's port, a port that never answers, an endpoint
+    not of the form host:port: each an error naming the address, within ``timeout``."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        nothing = f"127.0.0.1:{closed.getsockname()[1]}"
+    with pytest.raises(StreamQSourceError, match=f"producer at {nothing}: cannot connect"):
+        planning.discover([nothing], "orders", Connect(timeout=10))
+
+    class Banner(socketserver.BaseRequestHandler):
+        def handle(self) -> None:  # a service that speaks first, as SMTP or SSH do
+            self.request.sendall(b"220 mail.example.com ESMTP ready\r\n")
+
+    with socketserver.ThreadingTCPServer(("127.0.0.1", 0), Banner) as smtp:
+        threading.Thread(target=smtp.serve_forever, daemon=True).start()
+        other = f"127.0.0.1:{smtp.server_address[1]}"
+        try:
+            with pytest.raises(
+                StreamQSourceError,
+                match=f"the peer at {other} is not a streamq producer: it answered with no "
+                "SERVER_HELLO",
+            ):
+                planning.discover([other], "orders", Connect(timeout=10))
+        finally:
+            smtp.shutdown()
+
+    with socket.socket() as silent:  # connections complete in its backlog, unanswered
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        mute = f"127.0.0.1:{silent.getsockname()[1]}"
+        started = time.monotonic()
+        with pytest.raises(StreamQSourceError, match=f"reading from producer at {mute}: Timeout"):
+            planning.discover([mute], "orders", Connect(timeout=0.5))
+        assert time.monotonic() - started < 5
+
+    for bad in ("localhost", "127.0.0.1:http"):
+        with pytest.raises(
+            StreamQSourceError, match=f"endpoints: address must be HOST:PORT, not '{bad}'"
+        ):
+            planning.parse_endpoints(f"127.0.0.1:7400,{bad}", None)
 
 
 def test_the_driver_keeps_its_connections_across_triggers(tmp_path: Path) -> None:
