@@ -2,6 +2,7 @@
 through their own database connection, a sidecar serving the log, a consumer applying it.
 
 ``flask_app`` (Flask under gunicorn, plain sqlite3), ``django_shop`` (Django's ORM under
-gunicorn), ``audit`` (the consumer both feed); ``harness`` starts, loads, kills and checks
-them for the tests.
+gunicorn), ``sqlalchemy_app`` (SQLAlchemy's ORM under gunicorn), ``audit`` (the consumer
+they feed); ``harness`` deploys them as docs/guides/services.md says, loads, kills and
+checks them for the tests.
 """

@@ -1,8 +1,8 @@
 """Recipe: Flask under gunicorn, each request publishing in its own sqlite3 transaction.
 
-    # once: streamq's log tables and the stream (harness.create_log_tables), then:
+    streamq init shop.db --stream orders                           # the log tables
     ORDERS_DB=shop.db flask --app tests.recipes.flask_app init-db   # the orders table
-    python -m streamq serve shop.db --port 7400      # the sidecar: the one serving process
+    streamq serve shop.db --port 7400                # the sidecar: the one serving process
     ORDERS_DB=shop.db gunicorn --workers 4 --bind 127.0.0.1:8000 tests.recipes.flask_app:app
 
 Every worker process writes to the database through its own connection; the order row

@@ -14,6 +14,7 @@ import json
 import os
 import random
 import re
+import shlex
 import signal
 import sqlite3
 import subprocess
@@ -119,29 +120,15 @@ class Processes:
             process.kill()
 
 
-def recipe_env(orders_db: Path, **extra: str) -> dict[str, str]:
-    """The environment of a deployed recipe: the database path, the project importable."""
+def recipe_env() -> dict[str, str]:
+    """The environment of a deployed recipe: the project importable. Nothing else: what a
+    step needs (``ORDERS_DB``, ``DJANGO_SETTINGS_MODULE``) is what the guide's steps set."""
     paths = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(paths), ORDERS_DB=str(orders_db), **extra)
+    inherited = {k: v for k, v in os.environ.items() if k not in SET_BY_STEPS}
+    return dict(inherited, PYTHONPATH=os.pathsep.join(paths))
 
 
-def create_log_tables(orders_db: Path) -> None:
-    """The deployment's setup step: streamq's tables and the stream, before any worker
-    publishes (``streamq init``; the consumer can subscribe before any order)."""
-    subprocess.run(
-        [sys.executable, "-m", "streamq", "init", str(orders_db), "--stream", STREAM],
-        check=True,
-        timeout=60,
-        capture_output=True,
-    )
-
-
-def start_sidecar(processes: Processes, orders_db: Path) -> str:
-    """``streamq serve``: the one process serving the log; returns its address."""
-    sidecar = processes.start(
-        "sidecar", sys.executable, "-m", "streamq", "serve", str(orders_db), "--port", "0"
-    )
-    return sidecar.wait_for_line(r"serving producer \S+ \(epoch \d+\) on (\S+)", 20).group(1)
+SET_BY_STEPS = ("ORDERS_DB", "DJANGO_SETTINGS_MODULE")  # not from the test's environment
 
 
 def start_audit(processes: Processes, address: str, audit_db: Path, module: str) -> None:
@@ -149,6 +136,77 @@ def start_audit(processes: Processes, address: str, audit_db: Path, module: str)
     is Django's: ``ORDERS_DB`` is the audit database for that process)."""
     env = {"ORDERS_DB": str(audit_db)}
     processes.start("audit", sys.executable, "-m", module, address, str(audit_db), env=env)
+
+
+# --- the guide's steps ----------------------------------------------------------------
+
+GUIDE = ROOT / "docs" / "guides" / "services.md"
+# The programs the guide runs, each run as its module under this interpreter (the same
+# entry point as the command, without depending on PATH).
+PROGRAMS = {
+    "streamq": "streamq",
+    "flask": "flask",
+    "gunicorn": "gunicorn",
+    "django-admin": "django",
+}
+
+
+def documented_steps(recipe: str) -> list[list[str]]:
+    """The commands of the guide's "Deploying" section that deploy ``recipe`` ("Flask",
+    "Django", "SQLAlchemy"), in the guide's order: those before any "# Name" comment of their
+    block (every recipe's), and those under "# recipe ..."."""
+    text = GUIDE.read_text(encoding="utf-8")
+    section = text[text.index("\n## Deploying\n") + 1 :]
+    section = section[: section.index("\n## ")]
+    steps = []
+    for block in re.findall(r"^```bash\n(.*?)^```$", section, re.MULTILINE | re.DOTALL):
+        current = None
+        for line in block.splitlines():
+            if line.startswith("#"):
+                current = line.lstrip("# ").split()[0]
+            elif (command := shlex.split(line, comments=True)) and current in (None, recipe):
+                steps.append(command)
+    assert steps, f"{GUIDE}: no steps for {recipe} under Deploying"
+    return steps
+
+
+def _as_run_here(command: Sequence[str], orders_db: Path) -> tuple[dict[str, str], list[str]]:
+    """A documented command as the test runs it: its ``NAME=value`` prefixes as the
+    environment, the program as its module, ``shop.db`` as ``orders_db``, and free
+    loopback ports for ``--port 7400`` and ``--bind 127.0.0.1:8000``."""
+    words = [str(orders_db) if word == "shop.db" else word for word in command]
+    env = {}
+    while "=" in words[0]:
+        name, _, value = words.pop(0).partition("=")
+        env[name] = str(orders_db) if value == "shop.db" else value
+    program = words.pop(0)
+    assert program in PROGRAMS, f"{GUIDE}: unknown program {program!r} in {shlex.join(command)}"
+    for option, free in (("--port", "0"), ("--bind", "127.0.0.1:0")):
+        if option in words:
+            words[words.index(option) + 1] = free
+    return env, [sys.executable, "-m", PROGRAMS[program], *words]
+
+
+def deploy_as_documented(
+    processes: Processes, recipe: str, orders_db: Path
+) -> tuple[str, Gunicorn]:
+    """Follow the guide's steps for ``recipe`` in its order, from the repository's root as
+    the guide is: ``streamq serve`` (the sidecar) and ``gunicorn`` keep running, every other
+    step must succeed. Returns the sidecar's address and gunicorn."""
+    address, gunicorn = None, None
+    for n, command in enumerate(documented_steps(recipe), 1):
+        env, argv = _as_run_here(command, orders_db)
+        name = f"step{n}-{command[len(env)]}"
+        if argv[2:4] == ["streamq", "serve"]:
+            sidecar = processes.start(name, *argv, env=env)
+            served = sidecar.wait_for_line(r"serving producer \S+ \(epoch \d+\) on (\S+)", 20)
+            address = served.group(1)
+        elif argv[2] == "gunicorn":
+            gunicorn = Gunicorn(processes, name, argv, env, orders_db)
+        else:
+            processes.run(name, *argv, env=env)
+    assert address and gunicorn, f"{GUIDE}: {recipe}'s steps start no sidecar or no gunicorn"
+    return address, gunicorn
 
 
 # --- gunicorn -------------------------------------------------------------------------
@@ -203,14 +261,20 @@ class Kill:
 class Gunicorn:
     """A gunicorn master and its sync workers, found in /proc as the master's children."""
 
-    def __init__(self, processes: Processes, app: str, workers: int, database: Path) -> None:
-        """Start gunicorn on a free loopback port and wait until its workers answer."""
+    def __init__(
+        self,
+        processes: Processes,
+        name: str,
+        argv: Sequence[str],
+        env: dict[str, str],
+        database: Path,
+    ) -> None:
+        """Start ``argv`` (gunicorn, ``--workers N``, bound to a free loopback port) and wait
+        until its workers answer. ``--no-control-socket``: not the one control socket in the
+        home directory that every gunicorn run shares by default."""
+        workers = int(argv[list(argv).index("--workers") + 1])
         self.workers, self.database = workers, str(database)
-        self.process = processes.start(
-            "gunicorn",
-            *(sys.executable, "-m", "gunicorn", app, "--workers", str(workers)),
-            *("--bind", "127.0.0.1:0", "--no-control-socket"),
-        )
+        self.process = processes.start(name, *argv, "--no-control-socket", env=env)
         listening = r"Listening at: http://127\.0\.0\.1:(\d+)"
         self.port = int(self.process.wait_for_line(listening, 20).group(1))
         wait_until(lambda: len(self.worker_pids()) == workers, 20, f"{workers} workers")
