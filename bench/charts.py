@@ -322,7 +322,11 @@ def transfer_pg(results: Results, folder: Path) -> list[Path]:
     ]
 
 
-PG_LOAD = {"kafka": "Kafka + outbox", "outbox": "outbox alone (nothing reads it)"}
+PG_LOAD = {
+    "kafka": "Kafka + outbox",
+    "debezium": "Debezium + Kafka",
+    "outbox": "outbox alone (nothing reads it)",
+}
 
 
 def pg_load(results: Results, folder: Path) -> list[Path]:

@@ -31,7 +31,7 @@ TINY = pg_load.Sizes(
 def test_tiny_run_is_checked_and_saved(tmp_path: Path) -> None:
     try:
         with KafkaBroker() as broker:
-            results = pg_load.run(broker, True, 1, sizes=TINY, folder=tmp_path)
+            results = pg_load.run(broker, True, 1, sizes=TINY, folder=tmp_path, debezium=False)
     finally:
         assert list(running_children().values()) == []
     saved = json.loads((tmp_path / "pg_load.json").read_text())
@@ -60,3 +60,12 @@ def test_tiny_run_is_checked_and_saved(tmp_path: Path) -> None:
     idle = saved["idle"]
     assert idle["sessions"] >= 3 and idle["serve_percent"] >= 0
     assert idle["open_serve_percent"] >= 0 and idle["open_sessions_percent"] >= 0
+
+
+def test_debezium_without_a_broker_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``BENCH_DEBEZIUM=1`` with no Kafka broker (``--no-kafka``): one line saying why, before
+    any server starts, and nothing saved."""
+    monkeypatch.setenv("BENCH_DEBEZIUM", "1")
+    with pytest.raises(SystemExit, match=r"^BENCH_DEBEZIUM=1: Debezium ships to Kafka, and this "):
+        pg_load.run(None, True, 1, sizes=TINY, folder=tmp_path)
+    assert list(tmp_path.iterdir()) == []

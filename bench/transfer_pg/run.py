@@ -73,7 +73,7 @@ from ..transfer.common import CONSUMER_SCHEMA, DEPOSIT, PRODUCER_SCHEMA, STREAM
 from ..transfer.kafka import KAFKA_CONSUMER, KAFKA_PRODUCER, RELAY_POLL, warm_up
 from ..transfer.run import check_books
 from .common import RELAY_FETCH, setup_ledger, setup_payments
-from .kafka import DEBEZIUM_WARM_UP, SLOT_START_TIMEOUT, WARM_UP_TIMEOUT
+from .kafka import DEBEZIUM_READY, DEBEZIUM_WARM_UP, LOGICAL_DECODING, drop_slot
 
 if TYPE_CHECKING:
     from tests.pgserver import PostgresServer
@@ -102,9 +102,7 @@ SLICE = 1.0  # s between looks at the other processes while waiting for one
 # The server stamps every commit: COMMIT -> credit is measured from its own commit times.
 SERVER_SETTINGS = {"track_commit_timestamp": "on"}
 # Debezium reads the WAL by logical decoding: then every system of the run gets it.
-DEBEZIUM_SETTINGS = {**SERVER_SETTINGS, "wal_level": "logical", "max_replication_slots": "10"}
-SLOT_RELEASE_TIMEOUT = 30.0  # s for a stopped Debezium's slot to become inactive
-DEBEZIUM_READY = SLOT_START_TIMEOUT + WARM_UP_TIMEOUT  # more s for its relay's READY
+DEBEZIUM_SETTINGS = {**SERVER_SETTINGS, **LOGICAL_DECODING}
 FROM_COMMIT = "from COMMIT"  # the latency cases measured from the server's commit times
 
 
@@ -243,7 +241,7 @@ def run_once(
         commit_credit = commit_to_credit(payments, ledger)
     finally:
         if system == "debezium":
-            _drop_slot(server, slot)  # a database with a replication slot cannot be dropped
+            drop_slot(server.url(), slot)
         for name in names:
             server.drop_database(name)
     if not credited:
@@ -263,20 +261,6 @@ def run_once(
         commit_to_credit=commit_credit,
         check=check,
     )
-
-
-def _drop_slot(server: PostgresServer, slot: str) -> None:
-    """Drop a stopped Debezium's replication slot, once its walsender has let go of it."""
-    with psycopg.connect(server.url(), autocommit=True) as conn:
-        deadline = time.monotonic() + SLOT_RELEASE_TIMEOUT
-        query = "SELECT active FROM pg_replication_slots WHERE slot_name = %s"
-        while row := conn.execute(query, (slot,)).fetchone():
-            if not row[0]:
-                conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"replication slot {slot} still active after its relay stopped")
-            time.sleep(0.05)
 
 
 COMMIT_TIMES = (
