@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 from .batches import Batch
+from .connections import SAVE_POSITION
 from .engines import for_connection, for_connection_async
 
 
@@ -34,7 +35,7 @@ def save_position(conn: Any, batch: Batch) -> None:
     takes: a sqlite3 or psycopg connection, a SQLAlchemy Connection or Session, Django's
     connection."""
     _check(batch)
-    engine, dbapi = for_connection(conn)
+    engine, dbapi = for_connection(conn, SAVE_POSITION)
     engine.save_position(dbapi, batch)
 
 
@@ -42,7 +43,7 @@ async def save_position_async(conn: Any, batch: Batch) -> None:
     """``save_position`` for asyncio connections: aiosqlite, psycopg's ``AsyncConnection``,
     SQLAlchemy's ``AsyncConnection`` and ``AsyncSession``."""
     _check(batch)
-    engine, dbapi = await for_connection_async(conn)
+    engine, dbapi = await for_connection_async(conn, SAVE_POSITION)
     await engine.save_position_async(dbapi, batch)
 
 

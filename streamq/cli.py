@@ -13,7 +13,7 @@ import sqlite3
 import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, NoReturn
 
 from rich.console import Console
 from rich.table import Table
@@ -21,13 +21,14 @@ from rich.table import Table
 from . import _loop
 from .client import Client
 from .consumer import Consumer
-from .engines import open_storage
-from .errors import StreamQError
+from .engines import for_target, open_storage
+from .errors import SchemaMissingError, StreamQError
 from .filters import Filter
 from .log import Log
 from .producer import Producer
 from .protocol import Record, decode_record
-from .security import ClientTLS, ServerTLS, TokenAuth, make_token, read_secret
+from .records import check_stream_name
+from .security import MIN_SECRET_BYTES, ClientTLS, ServerTLS, TokenAuth, make_token, read_secret
 from .server import ServerSettings
 from .storage import is_postgres_url
 from .stores import list_dead_letters, mark_for_retry, reshare
@@ -36,6 +37,14 @@ from .transport import parse_address
 DEFAULT_PORT = 7400
 TOKEN_ENV = "STREAMQ_TOKEN"
 SECRET_ENV = "STREAMQ_TOKEN_SECRET"
+
+
+class _Parser(argparse.ArgumentParser):
+    """A malformed command line is reported in one line, as every other mistake is: what
+    is wrong, and where the usage is (argparse's own error prints the usage first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
 def _header(text: str) -> tuple[str, bytes]:
@@ -58,6 +67,70 @@ def _timestamp(text: str) -> int:
     if when.tzinfo is None:
         when = when.replace(tzinfo=UTC)
     return int(when.timestamp() * 1000)
+
+
+def _stream(text: str) -> str:
+    try:
+        return check_stream_name(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _name(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("a consumer's name cannot be empty")
+    return text
+
+
+def _token_name(text: str) -> str:
+    """A name a token can carry: the token is NAME:DIGEST."""
+    if ":" in _name(text):
+        raise argparse.ArgumentTypeError(f"a token's consumer name has no ':', not {text!r}")
+    return text
+
+
+def _integer(text: str, low: int, high: int | None = None) -> int:
+    """``text`` as an int from ``low`` (to ``high``), or the argument's error saying so."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < low or (high is not None and value > high):
+        span = f"{low} to {high}" if high is not None else f"{low} or more"
+        raise argparse.ArgumentTypeError(f"must be {span}, not {text!r}")
+    return value
+
+
+def _positive(text: str) -> int:
+    return _integer(text, 1)
+
+
+def _non_negative(text: str) -> int:
+    return _integer(text, 0)
+
+
+def _port(text: str) -> int:
+    """A port to listen on; 0 picks a free one. Larger than 65535 would wrap around."""
+    return _integer(text, 0, 65535)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, not {text!r}")
+    return value
+
+
+def _host(text: str) -> str:
+    """A host to listen on: a name or an IP address, the port given apart (--port)."""
+    if "://" in text:
+        raise argparse.ArgumentTypeError(f"give a host name or IP address, not a URL: {text!r}")
+    if text.count(":") == 1:  # IPv6 addresses have two or more
+        raise argparse.ArgumentTypeError(f"give the host alone and the port with --port: {text!r}")
+    return text
 
 
 def _grant(text: str) -> tuple[str, list[str]]:
@@ -128,7 +201,7 @@ DATABASE_HELP = "the producer's database: a SQLite file, or a postgresql:// URL"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="streamq",
         description="Producer-owned streams: the log lives in the producer's own database.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -138,8 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="serve a producer database to consumers")
     serve.add_argument("db", help=DATABASE_HELP)
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    serve.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
+    serve.add_argument("--host", type=_host, default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=_port, default=DEFAULT_PORT, help="0 picks a free port")
     serve.add_argument(
         "--durability",
         choices=["normal", "full"],
@@ -152,24 +225,27 @@ def build_parser() -> argparse.ArgumentParser:
     _add_server_security(serve)
     serve.add_argument(
         "--metrics-port",
-        type=int,
+        type=_port,
         default=None,
         metavar="PORT",
         help="serve Prometheus metrics at http://HOST:PORT/metrics (0 picks a free port)",
     )
     serve.add_argument(
-        "--metrics-host", default="127.0.0.1", help="address for metrics (default: loopback)"
+        "--metrics-host",
+        type=_host,
+        default="127.0.0.1",
+        help="address for metrics (default: loopback)",
     )
     serve.add_argument(
         "--retention-ms",
-        type=int,
+        type=_non_negative,
         default=None,
         metavar="MS",
         help="delete records older than this",
     )
     serve.add_argument(
         "--retention-bytes",
-        type=int,
+        type=_non_negative,
         default=None,
         metavar="BYTES",
         help="delete the oldest records while a stream holds more than this",
@@ -183,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("db", help=DATABASE_HELP + " (a SQLite file is created if missing)")
     init.add_argument(
         "--stream",
+        type=_stream,
         action="append",
         default=[],
         metavar="NAME",
@@ -191,8 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     publish = commands.add_parser("publish", help="publish records in one transaction")
-    publish.add_argument("db", help=DATABASE_HELP + " (a SQLite file is created if missing)")
-    publish.add_argument("stream")
+    publish.add_argument("db", help=DATABASE_HELP + ", with the log tables (streamq init)")
+    publish.add_argument("stream", type=_stream)
     publish.add_argument("values", nargs="*", help="record values; none: one per stdin line")
     publish.add_argument("--key", help="key for every record")
     publish.add_argument(
@@ -206,11 +283,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     tail = commands.add_parser("tail", help="print a stream's records as they are committed")
     tail.add_argument("address", help="producer HOST:PORT")
-    tail.add_argument("stream")
+    tail.add_argument("stream", type=_stream)
     tail.add_argument(
         "--from",
         dest="start",
-        type=int,
+        type=_positive,
         default=None,
         metavar="SEQ",
         help="first seq (default: only new records)",
@@ -224,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="start at the first record stamped at or after TIME "
         "(ms since the epoch, or ISO 8601 such as 2026-11-22T09:00, UTC unless given)",
     )
-    tail.add_argument("--count", type=int, default=None, help="stop after this many records")
+    tail.add_argument("--count", type=_positive, default=None, help="stop after this many records")
     tail.add_argument(
         "--key-prefix",
         default=None,
@@ -247,10 +324,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="every record of one key, in seq order (an index seek if the stream has key_index)",
     )
     history.add_argument("source", metavar="DB_OR_ADDRESS", help="database file or HOST:PORT")
-    history.add_argument("stream")
+    history.add_argument("stream", type=_stream)
     history.add_argument("key", help="the key (UTF-8)")
     history.add_argument(
-        "--from", dest="start", type=int, default=1, metavar="SEQ", help="first seq to consider"
+        "--from",
+        dest="start",
+        type=_positive,
+        default=1,
+        metavar="SEQ",
+        help="first seq to consider",
     )
     history.add_argument("--json", action="store_true", help="one JSON object per record")
     _add_client_security(history)
@@ -261,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_client_security(status)
 
     token = commands.add_parser("token", help="print the token naming a consumer")
-    token.add_argument("consumer", help="the consumer the token names")
+    token.add_argument("consumer", type=_token_name, help="the consumer the token names")
     token.add_argument(
         "--secret-file", metavar="FILE", help=f"the producer's token secret (or set ${SECRET_ENV})"
     )
@@ -276,19 +358,21 @@ def build_parser() -> argparse.ArgumentParser:
     for action, text in (("add", "register a consumer"), ("remove", "remove a registration")):
         parser_for = actions.add_parser(action, help=text)
         parser_for.add_argument("db", help=DATABASE_HELP)
-        parser_for.add_argument("consumer", help="the consumer's name (Spark: consumerName)")
-        parser_for.add_argument("stream")
+        parser_for.add_argument(
+            "consumer", type=_name, help="the consumer's name (Spark: consumerName)"
+        )
+        parser_for.add_argument("stream", type=_stream)
         if action == "add":
             parser_for.add_argument(
                 "--max-idle-ms",
-                type=int,
+                type=_positive,
                 default=None,
                 metavar="MS",
                 help="drop the registration once the consumer has been away this long",
             )
             parser_for.add_argument(
                 "--max-bytes",
-                type=int,
+                type=_positive,
                 default=None,
                 metavar="BYTES",
                 help="drop the registration once its unapplied records take more than this",
@@ -316,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     letters_retry.add_argument("db", help=consumer_db)
     letters_retry.add_argument("--consumer", metavar="NAME", help="only this consumer's")
     letters_retry.add_argument("--stream", metavar="NAME", help="only this stream's")
-    letters_retry.add_argument("--seq", type=int, metavar="N", help="only this seq")
+    letters_retry.add_argument("--seq", type=_positive, metavar="N", help="only this seq")
 
     reshare = commands.add_parser(
         "reshare",
@@ -327,7 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
         "any still running with the old split stop at their next batch.",
     )
     reshare.add_argument("db", help=consumer_db)
-    reshare.add_argument("consumer", help="the consumer's name, without its [i/n]")
+    reshare.add_argument("consumer", type=_name, help="the consumer's name, without its [i/n]")
     reshare.add_argument(
         "--shares", type=int, required=True, metavar="N", help="the new number of shares"
     )
@@ -335,8 +419,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser(
         "demo", help="an embedded producer and a crashing consumer, applied exactly once"
     )
-    demo.add_argument("--seconds", type=float, default=12.0, help="how long to produce")
-    demo.add_argument("--kills", type=int, default=3, help="times the consumer is killed -9")
+    demo.add_argument("--seconds", type=_seconds, default=12.0, help="how long to produce")
+    demo.add_argument(
+        "--kills", type=_non_negative, default=3, help="times the consumer is killed -9"
+    )
     demo.add_argument("--dir", default=None, help="where the databases go (default: a temp dir)")
     demo_consumer = commands.add_parser("demo-consumer")  # the demo's consumer process
     demo_consumer.add_argument("address")
@@ -384,9 +470,49 @@ def _exists(db: str) -> bool:
     return is_postgres_url(db) or os.path.exists(db)
 
 
+def _existing(command: str, db: str, makes_it: str) -> None:
+    """Refuse a database the command would otherwise create, or take for a file: a
+    SQLite path with nothing there (``makes_it`` says what does make one), a URL of
+    another scheme (``for_target`` names the supported ones)."""
+    for_target(db)
+    if not _exists(db):
+        raise SystemExit(f"streamq {command}: {db} does not exist ({makes_it})")
+
+
+def _producer_database(command: str, db: str) -> None:
+    """Refuse ``db`` unless it holds a producer's log: opening it as a producer would
+    otherwise create the log tables in whatever database was given."""
+    _existing(command, db, f"`streamq init {db}` creates a producer database")
+    tables = for_target(db).tables(db)
+    if not tables.log:
+        whose = " (it is a consumer's database)" if tables.positions else ""
+        raise SchemaMissingError(
+            f"{tables.where} has no streamq log tables{whose}: give the producer's "
+            "database, or create them there with `streamq init DB`"
+        )
+
+
+_DATABASE_SUFFIXES = (".db", ".sqlite", ".sqlite3", ".db3")
+
+
+def _address(command: str, text: str) -> str:
+    """``text``, checked to be a producer's HOST:PORT before anything connects; else one
+    line saying what it is instead (a database, a URL) or what form is expected."""
+    if is_postgres_url(text) or os.path.exists(text) or text.endswith(_DATABASE_SUFFIXES):
+        raise SystemExit(
+            f"streamq {command}: {text} is a database; {command} asks a running producer: "
+            f"give its HOST:PORT (`streamq serve` prints it)"
+        )
+    try:
+        parse_address(text)
+    except ValueError as exc:
+        raise SystemExit(f"streamq {command}: {exc}") from None
+    return text
+
+
 async def _serve(args: argparse.Namespace) -> None:
-    if not args.create and not _exists(args.db):
-        raise SystemExit(f"streamq serve: {args.db} does not exist (use --create to make it)")
+    if not args.create:
+        _existing("serve", args.db, f"use --create to make it, or `streamq init {args.db}`")
     settings = _server_settings(args)
     async with Producer(
         args.db,
@@ -420,13 +546,15 @@ async def _init(args: argparse.Namespace) -> None:
 
 
 async def _publish(args: argparse.Namespace) -> None:
+    _producer_database("publish", args.db)
     values = [v.encode() for v in args.values] or [line.rstrip("\n").encode() for line in sys.stdin]
+    if not values:
+        raise SystemExit("streamq publish: nothing to publish: no VALUES given, stdin was empty")
     key = None if args.key is None else args.key.encode()
     headers = dict(args.header)
     async with Producer(args.db, serve=False) as producer, producer.transaction() as tx:
         seqs = [await tx.publish(args.stream, v, key=key, headers=headers) for v in values]
-    if seqs:
-        print(f"published {len(seqs)} record(s) to {args.stream!r}: seq {seqs[0]}..{seqs[-1]}")
+    print(f"published {len(seqs)} record(s) to {args.stream!r}: seq {seqs[0]}..{seqs[-1]}")
 
 
 def _format(record: Record, as_json: bool) -> str:
@@ -450,6 +578,7 @@ def _format(record: Record, as_json: bool) -> str:
 async def _tail(args: argparse.Namespace) -> None:
     if args.start is not None and args.start_time is not None:
         raise SystemExit("streamq tail: give --from or --from-time, not both")
+    _address("tail", args.address)
     start = args.start
     if start is None and args.start_time is None:
         start = await asyncio.to_thread(_head, args) + 1
@@ -483,9 +612,11 @@ def _header_match(text: str) -> tuple[str, bytes]:
     return name, value.encode()
 
 
+_CONSUMER_MADE = "a consumer's database is made by its Consumer(db=...)"
+
+
 def _reshare(args: argparse.Namespace) -> None:
-    if not _exists(args.db):
-        raise SystemExit(f"streamq reshare: {args.db} does not exist")
+    _existing("reshare", args.db, _CONSUMER_MADE)
     for move in reshare(args.db, args.consumer, args.shares):
         print(
             f"stream {move.stream!r} from producer {move.producer_id}: "
@@ -502,6 +633,12 @@ def _token(args: argparse.Namespace) -> None:
     secret = read_secret(path=args.secret_file, env=SECRET_ENV)
     if secret is None:
         raise SystemExit(f"streamq token: give --secret-file or set ${SECRET_ENV}")
+    if len(secret) < MIN_SECRET_BYTES:  # a token no producer would take
+        where = args.secret_file or f"${SECRET_ENV}"
+        raise SystemExit(
+            f"streamq token: the secret in {where} has {len(secret)} bytes; producers "
+            f"refuse secrets under {MIN_SECRET_BYTES} (serve --token-secret-file)"
+        )
     print(make_token(secret, args.consumer))
 
 
@@ -524,13 +661,16 @@ async def _history_from_file(path: str, stream: str, key: bytes, start: int) -> 
 def _history(args: argparse.Namespace) -> None:
     key = args.key.encode()
     if _exists(args.source):
+        _producer_database("history", args.source)
         records = _loop.run(_history_from_file(args.source, args.stream, key, args.start))
     else:
         try:
             parse_address(args.source)
         except ValueError:
+            scheme = args.source.partition("://")[0] + "://" if "://" in args.source else ""
             raise SystemExit(
                 f"streamq history: {args.source} is neither a database file nor HOST:PORT"
+                + (f" (a producer's address goes without {scheme})" if scheme else "")
             ) from None
         with Client(args.source, **_client_security(args)) as client:
             records = client.history(args.stream, key, args.start)
@@ -539,7 +679,7 @@ def _history(args: argparse.Namespace) -> None:
 
 
 def _status(args: argparse.Namespace) -> None:
-    with Client(args.address, **_client_security(args)) as client:
+    with Client(_address("status", args.address), **_client_security(args)) as client:
         status = client.status()
     if args.json:
         print(json.dumps(status, indent=2))
@@ -587,14 +727,16 @@ def _status(args: argparse.Namespace) -> None:
 
 
 async def _consumers(args: argparse.Namespace) -> None:
-    if not _exists(args.db):
-        raise SystemExit(f"streamq consumers: {args.db} does not exist")
+    _producer_database("consumers", args.db)
     async with Producer(args.db, serve=False) as producer:
         if args.action == "add":
             await producer.register_consumer(
                 args.consumer, args.stream, max_idle_ms=args.max_idle_ms, max_bytes=args.max_bytes
             )
-            print(f"registered {args.consumer!r} on {args.stream!r}")
+            # Registering first is allowed (retention keeps the stream from its first
+            # record), but a misspelt name would be kept for ever: say so.
+            new = "" if args.stream in producer.log.streams else " (no such stream yet)"
+            print(f"registered {args.consumer!r} on {args.stream!r}{new}")
         elif args.action == "remove":
             if not await producer.unregister_consumer(args.consumer, args.stream):
                 raise SystemExit(
@@ -626,8 +768,7 @@ async def _consumers(args: argparse.Namespace) -> None:
 
 
 def _dead_letters(args: argparse.Namespace) -> None:
-    if not _exists(args.db):
-        raise SystemExit(f"streamq dead-letters: {args.db} does not exist")
+    _existing("dead-letters", args.db, _CONSUMER_MADE)
     if args.action == "retry":
         marked = mark_for_retry(args.db, args.consumer, args.stream, args.seq)
         if not marked:

@@ -33,6 +33,24 @@ _SUPPORTED = (
 )
 
 
+@dataclass(frozen=True, slots=True)
+class Operation:
+    """The call a connection was passed to, as its errors name it: the same connection
+    mistakes are refused for ``publish``, ``create_tables`` and ``save_position``."""
+
+    name: str  # streamq.NAME
+    async_name: str | None  # its asyncio twin, if it has one
+    sync_name: str  # the blocking twin, named when an asyncio call gets a blocking connection
+    commits: str  # what then commits with the application's writes
+
+
+PUBLISH = Operation("publish", "publish_async", "publish", "the record commits")
+CREATE_TABLES = Operation("create_tables", None, "create_tables", "the log tables commit")
+SAVE_POSITION = Operation(
+    "save_position", "save_position_async", "save_position", "the batch's position commits"
+)
+
+
 # psycopg connection classes seen, all and the blocking ones: known without string tests.
 _PSYCOPG: set[type] = set()
 _PSYCOPG_SYNC: set[type] = set()
@@ -46,60 +64,62 @@ class Resolved:
     dbapi: Any
 
 
-def resolve_engine(conn: Any) -> Resolved:
+def resolve_engine(conn: Any, op: Operation = PUBLISH) -> Resolved:
     """The DB-API connection to write through and its engine, checked to be in a
-    transaction."""
+    transaction; errors name ``op``, the call ``conn`` was passed to."""
     if isinstance(conn, sqlite3.Connection):
-        return Resolved("sqlite", _checked_sqlite(conn, "the sqlite3 connection"))
+        return Resolved("sqlite", _checked_sqlite(conn, "the sqlite3 connection", op))
     if type(conn) in _PSYCOPG_SYNC:  # the hot path: a publish per request
-        return Resolved("postgresql", _checked_psycopg(conn, "the psycopg connection"))
+        return Resolved("postgresql", _checked_psycopg(conn, "the psycopg connection", op))
     module = type(conn).__module__
     if _is_psycopg(conn) and not _is_psycopg_async(conn):
         _PSYCOPG_SYNC.add(type(conn))
-        return Resolved("postgresql", _checked_psycopg(conn, "the psycopg connection"))
+        return Resolved("postgresql", _checked_psycopg(conn, "the psycopg connection", op))
     if module.startswith("sqlalchemy."):
-        return _sqlalchemy(conn)
+        return _sqlalchemy(conn, op)
     if module.startswith("django."):
-        return _django(conn)
+        return _django(conn, op)
     if module.startswith("aiosqlite") or _is_sqlalchemy_async(conn) or _is_psycopg_async(conn):
-        raise UnsupportedConnectionError(
-            f"{type(conn).__name__} is an asyncio connection: "
-            "use 'await streamq.publish_async(conn, ...)'"
+        use = (
+            f"use 'await streamq.{op.async_name}(conn, ...)'"
+            if op.async_name
+            else f"streamq.{op.name} takes a blocking one"
         )
-    raise _unsupported(conn)
+        raise UnsupportedConnectionError(f"{type(conn).__name__} is an asyncio connection: {use}")
+    raise _unsupported(conn, op)
 
 
-async def resolve_engine_async(conn: Any) -> Resolved:
+async def resolve_engine_async(conn: Any, op: Operation = PUBLISH) -> Resolved:
     """``resolve_engine`` for asyncio connections: a psycopg ``AsyncConnection`` on
     PostgreSQL; on SQLite the ``aiosqlite.Connection``, whose thread runs the SQL."""
     if type(conn).__module__.startswith("aiosqlite"):
-        return Resolved("sqlite", _checked_aiosqlite(conn, "the connection"))
+        return Resolved("sqlite", _checked_aiosqlite(conn, "the connection", op))
     if _is_psycopg_async(conn):
-        return Resolved("postgresql", _checked_psycopg(conn, "the psycopg connection"))
+        return Resolved("postgresql", _checked_psycopg(conn, "the psycopg connection", op))
     if not _is_sqlalchemy_async(conn):
-        _refuse_blocking(conn)
-        raise _unsupported(conn)
-    conn = await _sqlalchemy_async_connection(conn)
+        _refuse_blocking(conn, op)
+        raise _unsupported(conn, op)
+    conn = await _sqlalchemy_async_connection(conn, op)
     engine = _check_sqlalchemy_dialect(conn.dialect.name, conn.dialect.driver)
     driver: Any = (await conn.get_raw_connection()).driver_connection
     if engine == "postgresql":
-        return Resolved(engine, _checked_psycopg(driver, "SQLAlchemy's connection"))
+        return Resolved(engine, _checked_psycopg(driver, "SQLAlchemy's connection", op))
     if type(driver).__module__.split(".")[0] != "aiosqlite":
         raise UnsupportedConnectionError(
             f"SQLAlchemy's asyncio SQLite driver here is {type(driver).__module__}: "
-            "streamq.publish_async runs on 'sqlite+aiosqlite://'"
+            f"streamq.{op.async_name or op.name} runs on 'sqlite+aiosqlite://'"
         )
-    return Resolved(engine, _checked_aiosqlite(driver, "SQLAlchemy's connection"))
+    return Resolved(engine, _checked_aiosqlite(driver, "SQLAlchemy's connection", op))
 
 
-def _checked_aiosqlite(conn: Any, what: str) -> Any:
+def _checked_aiosqlite(conn: Any, what: str, op: Operation) -> Any:
     """An aiosqlite connection whose sqlite3 connection is in a transaction (or will open
     one). Read from this thread: the application awaits its statements, so none runs."""
-    _checked_sqlite(conn._conn, what)
+    _checked_sqlite(conn._conn, what, op)
     return conn
 
 
-def _refuse_blocking(conn: Any) -> None:
+def _refuse_blocking(conn: Any, op: Operation) -> None:
     module = type(conn).__module__
     if (
         isinstance(conn, sqlite3.Connection)
@@ -107,11 +127,12 @@ def _refuse_blocking(conn: Any) -> None:
         or _is_psycopg(conn)
     ):
         raise UnsupportedConnectionError(
-            f"{type(conn).__name__} is a blocking connection: use 'streamq.publish(conn, ...)'"
+            f"{type(conn).__name__} is a blocking connection: "
+            f"use 'streamq.{op.sync_name}(conn, ...)'"
         )
 
 
-def _unsupported(conn: Any) -> UnsupportedConnectionError:
+def _unsupported(conn: Any, op: Operation) -> UnsupportedConnectionError:
     module = type(conn).__module__
     if module.split(".")[0] == "psycopg2":
         return UnsupportedConnectionError(
@@ -119,7 +140,8 @@ def _unsupported(conn: Any) -> UnsupportedConnectionError:
             "psycopg 3 ('pip install streamq[postgres]'; SQLAlchemy: 'postgresql+psycopg://')"
         )
     return UnsupportedConnectionError(
-        f"cannot publish through a {module}.{type(conn).__qualname__}: pass {_SUPPORTED}"
+        f"streamq.{op.name} cannot write through a {module}.{type(conn).__qualname__}: "
+        f"pass {_SUPPORTED}"
     )
 
 
@@ -135,38 +157,38 @@ def _is_psycopg_async(conn: Any) -> bool:
     return isinstance(conn, psycopg.AsyncConnection)
 
 
-def _checked_psycopg(conn: Any, what: str) -> Any:
+def _checked_psycopg(conn: Any, what: str, op: Operation) -> Any:
     """A psycopg ``Connection`` or ``AsyncConnection`` in a transaction, or about to open
     one: without autocommit, psycopg begins one before the first statement, ours
     included, as it would before the application's."""
     if type(conn) not in _PSYCOPG:
         if not _is_psycopg(conn):  # psycopg2 under Django, say
-            raise _unsupported(conn)
+            raise _unsupported(conn, op)
         import psycopg
 
         if not isinstance(conn, psycopg.Connection | psycopg.AsyncConnection):
-            raise _unsupported(conn)
+            raise _unsupported(conn, op)
         _PSYCOPG.add(type(conn))
     if conn.autocommit:
         from psycopg.pq import TransactionStatus
 
         if conn.info.transaction_status == TransactionStatus.IDLE:
             raise NotInTransactionError(
-                f"{what} is in autocommit mode with no transaction open: publish inside "
-                "'with conn.transaction():' (or without autocommit), so the record commits "
-                "with the application's writes"
+                f"{what} is in autocommit mode with no transaction open: call "
+                f"streamq.{op.name} inside 'with conn.transaction():' (or without "
+                f"autocommit), so {op.commits} with the application's writes"
             )
     return conn
 
 
-def _checked_sqlite(conn: sqlite3.Connection, what: str) -> sqlite3.Connection:
+def _checked_sqlite(conn: sqlite3.Connection, what: str, op: Operation) -> sqlite3.Connection:
     # With isolation_level set (the module's default), sqlite3 itself opens a transaction
     # before the first write, ours included, as it would before the application's.
     if conn.isolation_level is None and not conn.in_transaction:
         raise NotInTransactionError(
             f"{what} is in autocommit mode (isolation_level=None) with no transaction open: "
-            "run BEGIN (BEGIN IMMEDIATE with several writers) before publishing, so the "
-            "record commits with the application's writes"
+            f"run BEGIN (BEGIN IMMEDIATE with several writers) before streamq.{op.name}, "
+            f"so {op.commits} with the application's writes"
         )
     return conn
 
@@ -175,7 +197,7 @@ def _is_sqlalchemy_async(conn: Any) -> bool:
     return type(conn).__module__.startswith("sqlalchemy.ext.asyncio")
 
 
-def _sqlalchemy(conn: Any) -> Resolved:
+def _sqlalchemy(conn: Any, op: Operation) -> Resolved:
     """A SQLAlchemy ``Session`` or ``Connection``: its DB-API connection, in a transaction."""
     from sqlalchemy.engine import Connection
     from sqlalchemy.orm import Session
@@ -184,19 +206,19 @@ def _sqlalchemy(conn: Any) -> Resolved:
         conn = conn.connection()  # begins the session's transaction if it has none
     if not isinstance(conn, Connection):
         raise UnsupportedConnectionError(
-            f"cannot publish through a SQLAlchemy {type(conn).__name__}: pass a "
-            "Connection or a Session (engine.begin(), Session.begin())"
+            f"streamq.{op.name} cannot write through a SQLAlchemy {type(conn).__name__}: "
+            "pass a Connection or a Session (engine.begin(), Session.begin())"
         )
     engine = _check_sqlalchemy_dialect(conn.dialect.name, conn.dialect.driver)
     if not conn.in_transaction():
         conn.begin()  # what SQLAlchemy's autobegin does at the first statement
     dbapi: Any = conn.connection.dbapi_connection
     if engine == "postgresql":
-        return Resolved(engine, _checked_psycopg(dbapi, "SQLAlchemy's connection"))
-    return Resolved(engine, _checked_sqlite(dbapi, "SQLAlchemy's connection"))
+        return Resolved(engine, _checked_psycopg(dbapi, "SQLAlchemy's connection", op))
+    return Resolved(engine, _checked_sqlite(dbapi, "SQLAlchemy's connection", op))
 
 
-async def _sqlalchemy_async_connection(conn: Any) -> Any:
+async def _sqlalchemy_async_connection(conn: Any, op: Operation) -> Any:
     """A SQLAlchemy ``AsyncSession`` or ``AsyncConnection``: its ``AsyncConnection``, in a
     transaction."""
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
@@ -205,8 +227,8 @@ async def _sqlalchemy_async_connection(conn: Any) -> Any:
         conn = await conn.connection()  # begins the session's transaction if it has none
     if not isinstance(conn, AsyncConnection):
         raise UnsupportedConnectionError(
-            f"cannot publish through a SQLAlchemy {type(conn).__name__}: pass an "
-            "AsyncConnection or an AsyncSession"
+            f"streamq.{op.async_name or op.name} cannot write through a SQLAlchemy "
+            f"{type(conn).__name__}: pass an AsyncConnection or an AsyncSession"
         )
     if not conn.in_transaction():
         await conn.begin()
@@ -230,12 +252,13 @@ def _check_sqlalchemy_dialect(name: str, driver: str) -> Engine:
     )
 
 
-def _django(conn: Any) -> Resolved:
+def _django(conn: Any, op: Operation) -> Resolved:
     """Django's ``connection`` (or ``connections[alias]``) inside ``transaction.atomic()``."""
     vendor = getattr(conn, "vendor", None)
     if vendor is None:
         raise UnsupportedConnectionError(
-            f"cannot publish through a Django {type(conn).__name__}: pass django.db.connection"
+            f"streamq.{op.name} cannot write through a Django {type(conn).__name__}: "
+            "pass django.db.connection"
         )
     if vendor not in ("sqlite", "postgresql"):
         raise UnsupportedConnectionError(
@@ -244,10 +267,10 @@ def _django(conn: Any) -> Resolved:
         )
     if conn.get_autocommit():
         raise NotInTransactionError(
-            "Django's connection is in autocommit mode: publish inside "
-            "'with transaction.atomic():', so the record commits with the ORM's writes"
+            f"Django's connection is in autocommit mode: call streamq.{op.name} inside "
+            f"'with transaction.atomic():', so {op.commits} with the ORM's writes"
         )
     conn.ensure_connection()
     if vendor == "postgresql":
-        return Resolved("postgresql", _checked_psycopg(conn.connection, "Django's connection"))
-    return Resolved("sqlite", _checked_sqlite(conn.connection, "Django's connection"))
+        return Resolved("postgresql", _checked_psycopg(conn.connection, "Django's connection", op))
+    return Resolved("sqlite", _checked_sqlite(conn.connection, "Django's connection", op))

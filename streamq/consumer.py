@@ -19,7 +19,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -166,6 +166,12 @@ class Consumer:
     are share 0), in order per key, and stores its position as ``name[i/n]``. Starting
     with another ``n`` than the stored positions were applied with raises
     ``SharesChangedError``; ``streamq reshare`` changes ``n`` safely.
+
+    A consumer name is bound to the producers it applied from (by producer id): one
+    whose database holds positions for its ``name`` and stream from another producer, and
+    none from the one it reached, raises ``ProducerChangedError``, at another address or
+    at the same one (a replaced database), rather than mix two logs in one projection.
+    ``allow_new_producer=True`` applies this producer's records too, from ``start_seq``.
     """
 
     def __init__(
@@ -191,6 +197,7 @@ class Consumer:
         filter: Filter | None = None,
         share: tuple[int, int] | None = None,
         ack_interval: float = 0.005,
+        allow_new_producer: bool = False,
     ) -> None:
         if ack_interval < 0:
             raise ValueError(f"ack_interval must be 0 or more seconds, not {ack_interval!r}")
@@ -266,11 +273,19 @@ class Consumer:
         self.parked = 0  # records parked in streamq_dead_letters (DeadLetter), committed
         self.reapplied = 0  # parked records re-applied on request (``retry_dead_letters``)
         self._policies = Policies(self)  # apply under on_failure
+        self._allow_new_producer = allow_new_producer
+        # Addresses of the other producers a ``FanInConsumer`` reads under the same name:
+        # positions from the producers found there are expected, not another producer's.
+        self._siblings: frozenset[str] = frozenset()
 
     def _share_store(self, store: PositionStore, lock: asyncio.Lock) -> None:
         """Apply into ``store``, opened by someone else (``FanInConsumer``), one transaction
         at a time by ``lock``."""
         self._store, self._tx_lock, self._owns_store = store, lock, False
+
+    def _read_alongside(self, addresses: Iterable[str]) -> None:
+        """Read as one of a ``FanInConsumer``'s producers, the others at ``addresses``."""
+        self._siblings = frozenset(addresses) - {self.address}
 
     @property
     def _db(self) -> Any:
@@ -538,25 +553,37 @@ class Consumer:
         if self._store is None:
             return None
         async with self._tx_lock:
-            rows = await self._store.load(self.name, self.stream, producer_id, self.address)
+            rows = await self._store.load(self.name, self.stream)
             splits = await self._store.shares_of(
                 self.base_name, self.stream, producer_id, self.address
             )
         self._check_split(dict(splits))
-        positions = {p: (seq, epoch) for p, seq, epoch in rows}
+        positions = {p: (seq, epoch, endpoint) for p, seq, epoch, endpoint in rows}
         if producer_id in positions:
-            self.received, self.seen_epoch = positions[producer_id]
+            self.received, self.seen_epoch, _ = positions[producer_id]
             self.applied = self.received
-        elif positions:
-            other, (seq, _) = next(iter(positions.items()))
-            raise ProducerChangedError(
-                f"{self.address} now serves producer {producer_id}, but consumer {self.name!r} "
-                f"applied stream {self.stream!r} there from producer {other} up to seq {seq}: "
-                "the producer's database was replaced. Refusing to mix two logs."
-            )
-        else:
-            return None
-        return self.received + 1
+            return self.received + 1
+        others = [(p, seq, at) for p, (seq, _, at) in positions.items() if at not in self._siblings]
+        if others and not self._allow_new_producer:
+            raise self._not_bound(producer_id, sorted(others, key=lambda row: row[2]))
+        return None
+
+    def _not_bound(self, found: str, others: list[tuple[str, int, str]]) -> ProducerChangedError:
+        """The error for a producer this consumer name has not applied from, when it has
+        positions from ``others`` (producer id, seq, endpoint) on its stream."""
+        applied = ", ".join(f"producer {p} (at {at}, up to seq {seq})" for p, seq, at in others)
+        replaced = any(at == self.address for _, _, at in others)
+        why = (
+            "the producer's database was replaced"
+            if replaced
+            else "a consumer name is bound to the producers it applied from"
+        )
+        return ProducerChangedError(
+            f"{self.address} serves producer {found}, but consumer {self.name!r} applied "
+            f"stream {self.stream!r} from {applied}: {why}. Refusing to mix two logs into one "
+            "projection; read the producer it applied from, give this one another name=, or "
+            "pass allow_new_producer=True to apply this producer's records as well."
+        )
 
     def _check_split(self, stored: dict[str, int]) -> None:
         """Refuse to start from positions applied under another split into shares: each

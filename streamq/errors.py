@@ -202,7 +202,9 @@ class SeqsReusedError(ConsumerPositionError):
 
 
 class ProducerChangedError(ConsumerPositionError):
-    """The producer at this address is not the one this consumer has applied from."""
+    """The producer reached is not one this consumer name has applied from, and the name
+    has positions from another (at this address: the database was replaced): applying
+    its records too would mix two logs. ``Consumer(allow_new_producer=True)`` opts in."""
 
 
 class SharesChangedError(ConsumerPositionError):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -138,7 +139,8 @@ class Policies:
                     raise  # the database's, or streamq's: not the record's
                 tries += 1
                 if tries > retry.times:
-                    return await self._apply_in_parts(batch, fn, args, tries, exc)
+                    failed = exc
+                    break  # out of this handler: what the parts raise is not chained to it
                 self._c.retried += 1
                 delay = retry.delay(tries)
                 logger.warning(
@@ -148,6 +150,7 @@ class Policies:
                     tries, retry.times, delay,
                 )  # fmt: skip
             await asyncio.sleep(delay)  # the lock is free meanwhile
+        return await self._apply_in_parts(batch, fn, args, tries, failed)
 
     def _retry_policy(self) -> Retry:
         policy = self._c.on_failure
@@ -356,15 +359,31 @@ class _Parts:
         """Apply ``part`` under a savepoint: None if it did, else its exception (and the
         savepoint rolled back). A transaction the database ended meanwhile is not a
         record's failure: that error is raised."""
+        outer = sys.exc_info()[1]  # one the caller is handling, if any: not this record's
         tx.execute(_SAVEPOINT)
         try:
             self.results.append(self.fn(tx, part, *self.args))
         except Exception as exc:
             tx.execute(_ROLLBACK_TO)
             tx.execute(_RELEASE)
-            return exc
+            return _unchained(exc, outer)
         tx.execute(_RELEASE)
         return None
+
+
+def _unchained(error: Exception, outer: BaseException | None) -> Exception:
+    """``error`` cut loose from ``outer``, the exception being handled when the function
+    was called: Python chains it as context, but it is another failure (the caller's),
+    and a parked record's stored error must be its own."""
+    link: BaseException | None = error
+    seen: set[int] = set()
+    while outer is not None and link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if link.__context__ is outer:
+            link.__context__ = None
+            break
+        link = link.__cause__ or link.__context__
+    return error
 
 
 def _part(batch: Batch, first: int, end: int) -> Batch:

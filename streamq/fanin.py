@@ -6,6 +6,9 @@ in ``streamq_positions``; all of them apply into one database (SQLite or Postgre
 through one position store. Batches come one producer at a time, each producer's in seq order, so
 ``transaction(batch)`` is exactly-once per producer as with a single ``Consumer``.
 A producer that is down (killed, restarting) only pauses its own records.
+The name's positions from the producers at the listed addresses are expected; one from
+a producer at none of them makes a producer new to the name refused, as for a single
+``Consumer`` (``allow_new_producer=True`` opts in).
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ class FanInConsumer:
             Consumer(address, stream, name=name, durability=durability, **options)
             for address in addresses
         ]
+        for consumer in self.consumers:  # the others' positions under this name are expected
+            consumer._read_alongside(addresses)
         self._store: PositionStore | None = None
         if db is not None:
             self._store = open_position_store(db, durability)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from .connections import CREATE_TABLES
 from .engines import for_connection, for_connection_async
 from .records import (
     DEFAULT_MAX_RECORD_SIZE,
@@ -91,5 +92,5 @@ def create_tables(conn: Any) -> None:
     """Create the log tables (or migrate older ones) in ``conn``'s open transaction: for
     a schema migration, e.g. Django's ``RunPython`` with ``schema_editor.connection``, or
     Alembic's ``op.get_bind()``. ``streamq init DB`` does the same from the shell (SQLite)."""
-    engine, dbapi = for_connection(conn)
+    engine, dbapi = for_connection(conn, CREATE_TABLES)
     engine.create_schema(dbapi)

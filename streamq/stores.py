@@ -14,8 +14,8 @@ from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from .batches import Batch
-from .engines import for_target
-from .errors import OutOfOrderBatchError
+from .engines import Engine, for_target
+from .errors import OutOfOrderBatchError, SchemaMissingError
 from .storage import Durability
 
 if TYPE_CHECKING:
@@ -28,7 +28,7 @@ T = TypeVar("T")
 def list_dead_letters(db: str, consumer: str | None = None) -> list[ParkedRecord]:
     """The records parked in the consumer database ``db`` (a SQLite file or a
     ``postgresql://`` URL), by consumer, stream and seq."""
-    return for_target(db).list_dead_letters(db, consumer)
+    return consumer_database(db).list_dead_letters(db, consumer)
 
 
 def mark_for_retry(
@@ -36,14 +36,32 @@ def mark_for_retry(
 ) -> int:
     """Mark parked records (all, or those matching) for their consumer to re-apply, once,
     through its ``apply`` function before its next batch; how many were marked."""
-    return for_target(db).mark_for_retry(db, consumer, stream, seq)
+    return consumer_database(db).mark_for_retry(db, consumer, stream, seq)
 
 
 def reshare(db: str, consumer: str, shares: int) -> list[Move]:
     """Move ``consumer``'s stored positions in the consumer database ``db`` to a split into
     ``shares`` (1: unshared), when every share of the old split stands at the same seq;
     ``ReshareRefusedError`` otherwise (``streamq.resharing``). Stop the workers first."""
-    return for_target(db).reshare(db, consumer, shares)
+    return consumer_database(db).reshare(db, consumer, shares)
+
+
+def consumer_database(db: str) -> Engine:
+    """The engine of ``db``, checked to be a consumer's database: given the producer's (or
+    any other), "no records parked" would be an answer from the wrong database."""
+    engine = for_target(db)
+    tables = engine.tables(db)
+    if not tables.positions:
+        whose = (
+            "it is a producer's database (it holds the log)"
+            if tables.log
+            else "no Consumer(db=...) has opened it"
+        )
+        raise SchemaMissingError(
+            f"{tables.where} has no consumer tables (streamq_positions): {whose}; give the "
+            "consumer's database, the one its Consumer(db=...) stores positions in"
+        )
+    return engine
 
 
 class ConsumerTransaction(Protocol):
@@ -83,11 +101,9 @@ class PositionStore(Protocol):
 
     async def close(self) -> None: ...
 
-    async def load(
-        self, consumer: str, stream: str, producer_id: str, endpoint: str
-    ) -> list[tuple[str, int, int]]:
-        """(producer id, seq, epoch) of ``consumer``'s positions on ``stream`` from
-        ``producer_id``, or from whatever producer was reached at ``endpoint``."""
+    async def load(self, consumer: str, stream: str) -> list[tuple[str, int, int, str]]:
+        """(producer id, seq, epoch, endpoint) of each of ``consumer``'s positions on
+        ``stream``: one per producer it applied from, and where it last reached it."""
 
     async def stored(self, consumer: str, producer_id: str, stream: str) -> int | None:
         """The position as committed, by the consumer or through ``save_position``."""

@@ -44,9 +44,9 @@ class SyncProducer:
         self._loop = (loop_factory() or asyncio.new_event_loop)()
         self._thread = threading.Thread(target=self._loop.run_forever, name="streamq", daemon=True)
         self._thread.start()
-        self._producer = Producer(path, **options)
         self._serves = options.get("serve", True)
-        try:
+        try:  # a refused database or option stops the loop's thread too
+            self._producer = Producer(path, **options)
             self._call(self._producer.start())
         except BaseException:
             self._stop_loop()

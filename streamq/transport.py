@@ -23,10 +23,19 @@ READ_SIZE = 256 * 1024
 
 
 def parse_address(address: str) -> tuple[str, int]:
-    """``host:port`` or ``[v6]:port`` into (host, port); no host means loopback."""
+    """``host:port`` or ``[v6]:port`` into (host, port); no host means loopback. A URL or
+    a port beyond 65535 is refused: the socket layer would look the scheme up as part of
+    the host name, or wrap the port around to another one."""
+    scheme, slashes, _ = address.partition("://")
+    if slashes:
+        raise ValueError(
+            f"address must be HOST:PORT, not a URL: {address!r} (drop {scheme + slashes!r})"
+        )
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():
         raise ValueError(f"address must be HOST:PORT, not {address!r}")
+    if not 0 < int(port) <= 65535:
+        raise ValueError(f"address port must be 1 to 65535, not {port} in {address!r}")
     return host.strip("[]") or "127.0.0.1", int(port)
 
 

@@ -128,8 +128,9 @@ async def test_replaced_producer_database_is_detected(producer_db: str, consumer
     async with Producer(producer_db + ".new", port=port) as replacement:
         await replacement.publish("orders", b"other a")
         await replacement.publish("orders", b"other b")
-        with pytest.raises(ProducerChangedError, match="database was replaced"):
+        with pytest.raises(ProducerChangedError, match="database was replaced") as info:
             await Consumer(replacement.address, "orders", db=consumer_db, name="c").start()
+        assert "allow_new_producer=True" in str(info.value)
         # A different consumer name has no history with the old producer: fine.
         async with Consumer(replacement.address, "orders", db=consumer_db, name="d") as other:
             assert (await anext(other)).first_seq == 1

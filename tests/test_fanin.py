@@ -10,7 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from streamq import Batch, BlockingSQL, Consumer, FanInConsumer, OutOfOrderBatchError, Producer
+from streamq import (
+    Batch,
+    BlockingSQL,
+    Consumer,
+    FanInConsumer,
+    OutOfOrderBatchError,
+    Producer,
+    ProducerChangedError,
+)
 from streamq.engines.sqlite.storage import HEAD_QUERY
 
 from .conftest import wait_for
@@ -114,6 +122,41 @@ async def test_batches_stay_with_their_producer(tmp_path: Path, consumer_db: str
                 with pytest.raises(ValueError, match="not read here"):
                     async with f.transaction(stray):
                         pass
+
+
+async def test_the_name_is_bound_to_the_producers_the_fan_in_lists(
+    tmp_path: Path, consumer_db: str
+) -> None:
+    """A producer at a listed address starts next to the others' positions under the
+    shared name; one at an address the name never read, while it holds positions from a
+    producer no longer listed, is refused unless ``allow_new_producer=True``."""
+    async with contextlib.AsyncExitStack() as stack:
+        a, b, c = [
+            await stack.enter_async_context(Producer(str(tmp_path / f"{n}.db"))) for n in "abc"
+        ]
+        await a.publish(STREAM, b"a1")
+        await b.create_stream(STREAM)  # nothing in it yet: no position from b
+        last: dict[str, int] = {}
+        async with FanInConsumer([a.address, b.address], STREAM, db=consumer_db, name="x") as f:
+            assert await apply(f, last) == 1 and last == {a.producer_id: 1}
+        await b.publish(STREAM, b"b1")
+        async with FanInConsumer([a.address, b.address], STREAM, db=consumer_db, name="x") as f:
+            assert await apply(f, last) == 1 and last[b.producer_id] == 1
+
+        await c.publish(STREAM, b"c1")
+        with pytest.raises(ProducerChangedError) as info:
+            async with FanInConsumer([a.address, c.address], STREAM, db=consumer_db, name="x"):
+                pass
+        message = str(info.value)
+        assert f"{c.address} serves producer {c.producer_id}, but consumer 'x'" in message
+        assert f"from producer {b.producer_id} (at {b.address}, up to seq 1)" in message
+        assert a.producer_id not in message  # listed: expected under the name
+        assert "allow_new_producer=True" in message
+        async with FanInConsumer(
+            [a.address, c.address], STREAM, db=consumer_db, name="x", allow_new_producer=True
+        ) as f:
+            assert await apply(f, last) == 1 and last[c.producer_id] == 1
+    assert applied_rows(consumer_db) == {p.producer_id: [1] for p in (a, b, c)}
 
 
 TOTAL = 2_000  # records per producer process

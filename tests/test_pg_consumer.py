@@ -35,6 +35,7 @@ from streamq.errors import (
     DatabaseOpenError,
     NotInTransactionError,
     OutOfOrderBatchError,
+    ProducerChangedError,
     SchemaMissingError,
     SeqsReusedError,
     TransactionClosedError,
@@ -316,6 +317,47 @@ async def test_lost_commits_with_reused_seqs_are_refused(producer_db: str, targe
             await consumer.start()
         assert info.value.lost == range(2, 6)
     assert target.credits() == [1, 2, 3, 4, 5]  # nothing more applied
+
+
+async def test_a_consumer_name_is_bound_to_the_producers_it_applied_from(
+    tmp_path: Path, target: Target
+) -> None:
+    """Positions from producer A, then producer B serving a stream of the same name at
+    another address: applying B's records under that name would mix two logs."""
+    async with Producer(str(tmp_path / "a.db")) as a, Producer(str(tmp_path / "b.db")) as b:
+        await publish(a, 3)
+        await publish(b, 2)
+        async with Consumer(a.address, "orders", db=target.db, name="c") as consumer:
+            await apply_transactions(consumer, target, 3)
+        with pytest.raises(ProducerChangedError) as info:
+            await Consumer(b.address, "orders", db=target.db, name="c").start()
+        message = str(info.value)
+        assert message.startswith(f"{b.address} serves producer {b.producer_id}, but consumer ")
+        assert (
+            f"consumer 'c' applied stream 'orders' from producer {a.producer_id} "
+            f"(at {a.address}, up to seq 3): a consumer name is bound to the producers it "
+            "applied from" in message
+        )
+        assert "allow_new_producer=True" in message and "\n" not in message
+        assert [row[:2] for row in target.positions()] == [("c", 3)]  # nothing of B's
+        # Opted in: B's records from its first, under a position of its own.
+        async with Consumer(
+            b.address, "orders", db=target.db, name="c", allow_new_producer=True
+        ) as consumer:
+            batch = await anext(consumer)
+            assert (batch.producer_id, batch.first_seq, batch.last_seq) == (b.producer_id, 1, 2)
+            async with consumer.transaction(batch):
+                pass  # the position only: credits holds A's seqs
+        # Bound to both now: each resumes from its own position, with no opt-in.
+        await publish(a, 1)
+        await publish(b, 1)
+        for producer, applied in ((a, 3), (b, 2)):
+            async with Consumer(producer.address, "orders", db=target.db, name="c") as consumer:
+                batch = await anext(consumer)
+                assert (batch.producer_id, batch.after) == (producer.producer_id, applied)
+    stored = dict(target.query("SELECT producer_id, seq FROM streamq_positions"))
+    assert stored == {a.producer_id: 3, b.producer_id: 2}
+    assert target.credits() == [1, 2, 3]
 
 
 # --- PostgreSQL ------------------------------------------------------------------------

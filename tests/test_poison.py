@@ -206,6 +206,43 @@ async def test_dead_letter_parks_exactly_the_poison_records(producer_db: str, db
     assert streamq.list_dead_letters(db.url, consumer="other") == []
 
 
+async def test_each_parked_record_keeps_its_own_error(producer_db: str, db: Db) -> None:
+    def picky(tx: Any, batch: Batch) -> int:
+        """Seqs 2 and 7 fail with a TypeError, seqs 4 and 9 with a KeyError."""
+        for record in batch:
+            if record.seq in (2, 7):
+                raise TypeError(f"seq {record.seq} is no number")
+            if record.seq in (4, 9):
+                raise KeyError(f"seq {record.seq} names no account")
+            tx.execute(db.insert, (record.seq, record.value))
+        return len(batch)
+
+    async with Producer(producer_db) as producer:
+        await publish(producer, b"1", b"2", b"3", b"4", b"5")
+        async with Consumer(
+            producer.address, "orders", db=db.url, name="ledger", on_failure=DeadLetter()
+        ) as consumer:
+            assert await consumer.apply(await anext(consumer), picky) == 3
+            await publish(producer, b"6", b"7", b"8", b"9", b"10")
+            batch = await anext(consumer)
+            try:  # applied while the application handles an exception of its own
+                raise LookupError("the caller's own failure")
+            except LookupError:
+                assert await consumer.apply(batch, picky) == 3
+    letters = streamq.list_dead_letters(db.url)
+    assert [p.record.seq for p in letters] == [2, 4, 7, 9]
+    other = {2: 4, 4: 2, 7: 9, 9: 7}  # the batch's other failing record
+    for letter in letters:
+        seq, error = letter.record.seq, letter.error
+        kind, foreign = ("TypeError", "KeyError") if seq in (2, 7) else ("KeyError", "TypeError")
+        assert error.startswith("Traceback") and error.count("Traceback") == 1
+        assert error.splitlines()[-1].startswith(f"{kind}: ") and f"seq {seq} " in error
+        # Not chained to the other record's error, the batch's, or the caller's.
+        assert foreign not in error and f"seq {other[seq]} " not in error
+        assert "LookupError" not in error and "During handling" not in error
+    assert db.credits() == [1, 3, 5, 6, 8, 10]
+
+
 async def test_parked_records_are_reapplied_once_on_request(producer_db: str, db: Db) -> None:
     async with Producer(producer_db) as producer:
         await publish(producer, b"1", POISON, b"3")

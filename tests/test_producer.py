@@ -7,6 +7,7 @@ import contextlib
 import sqlite3
 import threading
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import pytest
 
@@ -147,6 +148,31 @@ async def test_api_misuse_raises_precise_errors(producer_db: str) -> None:
             pass
     with pytest.raises(ValueError, match="durability"):
         Producer(producer_db, durability="sometimes")  # type: ignore[arg-type]
+
+
+def test_unsupported_database_urls_name_the_supported_forms(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A URL of another scheme is refused before SQLite takes it for a file's path, by
+    every entry point that opens a database, without echoing its password."""
+    monkeypatch.chdir(tmp_path)  # where a file named after the URL would have appeared
+    url = "mysql://shop:secret@db.example/shop"
+    threads = threading.active_count()
+    entry_points: list[Callable[[], object]] = [
+        lambda: Producer(url),
+        lambda: SyncProducer(url),
+        lambda: streamq.Consumer("127.0.0.1:1", "orders", db=url, name="billing"),
+        lambda: streamq.list_dead_letters(url),
+    ]
+    for open_it in entry_points:
+        with pytest.raises(streamq.DatabaseOpenError) as refused:
+            open_it()
+        message = str(refused.value)
+        assert message.startswith("cannot open a mysql:// database")
+        assert "SQLite file's path" in message and "postgresql://" in message
+        assert "secret" not in message
+    assert threading.active_count() == threads  # SyncProducer stopped its loop's thread
+    assert list(tmp_path.iterdir()) == []
 
 
 async def test_create_stream_and_truncate(producer_db: str) -> None:

@@ -114,6 +114,41 @@ async def test_unsupported_connections_are_refused_with_what_is_supported(
         await streamq.publish_async(plain, "orders", b"x")
 
 
+async def test_connection_errors_name_the_call_that_was_made(tmp_path: Path) -> None:
+    """``create_tables`` and ``save_position`` share publish's checks: their errors say
+    what that call needs, not what publishing does."""
+    path = str(tmp_path / "app.db")
+    batch = streamq.Batch("orders", "p1", 0, (), consumer="c", endpoint="127.0.0.1:1")
+    with app_connection(path, isolation_level=None) as conn:
+        calls = (
+            ("create_tables", lambda: streamq.create_tables(conn), "the log tables commit"),
+            ("save_position", lambda: streamq.save_position(conn, batch), "position commits"),
+            ("publish", lambda: streamq.publish(conn, "orders", b"x"), "the record commits"),
+        )
+        for name, call, commits in calls:
+            with pytest.raises(streamq.NotInTransactionError) as refused:
+                call()
+            assert f"before streamq.{name}, so " in str(refused.value)
+            assert commits in str(refused.value)
+            assert "publishing" not in str(refused.value)
+        conn.execute("BEGIN")
+        streamq.create_tables(conn)  # in a transaction, as a migration runs it
+        conn.execute("COMMIT")
+        assert conn.execute("SELECT count(*) FROM streamq_streams").fetchone() == (0,)
+    async with aiosqlite.connect(path) as conn:
+        with pytest.raises(streamq.UnsupportedConnectionError, match="save_position_async"):
+            streamq.save_position(conn, batch)
+        with pytest.raises(streamq.UnsupportedConnectionError, match="create_tables takes a"):
+            streamq.create_tables(conn)
+    with (
+        app_connection(path) as plain,
+        pytest.raises(streamq.UnsupportedConnectionError, match=r"streamq\.save_position\("),
+    ):
+        await streamq.save_position_async(plain, batch)
+    with pytest.raises(streamq.UnsupportedConnectionError, match=r"streamq\.create_tables "):
+        streamq.create_tables(object())
+
+
 async def test_publish_async_on_aiosqlite(producer_db: str) -> None:
     async with Producer(producer_db) as producer:
         async with aiosqlite.connect(producer_db) as conn:

@@ -481,6 +481,7 @@ def test_cli_serves_tls_and_tokens(tmp_path: Path, certs: Certs) -> None:
     secret_file = tmp_path / "secret"
     secret_file.write_bytes(SECRET + b"\n")
     db = str(tmp_path / "orders.db")
+    assert run("init", db).returncode == 0
     assert run("publish", db, "orders", "one", "two").returncode == 0
     serve_env = {**os.environ, "STREAMQ_TOKEN_SECRET": SECRET.decode()}
     server = certs.server

@@ -12,11 +12,14 @@ engine imports its driver only when used (psycopg is an optional extra).
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from ..connections import resolve_engine, resolve_engine_async
+from ..connections import PUBLISH, Operation, resolve_engine, resolve_engine_async
+from ..errors import DatabaseOpenError
 from ..storage import Durability, Features, Storage, is_postgres_url
 
 if TYPE_CHECKING:
@@ -25,6 +28,25 @@ if TYPE_CHECKING:
     from ..records import CheckedRecord, Receipt
     from ..resharing import Move
     from ..stores import PositionStore
+
+
+@dataclass(frozen=True, slots=True)
+class Tables:
+    """The streamq tables a database holds, read without creating any: whose database it
+    is, for commands that must refuse the wrong one instead of answering from it."""
+
+    where: str  # the database as messages name it (a URL without its password)
+    names: frozenset[str]
+
+    @property
+    def log(self) -> bool:
+        """A producer's database: it holds the log tables."""
+        return "streamq_streams" in self.names
+
+    @property
+    def positions(self) -> bool:
+        """A consumer's database: a ``Consumer(db=...)`` opened it and made its tables."""
+        return "streamq_positions" in self.names
 
 
 class Engine(Protocol):
@@ -36,6 +58,11 @@ class Engine(Protocol):
     max_seq: int  # the largest seq it stores
 
     def open_storage(self, target: str) -> Storage: ...
+
+    def tables(self, db: str) -> Tables:
+        """The streamq tables in the existing database ``db``, changing nothing (a
+        database that cannot be opened: ``DatabaseOpenError``)."""
+        ...
 
     def open_position_store(
         self, db: str, durability: Durability, *, connect_timeout: float
@@ -120,13 +147,24 @@ class ModuleEngine:
         return moves
 
 
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+_SUPPORTED_TARGETS = "a SQLite file's path (shop.db) or a postgresql:// (postgres://) URL"
+
+
 def for_target(target: str) -> Engine:
     """The engine of a database named by ``target``: a ``postgresql://`` (or
-    ``postgres://``) URL is PostgreSQL, anything else a SQLite file's path."""
+    ``postgres://``) URL is PostgreSQL, a path a SQLite file. Any other ``scheme://`` is
+    refused here, naming both, before SQLite would take it for a file's path."""
     if is_postgres_url(target):
         from .postgres.engine import ENGINE as POSTGRES
 
         return POSTGRES
+    url = _URL.match(target)
+    if url:
+        raise DatabaseOpenError(
+            f"cannot open a {url.group()} database: streamq's databases are SQLite or "
+            f"PostgreSQL; give {_SUPPORTED_TARGETS}"
+        )
     from .sqlite.engine import ENGINE as SQLITE
 
     return SQLITE
@@ -142,17 +180,17 @@ def _by_name(name: str) -> Engine:
     return engine
 
 
-def for_connection(conn: Any) -> tuple[Engine, Any]:
+def for_connection(conn: Any, operation: Operation = PUBLISH) -> tuple[Engine, Any]:
     """The engine of the application's connection (``connections.resolve_engine``: a
     sqlite3 or psycopg connection, SQLAlchemy's, Django's), and the DB-API connection to
-    run its statements on, checked to be in a transaction."""
-    resolved = resolve_engine(conn)
+    run its statements on, checked to be in a transaction; errors name ``operation``."""
+    resolved = resolve_engine(conn, operation)
     return _by_name(resolved.engine), resolved.dbapi
 
 
-async def for_connection_async(conn: Any) -> tuple[Engine, Any]:
+async def for_connection_async(conn: Any, operation: Operation = PUBLISH) -> tuple[Engine, Any]:
     """``for_connection`` for asyncio connections."""
-    resolved = await resolve_engine_async(conn)
+    resolved = await resolve_engine_async(conn, operation)
     return _by_name(resolved.engine), resolved.dbapi
 
 

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from ...records import MAX_SEQ
 from ...storage import Durability, Features
-from .. import ModuleEngine
+from .. import ModuleEngine, Tables
 
 if TYPE_CHECKING:
     from ...stores import PositionStore
@@ -30,6 +30,17 @@ class PostgresEngine(ModuleEngine):
         from .storage import PostgresStorage
 
         return PostgresStorage(target)
+
+    def tables(self, db: str) -> Tables:
+        from .driver import connect, database
+
+        where = database(db)
+        with connect(db, where, application_name="streamq") as conn:
+            rows = conn.execute(  # those the search path finds, as streamq's own queries do
+                "SELECT relname FROM pg_class WHERE relkind IN ('r', 'p') "
+                "AND relname LIKE 'streamq%' AND pg_table_is_visible(oid)"
+            ).fetchall()
+        return Tables(where, frozenset(name for (name,) in rows))
 
     def open_position_store(
         self, db: str, durability: Durability, *, connect_timeout: float

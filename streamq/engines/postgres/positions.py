@@ -97,8 +97,8 @@ READ_COMMITTED = "SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL REA
 SYNCHRONOUS_COMMIT = "SET synchronous_commit = on"  # durability="full"
 
 LOAD = (
-    "SELECT producer_id, seq, epoch FROM streamq_positions "
-    "WHERE consumer = %s AND stream = %s AND (producer_id = %s OR endpoint = %s)"
+    "SELECT producer_id, seq, epoch, endpoint FROM streamq_positions "
+    "WHERE consumer = %s AND stream = %s"
 )
 # A consumer's positions under its own name and as shares of it (``name[i/n]``).
 SHARES = (
@@ -386,16 +386,14 @@ class PostgresPositionStore:
         if aconn is not None:
             await aconn.close()
 
-    async def load(
-        self, consumer: str, stream: str, producer_id: str, endpoint: str
-    ) -> list[tuple[str, int, int]]:
+    async def load(self, consumer: str, stream: str) -> list[tuple[str, int, int, str]]:
         conn = await self._usable()
         try:
-            cursor = await conn.execute(LOAD, (consumer, stream, producer_id, endpoint))
+            cursor = await conn.execute(LOAD, (consumer, stream))
             rows = await cursor.fetchall()
         finally:
             await _rollback(conn)  # a read only: end its transaction
-        return [(str(p), int(seq), int(epoch or 0)) for p, seq, epoch in rows]
+        return [(str(p), int(seq), int(epoch or 0), str(at)) for p, seq, epoch, at in rows]
 
     async def shares_of(
         self, consumer: str, stream: str, producer_id: str, endpoint: str

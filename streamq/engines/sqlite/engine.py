@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import sqlite3
 from typing import TYPE_CHECKING, ClassVar
+from urllib.request import pathname2url
 
+from ...errors import DatabaseOpenError
 from ...records import MAX_SEQ
 from ...storage import Durability, Features
-from .. import ModuleEngine
+from .. import ModuleEngine, Tables
 
 if TYPE_CHECKING:
     from ...stores import PositionStore
@@ -29,6 +32,22 @@ class SQLiteEngine(ModuleEngine):
         from .storage import SQLiteStorage
 
         return SQLiteStorage(target)
+
+    def tables(self, db: str) -> Tables:
+        where = f"SQLite database {db!r}"
+        try:  # mode=rw: a missing file is an error, never created
+            conn = sqlite3.connect(f"file:{pathname2url(db)}?mode=rw", uri=True, timeout=10)
+        except sqlite3.Error as exc:
+            raise DatabaseOpenError(f"cannot open {where}: {exc}") from exc
+        try:
+            rows = conn.execute(
+                "SELECT name FROM sqlite_master WHERE type = 'table' AND name LIKE 'streamq%'"
+            ).fetchall()
+        except sqlite3.DatabaseError as exc:  # "file is not a database"
+            raise DatabaseOpenError(f"cannot open {where}: {exc}") from exc
+        finally:
+            conn.close()
+        return Tables(where, frozenset(name for (name,) in rows))
 
     def open_position_store(
         self, db: str, durability: Durability, *, connect_timeout: float

@@ -59,8 +59,8 @@ CREATE TABLE IF NOT EXISTS streamq_positions (
     PRIMARY KEY (consumer, producer_id, stream)
 )"""
 LOAD = (
-    "SELECT producer_id, seq, epoch FROM streamq_positions "
-    "WHERE consumer = ? AND stream = ? AND (producer_id = ? OR endpoint = ?)"
+    "SELECT producer_id, seq, epoch, endpoint FROM streamq_positions "
+    "WHERE consumer = ? AND stream = ?"
 )
 # A consumer's positions under its own name and as shares of it (``name[i/n]``).
 SHARES = (
@@ -308,13 +308,9 @@ class SQLitePositionStore:
         if db is not None and self._owned:
             await db.close()
 
-    async def load(
-        self, consumer: str, stream: str, producer_id: str, endpoint: str
-    ) -> list[tuple[str, int, int]]:
-        rows = await self.connection.execute_fetchall(
-            LOAD, (consumer, stream, producer_id, endpoint)
-        )
-        return [(str(p), int(seq), int(epoch or 0)) for p, seq, epoch in rows]
+    async def load(self, consumer: str, stream: str) -> list[tuple[str, int, int, str]]:
+        rows = await self.connection.execute_fetchall(LOAD, (consumer, stream))
+        return [(str(p), int(seq), int(epoch or 0), str(at)) for p, seq, epoch, at in rows]
 
     async def shares_of(
         self, consumer: str, stream: str, producer_id: str, endpoint: str
