@@ -36,7 +36,7 @@ test: $(STAMP)
 	$(BIN)/ruff check streamq spark_source bench tests && \
 	$(BIN)/ruff format --check streamq spark_source bench tests && \
 	$(BIN)/mypy && \
-	$(BIN)/python -m pytest -q; \
+	$(BIN)/python -m pytest -q -n 2; \
 	status=$$?; wait; exit $$status
 
 bench: $(STAMP) nats-server  # every workload at full size, against real Kafka and NATS servers
