@@ -504,7 +504,6 @@ class Numberer:
         self._blocked = not armed
         if not armed:
             return  # a transaction is publishing: look again
-        self.open_transactions = OpenTransactions()  # none holds the doorbell
         try:
             if not await self._wait(0):
                 self.armed = True
