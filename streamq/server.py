@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -218,16 +219,21 @@ class Server:
         # A listen backlog as deep as the connection cap (the kernel caps it at somaxconn):
         # with asyncio's default of 100, a burst of connections overflows the accept queue
         # and every connect beyond it waits for a SYN retransmit (1 s, then 3 s, ...).
-        self._server = await asyncio.start_server(
-            self._on_connection,
-            host,
-            port,
-            limit=_READ_SIZE,
-            ssl=None if tls is None else tls.context(),
-            # A TLS handshake counts against the same deadline as CLIENT_HELLO.
-            ssl_handshake_timeout=None if tls is None else self.settings.handshake_timeout,
-            backlog=max(100, self.settings.max_connections),
-        )
+        try:
+            self._server = await asyncio.start_server(
+                self._on_connection,
+                host,
+                port,
+                limit=_READ_SIZE,
+                ssl=None if tls is None else tls.context(),
+                # A TLS handshake counts against the same deadline as CLIENT_HELLO.
+                ssl_handshake_timeout=None if tls is None else self.settings.handshake_timeout,
+                backlog=max(100, self.settings.max_connections),
+            )
+        except OSError as exc:  # a host that does not resolve, a port taken: say which
+            # asyncio's bind errors repeat the address in their text: the errno's is enough.
+            why = os.strerror(exc.errno) if exc.errno and exc.errno > 0 else exc.strerror
+            raise OSError(exc.errno, f"cannot listen on {host}:{port}: {why}") from exc
         bound_host, bound_port = self._server.sockets[0].getsockname()[:2]
         self.address = (
             f"[{bound_host}]:{bound_port}" if ":" in bound_host else f"{bound_host}:{bound_port}"

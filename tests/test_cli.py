@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -308,6 +309,20 @@ def test_addresses_are_checked_in_one_line(tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match="drop 'http://'"):
         streamq.Client("http://127.0.0.1:7411")
+
+
+def test_serve_names_the_address_it_cannot_listen_on(tmp_path: Path) -> None:
+    """A host that does not resolve, or a port another process holds: one line naming
+    the address asked for."""
+    db = str(tmp_path / "shop.db")
+    line = refused(run("serve", db, "--create", "--host", "nosuchhost.invalid", "--port", "0"))
+    assert "cannot listen on nosuchhost.invalid:0" in line
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        line = refused(run("serve", db, "--host", "127.0.0.1", "--port", str(port)))
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in line
 
 
 def test_malformed_arguments_are_one_line(tmp_path: Path) -> None:
