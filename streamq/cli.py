@@ -21,7 +21,7 @@ from rich.table import Table
 from . import _loop
 from .client import Client
 from .consumer import Consumer
-from .engines import for_target, open_storage
+from .engines import Engine, for_target, open_storage
 from .errors import SchemaMissingError, StreamQError
 from .filters import Filter
 from .log import Log
@@ -470,20 +470,20 @@ def _exists(db: str) -> bool:
     return is_postgres_url(db) or os.path.exists(db)
 
 
-def _existing(command: str, db: str, makes_it: str) -> None:
-    """Refuse a database the command would otherwise create, or take for a file: a
-    SQLite path with nothing there (``makes_it`` says what does make one), a URL of
-    another scheme (``for_target`` names the supported ones)."""
-    for_target(db)
+def _existing(command: str, db: str, makes_it: str) -> Engine:
+    """The engine of ``db``, refused if the command would otherwise create it, or take it
+    for a file: a SQLite path with nothing there (``makes_it`` says what does make one),
+    a URL of another scheme (``for_target`` names the supported ones)."""
+    engine = for_target(db)
     if not _exists(db):
         raise SystemExit(f"streamq {command}: {db} does not exist ({makes_it})")
+    return engine
 
 
 def _producer_database(command: str, db: str) -> None:
     """Refuse ``db`` unless it holds a producer's log: opening it as a producer would
     otherwise create the log tables in whatever database was given."""
-    _existing(command, db, f"`streamq init {db}` creates a producer database")
-    tables = for_target(db).tables(db)
+    tables = _existing(command, db, f"`streamq init {db}` creates a producer database").tables(db)
     if not tables.log:
         whose = " (it is a consumer's database)" if tables.positions else ""
         raise SchemaMissingError(
@@ -666,11 +666,10 @@ def _history(args: argparse.Namespace) -> None:
     else:
         try:
             parse_address(args.source)
-        except ValueError:
-            scheme = args.source.partition("://")[0] + "://" if "://" in args.source else ""
+        except ValueError as exc:
             raise SystemExit(
-                f"streamq history: {args.source} is neither a database file nor HOST:PORT"
-                + (f" (a producer's address goes without {scheme})" if scheme else "")
+                f"streamq history: {args.source} is neither a database file nor a producer's "
+                f"address ({exc})"
             ) from None
         with Client(args.source, **_client_security(args)) as client:
             records = client.history(args.stream, key, args.start)

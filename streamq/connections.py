@@ -51,11 +51,6 @@ SAVE_POSITION = Operation(
 )
 
 
-# psycopg connection classes seen, all and the blocking ones: known without string tests.
-_PSYCOPG: set[type] = set()
-_PSYCOPG_SYNC: set[type] = set()
-
-
 @dataclass(frozen=True, slots=True)
 class Resolved:
     """The DB-API connection to write through, and which engine's SQL it speaks."""
@@ -69,17 +64,15 @@ def resolve_engine(conn: Any, op: Operation = PUBLISH) -> Resolved:
     transaction; errors name ``op``, the call ``conn`` was passed to."""
     if isinstance(conn, sqlite3.Connection):
         return Resolved("sqlite", _checked_sqlite(conn, "the sqlite3 connection", op))
-    if type(conn) in _PSYCOPG_SYNC:  # the hot path: a publish per request
+    psycopg = _psycopg_kind(conn)
+    if psycopg == "sync":
         return Resolved("postgresql", _checked_psycopg(conn, "the psycopg connection", op))
     module = type(conn).__module__
-    if _is_psycopg(conn) and not _is_psycopg_async(conn):
-        _PSYCOPG_SYNC.add(type(conn))
-        return Resolved("postgresql", _checked_psycopg(conn, "the psycopg connection", op))
     if module.startswith("sqlalchemy."):
         return _sqlalchemy(conn, op)
     if module.startswith("django."):
         return _django(conn, op)
-    if module.startswith("aiosqlite") or _is_sqlalchemy_async(conn) or _is_psycopg_async(conn):
+    if module.startswith("aiosqlite") or _is_sqlalchemy_async(conn) or psycopg == "async":
         use = (
             f"use 'await streamq.{op.async_name}(conn, ...)'"
             if op.async_name
@@ -94,7 +87,7 @@ async def resolve_engine_async(conn: Any, op: Operation = PUBLISH) -> Resolved:
     PostgreSQL; on SQLite the ``aiosqlite.Connection``, whose thread runs the SQL."""
     if type(conn).__module__.startswith("aiosqlite"):
         return Resolved("sqlite", _checked_aiosqlite(conn, "the connection", op))
-    if _is_psycopg_async(conn):
+    if _psycopg_kind(conn) == "async":
         return Resolved("postgresql", _checked_psycopg(conn, "the psycopg connection", op))
     if not _is_sqlalchemy_async(conn):
         _refuse_blocking(conn, op)
@@ -149,26 +142,31 @@ def _is_psycopg(conn: Any) -> bool:
     return type(conn).__module__.split(".")[0] == "psycopg"
 
 
-def _is_psycopg_async(conn: Any) -> bool:
-    if not _is_psycopg(conn):
-        return False
-    import psycopg
+def _psycopg_kind(conn: Any) -> Literal["sync", "async"] | None:
+    """Whether ``conn`` is psycopg 3's blocking or asyncio connection; asked once per class
+    (a publish per request asks again), and psycopg imported only if the class is its."""
+    cls = type(conn)
+    if cls not in _PSYCOPG_KINDS:
+        _PSYCOPG_KINDS[cls] = None
+        if cls.__module__.split(".")[0] == "psycopg":
+            import psycopg
 
-    return isinstance(conn, psycopg.AsyncConnection)
+            if issubclass(cls, psycopg.AsyncConnection):
+                _PSYCOPG_KINDS[cls] = "async"
+            elif issubclass(cls, psycopg.Connection):
+                _PSYCOPG_KINDS[cls] = "sync"
+    return _PSYCOPG_KINDS[cls]
+
+
+_PSYCOPG_KINDS: dict[type, Literal["sync", "async"] | None] = {}
 
 
 def _checked_psycopg(conn: Any, what: str, op: Operation) -> Any:
     """A psycopg ``Connection`` or ``AsyncConnection`` in a transaction, or about to open
     one: without autocommit, psycopg begins one before the first statement, ours
     included, as it would before the application's."""
-    if type(conn) not in _PSYCOPG:
-        if not _is_psycopg(conn):  # psycopg2 under Django, say
-            raise _unsupported(conn, op)
-        import psycopg
-
-        if not isinstance(conn, psycopg.Connection | psycopg.AsyncConnection):
-            raise _unsupported(conn, op)
-        _PSYCOPG.add(type(conn))
+    if _psycopg_kind(conn) is None:  # psycopg2 under Django, say
+        raise _unsupported(conn, op)
     if conn.autocommit:
         from psycopg.pq import TransactionStatus
 

@@ -201,7 +201,7 @@ def _run_group(
         seen = writer.begin(wait)
         if seen is not None and seen != version:
             raise _OthersCommitted(seen)
-    producer.beginning = False  # holding the write lock: nobody else commits now
+    producer.beginning = None  # holding the write lock: nobody else commits now
     started = time.perf_counter()  # waiting for the write lock is no cost of the group's
     alone = len(members) == 1
     carried: dict[str, _Appending] = {}  # each stream as the members so far left it

@@ -122,11 +122,11 @@ class Producer:
         self._watch: Watch | None = None
         self._watch_interval = watch_interval
         self._in_transaction = False  # holding the writer for a transaction of its own
-        # A BEGIN of this producer's waits for another connection's write lock (SQLite):
-        # that connection may commit meanwhile, and requests read its commits on a read
-        # connection (``CommitWatcher.read_ahead``). ``begins`` tells BEGINs apart.
-        self.beginning = False
-        self.begins = 0
+        # The BEGIN of this producer's that waits for another connection's write lock
+        # (SQLite), a token of its own per BEGIN; None when none waits. That connection
+        # may commit meanwhile: requests read its commits on a read connection
+        # (``CommitWatcher.read_ahead``).
+        self.beginning: object | None = None
         self.watcher = CommitWatcher(self)  # other writers' commits
         self.groups = GroupCommit(self)  # run_in_transaction's commits, shared
         self.positions = Positions()
@@ -344,12 +344,11 @@ class Producer:
         if not self.storage.features.single_writer:
             yield
             return
-        self.begins += 1
-        self.beginning = True
+        self.beginning = object()
         try:
             yield
         finally:
-            self.beginning = False
+            self.beginning = None
 
     @property
     def _writer(self) -> Writer:

@@ -73,15 +73,16 @@ class CommitWatcher:
         nobody else commits, and its BEGIN caught up (a request does not wait for the
         application's work); while that BEGIN still waits for the lock, ``read_ahead``."""
         producer = self._producer
-        if producer.beginning:
+        if producer.beginning is not None:
             await self.read_ahead()
         elif not producer._in_transaction:
             await self.check()
 
     async def check(self, *, heads: bool | None = None) -> bool:
-        """Catch up if another connection committed; True if one had."""
+        """Catch up if another connection committed; True if one had. While the
+        producer's BEGIN waits for another connection's write lock, ``read_ahead``."""
         producer = self._producer
-        if producer.beginning and not heads:
+        if producer.beginning is not None and not heads:
             return await self.read_ahead()
         async with producer._lock:
             version = await producer.storage.version()
@@ -118,9 +119,9 @@ class CommitWatcher:
         what was read may hold the producer's own commit, not yet in memory. The version
         stays: the BEGIN compares its own."""
         producer = self._producer
-        begins = producer.begins
+        waiting = producer.beginning
         changes = await producer.storage.changes(self._known(), reading=True)
-        if not producer.beginning or producer.begins != begins:
+        if waiting is None or producer.beginning is not waiting:
             return False
         return self._apply(changes, heads=True)
 

@@ -221,7 +221,9 @@ async def test_commits_of_others_are_served_while_the_producer_waits_for_the_wri
                     return await tx.publish("orders", b"mine")
 
             task = asyncio.create_task(mine())
-            await wait_for(lambda: producer.beginning, what="the producer waiting at BEGIN")
+            await wait_for(
+                lambda: producer.beginning is not None, what="the producer waiting at BEGIN"
+            )
             assert streamq.publish(other, "orders", b"theirs") == 1
             other.execute("COMMIT")
             other.execute("BEGIN IMMEDIATE")  # the producer waits on
@@ -229,7 +231,7 @@ async def test_commits_of_others_are_served_while_the_producer_waits_for_the_wri
             async with asyncio.timeout(10):
                 pushed = await anext(subscriber)
             assert [(r.seq, r.value) for r in pushed] == [(1, b"theirs")]
-            assert not task.done() and producer.beginning, "the producer took the lock"
+            assert not task.done() and producer.beginning is not None, "the producer took the lock"
             other.execute("ROLLBACK")
             other.close()
             assert await task == 2

@@ -177,12 +177,6 @@ def relay(url: str, bootstrap: str, topic: str) -> None:
     relay_outbox(PostgresOutbox(url), bootstrap, topic, Control())
 
 
-def debezium_relay(url: str, bootstrap: str, topic: str, slot: str, offsets: str) -> None:
-    from ..transfer_pg.kafka import debezium_relay
-
-    debezium_relay(url, bootstrap, topic, slot, offsets)
-
-
 def main(argv: list[str]) -> None:
     role, *args = argv
     if role == "writer":
@@ -195,6 +189,8 @@ def main(argv: list[str]) -> None:
     elif role == "relay":
         relay(*args)
     elif role == "debezium-relay":
+        from ..transfer_pg.kafka import debezium_relay
+
         debezium_relay(*args)
     else:
         raise SystemExit(f"unknown role {role!r}")

@@ -74,6 +74,10 @@ from .driver import connect, database, in_transaction
 SCHEMA_VERSION = 2
 UNDEFINED_TABLE = "42P01"  # SQLSTATE
 
+# Of the numberer's window (``numbering.Window``) below its frontier, the transactions
+# that have committed (format with the xid8[] of ``open``): those whose rows can be seen.
+COMMITTED = "ARRAY(SELECT x FROM unnest({open}) AS x WHERE pg_xact_status(x) = 'committed')"
+
 # Two create_schema at once would race on the catalog: the second waits for the first.
 _SCHEMA_LOCK = "SELECT pg_advisory_xact_lock(hashtext('streamq_schema'))"
 _SCHEMA = (
@@ -143,7 +147,7 @@ _SCHEMA = (
     # flushed up to what was written before the call (if ``flush``), or after
     # ``timeout_ms``; meanwhile naps ``nap_ms`` between looks.
     "DROP FUNCTION IF EXISTS streamq_wait(boolean, integer, double precision)",
-    """CREATE OR REPLACE FUNCTION streamq_wait(flush boolean, timeout_ms integer,
+    f"""CREATE OR REPLACE FUNCTION streamq_wait(flush boolean, timeout_ms integer,
         nap_ms double precision, frontier xid8, open xid8[],
         OUT pending boolean, OUT target pg_lsn, OUT flushed pg_lsn)
     LANGUAGE plpgsql VOLATILE AS $$
@@ -153,8 +157,8 @@ _SCHEMA = (
         target := CASE WHEN flush THEN pg_current_wal_insert_lsn() END;
         LOOP
             pending := EXISTS (SELECT FROM streamq_pending WHERE xid > frontier)
-                OR EXISTS (SELECT FROM streamq_pending WHERE xid = ANY(ARRAY(
-                    SELECT x FROM unnest(open) AS x WHERE pg_xact_status(x) = 'committed')));
+                OR EXISTS (SELECT FROM streamq_pending
+                           WHERE xid = ANY({COMMITTED.format(open="open")}));
             flushed := pg_current_wal_flush_lsn();
             IF pending OR flushed >= target OR clock_timestamp() >= deadline THEN
                 RETURN;

@@ -45,6 +45,7 @@ from ...storage import (
 )
 from .append import (
     CHANNEL,
+    COMMITTED,
     DOORBELL,
     Statement,
     Steps,
@@ -78,12 +79,11 @@ _RECONNECT_DELAY = 1.0
 # and whether this server life took one (append.py, epochs), computed once. Of the
 # window's open transactions, only those committed are looked up: one open for an hour
 # and its rows are not read again each round.
-TAKE = """
+TAKE = f"""
 DELETE FROM streamq_pending WHERE xid = ANY(ARRAY(
     SELECT xid FROM (
         (SELECT xid, id FROM streamq_pending
-         WHERE xid = ANY(ARRAY(SELECT x FROM unnest(%(open)s::text[]::xid8[]) AS x
-                               WHERE pg_xact_status(x) = 'committed'))
+         WHERE xid = ANY({COMMITTED.format(open="%(open)s::text[]::xid8[]")})
          ORDER BY xid, id LIMIT %(limit)s)
         UNION ALL
         (SELECT xid, id FROM streamq_pending WHERE xid > %(frontier)s::text::xid8
@@ -159,11 +159,14 @@ class Window:
 
     def params(self, limit: int) -> dict[str, Any]:
         """TAKE's parameters."""
-        return {"open": [str(x) for x in self.open], "frontier": str(self.frontier), "limit": limit}
+        return self._bounds() | {"limit": limit}
 
     def wait(self, flush: bool, timeout_ms: float, nap_ms: float) -> dict[str, Any]:
         """WAIT's parameters."""
-        return self.params(0) | {"flush": flush, "timeout_ms": timeout_ms, "nap_ms": nap_ms}
+        return self._bounds() | {"flush": flush, "timeout_ms": timeout_ms, "nap_ms": nap_ms}
+
+    def _bounds(self) -> dict[str, Any]:
+        return {"open": [str(x) for x in self.open], "frontier": str(self.frontier)}
 
 
 EVERYWHERE = Window()
