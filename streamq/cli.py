@@ -666,10 +666,11 @@ def _history(args: argparse.Namespace) -> None:
     else:
         try:
             parse_address(args.source)
-        except ValueError as exc:
+        except ValueError:
+            scheme = args.source.partition("://")[0] + "://" if "://" in args.source else ""
             raise SystemExit(
-                f"streamq history: {args.source} is neither a database file nor a producer's "
-                f"address ({exc})"
+                f"streamq history: {args.source} is neither a database file nor HOST:PORT"
+                + (f" (a producer's address goes without {scheme})" if scheme else "")
             ) from None
         with Client(args.source, **_client_security(args)) as client:
             records = client.history(args.stream, key, args.start)
