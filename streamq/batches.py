@@ -4,9 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import overload
+from typing import NamedTuple, overload
 
 from .protocol import Record
+
+
+class Fence(NamedTuple):
+    """The lease a group member applies a share under (``streamq.membership``): the
+    position's turn check refuses the batch once the lease's token has moved on."""
+
+    group: str  # the consumer's name, without the share's ``[i/n]``
+    share: int
+    token: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +40,7 @@ class Batch(Sequence[Record]):
     endpoint: str = ""  # the producer's address, stored with the position
     origin: int = 0  # where the consumer started when no position was stored (start_seq - 1)
     through: int = 0  # the producer examined every seq up to this one (0: the last record's)
+    fence: Fence | None = None  # applied under a group's lease: checked with the turn
 
     @property
     def first_seq(self) -> int:

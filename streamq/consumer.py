@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from types import TracebackType
 from typing import Any, TypeVar
 
-from .batches import Batch
+from .batches import Batch, Fence
 from .errors import (
     ConnectionLostError,
     ConsumerPositionError,
@@ -277,6 +277,8 @@ class Consumer:
         # Addresses of the other producers a ``FanInConsumer`` reads under the same name:
         # positions from the producers found there are expected, not another producer's.
         self._siblings: frozenset[str] = frozenset()
+        # The lease this consumer applies its share under, as a ``GroupConsumer``'s member.
+        self.fence: Fence | None = None
 
     def _share_store(self, store: PositionStore, lock: asyncio.Lock) -> None:
         """Apply into ``store``, opened by someone else (``FanInConsumer``), one transaction
@@ -396,6 +398,7 @@ class Consumer:
             self.address,
             self._origin,
             last,
+            self.fence,
         )
 
     async def _load_applied(self) -> None:

@@ -223,6 +223,18 @@ class OutOfOrderBatchError(StreamQError):
     """A batch applied out of turn: each must be applied once, in arrival order."""
 
 
+class LeaseLostError(OutOfOrderBatchError):
+    """A group member applied a batch of a share whose lease another member has taken
+    since (this one was seen dead, or stopped renewing: paused, or cut off from the
+    database). Nothing of that transaction commits; the share's new holder applies the
+    batch. ``GroupConsumer`` drops the share and goes on with the others."""
+
+
+class GroupSpecError(StreamQError):
+    """A group member asks for another split than the group's stored one, or the group
+    tables were written by a newer streamq."""
+
+
 class RecordFailedError(StreamQError):
     """Applying one record failed every time it was tried, and the consumer's policy
     (``on_failure=streamq.Retry(...)``) gave up: the consumer stops before it, nothing of

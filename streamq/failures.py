@@ -392,7 +392,7 @@ def _part(batch: Batch, first: int, end: int) -> Batch:
     records = batch.records[first:end]
     return Batch(
         batch.stream, batch.producer_id, after, records, batch.epoch, batch.consumer,
-        batch.endpoint, batch.origin,
+        batch.endpoint, batch.origin, fence=batch.fence,
     )  # fmt: skip
 
 

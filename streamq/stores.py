@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from .batches import Batch
 from .engines import Engine, for_target
-from .errors import OutOfOrderBatchError, SchemaMissingError
+from .errors import LeaseLostError, OutOfOrderBatchError, SchemaMissingError
 from .storage import Durability
 
 if TYPE_CHECKING:
@@ -151,4 +151,16 @@ def out_of_turn(batch: Batch, stored: int | None) -> OutOfOrderBatchError:
         f"batch follows seq {batch.after}, but consumer {batch.consumer!r} has applied {where} "
         f"of stream {batch.stream!r} in this database: roll this transaction back "
         "(each batch is applied once, in the order received)"
+    )
+
+
+def lease_lost(batch: Batch) -> LeaseLostError:
+    """The error for ``batch`` applied under a group lease (``Batch.fence``) whose token
+    has moved on: another member took the share."""
+    assert batch.fence is not None
+    return LeaseLostError(
+        f"consumer group {batch.fence.group!r}: this worker no longer holds share "
+        f"{batch.fence.share} of stream {batch.stream!r} (another member took it over after "
+        "this one was seen dead or stopped renewing its lease); the batch is not applied "
+        "here: the share's new holder applies it"
     )

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from ..records import CheckedRecord, Receipt
     from ..resharing import Move
     from ..stores import PositionStore
+    from .leases import LeaseTable
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +79,10 @@ class Engine(Protocol):
     async def append_async(
         self, dbapi: Any, stream: str, records: Sequence[CheckedRecord], *, max_record_size: int
     ) -> list[int] | Receipt: ...
+
+    def open_leases(self, db: str, name: str, stream: str) -> LeaseTable:
+        """A consumer group member's rows (``engines.leases``), not connected yet."""
+        ...
 
     def create_schema(self, dbapi: Any) -> None: ...
 

@@ -10,6 +10,7 @@ from .. import ModuleEngine, Tables
 
 if TYPE_CHECKING:
     from ...stores import PositionStore
+    from ..leases import LeaseTable
     from .storage import PostgresStorage
 
 
@@ -48,6 +49,12 @@ class PostgresEngine(ModuleEngine):
         from .positions import PostgresPositionStore
 
         return PostgresPositionStore(db, durability, connect_timeout=connect_timeout)
+
+
+    def open_leases(self, db: str, name: str, stream: str) -> LeaseTable:
+        from .leases import PostgresLeases
+
+        return PostgresLeases(db, name, stream)
 
 
 ENGINE = PostgresEngine()

@@ -42,7 +42,7 @@ from ...blocking import BlockingSQL, _Scoped, to_the_end
 from ...errors import SchemaMissingError
 from ...failures import DeadLetterSQL, ParkedRecord
 from ...resharing import Move, StoredPosition, plan
-from ...stores import out_of_turn
+from ...stores import lease_lost, out_of_turn
 from .append import UNDEFINED_TABLE, Statement, Steps, describe, run, run_async
 from .driver import connect, connect_async, database, in_transaction, psycopg_module
 
@@ -112,6 +112,11 @@ ALL_SHARES = (
 FORGET = "DELETE FROM streamq_positions WHERE consumer = %s AND producer_id = %s AND stream = %s"
 _KEY = "consumer = %(consumer)s AND producer_id = %(producer_id)s AND stream = %(stream)s"
 STORED = f"SELECT seq FROM streamq_positions WHERE {_KEY}"
+# A group member's lease is still its own (``Batch.fence``); held until COMMIT.
+FENCE = (
+    "SELECT 1 FROM streamq_leases WHERE name = %s AND stream = %s AND share = %s AND token = %s "
+    "FOR SHARE"
+)
 ADVANCE = (
     "UPDATE streamq_positions SET seq = %(seq)s, epoch = %(epoch)s, endpoint = %(endpoint)s, "
     f"updated_at = %(now)s WHERE {_KEY} AND seq = %(after)s RETURNING seq"
@@ -155,6 +160,11 @@ def advance_steps(batch: Batch, seq: int, where: str) -> Steps:
         "now": int(time.time() * 1000),
         "after": batch.after,
     }
+    if batch.fence is not None:
+        # Locked until COMMIT: a take of the share waits for this transaction to end.
+        fence = (batch.fence.group, batch.stream, batch.fence.share, batch.fence.token)
+        if (yield Statement(FENCE, fence, fetch=True)) is None:
+            raise lease_lost(batch)
     try:
         moved = yield Statement(ADVANCE, params, fetch=True)
     except Exception as exc:

@@ -13,6 +13,7 @@ from .. import ModuleEngine, Tables
 
 if TYPE_CHECKING:
     from ...stores import PositionStore
+    from ..leases import LeaseTable
     from .storage import SQLiteStorage
 
 
@@ -55,6 +56,12 @@ class SQLiteEngine(ModuleEngine):
         from .positions import SQLitePositionStore
 
         return SQLitePositionStore(db, durability)
+
+
+    def open_leases(self, db: str, name: str, stream: str) -> LeaseTable:
+        from .leases import SQLiteLeases
+
+        return SQLiteLeases(db, name, stream)
 
 
 ENGINE = SQLiteEngine()

@@ -38,7 +38,7 @@ from ...errors import DatabaseOpenError, SchemaMissingError
 from ...failures import DeadLetterSQL, ParkedRecord
 from ...resharing import Move, StoredPosition, plan
 from ...storage import WouldWait
-from ...stores import out_of_turn
+from ...stores import lease_lost, out_of_turn
 from .checkpoints import Checkpointer, take_over
 from .storage import begin_at_once, connect, journal_mode_wal
 
@@ -73,6 +73,8 @@ ALL_SHARES = (
 )
 FORGET = "DELETE FROM streamq_positions WHERE consumer = ? AND producer_id = ? AND stream = ?"
 STORED = "SELECT seq FROM streamq_positions WHERE consumer = ? AND producer_id = ? AND stream = ?"
+# A group member's lease is still its own (``Batch.fence``).
+FENCE = "SELECT 1 FROM streamq_leases WHERE name = ? AND stream = ? AND share = ? AND token = ?"
 ADVANCE = (
     "UPDATE streamq_positions SET seq = ?, epoch = ?, endpoint = ?, updated_at = ? "
     "WHERE consumer = ? AND producer_id = ? AND stream = ? AND seq = ?"
@@ -152,7 +154,12 @@ def advance(dbapi: Any, batch: Batch, seq: int) -> None:
                     "through it"
                 ) from exc
             raise
-        if cursor.rowcount == 1:
+        moved = cursor.rowcount == 1
+        if batch.fence is not None:  # under the write lock the UPDATE took: no take meanwhile
+            cursor.execute(FENCE, (batch.fence.group, batch.stream, *batch.fence[1:]))
+            if cursor.fetchone() is None:
+                raise lease_lost(batch)
+        if moved:
             return
         # Holding the write lock since the UPDATE: what is stored cannot change meanwhile.
         cursor.execute(STORED, key)

@@ -1,0 +1,284 @@
+"""A consumer group's rows in the consumer's database, written once for both engines.
+
+``membership`` decides; this runs its decisions on a DB-API connection of the member's
+own (blocking: ``group.GroupConsumer`` calls it on a thread, a few times a second). The
+statements are written with ``?`` placeholders; each engine's subclass
+(``engines/*/leases.py``) gives its connection, its clock, how a write transaction
+begins, and the liveness lock that dies with the member's process.
+
+Three tables: ``streamq_groups`` (one row per group: its split and the version of these
+tables), ``streamq_members`` (one row per member, renewed while it runs) and
+``streamq_leases`` (one row per share: its holder and take counter).
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any, ClassVar
+
+from ..errors import GroupSpecError
+from ..membership import LEASES_VERSION, Lease, Member, View
+
+SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS streamq_groups (
+        name TEXT NOT NULL,
+        stream TEXT NOT NULL,
+        shares INTEGER NOT NULL,
+        version INTEGER NOT NULL,      -- of these tables: a newer one is refused
+        PRIMARY KEY (name, stream)
+    )""",
+    """CREATE TABLE IF NOT EXISTS streamq_members (
+        name TEXT NOT NULL,
+        stream TEXT NOT NULL,
+        member BIGINT NOT NULL,        -- random, also the key of its liveness lock
+        expires_at BIGINT NOT NULL,    -- ms since the Unix epoch, by the database's clock
+        PRIMARY KEY (name, stream, member)
+    )""",
+    """CREATE TABLE IF NOT EXISTS streamq_leases (
+        name TEXT NOT NULL,
+        stream TEXT NOT NULL,
+        share INTEGER NOT NULL,
+        member BIGINT,                 -- its holder (NULL: given back)
+        token BIGINT NOT NULL,         -- incremented by every take: the fence
+        PRIMARY KEY (name, stream, share)
+    )""",
+)
+_GROUP = "name = ? AND stream = ?"
+
+
+class LeaseTable:
+    """One member's connection to its group's rows. Not thread-safe: one call at a time."""
+
+    NOW: ClassVar[str]  # the database's clock in ms since the Unix epoch, as SQL
+    LOCK_FOR_TAKE: ClassVar[str] = ""  # appended to the lease row's read in ``take``
+
+    def __init__(self, db: str, name: str, stream: str) -> None:
+        self.db = db
+        self.name = name
+        self.stream = stream
+        self.where = db
+        self.member = secrets.randbelow((1 << 62) - 1) + 1
+        self._conn: Any = None
+
+    # --- what each engine gives ------------------------------------------------
+
+    def _connect(self) -> Any:
+        """A DB-API connection in autocommit mode."""
+        raise NotImplementedError
+
+    def _begin(self) -> None:
+        """Begin a transaction that writes (SQLite: takes the write lock at once)."""
+        self._execute("BEGIN")
+
+    def _hold_liveness(self) -> None:
+        """Take this member's liveness lock, held until ``close`` or the process ends."""
+        raise NotImplementedError
+
+    def _alive(self, members: list[int]) -> set[int]:
+        """Of ``members``, those whose liveness lock is held."""
+        raise NotImplementedError
+
+    def _release_liveness(self) -> None:
+        raise NotImplementedError
+
+    def _create_tables(self) -> None:
+        for statement in SCHEMA:
+            self._execute(statement)
+
+    def _sql(self, sql: str) -> str:
+        return sql
+
+    # --- the rows ------------------------------------------------------------
+
+    def _execute(self, sql: str, params: tuple[Any, ...] = ()) -> Any:
+        cursor = self._conn.cursor()
+        cursor.execute(self._sql(sql), params)
+        return cursor
+
+    def _one(self, sql: str, params: tuple[Any, ...] = ()) -> Any:
+        return self._execute(sql, params).fetchone()
+
+    def _transaction(self, body: Any) -> Any:
+        self._begin()
+        try:
+            result = body()
+        except BaseException:
+            self._execute("ROLLBACK")
+            raise
+        self._execute("COMMIT")
+        return result
+
+    def join(self, shares: int | None, ttl_ms: int) -> int:
+        """Become a member (tables made if missing); the group's split. ``shares`` must
+        match the stored split, or make the group if there is none."""
+        self._conn = self._connect()
+        try:
+            self._create_tables()
+            self._hold_liveness()
+        except BaseException:
+            self.close()
+            raise
+
+        def body() -> int:
+            if shares is not None:  # made by the first member, with its split
+                self._execute(
+                    "INSERT INTO streamq_groups (name, stream, shares, version) "
+                    "VALUES (?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                    (*self._key, shares, LEASES_VERSION),
+                )
+            row = self._one(f"SELECT shares, version FROM streamq_groups WHERE {_GROUP}", self._key)
+            if row is None:
+                raise GroupSpecError(
+                    f"consumer group {self.name!r} on stream {self.stream!r} does not exist "
+                    f"in {self.where}: give shares= to make it"
+                )
+            stored, version = int(row[0]), int(row[1])
+            if version > LEASES_VERSION:
+                raise GroupSpecError(
+                    f"the group tables in {self.where} are version {version}, written by a "
+                    f"newer streamq; this one reads up to version {LEASES_VERSION}: upgrade "
+                    "streamq on this worker"
+                )
+            if shares is not None and shares != stored:
+                raise GroupSpecError(
+                    f"consumer group {self.name!r} on stream {self.stream!r} is split into "
+                    f"{stored} shares in {self.where}, and this worker asks for {shares}: "
+                    f"start it with shares={stored} (or none: the stored split), or change "
+                    "the split with `streamq reshare`"
+                )
+            self._execute(
+                "INSERT INTO streamq_members (name, stream, member, expires_at) "
+                f"VALUES (?, ?, ?, {self.NOW} + ?)",
+                (*self._key, self.member, ttl_ms),
+            )
+            return stored
+
+        try:
+            return int(self._transaction(body))
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def _key(self) -> tuple[str, str]:
+        return (self.name, self.stream)
+
+    def renew(self, ttl_ms: int) -> bool:
+        """Push this member's expiry ``ttl_ms`` ahead; False if its row is gone (the others
+        saw it dead: it must leave and join again)."""
+        cursor = self._execute(
+            f"UPDATE streamq_members SET expires_at = {self.NOW} + ? WHERE {_GROUP} AND member = ?",
+            (ttl_ms, *self._key, self.member),
+        )
+        return int(cursor.rowcount) == 1
+
+    def view(self) -> View:
+        """The group's rows now, with each member's liveness."""
+        row = self._one(f"SELECT shares, {self.NOW} FROM streamq_groups WHERE {_GROUP}", self._key)
+        if row is None:
+            raise GroupSpecError(
+                f"consumer group {self.name!r} on stream {self.stream!r} was removed from "
+                f"{self.where}"
+            )
+        shares, now = int(row[0]), int(row[1])
+        rows = self._execute(
+            f"SELECT member, expires_at FROM streamq_members WHERE {_GROUP}", self._key
+        ).fetchall()
+        alive = self._alive([int(member) for member, _ in rows])
+        members = tuple(Member(int(m), int(e), int(m) in alive) for m, e in rows)
+        leases = tuple(
+            Lease(int(share), None if member is None else int(member), int(token))
+            for share, member, token in self._execute(
+                f"SELECT share, member, token FROM streamq_leases WHERE {_GROUP}", self._key
+            ).fetchall()
+        )
+        return View(shares, members, leases, now)
+
+    def take(self, lease: Lease) -> int | None:
+        """Take the free share ``lease`` as read; its new token, or None if the row moved
+        since, its holder is alive after all, or this member itself is no longer one."""
+        key = (*self._key, lease.share)
+
+        def body() -> int | None:
+            me = self._one(
+                f"SELECT 1 FROM streamq_members WHERE {_GROUP} AND member = ? "
+                f"AND expires_at > {self.NOW}",
+                (*self._key, self.member),
+            )
+            if me is None:
+                return None
+            row = self._one(
+                f"SELECT member, token FROM streamq_leases WHERE {_GROUP} AND share = ?"
+                + self.LOCK_FOR_TAKE,
+                key,
+            )
+            if row is None:
+                if lease.token != 0:
+                    return None
+                inserted = self._execute(
+                    "INSERT INTO streamq_leases (name, stream, share, member, token) "
+                    "VALUES (?, ?, ?, ?, 1) ON CONFLICT DO NOTHING",
+                    (*key, self.member),
+                )
+                return 1 if inserted.rowcount == 1 else None
+            holder, token = row[0], int(row[1])
+            if token != lease.token or holder != lease.member:
+                return None
+            if holder is not None:
+                found = self._one(
+                    f"SELECT expires_at, {self.NOW} FROM streamq_members "
+                    f"WHERE {_GROUP} AND member = ?",
+                    (*self._key, holder),
+                )
+                if found is not None:
+                    member = Member(holder, int(found[0]), bool(self._alive([holder])))
+                    if member.alive(int(found[1])):
+                        return None
+                # Seen dead: its row goes, so it must join again to take anything.
+                self._execute(
+                    f"DELETE FROM streamq_members WHERE {_GROUP} AND member = ?",
+                    (*self._key, holder),
+                )
+            self._execute(
+                f"UPDATE streamq_leases SET member = ?, token = ? WHERE {_GROUP} AND share = ?",
+                (self.member, token + 1, *key),
+            )
+            return token + 1
+
+        result = self._transaction(body)
+        return None if result is None else int(result)
+
+    def give_back(self, share: int, token: int) -> None:
+        """Release a share this member holds under ``token`` (nothing if it moved)."""
+        self._execute(
+            f"UPDATE streamq_leases SET member = NULL WHERE {_GROUP} AND share = ? "
+            "AND member = ? AND token = ?",
+            (*self._key, share, self.member, token),
+        )
+
+    def leave(self) -> None:
+        """Give back every share and remove this member's row; then ``close``."""
+        try:
+            if self._conn is not None:
+
+                def body() -> None:
+                    self._execute(
+                        f"UPDATE streamq_leases SET member = NULL WHERE {_GROUP} AND member = ?",
+                        (*self._key, self.member),
+                    )
+                    self._execute(
+                        f"DELETE FROM streamq_members WHERE {_GROUP} AND member = ?",
+                        (*self._key, self.member),
+                    )
+
+                self._transaction(body)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        try:
+            self._release_liveness()
+        finally:
+            if conn is not None:
+                conn.close()

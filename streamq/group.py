@@ -1,0 +1,422 @@
+"""A consumer group: any number of worker processes sharing a stream's shares, with leases.
+
+Each worker runs the same code: ``async with GroupConsumer(address, stream, db=...,
+name=..., shares=n)`` and iterate, applying each batch. The worker is a member of the
+group in the consumer's own database (``membership`` decides, ``engines.leases`` stores);
+for each share it holds it runs one ``Consumer(share=(i, n))`` (the producer sends it
+only that share's keys), all applying into one database connection, one transaction at
+a time. A background task renews the member's row, takes the shares of members that
+died or stalled, and gives shares back to members that joined, a few times a second.
+
+A share moves between members only through the database: a member that takes it reads
+its position after the take, and a batch applied under a lease that has moved on is
+refused inside its transaction (``LeaseLostError``), so every record is applied once,
+in key order, across kills, pauses and rebalances.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, TypeVar
+
+from .batches import Batch, Fence
+from .consumer import Consumer
+from .engines import for_target
+from .errors import GroupSpecError, LeaseLostError
+from .membership import Lease, plan, taken_from
+from .storage import Durability
+from .stores import ConsumerTransaction, open_position_store
+
+T = TypeVar("T")
+
+logger = logging.getLogger("streamq.group")
+
+
+@dataclass(eq=False, slots=True)
+class _Held:
+    """A share this member holds: its lease's token and the consumer reading it."""
+
+    share: int
+    token: int
+    consumer: Consumer
+    handed: int = 0  # the last seq of the last batch handed to the application
+    draining: bool = False  # being given back: no more batches handed out
+    starting: asyncio.Task[None] | None = None
+
+
+class GroupConsumer:
+    """One worker of a consumer group: ``GroupConsumer(address, "orders", db="billing.db",
+    name="billing", shares=8)``, run by as many processes as you like.
+
+    ``shares`` is the group's split (``crc32(key) mod shares``, as ``Consumer(share=)``);
+    the first member stores it, and a member asking for another is refused
+    (``GroupSpecError``); ``None`` takes the stored one. Live members divide the shares
+    evenly; members beyond ``shares`` wait as standbys. A member killed is seen dead at the
+    others' next look (every ``poll_interval`` seconds: its process's lock is gone); one
+    that stops renewing its lease (paused, cut off from the database) loses its shares
+    after ``lease_timeout`` seconds, and stops applying them by itself by then.
+
+    Iterate for batches, from whichever share has one, and apply each with ``apply`` or
+    ``transaction``, as with a ``Consumer``. Applying a batch of a share this member no
+    longer holds raises ``LeaseLostError`` (nothing commits; the new holder applies it):
+    catch it and go on. Other keyword arguments (``on_failure``, ``reconnect_timeout``,
+    ``filter``, ...) go to each share's ``Consumer``.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        stream: str,
+        *,
+        db: str,
+        name: str,
+        shares: int | None = None,
+        lease_timeout: float = 10.0,
+        poll_interval: float = 0.2,
+        durability: Durability = "normal",
+        **options: Any,
+    ) -> None:
+        if not name:
+            raise ValueError("a consumer group needs a name= to store its positions under")
+        if shares is not None and not 1 <= shares <= 1 << 16:
+            raise ValueError(f"shares must be between 1 and 65536, not {shares!r}")
+        if not 4 * poll_interval <= lease_timeout:
+            raise ValueError(
+                f"lease_timeout ({lease_timeout!r} s) must be at least 4 poll intervals "
+                f"({poll_interval!r} s)"
+            )
+        if "share" in options:
+            raise ValueError("a group member's shares are given by the group: no share=")
+        self.address = address
+        self.stream = stream
+        self.name = name
+        self.shares = shares  # the group's split, once joined
+        self.lease_timeout = lease_timeout
+        self.poll_interval = poll_interval
+        self._durability = durability
+        self._options = options
+        self._store = open_position_store(db, durability)
+        self._leases = for_target(db).open_leases(db, name, stream)
+        self._tx_lock = asyncio.Lock()  # one transaction at a time on the shared connection
+        self._held: dict[int, _Held] = {}
+        self._changed = asyncio.Event()  # the held shares changed: look again
+        self._progress = asyncio.Event()  # a batch was applied: a share being given back
+        self._next: dict[Consumer, asyncio.Task[Batch]] = {}
+        self._turn = 0
+        self._errors: list[BaseException] = []
+        self._task: asyncio.Task[None] | None = None
+        self._call: asyncio.Future[Any] | None = None  # the lease table's call under way
+        self._renewed_at = 0.0  # the loop's time when the member's row was last renewed
+        self._stalled = False  # renewals failing for lease_timeout: shares dropped
+        self._closed = False
+        self.takes = 0  # shares taken (at start, after a death, on rebalance)
+        self.losses = 0  # shares lost to another member (this one was seen stalled)
+
+    @property
+    def member(self) -> int:
+        """This worker's member id in the group's tables."""
+        return self._leases.member
+
+    @property
+    def held(self) -> list[int]:
+        """The shares this worker holds now."""
+        return sorted(self._held)
+
+    # --- lifecycle -----------------------------------------------------------
+
+    async def start(self) -> None:
+        """Open the database and join the group; shares are taken in the background."""
+        try:
+            await self._store.open()
+            await self._join()
+        except BaseException:
+            await self.close()
+            raise
+        self._task = asyncio.create_task(self._run())
+
+    async def close(self) -> None:
+        """Stop applying, give every share back (the others take them at once) and close."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for task in self._next.values():
+            task.cancel()
+        await asyncio.gather(*self._next.values(), return_exceptions=True)
+        self._next.clear()
+        for held in self._held.values():
+            if held.starting is not None:
+                held.starting.cancel()
+        await asyncio.gather(
+            *(h.starting for h in self._held.values() if h.starting), return_exceptions=True
+        )
+        async with self._tx_lock:  # an apply under way commits or rolls back first
+            await asyncio.gather(*(held.consumer.close() for held in self._held.values()))
+        self._held.clear()
+        if self._call is not None:  # the lease table is one connection: its call ends first
+            await asyncio.wait([self._call])
+        try:
+            await asyncio.to_thread(self._leases.leave)
+        except Exception as exc:  # the rows expire; the liveness lock went with the connection
+            logger.warning("group %r: leaving failed (%r)", self.name, exc)
+        await self._store.close()
+
+    async def __aenter__(self) -> GroupConsumer:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    # --- membership ----------------------------------------------------------
+
+    async def _table(self, method: Callable[..., T], *args: Any) -> T:
+        """Call the lease table on a thread, one call at a time; a cancel waits for it."""
+        call = self._call = asyncio.ensure_future(asyncio.to_thread(method, *args))
+        try:
+            return await asyncio.shield(call)
+        finally:
+            if not call.done():
+                with contextlib.suppress(BaseException):
+                    await asyncio.wait([call])
+            self._call = None
+
+    @property
+    def _ttl_ms(self) -> int:
+        return int(self.lease_timeout * 1000)
+
+    async def _join(self) -> None:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        self.shares = await self._table(self._leases.join, self.shares, self._ttl_ms)
+        self._renewed_at = started
+
+    async def _run(self) -> None:
+        """Renew, look and act, every ``poll_interval``, until closed."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                if self._stalled:
+                    await self._rejoin()
+                await self._step(loop)
+            except GroupSpecError as exc:
+                await self._stop_all(lost=True)
+                self._fail(exc)
+                return
+            except Exception as exc:
+                silent = loop.time() - self._renewed_at
+                if silent < self.lease_timeout:
+                    logger.warning("group %r: membership step failed (%r)", self.name, exc)
+                elif not self._stalled:
+                    logger.error(
+                        "group %r: the consumer database has not answered for %.1f s (%r): "
+                        "stopped applying shares %s, which the other members take over",
+                        self.name, silent, exc, self.held,
+                    )  # fmt: skip
+                    self._stalled = True
+                    await self._stop_all(lost=True)
+            await asyncio.sleep(self.poll_interval)
+
+    async def _step(self, loop: asyncio.AbstractEventLoop) -> None:
+        started = loop.time()
+        if started - self._renewed_at >= self.lease_timeout / 4:
+            if not await self._table(self._leases.renew, self._ttl_ms):
+                logger.warning("group %r: this member was seen dead; joining again", self.name)
+                await self._stop_all(lost=True)
+                self._stalled = True
+                return
+            self._renewed_at = started
+        if loop.time() - self._renewed_at >= self.lease_timeout and self._held:
+            raise TimeoutError("renewing the member's row took longer than lease_timeout")
+        view = await self._table(self._leases.view)
+        tokens = {share: held.token for share, held in self._held.items()}
+        for share in taken_from(view, self.member, tokens):
+            logger.warning("group %r: share %d was taken over by another member", self.name, share)
+            self.losses += 1
+            await self._stop(share, lost=True)
+        decided = plan(view, self.member)
+        for share in decided.give_back:
+            await self._give_back(share)
+        for lease in decided.take:
+            await self._take(lease)
+
+    async def _rejoin(self) -> None:
+        """Join again as a new member (the old one's row and leases are gone or going)."""
+        await self._table(self._leases.close)
+        self._leases = for_target(self._leases.db).open_leases(
+            self._leases.db, self.name, self.stream
+        )
+        await self._join()
+        self._stalled = False
+        logger.info("group %r: joined again as member %d", self.name, self.member)
+
+    async def _take(self, lease: Lease) -> None:
+        token = await self._table(self._leases.take, lease)
+        if token is None:
+            return  # another member was quicker, or the holder is alive after all
+        assert self.shares is not None
+        consumer = Consumer(
+            self.address,
+            self.stream,
+            name=self.name,
+            share=(lease.share, self.shares),
+            durability=self._durability,
+            **self._options,
+        )
+        consumer._share_store(self._store, self._tx_lock)
+        consumer.fence = Fence(self.name, lease.share, token)
+        held = self._held[lease.share] = _Held(lease.share, token, consumer)
+        self.takes += 1
+        # Apart from this task: a producer being waited for must not hold up renewals.
+        held.starting = asyncio.create_task(self._start_share(held))
+
+    async def _start_share(self, held: _Held) -> None:
+        try:
+            await held.consumer.start()  # reads the share's position: after the take
+        except Exception as exc:
+            held.starting = None
+            await self._give_back(held.share)
+            self._fail(exc)
+            return
+        held.starting = None
+        self._changed.set()
+
+    async def _give_back(self, share: int) -> None:
+        """Stop reading ``share``, let a batch handed out of it be applied (for at most a
+        lease timeout), and release its lease."""
+        held = self._held.get(share)
+        if held is None:
+            return
+        await self._stop(share, lost=False)
+        await self._table(self._leases.give_back, share, held.token)
+
+    async def _stop(self, share: int, *, lost: bool) -> None:
+        held = self._held.get(share)
+        if held is None or held.draining:
+            return
+        held.draining = True
+        task = self._next.pop(held.consumer, None)
+        if task is not None:
+            task.cancel()  # a batch read but not handed out: the next holder reads it again
+        if held.starting is not None:
+            held.starting.cancel()
+            with contextlib.suppress(BaseException):
+                await held.starting
+        if not lost:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.lease_timeout):
+                    while held.consumer.applied < held.handed:
+                        self._progress.clear()
+                        await self._progress.wait()
+        del self._held[share]
+        async with self._tx_lock:  # an apply under way ends first
+            await held.consumer.close()
+        self._changed.set()
+
+    async def _stop_all(self, *, lost: bool) -> None:
+        for share in list(self._held):
+            await self._stop(share, lost=lost)
+
+    def _fail(self, error: BaseException) -> None:
+        """Raise ``error`` from the iteration (a share's consumer could not start, say)."""
+        self._errors.append(error)
+        self._changed.set()
+
+    # --- receiving -----------------------------------------------------------
+
+    def __aiter__(self) -> GroupConsumer:
+        return self
+
+    async def __anext__(self) -> Batch:
+        """The next batch from whichever held share has one; waits while none is held."""
+        while True:
+            if self._errors:
+                raise self._errors.pop(0)
+            if self._closed:
+                raise StopAsyncIteration
+            held = [item for item in self._held.values() if not item.draining]
+            for item in held:
+                if item.consumer not in self._next:
+                    self._next[item.consumer] = asyncio.ensure_future(item.consumer.__anext__())
+            self._changed.clear()
+            changed = asyncio.ensure_future(self._changed.wait())
+            try:
+                # Cancelling this wait leaves the reads running: no batch is dropped.
+                done, _ = await asyncio.wait(
+                    [*self._next.values(), changed], return_when=asyncio.FIRST_COMPLETED
+                )
+            finally:
+                changed.cancel()
+            count = len(held)
+            for i in range(count):
+                item = held[(self._turn + i) % count]
+                task = self._next.get(item.consumer)
+                if task is not None and task in done and self._held.get(item.share) is item:
+                    self._turn = (self._turn + i + 1) % count
+                    del self._next[item.consumer]
+                    batch = task.result()  # a share's consumer's error is raised here
+                    item.handed = batch.last_seq
+                    return batch
+
+    # --- applying ------------------------------------------------------------
+
+    def _holder(self, batch: Batch) -> _Held:
+        fence = batch.fence
+        if fence is None or fence.group != self.name:
+            raise ValueError(
+                f"batch of consumer {batch.consumer!r}: apply it with the group member "
+                "that received it"
+            )
+        held = self._held.get(fence.share)
+        if held is None or held.token != fence.token:
+            raise LeaseLostError(
+                f"consumer group {self.name!r}: this worker no longer holds share "
+                f"{fence.share} of stream {self.stream!r} (given back or taken over since the "
+                "batch was received); the batch is not applied here: the share's holder "
+                "applies it"
+            )
+        return held
+
+    async def apply(self, batch: Batch, fn: Callable[..., T], *args: Any) -> T:
+        """``Consumer.apply`` on the share ``batch`` came from, under its lease."""
+        held = self._holder(batch)
+        try:
+            return await held.consumer.apply(batch, fn, *args)
+        except LeaseLostError:
+            self.losses += 1
+            await self._stop(held.share, lost=True)
+            raise
+        finally:
+            self._progress.set()
+
+    @contextlib.asynccontextmanager
+    async def transaction(self, batch: Batch) -> AsyncIterator[ConsumerTransaction]:
+        """``Consumer.transaction`` on the share ``batch`` came from, under its lease."""
+        held = self._holder(batch)
+        try:
+            async with held.consumer.transaction(batch) as tx:
+                yield tx
+        except LeaseLostError:
+            self.losses += 1
+            await self._stop(held.share, lost=True)
+            raise
+        finally:
+            self._progress.set()
+
+    @property
+    def lag(self) -> int:
+        """Records of the held shares' keys not yet applied here, as last reported."""
+        return sum(held.consumer.lag for held in self._held.values())

@@ -1,0 +1,198 @@
+"""Consumer groups (streamq.group, streamq.membership): members divide a stream's shares
+through leases in the consumer's database, take over the shares of members that die,
+and a batch applied under a lease that moved on is refused in its transaction."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import signal
+import sqlite3
+import sys
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+import streamq
+from streamq.group import GroupConsumer
+from tests.conftest import wait_for
+
+KEYS = [f"account-{n}".encode() for n in range(40)]
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def group_db(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The group's consumer database, of either engine, with the ``credits`` table."""
+    if request.param == "sqlite":
+        db = str(tmp_path / "consumer.db")
+        with contextlib.closing(sqlite3.connect(db)) as conn:
+            conn.execute(_CREDITS)
+            conn.commit()
+        return db
+    url: str = request.getfixturevalue("pg_url")
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(
+            _CREDITS.replace("INTEGER PRIMARY KEY", "serial PRIMARY KEY").replace("BLOB", "bytea")
+        )
+    return url
+
+
+_CREDITS = "CREATE TABLE credits (n INTEGER PRIMARY KEY, seq INTEGER UNIQUE, key BLOB, pid INTEGER)"
+
+
+def _sql(db: str, sql: str, params: tuple[Any, ...] = ()) -> list[Any]:
+    """Run one statement on the group's database (either engine); its rows."""
+    if db.startswith("postgresql://"):
+        with psycopg.connect(db, autocommit=True) as conn:
+            cursor = conn.execute(sql.replace("?", "%s"), params)
+            return cursor.fetchall() if cursor.description else []
+    with contextlib.closing(sqlite3.connect(db, isolation_level=None)) as conn:
+        return conn.execute(sql, params).fetchall()
+
+
+def _credits(db: str) -> list[tuple[int, bytes, int]]:
+    return [
+        (seq, bytes(key), pid)
+        for seq, key, pid in _sql(db, "SELECT seq, key, pid FROM credits ORDER BY n")
+    ]
+
+
+def credit(tx: streamq.BlockingSQL, batch: streamq.Batch, member: int) -> None:
+    insert = "INSERT INTO credits (seq, key, pid) VALUES (?, ?, ?)"
+    if type(tx).__name__ == "PostgresSQL":
+        insert = insert.replace("?", "%s")
+    tx.executemany(insert, [(r.seq, r.key, member % 1000) for r in batch])
+
+
+async def _run_member(group: GroupConsumer) -> None:
+    """Apply every batch handed out until cancelled; lost leases are the new holder's."""
+    async for batch in group:
+        with contextlib.suppress(streamq.LeaseLostError):
+            await group.apply(batch, credit, group.member)
+
+
+async def test_members_divide_the_shares_and_apply_every_record_once(
+    producer_db: str, group_db: str
+) -> None:
+    consumer_db = group_db
+    async with streamq.Producer(producer_db, port=0) as producer:
+        async with producer.transaction() as tx:
+            for key in KEYS * 5:
+                await tx.publish("orders", b"x", key=key)
+        head = producer.head("orders")
+        options: dict[str, Any] = {"db": consumer_db, "name": "billing", "shares": 4}
+        async with (
+            GroupConsumer(producer.address, "orders", **options) as first,
+            GroupConsumer(producer.address, "orders", **options) as second,
+        ):
+            tasks = [asyncio.create_task(_run_member(g)) for g in (first, second)]
+            try:
+                await wait_for(lambda: len(_credits(consumer_db)) == head, what="all applied")
+                await wait_for(lambda: len(first.held) == len(second.held) == 2, what="2 each")
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+            assert sorted(first.held + second.held) == [0, 1, 2, 3]
+    rows = _credits(consumer_db)
+    assert sorted(seq for seq, _, _ in rows) == list(range(1, head + 1))
+    by_key: dict[bytes, list[int]] = {}
+    for seq, key, _ in rows:
+        by_key.setdefault(key, []).append(seq)
+    assert all(seqs == sorted(seqs) for seqs in by_key.values())
+
+
+class _Worker:
+    """A ``tests.group_worker`` process and the shares it last reported holding."""
+
+    def __init__(self, process: asyncio.subprocess.Process) -> None:
+        self.process = process
+        self.held: list[int] = []
+        self.joined = False
+        self._reader = asyncio.create_task(self._read())
+
+    @classmethod
+    async def start(cls, address: str, db: str, *extra: str) -> _Worker:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "tests.group_worker", address, db, "--shares", "4", *extra,
+            stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        return cls(process)
+
+    async def _read(self) -> None:
+        assert self.process.stdout is not None
+        async for line in self.process.stdout:
+            word, _, rest = line.decode().strip().partition(" ")
+            if word == "JOINED":
+                self.joined = True
+            elif word == "HELD":
+                self.held = [int(s) for s in rest.split(",") if s]
+
+    @property
+    def alive(self) -> bool:
+        return self.process.returncode is None
+
+    async def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.process.kill()
+        await self.process.wait()
+        await self._reader
+
+
+async def _publish(producer: streamq.Producer, stop: asyncio.Event, rng: random.Random) -> None:
+    """Transactions of 10 records, about 2,000 records a second, until ``stop`` (at most
+    60,000 records)."""
+    for _ in range(6000):
+        if stop.is_set():
+            return
+        async with producer.transaction() as tx:
+            for _ in range(10):
+                await tx.publish("orders", b"x", key=rng.choice(KEYS))
+        await asyncio.sleep(0.005)
+
+
+async def test_killed_members_shares_are_taken_over_and_applied_once_in_key_order(
+    producer_db: str, group_db: str
+) -> None:
+    consumer_db = group_db
+    rng = random.Random(7)
+    stop = asyncio.Event()
+    async with streamq.Producer(producer_db, port=0) as producer:
+        address = producer.address
+        publishing = asyncio.create_task(_publish(producer, stop, rng))
+        workers = [await _Worker.start(address, consumer_db) for _ in range(3)]
+
+        def every_share_held_once() -> bool:
+            return sorted(s for w in workers if w.alive for s in w.held) == [0, 1, 2, 3]
+
+        try:
+            for round in range(6):
+                await wait_for(every_share_held_once, timeout=30, what="every share held once")
+                victim = rng.choice([w for w in workers if w.alive and w.held])
+                await victim.kill()  # from outside, wherever it is
+                if round % 2 == 0:  # and one that kills itself inside its 3rd transaction
+                    dying = await _Worker.start(address, consumer_db, "--die-in-apply", "3")
+                    workers.append(dying)
+                    await wait_for(lambda: not dying.alive, timeout=30, what="it to die")  # noqa: B023
+                    assert dying.process.returncode == -signal.SIGKILL
+                workers.append(await _Worker.start(address, consumer_db))
+            await wait_for(every_share_held_once, timeout=30, what="every share held once")
+            stop.set()
+            await publishing
+            head = producer.head("orders")
+            await wait_for(lambda: len(_credits(consumer_db)) == head, timeout=60, what="all")
+        finally:
+            stop.set()
+            await publishing
+            for worker in workers:
+                await worker.kill()
+    rows = _credits(consumer_db)
+    assert sorted(seq for seq, _, _ in rows) == list(range(1, head + 1))  # each once
+    by_key: dict[bytes, list[int]] = {}
+    for seq, key, _ in rows:
+        by_key.setdefault(key, []).append(seq)
+    assert all(seqs == sorted(seqs) for seqs in by_key.values())  # in key order
+    assert len({pid for _, _, pid in rows}) >= 6  # applied by many members in turn
