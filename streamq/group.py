@@ -25,7 +25,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from .batches import Batch, Fence
-from .consumer import Consumer
+from .consumer import _FIRST_DELAY, _MAX_DELAY, _TRANSIENT, Consumer
 from .engines import for_target
 from .errors import GroupSpecError, LeaseLostError
 from .membership import Lease, plan, taken_from
@@ -264,33 +264,52 @@ class GroupConsumer:
         logger.info("group %r: joined again as member %d", self.name, self.member)
 
     async def _take(self, lease: Lease) -> None:
+        if self._errors:
+            return  # a share's consumer failed: this member stops taking shares
         token = await self._table(self._leases.take, lease)
         if token is None:
             return  # another member was quicker, or the holder is alive after all
+        held = self._held[lease.share] = _Held(lease.share, token, self._consumer(lease.share))
+        self.takes += 1
+        # Apart from this task: a producer being waited for must not hold up renewals.
+        held.starting = asyncio.create_task(self._start_share(held))
+
+    def _consumer(self, share: int) -> Consumer:
         assert self.shares is not None
         consumer = Consumer(
             self.address,
             self.stream,
             name=self.name,
-            share=(lease.share, self.shares),
+            share=(share, self.shares),
             durability=self._durability,
             **self._options,
         )
         consumer._share_store(self._store, self._tx_lock)
-        consumer.fence = Fence(self.name, lease.share, token)
-        held = self._held[lease.share] = _Held(lease.share, token, consumer)
-        self.takes += 1
-        # Apart from this task: a producer being waited for must not hold up renewals.
-        held.starting = asyncio.create_task(self._start_share(held))
+        return consumer
 
     async def _start_share(self, held: _Held) -> None:
-        try:
-            await held.consumer.start()  # reads the share's position: after the take
-        except Exception as exc:
-            held.starting = None
-            await self._give_back(held.share)
-            self._fail(exc)
-            return
+        """Start the share's consumer, which reads its position (after the take): again
+        with backoff while the producer cannot be reached (restarting, say); any other
+        failure is raised from the iteration, and this member takes no more shares."""
+        delay = _FIRST_DELAY
+        while True:
+            held.consumer.fence = Fence(self.name, held.share, held.token)
+            try:
+                await held.consumer.start()
+                break
+            except _TRANSIENT as exc:
+                logger.warning(
+                    "group %r: share %d cannot reach the producer at %s (%r); again in %.2g s",
+                    self.name, held.share, self.address, exc, delay,
+                )  # fmt: skip
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, _MAX_DELAY)
+                held.consumer = self._consumer(held.share)
+            except Exception as exc:
+                held.starting = None
+                self._fail(exc)
+                await self._give_back(held.share)
+                return
         held.starting = None
         self._changed.set()
 
@@ -347,7 +366,7 @@ class GroupConsumer:
                 raise self._errors.pop(0)
             if self._closed:
                 raise StopAsyncIteration
-            held = [item for item in self._held.values() if not item.draining]
+            held = [item for item in self._held.values() if not (item.draining or item.starting)]
             for item in held:
                 if item.consumer not in self._next:
                     self._next[item.consumer] = asyncio.ensure_future(item.consumer.__anext__())

@@ -196,3 +196,111 @@ async def test_killed_members_shares_are_taken_over_and_applied_once_in_key_orde
         by_key.setdefault(key, []).append(seq)
     assert all(seqs == sorted(seqs) for seqs in by_key.values())  # in key order
     assert len({pid for _, _, pid in rows}) >= 6  # applied by many members in turn
+
+
+async def _published(producer: streamq.Producer, count: int) -> int:
+    async with producer.transaction() as tx:
+        for n in range(count):
+            await tx.publish("orders", b"x", key=KEYS[n % len(KEYS)])
+    return producer.head("orders")
+
+
+async def test_a_batch_under_a_lease_taken_since_is_refused_in_its_transaction(
+    producer_db: str, group_db: str
+) -> None:
+    async with streamq.Producer(producer_db, port=0) as producer:
+        head = await _published(producer, 100)
+        # A stalled member: it looks at the group only every 10 s.
+        stalled = GroupConsumer(
+            producer.address, "orders", db=group_db, name="billing", shares=1,
+            poll_interval=10, lease_timeout=60,
+        )  # fmt: skip
+        async with stalled:
+            await wait_for(lambda: stalled.held == [0], what="the stalled member to hold it")
+            batch = await anext(stalled)
+            # Its lease expires (as if it had not renewed), and another member takes over.
+            _sql(
+                group_db, "UPDATE streamq_members SET expires_at = 0 WHERE member = ?",
+                (stalled.member,),
+            )  # fmt: skip
+            async with GroupConsumer(
+                producer.address, "orders", db=group_db, name="billing", poll_interval=0.05
+            ) as other:
+                await wait_for(lambda: other.held == [0], what="the other to take the share")
+                with pytest.raises(streamq.LeaseLostError, match="no longer holds share 0"):
+                    await stalled.apply(batch, credit, stalled.member)
+                assert _credits(group_db) == []  # nothing of that transaction committed
+                assert stalled.held == []  # it dropped the share
+                task = asyncio.create_task(_run_member(other))
+                try:
+                    await wait_for(lambda: len(_credits(group_db)) == head, what="all applied")
+                finally:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+    assert [seq for seq, _, _ in _credits(group_db)] == list(range(1, head + 1))
+    assert {pid for _, _, pid in _credits(group_db)} == {other.member % 1000}
+
+
+async def test_standbys_take_over_the_shares_of_a_member_that_leaves(
+    producer_db: str, consumer_db: str
+) -> None:
+    async with streamq.Producer(producer_db, port=0) as producer:
+        await _published(producer, 1)
+        options: dict[str, Any] = {"db": consumer_db, "name": "billing", "poll_interval": 0.05}
+        members = [GroupConsumer(producer.address, "orders", shares=2, **options) for _ in range(3)]
+        async with contextlib.AsyncExitStack() as stack:
+            for member in members:
+                await stack.enter_async_context(member)
+            await wait_for(
+                lambda: sorted(len(m.held) for m in members) == [0, 1, 1], what="1, 1 and 0"
+            )
+            (standby,) = [m for m in members if not m.held]
+            leaving = next(m for m in members if m.held)
+            share = leaving.held
+            await leaving.close()
+            await wait_for(lambda: standby.held == share, what="the standby to take over")
+
+
+async def test_a_member_asking_for_another_split_is_refused_naming_both(
+    producer_db: str, consumer_db: str
+) -> None:
+    async with streamq.Producer(producer_db, port=0) as producer:
+        address = producer.address
+        async with GroupConsumer(address, "orders", db=consumer_db, name="billing", shares=4):
+            with pytest.raises(streamq.GroupSpecError) as info:
+                async with GroupConsumer(
+                    address, "orders", db=consumer_db, name="billing", shares=3
+                ):
+                    pass
+            assert "split into 4 shares" in str(info.value)
+            assert "asks for 3" in str(info.value)
+            async with GroupConsumer(address, "orders", db=consumer_db, name="billing") as same:
+                assert same.shares == 4  # none asked: the stored split
+        with pytest.raises(streamq.GroupSpecError, match="does not exist.*give shares="):
+            await GroupConsumer(address, "orders", db=consumer_db, name="other").start()
+
+
+async def test_group_tables_of_a_newer_version_are_refused(
+    producer_db: str, consumer_db: str
+) -> None:
+    async with streamq.Producer(producer_db, port=0) as producer:
+        address = producer.address
+        async with GroupConsumer(address, "orders", db=consumer_db, name="billing", shares=2):
+            pass
+        _sql(consumer_db, "UPDATE streamq_groups SET version = 99")
+        with pytest.raises(streamq.GroupSpecError, match="version 99, written by a newer"):
+            await GroupConsumer(address, "orders", db=consumer_db, name="billing").start()
+
+
+async def test_a_wrong_stream_is_raised_from_the_iteration(
+    producer_db: str, consumer_db: str
+) -> None:
+    async with streamq.Producer(producer_db, port=0) as producer:
+        await _published(producer, 1)
+        async with GroupConsumer(
+            producer.address, "nosuch", db=consumer_db, name="billing", shares=2
+        ) as group:
+            with pytest.raises(streamq.UnknownStreamError, match="nosuch"):
+                await asyncio.wait_for(anext(group), 10)
+            await wait_for(lambda: group.held == [], what="its shares given back")
+            assert group.takes <= 2  # one try of each share: it stopped taking them
