@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -116,6 +117,10 @@ logger = logging.getLogger("spark_source")
 # Rows per Arrow batch: about a RECORDS frame's worth (producers send at most 8,192 records
 # per frame by default). Larger batches only make the rows outgrow the CPU's caches.
 _ROWS_PER_BATCH = 8192
+# An unchanged position is reported again after this many seconds: a query idle at the
+# head stays "heard of" (producers forget positions not reported for days), at one
+# request per producer per interval, not one per trigger.
+_REPORT_AGAIN = 30.0
 
 
 def _flag(options: Mapping[str, str], name: str, default: bool) -> bool:
@@ -513,6 +518,9 @@ class StreamQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         # The driver's, made at first use: kept open from one trigger to the next.
         self._connections: Connections | None = None
         self._reporter: Reporter | None = None
+        self._initial: Offsets | None = None  # a new query's start: nothing applied yet
+        # What was last reported to each producer: (last seq held, time.monotonic()).
+        self._reported: dict[str, tuple[int, float]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled to the executors: the driver's connections and threads stay behind."""
@@ -530,6 +538,7 @@ class StreamQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def initialOffset(self) -> dict[str, Any]:
         settings = self.settings
         seqs = settings.initial(self._refresh(), "latest")
+        self._initial = seqs
         # startingOffsets copied from a query's offsets keeps the epochs beside the seqs.
         given = settings.starting if settings.starting_timestamp is None else None
         return planning.join_offset(seqs, planning.given_epochs(given))
@@ -569,6 +578,8 @@ class StreamQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         positions = {pid: Position(seq, epochs.get(pid)) for pid, seq in seqs.items()}
         states = self._refresh(positions)
         planning.check_producers(seqs, states)
+        if seqs != self._initial:  # the end of the last batch, which the sink holds
+            self._committed(seqs)
         back = {pid: self._lost(pid, seq) for pid, seq in seqs.items() if states[pid].lost}
         # Producers that appeared since the query started are read from their earliest seq.
         begin = {**{pid: s.low for pid, s in states.items()}, **seqs}
@@ -622,21 +633,36 @@ class StreamQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return read_partition(partition, self.settings.columns)
 
     def commit(self, end: dict[str, Any]) -> None:
-        """Advisory: tell each producer how far this query's sink durably holds its stream,
-        in the background (see ``Reporter``); the last batch of Trigger.AvailableNow waits
-        for its reports, since the query ends with it."""
-        settings, seqs = self.settings, planning.split_offset(end)[0]
-        if self._reporter is None:
-            self._reporter = Reporter(settings.connect, settings.stream, settings.consumer_name)
-        self._reporter.report(
-            {
-                pid: (self._states[pid].endpoint, seq - 1)
-                for pid, seq in seqs.items()
-                if pid in self._states and seq > 1
-            }
-        )
+        """Spark calls it for a batch only as it plans the next one (at that batch's
+        walCommit): the last batch before the query stops, or idles at the head, is never
+        committed here. ``latestOffset`` reports it: its ``start`` is where the last batch
+        ended, which the sink holds once Spark plans again."""
+        self._committed(planning.split_offset(end)[0])
+
+    def _committed(self, seqs: Offsets) -> None:
+        """Advisory: tell each producer how far this query's sink durably holds its stream
+        (``seqs``: the next seq to read), in the background (see ``Reporter``); again after
+        ``_REPORT_AGAIN`` while it stays. Trigger.AvailableNow's last plan waits for its
+        reports, since the query ends with it."""
+        settings, now = self.settings, time.monotonic()
+        due = {}
+        for pid, seq in seqs.items():
+            state, reported = self._states.get(pid), self._reported.get(pid)
+            if state is None or state.lost or seq <= 1:
+                continue
+            if reported is None or reported[0] != seq - 1 or now - reported[1] >= _REPORT_AGAIN:
+                due[pid] = (state.endpoint, seq - 1)
+                self._reported[pid] = (seq - 1, now)
+        if due:
+            if self._reporter is None:
+                self._reporter = Reporter(settings.connect, settings.stream, settings.consumer_name)
+            self._reporter.report(due)
         target = self._target
-        if target is not None and all(seqs.get(pid, 0) >= seq for pid, seq in target.items()):
+        if (
+            self._reporter is not None
+            and target is not None
+            and all(seqs.get(pid, 0) >= seq for pid, seq in target.items())
+        ):
             self._reporter.flush(settings.connect.timeout)
 
     def stop(self) -> None:

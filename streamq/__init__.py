@@ -46,6 +46,8 @@ from .errors import (
 from .failures import DeadLetter, ParkedRecord, Retry, Stop
 from .fanin import FanInConsumer
 from .filters import Filter, share_of
+from .group import GroupConsumer
+from .metrics import ConsumerCollector
 from .positions import ConsumerLag
 from .producer import Producer
 from .protocol import PROTOCOL_VERSION, Record, StreamInfo, TimePosition
@@ -73,6 +75,7 @@ __all__ = [
     "ConcurrentWriterError",
     "ConnectionLostError",
     "Consumer",
+    "ConsumerCollector",
     "ConsumerLag",
     "ConsumerPositionError",
     "ConsumerTransaction",
@@ -80,6 +83,7 @@ __all__ = [
     "DeadLetter",
     "FanInConsumer",
     "Filter",
+    "GroupConsumer",
     "GroupSpecError",
     "LeaseLostError",
     "LocalProtocolError",

@@ -28,6 +28,7 @@ from .log import Log
 from .producer import Producer
 from .protocol import Record, decode_record
 from .records import check_stream_name
+from .resharing import OnlineMove
 from .security import MIN_SECRET_BYTES, ClientTLS, ServerTLS, TokenAuth, make_token, read_secret
 from .server import ServerSettings
 from .storage import is_postgres_url
@@ -352,10 +353,15 @@ def build_parser() -> argparse.ArgumentParser:
         "consumers",
         help="register consumers whose unapplied records retention keeps",
         description="Registered consumers: retention keeps every record a registered consumer "
-        "has not applied, unless --retention-ms/--retention-bytes force it.",
+        "has not applied, unless --retention-ms/--retention-bytes force it. The producer also "
+        "keeps the last position of every consumer that reported one (status, lag, metrics), "
+        "registered or not, until it is removed or not heard of for a week.",
     )
     actions = consumers.add_subparsers(dest="action", required=True, metavar="ACTION")
-    for action, text in (("add", "register a consumer"), ("remove", "remove a registration")):
+    for action, text in (
+        ("add", "register a consumer"),
+        ("remove", "forget a consumer: its registration and its last known position"),
+    ):
         parser_for = actions.add_parser(action, help=text)
         parser_for.add_argument("db", help=DATABASE_HELP)
         parser_for.add_argument(
@@ -377,7 +383,9 @@ def build_parser() -> argparse.ArgumentParser:
                 metavar="BYTES",
                 help="drop the registration once its unapplied records take more than this",
             )
-    listing = actions.add_parser("list", help="registered consumers, their position and lag")
+    listing = actions.add_parser(
+        "list", help="consumers the producer knows, registered or not: position and lag"
+    )
     listing.add_argument("db", help=DATABASE_HELP)
     listing.add_argument("--json", action="store_true", help="one JSON object per consumer")
 
@@ -386,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="records a consumer parked (on_failure=DeadLetter()): list them, have them re-applied",
         description="Records a consumer with on_failure=streamq.DeadLetter() parked in its own "
         "database (table streamq_dead_letters). 'retry' marks them: the running consumer "
-        "re-applies each once, through its own apply function, before its next batch.",
+        "re-applies each once, through its own apply function, within about a second.",
     )
     letters = dead_letters.add_subparsers(dest="action", required=True, metavar="ACTION")
     consumer_db = "the consumer's database: a SQLite file, or a postgresql:// URL"
@@ -618,9 +626,12 @@ _CONSUMER_MADE = "a consumer's database is made by its Consumer(db=...)"
 def _reshare(args: argparse.Namespace) -> None:
     _existing("reshare", args.db, _CONSUMER_MADE)
     for move in reshare(args.db, args.consumer, args.shares):
+        at = f"at seq {move.seq}"
+        if isinstance(move, OnlineMove):  # a running group: each key after its own share's
+            at = f"from seq {move.seq}, each key after its old share's position (the group runs on)"
         print(
             f"stream {move.stream!r} from producer {move.producer_id}: "
-            f"{', '.join(move.old)} -> {', '.join(move.new)} at seq {move.seq}"
+            f"{', '.join(move.old)} -> {', '.join(move.new)} {at}"
         )
 
 
@@ -707,7 +718,15 @@ def _status(args: argparse.Namespace) -> None:
         name = c.get("principal") or c["consumer"]
         peers.setdefault((name, c["stream"]), []).append(c["peer"])
     consumers = Table(
-        "consumer", "stream", "applied", "lag", "registered", "lost", "connected", title="consumers"
+        "consumer",
+        "stream",
+        "applied",
+        "lag",
+        "registered",
+        "lost",
+        "last report",
+        "connected",
+        title="consumers",
     )
     for p in status.get("positions", []):
         connected = peers.pop((p["consumer"], p["stream"]), [])
@@ -718,12 +737,24 @@ def _status(args: argparse.Namespace) -> None:
             str(p["lag"]),
             "yes" if p["registered"] else ("dropped" if p.get("dropped") else ""),
             str(p["lost"] or ""),
+            _ago(p.get("updated_at", 0) / 1000),
             ", ".join(connected),
         )
     for (consumer, stream), connected in peers.items():  # connected, nothing applied yet
         lag = heads.get(stream, 0)
-        consumers.add_row(consumer, stream, "", str(lag), "", "", ", ".join(connected))
+        consumers.add_row(consumer, stream, "", str(lag), "", "", "", ", ".join(connected))
     console.print(consumers)
+
+
+def _ago(when: float) -> str:
+    """How long ago a consumer last reported (Unix seconds; 0: never): ``42 s ago``."""
+    if not when:
+        return ""
+    seconds = max(0.0, datetime.now(UTC).timestamp() - when)
+    for unit, size in (("d", 86_400), ("h", 3_600), ("min", 60)):
+        if seconds >= size:
+            return f"{int(seconds // size)} {unit} ago"
+    return f"{seconds:.0f} s ago"
 
 
 async def _consumers(args: argparse.Namespace) -> None:
@@ -738,15 +769,16 @@ async def _consumers(args: argparse.Namespace) -> None:
             new = "" if args.stream in producer.log.streams else " (no such stream yet)"
             print(f"registered {args.consumer!r} on {args.stream!r}{new}")
         elif args.action == "remove":
-            if not await producer.unregister_consumer(args.consumer, args.stream):
+            if not await producer.forget_consumer(args.consumer, args.stream):
                 raise SystemExit(
-                    f"streamq consumers: {args.consumer!r} on {args.stream!r} is not registered"
+                    f"streamq consumers: {args.consumer!r} on {args.stream!r} is not registered "
+                    "and has no known position"
                 )
-            print(f"removed {args.consumer!r} from {args.stream!r}")
+            print(f"removed {args.consumer!r} from {args.stream!r}: registration and position")
         else:
-            registered = [p for p in producer.consumer_lags() if p.registered]
+            known = producer.consumer_lags()
             if args.json:
-                for p in registered:
+                for p in known:
                     print(json.dumps(p._asdict()))
                 return
             table = Table(
@@ -755,14 +787,23 @@ async def _consumers(args: argparse.Namespace) -> None:
                 "applied",
                 "head",
                 "lag",
+                "registered",
+                "last report",
                 "max idle ms",
                 "max bytes",
-                title="registered consumers",
+                title="consumers",
             )
-            for p in registered:
+            for p in known:
                 limits = ["" if v is None else str(v) for v in (p.max_idle_ms, p.max_bytes)]
                 table.add_row(
-                    p.consumer, p.stream, str(p.applied), str(p.head), str(p.lag), *limits
+                    p.consumer,
+                    p.stream,
+                    str(p.applied),
+                    str(p.head),
+                    str(p.lag),
+                    "yes" if p.registered else "",
+                    _ago(p.updated_at),
+                    *limits,
                 )
             Console().print(table)
 
@@ -774,8 +815,8 @@ def _dead_letters(args: argparse.Namespace) -> None:
         if not marked:
             raise SystemExit("streamq dead-letters: no parked record matched")
         print(
-            f"marked {marked} record(s) for retry: each consumer re-applies its own once, "
-            "before its next batch ('streamq dead-letters list' shows what is left)"
+            f"marked {marked} record(s) for retry: each running consumer re-applies its own "
+            "once, within about a second ('streamq dead-letters list' shows what is left)"
         )
         return
 

@@ -21,7 +21,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .batches import Batch, Fence
 from .errors import (
@@ -41,6 +41,7 @@ from .errors import (
 )
 from .failures import DeadLetter, FailurePolicy, Policies, Retry, Stop
 from .filters import Filter, share_name, shared_as
+from .metrics import ConsumerCollector, MetricsServer, consumers_of
 from .protocol import (
     DEFAULT_MAX_FRAME_SIZE,
     PROTOCOL_VERSION,
@@ -58,6 +59,7 @@ from .protocol import (
     Subscribed,
     TimePosition,
 )
+from .resharing import Floors
 from .security import ClientTLS, tls_refused
 from .storage import Durability
 from .stores import ConsumerTransaction, PositionStore, open_position_store
@@ -68,6 +70,9 @@ from .transport import (
     producer_errors,
     read_message,
 )
+
+if TYPE_CHECKING:
+    from .producer import Producer
 
 T = TypeVar("T")
 
@@ -172,6 +177,14 @@ class Consumer:
     none from the one it reached, raises ``ProducerChangedError``, at another address or
     at the same one (a replaced database), rather than mix two logs in one projection.
     ``allow_new_producer=True`` applies this producer's records too, from ``start_seq``.
+
+    ``metrics_port`` serves Prometheus metrics of this consumer's own on ``metrics_host``
+    (loopback by default; 0 picks a free port, ``metrics_address``), read from its live
+    state at scrape time: applied seq, records and batches applied, parked, retried,
+    reapplied, lag as it sees it, reconnects (``ConsumerCollector``).
+    ``metrics=producer`` adds them to the endpoint of a ``Producer`` of the same process
+    instead (one started with a ``metrics_port``); ``metrics=collector`` to a
+    ``ConsumerCollector`` of the caller's.
     """
 
     def __init__(
@@ -198,7 +211,15 @@ class Consumer:
         share: tuple[int, int] | None = None,
         ack_interval: float = 0.005,
         allow_new_producer: bool = False,
+        metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
+        metrics: Producer | ConsumerCollector | None = None,
     ) -> None:
+        if metrics_port is not None and metrics is not None:
+            raise ValueError(
+                "give metrics_port= (an endpoint of the consumer's own) or metrics= (a "
+                "producer's endpoint, or a collector), not both"
+            )
         if ack_interval < 0:
             raise ValueError(f"ack_interval must be 0 or more seconds, not {ack_interval!r}")
         if share is not None:
@@ -277,8 +298,20 @@ class Consumer:
         # Addresses of the other producers a ``FanInConsumer`` reads under the same name:
         # positions from the producers found there are expected, not another producer's.
         self._siblings: frozenset[str] = frozenset()
+        self.records_applied = 0  # records committed in their batch, parked ones not counted
+        self.batches_applied = 0  # batches committed through this consumer
+        self._metrics_port, self._metrics_host = metrics_port, metrics_host
+        self._metrics_to = metrics  # a producer's endpoint or a collector to report to
+        self._metrics: MetricsServer | None = None  # its own endpoint (metrics_port=)
+        self._collector: ConsumerCollector | None = None  # the collector it reports to
+        # A failure of the consumer's own background work (re-applying records marked for
+        # retry), for the next ``__anext__`` to raise when batches were waiting already.
+        self._failed: BaseException | None = None
         # The lease this consumer applies its share under, as a ``GroupConsumer``'s member.
         self.fence: Fence | None = None
+        # Records applied under a group's earlier splits, by producer id (``resharing``).
+        self.floors: dict[str, Floors] = {}
+        self._skip: Floors | None = None  # this producer's, skipped as they arrive
 
     def _share_store(self, store: PositionStore, lock: asyncio.Lock) -> None:
         """Apply into ``store``, opened by someone else (``FanInConsumer``), one transaction
@@ -320,9 +353,23 @@ class Consumer:
 
     # --- lifecycle -----------------------------------------------------------
 
+    @property
+    def metrics_address(self) -> str:
+        """``host:port`` of this consumer's own Prometheus endpoint (``/metrics``)."""
+        if self._metrics is None:
+            raise RuntimeError("this consumer serves no metrics of its own (metrics_port=None)")
+        return self._metrics.address
+
     async def start(self) -> None:
         """Open the database, connect and subscribe; raises if the producer refuses."""
         try:
+            if self._metrics_port is not None:
+                self._metrics = MetricsServer(None, self._metrics_host, self._metrics_port)
+                self._collector = self._metrics.consumers
+            elif self._metrics_to is not None:
+                self._collector = consumers_of(self._metrics_to)
+            if self._collector is not None:
+                self._collector.add(self)
             if self._store is not None and self._owns_store:
                 await self._store.open()
             # With a reconnect deadline, a producer that is down (restarting) is waited
@@ -343,9 +390,14 @@ class Consumer:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        await self._policies.close()
         if self._ack_timer is not None:  # the last position, before the connection goes
             self._ack_now()
         self._drop_connection()
+        if self._collector is not None:
+            self._collector.remove(self)
+        if self._metrics is not None:
+            await asyncio.to_thread(self._metrics.close)  # waits for its serving thread
         if self._store is not None and self._owns_store:
             await self._store.close()
 
@@ -371,6 +423,9 @@ class Consumer:
             raise StopAsyncIteration
         if self._pending_error is not None:
             error, self._pending_error = self._pending_error, None
+            raise error
+        if self._failed is not None:
+            error, self._failed = self._failed, None
             raise error
         item = await self._queue.get()
         if isinstance(item, BaseException):
@@ -436,6 +491,7 @@ class Consumer:
             writer.close()
             raise
         self.producer_id, self.epoch, self.head = hello.producer_id, hello.epoch, subscribed.head
+        self._skip = self.floors.get(hello.producer_id)
         if start - 1 != self.received:
             self.seen_epoch = 0
         self.seen_epoch = max(self.seen_epoch, subscribed.after_epoch or 0)
@@ -685,13 +741,18 @@ class Consumer:
                 if message.records or message.through is not None:
                     assert self.producer_id is not None
                     self.seen_epoch = max(self.seen_epoch, message.epoch or 0)
+                    records, through = message.records, message.through or 0
+                    skip = self._skip
+                    if skip is not None and records and records[0].seq <= skip.highest:
+                        through = through or records[-1].seq
+                        records = tuple(r for r in records if not skip.applied(r.key, r.seq))
                     batch = Batch(
                         self.stream,
                         self.producer_id,
                         self.received,
-                        message.records,
+                        records,
                         self.seen_epoch,
-                        through=message.through or 0,
+                        through=through,
                     )
                     self.received = batch.last_seq
                     self.head = max(self.head, self.received)
@@ -742,16 +803,20 @@ class Consumer:
           parts' results added up if numbers, lists or tuples, else the last part's.
 
         Exceptions from the database itself (the turn, the COMMIT, a lost connection) are
-        raised as they are: no policy applies. Before a batch (at most once a second),
-        records marked for retry (``streamq dead-letters retry``) are re-applied with
-        ``fn`` first: ``retry_dead_letters``.
+        raised as they are: no policy applies. Records marked for retry (``streamq
+        dead-letters retry``) are re-applied with the ``fn`` and ``args`` of the last call of
+        this or ``retry_dead_letters``: before a batch, and while no batch comes by the
+        consumer itself (a quiet stream); at most once a second either way.
         """
         return await self._policies.apply(batch, fn, *args)
 
     async def retry_dead_letters(self, fn: Callable[..., Any], *args: Any) -> int:
         """Re-apply, with ``fn`` as ``apply`` runs it, this consumer's parked records that
         were marked for retry (``streamq dead-letters retry``, ``mark_for_retry``); how
-        many were applied. ``apply`` calls it before a batch, at most once a second.
+        many were applied. From the first call of this or ``apply``, the consumer calls it
+        by itself at most once a second, with the last ``fn`` and ``args`` given to either
+        (before a batch, or while none comes); a database error there is logged and
+        raised from the next batch asked for (``async for``).
 
         Each record is a batch of its own (``after`` its seq - 1), in a transaction that
         deletes its dead-letter row: applied once, even if two processes try. One that
@@ -776,9 +841,21 @@ class Consumer:
             )
         return self._store
 
-    def _applied(self, batch: Batch) -> None:
+    def _applied(self, batch: Batch, parked: int = 0) -> None:
+        """``batch`` committed, ``parked`` of its records in the dead letters."""
         self.applied = batch.last_seq
+        self.batches_applied += 1
+        self.records_applied += len(batch.records) - parked
         self._ack()
+
+    def _fail(self, error: BaseException) -> None:
+        """Raise ``error`` from the next batch asked for: the failure of work the consumer
+        did by itself, which no call of the application's saw. On a quiet stream, a wait
+        for the next batch is woken with it."""
+        if self._queue.empty():
+            self._queue.put_nowait(error)
+        elif self._failed is None:
+            self._failed = error
 
     def _ack(self) -> None:
         """Tell the producer ``applied`` is durable (informational: status, lag): now, or

@@ -5,12 +5,13 @@ with backoff), ``DeadLetter`` (park the record that fails alone in
 ``streamq_dead_letters``, in the transaction that moves the position past it). To find
 that record, the batch is applied once more in halves, each under a savepoint, in one
 transaction (``_Parts``). ``Policies`` runs a consumer's applies under its policy, and
-re-applies parked records marked for retry.
+re-applies parked records marked for retry: before a batch, and while none comes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import sys
 import time
@@ -119,13 +120,26 @@ class Policies:
 
     def __init__(self, consumer: Consumer) -> None:
         self._c = consumer
-        self._letters_due = 0.0  # when ``apply`` next looks for records marked for retry
+        self._letters_due = 0.0  # when the consumer next looks for records marked for retry
+        # The application's function for them: the last one given to ``apply`` or
+        # ``retry_dead_letters``, with its arguments; None before the first.
+        self._letters_fn: tuple[Callable[..., Any], tuple[Any, ...]] | None = None
+        self._watching: asyncio.Task[None] | None = None  # looks for them while idle
+        self._applying = 0  # ``apply`` calls under way (one waiting out a backoff included)
 
     async def apply(self, batch: Batch, fn: Callable[..., T], *args: Any) -> T:
         """``Consumer.apply``."""
-        if self._c._store is not None and time.monotonic() >= self._letters_due:
-            self._letters_due = time.monotonic() + _LETTERS_INTERVAL
-            await self.retry_dead_letters(fn, *args)
+        self._applying += 1
+        try:
+            if self._c._store is not None:
+                self._remember(fn, args)
+                if time.monotonic() >= self._letters_due:
+                    await self._retry_letters(fn, args)
+            return await self._apply(batch, fn, *args)
+        finally:
+            self._applying -= 1
+
+    async def _apply(self, batch: Batch, fn: Callable[..., T], *args: Any) -> T:
         retry = self._retry_policy()
         calls = _Calls(fn)
         tries = 0
@@ -177,7 +191,7 @@ class Policies:
         parts = _Parts(fn, args, tries, error, self._c._store.dead_letters.park if park else None)
 
         def committed() -> None:
-            self._c._applied(batch)
+            self._c._applied(batch, len(parts.parked))
             self._c.parked += len(parts.parked)
 
         try:
@@ -228,12 +242,63 @@ class Policies:
 
     async def retry_dead_letters(self, fn: Callable[..., Any], *args: Any) -> int:
         """``Consumer.retry_dead_letters``."""
+        if self._c._store is None:
+            return 0
+        self._remember(fn, args)
+        return await self._retry_letters(fn, args)
+
+    def _remember(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        """Re-apply marked records with ``fn`` from now on, looking for them by itself too."""
+        self._letters_fn = (fn, args)
+        if (self._watching is None or self._watching.done()) and not self._c._closed:
+            self._watching = asyncio.create_task(self._watch_letters())
+
+    async def _watch_letters(self) -> None:
+        """Look for records marked for retry while no batch comes (``apply`` looks only
+        before one: on a quiet stream they would wait for the next record): once a second
+        at most, counting ``apply``'s looks, and never during an ``apply``. A failure that
+        is not a record's (the database's) ends the looking until the next ``apply``: it
+        is logged and raised from the next batch the application asks for."""
+        while True:
+            wait = self._letters_due - time.monotonic()
+            if wait > 0 or self._applying:
+                await asyncio.sleep(wait if wait > 0 else _LETTERS_INTERVAL)
+                continue
+            assert self._letters_fn is not None
+            fn, args = self._letters_fn
+            try:
+                await self._retry_letters(fn, args)
+            except Exception as exc:
+                logger.error(
+                    "consumer %r: re-applying records marked for retry failed (%r); "
+                    "raised from its next batch",
+                    self._c.name, exc,
+                )  # fmt: skip
+                self._c._fail(exc)
+                return
+
+    async def close(self) -> None:
+        """Stop looking for records marked for retry (one being re-applied is finished)."""
+        if self._watching is not None:
+            self._watching.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watching
+
+    async def _retry_letters(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> int:
+        """Re-apply the marked records with ``fn``, all under the transaction lock: no
+        batch is applied meanwhile."""
+        self._letters_due = time.monotonic() + _LETTERS_INTERVAL
         if self._c._store is None or self._c.producer_id is None:
             return 0
+        async with self._c._tx_lock:
+            return await self._reapply_marked(fn, args)
+
+    async def _reapply_marked(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> int:
+        """``_retry_letters``, the lock held."""
+        assert self._c._store is not None and self._c.producer_id is not None
         store, sql = self._c._store, self._c._store.dead_letters
         key = (self._c.name, self._c.producer_id, self._c.stream)
-        async with self._c._tx_lock:
-            rows = await store.run_transaction(_fetch_all, sql.requested, key)
+        rows = await store.run_transaction(_fetch_all, sql.requested, key)
         applied = 0
         for seq, timestamp, record_key, value, headers in rows:
             record = Record(
@@ -245,17 +310,15 @@ class Policies:
             )  # fmt: skip
             calls = _Calls(fn)
             try:
-                async with self._c._tx_lock:
-                    taken = await store.run_transaction(
-                        _reapply, sql.take, (*key, record.seq), calls, letter, args
-                    )
+                taken = await store.run_transaction(
+                    _reapply, sql.take, (*key, record.seq), calls, letter, args
+                )
             except Exception as exc:
                 if exc is not calls.error:
                     raise
-                async with self._c._tx_lock:
-                    await store.run_transaction(
-                        _execute, sql.failed_again, (_error_text(exc), *key, record.seq)
-                    )
+                await store.run_transaction(
+                    _execute, sql.failed_again, (_error_text(exc), *key, record.seq)
+                )
                 logger.warning(
                     "consumer %r: parked seq %d of stream %r failed again (%r): it stays parked",
                     self._c.name, record.seq, self._c.stream, exc,
@@ -267,7 +330,7 @@ class Policies:
         return applied
 
 
-# How often ``apply`` looks for parked records marked for retry, in seconds.
+# How often the consumer looks for parked records marked for retry, in seconds.
 _LETTERS_INTERVAL = 1.0
 _NO_RETRY = Retry(times=0)
 # One savepoint at a time: each part is rolled back to it, or released, before the next.

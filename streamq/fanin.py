@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 from .batches import Batch
 from .consumer import Consumer
+from .metrics import ConsumerCollector, MetricsServer
 from .storage import Durability
 from .stores import ConsumerTransaction, PositionStore, open_position_store
 
@@ -31,7 +32,9 @@ class FanInConsumer:
     """``async with FanInConsumer([a1, a2, a3], "orders", db="billing.db", name="billing")``.
 
     Iterate for batches, apply each with ``transaction(batch)``; other keyword
-    arguments (``reconnect_timeout``, ``queue_batches``, ...) go to every ``Consumer``.
+    arguments (``reconnect_timeout``, ``queue_batches``, ``metrics=``, ...) go to every
+    ``Consumer``. ``metrics_port`` serves all their metrics on one endpoint
+    (``metrics_address``), one series per producer address.
     """
 
     def __init__(
@@ -42,6 +45,8 @@ class FanInConsumer:
         db: str | None = None,
         name: str | None = None,
         durability: Durability = "normal",
+        metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
         **options: Any,
     ) -> None:
         if not addresses:
@@ -52,6 +57,17 @@ class FanInConsumer:
             raise ValueError("a consumer with a database needs a name= to store its position under")
         self.stream = stream
         self.name = name or "anonymous"
+        self._metrics_port, self._metrics_host = metrics_port, metrics_host
+        self._metrics: MetricsServer | None = None
+        self._collector: ConsumerCollector | None = None
+        if metrics_port is not None:
+            if options.get("metrics") is not None:
+                raise ValueError(
+                    "give metrics_port= (an endpoint of the consumer's own) or metrics= (a "
+                    "producer's endpoint, or a collector), not both"
+                )
+            # Every producer's consumer reports to the one endpoint.
+            options["metrics"] = self._collector = ConsumerCollector()
         self.consumers = [
             Consumer(address, stream, name=name, durability=durability, **options)
             for address in addresses
@@ -69,6 +85,10 @@ class FanInConsumer:
     async def start(self) -> None:
         """Open the database and subscribe to every producer; raises if one refuses."""
         try:
+            if self._metrics_port is not None:
+                self._metrics = MetricsServer(
+                    None, self._metrics_host, self._metrics_port, self._collector
+                )
             if self._store is not None:
                 await self._store.open()
                 lock = asyncio.Lock()  # one transaction at a time on the shared connection
@@ -96,6 +116,8 @@ class FanInConsumer:
             task.cancel()
         await asyncio.gather(*self._next.values(), return_exceptions=True)
         await asyncio.gather(*(consumer.close() for consumer in self.consumers))
+        if self._metrics is not None:
+            await asyncio.to_thread(self._metrics.close)  # waits for its serving thread
         if self._store is not None:
             await self._store.close()
 
@@ -146,6 +168,13 @@ class FanInConsumer:
             return self._by_producer[batch.producer_id]
         except KeyError:
             raise ValueError(f"batch from producer {batch.producer_id}, not read here") from None
+
+    @property
+    def metrics_address(self) -> str:
+        """``host:port`` of the Prometheus endpoint of all the producers' consumers."""
+        if self._metrics is None:
+            raise RuntimeError("this consumer serves no metrics of its own (metrics_port=None)")
+        return self._metrics.address
 
     @property
     def lag(self) -> int:

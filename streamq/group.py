@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeVar
@@ -27,8 +28,10 @@ from typing import Any, TypeVar
 from .batches import Batch, Fence
 from .consumer import _FIRST_DELAY, _MAX_DELAY, _TRANSIENT, Consumer
 from .engines import for_target
-from .errors import GroupSpecError, LeaseLostError
+from .errors import GroupSpecError, LeaseLostError, SharesChangedError
 from .membership import Lease, plan, taken_from
+from .metrics import ConsumerCollector, MetricsServer, consumers_of
+from .resharing import Floors
 from .storage import Durability
 from .stores import ConsumerTransaction, open_position_store
 
@@ -37,11 +40,16 @@ T = TypeVar("T")
 logger = logging.getLogger("streamq.group")
 
 
+def _executor() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(1, thread_name_prefix="streamq-group")
+
+
 @dataclass(eq=False, slots=True)
 class _Held:
     """A share this member holds: its lease's token and the consumer reading it."""
 
     share: int
+    split: int  # the group's number of shares when it was taken
     token: int
     consumer: Consumer
     handed: int = 0  # the last seq of the last batch handed to the application
@@ -65,7 +73,10 @@ class GroupConsumer:
     ``transaction``, as with a ``Consumer``. Applying a batch of a share this member no
     longer holds raises ``LeaseLostError`` (nothing commits; the new holder applies it):
     catch it and go on. Other keyword arguments (``on_failure``, ``reconnect_timeout``,
-    ``filter``, ...) go to each share's ``Consumer``.
+    ``filter``, ``metrics``, ...) go to each share's ``Consumer``. ``metrics_port`` serves,
+    on one endpoint (``metrics_address``), every share's consumer metrics and the member's
+    own: ``streamq_group_shares``, ``streamq_group_shares_held``, ``streamq_group_takes_total``
+    and ``streamq_group_losses_total``, labelled by group, stream and member id.
     """
 
     def __init__(
@@ -79,6 +90,8 @@ class GroupConsumer:
         lease_timeout: float = 10.0,
         poll_interval: float = 0.2,
         durability: Durability = "normal",
+        metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
         **options: Any,
     ) -> None:
         if not name:
@@ -92,6 +105,17 @@ class GroupConsumer:
             )
         if "share" in options:
             raise ValueError("a group member's shares are given by the group: no share=")
+        if metrics_port is not None and options.get("metrics") is not None:
+            raise ValueError(
+                "give metrics_port= (an endpoint of the member's own) or metrics= (a "
+                "producer's endpoint, or a collector), not both"
+            )
+        self._metrics_to = options.get("metrics")
+        self._metrics_port, self._metrics_host = metrics_port, metrics_host
+        self._metrics: MetricsServer | None = None
+        self._collector: ConsumerCollector | None = None
+        if metrics_port is not None:  # every share's consumer reports to the one endpoint
+            options["metrics"] = self._collector = ConsumerCollector()
         self.address = address
         self.stream = stream
         self.name = name
@@ -110,12 +134,21 @@ class GroupConsumer:
         self._turn = 0
         self._errors: list[BaseException] = []
         self._task: asyncio.Task[None] | None = None
-        self._call: asyncio.Future[Any] | None = None  # the lease table's call under way
+        self._table_lock = asyncio.Lock()  # the lease table is one connection
+        self._executor = _executor()  # its thread
         self._renewed_at = 0.0  # the loop's time when the member's row was last renewed
         self._stalled = False  # renewals failing for lease_timeout: shares dropped
         self._closed = False
+        self._floors: dict[str, Floors] = {}  # as read at the last take
         self.takes = 0  # shares taken (at start, after a death, on rebalance)
         self.losses = 0  # shares lost to another member (this one was seen stalled)
+
+    @property
+    def metrics_address(self) -> str:
+        """``host:port`` of this member's own Prometheus endpoint (``metrics_port=``)."""
+        if self._metrics is None:
+            raise RuntimeError("this member serves no metrics of its own (metrics_port=None)")
+        return self._metrics.address
 
     @property
     def member(self) -> int:
@@ -132,11 +165,19 @@ class GroupConsumer:
     async def start(self) -> None:
         """Open the database and join the group; shares are taken in the background."""
         try:
+            if self._metrics_port is not None:
+                self._metrics = MetricsServer(
+                    None, self._metrics_host, self._metrics_port, self._collector
+                )
+            elif self._metrics_to is not None:
+                self._collector = consumers_of(self._metrics_to)
             await self._store.open()
             await self._join()
         except BaseException:
             await self.close()
             raise
+        if self._collector is not None:
+            self._collector.add_group(self)
         self._task = asyncio.create_task(self._run())
 
     async def close(self) -> None:
@@ -158,15 +199,18 @@ class GroupConsumer:
         await asyncio.gather(
             *(h.starting for h in self._held.values() if h.starting), return_exceptions=True
         )
-        async with self._tx_lock:  # an apply under way commits or rolls back first
-            await asyncio.gather(*(held.consumer.close() for held in self._held.values()))
+        await self._applies_ended()
+        await asyncio.gather(*(held.consumer.close() for held in self._held.values()))
         self._held.clear()
-        if self._call is not None:  # the lease table is one connection: its call ends first
-            await asyncio.wait([self._call])
         try:
-            await asyncio.to_thread(self._leases.leave)
+            await self._table("leave")
         except Exception as exc:  # the rows expire; the liveness lock went with the connection
             logger.warning("group %r: leaving failed (%r)", self.name, exc)
+        if self._collector is not None:
+            self._collector.remove_group(self)
+        if self._metrics is not None:
+            await asyncio.to_thread(self._metrics.close)  # waits for its serving thread
+        self._executor.shutdown(wait=False)
         await self._store.close()
 
     async def __aenter__(self) -> GroupConsumer:
@@ -183,16 +227,38 @@ class GroupConsumer:
 
     # --- membership ----------------------------------------------------------
 
-    async def _table(self, method: Callable[..., T], *args: Any) -> T:
-        """Call the lease table on a thread, one call at a time; a cancel waits for it."""
-        call = self._call = asyncio.ensure_future(asyncio.to_thread(method, *args))
-        try:
-            return await asyncio.shield(call)
-        finally:
-            if not call.done():
-                with contextlib.suppress(BaseException):
-                    await asyncio.wait([call])
-            self._call = None
+    async def _table(self, method: str, *args: Any) -> Any:
+        """Call the lease table's ``method`` on its thread, one call at a time; a cancel
+        waits for it. A call that takes longer than ``lease_timeout`` (a database cut off)
+        is left to its thread with its connection, never used again: ``TimeoutError``."""
+        async with self._table_lock:
+            loop = asyncio.get_running_loop()
+            call = loop.run_in_executor(self._executor, getattr(self._leases, method), *args)
+            abandoned = False
+            try:
+                return await asyncio.wait_for(asyncio.shield(call), self.lease_timeout)
+            except TimeoutError:
+                abandoned = True
+                self._abandon()
+                raise TimeoutError(
+                    f"the consumer database did not answer for {self.lease_timeout:g} s "
+                    f"(lease_timeout): {self._leases.where}"
+                ) from None
+            finally:
+                if not abandoned and not call.done():
+                    with contextlib.suppress(BaseException):
+                        await asyncio.wait([call])
+
+    def _abandon(self) -> None:
+        """Leave the lease table's hung call to its thread; the next call, on a new
+        connection, joins again."""
+        self._executor.submit(self._leases.close)  # once the hung call returns, if ever
+        self._executor.shutdown(wait=False)
+        self._executor = _executor()
+        self._leases = for_target(self._leases.db).open_leases(
+            self._leases.db, self.name, self.stream
+        )
+        self._stalled = True
 
     @property
     def _ttl_ms(self) -> int:
@@ -201,7 +267,7 @@ class GroupConsumer:
     async def _join(self) -> None:
         loop = asyncio.get_running_loop()
         started = loop.time()
-        self.shares = await self._table(self._leases.join, self.shares, self._ttl_ms)
+        self.shares = await self._table("join", self.shares, self._ttl_ms)
         self._renewed_at = started
 
     async def _run(self) -> None:
@@ -218,22 +284,22 @@ class GroupConsumer:
                 return
             except Exception as exc:
                 silent = loop.time() - self._renewed_at
-                if silent < self.lease_timeout:
-                    logger.warning("group %r: membership step failed (%r)", self.name, exc)
-                elif not self._stalled:
+                if silent >= self.lease_timeout and self._held:
                     logger.error(
                         "group %r: the consumer database has not answered for %.1f s (%r): "
                         "stopped applying shares %s, which the other members take over",
                         self.name, silent, exc, self.held,
                     )  # fmt: skip
-                    self._stalled = True
+                    self._stalled = True  # its row has expired: join again, as a new member
                     await self._stop_all(lost=True)
+                else:
+                    logger.warning("group %r: membership step failed (%r)", self.name, exc)
             await asyncio.sleep(self.poll_interval)
 
     async def _step(self, loop: asyncio.AbstractEventLoop) -> None:
         started = loop.time()
         if started - self._renewed_at >= self.lease_timeout / 4:
-            if not await self._table(self._leases.renew, self._ttl_ms):
+            if not await self._table("renew", self._ttl_ms):
                 logger.warning("group %r: this member was seen dead; joining again", self.name)
                 await self._stop_all(lost=True)
                 self._stalled = True
@@ -241,7 +307,11 @@ class GroupConsumer:
             self._renewed_at = started
         if loop.time() - self._renewed_at >= self.lease_timeout and self._held:
             raise TimeoutError("renewing the member's row took longer than lease_timeout")
-        view = await self._table(self._leases.view)
+        view = await self._table("view")
+        if view.shares != self.shares:  # resharing: every lease of the old split is gone
+            logger.info("group %r: split into %d shares now", self.name, view.shares)
+            await self._stop_all(lost=True)
+            self.shares = view.shares
         tokens = {share: held.token for share, held in self._held.items()}
         for share in taken_from(view, self.member, tokens):
             logger.warning("group %r: share %d was taken over by another member", self.name, share)
@@ -255,7 +325,7 @@ class GroupConsumer:
 
     async def _rejoin(self) -> None:
         """Join again as a new member (the old one's row and leases are gone or going)."""
-        await self._table(self._leases.close)
+        await self._table("close")
         self._leases = for_target(self._leases.db).open_leases(
             self._leases.db, self.name, self.stream
         )
@@ -266,25 +336,28 @@ class GroupConsumer:
     async def _take(self, lease: Lease) -> None:
         if self._errors:
             return  # a share's consumer failed: this member stops taking shares
-        token = await self._table(self._leases.take, lease)
+        token = await self._table("take", lease)
         if token is None:
             return  # another member was quicker, or the holder is alive after all
-        held = self._held[lease.share] = _Held(lease.share, token, self._consumer(lease.share))
+        self._floors = await self._table("floors")  # read after the take
+        assert self.shares is not None
+        held = _Held(lease.share, self.shares, token, self._consumer(lease.share, self.shares))
+        self._held[lease.share] = held
         self.takes += 1
         # Apart from this task: a producer being waited for must not hold up renewals.
         held.starting = asyncio.create_task(self._start_share(held))
 
-    def _consumer(self, share: int) -> Consumer:
-        assert self.shares is not None
+    def _consumer(self, share: int, split: int) -> Consumer:
         consumer = Consumer(
             self.address,
             self.stream,
             name=self.name,
-            share=(share, self.shares),
+            share=(share, split),
             durability=self._durability,
             **self._options,
         )
         consumer._share_store(self._store, self._tx_lock)
+        consumer.floors = self._floors
         return consumer
 
     async def _start_share(self, held: _Held) -> None:
@@ -304,7 +377,14 @@ class GroupConsumer:
                 )  # fmt: skip
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, _MAX_DELAY)
-                held.consumer = self._consumer(held.share)
+                held.consumer = self._consumer(held.share, held.split)
+            except SharesChangedError as exc:
+                held.starting = None
+                if await self._resplit(held):
+                    return  # taken under the split a reshare just replaced: dropped
+                self._fail(exc)  # positions of a split this group never had
+                await self._give_back(held.share)
+                return
             except Exception as exc:
                 held.starting = None
                 self._fail(exc)
@@ -313,6 +393,15 @@ class GroupConsumer:
         held.starting = None
         self._changed.set()
 
+    async def _resplit(self, held: _Held) -> bool:
+        """Whether the group's split is no longer the one ``held`` was taken under (a
+        reshare committed meanwhile); then the share is dropped, its lease gone."""
+        view = await self._table("view")
+        if view.shares == held.split:
+            return False
+        await self._stop(held.share, lost=True)
+        return True
+
     async def _give_back(self, share: int) -> None:
         """Stop reading ``share``, let a batch handed out of it be applied (for at most a
         lease timeout), and release its lease."""
@@ -320,7 +409,7 @@ class GroupConsumer:
         if held is None:
             return
         await self._stop(share, lost=False)
-        await self._table(self._leases.give_back, share, held.token)
+        await self._table("give_back", share, held.token)
 
     async def _stop(self, share: int, *, lost: bool) -> None:
         held = self._held.get(share)
@@ -341,9 +430,18 @@ class GroupConsumer:
                         self._progress.clear()
                         await self._progress.wait()
         del self._held[share]
-        async with self._tx_lock:  # an apply under way ends first
-            await held.consumer.close()
+        if not lost:  # an apply under way ends first; a lost share's is fenced anyway
+            await self._applies_ended()
+        await held.consumer.close()
         self._changed.set()
+
+    async def _applies_ended(self) -> None:
+        """Wait for an apply under way to end, for at most a lease timeout (one waiting on
+        a database cut off may never end; its share is fenced then)."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.lease_timeout):
+                async with self._tx_lock:
+                    pass
 
     async def _stop_all(self, *, lost: bool) -> None:
         for share in list(self._held):
@@ -383,12 +481,21 @@ class GroupConsumer:
             for i in range(count):
                 item = held[(self._turn + i) % count]
                 task = self._next.get(item.consumer)
-                if task is not None and task in done and self._held.get(item.share) is item:
-                    self._turn = (self._turn + i + 1) % count
-                    del self._next[item.consumer]
+                if task is None or task not in done or self._held.get(item.share) is not item:
+                    continue
+                self._turn = (self._turn + i + 1) % count
+                del self._next[item.consumer]
+                try:
                     batch = task.result()  # a share's consumer's error is raised here
-                    item.handed = batch.last_seq
-                    return batch
+                except StopAsyncIteration:
+                    break  # closed as the share was dropped: look again
+                except SharesChangedError:
+                    # Reconnected after a reshare committed, and before this member saw it.
+                    if await self._resplit(item):
+                        break
+                    raise
+                item.handed = batch.last_seq
+                return batch
 
     # --- applying ------------------------------------------------------------
 

@@ -1,14 +1,15 @@
-"""Prometheus metrics of a producer, read from its live state at scrape time.
+"""Prometheus metrics of a producer and of consumers, read from live state at scrape time.
 
-A custom collector, not counters updated as records flow: publishing and pushing
-keep only the plain integers they already had (heads, positions, per-stream
-traffic), and a scrape turns them into metrics. prometheus-client serves them
-from its own thread, on loopback unless told otherwise; everything read here is
-copied first (``list(...)``), so a scrape never races the event loop's changes.
+Custom collectors, not counters updated as records flow: publishing, pushing and
+applying keep only the plain integers they already had (heads, positions, per-stream
+traffic, a consumer's counts), and a scrape turns them into metrics. prometheus-client
+serves them from its own thread, on loopback unless told otherwise; everything read
+here is copied first (``list(...)``), so a scrape never races the event loop's changes.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -20,6 +21,8 @@ from prometheus_client.registry import Collector
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
+    from .consumer import Consumer
+    from .group import GroupConsumer
     from .producer import Producer
 
 
@@ -61,13 +64,19 @@ class ProducerCollector(Collector):
             "Records retention deleted before the consumer applied them",
             labels=labels,
         )
+        reported = GaugeMetricFamily(
+            "streamq_consumer_last_report_seconds",
+            "When the consumer last reported its position (Unix time; 0: never)",
+            labels=labels,
+        )
         for position in producer.positions.lags(streams):
             key = [position.consumer, position.stream]
             applied.add_metric(key, position.applied)
             lag.add_metric(key, position.lag)
             registered.add_metric(key, int(position.registered))
             lost.add_metric(key, position.lost)
-        yield from (applied, lag, registered, lost)
+            reported.add_metric(key, position.updated_at)
+        yield from (applied, lag, registered, lost, reported)
         if producer.numberer is not None:
             found = producer.numberer.open_transactions
             yield GaugeMetricFamily(
@@ -109,13 +118,138 @@ class ProducerCollector(Collector):
         )
 
 
-class MetricsServer:
-    """``/metrics`` over HTTP for one producer, in a thread of prometheus-client's."""
+# A consumer's own view, one sample per consumer: (name, help, the consumer's attribute
+# read, a counter if True).
+_CONSUMER_METRICS = (
+    ("streamq_consumer_applied_seq", "Last seq this consumer committed", "applied", False),
+    (
+        "streamq_consumer_seen_lag",
+        "The producer's head as last reported to this consumer, minus applied",
+        "lag",
+        False,
+    ),
+    (
+        "streamq_consumer_records_applied",
+        "Records applied in their batch (parked ones not counted)",
+        "records_applied",
+        True,
+    ),
+    ("streamq_consumer_batches_applied", "Batches committed", "batches_applied", True),
+    (
+        "streamq_consumer_records_parked",
+        "Records parked in streamq_dead_letters (DeadLetter), committed",
+        "parked",
+        True,
+    ),
+    ("streamq_consumer_batches_retried", "Failed batches applied again", "retried", True),
+    (
+        "streamq_consumer_records_reapplied",
+        "Parked records re-applied after streamq dead-letters retry",
+        "reapplied",
+        True,
+    ),
+    ("streamq_consumer_reconnects", "Connections to the producer made again", "reconnects", True),
+)
+_CONSUMER_LABELS = ["consumer", "stream", "address"]
 
-    def __init__(self, producer: Producer, host: str, port: int) -> None:
+
+class ConsumerCollector(Collector):
+    """Prometheus metrics of consumers of this process, each as it sees itself: position,
+    counts, lag, reconnects, read when scraped.
+
+    ``add`` and ``remove`` say which; a ``Consumer`` given ``metrics_port=`` or
+    ``metrics=`` adds itself at start and removes itself at close. To serve them with an
+    application's own metrics, register one in its registry
+    (``prometheus_client.REGISTRY.register(collector)``) and give it as
+    ``Consumer(metrics=collector)``. Labelled by consumer name, stream and producer
+    address: a ``FanInConsumer``'s consumers share the first two.
+    """
+
+    def __init__(self) -> None:
+        # Replaced, never changed in place: a scrape's thread reads one list or the other.
+        self._consumers: list[Consumer] = []
+        self._groups: list[GroupConsumer] = []
+
+    def add_group(self, group: GroupConsumer) -> None:
+        """Export a group member's membership: the split, shares held, takes and losses
+        (its shares' consumers are added as they are taken)."""
+        if all(g is not group for g in self._groups):
+            self._groups = [*self._groups, group]
+
+    def remove_group(self, group: GroupConsumer) -> None:
+        self._groups = [g for g in self._groups if g is not group]
+
+    def add(self, consumer: Consumer) -> None:
+        """Export ``consumer``'s metrics (once, however often added)."""
+        if all(c is not consumer for c in self._consumers):
+            self._consumers = [*self._consumers, consumer]
+
+    def remove(self, consumer: Consumer) -> None:
+        """Stop exporting ``consumer``'s metrics (nothing if it was not added)."""
+        self._consumers = [c for c in self._consumers if c is not consumer]
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._collect_groups()
+        consumers = self._consumers
+        if not consumers:
+            return  # a producer's endpoint without consumers shows no empty families
+        info = GaugeMetricFamily(
+            "streamq_consumer_info",
+            "The producer this consumer reads (id: empty until it connected)",
+            labels=[*_CONSUMER_LABELS, "producer_id"],
+        )
+        for c in consumers:
+            info.add_metric([c.name, c.stream, c.address, c.producer_id or ""], 1)
+        yield info
+        for name, text, attribute, counter in _CONSUMER_METRICS:
+            family = (CounterMetricFamily if counter else GaugeMetricFamily)(
+                name, text, labels=_CONSUMER_LABELS
+            )
+            for c in consumers:
+                family.add_metric([c.name, c.stream, c.address], getattr(c, attribute))
+            yield family
+
+    def _collect_groups(self) -> Iterator[Metric]:
+        groups = self._groups
+        if not groups:
+            return
+        labels = ["group", "stream", "member"]
+        families = (
+            (GaugeMetricFamily, "streamq_group_shares", "The group's split into shares"),
+            (GaugeMetricFamily, "streamq_group_shares_held", "Shares this member holds"),
+            (CounterMetricFamily, "streamq_group_takes", "Shares this member took"),
+            (CounterMetricFamily, "streamq_group_losses",
+             "Shares taken from this member by others (it was seen dead or stalled)"),
+        )  # fmt: skip
+        values = [(g, (g.shares or 0, len(g.held), g.takes, g.losses)) for g in groups]
+        for i, (kind, name, text) in enumerate(families):
+            family = kind(name, text, labels=labels)
+            for g, numbers in values:
+                family.add_metric([g.name, g.stream, str(g.member)], numbers[i])
+            yield family
+
+
+class MetricsServer:
+    """``/metrics`` over HTTP, in a thread of prometheus-client's: one producer's metrics
+    (None: none), and those of the consumers added to ``consumers``."""
+
+    def __init__(
+        self,
+        producer: Producer | None,
+        host: str,
+        port: int,
+        consumers: ConsumerCollector | None = None,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(ProducerCollector(producer))
-        self._httpd, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        if producer is not None:
+            self.registry.register(ProducerCollector(producer))
+        self.consumers = ConsumerCollector() if consumers is None else consumers
+        self.registry.register(self.consumers)
+        try:
+            self._httpd, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:  # a host that does not resolve, a port taken: say which
+            why = os.strerror(exc.errno) if exc.errno and exc.errno > 0 else exc.strerror
+            raise OSError(exc.errno, f"cannot serve metrics on {host}:{port}: {why}") from exc
         bound_host, bound_port = self._httpd.server_address[:2]
         host_text = str(bound_host)
         self.address = (
@@ -126,3 +260,25 @@ class MetricsServer:
         self._httpd.shutdown()
         self._httpd.server_close()
         self._thread.join(timeout=5)
+
+
+def consumers_of(target: Producer | ConsumerCollector) -> ConsumerCollector:
+    """Where ``Consumer(metrics=target)`` reports: ``target`` itself, or the consumers of a
+    producer's endpoint (its ``metrics_port``), served beside the producer's metrics."""
+    from .producer import Producer  # the producer imports this module
+
+    if isinstance(target, ConsumerCollector):
+        return target
+    if not isinstance(target, Producer):
+        raise TypeError(
+            "metrics= takes a started streamq.Producer that has a metrics_port, or a "
+            f"streamq.ConsumerCollector, not {target!r} (metrics_port= serves the "
+            "consumer's own endpoint)"
+        )
+    server = target._metrics
+    if server is None:
+        raise ValueError(
+            "metrics=producer: that producer serves no metrics (no metrics_port=, or not "
+            "started yet); give it metrics_port=, or give the consumer a metrics_port= of its own"
+        )
+    return server.consumers

@@ -6,24 +6,28 @@ here. From these positions come lag (head - applied), ``Producer.wait_applied`` 
 future per waiter, resolved by the report that reaches its seq: no polling) and
 retention that keeps what a registered consumer still needs, up to its registration's
 limits. Pure bookkeeping: no sockets, no SQL; the producer loads and saves registrations
-through its storage.
+and every reported position through its storage (at most about once a second), so a
+consumer that is down when the producer restarts still shows, with its lag, until it is
+forgotten: removed (``Producer.forget_consumer``), not heard of for
+``ServerSettings.position_expiry``, or under a split into shares it left (``resplit``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
-from .storage import NO_LIMITS, Limits
+from .filters import shared_as
+from .storage import NO_LIMITS, KnownPosition, Limits
 
 if TYPE_CHECKING:
     from .log import Stream
 
 Key = tuple[str, str]  # (consumer name, stream name)
-MAX_UNREGISTERED = 1024  # positions of unregistered consumers kept, the most recent
+MAX_UNREGISTERED = 1024  # positions of unregistered consumers kept (and stored), the most recent
 
 
 @dataclass(eq=False, slots=True)
@@ -36,6 +40,8 @@ class Position:
     updated_at: float = 0.0  # when it was last reported (Unix seconds; 0: never)
     registered: bool = False  # retention keeps what it has not applied
     saved: int = 0  # the applied seq last written to the producer's database
+    saved_at_ms: int = 0  # the updated_at last written there (milliseconds)
+    stored: bool = False  # a row of the producer's database holds it
     lost: int = 0  # records retention deleted before this consumer applied them
     limits: Limits = NO_LIMITS  # when its registration is dropped
     dropped: str = ""  # why a limit dropped its registration, if one did
@@ -64,6 +70,8 @@ class Positions:
         self._positions: dict[Key, Position] = {}
         # Waiters apart from positions: waiting for a name never heard of invents no consumer.
         self._waiters: dict[Key, list[tuple[int, asyncio.Future[int]]]] = {}
+        # Stored positions forgotten here, their rows to delete at the next save.
+        self._forgotten: set[Key] = set()
 
     def get(self, consumer: str, stream: str) -> Position | None:
         return self._positions.get((consumer, stream))
@@ -72,18 +80,58 @@ class Positions:
         """The position, moved last: the dict's order is how recently each was touched."""
         key = (consumer, stream)
         position = self._positions.pop(key, None)
-        self._positions[key] = position = position or Position(consumer, stream)
+        if position is None:
+            position = Position(consumer, stream)
+            self._forgotten.discard(key)  # known again: its row is saved, not deleted
+        self._positions[key] = position
         if len(self._positions) > MAX_UNREGISTERED:
             self._forget_oldest_unregistered()
         return position
 
     def _forget_oldest_unregistered(self) -> None:
-        """Names come from peers: unique names must not grow memory. Registered consumers
-        and names someone waits for are kept; of the rest, the least recently reported go."""
+        """Names come from peers: unique names must not grow memory, nor the database.
+        Registered consumers and names someone waits for are kept; of the rest, the least
+        recently reported go."""
         unregistered = [k for k, p in self._positions.items() if not p.registered]
         for key in unregistered[: max(0, len(unregistered) - MAX_UNREGISTERED)]:
             if key not in self._waiters:
-                del self._positions[key]
+                self.forget(*key)
+
+    def forget(self, consumer: str, stream: str) -> Position | None:
+        """Stop knowing the position (its row, if stored, is deleted at the next save
+        unless it reports again first); the position forgotten, if there was one."""
+        position = self._positions.pop((consumer, stream), None)
+        if position is not None and position.stored:
+            self._forgotten.add((consumer, stream))
+        return position
+
+    def other_splits(self, consumer: str, stream: str, shares: int) -> list[Position]:
+        """Positions of ``consumer`` on ``stream`` under another split into shares than
+        ``shares`` (1: unshared, the plain name): ``billing[0/3]`` when it now reads as
+        ``billing[i/2]`` or as ``billing``; ``billing`` when it reads as shares."""
+        found = []
+        for p in self.all():
+            if p.stream != stream or not p.consumer.startswith(consumer):
+                continue
+            share = (0, 1) if p.consumer == consumer else shared_as(consumer, p.consumer)
+            if share is not None and share[1] != shares:
+                found.append(p)
+        return found
+
+    def expire(self, before: float, keep: Callable[[Position], bool]) -> list[Position]:
+        """Forget the unregistered positions last reported before ``before`` (Unix time),
+        but those ``keep`` keeps (a consumer still connected) and those someone waits for."""
+        expired = [
+            p
+            for p in self.all()
+            if not p.registered
+            and p.updated_at < before
+            and (p.consumer, p.stream) not in self._waiters
+            and not keep(p)
+        ]
+        for p in expired:
+            self.forget(p.consumer, p.stream)
+        return expired
 
     def all(self) -> list[Position]:
         """A snapshot, safe to iterate while reports arrive (e.g. from a metrics thread)."""
@@ -99,11 +147,15 @@ class Positions:
         if seq <= position.applied:
             return
         position.applied = seq
-        waiters = self._waiters.get((consumer, stream))
+        self._resolve(position)
+
+    def _resolve(self, position: Position) -> None:
+        """Wake those waiting for a seq ``position`` has reached."""
+        waiters = self._waiters.get((position.consumer, position.stream))
         if waiters:
             for target, future in waiters:
-                if target <= seq and not future.done():
-                    future.set_result(seq)
+                if target <= position.applied and not future.done():
+                    future.set_result(position.applied)
             waiters[:] = [w for w in waiters if not w[1].done()]
 
     def register(
@@ -123,29 +175,68 @@ class Positions:
         position.limits = limits
         position.dropped = ""
         position.updated_at = max(position.updated_at, seen_at)
+        position.saved_at_ms = max(position.saved_at_ms, int(seen_at * 1000))
+        position.stored = True
+        self._resolve(position)
         return position
 
+    def known(self, consumer: str, stream: str, applied: int, seen_at: float) -> None:
+        """A position stored unregistered (``seen_at``: when it was reported); one being
+        deleted stays forgotten, a known one moves forward only."""
+        key = (consumer, stream)
+        if key in self._forgotten:
+            return
+        position = self._positions.get(key) or self._entry(consumer, stream)
+        position.applied = max(position.applied, applied)
+        position.saved = max(position.saved, applied)
+        position.updated_at = max(position.updated_at, seen_at)
+        position.saved_at_ms = max(position.saved_at_ms, int(seen_at * 1000))
+        position.stored = True
+        self._resolve(position)
+
+    def unstored(self, consumer: str, stream: str) -> None:
+        """Its row is gone (another process forgot it): forgotten here too, unless it
+        reported since it was saved; then it is saved again, as a new row."""
+        position = self._positions.get((consumer, stream))
+        if position is None:
+            return
+        if _unsaved(position):
+            position.stored, position.saved, position.saved_at_ms = False, 0, 0
+        else:
+            del self._positions[(consumer, stream)]
+
     def unregister(self, consumer: str, stream: str) -> None:
+        """As ``Writer.unregister_consumer``: a consumer that applied nothing has no row left."""
         position = self._positions.get((consumer, stream))
         if position is not None:
             position.registered = False
-            position.saved = 0
+            if position.applied == 0:
+                position.stored, position.saved, position.saved_at_ms = False, 0, 0
 
     def lost(self, consumer: str, stream: str, count: int) -> None:
         self._entry(consumer, stream).lost += count
 
-    def unsaved(self) -> list[tuple[str, str, int]]:
-        """Registered consumers' positions reported since they were last saved."""
+    def unsaved(self) -> list[KnownPosition]:
+        """Positions reported since they were last saved: registered consumers', and
+        those of unregistered ones that applied something."""
         return [
-            (p.consumer, p.stream, p.applied)
+            KnownPosition(p.consumer, p.stream, p.applied, int(p.updated_at * 1000))
             for p in self.all()
-            if p.registered and p.applied > p.saved
+            if _unsaved(p)
         ]
 
-    def mark_saved(self, saved: list[tuple[str, str, int]]) -> None:
-        for consumer, stream, applied in saved:
-            position = self._entry(consumer, stream)
-            position.saved = max(position.saved, applied)
+    def forgotten(self) -> list[Key]:
+        """Stored positions forgotten since the last save: their rows to delete."""
+        return sorted(self._forgotten)
+
+    def mark_saved(self, saved: Sequence[KnownPosition], deleted: Sequence[Key] = ()) -> None:
+        for consumer, stream, applied, updated_at_ms in saved:
+            position = self._positions.get((consumer, stream))
+            if position is not None:
+                position.saved = max(position.saved, applied)
+                position.saved_at_ms = max(position.saved_at_ms, updated_at_ms)
+                position.stored = True
+        self._forgotten.difference_update(deleted)
 
     def lags(self, streams: Mapping[str, Stream]) -> list[ConsumerLag]:
         """Every position with the lag behind its stream's head (0 for an unknown stream)."""
@@ -191,3 +282,10 @@ class Positions:
     def waiting(self) -> int:
         """How many waits are pending (for tests and status)."""
         return sum(map(len, self._waiters.values()))
+
+
+def _unsaved(p: Position) -> bool:
+    """Reported since it was last saved, and worth a row: registered, or applied something."""
+    if not (p.registered or p.applied > 0):
+        return False
+    return not p.stored or p.applied > p.saved or int(p.updated_at * 1000) > p.saved_at_ms

@@ -36,7 +36,7 @@ from .engines import open_storage
 from .groups import GroupCommit
 from .log import Log
 from .metrics import MetricsServer
-from .positions import ConsumerLag, Positions
+from .positions import ConsumerLag, Position, Positions
 from .protocol import FRAME_OVERHEAD, Record, decode_record
 from .receipts import ServedReceipts
 from .records import (
@@ -44,6 +44,7 @@ from .records import (
     as_bytes,
     check_stream_name,
 )
+from .resharing import names_for
 from .retention import Retention, RetentionPasses, RetentionPolicy, Truncation
 from .server import Server, ServerSettings
 from .storage import (
@@ -71,6 +72,9 @@ T = TypeVar("T")
 
 # Read-only connections serving consumers behind the in-memory tail, history and seeks.
 _READERS = 2
+# How often a serving producer saves the positions consumers reported (and forgets the
+# expired ones): a write at most this often, never one per report.
+SAVE_INTERVAL = 1.0
 
 
 class Producer:
@@ -173,6 +177,7 @@ class Producer:
                     self.log, self.producer_id, self.epoch, self.settings, self.positions
                 )
                 self._server.refresh = self.watcher.before_request
+                self._server.resplit = self._resplit
                 await self._server.start(self._host, self._port)
                 await self.storage.serving(self._server.address)
             if self._metrics_port is not None:
@@ -188,6 +193,8 @@ class Producer:
                 if self._server is not None:
                     self._server.open_transactions = lambda: numberer.open_transactions
                 self._tasks.append(asyncio.create_task(self.numberer.run()))
+            if self._serve:
+                self._tasks.append(asyncio.create_task(self._save_periodically()))
             self._tasks.append(asyncio.create_task(self.retention_passes.run()))
             self._tasks.append(asyncio.create_task(self.compactor.run()))
         except BaseException:
@@ -580,7 +587,9 @@ class Producer:
     # --- consumers: positions, lag, registrations --------------------------------
 
     def consumer_lags(self) -> list[ConsumerLag]:
-        """Every consumer that reported a position or is registered, with its lag."""
+        """Every consumer that reported a position or is registered, with its lag. Positions
+        are stored: one reported before a restart shows after it (``updated_at`` says when),
+        until ``forget_consumer`` or ``ServerSettings.position_expiry``."""
         return self.positions.lags(self.log.streams)
 
     async def wait_applied(
@@ -621,28 +630,156 @@ class Producer:
         self.positions.register(consumer, stream, applied, limits, time.time())
 
     async def unregister_consumer(self, consumer: str, stream: str) -> bool:
-        """Stop keeping records for ``consumer``; False if it was not registered."""
+        """Stop keeping records for ``consumer``; False if it was not registered. Its
+        position stays known (status, lag) if it had applied anything."""
         async with self.transaction():
             removed = await self._writer.unregister_consumer(consumer, stream)
         self.positions.unregister(consumer, stream)
         return removed
 
+    async def forget_consumer(self, consumer: str, stream: str) -> bool:
+        """Forget ``consumer`` on ``stream``: its registration, if any, and its last known
+        position, so status and metrics stop showing it (a consumer gone for good); False
+        if neither was known. If it reports again, it shows again."""
+        async with self.transaction():
+            removed = await self._writer.forget_consumer(consumer, stream)
+        position = self.positions.forget(consumer, stream)
+        if position is not None:
+            position.stored = False  # the row is deleted already
+        return removed or position is not None
+
     def _apply_registrations(self, rows: list[ConsumerRow]) -> None:
-        """Registrations in the database, which other processes may change (the CLI)."""
-        stored = {(row.consumer, row.stream) for row in rows}
+        """Registrations and known positions in the database, which other processes may
+        change (the CLI): a row gone is a registration removed, or a position forgotten."""
+        stored = {(row.consumer, row.stream): row for row in rows}
         for position in self.positions.all():
-            if position.registered and (position.consumer, position.stream) not in stored:
-                self.positions.unregister(position.consumer, position.stream)
+            key = (position.consumer, position.stream)
+            row = stored.get(key)
+            if position.registered and (row is None or not row.registered):
+                self.positions.unregister(*key)
+            if row is None and position.stored:
+                self.positions.unstored(*key)
         for row in rows:
             seen_at = row.updated_at_ms / 1000
-            self.positions.register(row.consumer, row.stream, row.applied, row.limits, seen_at)
+            if row.registered:
+                self.positions.register(row.consumer, row.stream, row.applied, row.limits, seen_at)
+            else:
+                self.positions.known(row.consumer, row.stream, row.applied, seen_at)
 
     async def _save_positions(self) -> None:
-        unsaved = self.positions.unsaved()
-        if unsaved:
+        """Store what consumers reported since the last save, and delete the rows of the
+        positions forgotten since: one transaction, none if nothing changed."""
+        positions = self.positions
+        if not (positions.unsaved() or positions.forgotten()):
+            return
+        async with self.transaction():  # its BEGIN may catch up: what to save, read after it
+            unsaved, forgotten = positions.unsaved(), positions.forgotten()
+            await self._writer.save_positions(unsaved, forgotten)
+        positions.mark_saved(unsaved, forgotten)
+
+    async def _save_periodically(self) -> None:
+        """The serving producer's saves, every ``SAVE_INTERVAL``: positions survive a
+        restart, and a consumer not heard of for ``position_expiry`` is forgotten. A failure
+        (the database away) is logged once, not every second until it is back."""
+        failing = False
+        while True:
+            await asyncio.sleep(SAVE_INTERVAL)
+            try:
+                self._expire_positions()
+                await self._save_positions()
+            except Exception:
+                if not failing:
+                    logger.exception("saving consumer positions failed; trying every second")
+                failing = True
+            else:
+                if failing:
+                    logger.warning("saving consumer positions works again")
+                failing = False
+
+    def _expire_positions(self) -> None:
+        """Forget unregistered consumers not heard of for ``position_expiry``: a consumer
+        gone for good must not alert for ever. A connected one is not gone."""
+        server = self._server
+        connected = (
+            set() if server is None else {(s.reporter, s.stream) for s in server.subscriptions}
+        )
+        before = time.time() - self.settings.position_expiry
+        for position in self.positions.expire(
+            before, lambda p: (p.consumer, p.stream) in connected
+        ):
+            logger.info(
+                "forgot consumer %r on %r (at seq %d): not heard of for %.0f s",
+                position.consumer,
+                position.stream,
+                position.applied,
+                self.settings.position_expiry,
+            )
+
+    async def _resplit(self, consumer: str, stream: str, shares: int) -> None:
+        """``consumer`` subscribed to ``stream`` split into ``shares`` (1: unshared). Its
+        positions under another split mean nothing now (``streamq reshare`` moved it:
+        resharing.py), and their lag would grow for ever: forgotten, here and in the
+        database (at the next save).
+
+        A registration is not dropped with them: it says retention keeps what this
+        consumer has not applied. Dropped, retention would delete records the new split
+        has not applied as soon as the other registered consumers have (or stop deleting
+        anything); kept under the old names, it would hold records for nobody, for ever.
+        So it moves: every name of the new split is registered (unless it is already), at
+        the lowest position of the old registrations (nothing beyond it is known to be
+        applied by every key) with their loosest limits, and the old registrations are
+        removed, in one transaction, with one line in the log."""
+        positions = self.positions
+        if not positions.other_splits(consumer, stream, shares):
+            return
+        moved: dict[str, int] = {}  # new name -> its registered position
+        limits = Limits()
+        registered: list[Position] = []
+        if any(p.registered for p in positions.other_splits(consumer, stream, shares)):
             async with self.transaction():
-                await self._writer.save_positions(unsaved)
-            self.positions.mark_saved(unsaved)
+                # Again, holding the writer: another share's subscription may have moved them.
+                registered = [
+                    p for p in positions.other_splits(consumer, stream, shares) if p.registered
+                ]
+                if registered:
+                    applied = min(p.applied for p in registered)
+                    limits = _loosest([p.limits for p in registered])
+                    for p in registered:
+                        await self._writer.forget_consumer(p.consumer, stream)
+                    for name in names_for(consumer, shares):
+                        known = positions.get(name, stream)
+                        if known is None or not known.registered:
+                            moved[name] = await self._writer.register_consumer(
+                                name, stream, applied, limits
+                            )
+        for p in registered:
+            p.stored = False  # its row is deleted already
+        old = positions.other_splits(consumer, stream, shares)
+        for p in old:
+            positions.forget(p.consumer, p.stream)
+        now = time.time()
+        for name, applied in moved.items():
+            positions.register(name, stream, applied, limits, now)
+        forgotten = ", ".join(sorted(p.consumer for p in old))
+        if registered:
+            logger.warning(
+                "consumer %r now reads %r as %d share(s): forgot %s (another split) and moved "
+                "their registration to %s, from seq %d",
+                consumer,
+                stream,
+                shares,
+                forgotten,
+                ", ".join(moved) or "the names already registered",
+                min(p.applied for p in registered),
+            )
+        elif old:
+            logger.info(
+                "consumer %r now reads %r as %d share(s): forgot %s (another split)",
+                consumer,
+                stream,
+                shares,
+                forgotten,
+            )
 
     # --- retention -----------------------------------------------------------------
 
@@ -694,3 +831,13 @@ def _publish_one(
     headers: Mapping[str, bytes] | None,
 ) -> int:
     return tx.publish(stream, value, key=key, headers=headers)
+
+
+def _loosest(limits: list[Limits]) -> Limits:
+    """The limits that drop a registration no sooner than any of ``limits`` would."""
+    idle = [x.max_idle_ms for x in limits]
+    size = [x.max_bytes for x in limits]
+    return Limits(
+        None if None in idle else max(i for i in idle if i is not None),
+        None if None in size else max(b for b in size if b is not None),
+    )

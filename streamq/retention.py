@@ -161,10 +161,10 @@ class RetentionPasses:
             producer.storage.writer,
         )
         now = int(time.time() * 1000)
-        unsaved = positions.unsaved()
+        unsaved, forgotten = positions.unsaved(), positions.forgotten()
         done: list[Truncation] = []
         capped = retention.default != RetentionPolicy() or retention.per_stream
-        if not (capped or unsaved or any(p.registered for p in positions.all())):
+        if not (capped or unsaved or forgotten or any(p.registered for p in positions.all())):
             return done  # nothing to delete, nothing to save: no transaction
         plans: list[tuple[Stream, int, int, Any]] = []  # stream, its low before, head, plan
         dropped: list[tuple[Position, str]] = []
@@ -179,7 +179,7 @@ class RetentionPasses:
                     if plan.before > stream.low:
                         await writer.truncate(stream.id, plan.before)
                         stream.low = plan.before  # before COMMIT, as in truncate
-                await writer.save_positions(unsaved)
+                await writer.save_positions(unsaved, forgotten)
         except BaseException:
             if tx is None or not tx.committed:
                 for stream, low, _, _ in plans:
@@ -198,7 +198,7 @@ class RetentionPasses:
                 position.stream,
                 reason,
             )
-        positions.mark_saved(unsaved)
+        positions.mark_saved(unsaved, forgotten)
         for stream, low, head, plan in plans:
             deleted = max(0, plan.before - low)
             retention.committed(stream, head, plan.size_after)

@@ -103,10 +103,17 @@ class ServerSettings:
     write_buffer_high: int = 1024 * 1024  # transport buffer that makes the pusher wait
     tls: ServerTLS | None = None
     auth: TokenAuth | None = None
+    # An unregistered consumer's last position (stored: status and lag survive restarts) is
+    # forgotten once it has reported nothing for this long and is not connected: seconds.
+    position_expiry: float = 7 * 86_400.0
 
     def __post_init__(self) -> None:
         if self.max_batch_records < 1 or self.max_connections < 1:
             raise ValueError("max_batch_records and max_connections must be at least 1")
+        if not self.position_expiry > 0:
+            raise ValueError(
+                f"position_expiry must be positive seconds, not {self.position_expiry!r}"
+            )
         if self.max_batch_bytes > self.max_frame_size - FRAME_OVERHEAD:
             raise ValueError("max_batch_bytes must leave room for framing within max_frame_size")
 
@@ -133,7 +140,26 @@ class Subscription:
         if self.principal is None:
             return self.consumer
         share = None if self.filter is None else self.filter.share
-        return self.principal if share is None else share_name(self.principal, share)
+        if share is None or share[1] == 1:  # one share of one: the whole stream, as Consumer
+            return self.principal
+        return share_name(self.principal, share)
+
+    @property
+    def split(self) -> tuple[str, int] | None:
+        """The consumer whose position it reports, and into how many shares it is split
+        (1: unshared): ``billing[1/4]`` is ``("billing", 4)``. None for a share reported
+        under a name not of the form ``name[i/n]`` (a client of its own)."""
+        share = None if self.filter is None else self.filter.share
+        reporter = self.reporter
+        if share is None or share[1] == 1:
+            return reporter, 1
+        suffix = f"[{share[0]}/{share[1]}]"
+        return (reporter[: -len(suffix)], share[1]) if reporter.endswith(suffix) else None
+
+    def reports_for(self, consumer: str) -> bool:
+        """It reports for ``consumer``, split or not."""
+        split = self.split
+        return split is not None and split[0] == consumer
 
     @property
     def buffered(self) -> int:
@@ -213,6 +239,12 @@ class Server:
         # Where records are numbered after the commit (PostgreSQL): the transactions that
         # published and are still open (``storage.OpenTransactions``), for the status.
         self.open_transactions: Callable[[], OpenTransactions] | None = None
+        # Called as a consumer subscribes, with its name, stream and number of shares: the
+        # producer forgets its positions under another split (``Producer._resplit``).
+        self.resplit: Callable[[str, str, int], Awaitable[None]] | None = None
+        # (consumer, stream) -> the number of shares of its latest subscription, while one
+        # of its subscriptions is open.
+        self._splits: dict[tuple[str, str], int] = {}
 
     async def start(self, host: str, port: int) -> None:
         tls = self.settings.tls
@@ -594,6 +626,7 @@ class Server:
             principal=None if principal is None else principal.name,
             filter=request.filter,
         )
+        await self._forget_other_splits(sub)
         self.subscriptions.add(sub)
         push = asyncio.create_task(self._push(conn, stream, sub, writer, with_epochs))
         acks = asyncio.create_task(self._read_acks(conn, reader, sub))
@@ -604,8 +637,36 @@ class Server:
             for task in (push, acks):
                 task.cancel()
             await asyncio.gather(push, acks, return_exceptions=True)
+            if not self._closing:
+                await self._forget_other_splits(sub, leaving=True)
         for task in done:
             task.result()  # re-raise what ended the subscription
+
+    async def _forget_other_splits(self, sub: Subscription, leaving: bool = False) -> None:
+        """Have the producer forget the positions of ``sub``'s consumer under another split
+        into shares than its latest subscription's: ``sub``'s, as it subscribes; as it
+        leaves, if a later one came with another split (a worker of the old split that
+        acknowledged after the new split subscribed: its position goes with it)."""
+        split = sub.split
+        if self.resplit is None or split is None:
+            return
+        consumer, shares = split
+        key = (consumer, sub.stream)
+        if leaving:
+            latest = self._splits.get(key, shares)
+            if not any(
+                s.stream == sub.stream and s.reports_for(consumer) for s in self.subscriptions
+            ):
+                self._splits.pop(key, None)  # kept only while one of its subscriptions is
+            if latest == shares:
+                return
+            shares = latest
+        else:
+            self._splits[key] = shares
+        try:
+            await self.resplit(consumer, sub.stream, shares)
+        except Exception:  # status may show stale shares; serving goes on
+            logger.exception("could not forget %r's positions under another split", consumer)
 
     async def _read_acks(
         self, conn: ServerConnection, reader: asyncio.StreamReader, sub: Subscription

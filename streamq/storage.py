@@ -27,7 +27,7 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Literal, NamedTuple, Protocol, TypeVar
 
 T = TypeVar("T")
 
@@ -87,20 +87,33 @@ NO_LIMITS = Limits()
 
 @dataclass(frozen=True, slots=True)
 class ConsumerRow:
+    """A row of ``streamq_consumers``: a registration, or the last position an unregistered
+    consumer reported (kept so that a restart does not make it vanish from status)."""
+
     consumer: str
     stream: str
     applied: int
-    updated_at_ms: int = 0  # when its position was last saved (or it registered)
+    updated_at_ms: int = 0  # when it last reported (or registered, if it never did)
     limits: Limits = NO_LIMITS
+    registered: bool = True
 
 
 def consumer_rows(rows: Iterable[Any]) -> list[ConsumerRow]:
-    """Registrations as both engines read them: (consumer, stream, applied, updated_at,
-    max_idle_ms, max_bytes) rows."""
+    """Rows as both engines read them: (consumer, stream, applied, updated_at,
+    max_idle_ms, max_bytes, registered), oldest report first."""
     return [
-        ConsumerRow(str(c), str(s), int(a), int(updated or 0), Limits(idle, size))
-        for c, s, a, updated, idle, size in rows
+        ConsumerRow(str(c), str(s), int(a), int(updated or 0), Limits(idle, size), bool(r))
+        for c, s, a, updated, idle, size, r in rows
     ]
+
+
+class KnownPosition(NamedTuple):
+    """A consumer's position as the producer saves it (``Writer.save_positions``)."""
+
+    consumer: str
+    stream: str
+    applied: int
+    updated_at_ms: int  # when the consumer last reported it
 
 
 @dataclass(frozen=True, slots=True)
@@ -371,11 +384,20 @@ class Writer(Protocol):
         ...
 
     async def unregister_consumer(self, consumer: str, stream: str) -> bool:
-        """Remove a registration; False if there was none."""
+        """Remove a registration; False if there was none. Its position stays known (an
+        unregistered row) if it had applied anything."""
         ...
 
-    async def save_positions(self, positions: list[tuple[str, str, int]]) -> None:
-        """Store registered consumers' reported (consumer, stream, applied)."""
+    async def forget_consumer(self, consumer: str, stream: str) -> bool:
+        """Delete the consumer's row, registered or not; False if there was none."""
+        ...
+
+    async def save_positions(
+        self, positions: Sequence[KnownPosition], forgotten: Sequence[tuple[str, str]] = ()
+    ) -> None:
+        """Store reported positions (a registration keeps its row and flag; another
+        consumer's is inserted unregistered), positions only moving forward; and delete
+        the unregistered rows of ``forgotten`` (consumer, stream) pairs."""
         ...
 
 

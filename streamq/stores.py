@@ -20,7 +20,7 @@ from .storage import Durability
 
 if TYPE_CHECKING:
     from .failures import DeadLetterSQL, ParkedRecord
-    from .resharing import Move
+    from .resharing import Move, OnlineMove
 
 T = TypeVar("T")
 
@@ -35,15 +35,22 @@ def mark_for_retry(
     db: str, consumer: str | None = None, stream: str | None = None, seq: int | None = None
 ) -> int:
     """Mark parked records (all, or those matching) for their consumer to re-apply, once,
-    through its ``apply`` function before its next batch; how many were marked."""
+    through its ``apply`` function (within about a second); how many were marked."""
     return consumer_database(db).mark_for_retry(db, consumer, stream, seq)
 
 
-def reshare(db: str, consumer: str, shares: int) -> list[Move]:
+def reshare(db: str, consumer: str, shares: int) -> list[Move] | list[OnlineMove]:
     """Move ``consumer``'s stored positions in the consumer database ``db`` to a split into
-    ``shares`` (1: unshared), when every share of the old split stands at the same seq;
-    ``ReshareRefusedError`` otherwise (``streamq.resharing``). Stop the workers first."""
-    return consumer_database(db).reshare(db, consumer, shares)
+    ``shares`` (1: unshared). A consumer group (``GroupConsumer``) moves while it runs;
+    workers started with ``Consumer(share=)`` must be stopped first, and every share of the
+    old split stand at the same seq; ``ReshareRefusedError`` otherwise
+    (``streamq.resharing``)."""
+    engine = consumer_database(db)
+    if "streamq_groups" in engine.tables(db).names:
+        online = engine.open_leases(db, consumer, "").reshare(shares)
+        if online is not None:
+            return online
+    return engine.reshare(db, consumer, shares)
 
 
 def consumer_database(db: str) -> Engine:

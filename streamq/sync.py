@@ -235,6 +235,10 @@ class SyncProducer:
         """``Producer.unregister_consumer``."""
         return self._call_fresh(self._producer.unregister_consumer(consumer, stream))
 
+    def forget_consumer(self, consumer: str, stream: str) -> bool:
+        """``Producer.forget_consumer``: its registration and its last known position."""
+        return self._call_fresh(self._producer.forget_consumer(consumer, stream))
+
     def apply_retention(self) -> list[Truncation]:
         """``Producer.apply_retention``."""
         return self._call_fresh(self._producer.apply_retention())

@@ -7,9 +7,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import re
 import signal
 import sqlite3
 import sys
+import urllib.parse
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +21,9 @@ import pytest
 
 import streamq
 from streamq.group import GroupConsumer
+from streamq.stores import reshare
 from tests.conftest import wait_for
+from tests.faultproxy import FaultProxy, Stall
 
 KEYS = [f"account-{n}".encode() for n in range(40)]
 
@@ -58,6 +63,11 @@ def _credits(db: str) -> list[tuple[int, bytes, int]]:
         (seq, bytes(key), pid)
         for seq, key, pid in _sql(db, "SELECT seq, key, pid FROM credits ORDER BY n")
     ]
+
+
+def _positions(db: str) -> int:
+    """How many positions of group ``billing``'s shares are stored."""
+    return len(_sql(db, "SELECT 1 FROM streamq_positions WHERE substr(consumer, 1, 8) = 'billing['"))
 
 
 def credit(tx: streamq.BlockingSQL, batch: streamq.Batch, member: int) -> None:
@@ -276,7 +286,7 @@ async def test_a_member_asking_for_another_split_is_refused_naming_both(
             assert "asks for 3" in str(info.value)
             async with GroupConsumer(address, "orders", db=consumer_db, name="billing") as same:
                 assert same.shares == 4  # none asked: the stored split
-        with pytest.raises(streamq.GroupSpecError, match="does not exist.*give shares="):
+        with pytest.raises(streamq.GroupSpecError, match=r"does not exist.*give shares="):
             await GroupConsumer(address, "orders", db=consumer_db, name="other").start()
 
 
@@ -304,3 +314,115 @@ async def test_a_wrong_stream_is_raised_from_the_iteration(
                 await asyncio.wait_for(anext(group), 10)
             await wait_for(lambda: group.held == [], what="its shares given back")
             assert group.takes <= 2  # one try of each share: it stopped taking them
+
+
+async def test_resharing_a_running_group_applies_every_record_once_in_key_order(
+    producer_db: str, group_db: str
+) -> None:
+    rng = random.Random(11)
+    stop = asyncio.Event()
+    async with streamq.Producer(producer_db, port=0) as producer:
+        publishing = asyncio.create_task(_publish(producer, stop, rng))
+        options: dict[str, Any] = {"db": group_db, "name": "billing", "poll_interval": 0.05}
+        members = [GroupConsumer(producer.address, "orders", shares=4, **options)]
+        members += [GroupConsumer(producer.address, "orders", **options) for _ in range(2)]
+        async with contextlib.AsyncExitStack() as stack:
+            for member in members:
+                await stack.enter_async_context(member)
+            tasks = [asyncio.create_task(_run_member(m)) for m in members]
+            try:
+                before = 4
+                for shares in (8, 3, 5):
+                    # Every share has stored a position, and the shares stand apart.
+                    await wait_for(
+                        lambda: _positions(group_db) == before  # noqa: B023
+                        and len(_credits(group_db)) > producer.head("orders") // 2 + 200,
+                        timeout=30, what="every share to have applied something",
+                    )  # fmt: skip
+                    before = shares
+                    moves = reshare(group_db, "billing", shares)
+                    assert [len(m.new) for m in moves] == [shares]
+                    await wait_for(
+                        lambda: sorted(s for m in members for s in m.held) == list(range(shares)),  # noqa: B023
+                        timeout=30, what=f"the {shares} new shares held",
+                    )  # fmt: skip
+                stop.set()
+                await publishing
+                head = producer.head("orders")
+                await wait_for(lambda: len(_credits(group_db)) >= head, timeout=60, what="all")
+            finally:
+                stop.set()
+                await publishing
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+    rows = _credits(group_db)
+    assert sorted(seq for seq, _, _ in rows) == list(range(1, head + 1))  # each once
+    by_key: dict[bytes, list[int]] = {}
+    for seq, key, _ in rows:
+        by_key.setdefault(key, []).append(seq)
+    assert all(seqs == sorted(seqs) for seqs in by_key.values())  # in key order
+
+
+async def test_a_member_serves_its_shares_and_membership_as_metrics(
+    producer_db: str, consumer_db: str
+) -> None:
+    async with streamq.Producer(producer_db, port=0) as producer:
+        head = await _published(producer, 40)
+        _sql(consumer_db, _CREDITS)
+        async with GroupConsumer(
+            producer.address, "orders", db=consumer_db, name="billing", shares=2, metrics_port=0
+        ) as group:
+            task = asyncio.create_task(_run_member(group))
+            try:
+                await wait_for(lambda: len(_credits(consumer_db)) == head, what="all applied")
+            finally:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            url = f"http://{group.metrics_address}/metrics"
+            text = await asyncio.to_thread(lambda: urllib.request.urlopen(url).read().decode())
+    member = f'group="billing",member="{group.member}",stream="orders"'
+    assert f"streamq_group_shares{{{member}}} 2.0" in text
+    assert f"streamq_group_shares_held{{{member}}} 2.0" in text
+    assert f"streamq_group_takes_total{{{member}}} 2.0" in text
+    applied = re.findall(
+        r'streamq_consumer_records_applied_total\{[^}]*consumer="billing\[(\d)/2\]"[^}]*\} (\S+)',
+        text,
+    )
+    assert sorted(share for share, _ in applied) == ["0", "1"]
+    assert sum(float(count) for _, count in applied) == head
+
+
+async def test_a_member_cut_off_from_its_database_stops_applying_and_says_why(
+    producer_db: str, pg_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    url = urllib.parse.urlsplit(pg_url)
+    assert url.hostname is not None and url.port is not None
+    _sql(
+        pg_url,
+        _CREDITS.replace("INTEGER PRIMARY KEY", "serial PRIMARY KEY").replace("BLOB", "bytea"),
+    )
+    async with (
+        streamq.Producer(producer_db, port=0) as producer,
+        FaultProxy(url.hostname, url.port) as proxy,
+    ):
+        head = await _published(producer, 50)
+        through_proxy = url._replace(netloc=f"{url.username}@{proxy.address}").geturl()
+        options: dict[str, Any] = {"name": "billing", "lease_timeout": 1.0, "poll_interval": 0.05}
+        cut = GroupConsumer(producer.address, "orders", db=through_proxy, shares=1, **options)
+        async with cut:
+            await wait_for(lambda: cut.held == [0], what="the member to hold the share")
+            async with GroupConsumer(producer.address, "orders", db=pg_url, **options) as other:
+                proxy.toxic = Stall()  # every byte to and from the database held
+                await wait_for(lambda: cut.held == [], what="the cut-off member to stop")
+                assert "the consumer database has not answered for" in caplog.text
+                await wait_for(lambda: other.held == [0], what="the other to take over")
+                task = asyncio.create_task(_run_member(other))
+                try:
+                    await wait_for(lambda: len(_credits(pg_url)) == head, what="all applied")
+                finally:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+                proxy.toxic = None  # reachable again: it joins again, as a standby
+                await wait_for(lambda: cut.takes == 1 and not cut._stalled, what="rejoined")
+    assert [seq for seq, _, _ in _credits(pg_url)] == list(range(1, head + 1))

@@ -198,9 +198,12 @@ async def test_a_reconnecting_consumer_reports_its_position_at_once(
             await tx.publish_many("orders", [b"x"] * 5)
         async with consumer:
             await apply_until(consumer, 5)
-    # A new producer process knows nothing in memory; the consumer says where it is.
+    # A new producer process knows the position as it was saved; the consumer, reconnecting,
+    # says where it is at once (and would, to a producer that had forgotten it).
     async with Producer(producer_db, port=unused_tcp_port) as producer:
-        assert lag_of(producer, "billing", "orders") is None
+        saved = lag_of(producer, "billing", "orders")
+        assert saved is not None and saved.applied == 5
+        assert await producer.forget_consumer("billing", "orders")
         async with Consumer(producer.address, "orders", db=consumer_db, name="billing"):
             await producer.wait_applied("billing", "orders", 5, timeout=10)
 

@@ -31,6 +31,8 @@ from streamq import Batch, Consumer, DeadLetter, Producer, RecordFailedError, Re
 from streamq.errors import OutOfOrderBatchError
 from streamq.storage import is_postgres_url
 
+from .conftest import wait_for
+
 ROOT = Path(__file__).resolve().parent.parent
 STREAMQ = [sys.executable, "-m", "streamq"]
 POISON = b"poison"
@@ -49,6 +51,15 @@ class Db:
     def insert(self) -> str:
         placeholder = "%s" if self.engine == "postgres" else "?"
         return f"INSERT INTO credits (seq, value) VALUES ({placeholder}, {placeholder})"
+
+    def execute(self, statement: str) -> None:
+        """``statement`` on a new connection, committed."""
+        if self.engine == "postgres":
+            with psycopg.connect(self.url) as conn:
+                conn.execute(statement)
+        else:
+            with contextlib.closing(sqlite3.connect(self.url)) as conn, conn:
+                conn.execute(statement)
 
     def query(self, statement: str) -> list[tuple[Any, ...]]:
         """Rows as a new connection sees them (what is committed)."""
@@ -264,15 +275,62 @@ async def test_parked_records_are_reapplied_once_on_request(producer_db: str, db
             (letter,) = streamq.list_dead_letters(db.url)
             assert letter.retry_requested_at is None and db.parked() == [2]
             assert letter.attempts == marked.attempts + 1
+            # Fixed (``a`` re-applies with it from now on, by itself too), and two
+            # processes at it at once: applied once.
+            assert await a.retry_dead_letters(credit, db.insert, None) == 0
             assert streamq.mark_for_retry(db.url) == 1
-            # Fixed, and two processes at it at once: applied once.
             both = await asyncio.gather(
                 a.retry_dead_letters(credit, db.insert, None),
                 b.retry_dead_letters(credit, db.insert, None),
             )
-            assert sorted(both) == [0, 1] and a.reapplied + b.reapplied == 1
+            # (0, 0) if a's own look, a second after its last, came first on a slow machine.
+            assert sorted(both) in ([0, 1], [0, 0]) and a.reapplied + b.reapplied == 1
             assert db.parked() == [] and db.credits() == [1, 3, 2]
             assert streamq.list_dead_letters(db.url) == []
+
+
+async def test_marked_records_are_reapplied_on_a_quiet_stream(producer_db: str, db: Db) -> None:
+    """Nothing is published after ``streamq dead-letters retry``: the consumer re-applies
+    the marked record by itself, with the function of its last ``apply``."""
+    fixed = False
+
+    def ledger(tx: Any, batch: Batch) -> int:
+        return credit(tx, batch, db.insert, None if fixed else POISON)
+
+    async with Producer(producer_db) as producer:
+        await publish(producer, b"1", POISON, b"3")
+        async with Consumer(
+            producer.address, "orders", db=db.url, name="ledger", on_failure=DeadLetter()
+        ) as consumer:
+            assert await consumer.apply(await anext(consumer), ledger) == 2
+            assert db.parked() == [2] and consumer.parked == 1
+            fixed = True  # the fix, deployed
+            marked = await asyncio.to_thread(streamq.mark_for_retry, db.url, consumer="ledger")
+            assert marked == 1
+            await wait_for(lambda: consumer.reapplied == 1, timeout=30, what="seq 2 re-applied")
+            assert db.parked() == [] and db.credits() == [1, 3, 2] and db.positions() == [3]
+            # No record came after the mark: no batch brought the retry.
+            assert producer.log.streams["orders"].head == 3
+            assert consumer.batches_applied == 1 and consumer.received == consumer.applied == 3
+
+
+async def test_a_failed_look_for_marked_records_is_raised_from_the_next_batch(
+    producer_db: str, db: Db, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The database fails the consumer's own look (here its dead-letter table is gone): the
+    error is logged and raised to the application waiting for a batch on a quiet stream."""
+    async with Producer(producer_db) as producer:
+        await publish(producer, b"1", POISON, b"3")
+        async with Consumer(
+            producer.address, "orders", db=db.url, name="ledger", on_failure=DeadLetter()
+        ) as consumer:
+            await consumer.apply(await anext(consumer), credit, db.insert)
+            await asyncio.to_thread(db.execute, "DROP TABLE streamq_dead_letters")
+            gone = (sqlite3.OperationalError, psycopg.errors.UndefinedTable)
+            with pytest.raises(gone, match="streamq_dead_letters"):
+                await asyncio.wait_for(anext(consumer), timeout=30)
+    [logged] = [r for r in caplog.records if "marked for retry failed" in r.getMessage()]
+    assert logged.levelname == "ERROR" and "consumer 'ledger'" in logged.getMessage()
 
 
 # --- real processes ---------------------------------------------------------------------

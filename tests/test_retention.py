@@ -128,6 +128,12 @@ async def test_registrations_and_positions_survive_restarts(
         )
         assert await producer.unregister_consumer("billing", "orders")
         assert not await producer.unregister_consumer("billing", "orders")
+    # Unregistered, its position is still known; forgotten, it is gone.
+    async with Producer(producer_db) as producer:
+        (lag,) = producer.consumer_lags()
+        assert (lag.consumer, lag.applied, lag.registered) == ("billing", 20, False)
+        assert await producer.forget_consumer("billing", "orders")
+        assert not await producer.forget_consumer("billing", "orders")
     async with Producer(producer_db) as producer:
         assert producer.consumer_lags() == []
 

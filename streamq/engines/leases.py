@@ -6,18 +6,23 @@ statements are written with ``?`` placeholders; each engine's subclass
 (``engines/*/leases.py``) gives its connection, its clock, how a write transaction
 begins, and the liveness lock that dies with the member's process.
 
-Three tables: ``streamq_groups`` (one row per group: its split and the version of these
-tables), ``streamq_members`` (one row per member, renewed while it runs) and
-``streamq_leases`` (one row per share: its holder and take counter).
+Four tables: ``streamq_groups`` (one row per group: its split and the version of these
+tables), ``streamq_members`` (one row per member, renewed while it runs),
+``streamq_leases`` (one row per share: its holder and take counter) and
+``streamq_floors`` (what earlier splits applied: ``resharing.Floors``, per producer).
+``reshare`` moves a running group to another split (``resharing.plan_online``).
 """
 
 from __future__ import annotations
 
+import json
 import secrets
+import time
 from typing import Any, ClassVar
 
 from ..errors import GroupSpecError
 from ..membership import LEASES_VERSION, Lease, Member, View
+from ..resharing import Floors, OnlineMove, StoredPosition, plan_online
 
 SCHEMA = (
     """CREATE TABLE IF NOT EXISTS streamq_groups (
@@ -25,6 +30,7 @@ SCHEMA = (
         stream TEXT NOT NULL,
         shares INTEGER NOT NULL,
         version INTEGER NOT NULL,      -- of these tables: a newer one is refused
+        tokens BIGINT NOT NULL,        -- the last lease token given: each take's is new
         PRIMARY KEY (name, stream)
     )""",
     """CREATE TABLE IF NOT EXISTS streamq_members (
@@ -39,8 +45,15 @@ SCHEMA = (
         stream TEXT NOT NULL,
         share INTEGER NOT NULL,
         member BIGINT,                 -- its holder (NULL: given back)
-        token BIGINT NOT NULL,         -- incremented by every take: the fence
+        token BIGINT NOT NULL,         -- new at every take (even across splits): the fence
         PRIMARY KEY (name, stream, share)
+    )""",
+    """CREATE TABLE IF NOT EXISTS streamq_floors (
+        name TEXT NOT NULL,
+        stream TEXT NOT NULL,
+        producer_id TEXT NOT NULL,
+        floors TEXT NOT NULL,          -- JSON [[n, [seq of share 0, ...]], ...]: resharing
+        PRIMARY KEY (name, stream, producer_id)
     )""",
 )
 _GROUP = "name = ? AND stream = ?"
@@ -50,7 +63,7 @@ class LeaseTable:
     """One member's connection to its group's rows. Not thread-safe: one call at a time."""
 
     NOW: ClassVar[str]  # the database's clock in ms since the Unix epoch, as SQL
-    LOCK_FOR_TAKE: ClassVar[str] = ""  # appended to the lease row's read in ``take``
+    FOR_UPDATE: ClassVar[str] = ""  # appended to reads of rows a transaction then changes
 
     def __init__(self, db: str, name: str, stream: str) -> None:
         self.db = db
@@ -122,8 +135,8 @@ class LeaseTable:
         def body() -> int:
             if shares is not None:  # made by the first member, with its split
                 self._execute(
-                    "INSERT INTO streamq_groups (name, stream, shares, version) "
-                    "VALUES (?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                    "INSERT INTO streamq_groups (name, stream, shares, version, tokens) "
+                    "VALUES (?, ?, ?, ?, 0) ON CONFLICT DO NOTHING",
                     (*self._key, shares, LEASES_VERSION),
                 )
             row = self._one(f"SELECT shares, version FROM streamq_groups WHERE {_GROUP}", self._key)
@@ -209,7 +222,7 @@ class LeaseTable:
                 return None
             row = self._one(
                 f"SELECT member, token FROM streamq_leases WHERE {_GROUP} AND share = ?"
-                + self.LOCK_FOR_TAKE,
+                + self.FOR_UPDATE,
                 key,
             )
             if row is None:
@@ -217,33 +230,41 @@ class LeaseTable:
                     return None
                 inserted = self._execute(
                     "INSERT INTO streamq_leases (name, stream, share, member, token) "
-                    "VALUES (?, ?, ?, ?, 1) ON CONFLICT DO NOTHING",
+                    "VALUES (?, ?, ?, ?, 0) ON CONFLICT DO NOTHING",
                     (*key, self.member),
                 )
-                return 1 if inserted.rowcount == 1 else None
-            holder, token = row[0], int(row[1])
-            if token != lease.token or holder != lease.member:
-                return None
-            if holder is not None:
-                found = self._one(
-                    f"SELECT expires_at, {self.NOW} FROM streamq_members "
-                    f"WHERE {_GROUP} AND member = ?",
-                    (*self._key, holder),
-                )
-                if found is not None:
-                    member = Member(holder, int(found[0]), bool(self._alive([holder])))
-                    if member.alive(int(found[1])):
-                        return None
-                # Seen dead: its row goes, so it must join again to take anything.
-                self._execute(
-                    f"DELETE FROM streamq_members WHERE {_GROUP} AND member = ?",
-                    (*self._key, holder),
-                )
+                if inserted.rowcount != 1:
+                    return None
+            else:
+                holder, token = row[0], int(row[1])
+                if token != lease.token or holder != lease.member:
+                    return None
+                if holder is not None:
+                    found = self._one(
+                        f"SELECT expires_at, {self.NOW} FROM streamq_members "
+                        f"WHERE {_GROUP} AND member = ?",
+                        (*self._key, holder),
+                    )
+                    if found is not None:
+                        member = Member(holder, int(found[0]), bool(self._alive([holder])))
+                        if member.alive(int(found[1])):
+                            return None
+                    # Seen dead: its row goes, so it must join again to take anything.
+                    self._execute(
+                        f"DELETE FROM streamq_members WHERE {_GROUP} AND member = ?",
+                        (*self._key, holder),
+                    )
+            # A token never given before, in this group: a fence of an earlier split's
+            # lease on the same share number cannot match it.
+            self._execute(
+                f"UPDATE streamq_groups SET tokens = tokens + 1 WHERE {_GROUP}", self._key
+            )
+            (new,) = self._one(f"SELECT tokens FROM streamq_groups WHERE {_GROUP}", self._key)
             self._execute(
                 f"UPDATE streamq_leases SET member = ?, token = ? WHERE {_GROUP} AND share = ?",
-                (self.member, token + 1, *key),
+                (self.member, new, *key),
             )
-            return token + 1
+            return int(new)
 
         result = self._transaction(body)
         return None if result is None else int(result)
@@ -282,3 +303,87 @@ class LeaseTable:
         finally:
             if conn is not None:
                 conn.close()
+
+    def floors(self) -> dict[str, Floors]:
+        """What earlier splits of the group applied, by producer id (``resharing``)."""
+        rows = self._execute(
+            f"SELECT producer_id, floors FROM streamq_floors WHERE {_GROUP}", self._key
+        ).fetchall()
+        return {str(producer): _floors(text) for producer, text in rows}
+
+    def reshare(self, shares: int) -> list[OnlineMove] | None:
+        """Move every group named ``name`` (each of its streams) to ``shares`` shares while
+        it runs, in one transaction; None if there is no such group (``resharing``)."""
+        if self._conn is None:
+            self._conn = self._connect()
+        try:
+            return self._transaction(lambda: self._reshare(shares))  # type: ignore[no-any-return]
+        finally:
+            self.close()
+
+    def _reshare(self, shares: int) -> list[OnlineMove] | None:
+        groups = self._execute(
+            "SELECT stream, shares, version FROM streamq_groups WHERE name = ?" + self.FOR_UPDATE,
+            (self.name,),
+        ).fetchall()
+        if not groups:
+            return None
+        moves: list[OnlineMove] = []
+        prefix = self.name + "["
+        for stream, before, version in groups:
+            if int(version) > LEASES_VERSION:
+                raise GroupSpecError(
+                    f"the group tables in {self.where} are version {version}, written by a "
+                    f"newer streamq; this one reads up to version {LEASES_VERSION}"
+                )
+            key = (self.name, stream)
+            # Every batch being applied under a lease ends first (PostgreSQL: it holds its
+            # lease row), and none commits under the old split after this transaction.
+            self._execute(f"SELECT share FROM streamq_leases WHERE {_GROUP}" + self.FOR_UPDATE, key)
+            rows = self._execute(
+                "SELECT consumer, producer_id, stream, seq, coalesce(epoch, 0), endpoint "
+                "FROM streamq_positions WHERE stream = ? "
+                "AND (consumer = ? OR substr(consumer, 1, ?) = ?)" + self.FOR_UPDATE,
+                (stream, self.name, len(prefix), prefix),
+            ).fetchall()
+            stored = {
+                (str(p), str(s)): _floors(text)
+                for p, s, text in self._execute(
+                    f"SELECT producer_id, stream, floors FROM streamq_floors WHERE {_GROUP}", key
+                ).fetchall()
+            }
+            planned = plan_online(
+                self.name, int(before), shares, [StoredPosition(*row) for row in rows], stored
+            )
+            now = int(time.time() * 1000)
+            for move in planned:
+                for name in move.old:
+                    self._execute(
+                        "DELETE FROM streamq_positions WHERE consumer = ? AND producer_id = ? "
+                        "AND stream = ?",
+                        (name, move.producer_id, move.stream),
+                    )
+                for name in move.new:
+                    self._execute(
+                        "INSERT INTO streamq_positions (consumer, producer_id, stream, seq, "
+                        "epoch, endpoint, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                        (name, move.producer_id, move.stream, move.seq, move.epoch,
+                         move.endpoint, now),
+                    )  # fmt: skip
+                self._execute(
+                    f"DELETE FROM streamq_floors WHERE {_GROUP} AND producer_id = ?",
+                    (*key, move.producer_id),
+                )
+                self._execute(
+                    "INSERT INTO streamq_floors (name, stream, producer_id, floors) "
+                    "VALUES (?, ?, ?, ?)",
+                    (*key, move.producer_id, json.dumps(move.floors.splits)),
+                )
+            self._execute(f"UPDATE streamq_groups SET shares = ? WHERE {_GROUP}", (shares, *key))
+            self._execute(f"DELETE FROM streamq_leases WHERE {_GROUP}", key)  # fences them all
+            moves += planned
+        return moves
+
+
+def _floors(text: str) -> Floors:
+    return Floors(tuple((int(n), tuple(int(s) for s in seqs)) for n, seqs in json.loads(text)))

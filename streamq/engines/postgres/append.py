@@ -121,14 +121,16 @@ _SCHEMA = (
         stream text NOT NULL,
         applied bigint NOT NULL DEFAULT 0,  -- last seq the consumer reported applied
         registered_at bigint NOT NULL,      -- milliseconds since the Unix epoch
-        updated_at bigint NOT NULL,         -- when applied was last saved
+        updated_at bigint NOT NULL,         -- when it last reported (or registered)
         max_idle_ms bigint,                 -- dropped after this long away (NULL: never)
         max_bytes bigint,                   -- dropped when held back records exceed this
+        registered boolean NOT NULL DEFAULT true,  -- false: a position reported, no registration
         PRIMARY KEY (consumer, stream)
     )""",
-    # Registrations made before limits existed.
+    # Tables made before these columns existed (rows already there are registrations).
     """ALTER TABLE streamq_consumers ADD COLUMN IF NOT EXISTS max_idle_ms bigint,
-        ADD COLUMN IF NOT EXISTS max_bytes bigint""",
+        ADD COLUMN IF NOT EXISTS max_bytes bigint,
+        ADD COLUMN IF NOT EXISTS registered boolean NOT NULL DEFAULT true""",
     # Emptied by crash recovery and absent on a promoted replica: the module docstring.
     "CREATE UNLOGGED TABLE IF NOT EXISTS streamq_boot (epoch bigint NOT NULL)",
     # Committed records not numbered yet: the module docstring. (xid, id) is the order

@@ -25,7 +25,7 @@ _HELD = (
 
 class PostgresLeases(LeaseTable):
     NOW = "(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
-    LOCK_FOR_TAKE = " FOR UPDATE"
+    FOR_UPDATE = " FOR UPDATE"
 
     def __init__(self, db: str, name: str, stream: str) -> None:
         super().__init__(db, name, stream)

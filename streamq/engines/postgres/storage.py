@@ -36,6 +36,7 @@ from ...storage import (
     EpochRow,
     Events,
     Identity,
+    KnownPosition,
     Limits,
     LogRow,
     Numbered,
@@ -84,7 +85,8 @@ SELECT (SELECT value FROM streamq_meta WHERE key = 'epoch'),
         s.compact, s.notify_compacted, s.compacted, s.max_ts) ORDER BY s.id), '[]')
      FROM streams AS s),
     (SELECT coalesce(json_agg(json_build_array(c.consumer, c.stream, c.applied, c.updated_at,
-        c.max_idle_ms, c.max_bytes)), '[]') FROM streamq_consumers AS c),
+        c.max_idle_ms, c.max_bytes, c.registered) ORDER BY c.updated_at), '[]')
+     FROM streamq_consumers AS c),
     (SELECT coalesce(json_agg(json_build_array(e.stream_id, e.first_seq, e.epoch)
                               ORDER BY e.stream_id, e.first_seq), '[]')
      FROM streamq_epochs AS e LEFT JOIN known AS k ON k.stream_id = e.stream_id
@@ -335,33 +337,61 @@ class PostgresWriter:
             "max_idle_ms, max_bytes) VALUES (%s, %s, %s, %s, %s, %s, %s) "
             "ON CONFLICT (consumer, stream) DO UPDATE "
             "SET applied = greatest(streamq_consumers.applied, EXCLUDED.applied), "
-            "max_idle_ms = EXCLUDED.max_idle_ms, max_bytes = EXCLUDED.max_bytes "
+            "max_idle_ms = EXCLUDED.max_idle_ms, max_bytes = EXCLUDED.max_bytes, "
+            "registered = true, registered_at = CASE WHEN streamq_consumers.registered "
+            "THEN streamq_consumers.registered_at ELSE EXCLUDED.registered_at END "
             "RETURNING applied",
             (consumer, stream, applied, now, now, limits.max_idle_ms, limits.max_bytes),
         )
         return int(rows[0][0])
 
     async def unregister_consumer(self, consumer: str, stream: str) -> bool:
+        """A consumer that applied nothing leaves no row; one that did stays known."""
+        rows = await self._rows(
+            """
+            WITH gone AS (DELETE FROM streamq_consumers WHERE consumer = %(c)s
+                    AND stream = %(s)s AND registered AND applied = 0 RETURNING 1),
+                kept AS (UPDATE streamq_consumers SET registered = false WHERE consumer = %(c)s
+                    AND stream = %(s)s AND registered AND applied > 0 RETURNING 1)
+            SELECT * FROM gone UNION ALL SELECT * FROM kept""",
+            {"c": consumer, "s": stream},
+        )
+        return bool(rows)
+
+    async def forget_consumer(self, consumer: str, stream: str) -> bool:
         rows = await self._rows(
             "DELETE FROM streamq_consumers WHERE consumer = %s AND stream = %s RETURNING 1",
             (consumer, stream),
         )
         return bool(rows)
 
-    async def save_positions(self, positions: list[tuple[str, str, int]]) -> None:
-        """An UPDATE, never an insert: a registration removed elsewhere stays removed."""
-        if not positions:
-            return
-        now = int(time.time() * 1000)
-        consumers, streams, applied = map(list, zip(*positions, strict=True))
-        await self.conn.execute(
-            """
-            UPDATE streamq_consumers AS c SET applied = greatest(c.applied, p.applied),
-                updated_at = %s
-            FROM unnest(%s::text[], %s::text[], %s::bigint[]) AS p(consumer, stream, applied)
-            WHERE c.consumer = p.consumer AND c.stream = p.stream""",
-            (now, consumers, streams, applied),
-        )
+    async def save_positions(
+        self, positions: Sequence[KnownPosition], forgotten: Sequence[tuple[str, str]] = ()
+    ) -> None:
+        """Never sets ``registered``: a registration removed elsewhere stays removed."""
+        if positions:
+            consumers, streams, applied, updated = map(list, zip(*positions, strict=True))
+            await self.conn.execute(
+                """
+                INSERT INTO streamq_consumers AS c
+                    (consumer, stream, applied, registered_at, updated_at, registered)
+                SELECT p.consumer, p.stream, p.applied, %s, p.updated_at, false
+                FROM unnest(%s::text[], %s::text[], %s::bigint[], %s::bigint[])
+                    AS p(consumer, stream, applied, updated_at)
+                ON CONFLICT (consumer, stream) DO UPDATE
+                SET applied = greatest(c.applied, EXCLUDED.applied),
+                    updated_at = greatest(c.updated_at, EXCLUDED.updated_at)""",
+                (int(time.time() * 1000), consumers, streams, applied, updated),
+            )
+        if forgotten:
+            consumers, streams = map(list, zip(*forgotten, strict=True))
+            await self.conn.execute(
+                """
+                DELETE FROM streamq_consumers AS c
+                USING unnest(%s::text[], %s::text[]) AS f(consumer, stream)
+                WHERE c.consumer = f.consumer AND c.stream = f.stream AND NOT c.registered""",
+                (consumers, streams),
+            )
 
 
 class PostgresWatch(Events):

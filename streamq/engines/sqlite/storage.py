@@ -30,9 +30,12 @@ Six tables, all prefixed ``streamq_`` so they sit beside the application's own:
   first row with ``ts >= T`` names the first seq whose timestamp reaches T:
   one b-tree seek (``seek_time``), a handful of rows per millisecond at most.
 - ``streamq_consumers``: registered consumers, whose unapplied records retention
-  keeps, with the last position each reported (saved lazily, never per commit).
+  keeps, and the consumers that reported a position without a registration
+  (``registered`` 0), each with the last position it reported (saved lazily, at most
+  about once a second, never per commit), so status and lag survive a restart.
   Added after the first release: ``CREATE TABLE IF NOT EXISTS`` adds it to older
-  databases when a producer starts, or when a registration is first made.
+  databases when a producer starts, and the columns added since then (rows already
+  there are registrations).
 - ``streamq_epochs``: under which epoch which seqs were appended. A row (stream,
   first_seq, epoch) says: from ``first_seq`` up to the next row's, that stream's records
   were appended under ``epoch``. Every writer stamps its records with the database's
@@ -68,6 +71,7 @@ from ...storage import (
     Durability,
     EpochRow,
     Identity,
+    KnownPosition,
     Limits,
     LogRow,
     Run,
@@ -97,15 +101,37 @@ CONSUMERS_SCHEMA = """CREATE TABLE IF NOT EXISTS streamq_consumers (
     stream TEXT NOT NULL,
     applied INTEGER NOT NULL DEFAULT 0,  -- last seq the consumer reported applied
     registered_at INTEGER NOT NULL,      -- milliseconds since the Unix epoch
-    updated_at INTEGER NOT NULL,         -- when applied was last saved
+    updated_at INTEGER NOT NULL,         -- when it last reported (or registered)
     max_idle_ms INTEGER,                 -- dropped after this long away (NULL: never)
     max_bytes INTEGER,                   -- dropped when held back records exceed this
+    registered INTEGER NOT NULL DEFAULT 1,  -- 0: a position reported, no registration
     PRIMARY KEY (consumer, stream)
 )"""
-# Registrations made before limits existed: the columns are added at a producer's start.
-_LIMIT_COLUMNS = ("max_idle_ms", "max_bytes")
+# Tables made before these columns existed get them at a producer's start.
+_ADDED_COLUMNS = {
+    "max_idle_ms": "INTEGER",
+    "max_bytes": "INTEGER",
+    "registered": "INTEGER NOT NULL DEFAULT 1",
+}
 CONSUMERS_QUERY = (
-    "SELECT consumer, stream, applied, updated_at, max_idle_ms, max_bytes FROM streamq_consumers"
+    "SELECT consumer, stream, applied, updated_at, max_idle_ms, max_bytes, registered "
+    "FROM streamq_consumers ORDER BY updated_at"
+)
+# A reported position: inserted unregistered, or moved forward (the flag untouched).
+SAVE_POSITION = (
+    "INSERT INTO streamq_consumers (consumer, stream, applied, registered_at, updated_at, "
+    "registered) VALUES (?, ?, ?, ?, ?, 0) ON CONFLICT (consumer, stream) DO UPDATE SET "
+    "applied = max(applied, excluded.applied), updated_at = max(updated_at, excluded.updated_at)"
+)
+FORGET_UNREGISTERED = (
+    "DELETE FROM streamq_consumers WHERE consumer = ? AND stream = ? AND registered = 0"
+)
+# Unregistering: a consumer that applied nothing leaves no row; one that did stays known.
+UNREGISTER_UNKNOWN = (
+    "DELETE FROM streamq_consumers WHERE consumer = ? AND stream = ? AND registered AND applied = 0"
+)
+UNREGISTER = (
+    "UPDATE streamq_consumers SET registered = 0 WHERE consumer = ? AND stream = ? AND registered"
 )
 
 _SCHEMA = (
@@ -448,9 +474,9 @@ def create_schema(dbapi: Any) -> tuple[dict[str, Any], bool]:
         cursor.execute(statement)
     cursor.execute("PRAGMA table_info(streamq_consumers)")
     columns = {row[1] for row in cursor.fetchall()}
-    for column in _LIMIT_COLUMNS:
+    for column, definition in _ADDED_COLUMNS.items():
         if column not in columns:
-            cursor.execute(f"ALTER TABLE streamq_consumers ADD COLUMN {column} INTEGER")
+            cursor.execute(f"ALTER TABLE streamq_consumers ADD COLUMN {column} {definition}")
     cursor.executemany(SET_META, list(meta.items()))
     return meta, created
 
@@ -856,7 +882,8 @@ class SQLiteWriter:
             " max_idle_ms, max_bytes) VALUES (?, ?, ?, ?, ?, ?, ?) "
             "ON CONFLICT (consumer, stream) DO UPDATE SET applied = max(applied, "
             "excluded.applied), max_idle_ms = excluded.max_idle_ms, "
-            "max_bytes = excluded.max_bytes",
+            "max_bytes = excluded.max_bytes, registered = 1, registered_at = "
+            "CASE WHEN registered THEN registered_at ELSE excluded.registered_at END",
             (consumer, stream, applied, now, now, limits.max_idle_ms, limits.max_bytes),
         )
         rows = await self.conn.execute_fetchall(
@@ -866,20 +893,29 @@ class SQLiteWriter:
         return int(next(iter(rows))[0])
 
     async def unregister_consumer(self, consumer: str, stream: str) -> bool:
+        key = (consumer, stream)
+        deleted = await self.conn.execute(UNREGISTER_UNKNOWN, key)
+        kept = await self.conn.execute(UNREGISTER, key)
+        return deleted.rowcount + kept.rowcount > 0
+
+    async def forget_consumer(self, consumer: str, stream: str) -> bool:
         cursor = await self.conn.execute(
             "DELETE FROM streamq_consumers WHERE consumer = ? AND stream = ?", (consumer, stream)
         )
         return cursor.rowcount > 0
 
-    async def save_positions(self, positions: list[tuple[str, str, int]]) -> None:
-        """An UPDATE, never an insert: a registration removed by another process stays
+    async def save_positions(
+        self, positions: Sequence[KnownPosition], forgotten: Sequence[tuple[str, str]] = ()
+    ) -> None:
+        """Never sets ``registered``: a registration removed by another process stays
         removed."""
-        now = int(time.time() * 1000)
-        await self.conn.executemany(
-            "UPDATE streamq_consumers SET applied = max(applied, ?), updated_at = ? "
-            "WHERE consumer = ? AND stream = ?",
-            [(applied, now, consumer, stream) for consumer, stream, applied in positions],
-        )
+        if positions:
+            now = int(time.time() * 1000)
+            await self.conn.executemany(
+                SAVE_POSITION, [(c, s, applied, now, at) for c, s, applied, at in positions]
+            )
+        if forgotten:
+            await self.conn.executemany(FORGET_UNREGISTERED, forgotten)
 
 
 class SQLiteStorage:
