@@ -187,8 +187,7 @@ class GroupConsumer:
         self._closed = True
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await asyncio.wait([self._task])  # a cancel of close itself is not swallowed
         for task in self._next.values():
             task.cancel()
         await asyncio.gather(*self._next.values(), return_exceptions=True)
@@ -236,7 +235,10 @@ class GroupConsumer:
             call = loop.run_in_executor(self._executor, getattr(self._leases, method), *args)
             abandoned = False
             try:
-                return await asyncio.wait_for(asyncio.shield(call), self.lease_timeout)
+                # asyncio.timeout, not wait_for: on 3.11 wait_for drops a cancel that arrives
+                # as the call ends (CPython gh-86296), and close() would wait for ever.
+                async with asyncio.timeout(self.lease_timeout):
+                    return await asyncio.shield(call)
             except TimeoutError:
                 abandoned = True
                 self._abandon()
@@ -273,7 +275,7 @@ class GroupConsumer:
     async def _run(self) -> None:
         """Renew, look and act, every ``poll_interval``, until closed."""
         loop = asyncio.get_running_loop()
-        while True:
+        while not self._closed:
             try:
                 if self._stalled:
                     await self._rejoin()
@@ -421,8 +423,7 @@ class GroupConsumer:
             task.cancel()  # a batch read but not handed out: the next holder reads it again
         if held.starting is not None:
             held.starting.cancel()
-            with contextlib.suppress(BaseException):
-                await held.starting
+            await asyncio.wait([held.starting])  # a cancel of this caller is not swallowed
         if not lost:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.lease_timeout):

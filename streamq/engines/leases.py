@@ -213,6 +213,10 @@ class LeaseTable:
         key = (*self._key, lease.share)
 
         def body() -> int | None:
+            # The group's row first, as ``reshare`` locks it before the leases: one order.
+            self._execute(
+                f"UPDATE streamq_groups SET tokens = tokens + 1 WHERE {_GROUP}", self._key
+            )
             me = self._one(
                 f"SELECT 1 FROM streamq_members WHERE {_GROUP} AND member = ? "
                 f"AND expires_at > {self.NOW}",
@@ -256,9 +260,6 @@ class LeaseTable:
                     )
             # A token never given before, in this group: a fence of an earlier split's
             # lease on the same share number cannot match it.
-            self._execute(
-                f"UPDATE streamq_groups SET tokens = tokens + 1 WHERE {_GROUP}", self._key
-            )
             (new,) = self._one(f"SELECT tokens FROM streamq_groups WHERE {_GROUP}", self._key)
             self._execute(
                 f"UPDATE streamq_leases SET member = ?, token = ? WHERE {_GROUP} AND share = ?",

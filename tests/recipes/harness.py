@@ -151,13 +151,13 @@ PROGRAMS = {
 }
 
 
-def documented_steps(recipe: str) -> list[list[str]]:
-    """The commands of the guide's "Deploying" section that deploy ``recipe`` ("Flask",
-    "Django", "SQLAlchemy"), in the guide's order: those before any "# Name" comment of their
-    block (every recipe's), and those under "# recipe ..."."""
-    text = GUIDE.read_text(encoding="utf-8")
-    section = text[text.index("\n## Deploying\n") + 1 :]
-    section = section[: section.index("\n## ")]
+def documented_steps(
+    recipe: str, guide: Path = GUIDE, heading: str = "Deploying"
+) -> list[list[str]]:
+    """The commands of the guide's "Deploying" section (or ``heading``'s, in ``guide``) that
+    deploy ``recipe`` ("Flask", "Django", "SQLAlchemy"), in the guide's order: those before
+    any "# Name" comment of their block (every recipe's), and those under "# recipe ..."."""
+    section = guide_section(guide, heading)
     steps = []
     for block in re.findall(r"^```bash\n(.*?)^```$", section, re.MULTILINE | re.DOTALL):
         current = None
@@ -166,8 +166,16 @@ def documented_steps(recipe: str) -> list[list[str]]:
                 current = line.lstrip("# ").split()[0]
             elif (command := shlex.split(line, comments=True)) and current in (None, recipe):
                 steps.append(command)
-    assert steps, f"{GUIDE}: no steps for {recipe} under Deploying"
+    assert steps, f"{guide}: no steps for {recipe} under {heading}"
     return steps
+
+
+def guide_section(guide: Path, heading: str) -> str:
+    """The text of the guide's ``## heading`` section, up to the next ``## `` (or the end)."""
+    text = guide.read_text(encoding="utf-8")
+    section = text[text.index(f"\n## {heading}\n") + 1 :]
+    end = section.find("\n## ")
+    return section if end < 0 else section[:end]
 
 
 def _as_run_here(command: Sequence[str], orders_db: Path) -> tuple[dict[str, str], list[str]]:
