@@ -67,7 +67,9 @@ def _credits(db: str) -> list[tuple[int, bytes, int]]:
 
 def _positions(db: str) -> int:
     """How many positions of group ``billing``'s shares are stored."""
-    return len(_sql(db, "SELECT 1 FROM streamq_positions WHERE substr(consumer, 1, 8) = 'billing['"))
+    return len(
+        _sql(db, "SELECT 1 FROM streamq_positions WHERE substr(consumer, 1, 8) = 'billing['")
+    )
 
 
 def credit(tx: streamq.BlockingSQL, batch: streamq.Batch, member: int) -> None:
@@ -127,7 +129,7 @@ class _Worker:
     @classmethod
     async def start(cls, address: str, db: str, *extra: str) -> _Worker:
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "tests.group_worker", address, db, "--shares", "4", *extra,
+            sys.executable, "-m", "tests.group_worker", address, db, *extra,
             stdout=asyncio.subprocess.PIPE,
         )  # fmt: skip
         return cls(process)
@@ -167,28 +169,43 @@ async def _publish(producer: streamq.Producer, stop: asyncio.Event, rng: random.
 async def test_killed_members_shares_are_taken_over_and_applied_once_in_key_order(
     producer_db: str, group_db: str
 ) -> None:
+    """Members killed wherever they are, inside a transaction, during a takeover (a second
+    member killed before the first one's shares are taken) and during a reshare."""
     consumer_db = group_db
     rng = random.Random(7)
     stop = asyncio.Event()
+    split = 4
     async with streamq.Producer(producer_db, port=0) as producer:
         address = producer.address
         publishing = asyncio.create_task(_publish(producer, stop, rng))
-        workers = [await _Worker.start(address, consumer_db) for _ in range(3)]
+        workers = [await _Worker.start(address, consumer_db, "--shares", "4") for _ in range(3)]
 
         def every_share_held_once() -> bool:
-            return sorted(s for w in workers if w.alive for s in w.held) == [0, 1, 2, 3]
+            held = sorted(s for w in workers if w.alive for s in w.held)
+            return held == list(range(split))
+
+        async def kill_a_holder() -> None:
+            """One holding shares, if any does now (none may, as a split changes)."""
+            alive = [w for w in workers if w.alive]
+            await rng.choice([w for w in alive if w.held] or alive).kill()
 
         try:
             for round in range(6):
                 await wait_for(every_share_held_once, timeout=30, what="every share held once")
-                victim = rng.choice([w for w in workers if w.alive and w.held])
-                await victim.kill()  # from outside, wherever it is
+                if round in (2, 4):  # a reshare, and a member killed as the others move
+                    split = {2: 6, 4: 3}[round]
+                    reshare(consumer_db, "billing", split)
+                await kill_a_holder()  # from outside, wherever it is
+                if round == 3:  # and another before the first one's shares are taken
+                    await kill_a_holder()
                 if round % 2 == 0:  # and one that kills itself inside its 3rd transaction
                     dying = await _Worker.start(address, consumer_db, "--die-in-apply", "3")
                     workers.append(dying)
                     await wait_for(lambda: not dying.alive, timeout=30, what="it to die")  # noqa: B023
                     assert dying.process.returncode == -signal.SIGKILL
-                workers.append(await _Worker.start(address, consumer_db))
+                workers.append(await _Worker.start(address, consumer_db))  # the stored split
+                if round == 3:
+                    workers.append(await _Worker.start(address, consumer_db))
             await wait_for(every_share_held_once, timeout=30, what="every share held once")
             stop.set()
             await publishing
