@@ -50,7 +50,6 @@ class PostgresEngine(ModuleEngine):
 
         return PostgresPositionStore(db, durability, connect_timeout=connect_timeout)
 
-
     def open_leases(self, db: str, name: str, stream: str) -> LeaseTable:
         from .leases import PostgresLeases
 

@@ -57,7 +57,6 @@ class SQLiteEngine(ModuleEngine):
 
         return SQLitePositionStore(db, durability)
 
-
     def open_leases(self, db: str, name: str, stream: str) -> LeaseTable:
         from .leases import SQLiteLeases
 
