@@ -318,10 +318,16 @@ class GroupConsumer:
         for share in taken_from(view, self.member, tokens):
             logger.warning("group %r: share %d was taken over by another member", self.name, share)
             self.losses += 1
-            await self._stop(share, lost=True)
+            if (held := self._held.get(share)) is not None:
+                await self._stop(held, lost=True)
+        for lease in view.held_by(self.member):
+            if lease.share not in self._held:  # its consumer failed to start: let it go
+                await self._table("give_back", lease.share, lease.token)
+                return  # look again, with the lease free
         decided = plan(view, self.member)
         for share in decided.give_back:
-            await self._give_back(share)
+            if (held := self._held.get(share)) is not None:
+                await self._give_back(held)
         for lease in decided.take:
             await self._take(lease)
 
@@ -385,12 +391,12 @@ class GroupConsumer:
                 if await self._resplit(held):
                     return  # taken under the split a reshare just replaced: dropped
                 self._fail(exc)  # positions of a split this group never had
-                await self._give_back(held.share)
+                await self._give_back(held)
                 return
             except Exception as exc:
                 held.starting = None
                 self._fail(exc)
-                await self._give_back(held.share)
+                await self._give_back(held)
                 return
         held.starting = None
         self._changed.set()
@@ -401,21 +407,19 @@ class GroupConsumer:
         view = await self._table("view")
         if view.shares == held.split:
             return False
-        await self._stop(held.share, lost=True)
+        await self._stop(held, lost=True)
         return True
 
-    async def _give_back(self, share: int) -> None:
-        """Stop reading ``share``, let a batch handed out of it be applied (for at most a
-        lease timeout), and release its lease."""
-        held = self._held.get(share)
-        if held is None:
-            return
-        await self._stop(share, lost=False)
-        await self._table("give_back", share, held.token)
+    async def _give_back(self, held: _Held) -> None:
+        """Stop reading ``held``'s share, let a batch handed out of it be applied (for at
+        most a lease timeout), and release its lease."""
+        await self._stop(held, lost=False)
+        await self._table("give_back", held.share, held.token)
 
-    async def _stop(self, share: int, *, lost: bool) -> None:
-        held = self._held.get(share)
-        if held is None or held.draining:
+    async def _stop(self, held: _Held, *, lost: bool) -> None:
+        """Stop applying ``held`` (by the object: a share of the same number taken under
+        a newer split is another)."""
+        if held.draining or self._held.get(held.share) is not held:
             return
         held.draining = True
         task = self._next.pop(held.consumer, None)
@@ -430,7 +434,7 @@ class GroupConsumer:
                     while held.consumer.applied < held.handed:
                         self._progress.clear()
                         await self._progress.wait()
-        del self._held[share]
+        del self._held[held.share]
         if not lost:  # an apply under way ends first; a lost share's is fenced anyway
             await self._applies_ended()
         await held.consumer.close()
@@ -445,8 +449,8 @@ class GroupConsumer:
                     pass
 
     async def _stop_all(self, *, lost: bool) -> None:
-        for share in list(self._held):
-            await self._stop(share, lost=lost)
+        for held in list(self._held.values()):
+            await self._stop(held, lost=lost)
 
     def _fail(self, error: BaseException) -> None:
         """Raise ``error`` from the iteration (a share's consumer could not start, say)."""
@@ -524,7 +528,7 @@ class GroupConsumer:
             return await held.consumer.apply(batch, fn, *args)
         except LeaseLostError:
             self.losses += 1
-            await self._stop(held.share, lost=True)
+            await self._stop(held, lost=True)
             raise
         finally:
             self._progress.set()
@@ -538,7 +542,7 @@ class GroupConsumer:
                 yield tx
         except LeaseLostError:
             self.losses += 1
-            await self._stop(held.share, lost=True)
+            await self._stop(held, lost=True)
             raise
         finally:
             self._progress.set()

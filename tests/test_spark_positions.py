@@ -59,7 +59,12 @@ def test_a_query_stopped_at_the_head_has_reported_it(spark: SparkSession, tmp_pa
         assert reported(producer.address) == [("spark", 540, 0)]
         with producer.transaction() as tx:
             tx.publish_many("orders", [b"y"] * 60)
-        assert reported(producer.address) == [("spark", 540, 60)]
+        asyncio.run(  # the head the status reports moves once the producer has served them
+            wait_for(
+                lambda: reported(producer.address) == [("spark", 540, 60)],
+                what="the lag behind 60 more records",
+            )
+        )
         # The query restarted from its checkpoint: its one batch is reported before it ends.
         query = start(producer.address, available_now=True)
         assert query.awaitTermination(120), "AvailableNow query did not finish"
