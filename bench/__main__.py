@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .common import DURABILITY, console, machine
+from .groups import run as groups
 from .latency import run as latency
 from .pg_load import run as pg_load
 from .pipe import run as pipe
@@ -33,6 +34,7 @@ WORKLOADS: dict[str, Callable[..., Any]] = {
     "transfer_pg": transfer_pg.run,
     "pg_load": pg_load.run,
     "shares": shares.run,
+    "groups": groups.run,
 }
 WITH_NATS = {"pipe", "latency"}  # the workloads that take run(..., nats=...)
 

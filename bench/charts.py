@@ -404,6 +404,76 @@ def shares(results: Results, folder: Path) -> list[Path]:
     return [finish(fig, folder / "shares.png", title, results)]
 
 
+def groups(results: Results, folder: Path) -> list[Path]:
+    """Takeover after kill -9 (every kill, each system side by side), the resharing's
+    records applied per 100 ms over time, and records/s against group members."""
+    import random
+
+    fig, axes = figure(1, 3, 16, 4.4)
+    ax = axes[0][0]
+    runs = results["takeover"]
+    jitter = random.Random(0)
+    for x, r in enumerate(runs):
+        values = r["takeover_s"]
+        color = COLORS.get(r["system"], "tab:gray")
+        ax.boxplot([values], positions=[x], widths=0.5, showfliers=False)
+        ax.scatter([x + jitter.uniform(-0.15, 0.15) for _ in values], values, s=12,
+                   color=color, alpha=0.7, zorder=3)  # fmt: skip
+    labels = [
+        f"{LABELS.get(r['system'], r['system'])}\np50 {r['p50_s']:.2f} s, p99 {r['p99_s']:.2f} s"
+        for r in runs
+    ]
+    ax.set_xticks(range(len(runs)), labels, fontsize=8)
+    values = [v for r in runs for v in r["takeover_s"]]
+    if values and max(values) / max(min(values), 1e-9) > LOG_SPAN:
+        log_y(ax)
+    else:
+        ax.set_ylim(bottom=0)
+    ax.set_ylabel("kill -9 -> first apply by another member, s", fontsize=8)
+    kafka = next((r for r in runs if r["system"] == "kafka"), None)
+    session = f", Kafka session {results['kafka_session_ms']} ms" if kafka else ""
+    ax.set_title(f"takeover, {len(runs[0]['kills'])} kills each{session}", fontsize=9)
+    reshare = results["reshare"]
+    ax = axes[0][1]
+    bins = reshare["per_bin"]
+    start, width = reshare["bins_from_s"], reshare["bin_s"]
+    ax.step([start + i * width for i in range(len(bins))], bins, where="post",
+            color=COLORS["streamq"])  # fmt: skip
+    ax.axvline(0, color="black", linestyle="--", linewidth=1, label="reshare 4 -> 8")
+    ax.axvline(reshare["all_held_s"], color="gray", linestyle=":", linewidth=1,
+               label=f"8 shares held (+{reshare['all_held_s']:.2f} s)")  # fmt: skip
+    ax.set_xlim(max(start, -3.0), min(start + len(bins) * width, 5.0))  # around the change
+    ax.set_xlabel("s from the reshare", fontsize=8)
+    ax.set_ylabel(f"records applied per {width * 1000:.0f} ms", fontsize=8)
+    ax.set_ylim(bottom=0)
+    ax.set_title(
+        f"online resharing at {results['rate']:,}/s: longest gap {reshare['group_gap_s']:.2f} s, "
+        f"per key {reshare['key_pause_s']:.2f} s",
+        fontsize=9,
+    )
+    ax.legend(fontsize=7)
+    scaling = results["scaling"]
+    ax = axes[0][2]
+    members = [int(n) for n in scaling["median_rate"]["group"]]
+    group = [scaling["median_rate"]["group"][str(n)] for n in members]
+    hand = [scaling["median_rate"]["shares"][str(n)] for n in members]
+    ax.plot(members, [group[0] * n for n in members], "--", color="gray", label="n x 1 member")
+    ax.plot(members, group, "o-", color=COLORS["streamq"],
+            label=f"group, shares={scaling['group_shares']}")  # fmt: skip
+    ax.plot(members, hand, "s:", color="tab:cyan", label="hand-given shares (n)")
+    ax.set_xscale("log", base=2)
+    log_y(ax)
+    ax.set_xticks(members, [str(n) for n in members])
+    ax.set_xlabel("member processes", fontsize=8)
+    ax.set_ylabel("records applied / s (log scale)", fontsize=8)
+    ax.set_title(f"scaling, apply {scaling['apply_ms']} ms per record", fontsize=9)
+    ax.legend(fontsize=7)
+    for ax in axes[0]:
+        ax.tick_params(labelsize=8)
+    title = "consumer groups: streamq GroupConsumer against a Kafka consumer group"
+    return [finish(fig, folder / "groups.png", title, results)]
+
+
 CHARTS: dict[str, Callable[[Results, Path], list[Path]]] = {
     "pipe": pipe,
     "latency": latency,
@@ -413,6 +483,7 @@ CHARTS: dict[str, Callable[[Results, Path], list[Path]]] = {
     "transfer_pg": transfer_pg,
     "pg_load": pg_load,
     "shares": shares,
+    "groups": groups,
 }
 
 

@@ -13,11 +13,12 @@ import select
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from rich.console import Console
 from rich.table import Table
@@ -126,13 +127,20 @@ class Child:
         self.process.stdin.write(line + "\n")
         self.process.stdin.flush()
 
-    def __enter__(self) -> Child:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
     def stop(self) -> None:
+        self._end()
+        for pipe in (self.process.stdin, self.process.stdout):
+            if pipe is not None:
+                pipe.close()
+
+    def _end(self) -> None:
+        """SIGTERM, then SIGKILL after 10 s; returns once the process is gone."""
         if self.process.poll() is None:
             self.process.terminate()
             try:
@@ -140,9 +148,72 @@ class Child:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        for pipe in (self.process.stdin, self.process.stdout):
-            if pipe is not None:
-                pipe.close()
+
+
+class Reporting(Child):
+    """A Child whose lines are read as they come, on a thread of their own: ``expect`` as
+    a Child's, and ``last(word)``, the fields of the latest line starting with ``word``
+    (state a child reports again whenever it changes, such as the shares a group member
+    holds), which a driver watching several children reads without blocking."""
+
+    def __init__(self, module: str, *args: object) -> None:
+        super().__init__(module, *args)
+        self._lines: list[list[str]] = []
+        self._read_to = 0  # lines before this one were looked at by ``expect``
+        self._last: dict[str, list[str]] = {}
+        self._ended = False
+        self._changed = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            fields = line.split()
+            with self._changed:
+                self._lines.append(fields)
+                if fields:
+                    self._last[fields[0]] = fields[1:]
+                self._changed.notify_all()
+        with self._changed:
+            self._ended = True
+            self._changed.notify_all()
+
+    def last(self, word: str) -> list[str] | None:
+        """The other fields of the latest line starting with ``word`` (None: none yet)."""
+        with self._changed:
+            return self._last.get(word)
+
+    def expect(self, word: str, timeout: float = 120.0) -> list[str]:
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                for fields in self._lines[self._read_to :]:
+                    self._read_to += 1
+                    if fields and fields[0] == word:
+                        return fields[1:]
+                if self._ended:
+                    code = self.process.wait()
+                    raise RuntimeError(f"{self.name} exited ({code}) before {word}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{self.name}: no {word} within {timeout:g} s")
+                self._changed.wait(left)
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL, as ``kill -9`` from outside; returns once the process is gone."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+
+    def stop(self) -> None:
+        self._end()
+        self._reader.join(timeout=10)  # to the end of its output, before the pipe closes
+        super().stop()
 
 
 def proc_kib(pid: int, field: str) -> int:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from rich.progress import Progress
 from rich.table import Table
 
-from ..common import Child, console, machine, save, workload_main
+from ..common import Child, Reporting, console, machine, save, workload_main
 from .streamq import EFFECTS
 
 if TYPE_CHECKING:
@@ -69,6 +69,43 @@ def run_once(
         for w in workers:
             w.send("GO")
         done = [w.expect("DONE", timeout=600) for w in workers]
+    return figures(done, url, shares, count)
+
+
+def run_group_once(
+    server: PostgresServer, address: str, members: int, shares: int, count: int, name: str
+) -> dict[str, Any]:
+    """``run_once`` by ``members`` members of a consumer group split into ``shares``: GO
+    once every share is held, STOP once every record is applied; its figures, checked."""
+    import psycopg
+
+    from ..groups.common import balanced, wait_until
+
+    url = server.create_database(name)
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(EFFECTS)
+        with contextlib.ExitStack() as stack:
+            group = [
+                stack.enter_context(Reporting(PROGRAMS, "member", address, url, shares, APPLY_MS))
+                for _ in range(members)
+            ]
+            wait_until("balanced group", lambda: balanced(group, shares))
+            for m in group:
+                m.send("GO")
+
+            def applied() -> bool:
+                row = conn.execute("SELECT count(*) FROM effects").fetchone()
+                return row is not None and row[0] >= count
+
+            wait_until(f"{count:,} records applied", applied, timeout=600, every=0.1)
+            for m in group:
+                m.send("STOP")
+            done = [m.expect("DONE", timeout=60) for m in group]
+    return figures(done, url, shares, count)
+
+
+def figures(done: list[list[str]], url: str, shares: int, count: int) -> dict[str, Any]:
+    """A run's figures from each worker's DONE (start, end, records), once checked."""
     starts = [float(d[0]) for d in done]
     ends = [float(d[1]) for d in done]
     records = [int(d[2]) for d in done]

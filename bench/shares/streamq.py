@@ -10,6 +10,12 @@ service) and inserts one ``effects`` row per record, in one transaction with its
 position. Prints ``READY``, waits for ``GO``, applies until its position reaches COUNT
 and prints ``DONE START END RECORDS``: wall-clock seconds of GO and of the commit of its
 last batch that held records, and how many records it applied.
+
+``member ADDRESS DB_URL SHARES APPLY_MS``: the same apply by a member of a consumer group
+(``GroupConsumer``, shares=SHARES) instead of a hand-given share; its rows' ``worker`` is
+the share the batch came from. Prints ``HELD SHARES`` whenever they change (applying
+nothing before ``GO``), applies from ``GO`` until ``STOP``, then prints ``DONE START END
+RECORDS`` as a worker does.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from ..common import say, wait_line
 
 STREAM = "jobs"
 VALUE = b"j" * 100
+MEMBER_SECONDS = 600.0  # a group member applies for at most this long
 EFFECTS = (
     "CREATE TABLE IF NOT EXISTS effects (n bigserial PRIMARY KEY, seq bigint NOT NULL UNIQUE, "
     "key bytea, worker int NOT NULL)"
@@ -73,6 +80,37 @@ async def worker(
         say("DONE", start, end, records)
 
 
+async def member(address: str, db: str, shares: int, apply_ms: float) -> None:
+    from ..groups.streamq import report
+
+    async with streamq.GroupConsumer(
+        address, STREAM, db=db, name="workers", shares=shares
+    ) as group:
+        reporting = asyncio.create_task(report(group))
+        await asyncio.to_thread(wait_line, "GO")
+        start = end = time.time()
+        records = 0
+        stop = asyncio.ensure_future(asyncio.to_thread(wait_line, "STOP"))
+        async with asyncio.timeout(MEMBER_SECONDS):
+            while True:
+                receiving = asyncio.ensure_future(anext(group))
+                await asyncio.wait([receiving, stop], return_when=asyncio.FIRST_COMPLETED)
+                if not receiving.done():
+                    receiving.cancel()  # the group keeps the batch being read: nothing lost
+                    break
+                batch = receiving.result()
+                assert batch.fence is not None  # a group's batch names its share
+                try:
+                    await group.apply(batch, apply, batch.fence.share, apply_ms)
+                except streamq.LeaseLostError:
+                    continue  # the share moved: its new holder applies the batch
+                if len(batch):
+                    records += len(batch)
+                    end = time.time()
+        reporting.cancel()
+        say("DONE", start, end, records)
+
+
 def main(argv: list[str]) -> None:
     role, *args = argv
     if role == "producer":
@@ -80,6 +118,9 @@ def main(argv: list[str]) -> None:
     elif role == "worker":
         address, db, index, shares, count, apply_ms = args
         _loop.run(worker(address, db, int(index), int(shares), int(count), float(apply_ms)))
+    elif role == "member":
+        address, db, shares, apply_ms = args
+        _loop.run(member(address, db, int(shares), float(apply_ms)))
     else:
         raise SystemExit(f"unknown role {role!r}")
 
