@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck bench bench-quick nats-server soak fuzz powerloss simulate clean docs
+.PHONY: demo test lint typecheck bench bench-quick bench-smoke nats-server soak fuzz powerloss simulate clean docs
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,9 @@ bench: $(STAMP) nats-server  # every workload at full size, against real Kafka a
 
 bench-quick: $(STAMP) nats-server  # every workload at small size, in a few minutes
 	$(BIN)/python -m bench --quick
+
+bench-smoke: $(STAMP)  # the groups workload's quick mode against a real Kafka broker, checked
+	$(BIN)/python -m pytest -q -p no:randomly tests/smoke_bench_groups.py
 
 # bench/nats/bin/nats-server at the pinned version, by `go install` when missing (or
 # the binary NATS_SERVER names, if set, is checked instead)

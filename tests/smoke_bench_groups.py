@@ -1,5 +1,8 @@
 """The groups workload cannot rot: its quick mode, streamq's group against a Kafka consumer
-group on a real broker, every kill's takeover measured and every table checked."""
+group on a real broker, every kill's takeover measured and every table checked.
+
+Run by ``make bench-smoke`` (not ``make test``): beside the other Kafka smoke tests on two
+pytest workers it starved the transfer workload's crash run past its deadline."""
 
 from __future__ import annotations
 
