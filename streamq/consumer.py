@@ -41,7 +41,7 @@ from .errors import (
 )
 from .failures import DeadLetter, FailurePolicy, Policies, Retry, Stop
 from .filters import Filter, share_name, shared_as
-from .metrics import ConsumerCollector, MetricsServer, consumers_of
+from .metrics import ConsumerCollector, MetricsEndpoint
 from .protocol import (
     DEFAULT_MAX_FRAME_SIZE,
     PROTOCOL_VERSION,
@@ -215,11 +215,7 @@ class Consumer:
         metrics_host: str = "127.0.0.1",
         metrics: Producer | ConsumerCollector | None = None,
     ) -> None:
-        if metrics_port is not None and metrics is not None:
-            raise ValueError(
-                "give metrics_port= (an endpoint of the consumer's own) or metrics= (a "
-                "producer's endpoint, or a collector), not both"
-            )
+        self._metrics = MetricsEndpoint(metrics_port, metrics_host, metrics)
         if ack_interval < 0:
             raise ValueError(f"ack_interval must be 0 or more seconds, not {ack_interval!r}")
         if share is not None:
@@ -300,9 +296,6 @@ class Consumer:
         self._siblings: frozenset[str] = frozenset()
         self.records_applied = 0  # records committed in their batch, parked ones not counted
         self.batches_applied = 0  # batches committed through this consumer
-        self._metrics_port, self._metrics_host = metrics_port, metrics_host
-        self._metrics_to = metrics  # a producer's endpoint or a collector to report to
-        self._metrics: MetricsServer | None = None  # its own endpoint (metrics_port=)
         self._collector: ConsumerCollector | None = None  # the collector it reports to
         # A failure of the consumer's own background work (re-applying records marked for
         # retry), for the next ``__anext__`` to raise when batches were waiting already.
@@ -312,6 +305,7 @@ class Consumer:
         # Records applied under a group's earlier splits, by producer id (``resharing``).
         self.floors: dict[str, Floors] = {}
         self._skip: Floors | None = None  # this producer's, skipped as they arrive
+        self._skip_through = 0  # no record after this seq is skipped
 
     def _share_store(self, store: PositionStore, lock: asyncio.Lock) -> None:
         """Apply into ``store``, opened by someone else (``FanInConsumer``), one transaction
@@ -356,18 +350,12 @@ class Consumer:
     @property
     def metrics_address(self) -> str:
         """``host:port`` of this consumer's own Prometheus endpoint (``/metrics``)."""
-        if self._metrics is None:
-            raise RuntimeError("this consumer serves no metrics of its own (metrics_port=None)")
         return self._metrics.address
 
     async def start(self) -> None:
         """Open the database, connect and subscribe; raises if the producer refuses."""
         try:
-            if self._metrics_port is not None:
-                self._metrics = MetricsServer(None, self._metrics_host, self._metrics_port)
-                self._collector = self._metrics.consumers
-            elif self._metrics_to is not None:
-                self._collector = consumers_of(self._metrics_to)
+            self._collector = self._metrics.open()
             if self._collector is not None:
                 self._collector.add(self)
             if self._store is not None and self._owns_store:
@@ -396,8 +384,7 @@ class Consumer:
         self._drop_connection()
         if self._collector is not None:
             self._collector.remove(self)
-        if self._metrics is not None:
-            await asyncio.to_thread(self._metrics.close)  # waits for its serving thread
+        await self._metrics.close()
         if self._store is not None and self._owns_store:
             await self._store.close()
 
@@ -492,6 +479,7 @@ class Consumer:
             raise
         self.producer_id, self.epoch, self.head = hello.producer_id, hello.epoch, subscribed.head
         self._skip = self.floors.get(hello.producer_id)
+        self._skip_through = 0 if self._skip is None else self._skip.highest  # once, not a frame
         if start - 1 != self.received:
             self.seen_epoch = 0
         self.seen_epoch = max(self.seen_epoch, subscribed.after_epoch or 0)
@@ -743,7 +731,7 @@ class Consumer:
                     self.seen_epoch = max(self.seen_epoch, message.epoch or 0)
                     records, through = message.records, message.through or 0
                     skip = self._skip
-                    if skip is not None and records and records[0].seq <= skip.highest:
+                    if skip is not None and records and records[0].seq <= self._skip_through:
                         through = through or records[-1].seq
                         records = tuple(r for r in records if not skip.applied(r.key, r.seq))
                     batch = Batch(

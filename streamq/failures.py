@@ -11,7 +11,6 @@ re-applies parked records marked for retry: before a batch, and while none comes
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import sys
 import time
@@ -281,8 +280,7 @@ class Policies:
         """Stop looking for records marked for retry (one being re-applied is finished)."""
         if self._watching is not None:
             self._watching.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watching
+            await asyncio.wait([self._watching])  # a cancel of close itself is not swallowed
 
     async def _retry_letters(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> int:
         """Re-apply the marked records with ``fn``, all under the transaction lock: no

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from .batches import Batch
 from .consumer import Consumer
-from .metrics import ConsumerCollector, MetricsServer
+from .metrics import MetricsEndpoint
 from .storage import Durability
 from .stores import ConsumerTransaction, PositionStore, open_position_store
 
@@ -57,17 +57,9 @@ class FanInConsumer:
             raise ValueError("a consumer with a database needs a name= to store its position under")
         self.stream = stream
         self.name = name or "anonymous"
-        self._metrics_port, self._metrics_host = metrics_port, metrics_host
-        self._metrics: MetricsServer | None = None
-        self._collector: ConsumerCollector | None = None
-        if metrics_port is not None:
-            if options.get("metrics") is not None:
-                raise ValueError(
-                    "give metrics_port= (an endpoint of the consumer's own) or metrics= (a "
-                    "producer's endpoint, or a collector), not both"
-                )
-            # Every producer's consumer reports to the one endpoint.
-            options["metrics"] = self._collector = ConsumerCollector()
+        self._metrics = MetricsEndpoint(metrics_port, metrics_host, options.get("metrics"))
+        if self._metrics.collector is not None:  # every producer's consumer reports there
+            options["metrics"] = self._metrics.collector
         self.consumers = [
             Consumer(address, stream, name=name, durability=durability, **options)
             for address in addresses
@@ -85,10 +77,7 @@ class FanInConsumer:
     async def start(self) -> None:
         """Open the database and subscribe to every producer; raises if one refuses."""
         try:
-            if self._metrics_port is not None:
-                self._metrics = MetricsServer(
-                    None, self._metrics_host, self._metrics_port, self._collector
-                )
+            self._metrics.open()
             if self._store is not None:
                 await self._store.open()
                 lock = asyncio.Lock()  # one transaction at a time on the shared connection
@@ -116,8 +105,7 @@ class FanInConsumer:
             task.cancel()
         await asyncio.gather(*self._next.values(), return_exceptions=True)
         await asyncio.gather(*(consumer.close() for consumer in self.consumers))
-        if self._metrics is not None:
-            await asyncio.to_thread(self._metrics.close)  # waits for its serving thread
+        await self._metrics.close()
         if self._store is not None:
             await self._store.close()
 
@@ -172,8 +160,6 @@ class FanInConsumer:
     @property
     def metrics_address(self) -> str:
         """``host:port`` of the Prometheus endpoint of all the producers' consumers."""
-        if self._metrics is None:
-            raise RuntimeError("this consumer serves no metrics of its own (metrics_port=None)")
         return self._metrics.address
 
     @property

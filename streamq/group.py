@@ -30,7 +30,7 @@ from .consumer import _FIRST_DELAY, _MAX_DELAY, _TRANSIENT, Consumer
 from .engines import for_target
 from .errors import GroupSpecError, LeaseLostError, SharesChangedError
 from .membership import Lease, plan, taken_from
-from .metrics import ConsumerCollector, MetricsServer, consumers_of
+from .metrics import ConsumerCollector, MetricsEndpoint
 from .resharing import Floors
 from .storage import Durability
 from .stores import ConsumerTransaction, open_position_store
@@ -105,17 +105,10 @@ class GroupConsumer:
             )
         if "share" in options:
             raise ValueError("a group member's shares are given by the group: no share=")
-        if metrics_port is not None and options.get("metrics") is not None:
-            raise ValueError(
-                "give metrics_port= (an endpoint of the member's own) or metrics= (a "
-                "producer's endpoint, or a collector), not both"
-            )
-        self._metrics_to = options.get("metrics")
-        self._metrics_port, self._metrics_host = metrics_port, metrics_host
-        self._metrics: MetricsServer | None = None
-        self._collector: ConsumerCollector | None = None
-        if metrics_port is not None:  # every share's consumer reports to the one endpoint
-            options["metrics"] = self._collector = ConsumerCollector()
+        self._metrics = MetricsEndpoint(metrics_port, metrics_host, options.get("metrics"))
+        if self._metrics.collector is not None:  # every share's consumer reports there
+            options["metrics"] = self._metrics.collector
+        self._collector: ConsumerCollector | None = None  # the one the member reports to
         self.address = address
         self.stream = stream
         self.name = name
@@ -129,6 +122,7 @@ class GroupConsumer:
         self._tx_lock = asyncio.Lock()  # one transaction at a time on the shared connection
         self._held: dict[int, _Held] = {}
         self._changed = asyncio.Event()  # the held shares changed: look again
+        self._changed_wait: asyncio.Task[Any] | None = None  # __anext__'s, for it
         self._progress = asyncio.Event()  # a batch was applied: a share being given back
         self._next: dict[Consumer, asyncio.Task[Batch]] = {}
         self._turn = 0
@@ -146,8 +140,6 @@ class GroupConsumer:
     @property
     def metrics_address(self) -> str:
         """``host:port`` of this member's own Prometheus endpoint (``metrics_port=``)."""
-        if self._metrics is None:
-            raise RuntimeError("this member serves no metrics of its own (metrics_port=None)")
         return self._metrics.address
 
     @property
@@ -165,12 +157,7 @@ class GroupConsumer:
     async def start(self) -> None:
         """Open the database and join the group; shares are taken in the background."""
         try:
-            if self._metrics_port is not None:
-                self._metrics = MetricsServer(
-                    None, self._metrics_host, self._metrics_port, self._collector
-                )
-            elif self._metrics_to is not None:
-                self._collector = consumers_of(self._metrics_to)
+            self._collector = self._metrics.open()
             await self._store.open()
             await self._join()
         except BaseException:
@@ -188,6 +175,8 @@ class GroupConsumer:
         if self._task is not None:
             self._task.cancel()
             await asyncio.wait([self._task])  # a cancel of close itself is not swallowed
+        if self._changed_wait is not None:
+            self._changed_wait.cancel()
         for task in self._next.values():
             task.cancel()
         await asyncio.gather(*self._next.values(), return_exceptions=True)
@@ -207,8 +196,7 @@ class GroupConsumer:
             logger.warning("group %r: leaving failed (%r)", self.name, exc)
         if self._collector is not None:
             self._collector.remove_group(self)
-        if self._metrics is not None:
-            await asyncio.to_thread(self._metrics.close)  # waits for its serving thread
+        await self._metrics.close()
         self._executor.shutdown(wait=False)
         await self._store.close()
 
@@ -469,19 +457,20 @@ class GroupConsumer:
                 raise self._errors.pop(0)
             if self._closed:
                 raise StopAsyncIteration
+            # One waiter for changes, until one comes (not a task per batch): made before
+            # the held shares are looked at, so a change after that look wakes the wait.
+            changed = self._changed_wait
+            if changed is None or changed.done():
+                self._changed.clear()
+                changed = self._changed_wait = asyncio.ensure_future(self._changed.wait())
             held = [item for item in self._held.values() if not (item.draining or item.starting)]
             for item in held:
                 if item.consumer not in self._next:
                     self._next[item.consumer] = asyncio.ensure_future(item.consumer.__anext__())
-            self._changed.clear()
-            changed = asyncio.ensure_future(self._changed.wait())
-            try:
-                # Cancelling this wait leaves the reads running: no batch is dropped.
-                done, _ = await asyncio.wait(
-                    [*self._next.values(), changed], return_when=asyncio.FIRST_COMPLETED
-                )
-            finally:
-                changed.cancel()
+            # Cancelling this wait leaves the reads running: no batch is dropped.
+            done, _ = await asyncio.wait(
+                [*self._next.values(), changed], return_when=asyncio.FIRST_COMPLETED
+            )
             count = len(held)
             for i in range(count):
                 item = held[(self._turn + i) % count]
@@ -523,23 +512,22 @@ class GroupConsumer:
 
     async def apply(self, batch: Batch, fn: Callable[..., T], *args: Any) -> T:
         """``Consumer.apply`` on the share ``batch`` came from, under its lease."""
-        held = self._holder(batch)
-        try:
-            return await held.consumer.apply(batch, fn, *args)
-        except LeaseLostError:
-            self.losses += 1
-            await self._stop(held, lost=True)
-            raise
-        finally:
-            self._progress.set()
+        async with self._applying(batch) as consumer:
+            return await consumer.apply(batch, fn, *args)
 
     @contextlib.asynccontextmanager
     async def transaction(self, batch: Batch) -> AsyncIterator[ConsumerTransaction]:
         """``Consumer.transaction`` on the share ``batch`` came from, under its lease."""
+        async with self._applying(batch) as consumer, consumer.transaction(batch) as tx:
+            yield tx
+
+    @contextlib.asynccontextmanager
+    async def _applying(self, batch: Batch) -> AsyncIterator[Consumer]:
+        """The consumer of ``batch``'s share, to apply it with: a lease found lost on the
+        way drops the share; a share being given back learns that its batch ended."""
         held = self._holder(batch)
         try:
-            async with held.consumer.transaction(batch) as tx:
-                yield tx
+            yield held.consumer
         except LeaseLostError:
             self.losses += 1
             await self._stop(held, lost=True)

@@ -9,6 +9,7 @@ here is copied first (``list(...)``), so a scrape never races the event loop's c
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import Iterator
@@ -260,6 +261,49 @@ class MetricsServer:
         self._httpd.shutdown()
         self._httpd.server_close()
         self._thread.join(timeout=5)
+
+
+class MetricsEndpoint:
+    """Where a consumer, a fan-in consumer or a group member reports its metrics:
+    ``metrics_port`` (an endpoint of its own, on ``metrics_host``) or ``metrics=`` (a
+    producer's endpoint, or a collector), or nowhere. ``collector`` is the collector its
+    consumers add themselves to: made at once for an endpoint of its own (so that inner
+    consumers can be given it as their ``metrics=``), found at ``open`` otherwise."""
+
+    def __init__(
+        self,
+        port: int | None,
+        host: str,
+        target: Producer | ConsumerCollector | None,
+    ) -> None:
+        if port is not None and target is not None:
+            raise ValueError(
+                "give metrics_port= (an endpoint of its own) or metrics= (a producer's "
+                "endpoint, or a collector), not both"
+            )
+        self._port, self._host, self._target = port, host, target
+        self.collector = None if port is None else ConsumerCollector()
+        self._server: MetricsServer | None = None
+
+    def open(self) -> ConsumerCollector | None:
+        """Serve the endpoint of its own, or find the target's collector."""
+        if self._port is not None:
+            self._server = MetricsServer(None, self._host, self._port, self.collector)
+        elif self._target is not None:
+            self.collector = consumers_of(self._target)
+        return self.collector
+
+    @property
+    def address(self) -> str:
+        """``host:port`` of the endpoint of its own (``/metrics``)."""
+        if self._server is None:
+            raise RuntimeError("this one serves no metrics of its own (metrics_port=None)")
+        return self._server.address
+
+    async def close(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            await asyncio.to_thread(server.close)  # waits for its serving thread
 
 
 def consumers_of(target: Producer | ConsumerCollector) -> ConsumerCollector:

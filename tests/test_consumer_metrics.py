@@ -13,23 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from streamq import Batch, Consumer, ConsumerCollector, DeadLetter, FanInConsumer, Producer
 
 from .conftest import wait_for
+from .test_lag import scrape
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-def scrape(address: str) -> Samples:
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
 
 
 def of(samples: Samples, consumer: Consumer) -> dict[str, float]:

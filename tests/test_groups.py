@@ -72,6 +72,15 @@ def _positions(db: str) -> int:
     )
 
 
+def _assert_once_in_key_order(rows: list[tuple[int, bytes, int]], head: int) -> None:
+    """Every seq up to ``head`` applied once, and each key's records in seq order."""
+    assert sorted(seq for seq, _, _ in rows) == list(range(1, head + 1))
+    by_key: dict[bytes, list[int]] = {}
+    for seq, key, _ in rows:
+        by_key.setdefault(key, []).append(seq)
+    assert all(seqs == sorted(seqs) for seqs in by_key.values())
+
+
 def credit(tx: streamq.BlockingSQL, batch: streamq.Batch, member: int) -> None:
     insert = "INSERT INTO credits (seq, key, pid) VALUES (?, ?, ?)"
     if type(tx).__name__ == "PostgresSQL":
@@ -109,12 +118,7 @@ async def test_members_divide_the_shares_and_apply_every_record_once(
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
             assert sorted(first.held + second.held) == [0, 1, 2, 3]
-    rows = _credits(consumer_db)
-    assert sorted(seq for seq, _, _ in rows) == list(range(1, head + 1))
-    by_key: dict[bytes, list[int]] = {}
-    for seq, key, _ in rows:
-        by_key.setdefault(key, []).append(seq)
-    assert all(seqs == sorted(seqs) for seqs in by_key.values())
+    _assert_once_in_key_order(_credits(consumer_db), head)
 
 
 class _Worker:
@@ -217,11 +221,7 @@ async def test_killed_members_shares_are_taken_over_and_applied_once_in_key_orde
             for worker in workers:
                 await worker.kill()
     rows = _credits(consumer_db)
-    assert sorted(seq for seq, _, _ in rows) == list(range(1, head + 1))  # each once
-    by_key: dict[bytes, list[int]] = {}
-    for seq, key, _ in rows:
-        by_key.setdefault(key, []).append(seq)
-    assert all(seqs == sorted(seqs) for seqs in by_key.values())  # in key order
+    _assert_once_in_key_order(rows, head)
     assert len({pid for _, _, pid in rows}) >= 6  # applied by many members in turn
 
 
@@ -374,11 +374,7 @@ async def test_resharing_a_running_group_applies_every_record_once_in_key_order(
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
     rows = _credits(group_db)
-    assert sorted(seq for seq, _, _ in rows) == list(range(1, head + 1))  # each once
-    by_key: dict[bytes, list[int]] = {}
-    for seq, key, _ in rows:
-        by_key.setdefault(key, []).append(seq)
-    assert all(seqs == sorted(seqs) for seqs in by_key.values())  # in key order
+    _assert_once_in_key_order(rows, head)
 
 
 async def test_a_member_serves_its_shares_and_membership_as_metrics(
