@@ -264,9 +264,14 @@ async def test_while_another_connection_writes_the_transaction_waits_on_the_thre
         finally:
             other.close()
         assert producer.groups.inline == inline  # not on the loop's thread
-        assert await producer.run_in_transaction(publish_one, b"third") == 3
-        assert producer.groups.inline == inline + 1  # back on it
-    assert log_seqs(producer_db) == [1, 2, 3]
+        # Back on it once short transactions bring the average cost under the budget (a
+        # loaded machine may have made the one on the thread slow).
+        seq = 2
+        while producer.groups.inline == inline and seq < 50:
+            seq += 1
+            assert await producer.run_in_transaction(publish_one, b"later") == seq
+        assert producer.groups.inline == inline + 1
+    assert log_seqs(producer_db) == list(range(1, seq + 1))
 
 
 async def test_transactions_started_together_commit_together_on_the_loop(
