@@ -16,16 +16,14 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from itertools import groupby, pairwise
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgpack
 
+from .log import Stream
 from .protocol import Record, decode_record
-
-if TYPE_CHECKING:
-    from .log import Stream
-    from .producer import Producer
-    from .transactions import Transaction
+from .transactions import Transaction, transaction
+from .writing import Writing
 
 logger = logging.getLogger("streamq.producer")
 
@@ -98,16 +96,14 @@ class Compactor:
     """A producer's compaction: ``compact`` on request, and every ``interval`` seconds
     for the streams created with ``compact=True`` that have new records."""
 
-    def __init__(
-        self, producer: Producer, interval: float, on_compacted: OnCompacted | None
-    ) -> None:
-        self._producer = producer
+    def __init__(self, writing: Writing, interval: float, on_compacted: OnCompacted | None) -> None:
+        self._writing = writing
         self.interval = interval
         self._on_compacted = on_compacted
 
     async def compact(self, stream: str) -> list[Compacted]:
         """``Producer.compact``."""
-        target = self._producer.log.stream(stream)
+        target = self._writing.log.stream(stream)
         if not target.settings.key_index:
             raise ValueError(
                 f"stream {stream!r} has no key index; compaction needs one "
@@ -122,12 +118,12 @@ class Compactor:
     async def _compact_window(self, target: Stream, window: int) -> list[Compacted]:
         """Compact the next ``window`` seqs after the compaction point, in one transaction:
         it looks only at the keys written there (and their older records)."""
-        producer = self._producer
-        writer = producer.storage.writer
+        writing = self._writing
+        writer = writing.writer
         compacted = target.compacted
         tx: Transaction | None = None
         try:
-            async with producer.transaction() as tx:
+            async with transaction(writing) as tx:
                 through = min(target.head, target.compacted + window)
                 candidates = await writer.compaction_candidates(
                     target.id, target.low, target.compacted, through
@@ -147,8 +143,9 @@ class Compactor:
             raise
         finally:
             if tx is not None and tx.committed:
-                target.tail.reset(target.head + 1)  # it may hold removed records
-                producer.retention.forget(target.name)  # its size shrank
+                # Its tail may hold removed records. (Retention counts its size anew:
+                # its compaction point moved.)
+                target.tail.reset(target.head + 1)
         if removed and self._on_compacted is not None:
             result = self._on_compacted(target.name, removed)
             if inspect.isawaitable(result):
@@ -159,7 +156,7 @@ class Compactor:
         """Compact, every ``interval``, the ``compact=True`` streams with new records."""
         while True:
             await asyncio.sleep(self.interval)
-            for stream in list(self._producer.log.streams.values()):
+            for stream in list(self._writing.log.streams.values()):
                 if stream.settings.compact and stream.head > stream.compacted:
                     try:
                         await self.compact(stream.name)

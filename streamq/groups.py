@@ -30,14 +30,12 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 from .blocking import InlineBudget, to_the_end
 from .storage import BlockingWriter, EpochRow, LogRow, ThreadedWriter, TimeRow, WouldWait
-from .transactions import BlockingTransaction, _Appending, _OthersCommitted, _Pending
-
-if TYPE_CHECKING:
-    from .producer import Producer
+from .transactions import BlockingTransaction
+from .writing import Appending, OthersCommitted, Pending, Writing
 
 T = TypeVar("T")
 
@@ -49,7 +47,7 @@ class _Member:
     fn: Callable[..., Any]
     args: tuple[Any, ...]
     future: asyncio.Future[Any]
-    pending: _Pending | None = None  # set once it ran and was released into the group
+    pending: Pending | None = None  # set once it ran and was released into the group
     result: Any = None
     error: BaseException | None = None
     taken: bool = field(default=False)  # in a group already: too late to withdraw
@@ -58,8 +56,8 @@ class _Member:
 class GroupCommit:
     """The producer's queue of blocking transactions and the task that commits them."""
 
-    def __init__(self, producer: Producer) -> None:
-        self._producer = producer
+    def __init__(self, writing: Writing) -> None:
+        self._writing = writing
         self._queue: list[_Member] = []
         self._loop: asyncio.AbstractEventLoop | None = None  # the producer's, once running
         self._committer: asyncio.Task[None] | None = None
@@ -68,7 +66,7 @@ class GroupCommit:
         self.inline = 0  # groups run on the event loop's thread
         self._budget = InlineBudget()
         # Commits wait for an fsync: on the writer's thread, while the next group gathers.
-        self._full = producer.durability == "full"
+        self._full = writing.durability == "full"
 
     async def run(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
         """Queue ``fn(tx, *args)``; its result once its group has committed.
@@ -103,10 +101,10 @@ class GroupCommit:
 
     async def _commit_next(self) -> None:
         """Wait for the writer, then commit everything queued by then as one group."""
-        producer = self._producer
+        writing = self._writing
         members: list[_Member] = []
         try:
-            async with producer._writing():
+            async with writing.holding():
                 members, self._queue = self._queue, []
                 self._committer = None  # later arrivals form the next group
                 for member in members:
@@ -128,28 +126,28 @@ class GroupCommit:
 
     @property
     def _writer(self) -> ThreadedWriter:
-        writer = self._producer._writer.threaded
+        writer = self._writing.writer.threaded
         assert writer is not None  # transactions are grouped only where there is a thread
         return writer
 
     async def _commit(self, members: list[_Member]) -> None:
-        producer = self._producer
-        version: int | None = producer.watcher.version
+        writing = self._writing
+        version: int | None = writing.version
         try:
             try:
                 if not self._budget.fits or self._full:
                     raise WouldWait
                 inline = self._writer.inline
-                self._budget.note(_run_group(inline, producer, members, version, wait=False))
+                self._budget.note(_run_group(inline, writing, members, version, wait=False))
                 self.inline += 1
                 self._committed(members)
             except WouldWait:  # on the writer's thread then, where BEGIN may wait
                 await self._commit_on_thread(members, version)
-            except _OthersCommitted as others:
-                await producer.watcher.catch_up(others.version)
+            except OthersCommitted as others:
+                await writing.catch_up(others.version)
                 await self._commit_on_thread(members, None)
         except BaseException:
-            await producer._writer.rollback()  # begun, then caught up or cancelled: not run
+            await writing.writer.rollback()  # begun, then caught up or cancelled: not run
             raise
         for member in members:
             if member.error is not None:
@@ -158,20 +156,20 @@ class GroupCommit:
                 member.future.set_result(member.result)
 
     async def _commit_on_thread(self, members: list[_Member], version: int | None) -> None:
-        producer = self._producer
+        writing = self._writing
         while True:
             try:
                 # One hop: BEGIN, every member and COMMIT, unless another writer committed
                 # since the producer last looked (it catches up first).
-                with producer.waiting_to_begin():  # _run_group ends it, holding the lock
+                with writing.waiting_to_begin():  # _run_group ends it, holding the lock
                     cost = await to_the_end(
-                        self._writer.run_blocking(_run_group, producer, members, version),
+                        self._writer.run_blocking(_run_group, writing, members, version),
                         lambda: self._committed(members),
                     )
                 self._budget.note(cost)
                 return
-            except _OthersCommitted as others:
-                await producer.watcher.catch_up(others.version)
+            except OthersCommitted as others:
+                await writing.catch_up(others.version)
                 version = None
 
     def _committed(self, members: list[_Member]) -> None:
@@ -184,12 +182,12 @@ class GroupCommit:
             group, *later = committed
             for pending in later:
                 group.absorb(pending)
-            self._producer._after_blocking_commit(group)
+            self._writing.after_blocking_commit(group)
 
 
 def _run_group(
     writer: BlockingWriter,
-    producer: Producer,
+    writing: Writing,
     members: list[_Member],
     version: int | None,
     wait: bool = True,
@@ -200,19 +198,19 @@ def _run_group(
     if version is not None:
         seen = writer.begin(wait)
         if seen is not None and seen != version:
-            raise _OthersCommitted(seen)
-    producer.beginning = None  # holding the write lock: nobody else commits now
+            raise OthersCommitted(seen)
+    writing.beginning = None  # holding the write lock: nobody else commits now
     started = time.perf_counter()  # waiting for the write lock is no cost of the group's
     alone = len(members) == 1
-    carried: dict[str, _Appending] = {}  # each stream as the members so far left it
+    carried: dict[str, Appending] = {}  # each stream as the members so far left it
     try:
         for member in members:
-            pending = _Pending(producer, carried)
-            tx = BlockingTransaction(producer, writer, pending)
+            pending = Pending(writing, carried)
+            tx = BlockingTransaction(writing, writer, pending)
             if not alone:
                 writer.savepoint()
             try:
-                member.result = tx._run_member(member.fn, member.args)
+                member.result = tx.run_member(member.fn, member.args)
             except BaseException as error:
                 if alone:
                     raise

@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -22,20 +22,81 @@ from prometheus_client.registry import Collector
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
-    from .consumer import Consumer
-    from .group import GroupConsumer
-    from .producer import Producer
+    from .log import Stream
+    from .positions import Positions
+    from .server import Server
+    from .storage import Numbering
+
+
+class ProducerState(Protocol):
+    """What a producer's metrics read, at scrape time (a ``Producer``)."""
+
+    @property
+    def producer_id(self) -> str: ...
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def positions(self) -> Positions: ...
+    @property
+    def numberer(self) -> Numbering | None: ...
+    @property
+    def streams(self) -> Mapping[str, Stream]: ...
+    @property
+    def registrations_dropped(self) -> int: ...
+    @property
+    def server(self) -> Server | None: ...
+
+
+class ConsumerState(Protocol):
+    """What a consumer's metrics read (a ``Consumer``): ``_CONSUMER_METRICS``' attributes
+    besides these (read by name)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def stream(self) -> str: ...
+    @property
+    def address(self) -> str: ...
+    @property
+    def producer_id(self) -> str | None: ...
+
+
+class GroupState(Protocol):
+    """What a group member's metrics read (a ``GroupConsumer``)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def stream(self) -> str: ...
+    @property
+    def member(self) -> int: ...
+    @property
+    def shares(self) -> int | None: ...
+    @property
+    def held(self) -> list[int]: ...
+    @property
+    def takes(self) -> int: ...
+    @property
+    def losses(self) -> int: ...
+
+
+@runtime_checkable
+class ServesMetrics(Protocol):
+    """A producer with a metrics endpoint, where consumers may report theirs."""
+
+    @property
+    def consumer_collector(self) -> ConsumerCollector | None: ...
 
 
 class ProducerCollector(Collector):
     """Heads, consumer positions and lag, traffic, connections and errors of one producer."""
 
-    def __init__(self, producer: Producer) -> None:
+    def __init__(self, producer: ProducerState) -> None:
         self._producer = producer
 
     def collect(self) -> Iterator[Metric]:
         producer = self._producer
-        streams = dict(producer.log.streams)
+        streams = dict(producer.streams)
         info = GaugeMetricFamily(
             "streamq_producer_info", "This producer's id and epoch", labels=["producer_id", "epoch"]
         )
@@ -168,24 +229,24 @@ class ConsumerCollector(Collector):
 
     def __init__(self) -> None:
         # Replaced, never changed in place: a scrape's thread reads one list or the other.
-        self._consumers: list[Consumer] = []
-        self._groups: list[GroupConsumer] = []
+        self._consumers: list[ConsumerState] = []
+        self._groups: list[GroupState] = []
 
-    def add_group(self, group: GroupConsumer) -> None:
+    def add_group(self, group: GroupState) -> None:
         """Export a group member's membership: the split, shares held, takes and losses
         (its shares' consumers are added as they are taken)."""
         if all(g is not group for g in self._groups):
             self._groups = [*self._groups, group]
 
-    def remove_group(self, group: GroupConsumer) -> None:
+    def remove_group(self, group: GroupState) -> None:
         self._groups = [g for g in self._groups if g is not group]
 
-    def add(self, consumer: Consumer) -> None:
+    def add(self, consumer: ConsumerState) -> None:
         """Export ``consumer``'s metrics (once, however often added)."""
         if all(c is not consumer for c in self._consumers):
             self._consumers = [*self._consumers, consumer]
 
-    def remove(self, consumer: Consumer) -> None:
+    def remove(self, consumer: ConsumerState) -> None:
         """Stop exporting ``consumer``'s metrics (nothing if it was not added)."""
         self._consumers = [c for c in self._consumers if c is not consumer]
 
@@ -236,7 +297,7 @@ class MetricsServer:
 
     def __init__(
         self,
-        producer: Producer | None,
+        producer: ProducerState | None,
         host: str,
         port: int,
         consumers: ConsumerCollector | None = None,
@@ -274,7 +335,7 @@ class MetricsEndpoint:
         self,
         port: int | None,
         host: str,
-        target: Producer | ConsumerCollector | None,
+        target: ServesMetrics | ConsumerCollector | None,
     ) -> None:
         if port is not None and target is not None:
             raise ValueError(
@@ -306,23 +367,21 @@ class MetricsEndpoint:
             await asyncio.to_thread(server.close)  # waits for its serving thread
 
 
-def consumers_of(target: Producer | ConsumerCollector) -> ConsumerCollector:
+def consumers_of(target: ServesMetrics | ConsumerCollector) -> ConsumerCollector:
     """Where ``Consumer(metrics=target)`` reports: ``target`` itself, or the consumers of a
     producer's endpoint (its ``metrics_port``), served beside the producer's metrics."""
-    from .producer import Producer  # the producer imports this module
-
     if isinstance(target, ConsumerCollector):
         return target
-    if not isinstance(target, Producer):
+    if not isinstance(target, ServesMetrics):
         raise TypeError(
             "metrics= takes a started streamq.Producer that has a metrics_port, or a "
             f"streamq.ConsumerCollector, not {target!r} (metrics_port= serves the "
             "consumer's own endpoint)"
         )
-    server = target._metrics
-    if server is None:
+    collector = target.consumer_collector
+    if collector is None:
         raise ValueError(
             "metrics=producer: that producer serves no metrics (no metrics_port=, or not "
             "started yet); give it metrics_port=, or give the consumer a metrics_port= of its own"
         )
-    return server.consumers
+    return collector

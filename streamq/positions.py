@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 from .filters import shared_as
-from .storage import NO_LIMITS, KnownPosition, Limits
+from .storage import NO_LIMITS, ConsumerRow, KnownPosition, Limits
 
 if TYPE_CHECKING:
     from .log import Stream
@@ -215,6 +215,24 @@ class Positions:
 
     def lost(self, consumer: str, stream: str, count: int) -> None:
         self._entry(consumer, stream).lost += count
+
+    def apply_rows(self, rows: list[ConsumerRow]) -> None:
+        """Registrations and known positions as stored, which other processes may change
+        (the CLI): a row gone is a registration removed, or a position forgotten."""
+        stored = {(row.consumer, row.stream): row for row in rows}
+        for position in self.all():
+            key = (position.consumer, position.stream)
+            row = stored.get(key)
+            if position.registered and (row is None or not row.registered):
+                self.unregister(*key)
+            if row is None and position.stored:
+                self.unstored(*key)
+        for row in rows:
+            seen_at = row.updated_at_ms / 1000
+            if row.registered:
+                self.register(row.consumer, row.stream, row.applied, row.limits, seen_at)
+            else:
+                self.known(row.consumer, row.stream, row.applied, seen_at)
 
     def unsaved(self) -> list[KnownPosition]:
         """Positions reported since they were last saved: registered consumers', and

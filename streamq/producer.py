@@ -12,11 +12,13 @@ and the serving producer numbers them once committed (``storage.Features``,
 ``engines/postgres/numbering.py``), so ``Transaction.publish`` returns a ``Receipt``
 there and ``wait_served`` tells its seqs.
 
-The ``Producer`` is the facade: its lifecycle, its transactions' begin and commit, and
-consumer registrations. The rest is in parts of one job each: ``transactions`` (what
-a transaction appends), ``watcher.CommitWatcher`` (other writers' commits),
-``retention.RetentionPasses`` and ``compaction.Compactor`` (deleting, on request and
-periodically), ``server.Server`` (serving) and ``log.Log`` (what is committed).
+The ``Producer`` is the facade: its lifecycle and the consumers' registrations. The
+rest is in parts of one job each, which take the writing core (``writing.Writing``: the
+writer, BEGIN and its catch-up, what committed) instead of the producer:
+``transactions`` (what a transaction appends), ``groups`` (group commit), ``watcher``
+(noticing other writers' commits), ``retention.RetentionPasses`` and
+``compaction.Compactor`` (deleting, on request and periodically), ``server.Server``
+(serving) and ``log.Log`` (what is committed).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import replace
 from types import TracebackType
 from typing import Any, TypeVar, cast
@@ -34,11 +36,10 @@ from .blocking import to_the_end
 from .compaction import Compacted, Compactor, OnCompacted
 from .engines import open_storage
 from .groups import GroupCommit
-from .log import Log
-from .metrics import MetricsServer
+from .log import Log, Stream
+from .metrics import ConsumerCollector, MetricsServer
 from .positions import ConsumerLag, Position, Positions
 from .protocol import FRAME_OVERHEAD, Record, decode_record
-from .receipts import ServedReceipts
 from .records import (
     Receipt,
     as_bytes,
@@ -48,8 +49,6 @@ from .resharing import names_for
 from .retention import Retention, RetentionPasses, RetentionPolicy, Truncation
 from .server import Server, ServerSettings
 from .storage import (
-    AppendState,
-    ConsumerRow,
     Durability,
     EpochRow,
     Limits,
@@ -60,10 +59,16 @@ from .storage import (
     StreamRow,
     StreamSettings,
     Watch,
-    Writer,
 )
-from .transactions import BlockingTransaction, SyncTransaction, Transaction, _Pending
-from .watcher import CommitWatcher
+from .transactions import (
+    BlockingTransaction,
+    Transaction,
+    create_stream,
+    session_transaction,
+    transaction,
+)
+from .watcher import watch_commits
+from .writing import Writing
 
 logger = logging.getLogger("streamq.producer")
 
@@ -125,31 +130,28 @@ class Producer:
         self._host, self._port, self._serve = host, port, serve
         self._watch: Watch | None = None
         self._watch_interval = watch_interval
-        self._in_transaction = False  # holding the writer for a transaction of its own
-        # The BEGIN of this producer's that waits for another connection's write lock
-        # (SQLite), a token of its own per BEGIN; None when none waits. That connection
-        # may commit meanwhile: requests read its commits on a read connection
-        # (``CommitWatcher.read_ahead``).
-        self.beginning: object | None = None
-        self.watcher = CommitWatcher(self)  # other writers' commits
-        self.groups = GroupCommit(self)  # run_in_transaction's commits, shared
         self.positions = Positions()
+        self.writing = Writing(
+            self.storage,
+            self.log,
+            self.positions,
+            durability=durability,
+            max_record_size=self.max_record_size,
+            flush_records=flush_records,
+        )
+        self.groups = GroupCommit(self.writing)  # run_in_transaction's commits, shared
         self.retention = Retention(RetentionPolicy(retention_ms, retention_bytes))
-        self.retention_passes = RetentionPasses(self, retention_interval)
-        self.compactor = Compactor(self, compact_interval, on_compacted)
+        self.retention_passes = RetentionPasses(
+            self.writing, self.retention, self._connected, retention_interval
+        )
+        self.compactor = Compactor(self.writing, compact_interval, on_compacted)
         self._metrics_port, self._metrics_host = metrics_port, metrics_host
         self._metrics: MetricsServer | None = None
         self._tasks: list[asyncio.Task[None]] = []  # the watcher, retention, compaction
         self._session: Session | None = None  # run_in_transaction's, where it needs one
         self._session_lock = asyncio.Lock()
-        self._lock = asyncio.Lock()
         self._server: Server | None = None
-        # Where seqs are given after the commit (PostgreSQL): the serving producer's
-        # numbering, and the seqs it gave to recent receipts.
-        self.numberer: Numbering | None = None
-        self.receipts = ServedReceipts()
         self.producer_id = ""
-        self.epoch = 0
         self._started = False
         self._closing = False
         self._closed = False
@@ -160,39 +162,39 @@ class Producer:
             if self._serve:
                 await self.storage.claim_serving()
             identity = await self.storage.open(self.durability)
-            self.producer_id, self.epoch = identity.producer_id, identity.epoch
+            self.producer_id, self.writing.epoch = identity.producer_id, identity.epoch
             await self.storage.open_readers(_READERS)
             # The version before loading the streams: any later commit by another process is seen.
-            self.watcher.version = await self.storage.version()
+            self.writing.version = await self.storage.version()
             if self._serve:
-                self._watch = self.storage.watch()
+                self._watch = self.writing.watch = self.storage.watch()
                 await self._watch.start()
             loaded = await self.storage.load()
             for row in loaded.streams:
                 self.log.add(row)
             self._add_epochs(loaded.epoch_rows)
-            self._apply_registrations(loaded.consumers)
+            self.positions.apply_rows(loaded.consumers)
             if self._serve:
                 self._server = Server(
                     self.log, self.producer_id, self.epoch, self.settings, self.positions
                 )
-                self._server.refresh = self.watcher.before_request
+                self._server.refresh = self.writing.before_request
                 self._server.resplit = self._resplit
                 await self._server.start(self._host, self._port)
                 await self.storage.serving(self._server.address)
             if self._metrics_port is not None:
                 self._metrics = MetricsServer(self, self._metrics_host, self._metrics_port)
             if self._watch is not None:
-                watching = self.watcher.run(self._watch, self._watch_interval)
+                watching = watch_commits(self.writing, self._watch, self._watch_interval)
                 self._tasks.append(asyncio.create_task(watching))
             if self._serve and self.storage.features.numbered_after_commit:
                 storage = cast(NumberingStorage, self.storage)
-                self.numberer = numberer = storage.numberer(self._numbered, self._resync)
+                self.writing.numberer = numberer = storage.numberer(self._numbered, self._resync)
                 if self._watch_interval is not None:
                     numberer.idle_check = self._watch_interval
                 if self._server is not None:
                     self._server.open_transactions = lambda: numberer.open_transactions
-                self._tasks.append(asyncio.create_task(self.numberer.run()))
+                self._tasks.append(asyncio.create_task(numberer.run()))
             if self._serve:
                 self._tasks.append(asyncio.create_task(self._save_periodically()))
             self._tasks.append(asyncio.create_task(self.retention_passes.run()))
@@ -260,36 +262,40 @@ class Producer:
             raise RuntimeError("this producer serves no metrics (metrics_port=None)")
         return self._metrics.address
 
+    @property
+    def epoch(self) -> int:
+        """The database's epoch, as this producer last saw it (docs/protocol.md)."""
+        return self.writing.epoch
+
+    @property
+    def numberer(self) -> Numbering | None:
+        """Where seqs are given after the commit (PostgreSQL): the serving producer's
+        numbering; None elsewhere."""
+        return self.writing.numberer
+
+    @property
+    def beginning(self) -> object | None:
+        """A BEGIN of this producer's waiting for another connection's write lock."""
+        return self.writing.beginning
+
+    @property
+    def streams(self) -> Mapping[str, Stream]:
+        """The streams, as committed."""
+        return self.log.streams
+
+    @property
+    def consumer_collector(self) -> ConsumerCollector | None:
+        """Where consumers given ``metrics=producer`` report (None without metrics_port)."""
+        return None if self._metrics is None else self._metrics.consumers
+
     @contextlib.asynccontextmanager
     async def transaction(self) -> AsyncIterator[Transaction]:
         """One transaction: the application's SQL and its publishes commit together.
         When the block ends, its records are served (where seqs are given after the
         commit, once this serving producer has numbered them)."""
         self._check_running()
-        async with self._writing():
-            await self._begin()
-            tx = Transaction(self)
-            try:
-                yield tx
-                await tx._commit()
-            except BaseException:
-                tx._closed = True
-                if tx.committed:  # cancelled while COMMIT ran: it committed all the same
-                    self._after_blocking_commit(tx._pending)
-                else:
-                    await self._writer.rollback()
-                raise
-            tx._closed = True
-            if self._after_commit(tx._pending):
-                await self.watcher.catch_up(await self.storage.version())
-        await self._served(tx.last_receipt)
-
-    async def _served(self, last: Receipt | None) -> None:
-        """Wait until a committed transaction's records are served, given the receipt
-        of its last publish (numbered after all the others); nothing to wait for where
-        seqs are given at publish, or where this producer does not number."""
-        if last is not None and self.numberer is not None:
-            await self.receipts.wait(last)
+        async with transaction(self.writing) as tx:
+            yield tx
 
     async def run_in_transaction(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(tx, *args)`` as one transaction on the writer's thread; returns its result.
@@ -300,7 +306,7 @@ class Producer:
         On PostgreSQL ``fn`` runs on a worker thread, on a connection of its own.
         """
         self._check_running()
-        if self._writer.threaded is None:
+        if self.writing.writer.threaded is None:
             return await self._run_in_session(fn, args)
         return await self.groups.run(fn, args)
 
@@ -315,133 +321,19 @@ class Producer:
             session = self._session
 
             def run() -> tuple[T, Receipt | None]:
-                session.begin()
-                tx = SyncTransaction(session, self.max_record_size)
-                try:
+                with session_transaction(session, self.max_record_size) as tx:
                     result = fn(tx, *args)
-                    session.commit()
-                except BaseException:
-                    session.rollback()
-                    raise
-                finally:
-                    tx._closed = True
                 return result, tx.last_receipt
 
             # What runs on the thread cannot be stopped: wait for it, even if cancelled.
             result, last = await to_the_end(asyncio.to_thread(run), lambda: None)
-        await self.watcher.check()
-        await self._served(last)
+        await self.writing.check()
+        await self.writing.served(last)
         return result
-
-    @contextlib.asynccontextmanager
-    async def _writing(self) -> AsyncIterator[None]:
-        """The writer connection, for one transaction of this producer's."""
-        async with self._lock:
-            self._in_transaction = True
-            try:
-                yield
-            finally:
-                self._in_transaction = False
-
-    @contextlib.contextmanager
-    def waiting_to_begin(self) -> Iterator[None]:
-        """Around a BEGIN that may wait for another connection's write lock (engines
-        with ``single_writer``); what runs BEGIN on a thread clears ``beginning`` there
-        once it has the lock."""
-        if not self.storage.features.single_writer:
-            yield
-            return
-        self.beginning = object()
-        try:
-            yield
-        finally:
-            self.beginning = None
-
-    @property
-    def _writer(self) -> Writer:
-        return self.storage.writer
-
-    async def _begin(self) -> None:
-        """BEGIN. On SQLite, holding the write lock, catch up with what other writers
-        committed: seqs continue from what is committed, never from a stale head. (On
-        PostgreSQL each stream's head is read under its lock: ``_append_state``.)"""
-        with self.waiting_to_begin():
-            version = await self._writer.begin()
-        if version is not None and version != self.watcher.version:
-            try:
-                await self.watcher.catch_up(version)
-            except BaseException:
-                await self._writer.rollback()
-                raise
-
-    async def _append_state(self, stream: str, settings: StreamSettings | None) -> AppendState:
-        """``stream`` as this transaction's appends start from: from memory, caught up at
-        BEGIN (SQLite)."""
-        state = self._memory_state(stream)
-        if state is None:
-            settings = settings or StreamSettings()
-            stream_id = await self._writer.create_stream(check_stream_name(stream), settings)
-            state = self._created_state(stream_id, settings)
-        return state
-
-    def _memory_state(self, stream: str) -> AppendState | None:
-        existing = self.log.streams.get(stream)
-        if existing is None:
-            return None
-        return AppendState(
-            existing.id,
-            existing.head,
-            existing.max_ts,
-            existing.epochs.last_epoch,
-            existing.settings,
-            self.epoch,
-            created=False,
-        )
-
-    def _created_state(self, stream_id: int, settings: StreamSettings) -> AppendState:
-        return AppendState(stream_id, 0, None, None, settings, self.epoch, created=True)
-
-    def wake(self) -> None:
-        """Look for other connections' commits now (one in this process just committed)."""
-        if self._watch is not None:
-            self._watch.wake()
 
     def _check_running(self) -> None:
         if not self._started or self._closed:
             raise RuntimeError("the producer is not running: use 'async with Producer(...)'")
-
-    def _after_blocking_commit(self, pending: _Pending) -> None:
-        """``_after_commit`` where nothing can be awaited: the watch catches up."""
-        if self._after_commit(pending):
-            self.wake()
-
-    def _after_commit(self, pending: _Pending) -> bool:
-        """Hand a committed transaction's records to the log; True if the log must catch
-        up first instead (the caller then does, or wakes the watch).
-
-        That is when another writer committed to a stream after this producer last caught
-        up and before this transaction locked it (PostgreSQL): its records come before
-        these, and so may its epoch rows. Taking this transaction's head and segments
-        alone would skip those rows, and serve the other writer's seqs under the wrong
-        epoch; the catch-up reads every row after the last one known, and the records.
-        """
-        for name, s in pending.streams.items():  # in the order they were created
-            if s.created:
-                self.log.add(StreamRow(s.id, name, 0, 1, s.settings))
-        behind = any(
-            name not in self.log.streams or s.start > self.log.streams[name].head
-            for name, s in pending.streams.items()
-        )
-        if behind:
-            return True
-        for name, (_, first, epoch) in pending.segment_rows().items():
-            self.log.streams[name].epochs.add(first, epoch)  # before subscribers wake
-        for name, s in pending.streams.items():
-            stream = self.log.streams[name]
-            if s.head > stream.head:  # a later seq may be known already, from another writer
-                stream.max_ts = s.max_ts
-                self.log.committed(stream, s.head, s.kept)
-        return False
 
     async def publish(
         self,
@@ -455,7 +347,7 @@ class Producer:
         are given after the commit, once it is served; with ``serve=False`` there, its
         ``Receipt``)."""
         seq: int | Receipt
-        if self._writer.threaded is not None:  # one hop at most, grouped
+        if self.writing.writer.threaded is not None:  # one hop at most, grouped
             seq = await self.run_in_transaction(_publish_one, stream, value, key, headers)
         else:
             async with self.transaction() as tx:
@@ -475,10 +367,10 @@ class Producer:
                 "wait_served needs Producer(url) with serve=True"
             )
         async with asyncio.timeout(timeout):
-            return await self.receipts.wait(receipt)
+            return await self.writing.receipts.wait(receipt)
 
     async def _resync(self) -> None:
-        await self.watcher.check(heads=True)
+        await self.writing.check(heads=True)
 
     def _numbered(self, done: Numbered) -> None:
         """A numbering round, flushed: its records to the log (which wakes subscribers),
@@ -495,8 +387,8 @@ class Producer:
                 self.log.committed(stream, numbered.head, numbered.records)
             elif numbered.head > stream.head:  # after a lost round: read from the database
                 self.log.committed(stream, numbered.head, None)
-        self.epoch = done.epoch
-        self.receipts.served(done)
+        self.writing.epoch = done.epoch
+        self.writing.receipts.served(done)
 
     async def create_stream(
         self,
@@ -524,14 +416,9 @@ class Producer:
             )
         if name in self.log.streams:
             return
+        self._check_running()
         settings = StreamSettings(key_index, compact, notify_compacted)
-        if self.storage.features.numbered_after_commit:
-            async with self.transaction():  # it may have records already: caught up
-                await self._writer.create_stream(name, settings)
-            await self.watcher.check()
-            return
-        async with self.transaction() as tx:
-            await tx._stream_id(name, settings)
+        await create_stream(self.writing, name, settings)
 
     def _add_epochs(self, rows: list[EpochRow]) -> None:
         """streamq_epochs rows into memory, before subscribers are woken."""
@@ -572,7 +459,7 @@ class Producer:
         tx: Transaction | None = None
         try:
             async with self.transaction() as tx:
-                await self._writer.truncate(target.id, before)
+                await self.writing.writer.truncate(target.id, before)
                 # Raised before COMMIT: a reader that sees the deletion also sees the new
                 # low, and reports the seqs as lost rather than as a compaction gap.
                 target.low = before
@@ -624,7 +511,7 @@ class Producer:
         limits = Limits(max_idle_ms, max_bytes)
         known = self.positions.get(consumer, stream)
         async with self.transaction():
-            applied = await self._writer.register_consumer(
+            applied = await self.writing.writer.register_consumer(
                 consumer, stream, known.applied if known else 0, limits
             )
         self.positions.register(consumer, stream, applied, limits, time.time())
@@ -633,7 +520,7 @@ class Producer:
         """Stop keeping records for ``consumer``; False if it was not registered. Its
         position stays known (status, lag) if it had applied anything."""
         async with self.transaction():
-            removed = await self._writer.unregister_consumer(consumer, stream)
+            removed = await self.writing.writer.unregister_consumer(consumer, stream)
         self.positions.unregister(consumer, stream)
         return removed
 
@@ -642,29 +529,11 @@ class Producer:
         position, so status and metrics stop showing it (a consumer gone for good); False
         if neither was known. If it reports again, it shows again."""
         async with self.transaction():
-            removed = await self._writer.forget_consumer(consumer, stream)
+            removed = await self.writing.writer.forget_consumer(consumer, stream)
         position = self.positions.forget(consumer, stream)
         if position is not None:
             position.stored = False  # the row is deleted already
         return removed or position is not None
-
-    def _apply_registrations(self, rows: list[ConsumerRow]) -> None:
-        """Registrations and known positions in the database, which other processes may
-        change (the CLI): a row gone is a registration removed, or a position forgotten."""
-        stored = {(row.consumer, row.stream): row for row in rows}
-        for position in self.positions.all():
-            key = (position.consumer, position.stream)
-            row = stored.get(key)
-            if position.registered and (row is None or not row.registered):
-                self.positions.unregister(*key)
-            if row is None and position.stored:
-                self.positions.unstored(*key)
-        for row in rows:
-            seen_at = row.updated_at_ms / 1000
-            if row.registered:
-                self.positions.register(row.consumer, row.stream, row.applied, row.limits, seen_at)
-            else:
-                self.positions.known(row.consumer, row.stream, row.applied, seen_at)
 
     async def _save_positions(self) -> None:
         """Store what consumers reported since the last save, and delete the rows of the
@@ -674,7 +543,7 @@ class Producer:
             return
         async with self.transaction():  # its BEGIN may catch up: what to save, read after it
             unsaved, forgotten = positions.unsaved(), positions.forgotten()
-            await self._writer.save_positions(unsaved, forgotten)
+            await self.writing.writer.save_positions(unsaved, forgotten)
         positions.mark_saved(unsaved, forgotten)
 
     async def _save_periodically(self) -> None:
@@ -715,6 +584,13 @@ class Producer:
                 self.settings.position_expiry,
             )
 
+    def _connected(self, consumer: str, stream: str) -> bool:
+        """``consumer`` has a subscription to ``stream`` open now."""
+        server = self._server
+        return server is not None and any(
+            sub.reporter == consumer and sub.stream == stream for sub in server.subscriptions
+        )
+
     async def _resplit(self, consumer: str, stream: str, shares: int) -> None:
         """``consumer`` subscribed to ``stream`` split into ``shares`` (1: unshared). Its
         positions under another split mean nothing now (``streamq reshare`` moved it:
@@ -745,11 +621,11 @@ class Producer:
                     applied = min(p.applied for p in registered)
                     limits = _loosest([p.limits for p in registered])
                     for p in registered:
-                        await self._writer.forget_consumer(p.consumer, stream)
+                        await self.writing.writer.forget_consumer(p.consumer, stream)
                     for name in names_for(consumer, shares):
                         known = positions.get(name, stream)
                         if known is None or not known.registered:
-                            moved[name] = await self._writer.register_consumer(
+                            moved[name] = await self.writing.writer.register_consumer(
                                 name, stream, applied, limits
                             )
         for p in registered:
@@ -820,7 +696,7 @@ class Producer:
         """Catch up now with what other connections and processes committed (they are
         also noticed on their own, within milliseconds on Linux)."""
         self._check_running()
-        await self.watcher.check()
+        await self.writing.check()
 
 
 def _publish_one(

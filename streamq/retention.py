@@ -14,16 +14,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .log import Stream
 from .positions import Position
 from .storage import NO_LIMITS, Writer
-
-if TYPE_CHECKING:
-    from .producer import Producer
-    from .transactions import Transaction
+from .transactions import Transaction, transaction
+from .writing import Writing
 
 logger = logging.getLogger("streamq.producer")
 
@@ -65,9 +64,13 @@ class Retention:
     def __init__(self, default: RetentionPolicy) -> None:
         self.default = default
         self.per_stream: dict[str, RetentionPolicy] = {}
-        self._sizes: dict[str, tuple[int, int, int]] = {}  # stream -> (low, head, bytes)
-        # (consumer, stream) -> (first seq, end, bytes) of what it has not applied
-        self._held: dict[tuple[str, str], tuple[int, int, int]] = {}
+        # Counts are kept while the stream's low and compaction point stay: a stream that
+        # lost records retention did not delete (compaction, here or in another process)
+        # is counted anew.
+        # stream -> (low, compacted, head, bytes)
+        self._sizes: dict[str, tuple[int, int, int, int]] = {}
+        # (consumer, stream) -> (compacted, first seq, end, bytes) of what it has not applied
+        self._held: dict[tuple[str, str], tuple[int, int, int, int]] = {}
 
     def policy(self, stream: str) -> RetentionPolicy:
         return self.per_stream.get(stream, self.default)
@@ -75,8 +78,10 @@ class Retention:
     async def _size(self, writer: Writer, stream: Stream) -> int:
         """Bytes held in ``[low, head]``: the last pass's count plus what came since."""
         cached = self._sizes.get(stream.name)
-        if cached is not None and cached[0] == stream.low and cached[1] <= stream.head:
-            return cached[2] + await writer.bytes_between(stream.id, cached[1] + 1, stream.head + 1)
+        if cached is not None and cached[:2] == (stream.low, stream.compacted):
+            _, _, head, size = cached
+            if head <= stream.head:
+                return size + await writer.bytes_between(stream.id, head + 1, stream.head + 1)
         return await writer.bytes_between(stream.id, stream.low, stream.head + 1)
 
     async def plan(
@@ -119,25 +124,19 @@ class Retention:
         start, end = max(stream.low, position.applied + 1), stream.head + 1
         key = (position.consumer, position.stream)
         cached = self._held.get(key)
-        if cached is not None and cached[0] == start and cached[1] <= end:
-            held = cached[2] + await writer.bytes_between(stream.id, cached[1], end)
+        if cached is not None and cached[:2] == (stream.compacted, start) and cached[2] <= end:
+            held = cached[3] + await writer.bytes_between(stream.id, cached[2], end)
         else:
             held = await writer.bytes_between(stream.id, start, end)
-        self._held[key] = (start, end, held)
+        self._held[key] = (stream.compacted, start, end, held)
         return held
-
-    def forget(self, stream: str) -> None:
-        """``stream`` lost records retention did not delete (compaction): count it anew."""
-        self._sizes.pop(stream, None)
-        for key in [key for key in self._held if key[1] == stream]:
-            del self._held[key]
 
     def committed(self, stream: Stream, head: int, size_after: int | None) -> None:
         """The plan for ``stream`` was carried out at ``head``."""
         if size_after is None:
             self._sizes.pop(stream.name, None)
         else:
-            self._sizes[stream.name] = (stream.low, head, size_after)
+            self._sizes[stream.name] = (stream.low, stream.compacted, head, size_after)
 
 
 class RetentionPasses:
@@ -147,19 +146,23 @@ class RetentionPasses:
     each stream what ``Retention`` plans, and save the consumers' reported positions.
     """
 
-    def __init__(self, producer: Producer, interval: float) -> None:
-        self._producer = producer
+    def __init__(
+        self,
+        writing: Writing,
+        retention: Retention,
+        connected: Callable[[str, str], bool],
+        interval: float,
+    ) -> None:
+        self._writing = writing
+        self._retention = retention
+        self._connected = connected  # (consumer, stream): it has a subscription open now
         self.interval = interval
         self.registrations_dropped = 0  # by their limits (register_consumer)
 
     async def apply(self) -> list[Truncation]:
         """``Producer.apply_retention``."""
-        producer = self._producer
-        positions, retention, writer = (
-            producer.positions,
-            producer.retention,
-            producer.storage.writer,
-        )
+        writing = self._writing
+        positions, retention, writer = writing.positions, self._retention, writing.writer
         now = int(time.time() * 1000)
         unsaved, forgotten = positions.unsaved(), positions.forgotten()
         done: list[Truncation] = []
@@ -170,9 +173,9 @@ class RetentionPasses:
         dropped: list[tuple[Position, str]] = []
         tx: Transaction | None = None
         try:
-            async with producer.transaction() as tx:
+            async with transaction(writing) as tx:
                 dropped = await self._drop_stale_registrations(now)
-                for stream in list(producer.log.streams.values()):
+                for stream in list(writing.log.streams.values()):
                     registered = positions.registered(stream.name)
                     plan = await retention.plan(writer, stream, registered, now)
                     plans.append((stream, stream.low, stream.head, plan))
@@ -219,11 +222,11 @@ class RetentionPasses:
     async def _drop_stale_registrations(self, now_ms: int) -> list[tuple[Position, str]]:
         """In the pass's transaction: delete the registrations past their limits; each
         with why. They stop holding records back in this very pass."""
-        producer = self._producer
-        writer = producer.storage.writer
+        writing = self._writing
+        writer = writing.writer
         dropped = []
-        for position in producer.positions.all():
-            limits, stream = position.limits, producer.log.streams.get(position.stream)
+        for position in writing.positions.all():
+            limits, stream = position.limits, writing.log.streams.get(position.stream)
             if not position.registered or limits == NO_LIMITS or stream is None:
                 continue
             reason = ""
@@ -238,7 +241,7 @@ class RetentionPasses:
                     f"max_idle_ms={limits.max_idle_ms}"
                 )
             elif limits.max_bytes is not None:
-                held = await producer.retention.held(writer, stream, position)
+                held = await self._retention.held(writer, stream, position)
                 if held > limits.max_bytes:
                     reason = (
                         f"{held} bytes of records it has not applied, over its "
@@ -249,13 +252,6 @@ class RetentionPasses:
                 position.registered = False  # this pass plans without it
                 dropped.append((position, reason))
         return dropped
-
-    def _connected(self, consumer: str, stream: str) -> bool:
-        """``consumer`` has a subscription to ``stream`` open now."""
-        server = self._producer.server
-        return server is not None and any(
-            sub.reporter == consumer and sub.stream == stream for sub in server.subscriptions
-        )
 
     async def run(self) -> None:
         """A pass every ``interval`` seconds, for ever; a failed one is logged."""

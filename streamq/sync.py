@@ -25,7 +25,7 @@ from .protocol import Record
 from .records import Receipt
 from .retention import Truncation
 from .storage import Session
-from .transactions import SyncTransaction
+from .transactions import SyncTransaction, session_transaction
 
 __all__ = ["SyncProducer", "SyncTransaction"]
 
@@ -128,19 +128,10 @@ class SyncProducer:
         if it raises. Threads run their transactions on connections of their own."""
         if self._loop.is_closed():
             raise RuntimeError("this SyncProducer is closed")
-        session = self._session()
-        session.begin()
-        tx = SyncTransaction(session, self._producer.max_record_size)
-        try:
+        with session_transaction(self._session(), self._producer.max_record_size) as tx:
             yield tx
-            session.commit()
-        except BaseException:
-            session.rollback()
-            raise
-        finally:
-            tx._closed = True
         if self._serves:
-            self._loop.call_soon_threadsafe(self._producer.wake)  # serve it now
+            self._loop.call_soon_threadsafe(self._producer.writing.wake)  # serve it now
             if tx.last_receipt is not None:  # numbered after the commit: once served
                 self.wait_served(tx.last_receipt)
 
