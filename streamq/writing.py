@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from itertools import count, islice, repeat
+from itertools import islice
 from typing import Any
 
 from .errors import RecordTooLargeError
@@ -27,7 +27,8 @@ from .log import RECORD_OVERHEAD, Log
 from .positions import Positions
 from .protocol import encode_record, encode_values
 from .receipts import ServedReceipts
-from .records import MAX_SEQ, Receipt, as_bytes, check_stream_name, checked_timestamp
+from .records import Receipt, as_bytes, check_stream_name, checked_timestamp
+from .rows import append_rows, check_last_seq, segment_row
 from .storage import (
     AppendState,
     Changes,
@@ -338,9 +339,7 @@ class Pending:
 
     def start(self, stream: str, state: AppendState) -> int:
         """The stream, as found holding its lock: the next seqs follow its head."""
-        segment = None
-        if state.last_epoch != state.epoch:
-            segment = (state.id, state.head + 1, state.epoch)
+        segment = segment_row(state.id, state.head + 1, state.last_epoch, state.epoch)
         self.streams[stream] = Appending(
             state.id,
             state.head,
@@ -393,10 +392,18 @@ class Pending:
         record = encode_record(seq, ts, key, value, headers)
         size = len(record)
         self._check(stream, size, seq)
-        self.rows.append(
-            (stream_id, seq, ts, record, key if appending.settings.key_index else None)
+        appending.max_ts = append_rows(
+            self.rows,
+            self.times,
+            stream_id,
+            seq,
+            appending.max_ts,
+            appending.settings.key_index,
+            (record,),
+            (ts,),
+            (key,),
         )
-        self._advance(appending, ts, [record], size)
+        self._advance(appending, [record], size)
         return seq
 
     def _check(self, stream: str, largest: int, last_seq: int) -> None:
@@ -407,17 +414,12 @@ class Pending:
                 f"record of {largest} bytes exceeds the limit of {limit} "
                 "(max_frame_size minus framing)"
             )
-        if last_seq > MAX_SEQ:
-            raise OverflowError(f"stream {stream!r} has reached the last seq")
+        check_last_seq(stream, last_seq)
 
-    def _advance(self, appending: Appending, ts: int, records: list[bytes], nbytes: int) -> None:
-        """The stream past ``records`` (its next seqs, ``nbytes`` in all, stamped ``ts``),
-        their rows buffered: the time index and the tail follow."""
-        first = appending.head + 1
-        if appending.max_ts is None or ts > appending.max_ts:  # "streamq_time": a new largest
-            appending.max_ts = ts
-            self.times.append((appending.id, ts, first))
-        appending.head = first + len(records) - 1
+    def _advance(self, appending: Appending, records: list[bytes], nbytes: int) -> None:
+        """The stream past ``records`` (its next seqs, ``nbytes`` in all), their rows
+        buffered: the tail follows."""
+        appending.head += len(records)
         kept = appending.kept
         if kept is not None:
             kept_bytes = appending.kept_bytes + nbytes + RECORD_OVERHEAD * len(records)
@@ -457,8 +459,10 @@ class Pending:
                 first = appending.head + 1
                 records = encode_values(first, ts, chunk)
                 self._check(stream, max(map(len, records)), first + len(records) - 1)
-                self.rows += zip(repeat(stream_id), count(first), repeat(ts), records, repeat(None))
-                self._advance(appending, ts, records, sum(map(len, records)))
+                appending.max_ts = append_rows(
+                    self.rows, self.times, stream_id, first, appending.max_ts, False, records, ts
+                )
+                self._advance(appending, records, sum(map(len, records)))
             if self.full:
                 yield
 

@@ -32,7 +32,7 @@ from typing import Any
 
 from ...errors import DatabaseOpenError
 from ...protocol import numbered
-from ...records import MAX_SEQ
+from ...rows import append_rows, check_last_seq, segment_row
 from ...storage import (
     EpochRow,
     Group,
@@ -225,34 +225,33 @@ def number_steps(
         by_stream[row[2]].append(row)
     for name, taken in by_stream.items():
         state = states[name]
-        sid, key_index, first = state.id, state.settings.key_index, state.head + 1
-        if first + len(taken) - 1 > MAX_SEQ:
-            raise OverflowError(f"stream {name!r} has reached the last seq")
+        sid, first = state.id, state.head + 1
+        check_last_seq(name, first + len(taken) - 1)
+        segment = segment_row(sid, first, state.last_epoch, epoch)
         stream = NumberedStream(
-            sid,
-            name,
-            state.low,
-            state.settings,
-            first,
-            [],
-            state.max_ts,
-            state.last_epoch != epoch,
+            sid, name, state.low, state.settings, first, [], state.max_ts, segment is not None
         )
         records, groups, seq = stream.records, stream.groups, first
-        for xid, pending_id, _, ts, record, key, _, _ in taken:
-            encoded = numbered(bytes(record), seq)
-            records.append(encoded)
-            log_rows.append((sid, seq, ts, encoded, bytes(key) if key_index and key else None))
-            if stream.max_ts is None or ts > stream.max_ts:
-                stream.max_ts = ts
-                times.append((sid, ts, seq))
+        for xid, pending_id, _, _, record, _, _, _ in taken:
+            records.append(numbered(bytes(record), seq))
             if groups and groups[-1].xid == xid:
                 groups[-1].ids.append(pending_id)
             else:
                 groups.append(Group(xid, [pending_id], seq))
             seq += 1
-        if stream.segment:
-            epochs.append((sid, first, epoch))
+        stream.max_ts = append_rows(
+            log_rows,
+            times,
+            sid,
+            first,
+            state.max_ts,
+            state.settings.key_index,
+            records,
+            [row[3] for row in taken],
+            [None if row[5] is None else bytes(row[5]) for row in taken],
+        )
+        if segment is not None:
+            epochs.append(segment)
         result.streams.append(stream)
     yield insert_statement(log_rows, times, epochs)
     if before_commit is not None:

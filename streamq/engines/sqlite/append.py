@@ -23,7 +23,8 @@ from typing import Any
 from ...blocking import run_on_thread
 from ...errors import SchemaMissingError
 from ...records import DEFAULT_MAX_RECORD_SIZE, CheckedRecord, encode_checked
-from ...storage import Durability, LogRow
+from ...rows import append_rows, check_last_seq, segment_row
+from ...storage import Durability, LogRow, TimeRow
 from . import storage
 
 
@@ -58,22 +59,23 @@ def append(
         if stream_id is None:
             cursor.execute(storage.CREATE_DEFAULT_STREAM, (stream,))
             stream_id, key_index, head = cursor.lastrowid, 0, 0
-        rows: list[LogRow] = []
-        times = []
-        seqs = list(range(head + 1, head + 1 + len(records)))
-        if seqs and seqs[-1] > storage.MAX_STORED_SEQ:
-            raise OverflowError(f"stream {stream!r} has reached the last seq")
+        first = head + 1
+        check_last_seq(stream, first + len(records) - 1)
+        seqs = list(range(first, first + len(records)))
         encoded = encode_checked(seqs, records, max_record_size)
-        for seq, (_, key, _, ts), record in zip(seqs, records, encoded, strict=True):
-            rows.append((stream_id, seq, ts, record, key if key_index else None))
-            if max_ts is None or ts > max_ts:  # "streamq_time" in storage.py
-                max_ts = ts
-                times.append((stream_id, ts, storage.pos(stream_id, seq)))
-        if rows and last_epoch != epoch:
-            cursor.execute(storage.INSERT_EPOCHS, (stream_id, seqs[0], epoch))
+        rows: list[LogRow] = []
+        times: list[TimeRow] = []
+        stamps = [ts for _, _, _, ts in records]
+        keys = [key for _, key, _, _ in records]
+        append_rows(rows, times, stream_id, first, max_ts, bool(key_index), encoded, stamps, keys)
+        segment = segment_row(stream_id, first, last_epoch, epoch)
+        if rows and segment is not None:
+            cursor.execute(storage.INSERT_EPOCHS, segment)
         cursor.executemany(storage.INSERT_RECORDS, storage.stored_rows(rows))
         if times:
-            cursor.executemany(storage.INSERT_TIMES, times)
+            cursor.executemany(
+                storage.INSERT_TIMES, [(s, ts, storage.pos(s, seq)) for s, ts, seq in times]
+            )
         return seqs
     finally:
         cursor.close()
