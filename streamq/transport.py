@@ -1,6 +1,6 @@
 """The connection plumbing under the server, the consumer and the client.
 
-The protocol (``protocol.py``) turns bytes into messages and knows nothing of sockets;
+The protocol (``streamq.protocol``) turns bytes into messages and knows nothing of sockets;
 this module moves the bytes: addresses, opening a client connection, reading until the
 protocol yields a message (asyncio and blocking), and one place where the socket
 layer's errors become streamq's (as httpcore's ``map_exceptions`` does), so callers
