@@ -63,11 +63,13 @@ from .protocol import (
 )
 from .security import Principal, ServerTLS, TokenAuth, check_admin, check_stream
 from .storage import OpenTransactions
-from .transport import read_message
+from .transport import discard_input, read_message
 
 logger = logging.getLogger("streamq.server")
 
-_READ_SIZE = 64 * 1024
+# A connection's StreamReader buffer: asyncio stops reading the socket while it holds more
+# than twice this. Reads themselves take up to ``transport.READ_SIZE``.
+_BUFFER_LIMIT = 64 * 1024
 # Positions keep the consumer names peers report (status, metrics labels); their number is
 # capped (positions.MAX_UNREGISTERED), and so is each name's length.
 MAX_CONSUMER_NAME = 255
@@ -256,7 +258,7 @@ class Server:
                 self._on_connection,
                 host,
                 port,
-                limit=_READ_SIZE,
+                limit=_BUFFER_LIMIT,
                 ssl=None if tls is None else tls.context(),
                 # A TLS handshake counts against the same deadline as CLIENT_HELLO.
                 ssl_handshake_timeout=None if tls is None else self.settings.handshake_timeout,
@@ -356,9 +358,7 @@ class Server:
                 writer.write_eof()
             async with asyncio.timeout(_LINGER_SECONDS):
                 await writer.drain()
-                discarded = 0
-                while discarded < _LINGER_BYTES and (data := await reader.read(_READ_SIZE)):
-                    discarded += len(data)
+                await discard_input(reader, _LINGER_BYTES)
 
     async def _next_message(self, conn: ServerConnection, reader: asyncio.StreamReader) -> Any:
         """The next client message, reading as needed; None when the client closed.

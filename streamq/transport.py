@@ -1,10 +1,11 @@
 """The connection plumbing under the server, the consumer and the client.
 
-The protocol (``protocol.py``) turns bytes into messages and knows nothing of sockets;
+The protocol (``streamq.protocol``) turns bytes into messages and knows nothing of sockets;
 this module moves the bytes: addresses, opening a client connection, reading until the
-protocol yields a message (asyncio and blocking), and one place where the socket
-layer's errors become streamq's (as httpcore's ``map_exceptions`` does), so callers
-never see ``ssl.SSLError`` or ``OSError``.
+protocol yields a message (asyncio and blocking) or dropping what a peer still sends
+after an ERROR, all in reads of one size, and one place where the socket layer's errors
+become streamq's (as httpcore's ``map_exceptions`` does), so callers never see
+``ssl.SSLError`` or ``OSError``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from .errors import ConnectionLostError
 from .protocol import ClientConnection, Message, State, _Connection
 from .security import ClientTLS, tls_error
 
+# The most one read takes from a connection: every read streamq makes, asyncio or blocking.
 READ_SIZE = 256 * 1024
 
 
@@ -105,6 +107,14 @@ async def read_message(
             return None
         conn.receive_data(data)
     return message
+
+
+async def discard_input(reader: asyncio.StreamReader, limit: int) -> None:
+    """Read and drop what the peer sends, in reads as ``read_message``'s, until it closes
+    or ``limit`` bytes or more have come; the caller bounds the time."""
+    discarded = 0
+    while discarded < limit and (data := await reader.read(READ_SIZE)):
+        discarded += len(data)
 
 
 def read_message_blocking(

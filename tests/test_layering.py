@@ -4,6 +4,8 @@ Checked twice: statically, by parsing the source of each module and of every
 streamq module it imports (transitively); and at runtime, by importing
 ``streamq.protocol`` in a fresh interpreter without running the package's
 ``__init__`` (which is the public facade and imports everything on purpose).
+``streamq.protocol`` is a package: every module in it is checked, whether its
+``__init__`` imports it or not.
 """
 
 from __future__ import annotations
@@ -21,6 +23,12 @@ PACKAGE = "streamq"
 PACKAGE_DIR = Path(__file__).resolve().parent.parent / PACKAGE
 FORBIDDEN = frozenset({"asyncio", "socket", "sqlite3", "aiosqlite", "selectors", "threading"})
 SANS_IO_MODULES = ("streamq.protocol", "streamq.errors", "streamq.filters", "streamq.resharing")
+PROTOCOL_MODULES = {
+    "streamq.protocol",
+    "streamq.protocol.events",
+    "streamq.protocol.codec",
+    "streamq.protocol.state",
+}
 
 
 def _module_file(package_dir: Path, package: str, name: str) -> Path | None:
@@ -74,6 +82,23 @@ def _imported_names(path: Path, module: str) -> set[str]:
     return names
 
 
+def package_modules(package_dir: Path, package: str, name: str) -> list[str]:
+    """``name`` and, if it is a package, every module in it, subpackages included: a
+    module its ``__init__`` does not import is out of the walk from ``name``, and is
+    checked all the same."""
+    path = _module_file(package_dir, package, name)
+    if path is None or path.name != "__init__.py":
+        return [name]
+    modules = [name]
+    for file in sorted(path.parent.rglob("*.py")):
+        parts = list(file.relative_to(path.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        if parts:
+            modules.append(".".join([name, *parts]))
+    return modules
+
+
 def forbidden_imports(
     package_dir: Path, package: str, start: str, forbidden: frozenset[str] = FORBIDDEN
 ) -> tuple[dict[str, set[str]], set[str]]:
@@ -101,7 +126,12 @@ def forbidden_imports(
     return found, visited
 
 
-@pytest.mark.parametrize("module", SANS_IO_MODULES)
+SANS_IO_CHECKED = [
+    m for name in SANS_IO_MODULES for m in package_modules(PACKAGE_DIR, PACKAGE, name)
+]
+
+
+@pytest.mark.parametrize("module", SANS_IO_CHECKED)
 def test_sans_io_modules_import_no_io(module: str) -> None:
     found, visited = forbidden_imports(PACKAGE_DIR, PACKAGE, module)
     assert module in visited, f"{module} was not found under {PACKAGE_DIR}"
@@ -109,9 +139,16 @@ def test_sans_io_modules_import_no_io(module: str) -> None:
 
 
 def test_protocol_walk_follows_errors() -> None:
-    """The transitive walk really reaches the streamq modules protocol imports."""
+    """The transitive walk really reaches the streamq modules protocol imports: the
+    package's own modules through its ``__init__``'s relative imports, and beyond."""
     _, visited = forbidden_imports(PACKAGE_DIR, PACKAGE, "streamq.protocol")
-    assert visited == {"streamq.protocol", "streamq.errors", "streamq.filters"}
+    assert visited == PROTOCOL_MODULES | {"streamq.errors", "streamq.filters"}
+
+
+def test_every_protocol_module_is_checked() -> None:
+    """Each module of the package is on the list the checks run over, whether its
+    ``__init__`` imports it or not (``package_modules``, tried on a synthetic package)."""
+    assert set(SANS_IO_CHECKED) >= PROTOCOL_MODULES
 
 
 def test_io_modules_are_detected() -> None:
@@ -158,6 +195,29 @@ def test_checker_on_a_synthetic_package(tmp_path: Path) -> None:
     }
 
 
+def test_checker_on_a_synthetic_sans_io_package(tmp_path: Path) -> None:
+    """A package checked as one: the walk follows its ``__init__``'s relative imports
+    into its modules, and a module it does not import is still listed for checking."""
+    proto = tmp_path / "fake" / "proto"
+    proto.mkdir(parents=True)
+    (tmp_path / "fake" / "__init__.py").write_text("import asyncio\n")
+    (proto / "__init__.py").write_text("from .state import Conn\n")
+    (proto / "state.py").write_text("from .codec import encode\nfrom ..errors import Bad\n")
+    (proto / "codec.py").write_text("import json\n")
+    (tmp_path / "fake" / "errors.py").write_text("import socket\n")
+    (proto / "loose.py").write_text("import selectors\n")  # imported by no one
+    package_dir = tmp_path / "fake"
+    found, visited = forbidden_imports(package_dir, "fake", "fake.proto")
+    assert visited == {"fake.proto", "fake.proto.state", "fake.proto.codec", "fake.errors"}
+    assert found == {"fake.errors": {"socket"}}
+    modules = set(package_modules(package_dir, "fake", "fake.proto"))
+    assert modules == {"fake.proto", "fake.proto.codec", "fake.proto.loose", "fake.proto.state"}
+    assert forbidden_imports(package_dir, "fake", "fake.proto.loose")[0] == {
+        "fake.proto.loose": {"selectors"}
+    }
+    assert package_modules(package_dir, "fake", "fake.errors") == ["fake.errors"]
+
+
 def test_importing_protocol_loads_no_io_module() -> None:
     """At runtime too: a fresh interpreter imports protocol and loads none of them."""
     code = textwrap.dedent(
@@ -167,7 +227,7 @@ def test_importing_protocol_loads_no_io_module() -> None:
         package = types.ModuleType({PACKAGE!r})
         package.__path__ = [{str(PACKAGE_DIR)!r}]
         sys.modules[{PACKAGE!r}] = package  # skip the facade __init__
-        for name in {list(SANS_IO_MODULES)!r}:
+        for name in {SANS_IO_CHECKED!r}:
             importlib.import_module(name)
         print(json.dumps(sorted(set(sys.modules) - before)))
         """
@@ -176,7 +236,7 @@ def test_importing_protocol_loads_no_io_module() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
     loaded = set(json.loads(result.stdout))
-    assert set(SANS_IO_MODULES) <= loaded
+    assert set(SANS_IO_CHECKED) <= loaded
     assert {name for name in loaded if name.split(".")[0] in FORBIDDEN} == set()
 
 

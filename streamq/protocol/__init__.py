@@ -1,0 +1,139 @@
+"""The streamq wire protocol, sans-IO: frames, messages and connection state.
+
+Bytes in, events out; events in, bytes out. Nothing here touches a socket, an
+event loop or a database: the asyncio server, the asyncio consumer and the
+blocking client all drive this one package, and the tests drive it with no I/O
+at all. The format is specified in ``docs/protocol.md``; section names quoted
+in comments refer to it.
+
+A connection is driven like h11::
+
+    conn = ServerConnection()
+    out = conn.send(ServerHello(...))      # bytes to write
+    conn.receive_data(data)                # bytes read from the peer
+    while (event := conn.next_event()) is not None:
+        ...                                # a message, checked for order
+
+Three modules, each readable alone, as h11 splits its own:
+
+- ``events``: the messages as frozen dataclasses, each registering its fields'
+  checks once;
+- ``codec``: framing, msgpack, records as stored, the incremental frame decoder;
+- ``state``: the connection states as one transition table, and the two
+  connection classes that drive the codec through it.
+
+This module is their one facade: every name the rest of streamq, the tests and the
+documentation use as ``streamq.protocol.X``.
+"""
+
+from .codec import (
+    DEFAULT_MAX_FRAME_SIZE,
+    FRAME_HEADER,
+    FRAME_OVERHEAD,
+    MAX_ACCEPTED_FRAME_SIZE,
+    SEQ_GROWTH,
+    UNNUMBERED_PREFIX,
+    FrameDecoder,
+    collector_paused,
+    decode_message,
+    decode_record,
+    encode,
+    encode_record,
+    encode_values,
+    frame,
+    numbered,
+    numbered_records,
+    record_key,
+    records_frame,
+    slice_records,
+    split_records,
+)
+from .events import (
+    MAX_SEQ,
+    PROTOCOL_VERSION,
+    Ack,
+    Authenticated,
+    Check,
+    ClientHello,
+    Error,
+    GetHead,
+    GetHistory,
+    GetRange,
+    GetStatus,
+    Heartbeat,
+    ListStreams,
+    Message,
+    MessageType,
+    RangeEnd,
+    Record,
+    RecordRows,
+    Records,
+    ReportPosition,
+    Request,
+    SeekTime,
+    ServerHello,
+    StatusReport,
+    StreamInfo,
+    StreamList,
+    Subscribe,
+    Subscribed,
+    TimePosition,
+)
+from .state import ClientConnection, Role, ServerConnection, State
+from .state import _Connection as _Connection  # what ``transport.read_message`` reads from
+
+__all__ = [
+    "DEFAULT_MAX_FRAME_SIZE",
+    "FRAME_HEADER",
+    "FRAME_OVERHEAD",
+    "MAX_ACCEPTED_FRAME_SIZE",
+    "MAX_SEQ",
+    "PROTOCOL_VERSION",
+    "SEQ_GROWTH",
+    "UNNUMBERED_PREFIX",
+    "Ack",
+    "Authenticated",
+    "Check",
+    "ClientConnection",
+    "ClientHello",
+    "Error",
+    "FrameDecoder",
+    "GetHead",
+    "GetHistory",
+    "GetRange",
+    "GetStatus",
+    "Heartbeat",
+    "ListStreams",
+    "Message",
+    "MessageType",
+    "RangeEnd",
+    "Record",
+    "RecordRows",
+    "Records",
+    "ReportPosition",
+    "Request",
+    "Role",
+    "SeekTime",
+    "ServerConnection",
+    "ServerHello",
+    "State",
+    "StatusReport",
+    "StreamInfo",
+    "StreamList",
+    "Subscribe",
+    "Subscribed",
+    "TimePosition",
+    "collector_paused",
+    "decode_message",
+    "decode_record",
+    "encode",
+    "encode_record",
+    "encode_values",
+    "frame",
+    "numbered",
+    "numbered_records",
+    "record_key",
+    "records_frame",
+    "slice_records",
+    "split_records",
+]
