@@ -19,7 +19,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
 CLI_PAGE = "reference/cli.md"
-HELP_WIDTH = "92"  # columns argparse wraps the help at, whatever the terminal
+HELP_WIDTH = "88"  # columns argparse wraps the help at, whatever the terminal
 
 CLI_INTRO = """\
 # Command line
