@@ -2,8 +2,9 @@
 
 - ``reference/cli.md``: the command line's help, generated from ``streamq.cli.build_parser()``
   (every command and sub-command the parser has, as ``streamq COMMAND --help`` prints it).
-- ``bench/results/*.png``: the benchmark charts, served from where ``python -m bench`` writes
-  them (linked from ``benchmarks.md``, not copied into docs/).
+- ``bench/results/*.png`` and ``*.json``: the benchmark charts and the figures behind them,
+  served from where ``python -m bench`` writes them (linked from ``benchmarks.md``, not
+  copied into docs/).
 
 ``cli_reference()`` is plain Python (no MkDocs import) so tests/test_docs.py checks it too.
 """
@@ -16,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-CHARTS = ROOT / "bench" / "results"
+RESULTS = ROOT / "bench" / "results"
 CLI_PAGE = "reference/cli.md"
-HELP_WIDTH = "92"  # columns argparse wraps the help at, whatever the terminal
+HELP_WIDTH = "88"  # columns argparse wraps the help at, whatever the terminal
 
 CLI_INTRO = """\
 # Command line
@@ -86,6 +87,7 @@ def on_files(files: Any, config: Any) -> Any:
     from mkdocs.structure.files import File
 
     files.append(File.generated(config, CLI_PAGE, content=cli_reference()))
-    for chart in sorted(CHARTS.glob("*.png")):
-        files.append(File.generated(config, f"bench/results/{chart.name}", abs_src_path=str(chart)))
+    for result in sorted([*RESULTS.glob("*.png"), *RESULTS.glob("*.json")]):
+        name = f"bench/results/{result.name}"
+        files.append(File.generated(config, name, abs_src_path=str(result)))
     return files

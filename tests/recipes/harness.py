@@ -156,12 +156,13 @@ def documented_steps(
 ) -> list[list[str]]:
     """The commands of the guide's "Deploying" section (or ``heading``'s, in ``guide``) that
     deploy ``recipe`` ("Flask", "Django", "SQLAlchemy"), in the guide's order: those before
-    any "# Name" comment of their block (every recipe's), and those under "# recipe ..."."""
+    any "# Name" comment of their block (every recipe's), and those under "# recipe ...".
+    A command may go on over lines that end with a backslash, as in the shell."""
     section = guide_section(guide, heading)
     steps = []
     for block in re.findall(r"^```bash\n(.*?)^```$", section, re.MULTILINE | re.DOTALL):
         current = None
-        for line in block.splitlines():
+        for line in block.replace("\\\n", " ").splitlines():
             if line.startswith("#"):
                 current = line.lstrip("# ").split()[0]
             elif (command := shlex.split(line, comments=True)) and current in (None, recipe):
