@@ -282,3 +282,157 @@ def test_engine_reaches_are_detected(tmp_path: Path) -> None:
     assert engine_reaches(pkg, "streamq") == {
         "streamq.cli": {"streamq.engines.sqlite", "streamq.engines.sqlite.storage"}
     }
+
+
+# --- no import loops, no reaching into another module's privates ------------------------
+
+
+def _modules(package_dir: Path, package: str) -> dict[str, Path]:
+    """Every module of the package: dotted name -> file."""
+    found = {}
+    for path in sorted(package_dir.rglob("*.py")):
+        parts = [package, *path.relative_to(package_dir).with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def import_cycles(package_dir: Path, package: str) -> list[list[str]]:
+    """The package's import loops: each strongly connected group of modules (more than
+    one) in the graph of every import anywhere in a file, under ``TYPE_CHECKING`` and
+    inside functions too (a lazy import is coupling all the same)."""
+    modules = _modules(package_dir, package)
+    graph = {
+        module: sorted(name for name in _imported_names(path, module) if name in modules)
+        for module, path in modules.items()
+    }
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(module: str) -> None:  # Tarjan's algorithm
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for other in graph[module]:
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            group = []
+            while (member := stack.pop()) != module:
+                group.append(member)
+            if group:
+                cycles.append(sorted([module, *group]))
+
+    for module in graph:
+        if module not in index:
+            visit(module)
+    return cycles
+
+
+def _within_one_engine(cycle: list[str]) -> bool:
+    return any(all(m == p or m.startswith(p + ".") for m in cycle) for p in ENGINE_PACKAGES)
+
+
+def test_no_import_loop_but_within_one_engine_package() -> None:
+    """Modules import downwards: the features take the writing core, not the producer;
+    the consumer's parts take the turn, not the consumer. Only an engine's own modules
+    (its storage, append and numbering) may import each other both ways."""
+    cycles = import_cycles(PACKAGE_DIR, PACKAGE)
+    assert [cycle for cycle in cycles if not _within_one_engine(cycle)] == []
+
+
+def test_import_loops_are_detected(tmp_path: Path) -> None:
+    pkg = tmp_path / "streamq"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "producer.py").write_text("from .retention import Passes\n")
+    (pkg / "retention.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .producer import Producer\n"
+    )
+    (pkg / "log.py").write_text("def f():\n    from . import records\n")
+    (pkg / "records.py").write_text("from .log import Log\n")
+    (pkg / "errors.py").write_text("from .records import x\n")
+    assert sorted(import_cycles(pkg, "streamq")) == [
+        ["streamq.log", "streamq.records"],
+        ["streamq.producer", "streamq.retention"],
+    ]
+
+
+# Private names reached across modules on purpose, each with why.
+ALLOWED_PRIVATE = {
+    # A named tuple's own API: its methods start with "_" not to clash with fields.
+    "_asdict": "namedtuple API",
+    "_replace": "namedtuple API",
+    "_make": "namedtuple API",
+    # aiosqlite gives no public way to its sqlite3 connection or its thread: a whole
+    # transaction runs there in one hop (blocking.run_on_thread).
+    "_conn": "aiosqlite.Connection's sqlite3 connection",
+    "_thread": "aiosqlite.Connection's thread",
+    "_execute": "aiosqlite.Connection's call on its thread",
+}
+
+
+def private_reaches(package_dir: Path, package: str) -> dict[str, set[str]]:
+    """module -> the private names (one leading underscore) it reaches in other
+    modules: ``obj._name`` where ``obj`` is not ``self``/``cls`` and the module defines
+    no ``_name`` itself, and ``from x import _name`` of a name (not of a private module
+    such as ``_loop``)."""
+    modules = _modules(package_dir, package)
+    found: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        own: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                own.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                own.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                own.add(node.id)
+        reached = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and _private(node.attr) and node.attr not in own:
+                if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                    reached.add(node.attr)
+            elif isinstance(node, ast.ImportFrom) and (node.level or node.module == package):
+                base = node.module or ""
+                for alias in node.names:
+                    submodule = any(m.endswith(f".{alias.name}") for m in modules)
+                    if _private(alias.name) and not submodule:
+                        reached.add(f"{base}.{alias.name}")
+        reached -= ALLOWED_PRIVATE.keys()
+        if reached:
+            found[module] = reached
+    return found
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def test_no_module_reaches_another_modules_privates() -> None:
+    """A module's private names are its own: what others need is named publicly (the
+    writing core's steps, the consumer's turn), so a change behind an underscore stays
+    behind it."""
+    assert private_reaches(PACKAGE_DIR, PACKAGE) == {}
+
+
+def test_private_reaches_are_detected(tmp_path: Path) -> None:
+    pkg = tmp_path / "streamq"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "_loop.py").write_text("")
+    (pkg / "producer.py").write_text(
+        "class P:\n    def __init__(self):\n        self._lock = 1\n"
+        "    def f(self, other):\n        return other._lock, self._x\n"
+    )
+    (pkg / "groups.py").write_text(
+        "from . import _loop\nfrom .producer import _helper\n"
+        "def f(p):\n    return p._writer, p._asdict(), p.public\n"
+    )
+    assert private_reaches(pkg, "streamq") == {"streamq.groups": {"_writer", "producer._helper"}}
