@@ -17,7 +17,7 @@ import ssl
 from collections.abc import Iterator
 
 from .errors import ConnectionLostError
-from .protocol import ClientConnection, Message, State, _Connection
+from .protocol import ClientConnection, Connection, Message, State
 from .security import ClientTLS, tls_error
 
 # The most one read takes from a connection: every read streamq makes, asyncio or blocking.
@@ -78,7 +78,7 @@ async def open_connection(
 
 
 async def read_message(
-    conn: _Connection,
+    conn: Connection,
     reader: asyncio.StreamReader,
     *,
     timeout: float | None = None,

@@ -80,7 +80,7 @@ from .events import (
     TimePosition,
 )
 from .state import ClientConnection, Role, ServerConnection, State
-from .state import _Connection as _Connection  # what ``transport.read_message`` reads from
+from .state import Connection as Connection  # what ``transport.read_message`` reads from
 
 __all__ = [
     "DEFAULT_MAX_FRAME_SIZE",

@@ -21,11 +21,11 @@ import msgpack
 from ..errors import ErrorCode, RemoteProtocolError
 from ..filters import Filter, FilterError
 from .events import (
-    _CHECKS,
-    _CLASSES,
-    _FIELD_NAMES,
-    _OPTIONAL_FIELDS,
+    FIELD_CHECKS,
+    FIELD_NAMES,
     MAX_SEQ,
+    MESSAGE_CLASSES,
+    OPTIONAL_FIELDS,
     PROTOCOL_VERSION,
     ClientHello,
     GetRange,
@@ -38,10 +38,10 @@ from .events import (
     StreamInfo,
     StreamList,
     Subscribe,
-    _first_and_last_seq,
-    _is_version,
-    _str,
-    _uint,
+    first_and_last_seq,
+    is_str,
+    is_uint,
+    is_version,
 )
 
 DEFAULT_MAX_FRAME_SIZE = 16 * 1024 * 1024
@@ -206,9 +206,9 @@ def encode(message: Message) -> bytes:
         items: list[Any] = [[s.stream, s.head, s.low] for s in message.streams]
         return frame(_packb([message.TYPE.value, items]))
     cls = type(message)
-    values = [_to_wire(getattr(message, name)) for name in _FIELD_NAMES[cls]]
+    values = [_to_wire(getattr(message, name)) for name in FIELD_NAMES[cls]]
     # Optional trailing fields left as None are not sent ("Optional fields").
-    required = len(values) - _OPTIONAL_FIELDS.get(cls, 0)
+    required = len(values) - OPTIONAL_FIELDS.get(cls, 0)
     while len(values) > required and values[-1] is None:
         values.pop()
     return frame(_packb([message.TYPE.value, *values]))
@@ -230,21 +230,21 @@ def _short(value: Any) -> str:
     return _REPR.repr(value)
 
 
-def _malformed(reason: str) -> RemoteProtocolError:
+def malformed(reason: str) -> RemoteProtocolError:
     return RemoteProtocolError(reason, ErrorCode.MALFORMED_FRAME)
 
 
 def _decode_records(items: Any) -> Records:
     """Validate every record, in one tight loop: this is the consumer's hot path."""
     if type(items) is not list:
-        raise _malformed("RECORDS must carry an array of records")
+        raise malformed("RECORDS must carry an array of records")
     records: list[Record] = []
     append = records.append
     make = Record._make
     previous = 0
     for item in items:
         if type(item) is not list or len(item) != 5:
-            raise _malformed("a record must be an array of 5 elements")
+            raise malformed("a record must be an array of 5 elements")
         seq, timestamp, key, value, headers = item
         if (
             type(seq) is not int
@@ -256,29 +256,29 @@ def _decode_records(items: Any) -> Records:
                 headers and not all(type(k) is str and type(v) is bytes for k, v in headers.items())
             )
         ):
-            raise _malformed(f"record {_short(seq)} has a field of the wrong type")
+            raise malformed(f"record {_short(seq)} has a field of the wrong type")
         if seq <= previous:
-            raise _malformed(f"RECORDS out of order: seq {seq} after {previous}")
+            raise malformed(f"RECORDS out of order: seq {seq} after {previous}")
         previous = seq
         append(make(item))
     if previous > MAX_SEQ:
-        raise _malformed(f"seq {previous} is beyond the largest seq")
+        raise malformed(f"seq {previous} is beyond the largest seq")
     return Records(tuple(records))
 
 
 def _decode_stream_list(items: Any) -> StreamList:
     if type(items) is not list:
-        raise _malformed("STREAM_LIST must carry an array")
+        raise malformed("STREAM_LIST must carry an array")
     streams = []
     for item in items:
         if not (
             type(item) is list
             and len(item) == 3
-            and _str(item[0])
-            and _uint(item[1])
-            and _uint(item[2])
+            and is_str(item[0])
+            and is_uint(item[1])
+            and is_uint(item[2])
         ):
-            raise _malformed("a STREAM_LIST entry must be [name, head, low]")
+            raise malformed("a STREAM_LIST entry must be [name, head, low]")
         streams.append(StreamInfo(*item))
     return StreamList(tuple(streams))
 
@@ -286,10 +286,10 @@ def _decode_stream_list(items: Any) -> StreamList:
 def _decode_record_rows(items: Any) -> RecordRows:
     """Check only what the connection state needs: the first and last record's seq."""
     if type(items) is not list:
-        raise _malformed("RECORDS must carry an array of records")
+        raise malformed("RECORDS must carry an array of records")
     for row in (items[0], items[-1]) if items else ():
-        if not (type(row) is list and len(row) == 5 and _uint(row[0]) and row[0] >= 1):
-            raise _malformed("a record must be an array of 5 elements, starting with its seq")
+        if not (type(row) is list and len(row) == 5 and is_uint(row[0]) and row[0] >= 1):
+            raise malformed("a record must be an array of 5 elements, starting with its seq")
     return RecordRows(items)
 
 
@@ -307,7 +307,7 @@ def decode_message(body: bytes, *, raw_records: bool = False) -> Message:
         with collector_paused():
             return _decode_message(body, raw_records)
     except RecursionError:  # a deeply nested value where a scalar belongs
-        raise _malformed("frame body is nested too deeply") from None
+        raise malformed("frame body is nested too deeply") from None
 
 
 @contextlib.contextmanager
@@ -334,41 +334,41 @@ def _decode_message(body: bytes, raw_records: bool) -> Message:
     try:
         obj = msgpack.unpackb(body, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several types for bad input
-        raise _malformed(f"frame body is not valid msgpack: {exc}") from None
+        raise malformed(f"frame body is not valid msgpack: {exc}") from None
     if type(obj) is not list or not obj or type(obj[0]) is not int:
-        raise _malformed("frame body must be an array starting with a message type")
+        raise malformed("frame body must be an array starting with a message type")
     try:
-        cls = _CLASSES[MessageType(obj[0])]
+        cls = MESSAGE_CLASSES[MessageType(obj[0])]
     except ValueError:
-        raise _malformed(f"unknown message type {obj[0]}") from None
+        raise malformed(f"unknown message type {obj[0]}") from None
     args = obj[1:]
     if cls is StreamList:
         if len(args) != 1:
-            raise _malformed(f"{cls.TYPE.name} takes 1 field, got {len(args)}")
+            raise malformed(f"{cls.TYPE.name} takes 1 field, got {len(args)}")
         return _decode_stream_list(args[0])
     if cls is Records:
         return _decode_records_message(args, raw_records)
-    if cls in (ClientHello, ServerHello) and args and not _is_version(args[0]):
+    if cls in (ClientHello, ServerHello) and args and not is_version(args[0]):
         # "Handshake", version check: anything but the integer 1 first (1.0 and true
         # too) is another version, whatever follows, since other fields may differ there.
         raise RemoteProtocolError(
             f"peer speaks protocol version {_short(args[0])}, this side speaks {PROTOCOL_VERSION}",
             ErrorCode.VERSION_MISMATCH,
         )
-    checks = _CHECKS[cls]
-    optional = _OPTIONAL_FIELDS.get(cls, 0)
+    checks = FIELD_CHECKS[cls]
+    optional = OPTIONAL_FIELDS.get(cls, 0)
     if not len(checks) - optional <= len(args) <= len(checks):
         expected = f"{len(checks) - optional} to {len(checks)}" if optional else len(checks)
-        raise _malformed(f"{cls.TYPE.name} takes {expected} fields, got {len(args)}")
-    for name, check, value in zip(_FIELD_NAMES[cls], checks, args, strict=False):
+        raise malformed(f"{cls.TYPE.name} takes {expected} fields, got {len(args)}")
+    for name, check, value in zip(FIELD_NAMES[cls], checks, args, strict=False):
         if not check(value):
-            raise _malformed(f"{cls.TYPE.name}.{name} has an invalid value: {_short(value)}")
+            raise malformed(f"{cls.TYPE.name}.{name} has an invalid value: {_short(value)}")
     if cls in (Subscribe, GetRange):
         # ``seen_epoch`` may be nil only to reach the filter after it.
         if len(args) == len(checks):
             args[-1] = _decode_filter(args[-1])
         elif len(args) == len(checks) - 1 and args[-1] is None:
-            raise _malformed(f"{cls.TYPE.name}.seen_epoch is nil with no filter after it")
+            raise malformed(f"{cls.TYPE.name}.seen_epoch is nil with no filter after it")
     message: Message = cls(*args)  # omitted trailing fields take their default, nil
     return message
 
@@ -376,21 +376,21 @@ def _decode_message(body: bytes, raw_records: bool) -> Message:
 def _decode_records_message(args: list[Any], raw_records: bool) -> Records | RecordRows:
     """[records, epoch?, through?]: ``epoch`` may be nil only when ``through`` follows."""
     if not 1 <= len(args) <= 3:
-        raise _malformed(f"RECORDS takes 1 to 3 fields, got {len(args)}")
+        raise malformed(f"RECORDS takes 1 to 3 fields, got {len(args)}")
     epoch = args[1] if len(args) >= 2 else None
     through = args[2] if len(args) == 3 else None
-    if len(args) >= 2 and not (_uint(epoch) or (epoch is None and len(args) == 3)):
-        raise _malformed(f"RECORDS.epoch has an invalid value: {_short(epoch)}")
-    if len(args) == 3 and not _uint(through):
-        raise _malformed(f"RECORDS.through has an invalid value: {_short(through)}")
+    if len(args) >= 2 and not (is_uint(epoch) or (epoch is None and len(args) == 3)):
+        raise malformed(f"RECORDS.epoch has an invalid value: {_short(epoch)}")
+    if len(args) == 3 and not is_uint(through):
+        raise malformed(f"RECORDS.through has an invalid value: {_short(through)}")
     message: Records | RecordRows
     if raw_records:
         message = RecordRows(_decode_record_rows(args[0]).rows, epoch, through)
     else:
         message = Records(_decode_records(args[0]).records, epoch, through)
-    seqs = _first_and_last_seq(message)
+    seqs = first_and_last_seq(message)
     if through is not None and seqs is not None and through < seqs[1]:
-        raise _malformed(f"RECORDS.through {through} is before the frame's last seq {seqs[1]}")
+        raise malformed(f"RECORDS.through {through} is before the frame's last seq {seqs[1]}")
     return message
 
 
@@ -398,7 +398,7 @@ def _decode_filter(wire: Any) -> Filter:
     try:
         return Filter.from_wire(wire)
     except FilterError as exc:
-        raise _malformed(f"invalid filter: {exc}") from None
+        raise malformed(f"invalid filter: {exc}") from None
 
 
 class FrameDecoder:
@@ -428,7 +428,7 @@ class FrameDecoder:
                     ErrorCode.FRAME_TOO_LARGE,
                 )
             if size == 0:
-                raise _malformed("empty frame")
+                raise malformed("empty frame")
             end = pos + FRAME_HEADER.size + size
             if len(buffer) >= end:
                 self._pos = end

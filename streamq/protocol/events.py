@@ -69,11 +69,11 @@ class Record(NamedTuple):
 Check = Callable[[Any], bool]
 
 
-def _uint(v: Any) -> bool:
+def is_uint(v: Any) -> bool:
     return type(v) is int and 0 <= v <= MAX_SEQ
 
 
-def _str(v: Any) -> bool:
+def is_str(v: Any) -> bool:
     return type(v) is str
 
 
@@ -82,7 +82,7 @@ def _opt_str(v: Any) -> bool:
 
 
 def _opt_uint(v: Any) -> bool:
-    return v is None or _uint(v)
+    return v is None or is_uint(v)
 
 
 def _map(v: Any) -> bool:
@@ -97,15 +97,15 @@ def _int(v: Any) -> bool:
     return type(v) is int
 
 
-def _is_version(v: Any) -> bool:
+def is_version(v: Any) -> bool:
     return type(v) is int and v == PROTOCOL_VERSION
 
 
 # What ``@_message`` registers, read by the codec to encode and check each message.
-_CLASSES: dict[MessageType, type[Any]] = {}  # the class decoding each message type
-_FIELD_NAMES: dict[type[Any], tuple[str, ...]] = {}
-_CHECKS: dict[type[Any], tuple[Check, ...]] = {}
-_OPTIONAL_FIELDS: dict[type[Any], int] = {}
+MESSAGE_CLASSES: dict[MessageType, type[Any]] = {}  # the class decoding each message type
+FIELD_NAMES: dict[type[Any], tuple[str, ...]] = {}
+FIELD_CHECKS: dict[type[Any], tuple[Check, ...]] = {}
+OPTIONAL_FIELDS: dict[type[Any], int] = {}
 _M = TypeVar("_M")
 
 
@@ -117,11 +117,11 @@ def _message(*checks: Check, optional: int = 0, decoded_by: bool = True) -> Call
     def register(cls: _M) -> _M:
         message_cls = cast(type[Any], cls)
         if decoded_by:
-            _CLASSES[message_cls.TYPE] = message_cls
-        _FIELD_NAMES[message_cls] = tuple(f.name for f in fields(message_cls))
-        _CHECKS[message_cls] = checks
+            MESSAGE_CLASSES[message_cls.TYPE] = message_cls
+        FIELD_NAMES[message_cls] = tuple(f.name for f in fields(message_cls))
+        FIELD_CHECKS[message_cls] = checks
         if optional:
-            _OPTIONAL_FIELDS[message_cls] = optional
+            OPTIONAL_FIELDS[message_cls] = optional
         return cls
 
     return register
@@ -134,7 +134,7 @@ class Message:
     TYPE: ClassVar[MessageType]
 
 
-@_message(_uint, _str, _opt_str, optional=1)
+@_message(is_uint, is_str, _opt_str, optional=1)
 @dataclass(frozen=True, slots=True)
 class ClientHello(Message):
     """First frame a client sends: its protocol version, a name for logs and, for producers
@@ -147,7 +147,7 @@ class ClientHello(Message):
     TYPE: ClassVar[MessageType] = MessageType.CLIENT_HELLO
 
 
-@_message(_uint, _str, _uint, _uint, _uint, optional=1)
+@_message(is_uint, is_str, is_uint, is_uint, is_uint, optional=1)
 @dataclass(frozen=True, slots=True)
 class ServerHello(Message):
     """First frame the producer sends, on accept, before reading anything.
@@ -165,7 +165,7 @@ class ServerHello(Message):
     TYPE: ClassVar[MessageType] = MessageType.SERVER_HELLO
 
 
-@_message(_str, _uint, _str, _opt_str, _opt_uint, _map, optional=2)
+@_message(is_str, is_uint, is_str, _opt_str, _opt_uint, _map, optional=2)
 @dataclass(frozen=True, slots=True)
 class Subscribe(Message):
     """Push ``stream`` from ``start_seq`` on, forever; ``producer_id`` is checked if set.
@@ -187,7 +187,7 @@ class Subscribe(Message):
     TYPE: ClassVar[MessageType] = MessageType.SUBSCRIBE
 
 
-@_message(_str, _uint, _uint, _uint, _uint, optional=2)
+@_message(is_str, is_uint, is_uint, is_uint, is_uint, optional=2)
 @dataclass(frozen=True, slots=True)
 class Subscribed(Message):
     """The subscription is accepted. With epochs ("Epochs"): ``after_epoch`` is the epoch that
@@ -237,7 +237,7 @@ class RecordRows(Message):
     TYPE: ClassVar[MessageType] = MessageType.RECORDS
 
 
-@_message(_uint)
+@_message(is_uint)
 @dataclass(frozen=True, slots=True)
 class Heartbeat(Message):
     """Sent on an idle subscription so the consumer can tell a quiet producer from a dead one."""
@@ -246,7 +246,7 @@ class Heartbeat(Message):
     TYPE: ClassVar[MessageType] = MessageType.HEARTBEAT
 
 
-@_message(_uint)
+@_message(is_uint)
 @dataclass(frozen=True, slots=True)
 class Ack(Message):
     """A consumer's durable position: every seq up to ``seq`` is applied and committed."""
@@ -255,14 +255,14 @@ class Ack(Message):
     TYPE: ClassVar[MessageType] = MessageType.ACK
 
 
-@_message(_str)
+@_message(is_str)
 @dataclass(frozen=True, slots=True)
 class GetHead(Message):
     stream: str
     TYPE: ClassVar[MessageType] = MessageType.GET_HEAD
 
 
-@_message(_str, _uint, _uint)
+@_message(is_str, is_uint, is_uint)
 @dataclass(frozen=True, slots=True)
 class StreamInfo(Message):
     """A stream's ``head`` (last committed seq, 0 if none) and ``low`` (first seq still held)."""
@@ -273,7 +273,7 @@ class StreamInfo(Message):
     TYPE: ClassVar[MessageType] = MessageType.STREAM_INFO
 
 
-@_message(_str, _uint, _uint, _opt_uint, _map, optional=2)
+@_message(is_str, is_uint, is_uint, _opt_uint, _map, optional=2)
 @dataclass(frozen=True, slots=True)
 class GetRange(Message):
     """Send the records with ``start <= seq < end``, then RANGE_END.
@@ -294,7 +294,7 @@ class GetRange(Message):
     TYPE: ClassVar[MessageType] = MessageType.GET_RANGE
 
 
-@_message(_uint, _uint, optional=2)
+@_message(is_uint, is_uint, optional=2)
 @dataclass(frozen=True, slots=True)
 class RangeEnd(Message):
     """Ends a range (or history) answer. On a range that asked for epochs ("Epochs"):
@@ -335,7 +335,7 @@ class StatusReport(Message):
     TYPE: ClassVar[MessageType] = MessageType.STATUS_REPORT
 
 
-@_message(_str, _str, _uint)
+@_message(is_str, is_str, is_uint)
 @dataclass(frozen=True, slots=True)
 class ReportPosition(Message):
     """A reader that does not subscribe (e.g. a Spark query) tells how far it has durably read.
@@ -349,7 +349,7 @@ class ReportPosition(Message):
     TYPE: ClassVar[MessageType] = MessageType.REPORT_POSITION
 
 
-@_message(_str, _bin, _uint, _uint)
+@_message(is_str, _bin, is_uint, is_uint)
 @dataclass(frozen=True, slots=True)
 class GetHistory(Message):
     """Send the records of ``stream`` whose key is ``key`` with ``start <= seq < end``
@@ -363,7 +363,7 @@ class GetHistory(Message):
     TYPE: ClassVar[MessageType] = MessageType.GET_HISTORY
 
 
-@_message(_str, _int)
+@_message(is_str, _int)
 @dataclass(frozen=True, slots=True)
 class SeekTime(Message):
     """Ask for the first seq of ``stream`` whose timestamp is >= ``timestamp`` (ms)."""
@@ -373,7 +373,7 @@ class SeekTime(Message):
     TYPE: ClassVar[MessageType] = MessageType.SEEK_TIME
 
 
-@_message(_str, _uint, _uint, _uint)
+@_message(is_str, is_uint, is_uint, is_uint)
 @dataclass(frozen=True, slots=True)
 class TimePosition(Message):
     """Answer to SEEK_TIME: ``seq`` to start from (``head + 1`` if no record is that late)."""
@@ -395,7 +395,7 @@ class Authenticated(Message):
     TYPE: ClassVar[MessageType] = MessageType.AUTHENTICATED
 
 
-@_message(_uint, _str, _map)
+@_message(is_uint, is_str, _map)
 @dataclass(frozen=True, slots=True)
 class Error(Message):
     """The last frame on a connection: why the sender is closing it."""
@@ -418,7 +418,7 @@ Request = (
 )
 
 
-def _first_and_last_seq(message: Records | RecordRows) -> tuple[int, int] | None:
+def first_and_last_seq(message: Records | RecordRows) -> tuple[int, int] | None:
     if isinstance(message, Records):
         records = message.records
         return (records[0].seq, records[-1].seq) if records else None

@@ -20,9 +20,9 @@ from .codec import (
     DEFAULT_MAX_FRAME_SIZE,
     MAX_ACCEPTED_FRAME_SIZE,
     FrameDecoder,
-    _malformed,
     decode_message,
     encode,
+    malformed,
     records_frame,
 )
 from .events import (
@@ -50,7 +50,7 @@ from .events import (
     Subscribe,
     Subscribed,
     TimePosition,
-    _first_and_last_seq,
+    first_and_last_seq,
 )
 
 # --- Connection state ("Connection states" in docs/protocol.md) --------------
@@ -86,7 +86,7 @@ _REQUESTS = tuple(r for r in _RESPONSES if r is not Subscribe)
 
 # "Connection states", in one place: for each role, in each state, the messages that
 # role may send and the state each leads to. A message missing from its sender's row is
-# out of order. ERROR is legal in every state and closes the connection (``_Connection``).
+# out of order. ERROR is legal in every state and closes the connection (``Connection``).
 _TRANSITIONS: dict[Role, dict[State, dict[type[Any], State]]] = {
     Role.CLIENT: {
         State.AWAIT_HELLO: {ClientHello: State.READY},
@@ -155,7 +155,7 @@ class _States:
             self.of[role] = State.CLOSED
 
 
-class _Connection:
+class Connection:
     """One side of a connection: the frame decoder and both roles' states."""
 
     our_role: ClassVar[Role]
@@ -228,7 +228,7 @@ class _Connection:
         """As ``_check_received``, for what this side sends."""
 
 
-class ServerConnection(_Connection):
+class ServerConnection(Connection):
     """The producer's side of one connection."""
 
     our_role, their_role = Role.SERVER, Role.CLIENT
@@ -247,7 +247,7 @@ class ServerConnection(_Connection):
         return records_frame(encoded_records, epoch, through, count)
 
 
-class ClientConnection(_Connection):
+class ClientConnection(Connection):
     """A consumer's or client's side of one connection.
 
     Tracks the requests in flight so every response is checked against what
@@ -314,7 +314,7 @@ class ClientConnection(_Connection):
     ) -> None:
         # "Epochs": a frame carries an epoch if and only if its range asked for epochs.
         if (message.epoch is not None) != _with_epochs(request):
-            raise _malformed(
+            raise malformed(
                 "RECORDS with an epoch in answer to a request that did not ask for epochs"
                 if message.epoch is not None
                 else "RECORDS without an epoch in answer to a range that asked for epochs"
@@ -322,24 +322,24 @@ class ClientConnection(_Connection):
         # "Filters": a frame carries ``through`` if and only if its range has a filter.
         filtered = isinstance(request, GetRange) and request.filter is not None
         if (message.through is not None) != filtered:
-            raise _malformed(
+            raise malformed(
                 "RECORDS with through in answer to a request without a filter"
                 if message.through is not None
                 else "RECORDS without through in answer to a range with a filter"
             )
         # A range or a history holds only seqs in [start, end), in increasing order.
-        seqs = _first_and_last_seq(message)
+        seqs = first_and_last_seq(message)
         if seqs is not None:
             first, last = seqs
             end = request.end
             if not (request.start <= first and last < end and first > self.last_seq):
-                raise _malformed(f"RECORDS outside the requested range [{request.start}, {end})")
+                raise malformed(f"RECORDS outside the requested range [{request.start}, {end})")
             self.last_seq = last
         if message.through is not None:
             if not self.last_seq <= message.through < request.end or (
                 seqs is None and message.through == self.last_seq
             ):
-                raise _malformed(
+                raise malformed(
                     f"RECORDS.through {message.through} is not after seq {self.last_seq} "
                     f"and within the requested range [{request.start}, {request.end})"
                 )
@@ -350,19 +350,19 @@ class ClientConnection(_Connection):
         through = message.through
         filtered = self._subscription is not None and self._subscription.filter is not None
         if (through is not None) != filtered:
-            raise _malformed(
+            raise malformed(
                 "RECORDS without through on a subscription with a filter"
                 if filtered
                 else "RECORDS with through on a subscription without a filter"
             )
-        seqs = _first_and_last_seq(message)
+        seqs = first_and_last_seq(message)
         if seqs is not None:
             if seqs[0] <= self.last_seq:
-                raise _malformed(f"RECORDS went backwards: seq {seqs[0]} after {self.last_seq}")
+                raise malformed(f"RECORDS went backwards: seq {seqs[0]} after {self.last_seq}")
             self.last_seq = seqs[1]
         if through is not None:
             if through < self.last_seq or (seqs is None and through == self.last_seq):
-                raise _malformed(f"RECORDS.through went backwards: {through}")
+                raise malformed(f"RECORDS.through went backwards: {through}")
             self.last_seq = through
 
 
@@ -375,14 +375,14 @@ def _check_range_end(message: RangeEnd, request: GetRange | GetHistory, last_seq
     range whose seqs up to ``start - 1`` were rewritten is answered by RANGE_END alone."""
     if not _with_epochs(request):
         if message.after_epoch is not None or message.rewritten_from is not None:
-            raise _malformed("RANGE_END with epochs for a request that did not ask for epochs")
+            raise malformed("RANGE_END with epochs for a request that did not ask for epochs")
         return
     rewritten = message.rewritten_from
     if message.after_epoch is None or rewritten is None:
-        raise _malformed("RANGE_END of a range with epochs needs after_epoch and rewritten_from")
+        raise malformed("RANGE_END of a range with epochs needs after_epoch and rewritten_from")
     if rewritten and last_seq:
-        raise _malformed(f"RANGE_END.rewritten_from {rewritten} after RECORDS")
+        raise malformed(f"RANGE_END.rewritten_from {rewritten} after RECORDS")
     if rewritten and rewritten >= request.start:
-        raise _malformed(
+        raise malformed(
             f"RANGE_END.rewritten_from {rewritten} is not before the range's start {request.start}"
         )
