@@ -15,14 +15,15 @@ import logging
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, TypeVar, cast
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast
 
 import msgpack
 
 from .batches import Batch
 from .errors import RecordFailedError
+from .positionstore import stored_record
 from .protocol import Record
 
 if TYPE_CHECKING:
@@ -71,46 +72,6 @@ class DeadLetter:
 
 
 FailurePolicy = Stop | Retry | DeadLetter
-
-
-class DeadLetterSQL(NamedTuple):
-    """An engine's statements on ``streamq_dead_letters`` (placeholders its own)."""
-
-    park: str  # (consumer, producer_id, stream, seq, key, value, headers, timestamp,
-    #            error, attempts, parked_at)
-    requested: str  # (consumer, producer_id, stream) -> seq, timestamp, key, value, headers
-    take: str  # delete one marked for retry: (consumer, producer_id, stream, seq)
-    failed_again: str  # (error, consumer, producer_id, stream, seq)
-
-
-class ParkedRecord(NamedTuple):
-    """A record a ``DeadLetter`` consumer parked (``streamq.list_dead_letters``)."""
-
-    consumer: str
-    producer_id: str
-    stream: str
-    record: Record
-    error: str  # the application's exception, with its traceback
-    attempts: int  # tries of the record that failed
-    parked_at: int  # ms since the Unix epoch
-    retry_requested_at: int | None  # set by ``mark_for_retry`` until the consumer re-applies
-
-    @classmethod
-    def from_row(cls, row: Sequence[Any]) -> ParkedRecord:
-        """A row of ``streamq_dead_letters`` as both engines select it."""
-        consumer, producer_id, stream, seq, timestamp, key, value, headers, *rest = row
-        record = Record(int(seq), int(timestamp), _bytes(key), bytes(value), _headers(headers))
-        error, attempts, parked_at, requested = rest
-        requested = None if requested is None else int(requested)
-        return cls(consumer, producer_id, stream, record, error, attempts, parked_at, requested)
-
-
-def _bytes(data: Any) -> bytes | None:
-    return None if data is None else bytes(data)
-
-
-def _headers(data: Any) -> dict[str, bytes]:
-    return cast(dict[str, bytes], msgpack.unpackb(bytes(data), raw=False))
 
 
 class Policies:
@@ -299,9 +260,7 @@ class Policies:
         rows = await store.run_transaction(_fetch_all, sql.requested, key)
         applied = 0
         for seq, timestamp, record_key, value, headers in rows:
-            record = Record(
-                int(seq), int(timestamp), _bytes(record_key), bytes(value), _headers(headers)
-            )
+            record = stored_record(seq, timestamp, record_key, value, headers)
             letter = Batch(
                 self._c.stream, self._c.producer_id, record.seq - 1, (record,), 0, self._c.name,
                 self._c.address, self._c._origin,
