@@ -44,11 +44,8 @@ from .filters import Filter, share_name, shared_as
 from .metrics import ConsumerCollector, MetricsEndpoint
 from .protocol import (
     DEFAULT_MAX_FRAME_SIZE,
-    PROTOCOL_VERSION,
     Ack,
-    Authenticated,
     ClientConnection,
-    ClientHello,
     Error,
     Heartbeat,
     Message,
@@ -60,11 +57,13 @@ from .protocol import (
     TimePosition,
 )
 from .resharing import Floors
-from .security import ClientTLS, tls_refused
+from .security import ClientTLS
 from .storage import Durability
 from .stores import ConsumerTransaction, PositionStore, open_position_store
 from .transport import (
+    client_handshake,
     closed_by_producer,
+    handshake,
     open_connection,
     parse_address,
     producer_errors,
@@ -494,24 +493,16 @@ class Consumer:
     ) -> ServerHello:
         """CLIENT_HELLO and SERVER_HELLO (over TLS, the producer's first: one refusing this
         client's certificate closes at once), then AUTHENTICATED if a token was sent."""
-        client_hello = conn.send(
-            ClientHello(PROTOCOL_VERSION, f"consumer {self.name}", self._token)
-        )
-        if self._tls is None:
-            writer.write(client_hello)
-            hello = await self._read_message(conn, reader)
-        else:
-            try:
-                hello = await self._read_message(conn, reader)
-            except (ConnectionLostError, ConnectionError) as exc:
-                raise tls_refused(self.address, self._tls) from exc
-            writer.write(client_hello)
+        steps = client_handshake(self.address, f"consumer {self.name}", self._token, self._tls)
+
+        async def receive() -> Message:
+            return await self._read_message(conn, reader)
+
+        hello, _ = await handshake(steps, lambda message: writer.write(conn.send(message)), receive)
         assert isinstance(hello, ServerHello)
         self._heartbeat_timeout = heartbeat_timeout(
             self._heartbeat_timeout_given, hello.heartbeat_interval_ms
         )
-        if self._token is not None:
-            assert isinstance(await self._read_message(conn, reader), Authenticated)
         return hello
 
     async def _subscribe(
