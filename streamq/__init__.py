@@ -57,6 +57,7 @@ from .records import Receipt
 from .retention import RetentionPolicy, Truncation
 from .security import ClientTLS, ServerTLS, TokenAuth, make_token
 from .server import ServerSettings
+from .settings import ConsumerSettings
 from .stores import list_dead_letters, mark_for_retry
 from .sync import SyncProducer, SyncTransaction
 from .transactions import BlockingTransaction, Transaction
@@ -79,6 +80,7 @@ __all__ = [
     "ConsumerCollector",
     "ConsumerLag",
     "ConsumerPositionError",
+    "ConsumerSettings",
     "ConsumerTransaction",
     "DatabaseOpenError",
     "DeadLetter",

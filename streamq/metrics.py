@@ -13,7 +13,7 @@ import asyncio
 import os
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -22,8 +22,6 @@ from prometheus_client.registry import Collector
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
-    from .consumer import Consumer
-    from .group import GroupConsumer
     from .producer import Producer
 
 
@@ -154,6 +152,34 @@ _CONSUMER_METRICS = (
 _CONSUMER_LABELS = ["consumer", "stream", "address"]
 
 
+class Reporting(Protocol):
+    """What a ``ConsumerCollector`` reads of a consumer (a ``Consumer``): its labels, and
+    the attributes ``_CONSUMER_METRICS`` names."""
+
+    name: str
+    stream: str
+    address: str
+
+    @property
+    def producer_id(self) -> str | None: ...
+
+
+class ReportingGroup(Protocol):
+    """What a ``ConsumerCollector`` reads of a group member (a ``GroupConsumer``)."""
+
+    name: str
+    stream: str
+    shares: int | None
+    takes: int
+    losses: int
+
+    @property
+    def member(self) -> int: ...
+
+    @property
+    def held(self) -> list[int]: ...
+
+
 class ConsumerCollector(Collector):
     """Prometheus metrics of consumers of this process, each as it sees itself: position,
     counts, lag, reconnects, read when scraped.
@@ -168,24 +194,24 @@ class ConsumerCollector(Collector):
 
     def __init__(self) -> None:
         # Replaced, never changed in place: a scrape's thread reads one list or the other.
-        self._consumers: list[Consumer] = []
-        self._groups: list[GroupConsumer] = []
+        self._consumers: list[Reporting] = []
+        self._groups: list[ReportingGroup] = []
 
-    def add_group(self, group: GroupConsumer) -> None:
+    def add_group(self, group: ReportingGroup) -> None:
         """Export a group member's membership: the split, shares held, takes and losses
         (its shares' consumers are added as they are taken)."""
         if all(g is not group for g in self._groups):
             self._groups = [*self._groups, group]
 
-    def remove_group(self, group: GroupConsumer) -> None:
+    def remove_group(self, group: ReportingGroup) -> None:
         self._groups = [g for g in self._groups if g is not group]
 
-    def add(self, consumer: Consumer) -> None:
+    def add(self, consumer: Reporting) -> None:
         """Export ``consumer``'s metrics (once, however often added)."""
         if all(c is not consumer for c in self._consumers):
             self._consumers = [*self._consumers, consumer]
 
-    def remove(self, consumer: Consumer) -> None:
+    def remove(self, consumer: Reporting) -> None:
         """Stop exporting ``consumer``'s metrics (nothing if it was not added)."""
         self._consumers = [c for c in self._consumers if c is not consumer]
 
