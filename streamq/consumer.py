@@ -24,6 +24,7 @@ from types import TracebackType
 from typing import Any, TypeVar, Unpack
 
 from .batches import Batch
+from .client import Client
 from .errors import ProducerChangedError, SharesChangedError
 from .failures import FailurePolicy, Policies
 from .filters import share_name, shared_as
@@ -231,8 +232,6 @@ class Consumer:
     async def fetch_lag(self) -> int:
         """The exact lag now: asks the producer for its head on a connection of its own
         (``lag`` may be stale while this consumer is behind and its socket is full)."""
-        from .client import Client  # the blocking client builds on this module
-
         settings = self.settings
 
         def head() -> int:
@@ -332,8 +331,8 @@ class Consumer:
         the position stored for it, checked to be this name's producer and this split's; else
         the configured start (``start_seq``, or the first seq at ``start_time``)."""
         turn, settings = self.turn, self.settings
-        turn.producer_id = producer_id
         stored = await self._stored_position(producer_id)
+        turn.producer_id = producer_id
         if stored is not None:
             turn.position, epoch = stored
             return Resume(turn.position, stored=True, epoch=epoch)
