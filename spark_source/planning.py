@@ -30,8 +30,8 @@ from streamq import (
     UnknownStreamError,
 )
 from streamq.client import Vouch
-from streamq.consumer import lost_seqs
 from streamq.errors import IdleTimeoutError, MalformedFrameError, ShuttingDownError
+from streamq.subscription import lost_seqs
 from streamq.transport import parse_address
 
 Offsets = dict[str, int]

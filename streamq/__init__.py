@@ -43,12 +43,13 @@ from .errors import (
     UnsupportedConnectionError,
     VersionMismatchError,
 )
-from .failures import DeadLetter, ParkedRecord, Retry, Stop
+from .failures import DeadLetter, Retry, Stop
 from .fanin import FanInConsumer
 from .filters import Filter, share_of
 from .group import GroupConsumer
 from .metrics import ConsumerCollector
 from .positions import ConsumerLag
+from .positionstore import ConsumerTransaction, ParkedRecord
 from .producer import Producer
 from .protocol import PROTOCOL_VERSION, Record, StreamInfo, TimePosition
 from .publishing import create_tables, publish, publish_async, publish_many
@@ -56,7 +57,8 @@ from .records import Receipt
 from .retention import RetentionPolicy, Truncation
 from .security import ClientTLS, ServerTLS, TokenAuth, make_token
 from .server import ServerSettings
-from .stores import ConsumerTransaction, list_dead_letters, mark_for_retry
+from .settings import ConsumerSettings
+from .stores import list_dead_letters, mark_for_retry
 from .sync import SyncProducer, SyncTransaction
 from .transactions import BlockingTransaction, Transaction
 
@@ -78,6 +80,7 @@ __all__ = [
     "ConsumerCollector",
     "ConsumerLag",
     "ConsumerPositionError",
+    "ConsumerSettings",
     "ConsumerTransaction",
     "DatabaseOpenError",
     "DeadLetter",

@@ -14,7 +14,6 @@ from types import TracebackType
 from typing import Any, NamedTuple, TypeVar
 
 from .errors import (
-    ConnectionLostError,
     RemoteProtocolError,
     SeqsReusedError,
     StreamQError,
@@ -24,10 +23,7 @@ from .filters import Filter
 from .protocol import (
     DEFAULT_MAX_FRAME_SIZE,
     MAX_SEQ,
-    PROTOCOL_VERSION,
-    Authenticated,
     ClientConnection,
-    ClientHello,
     Error,
     GetHead,
     GetHistory,
@@ -41,16 +37,17 @@ from .protocol import (
     Records,
     ReportPosition,
     SeekTime,
-    ServerHello,
     StatusReport,
     StreamInfo,
     StreamList,
     TimePosition,
 )
-from .security import ClientTLS, tls_refused
+from .security import ClientTLS
 from .transport import (
     READ_SIZE,
+    client_handshake,
     closed_by_producer,
+    handshake_blocking,
     parse_address,
     producer_errors,
     read_message_blocking,
@@ -170,22 +167,10 @@ class Client:
         self.consumer: str | None = None
         try:
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            hello = ClientHello(PROTOCOL_VERSION, name, token)
-            if tls is None:
-                self._send(hello)
-                server_hello = self._receive()
-            else:
+            if tls is not None:
                 self._sock = self._wrap(tls, host)
-                # Read first: a producer refusing this client's certificate closes at once.
-                try:
-                    server_hello = self._receive()
-                except ConnectionLostError as exc:
-                    raise tls_refused(address, tls) from exc
-                self._send(hello)
-            if token is not None:
-                authenticated = self._receive()
-                assert isinstance(authenticated, Authenticated)
-                self.consumer = authenticated.consumer
+            steps = client_handshake(address, name, token, tls)
+            server_hello, self.consumer = handshake_blocking(steps, self._send, self._receive)
         except RemoteProtocolError as exc:  # no producer answers so: another service's port
             self._sock.close()
             raise RemoteProtocolError(
@@ -196,7 +181,6 @@ class Client:
         except BaseException:
             self._sock.close()
             raise
-        assert isinstance(server_hello, ServerHello)
         self.producer_id = server_hello.producer_id
         self.epoch = server_hello.epoch
 

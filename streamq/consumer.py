@@ -1,126 +1,43 @@
 """The consumer: records pushed by a producer, applied exactly once into its own database.
 
-A background task reads the socket into a bounded queue of batches; when the
-queue is full it stops reading, the socket's buffers fill, and TCP makes the
-producer wait. ``Consumer.transaction(batch)`` applies a batch in one transaction
-that also stores the consumer's position (producer id, stream) -> last seq, so after
-any crash the consumer resumes right after the last committed batch.
+``Consumer.transaction(batch)`` applies a batch in one transaction that also stores the
+consumer's position (producer id, stream) -> last seq, so after any crash the consumer
+resumes right after the last committed batch.
 
-The consumer is a facade over parts of one job each: ``transport`` (connections),
+The consumer is a facade over parts of one job each: ``subscription.Subscription`` (the
+connection: handshake, subscription, the bounded queue of pushed batches, reconnects,
+acknowledgements), ``turn.Turn`` (whose turn it is to apply, one transaction at a time),
 ``stores.PositionStore`` (its database, one class per engine: SQLite or PostgreSQL),
 ``failures.Policies`` (``on_failure``: what ``apply`` does when the application's
-function raises) and ``batches.Batch`` (what it yields).
+function raises), ``settings.ConsumerSettings`` (its options) and ``batches.Batch`` (what
+it yields). What is its own: where it starts with a producer it has not read yet (its
+stored position, checked to be this producer's and this split's, or the configured start).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-import math
-import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar, Unpack
 
-from .batches import Batch, Fence
-from .errors import (
-    ConnectionLostError,
-    ConsumerPositionError,
-    IdleTimeoutError,
-    OffsetOutOfRangeError,
-    OutOfOrderBatchError,
-    ProducerChangedError,
-    SeqsReusedError,
-    ServerError,
-    SharesChangedError,
-    ShuttingDownError,
-    StreamQError,
-    TooManyConnectionsError,
-    error_from_frame,
-)
-from .failures import DeadLetter, FailurePolicy, Policies, Retry, Stop
-from .filters import Filter, share_name, shared_as
+from .batches import Batch
+from .client import Client
+from .errors import ProducerChangedError, SharesChangedError
+from .failures import FailurePolicy, Policies
+from .filters import share_name, shared_as
 from .metrics import ConsumerCollector, MetricsEndpoint
-from .protocol import (
-    DEFAULT_MAX_FRAME_SIZE,
-    PROTOCOL_VERSION,
-    Ack,
-    Authenticated,
-    ClientConnection,
-    ClientHello,
-    Error,
-    Heartbeat,
-    Message,
-    Records,
-    SeekTime,
-    ServerHello,
-    Subscribe,
-    Subscribed,
-    TimePosition,
-)
-from .resharing import Floors
-from .security import ClientTLS, tls_refused
-from .storage import Durability
+from .settings import ConsumerOptions, ConsumerSettings
 from .stores import ConsumerTransaction, PositionStore, open_position_store
-from .transport import (
-    closed_by_producer,
-    open_connection,
-    parse_address,
-    producer_errors,
-    read_message,
-)
+from .subscription import Resume, Subscription, heartbeat_timeout, lost_seqs
+from .transport import parse_address
+from .turn import Turn
 
-if TYPE_CHECKING:
-    from .producer import Producer
+__all__ = ["Consumer", "ConsumerSettings", "heartbeat_timeout", "lost_seqs"]
 
 T = TypeVar("T")
-
-logger = logging.getLogger("streamq.consumer")
-
-# Without heartbeat_timeout=: the connection counts as lost after this many of the
-# producer's announced heartbeat intervals of silence, and never sooner than the floor
-# (timers slip on a busy machine); 30 s from a producer that announces none.
-HEARTBEAT_MISSES = 6
-MIN_HEARTBEAT_TIMEOUT = 2.0
-DEFAULT_HEARTBEAT_TIMEOUT = 30.0
-
-
-def heartbeat_timeout(given: float | None, interval_ms: int | None) -> float:
-    """The silence after which a subscription is treated as lost ("Handshake",
-    ``heartbeat_interval_ms``): the caller's own value if given, else a few of the
-    producer's intervals, so a producer with slow heartbeats is not taken for dead."""
-    if given is not None:
-        return given
-    if interval_ms is None:
-        return DEFAULT_HEARTBEAT_TIMEOUT
-    return max(HEARTBEAT_MISSES * interval_ms / 1000, MIN_HEARTBEAT_TIMEOUT)
-
-
-def lost_seqs(position: int, head: int, rewritten_from: int) -> range | None:
-    """The seqs up to ``position`` that the producer's log no longer holds ("Epochs"): those
-    beyond its ``head``, and those from ``rewritten_from`` (if not 0) on; None if none."""
-    first = rewritten_from or head + 1
-    return range(first, position + 1) if 0 < first <= position else None
-
-
-_Item = Batch | BaseException
-
-# Failures a reconnect may cure; anything else stops the consumer with its error.
-_TRANSIENT = (
-    ConnectionLostError,
-    ShuttingDownError,
-    TooManyConnectionsError,
-    IdleTimeoutError,
-    OSError,
-    TimeoutError,
-)
-
-# Reconnect backoff: the first retry after _FIRST_DELAY, doubling up to _MAX_DELAY. A
-# connection that lived _STABLE_CONNECTION seconds resets it (the next reconnect is at once).
-_FIRST_DELAY = 0.05
-_MAX_DELAY = 2.0
-_STABLE_CONNECTION = 1.0
 
 
 class Consumer:
@@ -185,6 +102,9 @@ class Consumer:
     ``metrics=producer`` adds them to the endpoint of a ``Producer`` of the same process
     instead (one started with a ``metrics_port``); ``metrics=collector`` to a
     ``ConsumerCollector`` of the caller's.
+
+    The keyword options can also be given as one ``settings=ConsumerSettings(...)``;
+    keywords given beside it replace its fields.
     """
 
     def __init__(
@@ -194,132 +114,114 @@ class Consumer:
         *,
         db: str | None = None,
         name: str | None = None,
-        start_seq: int = 1,
-        start_time: int | None = None,
-        queue_batches: int = 16,
-        max_batch_records: int = 65536,
-        reconnect: bool = True,
-        reconnect_timeout: float | None = None,
-        connect_timeout: float = 10.0,
-        heartbeat_timeout: float | None = None,
-        max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
-        durability: Durability = "normal",
-        tls: ClientTLS | None = None,
-        token: str | None = None,
-        on_failure: FailurePolicy | None = None,
-        filter: Filter | None = None,
-        share: tuple[int, int] | None = None,
-        ack_interval: float = 0.005,
-        allow_new_producer: bool = False,
-        metrics_port: int | None = None,
-        metrics_host: str = "127.0.0.1",
-        metrics: Producer | ConsumerCollector | None = None,
+        settings: ConsumerSettings | None = None,
+        **options: Unpack[ConsumerOptions],
     ) -> None:
-        self._metrics = MetricsEndpoint(metrics_port, metrics_host, metrics)
-        if ack_interval < 0:
-            raise ValueError(f"ack_interval must be 0 or more seconds, not {ack_interval!r}")
-        if share is not None:
-            if filter is not None and filter.share is not None:
-                raise ValueError("give share= or a filter with a share, not both")
-            base = filter or Filter()
-            filter = Filter(base.key_prefix, base.headers, share)  # checks the share
-        if on_failure is None:
-            on_failure = Stop()
-        if not isinstance(on_failure, Stop | Retry | DeadLetter):
-            raise TypeError(
-                "on_failure takes streamq.Stop(), streamq.Retry(...) or streamq.DeadLetter(...), "
-                f"not {on_failure!r}"
-            )
-        if durability not in ("normal", "full"):
-            raise ValueError(f"durability must be 'normal' or 'full', not {durability!r}")
+        settings = ConsumerSettings(**options) if settings is None else replace(settings, **options)
+        self.settings = settings
+        self._metrics = MetricsEndpoint(
+            settings.metrics_port, settings.metrics_host, settings.metrics
+        )
         if db is not None and not name:
             raise ValueError("a consumer with a database needs a name= to store its position under")
-        self.address = address
-        self.stream = stream
+        parse_address(address)  # a bad address fails here, not at the first connect
+        self.address, self.stream = address, stream
         self.base_name = name or "anonymous"
+        self.filter = settings.subscribed
         # One share of one is the whole stream: the consumer's own name, as ``reshare`` writes.
-        split = None if filter is None else filter.share
+        split = None if self.filter is None else self.filter.share
         self.share = None if split is None or split[1] == 1 else split
         # Where positions are stored and reported: each share is a consumer of its own.
         self.name = self.base_name if self.share is None else share_name(name or "", self.share)
-        self.filter = filter
-        parse_address(address)  # a bad address fails here, not at the first connect
+        # The database it opened itself (``db``), and closes; a fan-in's or a group's
+        # consumers apply into their owner's instead (``turn.share``).
         self._store: PositionStore | None = None
         if db is not None:
-            self._store = open_position_store(db, durability, connect_timeout=connect_timeout)
-        self._start_seq = start_seq
-        self._start_time = start_time
-        self._queue: asyncio.Queue[_Item] = asyncio.Queue(maxsize=queue_batches)
-        self._max_batch_records = max_batch_records
-        self._reconnect = reconnect
-        self._reconnect_timeout = reconnect_timeout
-        self._connect_timeout = connect_timeout
-        self._heartbeat_timeout_given = heartbeat_timeout
-        # Until a producer announces its interval (and for one that does not): 30 s.
-        self._heartbeat_timeout = (
-            DEFAULT_HEARTBEAT_TIMEOUT if heartbeat_timeout is None else heartbeat_timeout
+            self._store = open_position_store(
+                db, settings.durability, connect_timeout=settings.connect_timeout
+            )
+        self.subscription = Subscription(
+            address, stream, self.name, settings, self._resume, self._durable
         )
-        self._max_frame_size = max_frame_size
-        self._durability = durability
-        self._tls = tls
-        self._ssl = None if tls is None else tls.context()
-        self._token = token
-        self._tx_lock = asyncio.Lock()  # one transaction at a time on the store's connection
-        self._owns_store = True
-        self._task: asyncio.Task[None] | None = None
-        self._writer: asyncio.StreamWriter | None = None
-        self._conn: ClientConnection | None = None
-        self._pending_error: BaseException | None = None
-        self._closed = False
-        self._ack_interval = ack_interval
-        self._acked_at = -math.inf  # the event loop's time of the last ACK sent
-        self._ack_timer: asyncio.TimerHandle | None = None  # an ACK due at the interval's end
-        self._loop: asyncio.AbstractEventLoop | None = None  # once an ACK was sent
-        self.producer_id: str | None = None
-        self.epoch = 0
-        self.head = 0  # the producer's head as last reported
-        self.received = 0  # last seq read from the socket
-        # The highest producer epoch that wrote any record up to ``received`` (0: unknown):
-        # a producer that later holds a higher one there lost and re-used seqs ("Epochs").
-        self.seen_epoch = 0
-        self.applied = 0  # last seq committed (or delivered, without a database)
-        self._origin = 0  # the configured start's position, when none was stored
-        self.reconnects = 0
-        self.on_failure: FailurePolicy = on_failure
-        self.retried = 0  # failed batches applied again (Retry)
-        self.parked = 0  # records parked in streamq_dead_letters (DeadLetter), committed
-        self.reapplied = 0  # parked records re-applied on request (``retry_dead_letters``)
-        self._policies = Policies(self)  # apply under on_failure
-        self._allow_new_producer = allow_new_producer
+        self.turn = Turn(self.name, stream, address, self._store, self.subscription.acknowledge)
+        self._policies = Policies(self.turn, settings.policy, self.subscription.fail)
         # Addresses of the other producers a ``FanInConsumer`` reads under the same name:
         # positions from the producers found there are expected, not another producer's.
-        self._siblings: frozenset[str] = frozenset()
-        self.records_applied = 0  # records committed in their batch, parked ones not counted
-        self.batches_applied = 0  # batches committed through this consumer
+        self.siblings: frozenset[str] = frozenset()
         self._collector: ConsumerCollector | None = None  # the collector it reports to
-        # A failure of the consumer's own background work (re-applying records marked for
-        # retry), for the next ``__anext__`` to raise when batches were waiting already.
-        self._failed: BaseException | None = None
-        # The lease this consumer applies its share under, as a ``GroupConsumer``'s member.
-        self.fence: Fence | None = None
-        # Records applied under a group's earlier splits, by producer id (``resharing``).
-        self.floors: dict[str, Floors] = {}
-        self._skip: Floors | None = None  # this producer's, skipped as they arrive
-        self._skip_through = 0  # no record after this seq is skipped
+        self._closed = False
 
-    def _share_store(self, store: PositionStore, lock: asyncio.Lock) -> None:
-        """Apply into ``store``, opened by someone else (``FanInConsumer``), one transaction
-        at a time by ``lock``."""
-        self._store, self._tx_lock, self._owns_store = store, lock, False
+    # --- what it has done, as metrics and the application read it ------------
 
-    def _read_alongside(self, addresses: Iterable[str]) -> None:
-        """Read as one of a ``FanInConsumer``'s producers, the others at ``addresses``."""
-        self._siblings = frozenset(addresses) - {self.address}
+    @property
+    def applied(self) -> int:
+        """Last seq committed (or delivered, without a database)."""
+        return self.turn.position
+
+    @property
+    def producer_id(self) -> str | None:
+        """The producer's id, once connected."""
+        return self.subscription.producer_id
+
+    @property
+    def epoch(self) -> int:
+        """The producer's epoch, as its SERVER_HELLO said."""
+        return self.subscription.epoch
+
+    @property
+    def head(self) -> int:
+        """The producer's head, as last reported."""
+        return self.subscription.head
+
+    @property
+    def received(self) -> int:
+        """Last seq read from the socket."""
+        return self.subscription.received
+
+    @property
+    def seen_epoch(self) -> int:
+        """The highest producer epoch that wrote any record up to ``received`` (0: unknown)."""
+        return self.subscription.seen_epoch
+
+    @property
+    def reconnects(self) -> int:
+        """Connections to the producer made again."""
+        return self.subscription.reconnects
+
+    @property
+    def on_failure(self) -> FailurePolicy:
+        """What ``apply`` does when the application's function raises."""
+        return self._policies.policy
+
+    @property
+    def retried(self) -> int:
+        """Failed batches applied again (``Retry``)."""
+        return self._policies.retried
+
+    @property
+    def parked(self) -> int:
+        """Records parked in ``streamq_dead_letters`` (``DeadLetter``), committed."""
+        return self._policies.parked
+
+    @property
+    def reapplied(self) -> int:
+        """Parked records re-applied on request (``retry_dead_letters``)."""
+        return self._policies.reapplied
+
+    @property
+    def records_applied(self) -> int:
+        """Records committed in their batch, parked ones not counted."""
+        return self.turn.records
+
+    @property
+    def batches_applied(self) -> int:
+        """Batches committed through this consumer."""
+        return self.turn.batches
 
     @property
     def _db(self) -> Any:
         """The store's asyncio connection, None without a database (tests, benchmarks)."""
-        return None if self._store is None else self._store.connection
+        return None if self.turn.store is None else self.turn.store.connection
 
     @property
     def lag(self) -> int:
@@ -330,19 +232,20 @@ class Consumer:
     async def fetch_lag(self) -> int:
         """The exact lag now: asks the producer for its head on a connection of its own
         (``lag`` may be stale while this consumer is behind and its socket is full)."""
-        from .client import Client  # the blocking client builds on this module
+        settings = self.settings
 
         def head() -> int:
             with Client(
                 self.address,
-                timeout=self._connect_timeout,
+                timeout=settings.connect_timeout,
                 name=self.name,
-                tls=self._tls,
-                token=self._token,
+                tls=settings.tls,
+                token=settings.token,
             ) as client:
                 return client.head(self.stream).head
 
-        self.head = max(self.head, await asyncio.to_thread(head))
+        subscription = self.subscription
+        subscription.head = max(subscription.head, await asyncio.to_thread(head))
         return self.lag
 
     # --- lifecycle -----------------------------------------------------------
@@ -358,34 +261,24 @@ class Consumer:
             self._collector = self._metrics.open()
             if self._collector is not None:
                 self._collector.add(self)
-            if self._store is not None and self._owns_store:
+            if self._store is not None:
                 await self._store.open()
-            # With a reconnect deadline, a producer that is down (restarting) is waited
-            # for, as it would be after a lost connection; without one, fail at once.
-            waits = self._reconnect and self._reconnect_timeout is not None
-            reader, conn = await (self._connect_retrying() if waits else self._connect())
+            await self.subscription.open()
         except BaseException:
             await self.close()
             raise
-        self._task = asyncio.create_task(self._run(reader, conn))
 
     async def close(self) -> None:
         """Stop receiving and close the connection and the database (idempotent)."""
         if self._closed:
             return
         self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
         await self._policies.close()
-        if self._ack_timer is not None:  # the last position, before the connection goes
-            self._ack_now()
-        self._drop_connection()
+        await self.subscription.close()
         if self._collector is not None:
             self._collector.remove(self)
         await self._metrics.close()
-        if self._store is not None and self._owns_store:
+        if self._store is not None:
             await self._store.close()
 
     async def __aenter__(self) -> Consumer:
@@ -408,210 +301,63 @@ class Consumer:
     async def __anext__(self) -> Batch:
         if self._closed:
             raise StopAsyncIteration
-        if self._pending_error is not None:
-            error, self._pending_error = self._pending_error, None
-            raise error
-        if self._failed is not None:
-            error, self._failed = self._failed, None
-            raise error
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            raise item
-        # Merge what else is already queued: fewer, larger transactions.
-        records, epoch, last = item.records, item.epoch, item.last_seq
-        while len(records) < self._max_batch_records and not self._queue.empty():
-            more = self._queue.get_nowait()
-            if isinstance(more, BaseException):
-                self._pending_error = more
-                break
-            records += more.records
-            epoch, last = more.epoch, more.last_seq
-        if self._store is None:
-            self.applied = last
-        elif self.applied < item.after:
-            await self._load_applied()  # batches applied through the application's connection
+        item = await self.subscription.next(self.settings.max_batch_records)
+        turn = self.turn
+        if turn.store is None:
+            turn.position = item.last_seq
+        elif turn.position < item.after:
+            await turn.catch_up()  # batches applied through the application's connection
         return Batch(
             item.stream,
             item.producer_id,
             item.after,
-            records,
-            epoch,
+            item.records,
+            item.epoch,
             self.name,
             self.address,
-            self._origin,
-            last,
-            self.fence,
+            turn.origin,
+            item.last_seq,
+            turn.fence,
         )
 
-    async def _load_applied(self) -> None:
-        """Learn the position ``streamq.save_position`` committed through the application's
-        own connection (the consumer did not run that transaction), and acknowledge it."""
-        assert self._store is not None and self.producer_id is not None
-        if self._tx_lock.locked():
-            return  # a transaction is under way: it moves the position itself
-        async with self._tx_lock:  # free: taken at once, so no transaction starts meanwhile
-            seq = await self._store.stored(self.name, self.producer_id, self.stream)
-        if seq is not None and seq > self.applied:
-            self.applied = seq
-            self._ack()
+    def _durable(self) -> int:
+        """The position to acknowledge to the producer: 0 without a database."""
+        return 0 if self.turn.store is None else self.turn.position
 
-    async def _read_message(self, conn: ClientConnection, reader: asyncio.StreamReader) -> Message:
-        message = await read_message(conn, reader)
-        if message is None:
-            raise closed_by_producer(self.address, conn)
-        if isinstance(message, Error):
-            raise _server_error(message)
-        return message
+    # --- where it starts -----------------------------------------------------
 
-    async def _connect(self) -> tuple[asyncio.StreamReader, ClientConnection]:
-        """Connect: the handshake, then the subscription and its position check."""
-        reader, writer = await open_connection(
-            self.address, self._tls, self._ssl, self._connect_timeout
-        )
-        conn = ClientConnection(self._max_frame_size)
-        try:
-            with producer_errors(self.address, "handshake with"):
-                async with asyncio.timeout(self._connect_timeout):
-                    hello = await self._handshake(conn, reader, writer)
-                    start, subscribed = await self._subscribe(conn, reader, writer, hello)
-        except BaseException:
-            writer.close()
-            raise
-        self.producer_id, self.epoch, self.head = hello.producer_id, hello.epoch, subscribed.head
-        self._skip = self.floors.get(hello.producer_id)
-        self._skip_through = 0 if self._skip is None else self._skip.highest  # once, not a frame
-        if start - 1 != self.received:
-            self.seen_epoch = 0
-        self.seen_epoch = max(self.seen_epoch, subscribed.after_epoch or 0)
-        self.received = start - 1
-        self._writer, self._conn = writer, conn
-        if self._store is not None and self.applied > 0:
-            self._ack_now()  # the producer learns where this consumer stands at once
-        return reader, conn
+    async def _resume(self, producer_id: str, seek: Callable[[int], Awaitable[int]]) -> Resume:
+        """Where to start with the producer ``producer_id``, reached for the first time: after
+        the position stored for it, checked to be this name's producer and this split's; else
+        the configured start (``start_seq``, or the first seq at ``start_time``)."""
+        turn, settings = self.turn, self.settings
+        stored = await self._stored_position(producer_id)
+        turn.producer_id = producer_id
+        if stored is not None:
+            turn.position, epoch = stored
+            return Resume(turn.position, stored=True, epoch=epoch)
+        start = settings.start_seq
+        if settings.start_time is not None:
+            start = await seek(settings.start_time)
+        turn.position = turn.origin = start - 1
+        return Resume(start - 1)
 
-    async def _handshake(
-        self, conn: ClientConnection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> ServerHello:
-        """CLIENT_HELLO and SERVER_HELLO (over TLS, the producer's first: one refusing this
-        client's certificate closes at once), then AUTHENTICATED if a token was sent."""
-        client_hello = conn.send(
-            ClientHello(PROTOCOL_VERSION, f"consumer {self.name}", self._token)
-        )
-        if self._tls is None:
-            writer.write(client_hello)
-            hello = await self._read_message(conn, reader)
-        else:
-            try:
-                hello = await self._read_message(conn, reader)
-            except (ConnectionLostError, ConnectionError) as exc:
-                raise tls_refused(self.address, self._tls) from exc
-            writer.write(client_hello)
-        assert isinstance(hello, ServerHello)
-        self._heartbeat_timeout = heartbeat_timeout(
-            self._heartbeat_timeout_given, hello.heartbeat_interval_ms
-        )
-        if self._token is not None:
-            assert isinstance(await self._read_message(conn, reader), Authenticated)
-        return hello
-
-    async def _subscribe(
-        self,
-        conn: ClientConnection,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        hello: ServerHello,
-    ) -> tuple[int, Subscribed]:
-        """SUBSCRIBE from this consumer's position, and check that the producer still
-        holds what it applied ("Epochs"); the first seq asked for, and SUBSCRIBED."""
-        start = await self._start_position(hello.producer_id)
-        if start is None:
-            start = await self._configured_start(conn, reader, writer)
-        seen = self.seen_epoch if start - 1 == self.received else 0
-        writer.write(
-            conn.send(
-                Subscribe(self.stream, start, self.name, hello.producer_id, seen, self.filter)
-            )
-        )
-        # The position to check: one this consumer had (stored or received), not a
-        # configured start_seq, whose errors are the caller's.
-        position = start - 1 if start - 1 == self.received and self.received else 0
-        try:
-            subscribed = await self._read_message(conn, reader)
-        except OffsetOutOfRangeError as exc:
-            details = exc.details
-            head = details.get("head", start)
-            lost = lost_seqs(position, head, details.get("rewritten_from", 0))
-            if lost is not None:
-                raise self._lost(lost, head) from exc
-            raise
-        assert isinstance(subscribed, Subscribed)
-        rewritten = subscribed.rewritten_from if seen else 0
-        lost = lost_seqs(max(position, start - 1), subscribed.head, rewritten or 0)
-        if lost is not None:
-            raise self._lost(lost, subscribed.head)
-        return start, subscribed
-
-    def _lost(self, lost: range, head: int) -> ConsumerPositionError:
-        """The error for a producer whose log no longer holds the seqs ``lost`` that this
-        consumer has: ``SeqsReusedError`` if it holds other records under some of them."""
-        first, applied = lost[0], lost[-1]
-        if first <= head:
-            return SeqsReusedError(
-                f"producer at {self.address} lost commits of stream {self.stream!r} and re-used "
-                f"their seqs: consumer {self.name!r} already applied up to seq {applied}, but "
-                f"the producer's log no longer holds seqs {first}..{applied} as it read them "
-                f"(head {head}; other records now stand under seqs {first}..{min(head, applied)})."
-                " A power loss rolled back commits that were not synced (durability='normal')."
-                " Refusing to skip or re-apply records; reset this consumer's position to go on.",
-                lost,
-            )
-        return ConsumerPositionError(
-            f"producer at {self.address} has head {head} for stream {self.stream!r}, "
-            f"but consumer {self.name!r} already applied up to seq {applied}: seqs "
-            f"{first}..{applied} are no longer in the producer's log. The producer's database "
-            "was restored from an older copy or lost commits. Refusing to skip or re-apply "
-            "records; reset this consumer's position to go on.",
-            lost,
-        )
-
-    async def _configured_start(
-        self, conn: ClientConnection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> int:
-        """``start_seq``, or the seq ``start_time`` leads to, asked on this connection."""
-        start = self._start_seq
-        if self._start_time is not None:
-            writer.write(conn.send(SeekTime(self.stream, self._start_time)))
-            position = await self._read_message(conn, reader)
-            assert isinstance(position, TimePosition)
-            start = position.seq
-        self.applied = self._origin = start - 1
-        return start
-
-    async def _start_position(self, producer_id: str) -> int | None:
-        """The first seq to ask for, after checking this is the expected producer;
-        None when nothing was applied yet (the configured start applies)."""
-        if self.producer_id is not None:
-            if producer_id != self.producer_id:
-                raise ProducerChangedError(
-                    f"producer at {self.address} is now {producer_id}, "
-                    f"but this consumer was reading from {self.producer_id}"
-                )
-            return self.received + 1
-        if self._store is None:
+    async def _stored_position(self, producer_id: str) -> tuple[int, int] | None:
+        """(seq, epoch) of the position stored for ``producer_id``; None when there is none
+        (or no database), once the positions of another split or producer are refused."""
+        store = self.turn.store
+        if store is None:
             return None
-        async with self._tx_lock:
-            rows = await self._store.load(self.name, self.stream)
-            splits = await self._store.shares_of(
-                self.base_name, self.stream, producer_id, self.address
-            )
+        async with self.turn.lock:
+            rows = await store.load(self.name, self.stream)
+            splits = await store.shares_of(self.base_name, self.stream, producer_id, self.address)
         self._check_split(dict(splits))
         positions = {p: (seq, epoch, endpoint) for p, seq, epoch, endpoint in rows}
         if producer_id in positions:
-            self.received, self.seen_epoch, _ = positions[producer_id]
-            self.applied = self.received
-            return self.received + 1
-        others = [(p, seq, at) for p, (seq, _, at) in positions.items() if at not in self._siblings]
-        if others and not self._allow_new_producer:
+            seq, epoch, _ = positions[producer_id]
+            return seq, epoch
+        others = [(p, seq, at) for p, (seq, _, at) in positions.items() if at not in self.siblings]
+        if others and not self.settings.allow_new_producer:
             raise self._not_bound(producer_id, sorted(others, key=lambda row: row[2]))
         return None
 
@@ -657,104 +403,6 @@ class Consumer:
         split = shared_as(self.base_name, name)
         return split is not None and (self.share is None or split[1] != self.share[1])
 
-    async def _run(self, reader: asyncio.StreamReader, conn: ClientConnection) -> None:
-        """Read batches into the queue; reconnect after transient failures.
-
-        A connection lost soon after it was made (a link that resets every connection,
-        say) is not retried at once: the wait before reconnecting doubles each time, as
-        for failed connects, so a flapping link is not hammered with reconnects.
-        """
-        connected_at, flap_delay = time.monotonic(), 0.0
-        while True:
-            try:
-                await self._pump(reader, conn)
-            except _TRANSIENT as exc:
-                self._drop_connection()
-                if not self._reconnect:
-                    await self._queue.put(_lost(exc, self.address))
-                    return
-                logger.warning("connection to %s lost (%s); reconnecting", self.address, exc)
-                if time.monotonic() - connected_at >= _STABLE_CONNECTION:
-                    flap_delay = 0.0
-                else:
-                    flap_delay = min(max(flap_delay * 2, _FIRST_DELAY), _MAX_DELAY)
-                try:
-                    reader, conn = await self._connect_retrying(flap_delay)
-                except BaseException as error:
-                    await self._queue.put(error)
-                    return
-                connected_at = time.monotonic()
-                self.reconnects += 1
-            except StreamQError as exc:
-                self._drop_connection()
-                await self._queue.put(exc)
-                return
-
-    async def _connect_retrying(
-        self, delay: float = 0.0
-    ) -> tuple[asyncio.StreamReader, ClientConnection]:
-        """Connect, retrying transient failures with backoff until ``reconnect_timeout``.
-
-        ``delay``: wait this long before the first attempt (0: try at once).
-        """
-        deadline = None
-        if self._reconnect_timeout is not None:
-            deadline = time.monotonic() + self._reconnect_timeout
-        error: BaseException | None = None
-        while True:
-            if delay:
-                if deadline is not None and time.monotonic() + delay > deadline:
-                    raise ConnectionLostError(
-                        f"no connection to {self.address} within {self._reconnect_timeout:g} s"
-                    ) from error
-                await asyncio.sleep(delay)
-            try:
-                return await self._connect()
-            except _TRANSIENT as exc:
-                error = exc
-                delay = min(max(delay * 2, _FIRST_DELAY), _MAX_DELAY)
-
-    async def _pump(self, reader: asyncio.StreamReader, conn: ClientConnection) -> None:
-        """Receive the subscription's frames into the queue until the connection fails."""
-        while True:
-            try:
-                message = await read_message(conn, reader, read_timeout=self._heartbeat_timeout)
-            except TimeoutError:
-                raise ConnectionLostError(
-                    f"nothing from producer at {self.address} for {self._heartbeat_timeout:g} s"
-                ) from None
-            if message is None:
-                raise ConnectionLostError(f"producer at {self.address} closed the connection")
-            if isinstance(message, Records):
-                if message.records or message.through is not None:
-                    assert self.producer_id is not None
-                    self.seen_epoch = max(self.seen_epoch, message.epoch or 0)
-                    records, through = message.records, message.through or 0
-                    skip = self._skip
-                    if skip is not None and records and records[0].seq <= self._skip_through:
-                        through = through or records[-1].seq
-                        records = tuple(r for r in records if not skip.applied(r.key, r.seq))
-                    batch = Batch(
-                        self.stream,
-                        self.producer_id,
-                        self.received,
-                        records,
-                        self.seen_epoch,
-                        through=through,
-                    )
-                    self.received = batch.last_seq
-                    self.head = max(self.head, self.received)
-                    await self._queue.put(batch)
-            elif isinstance(message, Heartbeat):
-                self.head = message.head
-            elif isinstance(message, Error):
-                raise _server_error(message)
-
-    def _drop_connection(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-        self._writer = self._conn = None
-
     # --- applying ------------------------------------------------------------
 
     @contextlib.asynccontextmanager
@@ -766,9 +414,10 @@ class Consumer:
         ``on_failure`` does not apply here (streamq cannot run the block again): the
         exception is raised as it is. ``apply`` is the form with policies.
         """
-        async with self._tx_lock:  # the turn is checked under the lock: one apply per batch
-            store = self._check_turn(batch)
-            async with store.transaction(batch, lambda: self._applied(batch)) as tx:
+        turn = self.turn
+        async with turn.lock:  # the turn is checked under the lock: one apply per batch
+            store = turn.check(batch)
+            async with store.transaction(batch, lambda: turn.applied(batch)) as tx:
                 yield tx
 
     async def apply(self, batch: Batch, fn: Callable[..., T], *args: Any) -> T:
@@ -811,75 +460,3 @@ class Consumer:
         fails again stays parked, its error and attempts updated, no longer marked.
         """
         return await self._policies.retry_dead_letters(fn, *args)
-
-    def _check_turn(self, batch: Batch) -> PositionStore:
-        """The store to apply into, if ``batch`` is the next one to apply (as this process
-        knows it: the store checks again in the database, against other processes)."""
-        if self._store is None:
-            raise RuntimeError("this consumer has no database (db=None): nothing to apply into")
-        if batch.consumer != self.name or batch.stream != self.stream:
-            raise ValueError(
-                f"batch of consumer {batch.consumer!r} on stream {batch.stream!r}: apply it "
-                f"with the consumer that received it, not {self.name!r} on {self.stream!r}"
-            )
-        if batch.after != self.applied or batch.producer_id != self.producer_id:
-            raise OutOfOrderBatchError(
-                f"batch follows seq {batch.after}, but consumer {self.name!r} has applied up "
-                f"to {self.applied}: apply every batch once, in the order received"
-            )
-        return self._store
-
-    def _applied(self, batch: Batch, parked: int = 0) -> None:
-        """``batch`` committed, ``parked`` of its records in the dead letters."""
-        self.applied = batch.last_seq
-        self.batches_applied += 1
-        self.records_applied += len(batch.records) - parked
-        self._ack()
-
-    def _fail(self, error: BaseException) -> None:
-        """Raise ``error`` from the next batch asked for: the failure of work the consumer
-        did by itself, which no call of the application's saw. On a quiet stream, a wait
-        for the next batch is woken with it."""
-        if self._queue.empty():
-            self._queue.put_nowait(error)
-        elif self._failed is None:
-            self._failed = error
-
-    def _ack(self) -> None:
-        """Tell the producer ``applied`` is durable (informational: status, lag): now, or
-        once ``ack_interval`` has passed since the last ``ACK``."""
-        if self._ack_timer is not None:
-            return  # it sends the newest position
-        loop = self._running_loop()
-        due = self._acked_at + self._ack_interval
-        if loop.time() >= due:
-            self._ack_now()
-        else:
-            self._ack_timer = loop.call_at(due, self._ack_now)
-
-    def _running_loop(self) -> asyncio.AbstractEventLoop:
-        """The consumer's event loop, asked once (each ask is a system call on 3.11)."""
-        if self._loop is None:
-            self._loop = asyncio.get_running_loop()
-        return self._loop
-
-    def _ack_now(self) -> None:
-        if self._ack_timer is not None:
-            self._ack_timer.cancel()
-            self._ack_timer = None
-        self._acked_at = self._running_loop().time()
-        if self._writer is not None and self._conn is not None:
-            with contextlib.suppress(Exception):
-                self._writer.write(self._conn.send(Ack(self.applied)))
-
-
-def _server_error(message: Error) -> ServerError:
-    return error_from_frame(message.code, message.message, message.details)
-
-
-def _lost(exc: BaseException, address: str) -> ConnectionLostError:
-    if isinstance(exc, ConnectionLostError):
-        return exc
-    lost = ConnectionLostError(f"connection to producer at {address} failed: {exc!r}")
-    lost.__cause__ = exc
-    return lost

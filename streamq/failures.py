@@ -15,18 +15,19 @@ import logging
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, TypeVar, cast
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast
 
 import msgpack
 
 from .batches import Batch
 from .errors import RecordFailedError
+from .positionstore import stored_record
 from .protocol import Record
 
 if TYPE_CHECKING:
-    from .consumer import Consumer
+    from .turn import Turn
 
 T = TypeVar("T")
 
@@ -73,52 +74,22 @@ class DeadLetter:
 FailurePolicy = Stop | Retry | DeadLetter
 
 
-class DeadLetterSQL(NamedTuple):
-    """An engine's statements on ``streamq_dead_letters`` (placeholders its own)."""
-
-    park: str  # (consumer, producer_id, stream, seq, key, value, headers, timestamp,
-    #            error, attempts, parked_at)
-    requested: str  # (consumer, producer_id, stream) -> seq, timestamp, key, value, headers
-    take: str  # delete one marked for retry: (consumer, producer_id, stream, seq)
-    failed_again: str  # (error, consumer, producer_id, stream, seq)
-
-
-class ParkedRecord(NamedTuple):
-    """A record a ``DeadLetter`` consumer parked (``streamq.list_dead_letters``)."""
-
-    consumer: str
-    producer_id: str
-    stream: str
-    record: Record
-    error: str  # the application's exception, with its traceback
-    attempts: int  # tries of the record that failed
-    parked_at: int  # ms since the Unix epoch
-    retry_requested_at: int | None  # set by ``mark_for_retry`` until the consumer re-applies
-
-    @classmethod
-    def from_row(cls, row: Sequence[Any]) -> ParkedRecord:
-        """A row of ``streamq_dead_letters`` as both engines select it."""
-        consumer, producer_id, stream, seq, timestamp, key, value, headers, *rest = row
-        record = Record(int(seq), int(timestamp), _bytes(key), bytes(value), _headers(headers))
-        error, attempts, parked_at, requested = rest
-        requested = None if requested is None else int(requested)
-        return cls(consumer, producer_id, stream, record, error, attempts, parked_at, requested)
-
-
-def _bytes(data: Any) -> bytes | None:
-    return None if data is None else bytes(data)
-
-
-def _headers(data: Any) -> dict[str, bytes]:
-    return cast(dict[str, bytes], msgpack.unpackb(bytes(data), raw=False))
-
-
 class Policies:
-    """One consumer's applies under its ``on_failure`` policy (counted on the consumer:
-    ``retried``, ``parked``, ``reapplied``)."""
+    """One consumer's applies under its ``on_failure`` policy, through its ``Turn``
+    (counted: ``retried``, ``parked``, ``reapplied``). ``failed(error)`` reports a failure
+    of the consumer's own background work (re-applying records marked for retry), for its
+    next batch to raise."""
 
-    def __init__(self, consumer: Consumer) -> None:
-        self._c = consumer
+    def __init__(
+        self, turn: Turn, policy: FailurePolicy, failed: Callable[[BaseException], None]
+    ) -> None:
+        self._turn = turn
+        self.policy = policy
+        self._failed = failed
+        self.retried = 0  # failed batches applied again (Retry)
+        self.parked = 0  # records parked in streamq_dead_letters (DeadLetter), committed
+        self.reapplied = 0  # parked records re-applied on request (``retry_dead_letters``)
+        self._closed = False
         self._letters_due = 0.0  # when the consumer next looks for records marked for retry
         # The application's function for them: the last one given to ``apply`` or
         # ``retry_dead_letters``, with its arguments; None before the first.
@@ -130,7 +101,7 @@ class Policies:
         """``Consumer.apply``."""
         self._applying += 1
         try:
-            if self._c._store is not None:
+            if self._turn.store is not None:
                 self._remember(fn, args)
                 if time.monotonic() >= self._letters_due:
                     await self._retry_letters(fn, args)
@@ -144,9 +115,9 @@ class Policies:
         tries = 0
         while True:
             try:
-                async with self._c._tx_lock:
-                    store = self._c._check_turn(batch)
-                    return await store.apply(batch, calls, args, lambda: self._c._applied(batch))
+                async with self._turn.lock:
+                    store = self._turn.check(batch)
+                    return await store.apply(batch, calls, args, lambda: self._turn.applied(batch))
             except Exception as exc:
                 if exc is not calls.error:
                     raise  # the database's, or streamq's: not the record's
@@ -154,19 +125,19 @@ class Policies:
                 if tries > retry.times:
                     failed = exc
                     break  # out of this handler: what the parts raise is not chained to it
-                self._c.retried += 1
+                self.retried += 1
                 delay = retry.delay(tries)
                 logger.warning(
                     "consumer %r: applying seqs %d..%d of stream %r failed (%r); "
                     "retry %d of %d in %.3g s",
-                    self._c.name, batch.first_seq, batch.last_seq, self._c.stream, exc,
+                    self._turn.name, batch.first_seq, batch.last_seq, self._turn.stream, exc,
                     tries, retry.times, delay,
                 )  # fmt: skip
             await asyncio.sleep(delay)  # the lock is free meanwhile
         return await self._apply_in_parts(batch, fn, args, tries, failed)
 
     def _retry_policy(self) -> Retry:
-        policy = self._c.on_failure
+        policy = self.policy
         if isinstance(policy, Retry):
             return policy
         return policy.retry if isinstance(policy, DeadLetter) else _NO_RETRY
@@ -181,21 +152,21 @@ class Policies:
     ) -> T:
         """The batch that failed ``tries`` times (last with ``error``), in halves down to
         the records that fail alone: parked with ``DeadLetter``, else the end."""
-        park = isinstance(self._c.on_failure, DeadLetter)
+        park = isinstance(self.policy, DeadLetter)
         if not batch.records:
             raise error  # no record to blame: the function fails on an empty batch
         if len(batch) == 1 and not park:
             self._give_up(batch, _Failure(batch.records[0], error, tries))
-        assert self._c._store is not None
-        parts = _Parts(fn, args, tries, error, self._c._store.dead_letters.park if park else None)
+        assert self._turn.store is not None
+        parts = _Parts(fn, args, tries, error, self._turn.store.dead_letters.park if park else None)
 
         def committed() -> None:
-            self._c._applied(batch, len(parts.parked))
-            self._c.parked += len(parts.parked)
+            self._turn.applied(batch, len(parts.parked))
+            self.parked += len(parts.parked)
 
         try:
-            async with self._c._tx_lock:
-                store = self._c._check_turn(batch)
+            async with self._turn.lock:
+                store = self._turn.check(batch)
                 result = await store.apply(batch, parts, (), committed)
         except Exception as exc:
             if parts.stopped is None or exc is not parts.stopped.error:
@@ -204,7 +175,7 @@ class Policies:
         for failure in parts.parked:
             logger.warning(
                 "consumer %r parked seq %d of stream %r from producer %s (%d failed tries): %r",
-                self._c.name, failure.record.seq, self._c.stream, batch.producer_id,
+                self._turn.name, failure.record.seq, self._turn.stream, batch.producer_id,
                 failure.attempts, failure.error,
             )  # fmt: skip
         return cast(T, result)
@@ -213,35 +184,35 @@ class Policies:
         """Stop at ``failure``'s record: nothing of ``batch`` committed."""
         record, error = failure.record, failure.error
         where = (
-            f"seq {record.seq} of stream {self._c.stream!r} from producer {batch.producer_id} "
-            f"at {self._c.address}"
+            f"seq {record.seq} of stream {self._turn.stream!r} from producer {batch.producer_id} "
+            f"at {self._turn.address}"
         )
         tries = "1 try" if failure.attempts == 1 else f"{failure.attempts} tries"
         rest = (
             f"nothing of its batch (seqs {batch.first_seq}..{batch.last_seq}) committed; the "
-            f"consumer's position stays at {self._c.applied}"
+            f"consumer's position stays at {self._turn.position}"
         )
-        if isinstance(self._c.on_failure, Stop):
+        if isinstance(self.policy, Stop):
             error.add_note(
-                f"streamq: consumer {self._c.name!r} stopped at {where}: applying it failed "
+                f"streamq: consumer {self._turn.name!r} stopped at {where}: applying it failed "
                 f"({tries}); {rest}. on_failure=streamq.Retry(...) retries, "
                 "streamq.DeadLetter() parks such records and goes on."
             )
             raise error
         raise RecordFailedError(
-            f"consumer {self._c.name!r} stopped at {where}: applying it failed {tries} "
-            f"({self._c.on_failure}): {error!r}; {rest}",
-            consumer=self._c.name,
+            f"consumer {self._turn.name!r} stopped at {where}: applying it failed {tries} "
+            f"({self.policy}): {error!r}; {rest}",
+            consumer=self._turn.name,
             producer_id=batch.producer_id,
-            address=self._c.address,
-            stream=self._c.stream,
+            address=self._turn.address,
+            stream=self._turn.stream,
             seq=record.seq,
             attempts=failure.attempts,
         ) from error
 
     async def retry_dead_letters(self, fn: Callable[..., Any], *args: Any) -> int:
         """``Consumer.retry_dead_letters``."""
-        if self._c._store is None:
+        if self._turn.store is None:
             return 0
         self._remember(fn, args)
         return await self._retry_letters(fn, args)
@@ -249,7 +220,7 @@ class Policies:
     def _remember(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
         """Re-apply marked records with ``fn`` from now on, looking for them by itself too."""
         self._letters_fn = (fn, args)
-        if (self._watching is None or self._watching.done()) and not self._c._closed:
+        if (self._watching is None or self._watching.done()) and not self._closed:
             self._watching = asyncio.create_task(self._watch_letters())
 
     async def _watch_letters(self) -> None:
@@ -271,13 +242,14 @@ class Policies:
                 logger.error(
                     "consumer %r: re-applying records marked for retry failed (%r); "
                     "raised from its next batch",
-                    self._c.name, exc,
+                    self._turn.name, exc,
                 )  # fmt: skip
-                self._c._fail(exc)
+                self._failed(exc)
                 return
 
     async def close(self) -> None:
         """Stop looking for records marked for retry (one being re-applied is finished)."""
+        self._closed = True
         if self._watching is not None:
             self._watching.cancel()
             await asyncio.wait([self._watching])  # a cancel of close itself is not swallowed
@@ -286,25 +258,24 @@ class Policies:
         """Re-apply the marked records with ``fn``, all under the transaction lock: no
         batch is applied meanwhile."""
         self._letters_due = time.monotonic() + _LETTERS_INTERVAL
-        if self._c._store is None or self._c.producer_id is None:
+        if self._turn.store is None or self._turn.producer_id is None:
             return 0
-        async with self._c._tx_lock:
+        async with self._turn.lock:
             return await self._reapply_marked(fn, args)
 
     async def _reapply_marked(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> int:
         """``_retry_letters``, the lock held."""
-        assert self._c._store is not None and self._c.producer_id is not None
-        store, sql = self._c._store, self._c._store.dead_letters
-        key = (self._c.name, self._c.producer_id, self._c.stream)
+        turn = self._turn
+        assert turn.store is not None and turn.producer_id is not None
+        store, sql = turn.store, turn.store.dead_letters
+        key = (turn.name, turn.producer_id, turn.stream)
         rows = await store.run_transaction(_fetch_all, sql.requested, key)
         applied = 0
         for seq, timestamp, record_key, value, headers in rows:
-            record = Record(
-                int(seq), int(timestamp), _bytes(record_key), bytes(value), _headers(headers)
-            )
+            record = stored_record(seq, timestamp, record_key, value, headers)
             letter = Batch(
-                self._c.stream, self._c.producer_id, record.seq - 1, (record,), 0, self._c.name,
-                self._c.address, self._c._origin,
+                turn.stream, turn.producer_id, record.seq - 1, (record,), 0, turn.name,
+                turn.address, turn.origin,
             )  # fmt: skip
             calls = _Calls(fn)
             try:
@@ -319,12 +290,12 @@ class Policies:
                 )
                 logger.warning(
                     "consumer %r: parked seq %d of stream %r failed again (%r): it stays parked",
-                    self._c.name, record.seq, self._c.stream, exc,
+                    turn.name, record.seq, turn.stream, exc,
                 )  # fmt: skip
                 continue
             if taken:
                 applied += 1
-                self._c.reapplied += 1
+                self.reapplied += 1
         return applied
 
 

@@ -65,7 +65,7 @@ class FanInConsumer:
             for address in addresses
         ]
         for consumer in self.consumers:  # the others' positions under this name are expected
-            consumer._read_alongside(addresses)
+            consumer.siblings = frozenset(addresses) - {consumer.address}
         self._store: PositionStore | None = None
         if db is not None:
             self._store = open_position_store(db, durability)
@@ -82,7 +82,7 @@ class FanInConsumer:
                 await self._store.open()
                 lock = asyncio.Lock()  # one transaction at a time on the shared connection
                 for consumer in self.consumers:
-                    consumer._share_store(self._store, lock)
+                    consumer.turn.share(self._store, lock)
             await asyncio.gather(*(consumer.start() for consumer in self.consumers))
             for consumer in self.consumers:
                 assert consumer.producer_id is not None

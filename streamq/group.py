@@ -26,7 +26,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from .batches import Batch, Fence
-from .consumer import _FIRST_DELAY, _MAX_DELAY, _TRANSIENT, Consumer
+from .consumer import Consumer
 from .engines import for_target
 from .errors import GroupSpecError, LeaseLostError, SharesChangedError
 from .membership import Lease, plan, taken_from
@@ -34,6 +34,7 @@ from .metrics import ConsumerCollector, MetricsEndpoint
 from .resharing import Floors
 from .storage import Durability
 from .stores import ConsumerTransaction, open_position_store
+from .subscription import FIRST_DELAY, MAX_DELAY, TRANSIENT
 
 T = TypeVar("T")
 
@@ -352,27 +353,27 @@ class GroupConsumer:
             durability=self._durability,
             **self._options,
         )
-        consumer._share_store(self._store, self._tx_lock)
-        consumer.floors = self._floors
+        consumer.turn.share(self._store, self._tx_lock)
+        consumer.subscription.floors = self._floors
         return consumer
 
     async def _start_share(self, held: _Held) -> None:
         """Start the share's consumer, which reads its position (after the take): again
         with backoff while the producer cannot be reached (restarting, say); any other
         failure is raised from the iteration, and this member takes no more shares."""
-        delay = _FIRST_DELAY
+        delay = FIRST_DELAY
         while True:
-            held.consumer.fence = Fence(self.name, held.share, held.token)
+            held.consumer.turn.fence = Fence(self.name, held.share, held.token)
             try:
                 await held.consumer.start()
                 break
-            except _TRANSIENT as exc:
+            except TRANSIENT as exc:
                 logger.warning(
                     "group %r: share %d cannot reach the producer at %s (%r); again in %.2g s",
                     self.name, held.share, self.address, exc, delay,
                 )  # fmt: skip
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, _MAX_DELAY)
+                delay = min(delay * 2, MAX_DELAY)
                 held.consumer = self._consumer(held.share, held.split)
             except SharesChangedError as exc:
                 held.starting = None

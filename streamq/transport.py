@@ -5,7 +5,9 @@ this module moves the bytes: addresses, opening a client connection, reading unt
 protocol yields a message (asyncio and blocking) or dropping what a peer still sends
 after an ERROR, all in reads of one size, and one place where the socket layer's errors
 become streamq's (as httpcore's ``map_exceptions`` does), so callers never see
-``ssl.SSLError`` or ``OSError``.
+``ssl.SSLError`` or ``OSError``. The client's side of the handshake is written once, as
+steps (``client_handshake``) that the consumer drives over asyncio (``handshake``) and
+the blocking client over its socket (``handshake_blocking``).
 """
 
 from __future__ import annotations
@@ -14,11 +16,20 @@ import asyncio
 import contextlib
 import socket
 import ssl
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Generator, Iterator
 
 from .errors import ConnectionLostError
-from .protocol import ClientConnection, Connection, Message, State
-from .security import ClientTLS, tls_error
+from .protocol import (
+    PROTOCOL_VERSION,
+    Authenticated,
+    ClientConnection,
+    ClientHello,
+    Connection,
+    Message,
+    ServerHello,
+    State,
+)
+from .security import ClientTLS, tls_error, tls_refused
 
 # The most one read takes from a connection: every read streamq makes, asyncio or blocking.
 READ_SIZE = 256 * 1024
@@ -132,3 +143,80 @@ def read_message_blocking(
                 return None
             conn.receive_data(view[:count])
     return message
+
+
+# What a handshake ends with: the producer's SERVER_HELLO, and the consumer its token
+# named (AUTHENTICATED), None without a token.
+Hello = tuple[ServerHello, str | None]
+# Its steps: each yields a message to send, or None to be sent the producer's next one.
+Handshake = Generator[Message | None, Message | None, Hello]
+
+
+def client_handshake(
+    address: str, name: str, token: str | None, tls: ClientTLS | None
+) -> Handshake:
+    """The client's side of the handshake, without I/O: CLIENT_HELLO and SERVER_HELLO (over
+    TLS the producer's first: one refusing this client's certificate closes at once, which
+    ``tls_refused`` says), then AUTHENTICATED if a token was sent. A driver sends what it
+    yields, and sends in the producer's next message when it yields None, or throws in
+    the failure to read it."""
+    hello = ClientHello(PROTOCOL_VERSION, name, token)
+    if tls is None:
+        yield hello
+        server_hello = yield None
+    else:
+        try:
+            server_hello = yield None
+        except (ConnectionLostError, ConnectionError) as exc:
+            raise tls_refused(address, tls) from exc
+        yield hello
+    assert isinstance(server_hello, ServerHello)
+    if token is None:
+        return server_hello, None
+    authenticated = yield None
+    assert isinstance(authenticated, Authenticated)
+    return server_hello, authenticated.consumer
+
+
+async def handshake(
+    steps: Handshake, send: Callable[[Message], None], receive: Callable[[], Awaitable[Message]]
+) -> Hello:
+    """Drive ``client_handshake``'s steps over an asyncio connection."""
+    reply: Message | None = None
+    failed: Exception | None = None
+    while True:
+        try:
+            step = steps.send(reply) if failed is None else steps.throw(failed)
+        except StopIteration as done:
+            hello: Hello = done.value
+            return hello
+        reply = failed = None
+        if step is not None:
+            send(step)
+            continue
+        try:
+            reply = await receive()
+        except Exception as exc:
+            failed = exc
+
+
+def handshake_blocking(
+    steps: Handshake, send: Callable[[Message], None], receive: Callable[[], Message]
+) -> Hello:
+    """``handshake`` over a blocking socket."""
+    reply: Message | None = None
+    failed: Exception | None = None
+    while True:
+        try:
+            step = steps.send(reply) if failed is None else steps.throw(failed)
+        except StopIteration as done:
+            hello: Hello = done.value
+            return hello
+        reply = failed = None
+        if step is not None:
+            send(step)
+            continue
+        try:
+            reply = receive()
+        except Exception as exc:
+            failed = exc

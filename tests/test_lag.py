@@ -124,7 +124,7 @@ async def test_acks_wait_out_the_interval_and_closing_sends_the_last(
             assert await producer.wait_applied("billing", "orders", first, timeout=10) == first
             second = await producer.publish("orders", b"order 2")
             await apply_until(consumer, second)
-            assert consumer.applied == second and consumer._ack_timer is not None
+            assert consumer.applied == second and consumer.subscription._ack_timer is not None
             lag = lag_of(producer, "billing", "orders")
             assert lag is not None and lag.applied == first  # no ACK for it yet
         assert await producer.wait_applied("billing", "orders", second, timeout=10) == second
@@ -142,7 +142,7 @@ async def test_without_an_interval_every_batch_is_acknowledged(
             for n in range(1, 4):
                 seq = await producer.publish("orders", b"order %d" % n)
                 await apply_until(consumer, seq)
-                assert consumer._ack_timer is None
+                assert consumer.subscription._ack_timer is None
                 assert await producer.wait_applied("billing", "orders", seq, timeout=10) == seq
 
 

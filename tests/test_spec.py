@@ -740,7 +740,7 @@ async def test_server_hello_announces_the_heartbeat_interval_when_told_to(
         first_epoch = hello.epoch
         assert hello == ServerHello(PROTOCOL_VERSION, hello.producer_id, first_epoch, 16 * 1024**2)
         async with Consumer(quiet.address, "orders") as default:
-            assert default._heartbeat_timeout == 30.0
+            assert default.subscription.heartbeat_timeout == 30.0
     settings = ServerSettings(
         heartbeat_interval=0.5, announce_heartbeat=True, handshake_timeout=0.5
     )
@@ -754,9 +754,9 @@ async def test_server_hello_announces_the_heartbeat_interval_when_told_to(
         )
         async with Consumer(started.address, "orders") as default:
             # 6 intervals, at least 2 s ("Handshake").
-            assert default._heartbeat_timeout == heartbeat_timeout(None, 500) == 3.0
+            assert default.subscription.heartbeat_timeout == heartbeat_timeout(None, 500) == 3.0
         async with Consumer(started.address, "orders", heartbeat_timeout=0.9) as explicit:
-            assert explicit._heartbeat_timeout == 0.9
+            assert explicit.subscription.heartbeat_timeout == 0.9
     assert heartbeat_timeout(None, None) == 30.0  # a producer that predates the field
     assert heartbeat_timeout(None, 100) == 2.0
     assert heartbeat_timeout(None, 60_000) == 360.0

@@ -24,10 +24,9 @@ from ..storage import Durability, Features, Storage, is_postgres_url
 
 if TYPE_CHECKING:
     from ..batches import Batch
-    from ..failures import ParkedRecord
+    from ..positionstore import ParkedRecord, PositionStore
     from ..records import CheckedRecord, Receipt
     from ..resharing import Move
-    from ..stores import PositionStore
     from .leases import LeaseTable
 
 

@@ -40,9 +40,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ...batches import Batch
 from ...blocking import BlockingSQL, _Scoped, to_the_end
 from ...errors import SchemaMissingError
-from ...failures import DeadLetterSQL, ParkedRecord
+from ...positionstore import DeadLetterSQL, ParkedRecord, lease_lost, out_of_turn
 from ...resharing import Move, StoredPosition, plan
-from ...stores import lease_lost, out_of_turn
 from .append import UNDEFINED_TABLE, Statement, Steps, describe, run, run_async
 from .driver import connect, connect_async, database, in_transaction, psycopg_module
 

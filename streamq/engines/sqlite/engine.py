@@ -12,7 +12,7 @@ from ...storage import Durability, Features
 from .. import ModuleEngine, Tables
 
 if TYPE_CHECKING:
-    from ...stores import PositionStore
+    from ...positionstore import PositionStore
     from ..leases import LeaseTable
     from .storage import SQLiteStorage
 

@@ -10,7 +10,7 @@ write of the application's own transaction): two processes applying the same bat
 cannot both find the position it follows, so the second gets ``OutOfOrderBatchError``.
 
 ``SQLitePositionStore`` is what a ``Consumer`` with ``db=PATH`` talks to (the interface
-is ``consumer.PositionStore``); ``save_position`` is ``streamq.save_position`` on a
+is ``positionstore.PositionStore``); ``save_position`` is ``streamq.save_position`` on a
 DB-API connection to a SQLite database (sqlite3, under SQLAlchemy or Django).
 """
 
@@ -35,10 +35,9 @@ from ...blocking import (
     to_the_end,
 )
 from ...errors import DatabaseOpenError, SchemaMissingError
-from ...failures import DeadLetterSQL, ParkedRecord
+from ...positionstore import DeadLetterSQL, ParkedRecord, lease_lost, out_of_turn
 from ...resharing import Move, StoredPosition, plan
 from ...storage import WouldWait
-from ...stores import lease_lost, out_of_turn
 from .checkpoints import Checkpointer, take_over
 from .storage import begin_at_once, connect, journal_mode_wal
 

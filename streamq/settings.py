@@ -1,0 +1,102 @@
+"""A consumer's options, grouped and checked once: ``ConsumerSettings``.
+
+``Consumer(address, stream, db=..., name=..., **options)`` builds one from its keyword
+options (``ConsumerOptions`` types them), or takes one as ``settings=`` (keywords given
+beside it replace its fields). The subscription, the failure policies and the metrics
+endpoint each read their part.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypedDict
+
+from .failures import DeadLetter, FailurePolicy, Retry, Stop
+from .filters import Filter
+from .protocol import DEFAULT_MAX_FRAME_SIZE
+from .security import ClientTLS
+from .storage import Durability
+
+if TYPE_CHECKING:
+    from .metrics import ConsumerCollector
+    from .producer import Producer
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerSettings:
+    """A consumer's keyword options (``Consumer`` describes each), checked when made:
+    ``ConsumerSettings(reconnect_timeout=30, on_failure=streamq.DeadLetter())``."""
+
+    start_seq: int = 1
+    start_time: int | None = None
+    queue_batches: int = 16
+    max_batch_records: int = 65536
+    reconnect: bool = True
+    reconnect_timeout: float | None = None
+    connect_timeout: float = 10.0
+    heartbeat_timeout: float | None = None
+    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
+    durability: Durability = "normal"
+    tls: ClientTLS | None = None
+    token: str | None = None
+    on_failure: FailurePolicy | None = None  # None: Stop()
+    filter: Filter | None = None
+    share: tuple[int, int] | None = None
+    ack_interval: float = 0.005
+    allow_new_producer: bool = False
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    metrics: Producer | ConsumerCollector | None = None
+
+    def __post_init__(self) -> None:
+        if self.ack_interval < 0:
+            raise ValueError(f"ack_interval must be 0 or more seconds, not {self.ack_interval!r}")
+        if self.share is not None:
+            if self.filter is not None and self.filter.share is not None:
+                raise ValueError("give share= or a filter with a share, not both")
+            Filter(share=self.share)  # checks the share
+        if not isinstance(self.on_failure, Stop | Retry | DeadLetter | None):
+            raise TypeError(
+                "on_failure takes streamq.Stop(), streamq.Retry(...) or streamq.DeadLetter(...), "
+                f"not {self.on_failure!r}"
+            )
+        if self.durability not in ("normal", "full"):
+            raise ValueError(f"durability must be 'normal' or 'full', not {self.durability!r}")
+
+    @property
+    def policy(self) -> FailurePolicy:
+        """``on_failure``, ``Stop()`` when not given."""
+        return Stop() if self.on_failure is None else self.on_failure
+
+    @property
+    def subscribed(self) -> Filter | None:
+        """What the subscription asks the producer for: ``filter``, with ``share`` in it."""
+        if self.share is None:
+            return self.filter
+        base = self.filter or Filter()
+        return Filter(base.key_prefix, base.headers, self.share)
+
+
+class ConsumerOptions(TypedDict, total=False):
+    """``Consumer``'s keyword options, as ``ConsumerSettings`` takes them."""
+
+    start_seq: int
+    start_time: int | None
+    queue_batches: int
+    max_batch_records: int
+    reconnect: bool
+    reconnect_timeout: float | None
+    connect_timeout: float
+    heartbeat_timeout: float | None
+    max_frame_size: int
+    durability: Durability
+    tls: ClientTLS | None
+    token: str | None
+    on_failure: FailurePolicy | None
+    filter: Filter | None
+    share: tuple[int, int] | None
+    ack_interval: float
+    allow_new_producer: bool
+    metrics_port: int | None
+    metrics_host: str
+    metrics: Producer | ConsumerCollector | None
