@@ -87,7 +87,7 @@ def in_transaction(conn: sqlite3.Connection, body: Callable[[], T], begun: bool 
     return result
 
 
-class _Scoped:
+class Scoped:
     """Valid from BEGIN to COMMIT or ROLLBACK only."""
 
     _closed = False
@@ -97,7 +97,7 @@ class _Scoped:
             raise TransactionClosedError("this transaction has already committed or rolled back")
 
 
-class AsyncSQL(_Scoped):
+class AsyncSQL(Scoped):
     """The application's statements inside a transaction, each awaited (one thread hop
     on SQLite, one round trip on PostgreSQL). ``conn`` is an aiosqlite connection or a
     storage writer: anything with awaitable ``execute`` and ``executemany``."""
@@ -116,7 +116,7 @@ class AsyncSQL(_Scoped):
         return await self._conn.executemany(sql, parameters)
 
 
-class BlockingSQL(_Scoped):
+class BlockingSQL(Scoped):
     """The application's statements inside a transaction that runs on one thread.
     ``conn`` is a DB-API connection or a blocking storage writer."""
 

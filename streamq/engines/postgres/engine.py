@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from ...records import MAX_SEQ
 from ...storage import Durability, Features
-from .. import ModuleEngine, Tables
+from ..base import ModuleEngine, Tables
 
 if TYPE_CHECKING:
     from ...positionstore import PositionStore

@@ -38,7 +38,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ...batches import Batch
-from ...blocking import BlockingSQL, _Scoped, to_the_end
+from ...blocking import BlockingSQL, Scoped, to_the_end
 from ...errors import SchemaMissingError
 from ...positionstore import DeadLetterSQL, ParkedRecord, lease_lost, out_of_turn
 from ...resharing import Move, StoredPosition, plan
@@ -289,7 +289,7 @@ def mark_for_retry(
         return int(cursor.rowcount)
 
 
-class AsyncPostgresSQL(_Scoped):
+class AsyncPostgresSQL(Scoped):
     """The application's statements in a consumer transaction, each awaited
     (psycopg placeholders: ``%s``, ``%(name)s``)."""
 

@@ -9,7 +9,7 @@ from urllib.request import pathname2url
 from ...errors import DatabaseOpenError
 from ...records import MAX_SEQ
 from ...storage import Durability, Features
-from .. import ModuleEngine, Tables
+from ..base import ModuleEngine, Tables
 
 if TYPE_CHECKING:
     from ...positionstore import PositionStore
