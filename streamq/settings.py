@@ -18,8 +18,7 @@ from .security import ClientTLS
 from .storage import Durability
 
 if TYPE_CHECKING:
-    from .metrics import ConsumerCollector
-    from .producer import Producer
+    from .metrics import ConsumerCollector, ServesMetrics
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +45,7 @@ class ConsumerSettings:
     allow_new_producer: bool = False
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
-    metrics: Producer | ConsumerCollector | None = None
+    metrics: ServesMetrics | ConsumerCollector | None = None
 
     def __post_init__(self) -> None:
         if self.ack_interval < 0:
@@ -99,4 +98,4 @@ class ConsumerOptions(TypedDict, total=False):
     allow_new_producer: bool
     metrics_port: int | None
     metrics_host: str
-    metrics: Producer | ConsumerCollector | None
+    metrics: ServesMetrics | ConsumerCollector | None

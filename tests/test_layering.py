@@ -436,3 +436,25 @@ def test_private_reaches_are_detected(tmp_path: Path) -> None:
         "def f(p):\n    return p._writer, p._asdict(), p.public\n"
     )
     assert private_reaches(pkg, "streamq") == {"streamq.groups": {"_writer", "producer._helper"}}
+
+
+def importers(package_dir: Path, package: str, target: str) -> set[str]:
+    """The modules that import ``target`` (anywhere in the file)."""
+    return {
+        module
+        for module, path in _modules(package_dir, package).items()
+        if target in _imported_names(path, module)
+    }
+
+
+def test_only_the_facades_import_the_producer() -> None:
+    """Retention, compaction, group commit, transactions, the watcher and metrics take
+    the writing core (``writing.Writing``) or a small protocol, not the ``Producer``:
+    it is imported by the facades alone (the package, ``SyncProducer``, the CLI and its
+    demo)."""
+    assert importers(PACKAGE_DIR, PACKAGE, "streamq.producer") == {
+        "streamq",
+        "streamq.sync",
+        "streamq.cli",
+        "streamq.demo",
+    }
