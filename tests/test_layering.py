@@ -36,7 +36,7 @@ def _module_file(package_dir: Path, package: str, name: str) -> Path | None:
     return None
 
 
-def _imported_names(path: Path, module: str) -> set[str]:
+def imported_names(path: Path, module: str) -> set[str]:
     """Absolute names of every module ``path`` may import, anywhere in the file.
 
     ``from x import y`` yields both ``x`` and ``x.y`` (``y`` may be a submodule);
@@ -93,7 +93,7 @@ def forbidden_imports(
         if path is None:
             continue
         visited.add(module)
-        for name in _imported_names(path, module):
+        for name in imported_names(path, module):
             if name.split(".")[0] in forbidden:
                 found.setdefault(module, set()).add(name)
             if _module_file(package_dir, package, name) is not None:
@@ -197,7 +197,7 @@ def engine_reaches(package_dir: Path, package: str) -> dict[str, set[str]]:
             continue
         names = {
             name
-            for name in _imported_names(path, module)
+            for name in imported_names(path, module)
             if any(name == p or name.startswith(p + ".") for p in ENGINE_PACKAGES)
         }
         if names:
