@@ -55,7 +55,7 @@ from ..common import (
     workload_main,
 )
 from .common import ACCOUNTS, OPENING_BALANCE, STREAM
-from .deployment import FULL, QUICK, ROLES, STARTUP_TIMEOUT, Deployment, flow, free_port
+from .deployment import FULL, QUICK, ROLES, STARTUP_TIMEOUT, Deployment, Sizes, flow, free_port
 from .floor import floor_flow
 from .kafka import KAFKA_CONSUMER, KAFKA_PRODUCER, RELAY_POLL, warm_up
 
@@ -322,19 +322,7 @@ def run(broker: Any | None, quick: bool, repeats: int, seed: int | None = None) 
     seed = random.randrange(2**31) if seed is None else seed
     flow_systems = ["streamq"] + (["kafka-outbox"] if broker is not None else [])
     crash_systems = ["streamq"] + (["kafka-outbox", "kafka-naive"] if broker is not None else [])
-    throughput = {
-        s: Series(_series_name(s), f"{sizes.transfers:,}, end to end", "tr/s") for s in flow_systems
-    }
-    committing = {
-        s: Series(_series_name(s), f"{sizes.transfers:,}, producer commits", "tr/s")
-        for s in flow_systems
-    }
-    # The same SQL with no framework (floor.py): what 1.5x the outbox asks for, in this run.
-    floor = Series("floor", f"{sizes.transfers:,}, end to end", "tr/s")
-    paced_case = f"{sizes.latency_rate:,}/s"
-    full_case = "max rate"
     latency: LatencyRuns = {}
-    crashes: list[dict[str, Any]] = []
     console.print(
         f"[bold]transfer[/] kafka relay/naive producer {json.dumps(KAFKA_PRODUCER)}; "
         f"consumer {json.dumps(KAFKA_CONSUMER)}; relay polls the outbox every "
@@ -345,26 +333,8 @@ def run(broker: Any | None, quick: bool, repeats: int, seed: int | None = None) 
     steps = 3 * repeats * len(flow_systems) + repeats + sizes.kills * len(crash_systems)
     with contextlib.ExitStack() as stack, Progress(console=console, transient=True) as progress:
         task: TaskID = progress.add_task("transfer", total=steps)
-        for system in alternating([*flow_systems, "floor"], repeats):
-            progress.update(task, description=f"transfer: throughput, {system}")
-            if system == "floor":
-                with _folder() as folder:
-                    floor.values.append(floor_flow(folder, sizes.transfers)[0])
-                progress.advance(task)
-                continue
-            with _folder() as folder:
-                measured = flow(system, broker, folder, sizes.transfers, 0)
-            throughput[system].values.append(sizes.transfers / measured.seconds)
-            committing[system].values.append(sizes.transfers / measured.producer_seconds)
-            latency.setdefault((_series_name(system), full_case), []).append(measured.latency)
-            progress.advance(task)
-        for system in alternating(flow_systems, repeats):
-            progress.update(task, description=f"transfer: latency, {system}")
-            count = int(sizes.latency_rate * sizes.latency_seconds)
-            with _folder() as folder:
-                measured = flow(system, broker, folder, count, sizes.latency_rate)
-            latency.setdefault((_series_name(system), paced_case), []).append(measured.latency)
-            progress.advance(task)
+        fast = _throughput_runs(progress, task, broker, flow_systems, sizes, repeats, latency)
+        _paced_runs(progress, task, broker, flow_systems, sizes, repeats, latency)
         # Money at full durability: a broker that flushes every message, against streamq's
         # synchronous=FULL, both payments databases FULL too.
         flushing = None if broker is None else stack.enter_context(flushing_broker())
@@ -376,22 +346,8 @@ def run(broker: Any | None, quick: bool, repeats: int, seed: int | None = None) 
             repeats,
             lambda _: progress.advance(task),
         )
-        for number, system in enumerate(crash_systems):
-            progress.update(task, description=f"transfer: kill -9, {system}")
-            with _folder() as folder:
-                crashes.append(
-                    crash_run(
-                        system,
-                        broker,
-                        folder,
-                        sizes.crash_transfers,
-                        sizes.kills,
-                        sizes.crash_rate,
-                        seed + number,
-                        on_kill=lambda _: progress.advance(task),
-                    )
-                )
-    series = [*throughput.values(), floor, *committing.values(), *handled, *handled_commits]
+        crashes = _crash_runs(progress, task, broker, crash_systems, sizes, seed)
+    series = [*fast, *handled, *handled_commits]
     console.print(comparison_table(TITLE, series))
     console.print(
         latency_table(
@@ -413,6 +369,92 @@ def run(broker: Any | None, quick: bool, repeats: int, seed: int | None = None) 
     }
     save("transfer", results, quick, partial=broker is None)
     return results
+
+
+def _throughput_runs(
+    progress: Progress,
+    task: TaskID,
+    broker: Any | None,
+    systems: list[str],
+    sizes: Sizes,
+    repeats: int,
+    latency: LatencyRuns,
+) -> list[Series]:
+    """Each system and the floor ``repeats`` times, alternating, as fast as they can; their
+    latencies go into ``latency``. Returns transfers/s end to end per system, the floor's,
+    then as each system's producer committed them."""
+    throughput = {
+        s: Series(_series_name(s), f"{sizes.transfers:,}, end to end", "tr/s") for s in systems
+    }
+    committing = {
+        s: Series(_series_name(s), f"{sizes.transfers:,}, producer commits", "tr/s")
+        for s in systems
+    }
+    # The same SQL with no framework (floor.py): what 1.5x the outbox asks for, in this run.
+    floor = Series("floor", f"{sizes.transfers:,}, end to end", "tr/s")
+    for system in alternating([*systems, "floor"], repeats):
+        progress.update(task, description=f"transfer: throughput, {system}")
+        if system == "floor":
+            with _folder() as folder:
+                floor.values.append(floor_flow(folder, sizes.transfers)[0])
+            progress.advance(task)
+            continue
+        with _folder() as folder:
+            measured = flow(system, broker, folder, sizes.transfers, 0)
+        throughput[system].values.append(sizes.transfers / measured.seconds)
+        committing[system].values.append(sizes.transfers / measured.producer_seconds)
+        latency.setdefault((_series_name(system), "max rate"), []).append(measured.latency)
+        progress.advance(task)
+    return [*throughput.values(), floor, *committing.values()]
+
+
+def _paced_runs(
+    progress: Progress,
+    task: TaskID,
+    broker: Any | None,
+    systems: list[str],
+    sizes: Sizes,
+    repeats: int,
+    latency: LatencyRuns,
+) -> None:
+    """Each system ``repeats`` times, alternating, at ``sizes.latency_rate``: their
+    latencies go into ``latency``."""
+    paced_case = f"{sizes.latency_rate:,}/s"
+    for system in alternating(systems, repeats):
+        progress.update(task, description=f"transfer: latency, {system}")
+        count = int(sizes.latency_rate * sizes.latency_seconds)
+        with _folder() as folder:
+            measured = flow(system, broker, folder, count, sizes.latency_rate)
+        latency.setdefault((_series_name(system), paced_case), []).append(measured.latency)
+        progress.advance(task)
+
+
+def _crash_runs(
+    progress: Progress,
+    task: TaskID,
+    broker: Any | None,
+    systems: list[str],
+    sizes: Sizes,
+    seed: int,
+) -> list[dict[str, Any]]:
+    """One crash run per system, each with its own seed from ``seed``."""
+    crashes = []
+    for number, system in enumerate(systems):
+        progress.update(task, description=f"transfer: kill -9, {system}")
+        with _folder() as folder:
+            crashes.append(
+                crash_run(
+                    system,
+                    broker,
+                    folder,
+                    sizes.crash_transfers,
+                    sizes.kills,
+                    sizes.crash_rate,
+                    seed + number,
+                    on_kill=lambda _: progress.advance(task),
+                )
+            )
+    return crashes
 
 
 def main(argv: list[str] | None = None) -> int:
