@@ -267,7 +267,7 @@ def _add_serve(commands: argparse._SubParsersAction[_Parser]) -> None:
 
 
 def _add_init_and_publish(commands: argparse._SubParsersAction[_Parser]) -> None:
-    """``init`` and ``publish``: the log's tables, records, in a producer's database."""
+    """``init`` and ``publish``: the log's tables, then records, into a producer's database."""
     init = commands.add_parser(
         "init",
         help="create the log tables in a database (the application publishes into it "
