@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import json
 import os
 import platform
@@ -64,6 +63,8 @@ def durability_modes(broker: Any | None) -> Iterator[list[tuple[str, Any | None]
     if broker is None:
         yield [("normal", None), ("full", None)]
         return
+    # Here, not above: the broker's module loads confluent_kafka, which the workloads'
+    # own processes (they all import this module) do not need.
     from .kafka.broker import KafkaBroker
 
     with KafkaBroker(flush_every_message=True) as flushing:
@@ -399,7 +400,7 @@ def workload_main(
     with contextlib.ExitStack() as stack:
         broker: Any = None
         if not args.no_kafka:
-            from .kafka.broker import KafkaBroker
+            from .kafka.broker import KafkaBroker  # confluent_kafka: only with a broker
 
             broker = stack.enter_context(KafkaBroker())
         if nats:
@@ -407,23 +408,3 @@ def workload_main(
         else:
             run(broker, args.quick, repeats, args.seed)
     return 0
-
-
-@contextlib.contextmanager
-def file_lock(path: Path, timeout: float, error: type[Exception]) -> Iterator[None]:
-    """An exclusive ``flock`` on ``path``, waited for at most ``timeout`` seconds (then
-    ``error``): two processes must not download or build the same thing at once."""
-    with path.open("a") as handle:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise error(f"{path} stayed locked for {timeout:.0f} s") from None
-                time.sleep(0.2)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)

@@ -199,6 +199,7 @@ documentation (docs/, `make docs`).
 
 
 DATABASE_HELP = "the producer's database: a SQLite file, or a postgresql:// URL"
+CONSUMER_DATABASE_HELP = "the consumer's database: a SQLite file, or a postgresql:// URL"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -209,7 +210,19 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_serve(commands)
+    _add_init_and_publish(commands)
+    _add_readers(commands)
+    _add_token(commands)
+    _add_consumers(commands)
+    _add_dead_letters(commands)
+    _add_reshare(commands)
+    _add_demo(commands)
+    return parser
 
+
+def _add_serve(commands: argparse._SubParsersAction[_Parser]) -> None:
+    """``serve``: a producer's database served to consumers."""
     serve = commands.add_parser("serve", help="serve a producer database to consumers")
     serve.add_argument("db", help=DATABASE_HELP)
     serve.add_argument("--host", type=_host, default="127.0.0.1", help="address to listen on")
@@ -252,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="delete the oldest records while a stream holds more than this",
     )
 
+
+def _add_init_and_publish(commands: argparse._SubParsersAction[_Parser]) -> None:
+    """``init`` and ``publish``: the log's tables, then records, into a producer's database."""
     init = commands.add_parser(
         "init",
         help="create the log tables in a database (the application publishes into it "
@@ -282,6 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="header for every record (repeatable)",
     )
 
+
+def _add_readers(commands: argparse._SubParsersAction[_Parser]) -> None:
+    """``tail``, ``history`` and ``status``: what a producer holds, read from it."""
     tail = commands.add_parser("tail", help="print a stream's records as they are committed")
     tail.add_argument("address", help="producer HOST:PORT")
     tail.add_argument("stream", type=_stream)
@@ -343,12 +362,18 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print the raw status as JSON")
     _add_client_security(status)
 
+
+def _add_token(commands: argparse._SubParsersAction[_Parser]) -> None:
+    """``token``: a consumer's token, made from the producer's secret."""
     token = commands.add_parser("token", help="print the token naming a consumer")
     token.add_argument("consumer", type=_token_name, help="the consumer the token names")
     token.add_argument(
         "--secret-file", metavar="FILE", help=f"the producer's token secret (or set ${SECRET_ENV})"
     )
 
+
+def _add_consumers(commands: argparse._SubParsersAction[_Parser]) -> None:
+    """``consumers add|remove|list``: the consumers a producer keeps records for."""
     consumers = commands.add_parser(
         "consumers",
         help="register consumers whose unapplied records retention keeps",
@@ -389,6 +414,9 @@ def build_parser() -> argparse.ArgumentParser:
     listing.add_argument("db", help=DATABASE_HELP)
     listing.add_argument("--json", action="store_true", help="one JSON object per consumer")
 
+
+def _add_dead_letters(commands: argparse._SubParsersAction[_Parser]) -> None:
+    """``dead-letters list|retry``: records a consumer parked, in its database."""
     dead_letters = commands.add_parser(
         "dead-letters",
         help="records a consumer parked (on_failure=DeadLetter()): list them, have them re-applied",
@@ -397,19 +425,21 @@ def build_parser() -> argparse.ArgumentParser:
         "re-applies each once, through its own apply function, within about a second.",
     )
     letters = dead_letters.add_subparsers(dest="action", required=True, metavar="ACTION")
-    consumer_db = "the consumer's database: a SQLite file, or a postgresql:// URL"
     letters_list = letters.add_parser("list", help="parked records, their error and attempts")
-    letters_list.add_argument("db", help=consumer_db)
+    letters_list.add_argument("db", help=CONSUMER_DATABASE_HELP)
     letters_list.add_argument("--consumer", metavar="NAME", help="only this consumer's")
     letters_list.add_argument("--json", action="store_true", help="one JSON object per record")
     letters_retry = letters.add_parser(
         "retry", help="mark parked records for their consumer to re-apply (all, or those given)"
     )
-    letters_retry.add_argument("db", help=consumer_db)
+    letters_retry.add_argument("db", help=CONSUMER_DATABASE_HELP)
     letters_retry.add_argument("--consumer", metavar="NAME", help="only this consumer's")
     letters_retry.add_argument("--stream", metavar="NAME", help="only this stream's")
     letters_retry.add_argument("--seq", type=_positive, metavar="N", help="only this seq")
 
+
+def _add_reshare(commands: argparse._SubParsersAction[_Parser]) -> None:
+    """``reshare``: a consumer's positions rewritten for a new number of shares."""
     reshare = commands.add_parser(
         "reshare",
         help="change how many shares (Consumer share=(i, n)) a consumer's workers split into",
@@ -418,12 +448,15 @@ def build_parser() -> argparse.ArgumentParser:
         "the same seq; anything else is refused, changing nothing. Stop the workers first: "
         "any still running with the old split stop at their next batch.",
     )
-    reshare.add_argument("db", help=consumer_db)
+    reshare.add_argument("db", help=CONSUMER_DATABASE_HELP)
     reshare.add_argument("consumer", type=_name, help="the consumer's name, without its [i/n]")
     reshare.add_argument(
         "--shares", type=int, required=True, metavar="N", help="the new number of shares"
     )
 
+
+def _add_demo(commands: argparse._SubParsersAction[_Parser]) -> None:
+    """``demo``, and its consumer's process ``demo-consumer``."""
     demo = commands.add_parser(
         "demo", help="an embedded producer and a crashing consumer, applied exactly once"
     )
@@ -435,7 +468,6 @@ def build_parser() -> argparse.ArgumentParser:
     demo_consumer = commands.add_parser("demo-consumer")  # the demo's consumer process
     demo_consumer.add_argument("address")
     demo_consumer.add_argument("db")
-    return parser
 
 
 def _server_settings(args: argparse.Namespace) -> ServerSettings:

@@ -111,73 +111,87 @@ class ProducerCollector(Collector):
         yield head
         yield low
 
-        labels = ["consumer", "stream"]
-        applied = GaugeMetricFamily(
-            "streamq_consumer_applied", "Last seq the consumer reported applied", labels=labels
-        )
-        lag = GaugeMetricFamily(
-            "streamq_consumer_lag", "Records committed and not yet applied", labels=labels
-        )
-        registered = GaugeMetricFamily(
-            "streamq_consumer_registered", "1 if retention keeps records for it", labels=labels
-        )
-        lost = CounterMetricFamily(
-            "streamq_consumer_lost_records",
-            "Records retention deleted before the consumer applied them",
-            labels=labels,
-        )
-        reported = GaugeMetricFamily(
-            "streamq_consumer_last_report_seconds",
-            "When the consumer last reported its position (Unix time; 0: never)",
-            labels=labels,
-        )
-        for position in producer.positions.lags(streams):
-            key = [position.consumer, position.stream]
-            applied.add_metric(key, position.applied)
-            lag.add_metric(key, position.lag)
-            registered.add_metric(key, int(position.registered))
-            lost.add_metric(key, position.lost)
-            reported.add_metric(key, position.updated_at)
-        yield from (applied, lag, registered, lost, reported)
-        if producer.numberer is not None:
-            found = producer.numberer.open_transactions
-            yield GaugeMetricFamily(
-                "streamq_open_transactions",
-                "Transactions that published and have not ended (their records wait)",
-                found.count,
-            )
-            yield GaugeMetricFamily(
-                "streamq_oldest_open_transaction_seconds",
-                "How long the oldest of them has been open (0 with none)",
-                found.oldest_age(time.time()),
-            )
+        yield from _positions(producer, streams)
+        yield from _open_transactions(producer)
         yield CounterMetricFamily(
             "streamq_registrations_dropped",
             "Registrations dropped by their limits (max_idle_ms, max_bytes)",
             producer.registrations_dropped,
         )
-
         server = producer.server
-        if server is None:
-            return
-        records = CounterMetricFamily(
-            "streamq_sent_records", "Records sent to consumers and readers", labels=["stream"]
-        )
-        sent_bytes = CounterMetricFamily(
-            "streamq_sent_bytes", "Bytes of RECORDS frames sent", labels=["stream"]
-        )
-        for name, traffic in list(server.traffic.items()):
-            records.add_metric([name], traffic.records)
-            sent_bytes.add_metric([name], traffic.bytes)
-        yield records
-        yield sent_bytes
-        yield GaugeMetricFamily("streamq_connections", "Open connections", server.connections)
-        yield GaugeMetricFamily(
-            "streamq_subscriptions", "Active subscriptions", len(server.subscriptions)
-        )
-        yield CounterMetricFamily(
-            "streamq_errors_sent", "ERROR frames sent to peers", server.errors_sent
-        )
+        if server is not None:
+            yield from _traffic(server)
+
+
+def _positions(producer: ProducerState, streams: Mapping[str, Stream]) -> Iterator[Metric]:
+    """Each consumer's position and lag per stream, as the producer knows them."""
+    labels = ["consumer", "stream"]
+    applied = GaugeMetricFamily(
+        "streamq_consumer_applied", "Last seq the consumer reported applied", labels=labels
+    )
+    lag = GaugeMetricFamily(
+        "streamq_consumer_lag", "Records committed and not yet applied", labels=labels
+    )
+    registered = GaugeMetricFamily(
+        "streamq_consumer_registered", "1 if retention keeps records for it", labels=labels
+    )
+    lost = CounterMetricFamily(
+        "streamq_consumer_lost_records",
+        "Records retention deleted before the consumer applied them",
+        labels=labels,
+    )
+    reported = GaugeMetricFamily(
+        "streamq_consumer_last_report_seconds",
+        "When the consumer last reported its position (Unix time; 0: never)",
+        labels=labels,
+    )
+    for position in producer.positions.lags(streams):
+        key = [position.consumer, position.stream]
+        applied.add_metric(key, position.applied)
+        lag.add_metric(key, position.lag)
+        registered.add_metric(key, int(position.registered))
+        lost.add_metric(key, position.lost)
+        reported.add_metric(key, position.updated_at)
+    yield from (applied, lag, registered, lost, reported)
+
+
+def _open_transactions(producer: ProducerState) -> Iterator[Metric]:
+    """Transactions that published and have not ended (none without a numberer)."""
+    if producer.numberer is None:
+        return
+    found = producer.numberer.open_transactions
+    yield GaugeMetricFamily(
+        "streamq_open_transactions",
+        "Transactions that published and have not ended (their records wait)",
+        found.count,
+    )
+    yield GaugeMetricFamily(
+        "streamq_oldest_open_transaction_seconds",
+        "How long the oldest of them has been open (0 with none)",
+        found.oldest_age(time.time()),
+    )
+
+
+def _traffic(server: Server) -> Iterator[Metric]:
+    """What the producer's server sent, and its connections."""
+    records = CounterMetricFamily(
+        "streamq_sent_records", "Records sent to consumers and readers", labels=["stream"]
+    )
+    sent_bytes = CounterMetricFamily(
+        "streamq_sent_bytes", "Bytes of RECORDS frames sent", labels=["stream"]
+    )
+    for name, traffic in list(server.traffic.items()):
+        records.add_metric([name], traffic.records)
+        sent_bytes.add_metric([name], traffic.bytes)
+    yield records
+    yield sent_bytes
+    yield GaugeMetricFamily("streamq_connections", "Open connections", server.connections)
+    yield GaugeMetricFamily(
+        "streamq_subscriptions", "Active subscriptions", len(server.subscriptions)
+    )
+    yield CounterMetricFamily(
+        "streamq_errors_sent", "ERROR frames sent to peers", server.errors_sent
+    )
 
 
 # A consumer's own view, one sample per consumer: (name, help, the consumer's attribute

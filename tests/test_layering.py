@@ -44,7 +44,7 @@ def _module_file(package_dir: Path, package: str, name: str) -> Path | None:
     return None
 
 
-def _imported_names(path: Path, module: str) -> set[str]:
+def imported_names(path: Path, module: str) -> set[str]:
     """Absolute names of every module ``path`` may import, anywhere in the file.
 
     ``from x import y`` yields both ``x`` and ``x.y`` (``y`` may be a submodule);
@@ -118,7 +118,7 @@ def forbidden_imports(
         if path is None:
             continue
         visited.add(module)
-        for name in _imported_names(path, module):
+        for name in imported_names(path, module):
             if name.split(".")[0] in forbidden:
                 found.setdefault(module, set()).add(name)
             if _module_file(package_dir, package, name) is not None:
@@ -257,7 +257,7 @@ def engine_reaches(package_dir: Path, package: str) -> dict[str, set[str]]:
             continue
         names = {
             name
-            for name in _imported_names(path, module)
+            for name in imported_names(path, module)
             if any(name == p or name.startswith(p + ".") for p in ENGINE_PACKAGES)
         }
         if names:
@@ -304,7 +304,7 @@ def import_cycles(package_dir: Path, package: str) -> list[list[str]]:
     inside functions too (a lazy import is coupling all the same)."""
     modules = _modules(package_dir, package)
     graph = {
-        module: sorted(name for name in _imported_names(path, module) if name in modules)
+        module: sorted(name for name in imported_names(path, module) if name in modules)
         for module, path in modules.items()
     }
     index: dict[str, int] = {}
@@ -443,7 +443,7 @@ def importers(package_dir: Path, package: str, target: str) -> set[str]:
     return {
         module
         for module, path in _modules(package_dir, package).items()
-        if target in _imported_names(path, module)
+        if target in imported_names(path, module)
     }
 
 

@@ -53,7 +53,7 @@ from confluent_kafka.admin import (  # type: ignore[import-untyped,attr-defined,
     NewTopic,
 )
 
-from ..common import file_lock
+from ..locks import file_lock
 
 HERE = Path(__file__).resolve().parent
 POM = HERE / "pom.xml"

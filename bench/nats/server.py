@@ -39,7 +39,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
-from ..common import file_lock
+from ..locks import file_lock
 
 HERE = Path(__file__).resolve().parent
 BIN = HERE / "bin"  # git-ignored: the built binary

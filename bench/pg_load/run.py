@@ -387,6 +387,45 @@ def table(rows: list[dict[str, Any]]) -> Table:
     return out
 
 
+def _runs_on(
+    server: Any,
+    broker: Any,
+    delay: int,
+    systems: list[str],
+    sizes: Sizes,
+    repeats: int,
+) -> list[Run]:
+    """On ``server``, its flushes slowed by ``delay`` µs: per writer count each system
+    ``repeats`` times, alternating, as fast as they can; then paced at ``sizes.rate``, all
+    but the outbox alone (nothing reads it: no receipt to time)."""
+    runs = []
+    for writers in sizes.writers:
+        for system in alternating(systems, repeats):
+            r = run_once(system, server, broker, delay, writers, sizes.seconds, 0)
+            console.print(
+                f"fsync +{delay} µs, {writers} writers, {system}: {r.tx_per_s:,.0f} "
+                f"tx/s, tx p99 {r.tx_latency_us[1] / 1000:.1f} ms, "
+                f"anomalies {r.anomalies}"
+            )
+            runs.append(r)
+    for system in alternating([s for s in systems if s != "outbox"], repeats):
+        r = run_once(
+            system,
+            server,
+            broker,
+            delay,
+            sizes.paced_writers,
+            sizes.paced_seconds,
+            sizes.rate,
+        )
+        console.print(
+            f"fsync +{delay} µs, {sizes.rate}/s, {system}: COMMIT->received "
+            f"p99 {(r.receipt_latency_us or [0, 0])[1] / 1000:.1f} ms"
+        )
+        runs.append(r)
+    return runs
+
+
 def run(
     broker: Any,
     quick: bool,
@@ -426,30 +465,7 @@ def run(
         server.start()
         try:
             slowed[str(delay)] = flush_seconds(server)
-            for writers in sizes.writers:
-                for system in alternating(systems, repeats):
-                    r = run_once(system, server, broker, delay, writers, sizes.seconds, 0)
-                    console.print(
-                        f"fsync +{delay} µs, {writers} writers, {system}: {r.tx_per_s:,.0f} "
-                        f"tx/s, tx p99 {r.tx_latency_us[1] / 1000:.1f} ms, "
-                        f"anomalies {r.anomalies}"
-                    )
-                    runs.append(r)
-            for system in alternating([s for s in systems if s != "outbox"], repeats):
-                r = run_once(
-                    system,
-                    server,
-                    broker,
-                    delay,
-                    sizes.paced_writers,
-                    sizes.paced_seconds,
-                    sizes.rate,
-                )
-                console.print(
-                    f"fsync +{delay} µs, {sizes.rate}/s, {system}: COMMIT->received "
-                    f"p99 {(r.receipt_latency_us or [0, 0])[1] / 1000:.1f} ms"
-                )
-                runs.append(r)
+            runs += _runs_on(server, broker, delay, systems, sizes, repeats)
             if delay == max(delays if delays is not None else sizes.delays):
                 idle = measure_idle(server, sizes.idle_seconds)
         finally:

@@ -1,6 +1,6 @@
 """Workload 3, transfer: a payments service debits an account and emits a deposit; a ledger
-service credits it exactly once in its own database (``run``; processes: ``streamq``,
-``kafka``; what they share: ``common``).
+service credits it exactly once in its own database (``run``, starting the processes by
+``deployment``; processes: ``streamq``, ``kafka``; what they share: ``common``).
 
 Roles (``python -m bench.transfer.streamq ROLE ARGS``, ``python -m bench.transfer.kafka ROLE
 ARGS``):

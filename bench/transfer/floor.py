@@ -47,6 +47,7 @@ from .common import (
     setup_consumer_db,
     setup_producer_db,
 )
+from .deployment import FULL, flow
 
 FRAME = struct.Struct("<I")  # a log row's length, before its bytes
 TITLE = "transfer, one writer: streamq against the floor (the same SQL, no framework)"
@@ -139,8 +140,6 @@ def floor_flow(folder: Path, total: int) -> tuple[float, float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .run import FULL, flow  # here: the workload's run measures the floor, importing this
-
     parser = argparse.ArgumentParser(prog="python -m bench.transfer.floor", description=__doc__)
     parser.add_argument("--repeats", type=int, default=3, help="runs per system (3)")
     parser.add_argument("--transfers", type=int, default=FULL.transfers, help="transfers per run")

@@ -14,7 +14,8 @@ import contextlib
 from rich.progress import Progress
 
 from ..common import comparison_table, console
-from .run import FULL, HANDLERS, TITLE, flushing_broker, measure_handlers
+from .deployment import FULL
+from .run import HANDLERS, TITLE, flushing_broker, measure_handlers
 
 
 def main(argv: list[str] | None = None) -> int:

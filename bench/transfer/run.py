@@ -29,18 +29,13 @@ from __future__ import annotations
 import contextlib
 import json
 import random
-import signal
-import socket
 import sqlite3
-import subprocess
 import tempfile
 import time
-import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from rich.progress import Progress, TaskID
@@ -49,7 +44,6 @@ from rich.table import Table
 from streamq.engines.sqlite.storage import HEAD_QUERY
 
 from ..common import (
-    Child,
     LatencyRuns,
     Series,
     alternating,
@@ -60,300 +54,21 @@ from ..common import (
     save,
     workload_main,
 )
-from .common import ACCOUNTS, LEDGER, OPENING_BALANCE, STREAM
+from .common import ACCOUNTS, OPENING_BALANCE, STREAM
+from .deployment import FULL, QUICK, ROLES, STARTUP_TIMEOUT, Deployment, Sizes, flow, free_port
 from .floor import floor_flow
 from .kafka import KAFKA_CONSUMER, KAFKA_PRODUCER, RELAY_POLL, warm_up
 
-# The processes of each system's module (``kafka-*``: one module for both).
-PROGRAMS = {
-    "streamq": "bench.transfer.streamq",
-    "kafka-outbox": "bench.transfer.kafka",
-    "kafka-naive": "bench.transfer.kafka",
-}
 LABELS = {
     "streamq": "streamq",
     "kafka-outbox": "Kafka + outbox",
     "kafka-naive": "Kafka, naive dual write",
 }
-# The processes of each system, in start order.
-ROLES = {
-    "streamq": ("producer", "consumer"),
-    "kafka-outbox": ("producer", "relay", "consumer"),
-    "kafka-naive": ("producer", "consumer"),
-}
 SHORT = {"streamq": "streamq", "kafka-outbox": "kafka outbox", "kafka-naive": "kafka naive"}
 
-STARTUP_TIMEOUT = 60.0  # s for a process to say READY
-FLOW_TIMEOUT = 900.0  # s for a run without kills to finish
-ARM_TIMEOUT = 30.0  # s for an armed process to reach its worst moment and kill itself
 DRAIN_TIMEOUT = 180.0  # s, after the producer's last commit, for the ledger to catch up
-POLL = 0.02  # s between looks at the files
 
-
-@dataclass(frozen=True)
-class Sizes:
-    transfers: int  # for throughput, as fast as possible
-    latency_rate: int  # transfers/s, for latency
-    latency_seconds: float
-    crash_transfers: int  # for the crash runs, paced at crash_rate
-    crash_rate: int
-    kills: int  # per system
-    # By HANDLERS concurrent handlers, one per transaction, durability full; at full size
-    # enough for seconds of steady state (20,000 took streamq under one second).
-    handler_transfers: int
-
-
-FULL = Sizes(200_000, 2_000, 10.0, 20_000, 1_000, 10, 60_000)
-QUICK = Sizes(20_000, 1_000, 2.0, 5_000, 1_000, 3, 2_000)
 HANDLERS = 32  # concurrent request handlers of the payments service (its full-durability case)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _scalar(path: Path, sql: str, default: int = 0) -> int:
-    """One number from a service's database (``default`` if it or its table is not there yet)."""
-    if not path.exists():
-        return default
-    try:
-        with contextlib.closing(sqlite3.connect(path, timeout=10)) as conn:
-            row = conn.execute(sql).fetchone()
-    except sqlite3.OperationalError as error:
-        if "no such table" in str(error):
-            return default
-        raise
-    return default if row is None or row[0] is None else int(row[0])
-
-
-class Deployment:
-    """One system's services for one run: their files, where they meet, their processes."""
-
-    def __init__(
-        self,
-        system: str,
-        folder: Path,
-        total: int,
-        rate: float,
-        *,
-        broker: Any = None,
-        target: int = 0,
-        port: int = 0,
-        dedupe: bool = True,
-        seed: int = 0,
-        handlers: int = 1,
-        durability: str = "normal",
-    ) -> None:
-        if system != "streamq" and broker is None:
-            raise ValueError(f"{system} needs a Kafka broker")
-        self.system = system
-        self.folder = folder
-        self.total = total
-        self.rate = rate
-        self.target = target
-        self.port = port
-        self.dedupe = dedupe
-        self.handlers = handlers
-        self.durability = durability
-        self.rng = random.Random(seed)
-        self.producer_db = folder / "payments.db"
-        self.consumer_db = folder / "ledger.db"
-        self.address = ""
-        self.bootstrap = broker.bootstrap if broker is not None else ""
-        self.topic = ""
-        if broker is not None and system != "streamq":
-            self.topic = f"transfer-{uuid.uuid4().hex[:8]}"
-            broker.create_topic(self.topic, 1)
-            broker.create_topic(f"{self.topic}-warm-up", 1)  # see KafkaSender
-        self.children: dict[str, Child] = {}
-        self.lives: Counter[str] = Counter()
-        self._watermarks: Any = None
-
-    def __enter__(self) -> Deployment:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
-    def _args(self, role: str) -> list[object]:
-        seed = self.rng.randrange(2**31)
-        p, c, total, rate = self.producer_db, self.consumer_db, self.total, self.rate
-        if self.system == "streamq":
-            if role == "producer":
-                return ["producer", p, self.port, total, rate, seed, self.handlers, self.durability]
-            return ["consumer", self.address, c, self.target]
-        if role == "producer" and self.system == "kafka-outbox" and self.handlers > 1:
-            return ["outbox-handlers", p, total, seed, self.handlers, self.durability]
-        if role == "producer" and self.system == "kafka-outbox":
-            return ["outbox-producer", p, total, rate, seed]
-        if role == "producer":
-            return ["naive-producer", p, self.bootstrap, self.topic, total, rate, seed]
-        if role == "relay":
-            return ["relay", p, self.bootstrap, self.topic]
-        dedupe = "1" if self.dedupe else "0"
-        return ["consumer", self.bootstrap, self.topic, c, self.target, dedupe]
-
-    def start(self, role: str) -> None:
-        """Start one process and wait until it is ready (a producer: also let it go)."""
-        child = Child(PROGRAMS[self.system], *self._args(role))
-        self.children[role] = child
-        self.lives[role] += 1
-        fields = child.expect("READY", STARTUP_TIMEOUT)
-        if role == "producer" and self.system == "streamq" and not self.address:
-            self.address = fields[0]
-        if role == "producer" and self.lives[role] > 1:
-            self.go()
-
-    def start_all(self) -> None:
-        for role in ROLES[self.system]:
-            self.start(role)
-
-    def go(self) -> float:
-        """Let the producer run; returns the wall-clock time it started at."""
-        producer = self.children["producer"]
-        producer.send("GO")
-        return float(producer.expect("START", STARTUP_TIMEOUT)[0])
-
-    def stop(self) -> None:
-        for child in reversed(list(self.children.values())):
-            child.stop()
-        self.children.clear()
-        if self._watermarks is not None:
-            self._watermarks.close()
-            self._watermarks = None
-
-    def check_alive(self) -> None:
-        for role, child in self.children.items():
-            code = child.process.poll()
-            if code is not None:
-                raise RuntimeError(
-                    f"{self.system}: {role} exited with {code} without being killed "
-                    f"(files in {self.folder})"
-                )
-
-    def wait(self, condition: Callable[[], bool], timeout: float) -> bool:
-        """Poll ``condition`` until it holds (True) or ``timeout`` passes (False)."""
-        deadline = time.monotonic() + timeout
-        while not condition():
-            self.check_alive()
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(POLL)
-        return True
-
-    def wait_committed(self, transfers: int, timeout: float) -> None:
-        if not self.wait(lambda: self.committed() >= transfers, timeout):
-            raise TimeoutError(
-                f"{self.system}: fewer than {transfers} transfers committed within {timeout:g} s"
-            )
-
-    # --- what the files say ------------------------------------------------
-
-    def committed(self) -> int:
-        """Transfers the payments service has committed."""
-        return _scalar(self.producer_db, "SELECT MAX(transfer_id) FROM transfers")
-
-    def high_watermark(self) -> int:
-        from confluent_kafka import Consumer, TopicPartition
-
-        if self._watermarks is None:
-            self._watermarks = Consumer(
-                {"bootstrap.servers": self.bootstrap, "group.id": "transfer-check"}
-            )
-        _, high = self._watermarks.get_watermark_offsets(TopicPartition(self.topic, 0), timeout=10)
-        return int(high)
-
-    def drained(self) -> bool:
-        """Everything committed has reached the ledger (deterministic, from files and topic)."""
-        if self.system == "streamq":
-            head = _scalar(self.producer_db, HEAD_QUERY.replace("?", f"'{STREAM}'"), -1)
-            position = _scalar(
-                self.consumer_db,
-                f"SELECT seq FROM streamq_positions WHERE consumer = '{LEDGER}'",
-                -2,
-            )
-            return head == position
-        if self.system == "kafka-outbox":
-            relayed = _scalar(self.producer_db, "SELECT last FROM relay_state", -1)
-            if relayed != _scalar(self.producer_db, "SELECT COALESCE(MAX(id), 0) FROM outbox", -2):
-                return False
-        position = _scalar(
-            self.consumer_db, f"SELECT next FROM offsets WHERE topic = '{self.topic}'", -1
-        )
-        return position == self.high_watermark()
-
-    # --- kills ---------------------------------------------------------------
-
-    def kill(self, role: str, how: str) -> str:
-        """SIGKILL ``role`` (``armed``: it kills itself at its worst moment); restart it.
-
-        Returns how the kill landed: ``armed`` or ``random`` (also an armed kill that did not
-        fire within ``ARM_TIMEOUT``: then it is killed from outside).
-        """
-        self.check_alive()
-        child = self.children[role]
-        landed = how
-        if how == "armed":
-            child.send(f"ARM {self.rng.randint(1, 3)}")
-            try:
-                child.process.wait(ARM_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                landed = "random"
-        if child.process.poll() is None:
-            child.process.kill()
-            child.process.wait(10)
-        if child.process.returncode != -signal.SIGKILL:
-            raise RuntimeError(
-                f"{self.system}: {role} exited with {child.process.returncode}, not by SIGKILL "
-                f"(files in {self.folder})"
-            )
-        child.stop()
-        self.start(role)
-        return landed
-
-
-@dataclass(frozen=True)
-class Flow:
-    """A run without kills."""
-
-    seconds: float  # from GO to the commit of the last credit
-    producer_seconds: float  # from GO to the producer's last commit
-    latency: list[int]  # p50, p99, p99.9, max (microseconds), count
-
-
-def flow(
-    system: str,
-    broker: Any,
-    folder: Path,
-    total: int,
-    rate: float,
-    handlers: int = 1,
-    durability: str = "normal",
-) -> Flow:
-    """One run without kills (``handlers`` > 1: that many request handlers, one transfer
-    per transaction, as fast as they can)."""
-    with Deployment(
-        system,
-        folder,
-        total,
-        rate,
-        broker=broker,
-        target=total,
-        handlers=handlers,
-        durability=durability,
-    ) as deployment:
-        deployment.start_all()
-        start = deployment.go()
-        done = deployment.children["consumer"].expect("DONE", FLOW_TIMEOUT)
-        produced = deployment.children["producer"].expect("DONE", STARTUP_TIMEOUT)
-        return Flow(float(done[0]) - start, float(produced[0]) - start, [int(v) for v in done[1:6]])
 
 
 def kill_plan(system: str, kills: int) -> list[tuple[str, str]]:
@@ -607,19 +322,7 @@ def run(broker: Any | None, quick: bool, repeats: int, seed: int | None = None) 
     seed = random.randrange(2**31) if seed is None else seed
     flow_systems = ["streamq"] + (["kafka-outbox"] if broker is not None else [])
     crash_systems = ["streamq"] + (["kafka-outbox", "kafka-naive"] if broker is not None else [])
-    throughput = {
-        s: Series(_series_name(s), f"{sizes.transfers:,}, end to end", "tr/s") for s in flow_systems
-    }
-    committing = {
-        s: Series(_series_name(s), f"{sizes.transfers:,}, producer commits", "tr/s")
-        for s in flow_systems
-    }
-    # The same SQL with no framework (floor.py): what 1.5x the outbox asks for, in this run.
-    floor = Series("floor", f"{sizes.transfers:,}, end to end", "tr/s")
-    paced_case = f"{sizes.latency_rate:,}/s"
-    full_case = "max rate"
     latency: LatencyRuns = {}
-    crashes: list[dict[str, Any]] = []
     console.print(
         f"[bold]transfer[/] kafka relay/naive producer {json.dumps(KAFKA_PRODUCER)}; "
         f"consumer {json.dumps(KAFKA_CONSUMER)}; relay polls the outbox every "
@@ -630,26 +333,8 @@ def run(broker: Any | None, quick: bool, repeats: int, seed: int | None = None) 
     steps = 3 * repeats * len(flow_systems) + repeats + sizes.kills * len(crash_systems)
     with contextlib.ExitStack() as stack, Progress(console=console, transient=True) as progress:
         task: TaskID = progress.add_task("transfer", total=steps)
-        for system in alternating([*flow_systems, "floor"], repeats):
-            progress.update(task, description=f"transfer: throughput, {system}")
-            if system == "floor":
-                with _folder() as folder:
-                    floor.values.append(floor_flow(folder, sizes.transfers)[0])
-                progress.advance(task)
-                continue
-            with _folder() as folder:
-                measured = flow(system, broker, folder, sizes.transfers, 0)
-            throughput[system].values.append(sizes.transfers / measured.seconds)
-            committing[system].values.append(sizes.transfers / measured.producer_seconds)
-            latency.setdefault((_series_name(system), full_case), []).append(measured.latency)
-            progress.advance(task)
-        for system in alternating(flow_systems, repeats):
-            progress.update(task, description=f"transfer: latency, {system}")
-            count = int(sizes.latency_rate * sizes.latency_seconds)
-            with _folder() as folder:
-                measured = flow(system, broker, folder, count, sizes.latency_rate)
-            latency.setdefault((_series_name(system), paced_case), []).append(measured.latency)
-            progress.advance(task)
+        fast = _throughput_runs(progress, task, broker, flow_systems, sizes, repeats, latency)
+        _paced_runs(progress, task, broker, flow_systems, sizes, repeats, latency)
         # Money at full durability: a broker that flushes every message, against streamq's
         # synchronous=FULL, both payments databases FULL too.
         flushing = None if broker is None else stack.enter_context(flushing_broker())
@@ -661,22 +346,8 @@ def run(broker: Any | None, quick: bool, repeats: int, seed: int | None = None) 
             repeats,
             lambda _: progress.advance(task),
         )
-        for number, system in enumerate(crash_systems):
-            progress.update(task, description=f"transfer: kill -9, {system}")
-            with _folder() as folder:
-                crashes.append(
-                    crash_run(
-                        system,
-                        broker,
-                        folder,
-                        sizes.crash_transfers,
-                        sizes.kills,
-                        sizes.crash_rate,
-                        seed + number,
-                        on_kill=lambda _: progress.advance(task),
-                    )
-                )
-    series = [*throughput.values(), floor, *committing.values(), *handled, *handled_commits]
+        crashes = _crash_runs(progress, task, broker, crash_systems, sizes, seed)
+    series = [*fast, *handled, *handled_commits]
     console.print(comparison_table(TITLE, series))
     console.print(
         latency_table(
@@ -698,6 +369,92 @@ def run(broker: Any | None, quick: bool, repeats: int, seed: int | None = None) 
     }
     save("transfer", results, quick, partial=broker is None)
     return results
+
+
+def _throughput_runs(
+    progress: Progress,
+    task: TaskID,
+    broker: Any | None,
+    systems: list[str],
+    sizes: Sizes,
+    repeats: int,
+    latency: LatencyRuns,
+) -> list[Series]:
+    """Each system and the floor ``repeats`` times, alternating, as fast as they can; their
+    latencies go into ``latency``. Returns transfers/s end to end per system, the floor's,
+    then as each system's producer committed them."""
+    throughput = {
+        s: Series(_series_name(s), f"{sizes.transfers:,}, end to end", "tr/s") for s in systems
+    }
+    committing = {
+        s: Series(_series_name(s), f"{sizes.transfers:,}, producer commits", "tr/s")
+        for s in systems
+    }
+    # The same SQL with no framework (floor.py): what 1.5x the outbox asks for, in this run.
+    floor = Series("floor", f"{sizes.transfers:,}, end to end", "tr/s")
+    for system in alternating([*systems, "floor"], repeats):
+        progress.update(task, description=f"transfer: throughput, {system}")
+        if system == "floor":
+            with _folder() as folder:
+                floor.values.append(floor_flow(folder, sizes.transfers)[0])
+            progress.advance(task)
+            continue
+        with _folder() as folder:
+            measured = flow(system, broker, folder, sizes.transfers, 0)
+        throughput[system].values.append(sizes.transfers / measured.seconds)
+        committing[system].values.append(sizes.transfers / measured.producer_seconds)
+        latency.setdefault((_series_name(system), "max rate"), []).append(measured.latency)
+        progress.advance(task)
+    return [*throughput.values(), floor, *committing.values()]
+
+
+def _paced_runs(
+    progress: Progress,
+    task: TaskID,
+    broker: Any | None,
+    systems: list[str],
+    sizes: Sizes,
+    repeats: int,
+    latency: LatencyRuns,
+) -> None:
+    """Each system ``repeats`` times, alternating, at ``sizes.latency_rate``: their
+    latencies go into ``latency``."""
+    paced_case = f"{sizes.latency_rate:,}/s"
+    for system in alternating(systems, repeats):
+        progress.update(task, description=f"transfer: latency, {system}")
+        count = int(sizes.latency_rate * sizes.latency_seconds)
+        with _folder() as folder:
+            measured = flow(system, broker, folder, count, sizes.latency_rate)
+        latency.setdefault((_series_name(system), paced_case), []).append(measured.latency)
+        progress.advance(task)
+
+
+def _crash_runs(
+    progress: Progress,
+    task: TaskID,
+    broker: Any | None,
+    systems: list[str],
+    sizes: Sizes,
+    seed: int,
+) -> list[dict[str, Any]]:
+    """One crash run per system, each with its own seed from ``seed``."""
+    crashes = []
+    for number, system in enumerate(systems):
+        progress.update(task, description=f"transfer: kill -9, {system}")
+        with _folder() as folder:
+            crashes.append(
+                crash_run(
+                    system,
+                    broker,
+                    folder,
+                    sizes.crash_transfers,
+                    sizes.kills,
+                    sizes.crash_rate,
+                    seed + number,
+                    on_kill=lambda _: progress.advance(task),
+                )
+            )
+    return crashes
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,7 +46,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -192,42 +192,13 @@ def run_once(
         slot = f"transfer_{tag}"  # Debezium's replication slot (per server: a fresh name)
         with contextlib.ExitStack() as stack:
             watched: dict[str, Child] = {}
-            if system == "streamq":
-                serving = stack.enter_context(Child("streamq", "serve", payments, "--port", 0))
-                watched["streamq serve"] = serving
-                address = _expect(serving, "serving", STARTUP_TIMEOUT, watched)[-1]
-                consumer_args: list[object] = ["consumer", address, ledger, total]
-            else:
-                topic = f"transfer-pg-{tag}"
-                broker.create_topic(topic, 1)
-                broker.create_topic(f"{topic}-warm-up", 1)  # the relay's KafkaSender warms up
-                relay_args: list[object] = ["relay", payments, broker.bootstrap, topic]
-                if system == "debezium":
-                    offsets = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-                    relay_args = ["debezium-relay", *relay_args[1:], slot, offsets / "offsets"]
-                relay = stack.enter_context(Child(PROGRAMS[system], *relay_args))
-                watched["relay"] = relay
-                ready = STARTUP_TIMEOUT + (DEBEZIUM_READY if system == "debezium" else 0)
-                _expect(relay, "READY", ready, watched)
-                consumer_args = ["consumer", broker.bootstrap, topic, ledger, total, "1"]
+            source = _start_source(stack, watched, system, broker, payments, tag, slot)
+            dedupe = ["1"] if system in KAFKA_SYSTEMS else []  # Kafka's ledger dedupes
+            consumer_args = ["consumer", *source, ledger, total, *dedupe]
             consumer = stack.enter_context(Child(PROGRAMS[system], *consumer_args))
             watched["ledger"] = consumer
             _expect(consumer, "READY", STARTUP_TIMEOUT, watched)
-            processes = []
-            for index in range(writers):
-                args = (
-                    payments,
-                    index,
-                    writers,
-                    total,
-                    rate,
-                    rng.randrange(2**31),
-                )
-                process = stack.enter_context(Child(PROGRAMS[system], "writer", *args))
-                watched[f"writer {index}"] = process
-                processes.append(process)
-            for process in processes:
-                _expect(process, "READY", STARTUP_TIMEOUT, watched)
+            processes = _start_writers(stack, watched, system, payments, writers, total, rate, rng)
             start = time.time() + GO_DELAY
             for process in processes:
                 process.send(f"GO {start!r}")
@@ -261,6 +232,62 @@ def run_once(
         commit_to_credit=commit_credit,
         check=check,
     )
+
+
+def _start_source(
+    stack: contextlib.ExitStack,
+    watched: dict[str, Child],
+    system: str,
+    broker: Any,
+    payments: str,
+    tag: str,
+    slot: str,
+) -> list[object]:
+    """What takes the deposits from the payments database, started and ready: ``streamq
+    serve`` or the relay (Kafka's, or Debezium's into Kafka). Returns where the ledger
+    reads them: the address, or the broker and topic."""
+    if system == "streamq":
+        serving = stack.enter_context(Child("streamq", "serve", payments, "--port", 0))
+        watched["streamq serve"] = serving
+        address = _expect(serving, "serving", STARTUP_TIMEOUT, watched)[-1]
+        return [address]
+    topic = f"transfer-pg-{tag}"
+    broker.create_topic(topic, 1)
+    broker.create_topic(f"{topic}-warm-up", 1)  # the relay's KafkaSender warms up
+    relay_args: list[object] = ["relay", payments, broker.bootstrap, topic]
+    if system == "debezium":
+        offsets = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        relay_args = ["debezium-relay", *relay_args[1:], slot, offsets / "offsets"]
+    relay = stack.enter_context(Child(PROGRAMS[system], *relay_args))
+    watched["relay"] = relay
+    ready = STARTUP_TIMEOUT + (DEBEZIUM_READY if system == "debezium" else 0)
+    _expect(relay, "READY", ready, watched)
+    return [broker.bootstrap, topic]
+
+
+def _start_writers(
+    stack: contextlib.ExitStack,
+    watched: dict[str, Child],
+    system: str,
+    payments: str,
+    writers: int,
+    total: int,
+    rate: float,
+    rng: random.Random,
+) -> list[Child]:
+    """The ``writers`` writer processes on ``payments``, each with a seed from ``rng``;
+    returned once every one is READY."""
+    processes = []
+    for index in range(writers):
+        seed = rng.randrange(2**31)
+        process = stack.enter_context(
+            Child(PROGRAMS[system], "writer", payments, index, writers, total, rate, seed)
+        )
+        watched[f"writer {index}"] = process
+        processes.append(process)
+    for process in processes:
+        _expect(process, "READY", STARTUP_TIMEOUT, watched)
+    return processes
 
 
 COMMIT_TIMES = (
@@ -511,6 +538,21 @@ def _check_table(runs: list[Run], warmed: list[Run]) -> Table:
     return table
 
 
+@dataclass
+class _Measured:
+    """What a whole run measured, per (system, writers) and per latency case."""
+
+    throughput: dict[tuple[str, int], Series]  # end to end
+    committing: dict[tuple[str, int], Series]  # as the writers committed
+    latency: LatencyRuns = field(default_factory=dict)
+    runs: list[Run] = field(default_factory=list)
+    warmed: list[Run] = field(default_factory=list)  # checked, not counted
+
+    @property
+    def series(self) -> list[Series]:
+        return [*self.throughput.values(), *self.committing.values()]
+
+
 def run(
     broker: Any | None,
     quick: bool,
@@ -533,15 +575,6 @@ def run(
         raise ValueError("the Debezium system needs a Kafka broker")
     systems = ["streamq"] + (["kafka"] if broker is not None else [])
     systems += ["debezium"] if debezium else []
-    seeds = itertools.count(seed)
-    throughput = {(s, w): Series(s, _case(w), "tr/s") for w in sizes.writers for s in systems}
-    committing = {
-        (s, w): Series(s, f"{_case(w)}, committed", "tr/s") for w in sizes.writers for s in systems
-    }
-    paced = f"{sizes.rate:,}/s"
-    latency: LatencyRuns = {}
-    runs: list[Run] = []
-    warmed: list[Run] = []  # checked, not counted
     load_before = os.getloadavg()  # the machine may be shared: said with the results
     with _server(server, DEBEZIUM_SETTINGS if debezium else SERVER_SETTINGS) as pg:
         settings = server_settings(pg)
@@ -558,44 +591,88 @@ def run(
         )
         if broker is not None:
             warm_up(broker)
-        warm_ups = [system for system in systems if sizes.warm_up > 0]
-        steps = 2 * len(sizes.writers) * len(systems) * repeats + len(warm_ups)
-        with Progress(console=console, transient=True) as progress:
-            task: TaskID = progress.add_task("transfer_pg", total=steps)
-            for system in warm_ups:
-                progress.update(task, description=f"transfer_pg: warm-up, {system}")
-                most = max(sizes.writers)
-                warmed.append(run_once(system, pg, broker, most, sizes.warm_up, 0, next(seeds)))
+        measured = _measure(pg, broker, systems, sizes, repeats, itertools.count(seed))
+    _report(measured, sizes, load_before)
+    runs, warmed = measured.runs, measured.warmed
+    latency_series = percentile_series(measured.latency)
+    results = {
+        "sizes": asdict(sizes),
+        "seed": seed,
+        "postgres": settings,
+        "kafka_producer": KAFKA_PRODUCER,
+        "kafka_consumer": KAFKA_CONSUMER,
+        "relay": {"poll_s": RELAY_POLL, "fetch": " ".join(RELAY_FETCH.split())},
+        "series": [asdict(s) for s in measured.series + latency_series],
+        "runs": [asdict(r) for r in runs],
+        "warm_up_runs": [asdict(r) for r in warmed],
+        "anomalies": sum(r.check["anomalies"] for r in runs + warmed),
+        "load_average": {"before": load_before, "after": os.getloadavg()},
+    }
+    save("transfer_pg", results, quick, folder, partial=broker is None)
+    return results
+
+
+def _measure(
+    pg: PostgresServer,
+    broker: Any | None,
+    systems: list[str],
+    sizes: Sizes,
+    repeats: int,
+    seeds: Iterator[int],
+) -> _Measured:
+    """Each system's warm-up, then per writer count each system ``repeats`` times,
+    alternating: as fast as the writers can, then paced at ``sizes.rate``."""
+    measured = _Measured(
+        {(s, w): Series(s, _case(w), "tr/s") for w in sizes.writers for s in systems},
+        {
+            (s, w): Series(s, f"{_case(w)}, committed", "tr/s")
+            for w in sizes.writers
+            for s in systems
+        },
+    )
+    paced = f"{sizes.rate:,}/s"
+    warm_ups = [system for system in systems if sizes.warm_up > 0]
+    steps = 2 * len(sizes.writers) * len(systems) * repeats + len(warm_ups)
+    with Progress(console=console, transient=True) as progress:
+        task: TaskID = progress.add_task("transfer_pg", total=steps)
+        for system in warm_ups:
+            progress.update(task, description=f"transfer_pg: warm-up, {system}")
+            most = max(sizes.writers)
+            result = run_once(system, pg, broker, most, sizes.warm_up, 0, next(seeds))
+            measured.warmed.append(result)
+            progress.advance(task)
+        for writers in sizes.writers:
+            for system in alternating(systems, repeats):
+                progress.update(task, description=f"transfer_pg: {writers}, {system}, max")
+                result = run_once(system, pg, broker, writers, sizes.transfers, 0, next(seeds))
+                measured.throughput[(system, writers)].values.append(
+                    result.transfers / result.seconds
+                )
+                measured.committing[(system, writers)].values.append(
+                    result.transfers / result.producer_seconds
+                )
+                _record(measured.latency, result, f"{_case(writers)}, max rate")
+                measured.runs.append(result)
                 progress.advance(task)
-            for writers in sizes.writers:
-                for system in alternating(systems, repeats):
-                    progress.update(task, description=f"transfer_pg: {writers}, {system}, max")
-                    measured = run_once(
-                        system, pg, broker, writers, sizes.transfers, 0, next(seeds)
-                    )
-                    throughput[(system, writers)].values.append(
-                        measured.transfers / measured.seconds
-                    )
-                    committing[(system, writers)].values.append(
-                        measured.transfers / measured.producer_seconds
-                    )
-                    _record(latency, measured, f"{_case(writers)}, max rate")
-                    runs.append(measured)
-                    progress.advance(task)
-                    progress.update(task, description=f"transfer_pg: {writers}, {system}, {paced}")
-                    count = int(sizes.rate * sizes.seconds)
-                    measured = run_once(system, pg, broker, writers, count, sizes.rate, next(seeds))
-                    _record(latency, measured, f"{_case(writers)}, {paced}")
-                    runs.append(measured)
-                    progress.advance(task)
-    series = [*throughput.values(), *committing.values()]
-    console.print(_summary_table(runs, sizes))
+                progress.update(task, description=f"transfer_pg: {writers}, {system}, {paced}")
+                count = int(sizes.rate * sizes.seconds)
+                result = run_once(system, pg, broker, writers, count, sizes.rate, next(seeds))
+                _record(measured.latency, result, f"{_case(writers)}, {paced}")
+                measured.runs.append(result)
+                progress.advance(task)
+    return measured
+
+
+def _report(measured: _Measured, sizes: Sizes, load_before: tuple[float, float, float]) -> None:
+    """The run's tables, and the load average before and after it."""
+    paced = f"{sizes.rate:,}/s"
+    console.print(_summary_table(measured.runs, sizes))
     console.print(
         comparison_table(
             "transfer on PostgreSQL: transfers/s from the writers' common start until the "
             "ledger credited the last one (N writers) and until the writers committed it "
             "(committed); kafka = outbox in the payments database + relay + deduping consumer",
-            series,
+            measured.series,
         )
     )
     console.print(
@@ -604,30 +681,14 @@ def run(
             f"transfer's credit: from its due time (at {paced} over all writers; max rate: "
             f"the start of its transaction), or ({FROM_COMMIT}) from its own commit, both "
             "commits as the server stamped them",
-            latency,
+            measured.latency,
         )
     )
-    console.print(_check_table(runs, warmed))
+    console.print(_check_table(measured.runs, measured.warmed))
     console.print(
         f"load average (1, 5, 15 min) before {load_before}, after {os.getloadavg()}, on "
         f"{os.cpu_count()} cores"
     )
-    latency_series = percentile_series(latency)
-    results = {
-        "sizes": asdict(sizes),
-        "seed": seed,
-        "postgres": settings,
-        "kafka_producer": KAFKA_PRODUCER,
-        "kafka_consumer": KAFKA_CONSUMER,
-        "relay": {"poll_s": RELAY_POLL, "fetch": " ".join(RELAY_FETCH.split())},
-        "series": [asdict(s) for s in series + latency_series],
-        "runs": [asdict(r) for r in runs],
-        "warm_up_runs": [asdict(r) for r in warmed],
-        "anomalies": sum(r.check["anomalies"] for r in runs + warmed),
-        "load_average": {"before": load_before, "after": os.getloadavg()},
-    }
-    save("transfer_pg", results, quick, folder, partial=broker is None)
-    return results
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,7 +34,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -332,6 +332,17 @@ def _sync_table(series: list[Series]) -> Table:
     return table
 
 
+@dataclass
+class _Measured:
+    """What a whole run measured: per (system, workers), per latency case, per (variant,
+    threads) of the synchronous path."""
+
+    commits: dict[tuple[str, int], Series]
+    sync: dict[tuple[str, int], Series]
+    latency: LatencyRuns = field(default_factory=dict)
+    runs: list[Run] = field(default_factory=list)
+
+
 def run(broker: Any | None, quick: bool, repeats: int) -> dict[str, Any]:
     sizes = QUICK if quick else FULL
     systems = ["streamq"] + (["kafka"] if broker is not None else [])
@@ -342,84 +353,37 @@ def run(broker: Any | None, quick: bool, repeats: int) -> dict[str, Any]:
     )
     if broker is not None:
         warm_up(broker)
-    commits = {
-        (system, w): Series(system, _case(w), "commits/s")
-        for w in sizes.workers
-        for system in systems
-    }
-    paced_case = f"{sizes.rate:,}/s"
-    latency: LatencyRuns = {}
-    runs: list[Run] = []
-    sync: dict[tuple[str, int], Series] = {
-        (variant, threads): Series(variant, _counted(threads, "thread"), "orders/s")
-        for threads in sizes.sync_threads
-        for variant in SYNC_VARIANTS
-    }
-    settings: set[int] = set()
-    steps = 2 * len(sizes.workers) * len(systems) * repeats + len(sync) * repeats
+    measured = _Measured(
+        commits={
+            (system, w): Series(system, _case(w), "commits/s")
+            for w in sizes.workers
+            for system in systems
+        },
+        sync={
+            (variant, threads): Series(variant, _counted(threads, "thread"), "orders/s")
+            for threads in sizes.sync_threads
+            for variant in SYNC_VARIANTS
+        },
+    )
+    steps = 2 * len(sizes.workers) * len(systems) * repeats + len(measured.sync) * repeats
     with Progress(console=console, transient=True) as progress:
         task: TaskID = progress.add_task("workers", total=steps)
-        for workers in sizes.workers:
-            for system in alternating(systems, repeats):
-                progress.update(task, description=f"workers: {workers}, {system}, max rate")
-                with _folder() as folder:
-                    measured = run_once(system, folder, workers, sizes.orders, 0, broker)
-                commits[(system, workers)].values.append(measured.commits_per_s)
-                latency.setdefault((system, f"{_case(workers)}, max rate"), []).append(
-                    measured.latency
-                )
-                runs.append(measured)
-                progress.advance(task)
-                progress.update(task, description=f"workers: {workers}, {system}, {paced_case}")
-                count = int(sizes.rate * sizes.seconds)
-                with _folder() as folder:
-                    measured = run_once(system, folder, workers, count, sizes.rate, broker)
-                latency.setdefault((system, f"{_case(workers)}, {paced_case}"), []).append(
-                    measured.latency
-                )
-                runs.append(measured)
-                progress.advance(task)
-        for threads in sizes.sync_threads:
-            for variant in alternating(SYNC_VARIANTS, repeats):
-                progress.update(task, description=f"workers: sync path, {variant}, {threads}")
-                with _folder() as folder:
-                    rate, refused, setting = sync_once(variant, folder, threads, sizes.sync_orders)
-                if refused:
-                    raise RuntimeError(f"sync path {variant}: {refused} transactions refused")
-                settings.add(setting)
-                sync[(variant, threads)].values.append(rate)
-                progress.advance(task)
+        _worker_runs(measured, progress, task, broker, systems, sizes, repeats)
+        settings = _sync_runs(measured, progress, task, sizes, repeats)
     if settings != {NORMAL}:
         raise RuntimeError(f"the sync path ran with PRAGMA synchronous {settings}, not NORMAL")
-    commit_series = list(commits.values())
-    console.print(
-        comparison_table(
-            f"workers: commits/s, N worker processes on one database, each as fast as it "
-            f"can ({sizes.orders:,} orders per run; one order = INSERT + event, one "
-            "transaction); kafka = outbox row + relay",
-            commit_series,
-        )
-    )
-    console.print(_refused_table(runs))
-    console.print(_cpu_table(runs))
-    console.print(
-        latency_table(
-            "workers: latency, microseconds, from each order's due time (paced) or the start "
-            f"of its transaction (max rate) to its receipt by the consumer; goal: p99 <= "
-            f"{LATENCY_GOAL_US:,} with 8 workers at {paced_case}",
-            latency,
-        )
-    )
-    sync_series = list(sync.values())
-    console.print(_sync_table(sync_series))
-    latency_series = percentile_series(latency)
-    eight = latency.get(("streamq", f"{_case(max(sizes.workers))}, {paced_case}"), [])
+    _report(measured, sizes)
+    commit_series = list(measured.commits.values())
+    latency_series = percentile_series(measured.latency)
+    sync_series = list(measured.sync.values())
+    paced_case = f"{sizes.rate:,}/s"
+    eight = measured.latency.get(("streamq", f"{_case(max(sizes.workers))}, {paced_case}"), [])
     results = {
         "sizes": asdict(sizes),
         "synchronous": "NORMAL",
         "kafka_producer": KAFKA_PRODUCER,
         "series": [asdict(s) for s in commit_series + latency_series + sync_series],
-        "runs": [asdict(r) for r in runs],
+        "runs": [asdict(r) for r in measured.runs],
         "goals": {
             "latency_p99_us_with_most_workers": statistics.median(f[1] for f in eight)
             if eight
@@ -430,3 +394,80 @@ def run(broker: Any | None, quick: bool, repeats: int) -> dict[str, Any]:
     }
     save("workers", results, quick, partial=broker is None)
     return results
+
+
+def _worker_runs(
+    measured: _Measured,
+    progress: Progress,
+    task: TaskID,
+    broker: Any | None,
+    systems: list[str],
+    sizes: Sizes,
+    repeats: int,
+) -> None:
+    """Per worker count, each system ``repeats`` times, alternating: as fast as the workers
+    can, then paced at ``sizes.rate``."""
+    paced_case = f"{sizes.rate:,}/s"
+    for workers in sizes.workers:
+        for system in alternating(systems, repeats):
+            progress.update(task, description=f"workers: {workers}, {system}, max rate")
+            with _folder() as folder:
+                one = run_once(system, folder, workers, sizes.orders, 0, broker)
+            measured.commits[(system, workers)].values.append(one.commits_per_s)
+            measured.latency.setdefault((system, f"{_case(workers)}, max rate"), []).append(
+                one.latency
+            )
+            measured.runs.append(one)
+            progress.advance(task)
+            progress.update(task, description=f"workers: {workers}, {system}, {paced_case}")
+            count = int(sizes.rate * sizes.seconds)
+            with _folder() as folder:
+                one = run_once(system, folder, workers, count, sizes.rate, broker)
+            measured.latency.setdefault((system, f"{_case(workers)}, {paced_case}"), []).append(
+                one.latency
+            )
+            measured.runs.append(one)
+            progress.advance(task)
+
+
+def _sync_runs(
+    measured: _Measured, progress: Progress, task: TaskID, sizes: Sizes, repeats: int
+) -> set[int]:
+    """The synchronous path alone, per thread count each variant ``repeats`` times,
+    alternating. Returns the ``PRAGMA synchronous`` settings the runs had."""
+    settings: set[int] = set()
+    for threads in sizes.sync_threads:
+        for variant in alternating(SYNC_VARIANTS, repeats):
+            progress.update(task, description=f"workers: sync path, {variant}, {threads}")
+            with _folder() as folder:
+                rate, refused, setting = sync_once(variant, folder, threads, sizes.sync_orders)
+            if refused:
+                raise RuntimeError(f"sync path {variant}: {refused} transactions refused")
+            settings.add(setting)
+            measured.sync[(variant, threads)].values.append(rate)
+            progress.advance(task)
+    return settings
+
+
+def _report(measured: _Measured, sizes: Sizes) -> None:
+    """The run's tables."""
+    paced_case = f"{sizes.rate:,}/s"
+    console.print(
+        comparison_table(
+            f"workers: commits/s, N worker processes on one database, each as fast as it "
+            f"can ({sizes.orders:,} orders per run; one order = INSERT + event, one "
+            "transaction); kafka = outbox row + relay",
+            list(measured.commits.values()),
+        )
+    )
+    console.print(_refused_table(measured.runs))
+    console.print(_cpu_table(measured.runs))
+    console.print(
+        latency_table(
+            "workers: latency, microseconds, from each order's due time (paced) or the start "
+            f"of its transaction (max rate) to its receipt by the consumer; goal: p99 <= "
+            f"{LATENCY_GOAL_US:,} with 8 workers at {paced_case}",
+            measured.latency,
+        )
+    )
+    console.print(_sync_table(list(measured.sync.values())))
