@@ -374,6 +374,8 @@ ALLOWED_PRIVATE = {
     "_conn": "aiosqlite.Connection's sqlite3 connection",
     "_thread": "aiosqlite.Connection's thread",
     "_execute": "aiosqlite.Connection's call on its thread",
+    # argparse's type of add_subparsers()' result, which has no public name.
+    "_SubParsersAction": "argparse's subcommands action, as a type",
 }
 
 
