@@ -185,16 +185,21 @@ def _add_client_security(parser: argparse.ArgumentParser) -> None:
 
 _EPILOG = """\
 beyond a broker:
-  one key's events      streamq history DB_OR_ADDRESS STREAM KEY
-  start at a time       streamq tail ADDRESS STREAM --from-time 2026-11-22T10:00
-  lag per consumer      streamq status ADDRESS; Prometheus: serve --metrics-port PORT
-  keep until applied    streamq consumers add DB CONSUMER STREAM; serve --retention-ms/-bytes
-  TLS and tokens        serve --tls-cert/--tls-key/--token-secret-file/--grant; streamq token
-  poison records        Consumer(on_failure=DeadLetter()); streamq dead-letters list|retry DB
-  only what you want    streamq tail ADDRESS STREAM --key-prefix P --header N=V; Consumer(filter=)
-  per-key workers       Consumer(share=(i, n)); streamq reshare DB CONSUMER --shares N
-In Python: compaction (create_stream(compact=True)), wait_applied, FanInConsumer; see the
-documentation (docs/, `make docs`).
+  one key's events     streamq history DB_OR_ADDRESS STREAM KEY
+  start at a time      streamq tail ADDRESS STREAM --from-time 2026-11-22T10:00
+  lag per consumer     streamq status ADDRESS; Prometheus: serve --metrics-port PORT
+  keep until applied   streamq consumers add DB CONSUMER STREAM;
+                       serve --retention-ms/--retention-bytes
+  TLS and tokens       serve --tls-cert/--tls-key/--token-secret-file/--grant;
+                       streamq token
+  poison records       Consumer(on_failure=DeadLetter());
+                       streamq dead-letters list|retry DB
+  only what you want   streamq tail ADDRESS STREAM --key-prefix P --header N=V;
+                       Consumer(filter=)
+  per-key workers      GroupConsumer(..., shares=n), Consumer(share=(i, n));
+                       streamq reshare DB CONSUMER --shares N
+In Python: compaction (create_stream(compact=True)), wait_applied, FanInConsumer;
+see the documentation (docs/, `make docs`).
 """
 
 

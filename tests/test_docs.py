@@ -307,6 +307,14 @@ def test_cli_reference_covers_every_command() -> None:
         assert f"usage: streamq {nested}" in page
 
 
+def test_cli_reference_fits_the_page() -> None:
+    """The generated page shows each command's ``--help`` in a code block: it fits too."""
+    page: str = _hook().cli_reference()  # type: ignore[attr-defined]
+    blocks = re.findall(r"```text\n(.*?)```", page, re.DOTALL)
+    assert len(blocks) > 10
+    assert [line for block in blocks for line in block.splitlines() if len(line) > CODE_WIDTH] == []
+
+
 def test_readme_links_resolve() -> None:
     readme = (ROOT / "README.md").read_text()
     targets = re.findall(r"\]\(([^)\s]+)\)", readme)
