@@ -44,6 +44,8 @@ class ProducerState(Protocol):
     @property
     def registrations_dropped(self) -> int: ...
     @property
+    def watching_commits(self) -> bool: ...
+    @property
     def server(self) -> Server | None: ...
 
 
@@ -120,6 +122,12 @@ class ProducerCollector(Collector):
         )
         server = producer.server
         if server is not None:
+            yield GaugeMetricFamily(
+                "streamq_commit_watch",
+                "1 if other writers' commits wake this producer at once (inotify, NOTIFY); "
+                "0 if it finds them by checking periodically",
+                int(producer.watching_commits),
+            )
             yield from _traffic(server)
 
 

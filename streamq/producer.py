@@ -284,6 +284,12 @@ class Producer:
         return self.log.streams
 
     @property
+    def watching_commits(self) -> bool:
+        """Other writers' commits wake this serving producer at once (inotify on SQLite,
+        NOTIFY on PostgreSQL); False: it checks every ``watch_interval`` instead."""
+        return self._watch is not None and self._watch.active
+
+    @property
     def consumer_collector(self) -> ConsumerCollector | None:
         """Where consumers given ``metrics=producer`` report (None without metrics_port)."""
         return None if self._metrics is None else self._metrics.consumers

@@ -245,6 +245,7 @@ async def test_prometheus_metrics_read_live_state(producer_db: str, consumer_db:
         assert stored < metrics[("streamq_sent_bytes_total", stream)] < stored + 100
         assert metrics[("streamq_connections", ())] >= 1
         assert metrics[("streamq_errors_sent_total", ())] == 0
+        assert metrics[("streamq_commit_watch", ())] == 1  # inotify (Linux) or NOTIFY
         info = [k for k in metrics if k[0] == "streamq_producer_info"]
         assert dict(info[0][1])["producer_id"] == producer.producer_id
 

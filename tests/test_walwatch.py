@@ -4,11 +4,17 @@ and writes that come while nobody waits are kept for the next ``wait``, never lo
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
+import errno
+import os
 import sqlite3
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
 
+from streamq.engines.sqlite import walwatch
 from streamq.engines.sqlite.walwatch import WalWatch
 
 LONG = 30.0  # s: a wait that must end on an event, long before this
@@ -79,3 +85,94 @@ async def test_close_stops_watching(watch: WalWatch, other: sqlite3.Connection) 
     assert not watch.active
     commit(other)  # no reader left on a closed descriptor
     await asyncio.sleep(0)
+
+
+def inotify_instances() -> int:
+    """inotify instances this process holds."""
+    fds = os.listdir("/proc/self/fd")
+    links = []
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return sum(link == "anon_inode:inotify" for link in links)
+
+
+async def test_watches_of_a_loop_share_one_instance_and_wake_only_their_own(
+    tmp_path: Path,
+) -> None:
+    """Hundreds of producers in a process must not take an inotify instance each (the
+    kernel allows 128 per user by default): one per event loop, each file a watch on it."""
+    before = inotify_instances()
+    conns, watches = [], []
+    try:
+        for i in range(20):
+            path = str(tmp_path / f"p{i}.db")
+            conn = sqlite3.connect(path, isolation_level=None)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("CREATE TABLE t (v)")
+            conns.append(conn)
+            watch = WalWatch(path)
+            await watch.start()
+            assert watch.active
+            watches.append(watch)
+        assert inotify_instances() == before + 1
+        waiting = [asyncio.create_task(w.wait(LONG)) for w in watches]
+        await asyncio.sleep(0)
+        commit(conns[7])
+        async with asyncio.timeout(LONG / 2):
+            assert await waiting[7] is not None
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert [i for i, task in enumerate(waiting) if task.done()] == [7]
+        commit(conns[3])
+        async with asyncio.timeout(LONG / 2):
+            assert await waiting[3] is not None
+        for task in waiting:
+            task.cancel()
+    finally:
+        for watch in watches:
+            await watch.close()
+        for conn in conns:
+            conn.close()
+    assert inotify_instances() == before  # closed with its last watch
+
+
+class _NoWatchesLeft:
+    """libc's inotify calls, with the kernel's watch limit reached (ENOSPC), as on a
+    machine hosting more watched files than ``fs.inotify.max_user_watches``."""
+
+    def __init__(self, libc: ctypes.CDLL) -> None:
+        self._libc = libc
+
+    def inotify_init1(self, flags: int) -> int:
+        return int(self._libc.inotify_init1(flags))
+
+    def inotify_add_watch(self, fd: int, path: bytes, mask: int) -> int:
+        ctypes.set_errno(errno.ENOSPC)
+        return -1
+
+    def inotify_rm_watch(self, fd: int, wd: int) -> int:
+        return int(self._libc.inotify_rm_watch(fd, wd))
+
+
+async def test_a_watch_that_cannot_be_had_is_said_once_naming_the_limit(
+    producer_db: str,
+    other: sqlite3.Connection,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    libc = walwatch._inotify()
+    assert libc is not None, "inotify is available on Linux"
+    monkeypatch.setattr(walwatch, "_inotify", lambda: _NoWatchesLeft(libc))
+    monkeypatch.setattr(walwatch, "_warned", set())
+    before = inotify_instances()
+    for _ in range(3):
+        watch = WalWatch(producer_db)
+        await watch.start()
+        assert not watch.active  # the producer checks every 50 ms instead
+        await watch.close()
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, warnings
+    assert "fs.inotify.max_user_watches" in warnings[0] and "sysctl" in warnings[0]
+    assert "every 50 ms" in warnings[0]
+    assert inotify_instances() == before  # the instance made for it is closed again
