@@ -36,8 +36,12 @@ filterHeaders            JSON ``{"name": "value"}``: only records with these hea
                          values (UTF-8), chosen by the producers; stream and batch
 endingOffsets            batch only: ``latest`` or JSON; default latest
 maxRecordsPerTrigger     at most this many records per micro-batch, in all
-minPartitions            at least this many Spark partitions per batch
-maxRecordsPerPartition   split larger ranges (default 1,000,000)
+minPartitions            at least this many Spark partitions per batch (default 1):
+                         set it to the executor cores a read should keep busy
+maxRecordsPerPartition   at most about this many records per Spark partition (default
+                         1,000,000): larger ranges are split. A partition reads several
+                         producers' ranges: a trigger over hundreds of producers costs
+                         a few Python tasks, not one per producer
 failOnDataLoss           ``true`` (default): fail if needed seqs are gone (retention), or if
                          a producer lost commits the query read (its head went back below
                          the query's offset, or it re-used their seqs: "Epochs");
@@ -275,29 +279,51 @@ class StreamQPartition(InputPartition):
         self.filter = record_filter  # only the records it matches, chosen by the producer
 
 
+class StreamQTask(InputPartition):
+    """One Spark partition: several producers' ranges (``planning.pack``), read one after
+    another, each on a connection of its own."""
+
+    def __init__(self, parts: list[StreamQPartition]) -> None:
+        super().__init__(len(parts))
+        self.parts = parts
+
+
 def _partitions(
     settings: _Settings,
     ranges: Sequence[Range],
     keys: frozenset[bytes] | None = None,
     epochs: Mapping[str, BatchEpochs] | None = None,
-) -> list[StreamQPartition]:
+) -> list[StreamQTask]:
     if keys is None:
-        ranges = planning.plan(ranges, settings.min_partitions, settings.max_per_partition)
+        pieces = planning.plan(ranges, settings.min_partitions, settings.max_per_partition)
     else:  # a few keys' records: one history request per producer and key
-        ranges = [r for r in ranges if r.size > 0 and keys]
+        pieces = [r for r in ranges if r.size > 0 and keys]
     epochs = epochs or {}
     return [
-        StreamQPartition(
-            r,
-            settings.stream,
-            settings.fail_on_data_loss,
-            settings.connect,
-            keys,
-            epochs.get(r.producer_id),
-            settings.record_filter,
+        StreamQTask(
+            [
+                StreamQPartition(
+                    r,
+                    settings.stream,
+                    settings.fail_on_data_loss,
+                    settings.connect,
+                    keys,
+                    epochs.get(r.producer_id),
+                    settings.record_filter,
+                )
+                for r in task
+            ]
         )
-        for r in ranges
+        for task in planning.pack(pieces, settings.min_partitions, settings.max_per_partition)
     ]
+
+
+def read_task(
+    task: StreamQTask, columns: Columns = EVERY_COLUMN, connections: Connections | None = None
+) -> Iterator[pa.RecordBatch]:
+    """Every range of a Spark partition, in turn (``read_partition``)."""
+    for part in task.parts:
+        yield from read_partition(part, columns, connections)
 
 
 def _batch(columns: Columns, rng: Range, stream: str, rows: list[list[Any]]) -> pa.RecordBatch:
@@ -608,7 +634,7 @@ class StreamQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
         return self.plan(start, end)
 
-    def plan(self, start: dict[str, Any], end: dict[str, Any]) -> list[StreamQPartition]:
+    def plan(self, start: dict[str, Any], end: dict[str, Any]) -> list[StreamQTask]:
         start_seqs, start_epochs = planning.split_offset(start)
         end_seqs, end_epochs = planning.split_offset(end)
         if not set(end_seqs) <= set(self._states):
@@ -629,8 +655,8 @@ class StreamQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return _partitions(self.settings, ranges, epochs=epochs)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        assert isinstance(partition, StreamQPartition)
-        return read_partition(partition, self.settings.columns)
+        assert isinstance(partition, StreamQTask)
+        return read_task(partition, self.settings.columns)
 
     def commit(self, end: dict[str, Any]) -> None:
         """Spark calls it for a batch only as it plans the next one (at that batch's
@@ -697,8 +723,8 @@ class StreamQDriverStreamReader(SimpleDataSourceStreamReader, SupportsTriggerAva
         connections = planner.connections()
         batches = [
             batch
-            for partition in planner.plan(start, end)
-            for batch in read_partition(partition, planner.settings.columns, connections)
+            for task in planner.plan(start, end)
+            for batch in read_task(task, planner.settings.columns, connections)
         ]
         return iter(batches), end  # a list's iterator: Spark copies it (copy.copy)
 
@@ -706,8 +732,8 @@ class StreamQDriverStreamReader(SimpleDataSourceStreamReader, SupportsTriggerAva
         self, start: dict[str, Any], end: dict[str, Any]
     ) -> Iterator[pa.RecordBatch]:
         columns = self.planner.settings.columns
-        for partition in self.planner.plan(start, end):
-            yield from read_partition(partition, columns)
+        for task in self.planner.plan(start, end):
+            yield from read_task(task, columns)
 
     def commit(self, end: dict[str, Any]) -> None:
         self.planner.commit(end)
@@ -742,10 +768,10 @@ class StreamQBatchReader(DataSourceReader):
         return _partitions(self.settings, self._ranges())
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        if not isinstance(partition, StreamQPartition):
+        if not isinstance(partition, StreamQTask):
             # Spark turns an empty list of partitions into one InputPartition(None).
             return iter(())
-        return read_partition(partition, self.settings.columns)
+        return read_task(partition, self.settings.columns)
 
 
 def _seq_bounds(pushed: Filter) -> tuple[int, int | None] | None:

@@ -10,6 +10,7 @@ short requests per producer, in parallel.
 
 from __future__ import annotations
 
+import heapq
 import importlib
 import itertools
 import json
@@ -569,23 +570,44 @@ def limit(start: Mapping[str, int], end: Mapping[str, int], max_rows: int) -> Of
 def plan(
     ranges: Sequence[Range], min_partitions: int, max_records_per_partition: int
 ) -> list[Range]:
-    """Split ranges so there are at least ``min_partitions`` and none is too large.
-
-    Splits are proportional to size, so partitions stay balanced across producers.
-    """
+    """Split ranges so that none is larger than ``max_records_per_partition`` and there
+    are pieces enough to fill ``min_partitions``: a range's pieces are in proportion to
+    its size, and equal (to within one record)."""
     ranges = [r for r in ranges if r.size > 0]
     total = sum(r.size for r in ranges)
     if not total:
         return []
-    target = max(min_partitions, len(ranges))
     planned = []
     for r in ranges:
         pieces = max(
             1,
             math.ceil(r.size / max_records_per_partition),
-            round(r.size * target / total),
+            round(r.size * min_partitions / total),
         )
         pieces = min(pieces, r.size)
         bounds = [r.start + r.size * i // pieces for i in range(pieces + 1)]
         planned += [Range(r.producer_id, r.endpoint, a, b) for a, b in itertools.pairwise(bounds)]
     return planned
+
+
+def pack(
+    pieces: Sequence[Range], min_partitions: int, max_records_per_partition: int
+) -> list[list[Range]]:
+    """The pieces as Spark partitions, each reading several producers' ranges: at least
+    ``min_partitions`` (as pieces allow), and enough that none holds much more than
+    ``max_records_per_partition``. Each Python task costs Spark tens of milliseconds,
+    whatever it reads: one per producer made a trigger over hundreds of producers cost
+    seconds. The largest piece goes first to the lightest partition, so partitions stay
+    within one piece of each other; within one, ranges are in producer order."""
+    total = sum(p.size for p in pieces)
+    if not total:
+        return []
+    count = max(min_partitions, math.ceil(total / max_records_per_partition))
+    count = min(count, len(pieces))
+    loads = [(0, i) for i in range(count)]  # a heap: (records, partition)
+    partitions: list[list[Range]] = [[] for _ in range(count)]
+    for piece in sorted(pieces, key=lambda p: (-p.size, p.producer_id, p.start)):
+        load, i = heapq.heappop(loads)
+        partitions[i].append(piece)
+        heapq.heappush(loads, (load + piece.size, i))
+    return [sorted(p, key=lambda r: (r.producer_id, r.start)) for p in partitions]

@@ -18,6 +18,7 @@ from spark_source import planning
 from spark_source.datasource import (
     StreamQPartition,
     StreamQStreamReader,
+    StreamQTask,
     _Settings,
     read_partition,
 )
@@ -160,8 +161,9 @@ def test_a_streaming_query_fails_on_reused_seqs_or_goes_back(
     assert lenient.partitions(start, back) == []  # this batch reads nothing of it
     end = lenient.latestOffset(back, ReadAllAvailable())
     assert end == {reused.pid: 26, "epochs": {reused.pid: reused.after}}
-    [part] = lenient.partitions(back, end)
-    assert isinstance(part, StreamQPartition)
+    [task] = lenient.partitions(back, end)
+    assert isinstance(task, StreamQTask)
+    [part] = task.parts
     assert part.epochs == BatchEpochs(11, reused.after, reused.after)
     assert values(read_partition(part))[0] == (11, b"new 11")
     # Nothing new: the very same offset, so Spark runs no batch.

@@ -53,15 +53,17 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
         process.communicate(timeout=30)
 
 
-def test_one_query_reads_64_producers_in_balanced_partitions(
+def test_one_query_reads_64_producers_in_a_few_balanced_partitions(
     spark: SparkSession,
     fleet: dict[str, str],
 ) -> None:
+    """A Python task costs Spark tens of milliseconds whatever it reads: partitions pack
+    several producers' ranges, as many as minPartitions asks, balanced by records."""
     df = (
         spark.read.format("streamq")
         .option("endpoints", ",".join(fleet.values()))
         .option("stream", "orders")
-        .option("minPartitions", "32")
+        .option("minPartitions", "8")
         .load()
     )
     # One read (each costs a Python task per partition), its rows kept partition by partition.
@@ -69,9 +71,11 @@ def test_one_query_reads_64_producers_in_balanced_partitions(
     sizes = [len(rows) for rows in partitions]
     total = sum(records_of(i) for i in range(PRODUCERS))
     assert sum(sizes) == total
-    # At least one partition per producer, and none much larger than a fair share.
-    assert len(sizes) >= PRODUCERS
-    assert max(sizes) <= 2 * total / len(sizes) + 1, sorted(sizes)
+    assert len(sizes) == 8
+    # Within one producer's share of a fair split (the largest piece goes to the lightest).
+    largest = max(records_of(i) for i in range(PRODUCERS))
+    assert max(sizes) - min(sizes) <= largest, sorted(sizes)
+    assert all(len({row.producer for row in part}) > 1 for part in partitions)
     rows = [row for part in partitions for row in part]
     per_producer = Counter(row.producer for row in rows)
     assert set(per_producer) == set(fleet)

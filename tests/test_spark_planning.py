@@ -66,6 +66,35 @@ def test_plan_covers_every_seq_once_and_balances(
         assert len(planned) >= min(min_partitions, total) - len(sizes)
 
 
+@given(
+    sizes=st.lists(st.integers(0, 5000), min_size=1, max_size=40),
+    min_partitions=st.integers(1, 16),
+    max_per_partition=st.integers(1, 20000),
+)
+def test_pack_reads_every_piece_once_in_few_balanced_partitions(
+    sizes: list[int], min_partitions: int, max_per_partition: int
+) -> None:
+    ranges = [Range(f"p{i:02}", f"h:{i}", 10, 10 + size) for i, size in enumerate(sizes)]
+    pieces = planning.plan(ranges, min_partitions, max_per_partition)
+    packed = planning.pack(pieces, min_partitions, max_per_partition)
+
+    def order(r: Range) -> tuple[str, int]:
+        return r.producer_id, r.start
+
+    assert sorted((r for task in packed for r in task), key=order) == sorted(pieces, key=order)
+    total = sum(sizes)
+    if not total:
+        assert packed == []
+        return
+    assert all(packed)
+    wanted = max(min_partitions, -(-total // max_per_partition))
+    assert len(packed) == min(wanted, len(pieces))
+    loads = [sum(r.size for r in task) for task in packed]
+    assert max(loads) - min(loads) <= max(p.size for p in pieces)
+    for task in packed:  # in producer order within a partition
+        assert task == sorted(task, key=order)
+
+
 def test_resolve_offsets() -> None:
     assert planning.resolve("earliest", STATES, "startingOffsets") == {"a": 1, "b": 5}
     assert planning.resolve("latest", STATES, "startingOffsets") == {"a": 101, "b": 11}
