@@ -33,3 +33,24 @@ def test_kafka_pipe(tmp_path: Path) -> None:
     assert applied(tmp_path / "kafka.db", "off") == list(range(COUNT))
     with contextlib.closing(sqlite3.connect(tmp_path / "kafka.db")) as conn:
         assert conn.execute("SELECT next FROM offsets").fetchall() == [(COUNT,)]
+
+
+def test_spark_fleet_serves_many_producers_to_a_process(tmp_path: Path) -> None:
+    """The Spark workload's producers, ``PER_PROCESS`` to a process: each database served
+    at its own endpoint, under its own id, with every record."""
+    from bench.spark import streamq as spark_streamq
+    from streamq import Client
+
+    count = spark_streamq.PER_PROCESS + 3  # two processes
+    paths = spark_streamq._fill_producers(tmp_path, count, count * 10)
+    fleet = spark_streamq.Fleet(paths)
+    try:
+        assert len(fleet.processes) == 2
+        assert len(set(fleet.endpoints)) == len(set(fleet.producer_ids)) == count
+        for endpoint, producer_id in zip(fleet.endpoints, fleet.producer_ids, strict=True):
+            with Client(endpoint) as client:
+                assert client.producer_id == producer_id
+                assert client.head("ingest").head == 10
+    finally:
+        fleet.stop()
+    assert [p.returncode for p in fleet.processes] == [0, 0]

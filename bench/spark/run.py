@@ -1,6 +1,6 @@
 """The Spark workload's driver: rows/s into a noop sink with Trigger.AvailableNow.
 
-streamq: N producer processes (``streamq serve``), read directly by the ``streamq`` source.
+streamq: N producers, 16 to a process (``host.py``), read directly by the ``streamq`` source.
 Kafka: one topic with N partitions holding the same records, read by Spark's own Kafka
 source (``spark-sql-kafka-0-10``, resolved through Maven). N sweeps 1, 4, 16, 64.
 Then micro-batch latency, publish to visible in the sink (``common.measure``), with the

@@ -1,5 +1,5 @@
 """The Spark workload read from streamq producers by the ``streamq`` source: ingest from N
-``streamq serve`` processes, and micro-batch latency from one producer."""
+producers served ``PER_PROCESS`` to a process, and micro-batch latency from one producer."""
 
 from __future__ import annotations
 
@@ -29,27 +29,34 @@ def _fill_producers(folder: Path, producers: int, total: int) -> list[Path]:
     return paths
 
 
+# Producers one process serves (``host.py``), as a host serving many would: a process per
+# producer would measure hundreds of Python processes crowding two cores.
+PER_PROCESS = 16
+
+
 class Fleet:
-    """``streamq serve`` processes, one per database."""
+    """The producers, ``PER_PROCESS`` to a process (``python -m bench.spark.host``)."""
 
     def __init__(self, paths: list[Path]) -> None:
+        groups = [paths[i : i + PER_PROCESS] for i in range(0, len(paths), PER_PROCESS)]
         self.processes = [
             subprocess.Popen(
-                [sys.executable, "-m", "streamq", "serve", str(path), "--port", "0"],
+                [sys.executable, "-m", "bench.spark.host", *map(str, group)],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL,
                 text=True,
             )
-            for path in paths
+            for group in groups
         ]
         self.endpoints, self.producer_ids = [], []
-        for process in self.processes:
+        for process, group in zip(self.processes, groups, strict=True):
             assert process.stdout is not None
-            line = process.stdout.readline()
-            if not line.startswith("serving producer"):
-                raise RuntimeError(f"streamq serve failed: {line!r}")
-            self.endpoints.append(line.rsplit(" on ", 1)[1].strip())
-            self.producer_ids.append(line.split()[2])
+            for _ in group:
+                line = process.stdout.readline()
+                if not line.startswith("serving producer"):
+                    raise RuntimeError(f"serving producers failed: {line!r}")
+                self.endpoints.append(line.rsplit(" on ", 1)[1].strip())
+                self.producer_ids.append(line.split()[2])
 
     def stop(self) -> None:
         for process in self.processes:
