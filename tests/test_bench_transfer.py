@@ -55,7 +55,7 @@ def landed(result: dict[str, Any], role: str) -> set[str]:
     return {event["how"] for event in result["kill_events"] if event["role"] == role}
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_crash_runs(tmp_path: Path) -> None:
     try:
         streamq = transfer.crash_run(
