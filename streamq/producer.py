@@ -7,7 +7,7 @@ once and buffers the record; the records reach ``streamq_log`` in one insert at 
 the records handed to the ``Log``, which wakes the subscribers: a rolled-back
 transaction publishes nothing. Seqs are dense and in commit order: on SQLite, appenders
 never overlap (one writer at a time, each catching up at BEGIN with what other
-connections committed: ``_begin``); on PostgreSQL, writers publish records unnumbered
+connections committed: ``Writing.begin``); on PostgreSQL, writers publish records unnumbered
 and the serving producer numbers them once committed (``storage.Features``,
 ``engines/postgres/numbering.py``), so ``Transaction.publish`` returns a ``Receipt``
 there and ``wait_served`` tells its seqs.
@@ -58,7 +58,6 @@ from .storage import (
     Session,
     StreamRow,
     StreamSettings,
-    Watch,
 )
 from .transactions import (
     BlockingTransaction,
@@ -128,7 +127,6 @@ class Producer:
         self.flush_records = flush_records
         self.log = Log(self.storage, tail_bytes=tail_bytes)
         self._host, self._port, self._serve = host, port, serve
-        self._watch: Watch | None = None
         self._watch_interval = watch_interval
         self.positions = Positions()
         self.writing = Writing(
@@ -167,8 +165,8 @@ class Producer:
             # The version before loading the streams: any later commit by another process is seen.
             self.writing.version = await self.storage.version()
             if self._serve:
-                self._watch = self.writing.watch = self.storage.watch()
-                await self._watch.start()
+                watch = self.writing.watch = self.storage.watch()
+                await watch.start()
             loaded = await self.storage.load()
             for row in loaded.streams:
                 self.log.add(row)
@@ -184,8 +182,8 @@ class Producer:
                 await self.storage.serving(self._server.address)
             if self._metrics_port is not None:
                 self._metrics = MetricsServer(self, self._metrics_host, self._metrics_port)
-            if self._watch is not None:
-                watching = watch_commits(self.writing, self._watch, self._watch_interval)
+            if self.writing.watch is not None:
+                watching = watch_commits(self.writing, self.writing.watch, self._watch_interval)
                 self._tasks.append(asyncio.create_task(watching))
             if self._serve and self.storage.features.numbered_after_commit:
                 storage = cast(NumberingStorage, self.storage)
@@ -223,8 +221,8 @@ class Producer:
             except Exception:
                 logger.exception("could not save consumer positions at close")
         self._closed = True
-        if self._watch is not None:
-            await self._watch.close()
+        if self.writing.watch is not None:
+            await self.writing.watch.close()
         if self.numberer is not None:
             await self.numberer.close()
         if self._session is not None:
@@ -287,7 +285,8 @@ class Producer:
     def watching_commits(self) -> bool:
         """Other writers' commits wake this serving producer at once (inotify on SQLite,
         NOTIFY on PostgreSQL); False: it checks every ``watch_interval`` instead."""
-        return self._watch is not None and self._watch.active
+        watch = self.writing.watch
+        return watch is not None and watch.active
 
     @property
     def consumer_collector(self) -> ConsumerCollector | None:
