@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck bench bench-quick bench-smoke nats-server soak fuzz powerloss simulate clean docs
+.PHONY: demo test lint typecheck bench bench-quick bench-smoke nats-server soak soak-spark fuzz powerloss simulate clean docs
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,7 +36,7 @@ test: $(STAMP)
 	$(BIN)/ruff check streamq spark_source bench tests && \
 	$(BIN)/ruff format --check streamq spark_source bench tests && \
 	$(BIN)/mypy && \
-	$(BIN)/python -m pytest -q -n 2; \
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup; \
 	status=$$?; wait; exit $$status
 
 bench: $(STAMP) nats-server  # every workload at full size, against real Kafka and NATS servers
@@ -58,6 +58,9 @@ nats-server: $(STAMP)
 SOAK_ENGINE ?= sqlite
 soak: $(STAMP)  # the crash test run after run: >= 1,000 kill -9 cycles, at most 30 min
 	STREAMQ_CRASH_ENGINE=$(SOAK_ENGINE) $(BIN)/python -m tests.soak --kills 1000 --max-seconds 1800
+
+soak-spark: $(STAMP)  # the Spark parquet sink's exactly-once test through 20 kill -9s, ~10 min
+	STREAMQ_SPARK_KILLS=20 $(BIN)/python -m pytest -q -p no:randomly tests/test_spark_exactly_once.py
 
 FUZZ_SECONDS ?= 300
 fuzz: $(STAMP)  # atheris on the decoder and state machines, then 20,000 hostile sessions on a socket

@@ -15,10 +15,13 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import uvloop
 
+from .children import KEPT, running_children
 from .pgserver import PostgresMissingError, PostgresServer
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
+
+    from bench.kafka.broker import KafkaBroker
 
 
 def pytest_asyncio_loop_factories(
@@ -27,14 +30,38 @@ def pytest_asyncio_loop_factories(
     return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 
 
+# Tests sharing a server a session fixture keeps run in one xdist worker (``make test``
+# runs ``--dist loadgroup``), so that it starts once, not once in each worker.
+SERVER_GROUPS = {"spark": "spark", "kafka_broker": "kafka"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        for fixture in set(getattr(item, "fixturenames", ())) & SERVER_GROUPS.keys():
+            item.add_marker(pytest.mark.xdist_group(SERVER_GROUPS[fixture]))
+
+
 @pytest.fixture(scope="session")
 def spark() -> Iterator[SparkSession]:
     """One local Spark for every Spark test."""
     from spark_source.session import local_spark
 
+    before = set(running_children())
     session = local_spark("streamq-tests")
+    KEPT.update(set(running_children()) - before)  # its JVM
     yield session
     session.stop()
+
+
+@pytest.fixture(scope="session")
+def kafka_broker() -> Iterator[KafkaBroker]:
+    """One real Kafka broker for the benchmarks' tests, as ``python -m bench`` shares one
+    between its workloads (each makes its own topics)."""
+    from bench.kafka.broker import KafkaBroker
+
+    with KafkaBroker() as broker:
+        KEPT.add(broker.pid)
+        yield broker
 
 
 def started_server() -> Iterator[PostgresServer]:

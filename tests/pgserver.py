@@ -154,6 +154,9 @@ class PostgresServer:
             "initdb",
             *("-D", str(self.data), "-U", SUPERUSER, "--auth=trust"),
             *("--encoding=UTF8", "--no-locale", "--no-instructions"),
+            # Not fsynced (seconds; minutes under a slowed flush): the tests crash servers,
+            # never the machine, so what initdb wrote survives in the page cache anyway.
+            "--no-sync",
         )
         # Replicas copy this server with pg_basebackup: a replication connection for the
         # superuser, on loopback (initdb's default file may allow it too; this says so).

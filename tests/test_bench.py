@@ -26,9 +26,8 @@ def test_streamq_pipe(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_kafka_pipe(tmp_path: Path) -> None:
-    with KafkaBroker() as broker:
-        seconds = pipe.run_kafka(broker, tmp_path, COUNT, 100)
+def test_kafka_pipe(tmp_path: Path, kafka_broker: KafkaBroker) -> None:
+    seconds = pipe.run_kafka(kafka_broker, tmp_path, COUNT, 100)
     assert seconds > 0
     assert applied(tmp_path / "kafka.db", "off") == list(range(COUNT))
     with contextlib.closing(sqlite3.connect(tmp_path / "kafka.db")) as conn:

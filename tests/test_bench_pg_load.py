@@ -28,10 +28,9 @@ TINY = pg_load.Sizes(
 
 
 @pytest.mark.timeout(240)
-def test_tiny_run_is_checked_and_saved(tmp_path: Path) -> None:
+def test_tiny_run_is_checked_and_saved(tmp_path: Path, kafka_broker: KafkaBroker) -> None:
     try:
-        with KafkaBroker() as broker:
-            results = pg_load.run(broker, True, 1, sizes=TINY, folder=tmp_path, debezium=False)
+        results = pg_load.run(kafka_broker, True, 1, sizes=TINY, folder=tmp_path, debezium=False)
     finally:
         assert list(running_children().values()) == []
     saved = json.loads((tmp_path / "pg_load.json").read_text())

@@ -56,18 +56,17 @@ def landed(result: dict[str, Any], role: str) -> set[str]:
 
 
 @pytest.mark.timeout(600)
-def test_crash_runs(tmp_path: Path) -> None:
+def test_crash_runs(tmp_path: Path, kafka_broker: KafkaBroker) -> None:
     try:
         streamq = transfer.crash_run(
             "streamq", None, tmp_path / "streamq", TRANSFERS, KILLS, RATE, seed=11
         )
-        with KafkaBroker() as broker:
-            outbox = transfer.crash_run(
-                "kafka-outbox", broker, tmp_path / "outbox", TRANSFERS, KILLS, RATE, seed=12
-            )
-            naive = transfer.crash_run(
-                "kafka-naive", broker, tmp_path / "naive", TRANSFERS, KILLS, RATE, seed=13
-            )
+        outbox = transfer.crash_run(
+            "kafka-outbox", kafka_broker, tmp_path / "outbox", TRANSFERS, KILLS, RATE, seed=12
+        )
+        naive = transfer.crash_run(
+            "kafka-naive", kafka_broker, tmp_path / "naive", TRANSFERS, KILLS, RATE, seed=13
+        )
     finally:
         assert our_programs() == []
 

@@ -1,5 +1,5 @@
 """The transfer workload on PostgreSQL (bench/transfer_pg/run.py), tiny: streamq and Kafka +
-outbox (a real broker), with 1 and 2 concurrent writers, each run credited exactly once
+outbox (a real broker), with 2 concurrent writers, each run credited exactly once
 and the result JSON complete; the relay never skips an outbox row that commits after a
 higher id; and the checker sees lost and doubled credits in PostgreSQL databases, and
 streamq's log (numbered after the commit) against the journal by content.
@@ -25,7 +25,7 @@ from streamq.engines.postgres.numbering import number_all
 from .children import running_children
 from .pgserver import PostgresServer
 
-TINY = transfer_pg.Sizes(writers=(1, 2), transfers=400, rate=400, seconds=0.5, warm_up=100)
+TINY = transfer_pg.Sizes(writers=(2,), transfers=400, rate=400, seconds=0.5, warm_up=100)
 
 
 def our_children() -> list[str]:
@@ -33,12 +33,11 @@ def our_children() -> list[str]:
 
 
 @pytest.mark.timeout(120)
-def test_tiny_run_exactly_once_and_results(tmp_path: Path) -> None:
+def test_tiny_run_exactly_once_and_results(tmp_path: Path, kafka_broker: KafkaBroker) -> None:
     """The whole workload, as ``python -m bench`` runs it (its own server, which stamps
     commit times), at a tiny size."""
     try:
-        with KafkaBroker() as broker:
-            results = transfer_pg.run(broker, True, 1, seed=7, sizes=TINY, folder=tmp_path)
+        results = transfer_pg.run(kafka_broker, True, 1, seed=7, sizes=TINY, folder=tmp_path)
     finally:
         assert our_children() == []
     saved = json.loads((tmp_path / "transfer_pg.json").read_text())
@@ -47,7 +46,7 @@ def test_tiny_run_exactly_once_and_results(tmp_path: Path) -> None:
     assert saved["sizes"] == json.loads(json.dumps(results["sizes"]))
     runs: list[dict[str, Any]] = saved["runs"]
     cases = {(r["system"], r["writers"], r["rate"]) for r in runs}
-    assert cases == {(s, w, r) for s in ("streamq", "kafka") for w in (1, 2) for r in (0, 400)}
+    assert cases == {(s, w, r) for s in ("streamq", "kafka") for w in (2,) for r in (0, 400)}
     for r in runs:
         check, context = r["check"], f"{r['system']} x {r['writers']}: {r}"
         expected = TINY.transfers if r["rate"] == 0 else int(TINY.rate * TINY.seconds)
@@ -72,7 +71,7 @@ def test_tiny_run_exactly_once_and_results(tmp_path: Path) -> None:
     assert saved["anomalies"] == 0
     series = {(s["system"], s["case"]) for s in saved["series"]}
     for system in ("streamq", "kafka"):
-        for case in ("1 writer", "2 writers", "2 writers, committed"):
+        for case in ("2 writers", "2 writers, committed"):
             assert (system, case) in series
         for pct in ("p50", "p99"):
             assert (system, f"2 writers, 400/s {pct}") in series

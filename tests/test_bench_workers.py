@@ -56,10 +56,11 @@ def test_two_workers_every_order_received_once_in_commit_order(tmp_path: Path, r
 
 
 @pytest.mark.timeout(120)
-def test_kafka_outbox_two_workers_every_order_received_once(tmp_path: Path) -> None:
+def test_kafka_outbox_two_workers_every_order_received_once(
+    tmp_path: Path, kafka_broker: KafkaBroker
+) -> None:
     try:
-        with KafkaBroker() as broker:
-            run = workers.run_once("kafka", tmp_path, 2, ORDERS, 0, broker, drain_timeout=DRAIN)
+        run = workers.run_once("kafka", tmp_path, 2, ORDERS, 0, kafka_broker, drain_timeout=DRAIN)
     finally:
         assert our_children() == []
     assert run.refused == 0 and run.committed == ORDERS, run

@@ -218,7 +218,16 @@ def spark_runner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SparkRunn
 
 
 @pytest.mark.timeout(SPARK_TIMEOUT + 60)
-@pytest.mark.parametrize("block", EXAMPLES, ids=[block.name for block in EXAMPLES])
+@pytest.mark.parametrize(
+    "block",
+    [
+        # The Spark examples share one process (spark_runner): in one xdist worker.
+        pytest.param(block, id=block.name, marks=[pytest.mark.xdist_group("spark")])
+        if starts_spark(block)
+        else pytest.param(block, id=block.name)
+        for block in EXAMPLES
+    ],
+)
 def test_example_runs(block: Block, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("STREAMQ_", "PYTEST"))}
     if "DATABASE_URL" in block.code:
