@@ -35,10 +35,9 @@ def pytest_asyncio_loop_factories(
 SERVER_GROUPS = {"spark": "spark", "kafka_broker": "kafka"}
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        for fixture in set(getattr(item, "fixturenames", ())) & SERVER_GROUPS.keys():
-            item.add_marker(pytest.mark.xdist_group(SERVER_GROUPS[fixture]))
+def pytest_itemcollected(item: pytest.Item) -> None:  # before xdist reads the groups
+    for fixture in set(getattr(item, "fixturenames", ())) & SERVER_GROUPS.keys():
+        item.add_marker(pytest.mark.xdist_group(SERVER_GROUPS[fixture]))
 
 
 @pytest.fixture(scope="session")
