@@ -40,6 +40,12 @@ def pytest_itemcollected(item: pytest.Item) -> None:  # before xdist reads the g
         item.add_marker(pytest.mark.xdist_group(SERVER_GROUPS[fixture]))
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The slow tests and the server groups first: a long test handed out last would keep
+    one worker busy while the other has nothing left."""
+    items.sort(key=lambda item: not any(map(item.get_closest_marker, ("slow", "xdist_group"))))
+
+
 @pytest.fixture(scope="session")
 def spark() -> Iterator[SparkSession]:
     """One local Spark for every Spark test."""

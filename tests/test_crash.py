@@ -57,6 +57,7 @@ def check_delivered(run: CrashRun, result: Figures) -> None:
     assert result.checks > plan.consumer_kills, context
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_exactly_once_under_kill_9_and_pauses(
     tmp_path: Path, figures: Callable[[str], None]
@@ -67,6 +68,7 @@ def test_exactly_once_under_kill_9_and_pauses(
     figures("runs 1, " + describe(result))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_exactly_once_on_postgresql_under_kill_9_of_everything_and_other_writers(
     tmp_path: Path, figures: Callable[[str], None]

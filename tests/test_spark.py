@@ -270,6 +270,7 @@ def test_replaced_producer_fails_a_running_query(spark: SparkSession, tmp_path: 
     assert spark.read.parquet(str(tmp_path / "out")).count() == 1
 
 
+@pytest.mark.slow
 def test_spark_demo_counts_every_sale_once() -> None:
     demo = subprocess.run(
         [sys.executable, "-m", "spark_source.demo", "3"],

@@ -424,6 +424,7 @@ class SparkRun:
                 proc.kill_all()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180 + 45 * (KILLS + STOPS))
 def test_spark_parquet_sink_gets_every_record_once_through_kill_9_and_restarts(
     tmp_path: Path,
