@@ -124,6 +124,42 @@ def test_sync_producer_runs_a_transaction_function(producer_db: str) -> None:
     assert stock(producer_db) == [("c3", 98)]
 
 
+def test_sync_producer_threads_keep_dense_seqs_beside_other_writers_and_rollbacks(
+    producer_db: str,
+) -> None:
+    """A thread's connection keeps what its own commits left between transactions: a
+    commit by another connection, the producer's own, a rolled-back publish and a new
+    stream each still give the next seq, with nothing skipped or given twice."""
+    with SyncProducer(producer_db, serve=False) as producer:
+        seqs: list[int] = []
+
+        def publish(value: bytes) -> None:
+            with producer.transaction() as tx:
+                seqs.append(tx.publish("orders", value))
+
+        publish(b"a")
+        publish(b"b")  # from what the first left
+        with contextlib.closing(sqlite3.connect(producer_db, isolation_level=None)) as other:
+            other.execute("BEGIN IMMEDIATE")
+            seqs.append(streamq.publish(other, "orders", b"other"))
+            other.execute("COMMIT")
+        publish(b"c")  # after another connection's commit
+        with pytest.raises(RuntimeError), producer.transaction() as tx:
+            assert tx.publish("orders", b"rolled back") == 5
+            raise RuntimeError("the application's error")
+        publish(b"d")  # the rolled-back seq again
+        thread = threading.Thread(target=publish, args=(b"thread",))
+        thread.start()
+        thread.join()
+        publish(b"e")  # after another thread's connection committed
+        with producer.transaction() as tx:
+            assert tx.publish("new", b"first") == 1  # a stream made by this transaction
+            seqs.append(tx.publish("orders", b"f"))
+        assert producer.head("new") == 1
+    assert seqs == list(range(1, 9))
+    assert log_seqs(producer_db) == list(range(1, 9))
+
+
 def credit(tx: BlockingSQL, batch: streamq.Batch, table: str) -> int:
     tx.execute(f"CREATE TABLE IF NOT EXISTS {table} (seq INTEGER, value BLOB)")
     tx.executemany(f"INSERT INTO {table} VALUES (?, ?)", [(r.seq, r.value) for r in batch])

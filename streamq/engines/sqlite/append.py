@@ -1,10 +1,14 @@
 """The SQLite engine's append path: records appended through any connection to a SQLite
 producer database, in its open transaction.
 
-Nothing is cached between calls: each append takes the database's write lock, then reads
-the stream's committed head under it (``storage.APPEND_STATE_QUERY``). That is what lets
-any number of processes and connections publish into one database at once: SQLite
-admits one writer at a time, so seqs are dense and in commit order, by construction.
+On the application's connection nothing is cached between calls: each append takes the
+database's write lock, then reads the stream's committed head under it
+(``storage.APPEND_STATE_QUERY``). That is what lets any number of processes and
+connections publish into one database at once: SQLite admits one writer at a time, so
+seqs are dense and in commit order, by construction. A ``SQLiteSession`` (a
+``SyncProducer``'s connection for one thread), which sees its own COMMIT and ROLLBACK,
+keeps what its committed appends left instead, and reads it again only when ``PRAGMA
+data_version`` says another connection committed since.
 
 Epochs ("Epochs" in docs/protocol.md): records are stamped with the database's current
 epoch. A ``Producer`` starting makes a new one, synced to disk; the first writer of a
@@ -27,6 +31,11 @@ from ...rows import append_rows, check_last_seq, segment_row
 from ...storage import Durability, LogRow, TimeRow
 from . import storage
 
+# A row of ``storage.APPEND_STATE_QUERY``: the database's epoch, the boot it was made in
+# and the schema version; the stream's id, key_index, head, largest timestamp and the
+# epoch of its last segment.
+AppendState = tuple[Any, Any, Any, Any, Any, int, Any, Any]
+
 
 def append(
     dbapi: Any,
@@ -37,16 +46,29 @@ def append(
 ) -> list[int]:
     """Append ``records`` to ``stream`` through a DB-API connection to a SQLite producer
     database, in its open transaction; returns their seqs."""
+    return append_from(dbapi, stream, records, max_record_size, None)[0]
+
+
+def append_from(
+    dbapi: Any,
+    stream: str,
+    records: Sequence[CheckedRecord],
+    max_record_size: int,
+    state: AppendState | None,
+) -> tuple[list[int], AppendState]:
+    """``append``, from ``state`` when the caller knows it holding the write lock (else
+    read here); returns the seqs and the state the append leaves."""
     cursor = dbapi.cursor()
     try:
-        try:
-            cursor.execute(storage.TAKE_WRITE_LOCK)
-            cursor.execute(storage.APPEND_STATE_QUERY, (stream,))
-            state = cursor.fetchone()
-        except Exception as exc:
-            if "no such table: streamq_" in str(exc):
-                raise SchemaMissingError(_no_tables(dbapi)) from exc
-            raise
+        if state is None:
+            try:
+                cursor.execute(storage.TAKE_WRITE_LOCK)
+                cursor.execute(storage.APPEND_STATE_QUERY, (stream,))
+                state = cursor.fetchone()
+            except Exception as exc:
+                if "no such table: streamq_" in str(exc):
+                    raise SchemaMissingError(_no_tables(dbapi)) from exc
+                raise
         epoch, boot, version, stream_id, key_index, head, max_ts, last_epoch = state
         if version != storage.SCHEMA_VERSION:
             raise SchemaMissingError(_old_schema(dbapi, version))
@@ -55,7 +77,8 @@ def append(
             # The first writer since the machine booted: a new epoch, committed with the
             # first records that use it (see the module docstring).
             epoch = storage.next_epoch(epoch)
-            cursor.executemany(storage.SET_META, [("epoch", epoch), ("boot_id", storage.boot_id())])
+            boot = storage.boot_id()
+            cursor.executemany(storage.SET_META, [("epoch", epoch), ("boot_id", boot)])
         if stream_id is None:
             cursor.execute(storage.CREATE_DEFAULT_STREAM, (stream,))
             stream_id, key_index, head = cursor.lastrowid, 0, 0
@@ -67,40 +90,75 @@ def append(
         times: list[TimeRow] = []
         stamps = [ts for _, _, _, ts in records]
         keys = [key for _, key, _, _ in records]
-        append_rows(rows, times, stream_id, first, max_ts, bool(key_index), encoded, stamps, keys)
+        max_ts = append_rows(
+            rows, times, stream_id, first, max_ts, bool(key_index), encoded, stamps, keys
+        )
         segment = segment_row(stream_id, first, last_epoch, epoch)
         if rows and segment is not None:
             cursor.execute(storage.INSERT_EPOCHS, segment)
+            last_epoch = epoch
         cursor.executemany(storage.INSERT_RECORDS, storage.stored_rows(rows))
         if times:
             cursor.executemany(
                 storage.INSERT_TIMES, [(s, ts, storage.pos(s, seq)) for s, ts, seq in times]
             )
-        return seqs
+        left = (epoch, boot, version, stream_id, key_index, head + len(seqs), max_ts, last_epoch)
+        return seqs, left
     finally:
         cursor.close()
 
 
 class SQLiteSession(storage.SQLiteBlockingWriter):
-    """One thread's own connection to a producer database (``storage.Session``)."""
+    """One thread's own connection to a producer database (``storage.Session``). Keeps
+    each stream's append state as its committed appends left it (module docstring)."""
 
     def __init__(self, path: str, durability: Durability) -> None:
         conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         conn.execute(f"PRAGMA synchronous={durability.upper()}")
         conn.execute("PRAGMA busy_timeout=10000")
         super().__init__(conn)
+        self._committed: dict[str, AppendState] = {}  # as of ``_version``
+        self._appended: dict[str, AppendState] = {}  # by the open transaction
+        self._version: int | None = None  # PRAGMA data_version when last read
 
     @property
     def in_transaction(self) -> bool:
         return self.conn.in_transaction
 
-    def begin(self) -> None:  # type: ignore[override]  # no version: nothing cached here
-        self.conn.execute("BEGIN IMMEDIATE")
+    def begin(self) -> None:  # type: ignore[override]  # no version: data_version at append
+        self._own.execute("BEGIN IMMEDIATE")  # the write lock, held to COMMIT
 
     def append(
         self, stream: str, records: Sequence[CheckedRecord], max_record_size: int
     ) -> list[int]:
-        return append(self.conn, stream, records, max_record_size=max_record_size)
+        state = self._appended.get(stream)
+        if state is None:
+            version = self._own.execute("PRAGMA data_version").fetchone()[0]
+            if version != self._version:  # another connection committed: read again
+                self._committed.clear()
+                self._version = version
+            state = self._committed.get(stream)
+        seqs, self._appended[stream] = append_from(
+            self.conn, stream, records, max_record_size, state
+        )
+        return seqs
+
+    def commit(self) -> None:
+        try:
+            super().commit()
+        except BaseException:
+            self._forget()
+            raise
+        self._committed.update(self._appended)
+        self._appended.clear()
+
+    def rollback(self) -> None:
+        self._forget()
+        super().rollback()
+
+    def _forget(self) -> None:
+        self._committed.clear()
+        self._appended.clear()
 
     def head(self, stream: str) -> int | None:
         row = self.conn.execute(storage.HEAD_QUERY, (stream,)).fetchone()

@@ -236,17 +236,17 @@ SELECT l.pos, l.key, l.record FROM dirty JOIN streamq_log AS l
 ORDER BY l.key, l.pos"""
 
 
+@functools.cache  # read once per process: every append compares it
 def boot_id() -> str:
     """Changes at every boot of this machine, so at every power loss.
 
     The first writer of a boot that finds the database's epoch made in another boot
-    starts a new epoch (docs/protocol.md, "Epochs"). ``STREAMQ_BOOT_ID`` overrides it:
-    tests simulate a reboot with it.
+    starts a new epoch (docs/protocol.md, "Epochs"). ``STREAMQ_BOOT_ID`` in a process's
+    environment overrides it: a process started with another one acts as after a reboot.
     """
     return os.environ.get("STREAMQ_BOOT_ID") or _machine_boot_id()
 
 
-@functools.cache
 def _machine_boot_id() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as file:  # Linux
