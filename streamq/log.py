@@ -215,6 +215,7 @@ class Stream:
     # dict: ordered, and a wait leaves it in O(1)).
     _waiters: dict[asyncio.Future[bool], None] = field(default_factory=dict)
     _loop: asyncio.AbstractEventLoop | None = None  # asked once: each ask is a system call
+    waits: Waits | None = None  # its log's count of waits (``Log.add``)
 
     def notify(self) -> None:
         """Wake everyone waiting for a commit."""
@@ -235,22 +236,65 @@ class Stream:
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while self.head <= seq:
-            waiter: asyncio.Future[bool] = loop.create_future()
-            self._waiters[waiter] = None
-            timer = loop.call_at(deadline, _time_up, waiter)
-            try:
-                if not await waiter:
-                    return self.head > seq
-            finally:
-                timer.cancel()
-                self._waiters.pop(waiter, None)
-        return True
+        waits = self.waits
+        if waits is not None:
+            waits.begin()
+        try:
+            while self.head <= seq:
+                waiter: asyncio.Future[bool] = loop.create_future()
+                self._waiters[waiter] = None
+                timer = loop.call_at(deadline, _time_up, waiter)
+                try:
+                    if not await waiter:
+                        return self.head > seq
+                finally:
+                    timer.cancel()
+                    self._waiters.pop(waiter, None)
+            return True
+        finally:
+            if waits is not None:
+                waits.end()
+
+
+class Waits:
+    """How many waits for a commit are under way, over every stream of a log: read by
+    the watcher (``watcher.IDLE_CHECK``) and by a ``SyncProducer``'s threads, which wake
+    the loop after a commit only if someone waits (an int: read safely from any thread)."""
+
+    __slots__ = ("_began", "count")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._began: asyncio.Future[None] | None = None
+
+    def begin(self) -> None:
+        self.count += 1
+        if self._began is not None:
+            _settle(self._began)
+
+    def end(self) -> None:
+        self.count -= 1
+
+    async def until_one_begins(self, timeout: float) -> None:
+        """Return once a wait begins, or ``timeout`` seconds from now."""
+        loop = asyncio.get_running_loop()
+        began = self._began = loop.create_future()
+        timer = loop.call_later(timeout, _settle, began)
+        try:
+            await began
+        finally:
+            timer.cancel()
+            self._began = None
 
 
 def _time_up(waiter: asyncio.Future[bool]) -> None:
     if not waiter.done():
         waiter.set_result(False)
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 class Log:
@@ -263,6 +307,12 @@ class Log:
         # Recent records' mean size: how many rows one SQLite read should fetch to fill
         # a frame without reading far more than it can send.
         self._avg_record_size = 1024
+        self.waits = Waits()  # for a commit of any stream
+
+    @property
+    def awaited(self) -> bool:
+        """Someone waits for a commit of some stream."""
+        return self.waits.count > 0
 
     def add(self, row: StreamRow) -> Stream:
         stream = Stream(
@@ -275,6 +325,7 @@ class Log:
             row.max_ts,
             row.compacted,
         )
+        stream.waits = self.waits
         self.streams[row.name] = stream
         return stream
 

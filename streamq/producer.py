@@ -433,7 +433,9 @@ class Producer:
                 by_id[stream_id].epochs.add(first_seq, epoch)
 
     def head(self, stream: str) -> int:
-        """The last committed seq of ``stream`` (0 if none yet)."""
+        """The last committed seq of ``stream`` (0 if none yet), as this producer knows
+        it: its own commits at once, other connections' within ``watcher.IDLE_CHECK``
+        (50 ms) while no consumer waits, at once while one does."""
         return self.log.stream(stream).head
 
     async def history(self, stream: str, key: bytes, from_seq: int | None = None) -> list[Record]:

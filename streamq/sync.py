@@ -131,7 +131,9 @@ class SyncProducer:
         with session_transaction(self._session(), self._producer.max_record_size) as tx:
             yield tx
         if self._serves:
-            self._loop.call_soon_threadsafe(self._producer.writing.wake)  # serve it now
+            # Serve it now, if someone waits for it or for its seqs (else watcher.IDLE_CHECK).
+            if self._producer.log.waits.count or tx.last_receipt is not None:
+                self._loop.call_soon_threadsafe(self._producer.writing.wake)
             if tx.last_receipt is not None:  # numbered after the commit: once served
                 self.wait_served(tx.last_receipt)
 

@@ -7,6 +7,13 @@ inotify; PostgreSQL: NOTIFY), with a slow periodic check as a fallback; the catc
 itself (``Writing.check``) reads heads, lows, epochs and registrations in one hop and
 hands new heads to the log, which wakes the subscribers. Requests and the producer's own
 transactions catch up first, without waiting for this loop.
+
+While no subscriber waits for a commit, a write looks at most once per ``IDLE_CHECK``:
+a service committing back to back in this process (a ``SyncProducer``'s threads) or
+beside it would otherwise pay a catch-up per commit that nobody reads. A wait that
+begins ends that pause at once, and requests catch up first anyway; what it delays is
+only the in-memory heads (``Producer.head``, the metrics). Not where the producer numbers
+records itself (PostgreSQL): there the catch-up serves the publishers' receipts.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ FALLBACK_CHECK = 1.0
 # holds it back longer).
 RECHECK = 0.002
 RECHECK_LAST = 0.256
+IDLE_CHECK = 0.05
 
 
 async def watch_commits(writing: Writing, watch: Watch, interval: float | None) -> None:
@@ -39,6 +47,8 @@ async def watch_commits(writing: Writing, watch: Watch, interval: float | None) 
         interval = FALLBACK_CHECK if watch.active else POLL_INTERVAL
     while True:
         event_at = await watch.wait(interval)
+        if event_at is not None and writing.numberer is None and not writing.log.awaited:
+            await writing.log.waits.until_one_begins(IDLE_CHECK)  # see the docstring
         try:
             await _look_for_commits(writing, watch, event_at)
         except Exception:  # the database away (a server restarting): look again later

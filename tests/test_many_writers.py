@@ -8,6 +8,7 @@ dense and in commit order, and a consumer receives every committed order exactly
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import sqlite3
@@ -15,6 +16,7 @@ import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -238,3 +240,45 @@ async def test_commits_of_others_are_served_while_the_producer_waits_for_the_wri
             async with asyncio.timeout(10):
                 pushed = await anext(subscriber)
             assert [(r.seq, r.value) for r in pushed] == [(2, b"mine")]
+
+
+async def test_with_nobody_waiting_commits_are_not_caught_up_one_by_one(producer_db: str) -> None:
+    """Another connection commits 300 times back to back while nobody waits for a commit:
+    the serving producer looks far less often than once per commit (at most once per
+    ``watcher.IDLE_CHECK``), yet every commit is there for the consumer that comes next,
+    and a consumer waiting at the head gets each commit pushed."""
+    commits = 300
+
+    def commit(count: int, start: int) -> None:
+        with contextlib.closing(sqlite3.connect(producer_db, isolation_level=None)) as conn:
+            for n in range(start, start + count):
+                conn.execute("BEGIN IMMEDIATE")
+                streamq.publish(conn, "orders", b"%d" % n)
+                conn.execute("COMMIT")
+
+    async with Producer(producer_db) as producer:
+        await producer.create_stream("orders")
+        checks = 0
+        check = producer.writing.check
+
+        async def counted(**options: Any) -> bool:
+            nonlocal checks
+            checks += 1
+            return await check(**options)
+
+        producer.writing.check = counted  # type: ignore[method-assign]
+        await asyncio.to_thread(commit, commits, 0)
+        assert checks < commits / 4, f"{checks} catch-ups for {commits} commits"
+        async with Consumer(producer.address, "orders") as consumer:
+            received: list[bytes] = []
+            async with asyncio.timeout(20):
+                while len(received) < commits:
+                    received += [r.value for r in await anext(consumer)]
+            assert received == [b"%d" % n for n in range(commits)]
+            # Waiting at the head now: the next commits are looked for at once.
+            await wait_for(lambda: producer.writing.log.awaited, what="the consumer waiting")
+            before = checks
+            await asyncio.to_thread(commit, 1, commits)
+            async with asyncio.timeout(20):
+                assert [r.value for r in await anext(consumer)] == [b"%d" % commits]
+            assert checks > before
