@@ -25,6 +25,7 @@ COLORS = {
     "kafka": "tab:orange",
     "debezium": "tab:green",
     "nats": "tab:purple",
+    "SyncProducer serving": "tab:purple",
     "SyncProducer": "tab:blue",
     "publish": "tab:cyan",
     "sqlite3": "tab:gray",

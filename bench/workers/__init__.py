@@ -22,10 +22,11 @@ one ``BEGIN IMMEDIATE`` transaction on the worker's own sqlite3 connection. Role
 - kafka ``consumer BOOTSTRAP TOPIC OUT SECONDS DRAIN``: a confluent-kafka consumer with the
   latency workload's settings, from offset 0.
 - sync_path ``VARIANT DB THREADS COUNT SECONDS``: the synchronous path alone, THREADS threads of
-  one process committing COUNT orders in all, as fast as they can, no server:
-  ``SyncProducer`` (``tx.execute`` + ``tx.publish``), ``publish`` (``streamq.publish`` on a
-  plain sqlite3 connection per thread) or ``sqlite3`` (the business row and an outbox row
-  of the event's size: what the database alone costs).
+  one process committing COUNT orders in all, as fast as they can, no consumer:
+  ``SyncProducer serving`` (serving from the same process, as a web service runs it),
+  ``SyncProducer`` (``serve=False``; both ``tx.execute`` + ``tx.publish``), ``publish``
+  (``streamq.publish`` on a plain sqlite3 connection per thread) or ``sqlite3`` (the
+  business row and an outbox row of the event's size: what the database alone costs).
 
 Times are ``time.monotonic_ns()``: CLOCK_MONOTONIC, one clock for every process on the
 machine. SECONDS bounds every loop. Lines: workers say ``READY <PRAGMA synchronous>``,

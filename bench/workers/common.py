@@ -32,7 +32,10 @@ ORDERS_SCHEMA = (
 INSERT_ORDER = "INSERT INTO orders (worker, number, amount, due_ns) VALUES (?, ?, ?, ?)"
 INSERT_OUTBOX = "INSERT INTO outbox (payload) VALUES (?)"
 RECEIVED_SCHEMA = "CREATE TABLE received (position INTEGER NOT NULL, order_id INTEGER NOT NULL)"
-SYNC_VARIANTS = ("SyncProducer", "publish", "sqlite3")
+# The sync path's variants: a SyncProducer serving from the process (as a web service
+# runs it), one that does not (a worker beside ``streamq serve``), ``streamq.publish`` on
+# the application's connection, and plain sqlite3 writing an outbox row.
+SYNC_VARIANTS = ("SyncProducer serving", "SyncProducer", "publish", "sqlite3")
 WARM_UP = -1  # the number of each worker's first order, committed before READY, not timed
 
 # Places one order: (worker, number, due ns); raises if its transaction is refused.

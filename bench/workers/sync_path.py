@@ -52,8 +52,9 @@ def sync_path(variant: str, db: str, threads: int, count: int, seconds: float) -
     started = threading.Barrier(threads, action=mark_start)
     with contextlib.ExitStack() as stack:
         producer = None
-        if variant == "SyncProducer":
-            producer = stack.enter_context(streamq.SyncProducer(db, serve=False))
+        if variant.startswith("SyncProducer"):
+            serving = variant == "SyncProducer serving"  # on a free port of loopback
+            producer = stack.enter_context(streamq.SyncProducer(db, serve=serving))
 
         def run(index: int) -> None:
             with contextlib.ExitStack() as own:
