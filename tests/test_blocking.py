@@ -12,6 +12,7 @@ import pytest
 import streamq
 from streamq import BlockingSQL, BlockingTransaction, Consumer, Producer, SyncProducer
 from streamq.errors import OutOfOrderBatchError, TransactionClosedError
+from streamq.records import DEFAULT_MAX_RECORD_SIZE
 
 from .test_producer import log_seqs
 
@@ -153,6 +154,8 @@ def test_sync_producer_threads_keep_dense_seqs_beside_other_writers_and_rollback
         thread.join()
         publish(b"e")  # after another thread's connection committed
         with producer.transaction() as tx:
+            with pytest.raises(streamq.RecordTooLargeError):  # the stream made, then refused
+                tx.publish("new", b"x" * (DEFAULT_MAX_RECORD_SIZE + 1))
             assert tx.publish("new", b"first") == 1  # a stream made by this transaction
             seqs.append(tx.publish("orders", b"f"))
         assert producer.head("new") == 1
