@@ -104,24 +104,31 @@ class Child:
             text=True,
             cwd=Path(__file__).parent.parent,
         )
+        self._unread = b""  # output read from the pipe, not yet looked at by ``expect``
 
     def expect(self, word: str, timeout: float = 120.0) -> list[str]:
-        """Wait for a line starting with ``word``; returns its other fields."""
+        """Wait for a line starting with ``word``; returns its other fields. Reads the pipe
+        itself: lines a file object had read ahead into its buffer (two lines written at
+        once) would wait there unseen while ``select`` waits for more."""
         assert self.process.stdout is not None
+        fd = self.process.stdout.fileno()
         deadline = time.monotonic() + timeout
         while True:
+            while b"\n" in self._unread:
+                line, _, self._unread = self._unread.partition(b"\n")
+                fields = line.decode(errors="replace").split()
+                if fields and fields[0] == word:
+                    return fields[1:]
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"{self.name}: no {word} within {timeout:g} s")
-            ready, _, _ = select.select([self.process.stdout], [], [], left)
+            ready, _, _ = select.select([fd], [], [], left)
             if not ready:
                 continue
-            line = self.process.stdout.readline()
-            if not line:
+            chunk = os.read(fd, 65536)
+            if not chunk:
                 raise RuntimeError(f"{self.name} exited ({self.process.wait()}) before {word}")
-            fields = line.split()
-            if fields and fields[0] == word:
-                return fields[1:]
+            self._unread += chunk
 
     def send(self, line: str) -> None:
         assert self.process.stdin is not None
