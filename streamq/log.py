@@ -309,11 +309,6 @@ class Log:
         self._avg_record_size = 1024
         self.waits = Waits()  # for a commit of any stream
 
-    @property
-    def awaited(self) -> bool:
-        """Someone waits for a commit of some stream."""
-        return self.waits.count > 0
-
     def add(self, row: StreamRow) -> Stream:
         stream = Stream(
             row.id,

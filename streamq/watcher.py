@@ -47,7 +47,7 @@ async def watch_commits(writing: Writing, watch: Watch, interval: float | None) 
         interval = FALLBACK_CHECK if watch.active else POLL_INTERVAL
     while True:
         event_at = await watch.wait(interval)
-        if event_at is not None and writing.numberer is None and not writing.log.awaited:
+        if event_at is not None and writing.numberer is None and not writing.log.waits.count:
             await writing.log.waits.until_one_begins(IDLE_CHECK)  # see the docstring
         try:
             await _look_for_commits(writing, watch, event_at)

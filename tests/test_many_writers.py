@@ -276,7 +276,9 @@ async def test_with_nobody_waiting_commits_are_not_caught_up_one_by_one(producer
                     received += [r.value for r in await anext(consumer)]
             assert received == [b"%d" % n for n in range(commits)]
             # Waiting at the head now: the next commits are looked for at once.
-            await wait_for(lambda: producer.writing.log.awaited, what="the consumer waiting")
+            await wait_for(
+                lambda: producer.writing.log.waits.count > 0, what="the consumer waiting"
+            )
             before = checks
             await asyncio.to_thread(commit, 1, commits)
             async with asyncio.timeout(20):
