@@ -61,9 +61,9 @@ from .storage import (
 )
 from .transactions import (
     BlockingTransaction,
+    SyncTransaction,
     Transaction,
     create_stream,
-    session_transaction,
     transaction,
 )
 from .watcher import watch_commits
@@ -326,7 +326,7 @@ class Producer:
             session = self._session
 
             def run() -> tuple[T, Receipt | None]:
-                with session_transaction(session, self.max_record_size) as tx:
+                with SyncTransaction(session, self.max_record_size) as tx:
                     result = fn(tx, *args)
                 return result, tx.last_receipt
 

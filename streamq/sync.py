@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Coroutine, Iterable, Mapping
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -25,7 +24,7 @@ from .protocol import Record
 from .records import Receipt
 from .retention import Truncation
 from .storage import Session
-from .transactions import SyncTransaction, session_transaction
+from .transactions import SyncTransaction
 
 __all__ = ["SyncProducer", "SyncTransaction"]
 
@@ -122,20 +121,22 @@ class SyncProducer:
             self._local.session = session
         return session
 
-    @contextmanager
-    def transaction(self) -> Iterator[SyncTransaction]:
-        """One transaction on the calling thread: commits when the block ends, rolls back
-        if it raises. Threads run their transactions on connections of their own."""
+    def transaction(self) -> SyncTransaction:
+        """One transaction on the calling thread, as ``with p.transaction() as tx:``:
+        commits when the block ends, rolls back if it raises. Threads run their
+        transactions on connections of their own."""
         if self._loop.is_closed():
             raise RuntimeError("this SyncProducer is closed")
-        with session_transaction(self._session(), self._producer.max_record_size) as tx:
-            yield tx
-        if self._serves:
-            # Serve it now, if someone waits for it or for its seqs (else watcher.IDLE_CHECK).
-            if self._producer.log.waits.count or tx.last_receipt is not None:
-                self._loop.call_soon_threadsafe(self._producer.writing.wake)
-            if tx.last_receipt is not None:  # numbered after the commit: once served
-                self.wait_served(tx.last_receipt)
+        committed = self._served if self._serves else None
+        return SyncTransaction(self._session(), self._producer.max_record_size, committed)
+
+    def _served(self, tx: SyncTransaction) -> None:
+        """After a commit: served now if someone waits for it or for its seqs (else within
+        ``watcher.IDLE_CHECK``)."""
+        if self._producer.log.waits.count or tx.last_receipt is not None:
+            self._loop.call_soon_threadsafe(self._producer.writing.wake)
+        if tx.last_receipt is not None:  # numbered after the commit: once served
+            self.wait_served(tx.last_receipt)
 
     def publish(
         self,

@@ -11,10 +11,12 @@ hands what committed to the log.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from types import TracebackType
 from typing import Any, TypeVar, cast
 
 from .blocking import AsyncSQL, BlockingSQL, to_the_end
+from .errors import TransactionClosedError
 from .records import (
     CheckedRecord,
     Receipt,
@@ -62,22 +64,6 @@ async def create_stream(writing: Writing, name: str, settings: StreamSettings) -
         return
     async with transaction(writing) as tx:
         await tx._stream_id(name, settings)
-
-
-@contextlib.contextmanager
-def session_transaction(session: Session, max_record_size: int) -> Iterator[SyncTransaction]:
-    """One transaction on a thread's own session: BEGIN, the caller's SQL and publishes,
-    COMMIT (ROLLBACK if the block raises)."""
-    session.begin()
-    tx = SyncTransaction(session, max_record_size)
-    try:
-        yield tx
-        session.commit()
-    except BaseException:
-        session.rollback()
-        raise
-    finally:
-        tx._closed = True
 
 
 class Transaction(AsyncSQL):
@@ -234,13 +220,54 @@ class SyncTransaction(BlockingSQL):
     """A transaction on a connection of a thread's own (``storage.Session``): a
     ``SyncProducer``'s, and ``run_in_transaction``'s on PostgreSQL. ``execute`` runs the
     application's SQL (the driver's plain cursor); ``publish`` appends as
-    ``streamq.publish`` does. Both commit together."""
+    ``streamq.publish`` does. Both commit together.
 
-    def __init__(self, session: Session, max_record_size: int) -> None:
+    ``with`` it: BEGIN, the block, COMMIT (ROLLBACK if the block raises); then
+    ``committed(tx)``, if given. A class, not a generator: this is every sync
+    transaction's path, and a generator's context manager costs microseconds here."""
+
+    def __init__(
+        self,
+        session: Session,
+        max_record_size: int,
+        committed: Callable[[SyncTransaction], None] | None = None,
+    ) -> None:
         super().__init__(session)
         self._session = session
         self._max_record_size = max_record_size
+        self._committed = committed
+        self._begun = False
         self.last_receipt: Receipt | None = None  # of the last unnumbered publish
+
+    def __enter__(self) -> SyncTransaction:
+        if self._begun:
+            raise RuntimeError("a SyncTransaction runs once: ask for a new one")
+        self._begun = True
+        self._session.begin()
+        return self
+
+    def _check_open(self) -> None:
+        if not self._begun:  # else it would run in autocommit, outside any transaction
+            raise TransactionClosedError("a transaction runs in a with block: with tx: ...")
+        super()._check_open()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._closed = True
+        if exc_type is not None:
+            self._session.rollback()
+            return
+        try:
+            self._session.commit()
+        except BaseException:
+            self._session.rollback()
+            raise
+        if self._committed is not None:
+            self._committed(self)
 
     def publish(
         self,

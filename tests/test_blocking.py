@@ -11,10 +11,13 @@ import pytest
 
 import streamq
 from streamq import BlockingSQL, BlockingTransaction, Consumer, Producer, SyncProducer
+from streamq.engines.sqlite.storage import SEQ_BITS
 from streamq.errors import OutOfOrderBatchError, TransactionClosedError
 from streamq.records import DEFAULT_MAX_RECORD_SIZE
 
 from .test_producer import log_seqs
+
+SEQ_MASK = (1 << SEQ_BITS) - 1
 
 
 def debit_and_publish(tx: BlockingTransaction, sku: str, count: int) -> range:
@@ -161,6 +164,27 @@ def test_sync_producer_threads_keep_dense_seqs_beside_other_writers_and_rollback
         assert producer.head("new") == 1
     assert seqs == list(range(1, 9))
     assert log_seqs(producer_db) == list(range(1, 9))
+
+
+def test_sync_transactions_index_each_rising_timestamp_and_run_once(producer_db: str) -> None:
+    """Several records in one transaction: each whose timestamp is above all earlier ones
+    gets its time-index row (a seek by time finds it); a transaction object runs once."""
+    with SyncProducer(producer_db, serve=False) as producer:
+        with producer.transaction() as tx:
+            for ts in (1_000, 2_000, 1_500, 3_000):
+                tx.publish("orders", b"v", timestamp=ts)
+        again = producer.transaction()
+        with pytest.raises(TransactionClosedError, match="with block"):
+            again.publish("orders", b"outside")
+        with again:
+            again.publish("orders", b"v", timestamp=4_000)
+        with pytest.raises(RuntimeError, match="runs once"), again:
+            pass
+        seeks = [producer.seek_time("orders", ts) for ts in (0, 1_001, 2_001, 3_001)]
+    assert seeks == [1, 2, 4, 5]
+    with contextlib.closing(sqlite3.connect(producer_db)) as db:
+        rows = db.execute("SELECT ts, pos & ? FROM streamq_time ORDER BY ts", (SEQ_MASK,))
+        assert rows.fetchall() == [(1_000, 1), (2_000, 2), (3_000, 4), (4_000, 5)]
 
 
 def credit(tx: BlockingSQL, batch: streamq.Batch, table: str) -> int:

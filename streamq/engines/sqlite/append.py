@@ -46,66 +46,72 @@ def append(
 ) -> list[int]:
     """Append ``records`` to ``stream`` through a DB-API connection to a SQLite producer
     database, in its open transaction; returns their seqs."""
-    return append_from(dbapi, stream, records, max_record_size, None)[0]
+    cursor = dbapi.cursor()
+    try:
+        return append_from(cursor, stream, records, max_record_size, None)[0]
+    finally:
+        cursor.close()
 
 
 def append_from(
-    dbapi: Any,
+    cursor: Any,
     stream: str,
     records: Sequence[CheckedRecord],
     max_record_size: int,
     state: AppendState | None,
 ) -> tuple[list[int], AppendState]:
-    """``append``, from ``state`` when the caller knows it holding the write lock (else
-    read here); returns the seqs and the state the append leaves."""
-    cursor = dbapi.cursor()
-    try:
-        if state is None:
-            try:
-                cursor.execute(storage.TAKE_WRITE_LOCK)
-                cursor.execute(storage.APPEND_STATE_QUERY, (stream,))
-                state = cursor.fetchone()
-            except Exception as exc:
-                if "no such table: streamq_" in str(exc):
-                    raise SchemaMissingError(_no_tables(dbapi)) from exc
-                raise
-        epoch, boot, version, stream_id, key_index, head, max_ts, last_epoch = state
-        if version != storage.SCHEMA_VERSION:
-            raise SchemaMissingError(_old_schema(dbapi, version))
-        epoch = int(epoch)
-        if boot != storage.boot_id():
-            # The first writer since the machine booted: a new epoch, committed with the
-            # first records that use it (see the module docstring).
-            epoch = storage.next_epoch(epoch)
-            boot = storage.boot_id()
-            cursor.executemany(storage.SET_META, [("epoch", epoch), ("boot_id", boot)])
-        if stream_id is None:
-            cursor.execute(storage.CREATE_DEFAULT_STREAM, (stream,))
-            stream_id, key_index, head = cursor.lastrowid, 0, 0
-        first = head + 1
-        check_last_seq(stream, first + len(records) - 1)
-        seqs = list(range(first, first + len(records)))
-        encoded = encode_checked(seqs, records, max_record_size)
-        rows: list[LogRow] = []
-        times: list[TimeRow] = []
-        stamps = [ts for _, _, _, ts in records]
-        keys = [key for _, key, _, _ in records]
-        max_ts = append_rows(
-            rows, times, stream_id, first, max_ts, bool(key_index), encoded, stamps, keys
-        )
-        segment = segment_row(stream_id, first, last_epoch, epoch)
-        if rows and segment is not None:
-            cursor.execute(storage.INSERT_EPOCHS, segment)
-            last_epoch = epoch
-        cursor.executemany(storage.INSERT_RECORDS, storage.stored_rows(rows))
-        if times:
-            cursor.executemany(
-                storage.INSERT_TIMES, [(s, ts, storage.pos(s, seq)) for s, ts, seq in times]
-            )
-        left = (epoch, boot, version, stream_id, key_index, head + len(seqs), max_ts, last_epoch)
-        return seqs, left
-    finally:
-        cursor.close()
+    """``append`` on a cursor of the connection, from ``state`` when the caller knows it
+    holding the write lock (else read here); returns the seqs and the state the append
+    leaves."""
+    if state is None:
+        try:
+            cursor.execute(storage.TAKE_WRITE_LOCK)
+            cursor.execute(storage.APPEND_STATE_QUERY, (stream,))
+            state = cursor.fetchone()
+        except Exception as exc:
+            if "no such table: streamq_" in str(exc):
+                raise SchemaMissingError(_no_tables(cursor)) from exc
+            raise
+    epoch, boot, version, stream_id, key_index, head, max_ts, last_epoch = state
+    if version != storage.SCHEMA_VERSION:
+        raise SchemaMissingError(_old_schema(cursor, version))
+    epoch = int(epoch)
+    if boot != storage.boot_id():
+        # The first writer since the machine booted: a new epoch, committed with the
+        # first records that use it (see the module docstring).
+        epoch = storage.next_epoch(epoch)
+        boot = storage.boot_id()
+        cursor.executemany(storage.SET_META, [("epoch", epoch), ("boot_id", boot)])
+    if stream_id is None:
+        cursor.execute(storage.CREATE_DEFAULT_STREAM, (stream,))
+        stream_id, key_index, head = cursor.lastrowid, 0, 0
+    first = head + 1
+    check_last_seq(stream, first + len(records) - 1)
+    seqs = list(range(first, first + len(records)))
+    encoded = encode_checked(seqs, records, max_record_size)
+    rows: list[LogRow] = []
+    times: list[TimeRow] = []
+    stamps = [ts for _, _, _, ts in records]
+    keys = [key for _, key, _, _ in records]
+    max_ts = append_rows(
+        rows, times, stream_id, first, max_ts, bool(key_index), encoded, stamps, keys
+    )
+    segment = segment_row(stream_id, first, last_epoch, epoch)
+    if rows and segment is not None:
+        cursor.execute(storage.INSERT_EPOCHS, segment)
+        last_epoch = epoch
+    _insert(cursor, storage.INSERT_RECORDS, storage.stored_rows(rows))
+    _insert(cursor, storage.INSERT_TIMES, [(s, ts, storage.pos(s, seq)) for s, ts, seq in times])
+    left = (epoch, boot, version, stream_id, key_index, head + len(seqs), max_ts, last_epoch)
+    return seqs, left
+
+
+def _insert(cursor: Any, sql: str, rows: Sequence[Sequence[Any]]) -> None:
+    """``rows`` inserted; one (a one-record transaction's) without ``executemany``'s setup."""
+    if len(rows) == 1:
+        cursor.execute(sql, rows[0])
+    elif rows:
+        cursor.executemany(sql, rows)
 
 
 class SQLiteSession(storage.SQLiteBlockingWriter):
@@ -139,7 +145,7 @@ class SQLiteSession(storage.SQLiteBlockingWriter):
                 self._version = version
             state = self._committed.get(stream)
         seqs, self._appended[stream] = append_from(
-            self.conn, stream, records, max_record_size, state
+            self._own, stream, records, max_record_size, state
         )
         return seqs
 
@@ -182,29 +188,16 @@ async def append_async(
     return seqs
 
 
-def _database_file(dbapi: Any) -> str:
-    """The main database's file, for error messages."""
-    try:
-        cursor = dbapi.cursor()
-        cursor.execute("PRAGMA database_list")
-        for _, name, file in cursor.fetchall():
-            if name == "main":
-                return repr(file or ":memory:")
-    except Exception:  # a message helper: never hide the real error
-        pass
-    return "this database"
-
-
-def _no_tables(dbapi: Any) -> str:
+def _no_tables(cursor: Any) -> str:
     return (
-        f"{_database_file(dbapi)} has no streamq log tables: create them once with "
+        f"{storage.database_file(cursor)} has no streamq log tables: create them once with "
         "'streamq init DB', by starting a Producer on it, or in a migration with "
         "streamq.create_tables(conn) (docs/guides/producing.md)"
     )
 
 
-def _old_schema(dbapi: Any, version: Any) -> str:
+def _old_schema(cursor: Any, version: Any) -> str:
     return (
-        f"{_database_file(dbapi)} has streamq schema version {version!r}, this streamq "
+        f"{storage.database_file(cursor)} has streamq schema version {version!r}, this streamq "
         f"writes version {storage.SCHEMA_VERSION}: start a Producer on it once to migrate"
     )

@@ -39,7 +39,7 @@ from ...positionstore import DeadLetterSQL, ParkedRecord, lease_lost, out_of_tur
 from ...resharing import Move, StoredPosition, plan
 from ...storage import WouldWait
 from .checkpoints import Checkpointer, take_over
-from .storage import begin_at_once, connect, journal_mode_wal
+from .storage import begin_at_once, connect, database_file, journal_mode_wal
 
 if TYPE_CHECKING:
     from ...storage import Durability
@@ -148,7 +148,7 @@ def advance(dbapi: Any, batch: Batch, seq: int) -> None:
         except Exception as exc:
             if "no such table: streamq_positions" in str(exc):
                 raise SchemaMissingError(
-                    f"{_database_file(dbapi)} has no streamq_positions table: open the "
+                    f"{database_file(cursor)} has no streamq_positions table: open the "
                     "Consumer with db= this database (it creates the table) before applying "
                     "through it"
                 ) from exc
@@ -421,16 +421,3 @@ def _commit(conn: sqlite3.Connection, batch: Batch) -> None:
     """Store ``batch``'s last seq as the position, and COMMIT; on the connection's thread."""
     advance(conn, batch, batch.last_seq)
     conn.execute("COMMIT")
-
-
-def _database_file(dbapi: Any) -> str:
-    """The main database's file, for error messages."""
-    try:
-        cursor = dbapi.cursor()
-        cursor.execute("PRAGMA database_list")
-        for _, name, file in cursor.fetchall():
-            if name == "main":
-                return f"SQLite database {file or ':memory:'!r}"
-    except Exception:  # a message helper: never hide the real error
-        pass
-    return "this database"

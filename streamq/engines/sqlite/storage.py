@@ -258,6 +258,19 @@ def _machine_boot_id() -> str:
     return f"boot@{round(time.time() - since_boot, -1):.0f}"
 
 
+def database_file(cursor: Any) -> str:
+    """The main database's file, for error messages, found through any cursor of the
+    connection (an application's DB-API connection included)."""
+    try:
+        cursor.execute("PRAGMA database_list")
+        for _, name, file in cursor.fetchall():
+            if name == "main":
+                return f"SQLite database {file or ':memory:'!r}"
+    except Exception:  # a message helper: never hide the real error
+        pass
+    return "this SQLite database"
+
+
 def pos(stream_id: int, seq: int) -> int:
     """The rowid of a stream's record (of the row whose last record it is)."""
     return (stream_id << SEQ_BITS) | seq
@@ -270,6 +283,9 @@ StoredRow = tuple[int, int, bytes, bytes | None, int]
 def stored_rows(rows: Sequence[LogRow]) -> list[StoredRow]:
     """``rows`` (one per record) as streamq_log rows: each run of consecutive records of
     one stream with no indexed key shares one row (the module docstring)."""
+    if len(rows) == 1:  # a one-record transaction's, without the checks below
+        stream_id, seq, ts, record, key = rows[0]
+        return [(pos(stream_id, seq), ts, record, key, 1)]
     streams = set(map(_STREAM_OF, rows))
     if len(streams) == 1 and _one_run(rows):
         stream_id, last = rows[-1][:2]
