@@ -14,6 +14,13 @@ beside it would otherwise pay a catch-up per commit that nobody reads. A wait th
 begins ends that pause at once, and requests catch up first anyway; what it delays is
 only the in-memory heads (``Producer.head``, the metrics). Not where the producer numbers
 records itself (PostgreSQL): there the catch-up serves the publishers' receipts.
+
+While one waits, looks are at least ``BUSY_GAP`` apart: worker processes committing at
+full speed would otherwise get a catch-up (a few queries, ~100 µs of the serving
+process's CPU) per one or two commits; now each covers what came in half a millisecond.
+With worker processes committing 7,000-8,000 orders/s this took the serving process
+from 77-93 to 56-63 µs of CPU per order, and the consumer's p50 from 4-6 ms to about
+2 ms (the server no longer falls behind); it adds at most ``BUSY_GAP`` to a delivery.
 """
 
 from __future__ import annotations
@@ -36,6 +43,9 @@ FALLBACK_CHECK = 1.0
 RECHECK = 0.002
 RECHECK_LAST = 0.256
 IDLE_CHECK = 0.05
+# While subscribers wait: looks at least this far apart, so that commits coming faster
+# share a catch-up (see the docstring).
+BUSY_GAP = 0.0005
 
 
 async def watch_commits(writing: Writing, watch: Watch, interval: float | None) -> None:
@@ -45,10 +55,18 @@ async def watch_commits(writing: Writing, watch: Watch, interval: float | None) 
     producer that does not serve runs none."""
     if interval is None:
         interval = FALLBACK_CHECK if watch.active else POLL_INTERVAL
+    loop = asyncio.get_running_loop()
+    looked_at = 0.0
     while True:
         event_at = await watch.wait(interval)
-        if event_at is not None and writing.numberer is None and not writing.log.waits.count:
-            await writing.log.waits.until_one_begins(IDLE_CHECK)  # see the docstring
+        if event_at is not None and writing.numberer is None:
+            if not writing.log.waits.count:
+                await writing.log.waits.until_one_begins(IDLE_CHECK)  # see the docstring
+            else:
+                gap = looked_at + BUSY_GAP - loop.time()
+                if gap > 0:
+                    await asyncio.sleep(gap)
+        looked_at = loop.time()
         try:
             await _look_for_commits(writing, watch, event_at)
         except Exception:  # the database away (a server restarting): look again later
