@@ -5,11 +5,13 @@ Offsets are JSON maps ``{producer id: next seq}``; a streaming query's offsets a
 ``"epochs": {producer id: epoch}`` beside them (docs/protocol.md, "Epochs"): what lets a
 producer say whether it still holds the seqs the query read as the query read them.
 Everything here is plain Python; the only I/O is the blocking ``streamq.Client``, a few
-short requests per producer, in parallel.
+short requests per producer: pipelined to every producer at once from one thread for
+discovery (``_ask_all``), in parallel threads elsewhere.
 """
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import importlib
 import itertools
@@ -17,7 +19,7 @@ import json
 import logging
 import math
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
@@ -30,8 +32,9 @@ from streamq import (
     StreamQError,
     UnknownStreamError,
 )
-from streamq.client import Vouch
+from streamq.client import vouch_answer, vouch_request
 from streamq.errors import IdleTimeoutError, MalformedFrameError, ShuttingDownError
+from streamq.protocol import GetHead, ListStreams, Message, RangeEnd, StreamInfo, StreamList
 from streamq.subscription import lost_seqs
 from streamq.transport import parse_address
 
@@ -191,9 +194,16 @@ class Connections:
 
     def __init__(self, connect: Connect, name: str = "spark driver") -> None:
         self.connect = connect
-        self._name = name
+        self.name = name  # the client name connections say in their hello
         self._open: dict[str, Client] = {}
         self._pool: ThreadPoolExecutor | None = None
+
+    def take(self, endpoint: str) -> Client | None:
+        """The endpoint's kept connection, for the caller alone until it ``keep``s it."""
+        return self._open.pop(endpoint, None)
+
+    def keep(self, endpoint: str, client: Client) -> None:
+        self._open[endpoint] = client
 
     def ask(self, endpoint: str, request: Callable[[Client], T]) -> T:
         """``request(client)`` on the endpoint's connection."""
@@ -203,7 +213,7 @@ class Connections:
                 return self._kept(endpoint, client, request)
             except _CLOSED_WHILE_KEPT:
                 pass  # once more, on a new connection
-        return self._kept(endpoint, self.connect.client(endpoint, self._name), request)
+        return self._kept(endpoint, self.connect.client(endpoint, self.name), request)
 
     def _kept(self, endpoint: str, client: Client, request: Callable[[Client], T]) -> T:
         try:
@@ -317,67 +327,191 @@ class _Missing:
     streams: list[str]
 
 
+# What discovery asks one producer, a round at a time (sans-IO): the probe yields a
+# round's requests and is sent back their answers, in order; an ERROR's exception stands
+# in for its answer, and ends the list (the producer answers nothing after it).
+Answers = list["Message | StreamQError"]
+Probe = Generator[list[Message], Answers, "ProducerState | _Missing"]
+
+
 def _probe(
+    endpoint: str, producer_id: str, stream: str, positions: Mapping[str, Position] | None
+) -> Probe:
+    """The questions for one producer: its head and low; for a streaming query
+    (``positions``) also the epoch that wrote the head and the seqs up to the query's
+    position that the producer's log no longer holds as the query read them ("Epochs").
+    An idle trigger (nothing new since the query's position) takes one round."""
+    position = None if positions is None else positions.get(producer_id)
+    seq, seen = (0, 0) if position is None else (position.seq, position.epoch or 0)
+    if seq <= 1:
+        seen = 0  # nothing read yet: nothing to vouch for
+    first: list[Message] = [GetHead(stream)]
+    if seen:
+        first.append(vouch_request(stream, seq - 1, seen))
+    answers = yield first
+    if isinstance(answers[0], UnknownStreamError):
+        listed = _answer((yield [ListStreams()])[0], StreamList)
+        return _Missing(endpoint, sorted(info.stream for info in listed.streams))
+    info = _answer(answers[0], StreamInfo)
+    head = info.head
+    if positions is None:
+        return ProducerState(producer_id, endpoint, head, info.low)
+    lost = lost_seqs(seq - 1, head, 0)
+    if seen:
+        check = answers[1]
+        if isinstance(check, OffsetOutOfRangeError):  # beyond the head, or before low
+            now = int(check.details.get("head", head))
+            lost = lost_seqs(seq - 1, now, int(check.details.get("rewritten_from", 0)))
+        elif isinstance(check, MalformedFrameError):  # a producer that predates epochs
+            return ProducerState(producer_id, endpoint, head, info.low, None, lost)
+        else:
+            vouch = vouch_answer(_answer(check, RangeEnd))
+            lost = lost_seqs(seq - 1, seq - 1, vouch.rewritten_from)
+            if seq - 1 == head:  # nothing new: the position's epoch is the head's
+                return ProducerState(producer_id, endpoint, head, info.low, vouch.after_epoch, lost)
+    at_head = (yield [vouch_request(stream, head)])[0]
+    if isinstance(at_head, MalformedFrameError):
+        return ProducerState(producer_id, endpoint, head, info.low, None, lost)
+    epoch = vouch_answer(_answer(at_head, RangeEnd)).after_epoch
+    return ProducerState(producer_id, endpoint, head, info.low, epoch, lost)
+
+
+M = TypeVar("M", bound=Message)
+
+
+def _answer(answer: Message | StreamQError, kind: type[M]) -> M:
+    """``answer``, raised if it is an error."""
+    if isinstance(answer, StreamQError):
+        raise answer
+    assert isinstance(answer, kind), answer
+    return answer
+
+
+@dataclass
+class _Asking:
+    """One producer's probe under way: on which connection, and the round it asks now."""
+
+    endpoint: str
+    client: Client
+    probe: Probe
+    requests: list[Message]
+    kept: bool  # on a connection kept from earlier (it may have been closed meanwhile)
+    answered: bool = False  # a round of it has been answered
+
+
+def _ask_all(
     connections: Connections,
-    endpoint: str,
+    endpoints: Sequence[str],
     stream: str,
     positions: Mapping[str, Position] | None,
-) -> ProducerState | _Missing:
-    try:
+) -> list[ProducerState | _Missing]:
+    """Every producer's probe at once, from this thread: a round's requests go to every
+    producer before any answer is read, so a round costs about the slowest producer's
+    answer, not the sum of all (and no thread per producer fights for the GIL). Missing
+    connections are made first, in parallel; all are kept for the next trigger."""
+
+    def start(endpoint: str, client: Client, kept: bool) -> _Asking:
+        probe = _probe(endpoint, client.producer_id, stream, positions)
+        return _Asking(endpoint, client, probe, next(probe), kept)
+
+    def connect(endpoint: str) -> _Asking | StreamQSourceError:
         try:
-            producer_id, info = connections.ask(endpoint, lambda c: (c.producer_id, c.head(stream)))
-        except UnknownStreamError:
-            names = connections.ask(endpoint, lambda c: sorted(s.stream for s in c.streams()))
-            return _Missing(endpoint, names)
-        if positions is None:
-            return ProducerState(producer_id, endpoint, info.head, info.low)
+            with _about(endpoint):
+                return start(
+                    endpoint, connections.connect.client(endpoint, connections.name), False
+                )
+        except StreamQSourceError as error:
+            return error
 
-        def ask(request: Callable[[Client], T]) -> T:
-            """On the same producer: a new connection may reach another one."""
+    kept = {e: c for e in endpoints if (c := connections.take(e)) is not None}
+    asking = {e: start(e, c, True) for e, c in kept.items()}
+    new = [e for e in endpoints if e not in kept]
+    results: dict[str, ProducerState | _Missing] = {}
+    made = connections.map(connect, new)
+    asking.update((e, one) for e, one in zip(new, made, strict=True) if isinstance(one, _Asking))
+    try:
+        for failed in made:
+            if isinstance(failed, StreamQSourceError):
+                raise failed  # every connection made is closed below
+        while asking:
+            for one in list(asking.values()):
+                _send_round(connections, one, asking, start)
+            for one in list(asking.values()):
+                _read_round(connections, one, asking, start, results)
+    finally:
+        for one in asking.values():
+            one.client.close()
+    return [results[e] for e in endpoints]
 
-            def checked(client: Client) -> T:
-                if client.producer_id != producer_id:
-                    raise StreamQError(f"now serves producer {client.producer_id}")
-                return request(client)
 
-            return connections.ask(endpoint, checked)
+def _send_round(
+    connections: Connections,
+    one: _Asking,
+    asking: dict[str, _Asking],
+    start: Callable[[str, Client, bool], _Asking],
+) -> None:
+    with _about(one.endpoint):
+        if one.client.closed:  # an ERROR ended it: the next round on a new one
+            client = connections.connect.client(one.endpoint, connections.name)
+            if client.producer_id != one.client.producer_id:
+                client.close()
+                raise StreamQError(f"now serves producer {client.producer_id}")
+            one.client = client
+        try:
+            one.client.send_requests(*one.requests)
+        except _CLOSED_WHILE_KEPT:
+            if not one.kept or one.answered:
+                raise
+            asking[one.endpoint] = restarted = _fresh(connections, one, start)
+            restarted.client.send_requests(*restarted.requests)
 
-        epoch, lost = _vouch(ask, stream, info.head, positions.get(producer_id))
+
+def _read_round(
+    connections: Connections,
+    one: _Asking,
+    asking: dict[str, _Asking],
+    start: Callable[[str, Client, bool], _Asking],
+    results: dict[str, ProducerState | _Missing],
+) -> None:
+    one = asking[one.endpoint]  # restarted when sending, perhaps
+    with _about(one.endpoint):
+        answers: Answers = []
+        for _ in one.requests:
+            try:
+                answers.append(one.client.next_answer())
+            except _CLOSED_WHILE_KEPT:
+                if not one.kept or one.answered:
+                    raise
+                # Kept, and closed meanwhile (a restart, the idle timeout): once more, anew.
+                asking[one.endpoint] = _fresh(connections, one, start)
+                return
+            except StreamQError as error:  # an ERROR: the producer answers nothing after it
+                answers.append(error)
+                break
+        one.answered = True
+        try:
+            one.requests = one.probe.send(answers)
+        except StopIteration as done:
+            results[one.endpoint] = done.value
+            del asking[one.endpoint]
+            if not one.client.closed:
+                connections.keep(one.endpoint, one.client)
+
+
+def _fresh(
+    connections: Connections, one: _Asking, start: Callable[[str, Client, bool], _Asking]
+) -> _Asking:
+    one.client.close()
+    return start(one.endpoint, connections.connect.client(one.endpoint, connections.name), False)
+
+
+@contextlib.contextmanager
+def _about(endpoint: str) -> Iterator[None]:
+    """A producer's failure, as the query's error naming it."""
+    try:
+        yield
     except StreamQError as exc:
         raise StreamQSourceError(f"producer at {endpoint}: {exc}") from exc
-    return ProducerState(producer_id, endpoint, info.head, info.low, epoch, lost)
-
-
-def _vouch(
-    ask: Callable[[Callable[[Client], Vouch]], Vouch],
-    stream: str,
-    head: int,
-    position: Position | None,
-) -> tuple[int | None, range | None]:
-    """The epoch that wrote ``head``, and the seqs up to the query's position that the
-    producer's log no longer holds as the query read them ("Epochs"): beyond its head, or
-    rewritten since (known only when the position has an epoch)."""
-    if position is None:
-        seq, seen = 0, None
-    else:
-        seq, seen = position.seq, position.epoch if position.seq > 1 else None
-    lost = lost_seqs(seq - 1, head, 0)
-    try:
-        if seen and seq - 1 == head:  # nothing new (an idle trigger): one question does
-            vouch = ask(lambda c: c.vouch(stream, head, seen))
-            return vouch.after_epoch, lost_seqs(seq - 1, head, vouch.rewritten_from)
-        epoch = ask(lambda c: c.vouch(stream, head)).after_epoch
-    except MalformedFrameError:  # a producer that predates epochs: the head check only
-        return None, lost
-    if not seen:
-        return epoch, lost
-    try:
-        rewritten = ask(lambda c: c.vouch(stream, seq - 1, seen)).rewritten_from
-    except OffsetOutOfRangeError as exc:  # beyond the head, or before low (retention)
-        details = exc.details
-        now = int(details.get("head", head))
-        return epoch, lost_seqs(seq - 1, now, int(details.get("rewritten_from", 0)))
-    return epoch, lost_seqs(seq - 1, seq - 1, rewritten)
 
 
 def discover(
@@ -386,7 +520,7 @@ def discover(
     via: Connect | Connections,
     positions: Mapping[str, Position] | None = None,
 ) -> dict[str, ProducerState]:
-    """Every producer's id, head and low, asked in parallel; raises naming what failed,
+    """Every producer's id, head and low, asked of all at once; raises naming what failed,
     and if any producer lacks ``stream``, naming each such producer and its streams.
 
     With ``positions`` (a streaming query's, possibly empty), also the epoch of each head
@@ -394,7 +528,7 @@ def discover(
     """
     connections, done = _via(via)
     try:
-        found = connections.map(lambda e: _probe(connections, e, stream, positions), endpoints)
+        found = _ask_all(connections, endpoints, stream, positions)
     finally:
         done()
     missing = [m for m in found if isinstance(m, _Missing)]

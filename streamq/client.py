@@ -63,6 +63,17 @@ class Vouch(NamedTuple):
     rewritten_from: int  # the first seq up to the position written again since; 0 if none
 
 
+def vouch_request(stream: str, position: int, seen_epoch: int = 0) -> GetRange:
+    """What ``Client.vouch`` asks: an empty range read at ``position + 1``."""
+    return GetRange(stream, position + 1, position + 1, seen_epoch)
+
+
+def vouch_answer(end: Message) -> Vouch:
+    """The producer's answer to ``vouch_request``."""
+    assert isinstance(end, RangeEnd)
+    return Vouch(end.after_epoch or 0, end.rewritten_from or 0)
+
+
 class RangeRead(Iterator[T]):
     """The answer to a range request, batch by batch as the producer sends it. Consume it
     fully before the next request on the same client; the request goes out at the first
@@ -193,6 +204,11 @@ class Client:
         """Close the connection."""
         self._sock.close()
 
+    @property
+    def closed(self) -> bool:
+        """Closed by ``close``, or after an ERROR or a failure."""
+        return self._sock.fileno() == -1
+
     def __enter__(self) -> Client:
         return self
 
@@ -223,6 +239,19 @@ class Client:
         if isinstance(message, Error):
             raise error_from_frame(message.code, message.message, message.details)
         return message
+
+    def send_requests(self, *requests: Message) -> None:
+        """Send ``requests`` in one write without waiting for answers (pipelined: the
+        protocol's "Requests MAY be pipelined"); ``next_answer`` reads them in order. What
+        lets one thread ask many producers at once."""
+        with producer_errors(self.address, "sending to"):
+            self._sock.sendall(b"".join(map(self._conn.send, requests)))
+
+    def next_answer(self) -> Message:
+        """The answer to the oldest request sent with ``send_requests`` and not yet read;
+        an ERROR raises its ``ServerError`` (the producer then ends the connection, and
+        answers no request pipelined after it)."""
+        return self._receive()
 
     def head(self, stream: str) -> StreamInfo:
         """The stream's head (last committed seq) and low (first seq still held)."""
@@ -275,10 +304,8 @@ class Client:
         read them under epochs up to ``seen_epoch`` ("Epochs"): an empty range read at
         ``position + 1``. Raises ``OffsetOutOfRangeError`` if ``position`` is beyond the head
         (its ``details`` then add ``rewritten_from`` when not 0) or below ``low - 1``."""
-        self._send(GetRange(stream, position + 1, position + 1, seen_epoch))
-        end = self._receive()
-        assert isinstance(end, RangeEnd)
-        return Vouch(end.after_epoch or 0, end.rewritten_from or 0)
+        self._send(vouch_request(stream, position, seen_epoch))
+        return vouch_answer(self._receive())
 
     def history(
         self, stream: str, key: bytes, from_seq: int = 1, to_seq: int | None = None

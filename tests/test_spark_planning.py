@@ -15,6 +15,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import streamq
+from bench.spark.streamq import Fleet, _fill_producers
+from bench.tools import discovery
 from spark_source import planning
 from spark_source.planning import Connect, ProducerState, Range, StreamQSourceError
 
@@ -141,6 +143,51 @@ def test_discover_real_producers(tmp_path: Path) -> None:
             )
     with pytest.raises(StreamQSourceError, match=f"producer at {a.address}: cannot connect"):
         planning.discover([a.address], "orders", Connect(timeout=10))
+
+
+def test_discovery_asks_all_at_once_and_an_error_costs_only_its_producer(tmp_path: Path) -> None:
+    """Kept connections, questions pipelined to every producer: one producer whose answer
+    is an ERROR (the query's position beyond its head: lost commits) goes on over a new
+    connection, and the others' answers in the same round stand."""
+    with (
+        streamq.SyncProducer(str(tmp_path / "a.db")) as a,
+        streamq.SyncProducer(str(tmp_path / "b.db")) as b,
+        streamq.SyncProducer(str(tmp_path / "c.db")) as c,
+    ):
+        for producer in (a, b, c):
+            producer.publish("orders", b"x")
+        endpoints = [a.address, b.address, c.address]
+        kept = planning.Connections(Connect(timeout=10))
+        try:
+            first = planning.discover(endpoints, "orders", kept, {})
+            epoch = first[b.producer_id].epoch
+            assert epoch is not None
+            positions = {
+                a.producer_id: planning.Position(2, first[a.producer_id].epoch),  # at the head
+                b.producer_id: planning.Position(9, epoch),  # beyond it: 2..8 lost
+                c.producer_id: planning.Position(1),  # nothing read yet
+            }
+            states = planning.discover(endpoints, "orders", kept, positions)
+            assert [states[p.producer_id].lost for p in (a, b, c)] == [None, range(2, 9), None]
+            assert all(states[p.producer_id].head == 1 for p in (a, b, c))
+            taken = [kept.take(e) for e in endpoints]  # every connection kept, b's anew
+            for client in taken:
+                assert client is not None
+                kept.keep(client.address, client)
+        finally:
+            kept.close()
+
+
+def test_the_discovery_tool_measures_a_fleet(tmp_path: Path) -> None:
+    fleet = Fleet(_fill_producers(tmp_path, 3, 30))
+    try:
+        figures = discovery.measure(fleet, 2)
+    finally:
+        fleet.stop()
+    assert [case for case in figures] == [
+        f"{case} {figure}" for case in ("idle", "behind") for figure in ("median", "max", "cpu")
+    ]
+    assert all(value > 0 for value in figures.values())
 
 
 def test_a_stream_missing_on_any_producer_is_an_error_naming_each(tmp_path: Path) -> None:

@@ -63,10 +63,16 @@ class State(Enum):
     STREAMING = "streaming"
     CLOSED = "closed"
 
+    # Members are singletons, so identity hashes them; Enum's own hash is Python code,
+    # and every message sent or received looks up a state (a few per request).
+    __hash__ = object.__hash__
+
 
 class Role(Enum):
     CLIENT = "client"
     SERVER = "server"
+
+    __hash__ = object.__hash__  # as State's
 
 
 # What the client may receive while the oldest request waiting for its answer is of each

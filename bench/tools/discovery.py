@@ -1,0 +1,84 @@
+"""What a streaming trigger's discovery costs the Spark driver at N producers:
+``python -m bench.tools.discovery [--producers 64,256,1024] [--rounds 20]``.
+
+``planning.discover`` over producers served 16 to a process (``bench.spark.host``), on
+the connections the source keeps between triggers, as ``latestOffset`` runs it: an idle
+round (the query's position at every head: one round of questions) and a round with new
+records (the position behind every head: two rounds). Prints the median and max wall
+time, and the driver's CPU per round. docs/scaling.md has the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from spark_source import planning
+
+from ..spark.streamq import Fleet, _fill_producers
+
+STREAM = "ingest"
+
+
+def measure(fleet: Fleet, rounds: int) -> dict[str, float]:
+    """Idle and behind rounds of discovery over ``fleet``, after a first one that connects."""
+    connections = planning.Connections(planning.Connect())
+    try:
+        states = planning.discover(fleet.endpoints, STREAM, connections, {})
+        figures: dict[str, float] = {}
+        for case, back in (("idle", 0), ("behind", 5)):
+            positions = {
+                pid: planning.Position(s.head + 1 - back, s.epoch) for pid, s in states.items()
+            }
+            walls, cpu = [], time.process_time()
+            for _ in range(rounds):
+                start = time.perf_counter()
+                found = planning.discover(fleet.endpoints, STREAM, connections, positions)
+                walls.append((time.perf_counter() - start) * 1000)
+                if any(s.lost is not None or s.epoch != states[p].epoch for p, s in found.items()):
+                    raise RuntimeError("discovery found lost seqs or a new epoch in a still fleet")
+            figures[f"{case} median"] = statistics.median(walls)
+            figures[f"{case} max"] = max(walls)
+            figures[f"{case} cpu"] = (time.process_time() - cpu) / rounds * 1000
+        return figures
+    finally:
+        connections.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.tools.discovery")
+    parser.add_argument("--producers", default="64,256,1024", help="comma-separated counts")
+    parser.add_argument("--rounds", type=int, default=20, help="rounds per case")
+    args = parser.parse_args(argv)
+    counts = [int(count) for count in args.producers.split(",")]
+    table = Table(title="discovery per trigger, ms (driver CPU: ms per round)")
+    for column in ("producers", "idle median", "idle max", "idle cpu", "behind median"):
+        table.add_column(column, justify="right")
+    table.add_column("behind max", justify="right")
+    table.add_column("behind cpu", justify="right")
+    with Progress(transient=True) as progress:
+        task = progress.add_task("discovery", total=len(counts))
+        for count in counts:
+            progress.update(task, description=f"{count} producers: filling")
+            with tempfile.TemporaryDirectory(prefix="streamq-discovery-") as folder:
+                fleet = Fleet(_fill_producers(Path(folder), count, count * 10))
+                try:
+                    progress.update(task, description=f"{count} producers: measuring")
+                    figures = measure(fleet, args.rounds)
+                finally:
+                    fleet.stop()
+            table.add_row(str(count), *(f"{value:.1f}" for value in figures.values()))
+            progress.advance(task)
+    Console().print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
