@@ -79,6 +79,7 @@ _READERS = 2
 # How often a serving producer saves the positions consumers reported (and forgets the
 # expired ones): a write at most this often, never one per report.
 SAVE_INTERVAL = 1.0
+SAVE_IDLE = 8.0  # s between looks while no position changes (_save_periodically)
 
 
 class Producer:
@@ -542,27 +543,32 @@ class Producer:
             position.stored = False  # the row is deleted already
         return removed or position is not None
 
-    async def _save_positions(self) -> None:
+    async def _save_positions(self) -> bool:
         """Store what consumers reported since the last save, and delete the rows of the
-        positions forgotten since: one transaction, none if nothing changed."""
+        positions forgotten since: one transaction, none if nothing changed (False)."""
         positions = self.positions
         if not (positions.unsaved() or positions.forgotten()):
-            return
+            return False
         async with self.transaction():  # its BEGIN may catch up: what to save, read after it
             unsaved, forgotten = positions.unsaved(), positions.forgotten()
             await self.writing.writer.save_positions(unsaved, forgotten)
         positions.mark_saved(unsaved, forgotten)
+        return True
 
     async def _save_periodically(self) -> None:
         """The serving producer's saves, every ``SAVE_INTERVAL``: positions survive a
         restart, and a consumer not heard of for ``position_expiry`` is forgotten. A failure
         (the database away) is logged once, not every second until it is back."""
         failing = False
+        wait = SAVE_INTERVAL
         while True:
-            await asyncio.sleep(SAVE_INTERVAL)
+            await asyncio.sleep(wait)
             try:
                 self._expire_positions()
-                await self._save_positions()
+                saved = await self._save_positions()
+                # Nothing to save: look less often, up to SAVE_IDLE (idle producers by the
+                # hundred in a process would otherwise each wake every second).
+                wait = SAVE_INTERVAL if saved else min(wait * 2, SAVE_IDLE)
             except Exception:
                 if not failing:
                     logger.exception("saving consumer positions failed; trying every second")

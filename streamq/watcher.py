@@ -36,7 +36,7 @@ logger = logging.getLogger("streamq.producer")
 # Where no event wakes the producer (not Linux), how often it checks for other writers'
 # commits; where events do, the slow check that catches a missed one.
 POLL_INTERVAL = 0.05
-FALLBACK_CHECK = 1.0
+FALLBACK_CHECK = 5.0
 # After a write event that found no new commit: looks again after RECHECK, doubling
 # up to RECHECK_LAST (a commit becomes visible after its WAL writes, and a slow sync
 # holds it back longer).

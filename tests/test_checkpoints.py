@@ -8,7 +8,7 @@ import os
 import sqlite3
 
 from streamq import Consumer, Producer
-from streamq.engines.sqlite.checkpoints import WRITER_AUTOCHECKPOINT
+from streamq.engines.sqlite.checkpoints import WRITER_AUTOCHECKPOINT, Checkpointer
 from streamq.engines.sqlite.positions import SQLitePositionStore
 from streamq.engines.sqlite.storage import SQLiteStorage
 
@@ -38,6 +38,24 @@ async def test_the_checkpointer_copies_the_wal_back(producer_db: str) -> None:
         await wait_for(all_copied, what="a checkpoint that copied the whole WAL")
         assert checkpointer.last is not None and checkpointer.last[1] > 1000
         assert producer.head("orders") == 6000
+
+
+async def test_an_idle_checkpointer_sleeps_until_the_wal_is_written(producer_db: str) -> None:
+    """Idle, it waits for the WAL's watch, not for its next look: a look every minute
+    still checkpoints a write within the test's wait."""
+    async with Producer(producer_db, serve=False):
+        pass  # the database
+    with contextlib.closing(sqlite3.connect(producer_db, isolation_level=None)) as db:
+        db.execute("PRAGMA wal_autocheckpoint=0")  # this connection's own: none
+        db.execute("SELECT count(*) FROM streamq_streams")  # the WAL, as a writer has it
+        checkpointer = Checkpointer(producer_db, "normal", tick=60.0, interval=0.0)
+        await checkpointer.start()
+        try:
+            db.execute("CREATE TABLE written (x)")
+            await wait_for(lambda: checkpointer.checkpoints == 1, what="a checkpoint after a write")
+            assert checkpointer.last is not None and checkpointer.last[1] == checkpointer.last[2]
+        finally:
+            await checkpointer.close()
 
 
 async def test_commits_leave_the_wal_to_the_checkpointer(producer_db: str) -> None:

@@ -11,6 +11,7 @@ import os
 import sqlite3
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
 
@@ -135,6 +136,39 @@ async def test_watches_of_a_loop_share_one_instance_and_wake_only_their_own(
         for conn in conns:
             conn.close()
     assert inotify_instances() == before  # closed with its last watch
+
+
+class _NumberedWatches:
+    """libc's inotify watch calls, numbering watches: for an instance read from a pipe."""
+
+    def __init__(self) -> None:
+        self.added = 0
+
+    def inotify_add_watch(self, fd: int, path: bytes, mask: int) -> int:
+        self.added += 1
+        return self.added
+
+
+async def test_an_overflowed_event_queue_wakes_every_watch(tmp_path: Path) -> None:
+    """The kernel drops events when its queue overflows, and says so with an event for
+    watch -1: any watch may have lost one, so every watch wakes, waiting or not."""
+    read_end, write_end = os.pipe()
+    os.set_blocking(read_end, False)
+    try:
+        fake = cast(ctypes.CDLL, _NumberedWatches())
+        shared = walwatch._Inotify(fake, read_end, asyncio.get_running_loop())
+        watches = [WalWatch(str(tmp_path / f"p{i}.db")) for i in range(3)]
+        for watch in watches:
+            assert shared.add(watch) is not None
+        os.write(write_end, walwatch._EVENT.pack(2, 0x2, 0, 0))  # IN_MODIFY of the second
+        shared._read()
+        assert [await watch.wait(0) is not None for watch in watches] == [False, True, False]
+        os.write(write_end, walwatch._EVENT.pack(-1, 0x4000, 0, 0))  # IN_Q_OVERFLOW
+        shared._read()
+        assert [await watch.wait(0) is not None for watch in watches] == [True, True, True]
+    finally:
+        os.close(read_end)
+        os.close(write_end)
 
 
 class _NoWatchesLeft:

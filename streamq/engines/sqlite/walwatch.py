@@ -151,9 +151,14 @@ class _Inotify:
                 while offset < len(data):
                     wd, _, _, size = _EVENT.unpack_from(data, offset)
                     offset += _EVENT.size + size
-                    for watch in self._by_wd.get(wd, ()):
+                    # wd -1: the kernel's queue overflowed, events were dropped: wake all.
+                    watches = self._by_wd.get(wd, ()) if wd >= 0 else self._every_watch()
+                    for watch in watches:
                         self._waiting.discard(watch)  # the first event stops the watching
                         watch.wake()
+
+    def _every_watch(self) -> list[WalWatch]:
+        return [watch for watches in self._by_wd.values() for watch in watches]
 
     def _update_reader(self) -> None:
         if self._loop.is_closed():
