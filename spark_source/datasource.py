@@ -111,7 +111,7 @@ from .planning import (
     Position,
     ProducerState,
     Range,
-    Reporter,
+    Reports,
     StreamQSourceError,
 )
 from .schema import EVERY_COLUMN, Columns, default_schema
@@ -246,8 +246,11 @@ class _Settings:
         self,
         positions: Mapping[str, Position] | None = None,
         via: Connections | None = None,
+        reports: Reports | None = None,
     ) -> dict[str, ProducerState]:
-        return planning.discover(self.endpoints(), self.stream, via or self.connect, positions)
+        return planning.discover(
+            self.endpoints(), self.stream, via or self.connect, positions, reports
+        )
 
     def initial(self, states: Mapping[str, ProducerState], default: str) -> Offsets:
         """Where a query starts: ``startingTimestamp`` if set, else ``startingOffsets``."""
@@ -543,14 +546,16 @@ class StreamQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._target: Offsets | None = None  # Trigger.AvailableNow's end
         # The driver's, made at first use: kept open from one trigger to the next.
         self._connections: Connections | None = None
-        self._reporter: Reporter | None = None
+        # Positions to report to producers, with the next discovery ({producer id: last
+        # seq the sink holds}); sent ones leave.
+        self._unreported: dict[str, int] = {}
         self._initial: Offsets | None = None  # a new query's start: nothing applied yet
         # What was last reported to each producer: (last seq held, time.monotonic()).
         self._reported: dict[str, tuple[int, float]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled to the executors: the driver's connections and threads stay behind."""
-        return {**self.__dict__, "_connections": None, "_reporter": None}
+        return {**self.__dict__, "_connections": None}
 
     def connections(self) -> Connections:
         if self._connections is None:
@@ -558,7 +563,12 @@ class StreamQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return self._connections
 
     def _refresh(self, positions: Mapping[str, Position] | None = None) -> dict[str, ProducerState]:
-        self._states = self.settings.discover(positions, self.connections())
+        settings = self.settings
+        reports = Reports(settings.consumer_name, dict(self._unreported))
+        self._states = settings.discover(positions, self.connections(), reports)
+        for pid in reports.sent:
+            if self._unreported.get(pid) == reports.seqs[pid]:
+                del self._unreported[pid]
         return self._states
 
     def initialOffset(self) -> dict[str, Any]:
@@ -602,10 +612,10 @@ class StreamQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
         seqs, epochs = planning.split_offset(start)
         positions = {pid: Position(seq, epochs.get(pid)) for pid, seq in seqs.items()}
+        if seqs != self._initial:  # the end of the last batch, which the sink holds
+            self._committed(seqs)  # reported with the discovery below
         states = self._refresh(positions)
         planning.check_producers(seqs, states)
-        if seqs != self._initial:  # the end of the last batch, which the sink holds
-            self._committed(seqs)
         back = {pid: self._lost(pid, seq) for pid, seq in seqs.items() if states[pid].lost}
         # Producers that appeared since the query started are read from their earliest seq.
         begin = {**{pid: s.low for pid, s in states.items()}, **seqs}
@@ -667,35 +677,27 @@ class StreamQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def _committed(self, seqs: Offsets) -> None:
         """Advisory: tell each producer how far this query's sink durably holds its stream
-        (``seqs``: the next seq to read), in the background (see ``Reporter``); again after
-        ``_REPORT_AGAIN`` while it stays. Trigger.AvailableNow's last plan waits for its
-        reports, since the query ends with it."""
-        settings, now = self.settings, time.monotonic()
-        due = {}
+        (``seqs``: the next seq to read), with the next discovery, on its connections
+        (``planning.Reports``); again after ``_REPORT_AGAIN`` while it stays. Not to a
+        producer that lost seqs the query read (it will read them again)."""
+        now = time.monotonic()
         for pid, seq in seqs.items():
             state, reported = self._states.get(pid), self._reported.get(pid)
             if state is None or state.lost or seq <= 1:
                 continue
             if reported is None or reported[0] != seq - 1 or now - reported[1] >= _REPORT_AGAIN:
-                due[pid] = (state.endpoint, seq - 1)
+                self._unreported[pid] = seq - 1
                 self._reported[pid] = (seq - 1, now)
-        if due:
-            if self._reporter is None:
-                self._reporter = Reporter(settings.connect, settings.stream, settings.consumer_name)
-            self._reporter.report(due)
-        target = self._target
-        if (
-            self._reporter is not None
-            and target is not None
-            and all(seqs.get(pid, 0) >= seq for pid, seq in target.items())
-        ):
-            self._reporter.flush(settings.connect.timeout)
 
     def stop(self) -> None:
-        if self._reporter is not None:
-            self._reporter.close(self.settings.connect.timeout)
-        if self._connections is not None:
-            self._connections.close()
+        try:
+            if self._unreported and self._connections is not None:
+                self._refresh()  # the last positions, with one more discovery
+        except StreamQSourceError as exc:
+            logger.warning("could not report the last positions: %s", exc)
+        finally:
+            if self._connections is not None:
+                self._connections.close()
 
 
 class StreamQDriverStreamReader(SimpleDataSourceStreamReader, SupportsTriggerAvailableNow):

@@ -18,10 +18,9 @@ import itertools
 import json
 import logging
 import math
-import threading
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 from streamq import (
@@ -34,7 +33,15 @@ from streamq import (
 )
 from streamq.client import vouch_answer, vouch_request
 from streamq.errors import IdleTimeoutError, MalformedFrameError, ShuttingDownError
-from streamq.protocol import GetHead, ListStreams, Message, RangeEnd, StreamInfo, StreamList
+from streamq.protocol import (
+    GetHead,
+    ListStreams,
+    Message,
+    RangeEnd,
+    ReportPosition,
+    StreamInfo,
+    StreamList,
+)
 from streamq.subscription import lost_seqs
 from streamq.transport import parse_address
 
@@ -245,71 +252,6 @@ class Connections:
         self.close()
 
 
-class Reporter:
-    """Reports a query's committed positions to its producers from a thread of its own, off
-    the trigger's path (Spark calls ``commit`` inside a micro-batch's walCommit), on
-    connections of its own, kept. Reports are advisory and only the newest position per
-    producer matters, so a report still waiting is replaced by a newer one."""
-
-    def __init__(self, connect: Connect, stream: str, consumer: str) -> None:
-        self._connections = Connections(connect)
-        self._stream, self._consumer = stream, consumer
-        self._waiting: dict[str, tuple[str, int]] = {}  # producer id -> endpoint, seq
-        self._sending = False
-        self._closed = False
-        self._changed = threading.Condition()
-        self._thread: threading.Thread | None = None
-
-    def report(self, positions: Mapping[str, tuple[str, int]]) -> None:
-        """Send ``{producer id: (endpoint, last seq held)}`` soon."""
-        with self._changed:
-            self._waiting.update(positions)
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="streamq positions", daemon=True
-                )
-                self._thread.start()
-            self._changed.notify_all()
-
-    def flush(self, timeout: float) -> None:
-        """Wait (at most ``timeout`` s) until every report so far has been sent or failed."""
-        with self._changed:
-            self._changed.wait_for(lambda: not (self._waiting or self._sending), timeout)
-
-    def close(self, timeout: float) -> None:
-        """Send what is waiting (within ``timeout`` s), then stop the thread."""
-        self.flush(timeout)
-        with self._changed:
-            self._closed = True
-            self._changed.notify_all()
-
-    def _run(self) -> None:
-        try:
-            while True:
-                with self._changed:
-                    self._sending = False
-                    self._changed.notify_all()
-                    self._changed.wait_for(lambda: bool(self._waiting) or self._closed)
-                    if self._closed:
-                        return
-                    waiting, self._waiting, self._sending = self._waiting, {}, True
-                self._connections.map(lambda item: self._send(*item), list(waiting.items()))
-        finally:
-            self._connections.close()
-
-    def _send(self, producer_id: str, where: tuple[str, int]) -> None:
-        endpoint, seq = where
-
-        def send(client: Client) -> None:
-            if client.producer_id == producer_id:
-                client.report_position(self._stream, self._consumer, seq)
-
-        try:
-            self._connections.ask(endpoint, send)
-        except StreamQError as exc:
-            logger.warning("could not report position to %s: %s", endpoint, exc)
-
-
 def _via(via: Connect | Connections) -> tuple[Connections, Callable[[], None]]:
     """Kept connections, or connections for one call (closed by the returned function)."""
     if isinstance(via, Connections):
@@ -334,13 +276,29 @@ Answers = list["Message | StreamQError"]
 Probe = Generator[list[Message], Answers, "ProducerState | _Missing"]
 
 
+@dataclass
+class Reports:
+    """Positions a streaming query reports to its producers (``{producer id: last seq its
+    sink holds}``, advisory: retention and lag), sent with discovery's first questions on
+    the same connections; ``sent`` names those the producers answered."""
+
+    consumer: str
+    seqs: Mapping[str, int]
+    sent: set[str] = field(default_factory=set)
+
+
 def _probe(
-    endpoint: str, producer_id: str, stream: str, positions: Mapping[str, Position] | None
+    endpoint: str,
+    producer_id: str,
+    stream: str,
+    positions: Mapping[str, Position] | None,
+    reports: Reports | None = None,
 ) -> Probe:
     """The questions for one producer: its head and low; for a streaming query
     (``positions``) also the epoch that wrote the head and the seqs up to the query's
     position that the producer's log no longer holds as the query read them ("Epochs").
-    An idle trigger (nothing new since the query's position) takes one round."""
+    An idle trigger (nothing new since the query's position) takes one round. A report
+    in ``reports`` goes last in the first round."""
     position = None if positions is None else positions.get(producer_id)
     seq, seen = (0, 0) if position is None else (position.seq, position.epoch or 0)
     if seq <= 1:
@@ -348,7 +306,15 @@ def _probe(
     first: list[Message] = [GetHead(stream)]
     if seen:
         first.append(vouch_request(stream, seq - 1, seen))
+    held = None if reports is None else reports.seqs.get(producer_id)
+    if reports is not None and held is not None:
+        first.append(ReportPosition(stream, reports.consumer, held))
     answers = yield first
+    if reports is not None and held is not None and len(answers) == len(first):
+        if isinstance(answers[-1], StreamQError):  # it ended the connection: no harm done
+            logger.warning("could not report position to %s: %s", endpoint, answers[-1])
+        else:
+            reports.sent.add(producer_id)
     if isinstance(answers[0], UnknownStreamError):
         listed = _answer((yield [ListStreams()])[0], StreamList)
         return _Missing(endpoint, sorted(info.stream for info in listed.streams))
@@ -404,14 +370,21 @@ def _ask_all(
     endpoints: Sequence[str],
     stream: str,
     positions: Mapping[str, Position] | None,
+    reports: Reports | None = None,
 ) -> list[ProducerState | _Missing]:
     """Every producer's probe at once, from this thread: a round's requests go to every
     producer before any answer is read, so a round costs about the slowest producer's
     answer, not the sum of all (and no thread per producer fights for the GIL). Missing
-    connections are made first, in parallel; all are kept for the next trigger."""
+    connections are made first, in parallel; all are kept for the next trigger.
+
+    ``reports`` go only on connections kept from the last discovery: that one vouched
+    for the query's position, and a producer that lost commits since has restarted,
+    ending the connection. Sent to it then, a report could claim seqs it no longer holds
+    as applied, for its retention to delete before the query reads them again."""
 
     def start(endpoint: str, client: Client, kept: bool) -> _Asking:
-        probe = _probe(endpoint, client.producer_id, stream, positions)
+        report = reports if kept else None
+        probe = _probe(endpoint, client.producer_id, stream, positions, report)
         return _Asking(endpoint, client, probe, next(probe), kept)
 
     def connect(endpoint: str) -> _Asking | StreamQSourceError:
@@ -519,16 +492,18 @@ def discover(
     stream: str,
     via: Connect | Connections,
     positions: Mapping[str, Position] | None = None,
+    reports: Reports | None = None,
 ) -> dict[str, ProducerState]:
     """Every producer's id, head and low, asked of all at once; raises naming what failed,
     and if any producer lacks ``stream``, naming each such producer and its streams.
 
     With ``positions`` (a streaming query's, possibly empty), also the epoch of each head
     and the seqs each producer lost under the query's position (``ProducerState.lost``).
+    ``reports``: positions to report on the way (``Reports``, ``_ask_all``).
     """
     connections, done = _via(via)
     try:
-        found = _ask_all(connections, endpoints, stream, positions)
+        found = _ask_all(connections, endpoints, stream, positions, reports)
     finally:
         done()
     missing = [m for m in found if isinstance(m, _Missing)]

@@ -274,30 +274,36 @@ def test_wrong_endpoints_are_errors_naming_the_address() -> None:
             planning.parse_endpoints(f"127.0.0.1:7400,{bad}", None)
 
 
-def test_the_driver_keeps_its_connections_across_triggers(tmp_path: Path) -> None:
-    """Discovery and position reports reuse one connection per producer, and make it anew
-    once when the producer closed it (restarted, here on the same port)."""
+def test_the_driver_keeps_one_connection_per_producer_for_discovery_and_reports(
+    tmp_path: Path,
+) -> None:
+    """Discovery and position reports share one connection per producer, kept across
+    triggers, made anew once when the producer closed it (restarted, here on the same
+    port). A report rides only on a connection kept from the last discovery."""
     db = str(tmp_path / "a.db")
     with streamq.SyncProducer(db) as a:
         address, pid = a.address, a.producer_id
         port = int(address.rsplit(":", 1)[1])
         a.publish("orders", b"1")
         kept = planning.Connections(Connect(timeout=10))
-        reporter = planning.Reporter(Connect(timeout=10), "orders", "spark")
+        reports = planning.Reports("spark", {pid: 1})
+        assert planning.discover([address], "orders", kept, {}, reports)[pid].head == 1
+        assert reports.sent == set()  # a new connection
         for head in (1, 2):
-            assert planning.discover([address], "orders", kept)[pid].head == head
-            reporter.report({pid: (address, head)})
-            reporter.flush(10)
-            # A status client, the driver's kept connection and the reporter's: no others.
-            # (The server counts a closed connection out once it has read its end.)
-            wait_until(lambda: connections(address) == 3, "three connections")
+            reports = planning.Reports("spark", {pid: head})
+            assert planning.discover([address], "orders", kept, {}, reports)[pid].head == head
+            assert reports.sent == {pid}
+            # A status client and the driver's kept connection: no others. (The server
+            # counts a closed connection out once it has read its end.)
+            wait_until(lambda: connections(address) == 2, "two connections")
             with streamq.Client(address) as client:
                 assert [p["applied"] for p in client.status()["positions"]] == [head]
             a.publish("orders", b"more")
     with streamq.SyncProducer(db, port=port) as restarted:
-        assert planning.discover([address], "orders", kept)[pid].head == 3
-        reporter.report({pid: (address, 3)})
-        reporter.close(10)
+        for sent in (set(), {pid}):  # made anew first: no report on that connection
+            reports = planning.Reports("spark", {pid: 3})
+            assert planning.discover([address], "orders", kept, {}, reports)[pid].head == 3
+            assert reports.sent == sent
         kept.close()
         wait_until(lambda: connections(address) == 1, "only the status client's connection")
         with streamq.Client(address) as client:
