@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -53,3 +54,18 @@ def test_spark_fleet_serves_many_producers_to_a_process(tmp_path: Path) -> None:
     finally:
         fleet.stop()
     assert [p.returncode for p in fleet.processes] == [0, 0]
+
+
+def test_spark_idle_triggers_are_measured(tmp_path: Path, spark: Any) -> None:
+    """``bench.spark.idle`` on three producers: the query reads their records, then reports
+    idle triggers with their phases."""
+    from bench.spark import idle
+
+    spark.conf.set("spark.sql.streaming.noDataProgressEventInterval", "0")
+    try:
+        figures = idle.streamq_idle(spark, tmp_path, 3, 1.0)
+    finally:
+        spark.conf.unset("spark.sql.streaming.noDataProgressEventInterval")
+    assert figures["triggers"] >= 1
+    assert 0 <= figures["latestOffset median"] <= figures["latestOffset max"]
+    assert figures["latestOffset max"] <= figures["triggerExecution max"]

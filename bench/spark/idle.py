@@ -1,0 +1,142 @@
+"""What an idle trigger costs a streaming query at N producers (N Kafka partitions beside
+it): ``python -m bench.spark.idle [--producers 64,256] [--seconds 15] [--no-kafka]``.
+
+A query over a few records per producer (partition) into a noop sink, triggered every
+200 ms; once it has read them, every trigger finds nothing new. Spark reports such a
+trigger only every 10 s by default (``noDataProgressEventInterval``), so that is set to 0
+here. Prints the median and max of the idle triggers' ``latestOffset`` and
+``triggerExecution`` (Spark's ``durationMs``). docs/scaling.md has the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import statistics
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from .kafka import _fill_topic
+from .run import spark_session
+from .streamq import Fleet, _fill_producers
+
+PER_SOURCE = 4  # records per producer (partition)
+# One source's run: (spark, folder, producers, seconds) -> figures.
+Case = Callable[[Any, Path, int, float], dict[str, float]]
+TRIGGER = "200 milliseconds"
+
+
+def idle_triggers(
+    spark: Any, reader: Any, checkpoint: Path, rows: int, seconds: float
+) -> dict[str, float]:
+    """Median and max ``latestOffset`` and ``triggerExecution`` (ms) of the idle triggers
+    in ``seconds`` after the query read its ``rows``."""
+    query = (
+        reader.load()
+        .writeStream.format("noop")
+        .option("checkpointLocation", str(checkpoint))
+        .trigger(processingTime=TRIGGER)
+        .start()
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while sum(p["numInputRows"] for p in query.recentProgress) < rows:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the query read fewer than {rows} rows in 300 s")
+            time.sleep(0.2)
+        read = len(query.recentProgress)
+        until = time.monotonic() + seconds
+        while True:  # at least ``seconds``, and at least one idle trigger
+            idle = [p for p in query.recentProgress[read:] if not p["numInputRows"]]
+            if idle and time.monotonic() >= until:
+                break
+            if time.monotonic() > deadline + seconds:
+                raise TimeoutError("no idle trigger was reported")
+            time.sleep(0.2)
+    finally:
+        query.stop()
+    figures = {}
+    for phase in ("latestOffset", "triggerExecution"):
+        values = [p["durationMs"].get(phase, 0) for p in idle]
+        figures[f"{phase} median"] = statistics.median(values)
+        figures[f"{phase} max"] = max(values)
+    figures["triggers"] = len(idle)
+    return figures
+
+
+def streamq_idle(spark: Any, folder: Path, producers: int, seconds: float) -> dict[str, float]:
+    fleet = Fleet(_fill_producers(folder, producers, producers * PER_SOURCE))
+    try:
+        reader = (
+            spark.readStream.format("streamq")
+            .option("endpoints", ",".join(fleet.endpoints))
+            .option("stream", "ingest")
+            .option("startingOffsets", "earliest")
+        )
+        return idle_triggers(spark, reader, folder / "ck", producers * PER_SOURCE, seconds)
+    finally:
+        fleet.stop()
+
+
+def kafka_idle(
+    spark: Any, folder: Path, partitions: int, seconds: float, *, broker: Any
+) -> dict[str, float]:
+    topic = f"idle-{uuid.uuid4().hex[:8]}"
+    _fill_topic(broker, topic, partitions, partitions * PER_SOURCE)
+    reader = (
+        spark.readStream.format("kafka")
+        .option("kafka.bootstrap.servers", broker.bootstrap)
+        .option("subscribe", topic)
+        .option("startingOffsets", "earliest")
+    )
+    return idle_triggers(spark, reader, folder / "ck", partitions * PER_SOURCE, seconds)
+
+
+@contextlib.contextmanager
+def _broker(with_kafka: bool) -> Iterator[Any]:
+    if not with_kafka:
+        yield None
+        return
+    from ..kafka.broker import KafkaBroker
+
+    with KafkaBroker() as broker:
+        yield broker
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.spark.idle")
+    parser.add_argument("--producers", default="64,256", help="comma-separated counts")
+    parser.add_argument("--seconds", type=float, default=15.0, help="of idle triggers per case")
+    parser.add_argument("--no-kafka", action="store_true", help="streamq alone (no broker)")
+    args = parser.parse_args(argv)
+    counts = [int(count) for count in args.producers.split(",")]
+    table = Table(title=f"idle triggers ({TRIGGER}), ms")
+    for column in ("source", "producers", "latestOffset", "max", "triggerExecution", "max"):
+        table.add_column(column, justify="right")
+    table.add_column("triggers", justify="right")
+    with _broker(not args.no_kafka) as broker:
+        spark = spark_session(broker is not None)
+        spark.conf.set("spark.sql.streaming.noDataProgressEventInterval", "0")
+        for count in counts:
+            cases: list[tuple[str, Case]] = [("streamq", streamq_idle)]
+            if broker is not None:
+                cases.append(("kafka", functools.partial(kafka_idle, broker=broker)))
+            for source, run in cases:
+                with tempfile.TemporaryDirectory(prefix="streamq-idle-") as folder:
+                    figures = run(spark, Path(folder), count, args.seconds)
+                table.add_row(source, str(count), *(f"{v:,.0f}" for v in figures.values()))
+        spark.stop()
+    Console().print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
