@@ -390,6 +390,7 @@ class Server:
         # "Authentication": every request is checked against the grants of the consumer
         # the hello's token names; nothing is answered before the token is checked.
         principal: Principal | None = None
+        refreshed_at = -1  # conn.received at the last refresh
         while (message := await self._next_message(conn, reader)) is not None:
             if isinstance(message, ClientHello):
                 principal = self._authenticate(message)
@@ -397,8 +398,16 @@ class Server:
                     name = None if principal is None else principal.name
                     writer.write(conn.send(Authenticated(name)))
                 continue
-            if self.refresh is not None and not isinstance(message, GetStatus):
-                await self.refresh()  # other processes' commits, even those made just now
+            if (
+                self.refresh is not None
+                and not isinstance(message, GetStatus)
+                and conn.received != refreshed_at
+            ):
+                # Other processes' commits, even those made just now. Once for requests
+                # pipelined together: one whose bytes had all come by the last refresh was
+                # sent before it, so that refresh found every commit its client had seen.
+                await self.refresh()
+                refreshed_at = conn.received
             if isinstance(
                 message, Subscribe | GetHead | GetRange | GetHistory | SeekTime | ReportPosition
             ):

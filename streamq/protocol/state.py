@@ -171,6 +171,7 @@ class Connection:
         self._decoder = FrameDecoder(max_frame_size)
         self.raw_records = False  # RECORDS as RecordRows (see there), e.g. for Arrow
         self._states = _States()
+        self.received = 0  # bytes fed to receive_data so far
 
     @property
     def our_state(self) -> State:
@@ -182,6 +183,7 @@ class Connection:
 
     def receive_data(self, data: bytes | memoryview) -> None:
         self._decoder.feed(data)
+        self.received += len(data)
 
     @property
     def buffered(self) -> int:
