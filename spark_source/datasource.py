@@ -554,7 +554,7 @@ class StreamQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._reported: dict[str, tuple[int, float]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickled to the executors: the driver's connections and threads stay behind."""
+        """Pickled to the executors: the driver's connections stay behind."""
         return {**self.__dict__, "_connections": None}
 
     def connections(self) -> Connections:
