@@ -364,6 +364,12 @@ class _Asking:
     kept: bool  # on a connection kept from earlier (it may have been closed meanwhile)
     answered: bool = False  # a round of it has been answered
 
+    @property
+    def restartable(self) -> bool:
+        """Found closed now, it starts over once on a new connection: a kept one may
+        have been closed meanwhile (a restart, the idle timeout), before any answer."""
+        return self.kept and not self.answered
+
 
 def _ask_all(
     connections: Connections,
@@ -433,7 +439,7 @@ def _send_round(
         try:
             one.client.send_requests(*one.requests)
         except _CLOSED_WHILE_KEPT:
-            if not one.kept or one.answered:
+            if not one.restartable:
                 raise
             asking[one.endpoint] = restarted = _fresh(connections, one, start)
             restarted.client.send_requests(*restarted.requests)
@@ -453,9 +459,8 @@ def _read_round(
             try:
                 answers.append(one.client.next_answer())
             except _CLOSED_WHILE_KEPT:
-                if not one.kept or one.answered:
+                if not one.restartable:
                     raise
-                # Kept, and closed meanwhile (a restart, the idle timeout): once more, anew.
                 asking[one.endpoint] = _fresh(connections, one, start)
                 return
             except StreamQError as error:  # an ERROR: the producer answers nothing after it

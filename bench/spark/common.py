@@ -19,15 +19,20 @@ WARMUP = 3.0  # s of micro-batches not counted (query start-up)
 PHASES = ("latestOffset", "walCommit", "queryPlanning", "addBatch", "commitOffsets")
 
 
-def time_query(spark: Any, reader: Any, checkpoint: Path) -> float:
-    started = time.perf_counter()
-    query = (
+def noop_query(reader: Any, checkpoint: Path, **trigger: Any) -> Any:
+    """``reader``'s stream started into a noop sink (what the source costs, nothing else)."""
+    return (
         reader.load()
         .writeStream.format("noop")
         .option("checkpointLocation", str(checkpoint))
-        .trigger(availableNow=True)
+        .trigger(**trigger)
         .start()
     )
+
+
+def time_query(spark: Any, reader: Any, checkpoint: Path) -> float:
+    started = time.perf_counter()
+    query = noop_query(reader, checkpoint, availableNow=True)
     if not query.awaitTermination(1800):
         query.stop()
         raise TimeoutError("AvailableNow query did not finish in 30 minutes")

@@ -24,6 +24,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from .common import noop_query
 from .kafka import _fill_topic
 from .run import spark_session
 from .streamq import Fleet, _fill_producers
@@ -34,18 +35,10 @@ Case = Callable[[Any, Path, int, float], dict[str, float]]
 TRIGGER = "200 milliseconds"
 
 
-def idle_triggers(
-    spark: Any, reader: Any, checkpoint: Path, rows: int, seconds: float
-) -> dict[str, float]:
+def idle_triggers(reader: Any, checkpoint: Path, rows: int, seconds: float) -> dict[str, float]:
     """Median and max ``latestOffset`` and ``triggerExecution`` (ms) of the idle triggers
     in ``seconds`` after the query read its ``rows``."""
-    query = (
-        reader.load()
-        .writeStream.format("noop")
-        .option("checkpointLocation", str(checkpoint))
-        .trigger(processingTime=TRIGGER)
-        .start()
-    )
+    query = noop_query(reader, checkpoint, processingTime=TRIGGER)
     try:
         deadline = time.monotonic() + 300
         while sum(p["numInputRows"] for p in query.recentProgress) < rows:
@@ -54,12 +47,13 @@ def idle_triggers(
             time.sleep(0.2)
         read = len(query.recentProgress)
         until = time.monotonic() + seconds
+        deadline = until + 300
         while True:  # at least ``seconds``, and at least one idle trigger
             idle = [p for p in query.recentProgress[read:] if not p["numInputRows"]]
             if idle and time.monotonic() >= until:
                 break
-            if time.monotonic() > deadline + seconds:
-                raise TimeoutError("no idle trigger was reported")
+            if time.monotonic() > deadline:
+                raise TimeoutError("no idle trigger was reported in 300 s")
             time.sleep(0.2)
     finally:
         query.stop()
@@ -81,7 +75,7 @@ def streamq_idle(spark: Any, folder: Path, producers: int, seconds: float) -> di
             .option("stream", "ingest")
             .option("startingOffsets", "earliest")
         )
-        return idle_triggers(spark, reader, folder / "ck", producers * PER_SOURCE, seconds)
+        return idle_triggers(reader, folder / "ck", producers * PER_SOURCE, seconds)
     finally:
         fleet.stop()
 
@@ -97,7 +91,7 @@ def kafka_idle(
         .option("subscribe", topic)
         .option("startingOffsets", "earliest")
     )
-    return idle_triggers(spark, reader, folder / "ck", partitions * PER_SOURCE, seconds)
+    return idle_triggers(reader, folder / "ck", partitions * PER_SOURCE, seconds)
 
 
 @contextlib.contextmanager
