@@ -18,9 +18,10 @@ import itertools
 import json
 import logging
 import math
+import time
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar, cast
 
 from streamq import (
@@ -204,6 +205,8 @@ class Connections:
         self.name = name  # the client name connections say in their hello
         self._open: dict[str, Client] = {}
         self._pool: ThreadPoolExecutor | None = None
+        # Streaming discovery's: kept connections that watch their producer's head.
+        self.watches: dict[str, _Watch] = {}
 
     def take(self, endpoint: str) -> Client | None:
         """The endpoint's kept connection, for the caller alone until it ``keep``s it."""
@@ -243,6 +246,7 @@ class Connections:
         for client in self._open.values():
             client.close()
         self._open.clear()
+        self.watches.clear()
         if self._pool is not None:
             self._pool.shutdown(wait=False)
             self._pool = None
@@ -402,10 +406,21 @@ def _ask_all(
         except StreamQSourceError as error:
             return error
 
-    kept = {e: c for e in endpoints if (c := connections.take(e)) is not None}
-    asking = {e: start(e, c, True) for e, c in kept.items()}
-    new = [e for e in endpoints if e not in kept]
     results: dict[str, ProducerState | _Missing] = {}
+    kept = {e: c for e in endpoints if (c := connections.take(e)) is not None}
+    if positions is not None:
+        for endpoint, client in list(kept.items()):
+            try:
+                state = _unchanged(connections, endpoint, client, stream, positions, reports)
+            except StreamQError:  # the watch's answer: the connection's end, or an ERROR
+                client.close()
+                del kept[endpoint]  # a new one, with no report (see above)
+                continue
+            if state is not None:
+                results[endpoint] = state
+                connections.keep(endpoint, kept.pop(endpoint))
+    asking = {e: start(e, c, True) for e, c in kept.items()}
+    new = [e for e in endpoints if e not in kept and e not in results]
     made = connections.map(connect, new)
     asking.update((e, one) for e, one in zip(new, made, strict=True) if isinstance(one, _Asking))
     try:
@@ -420,7 +435,86 @@ def _ask_all(
     finally:
         for one in asking.values():
             one.client.close()
+    if positions is not None:
+        for endpoint in set(kept) | set(new):
+            _watch(connections, endpoint, stream, results[endpoint])
     return [results[e] for e in endpoints]
+
+
+@dataclass(frozen=True, slots=True)
+class _Watch:
+    """A kept connection watching its producer's head (WATCH_HEAD) for streaming
+    discovery: until it answers, the producer's state is the one its last probe found."""
+
+    state: ProducerState
+    since: float  # ``Client.watching``: when the watch was sent
+
+
+# How long a watch not answered is believed: a producer answers one within its heartbeat
+# interval (5 s by default), whatever happened; one that did not is asked (a round), which
+# also finds a peer that went away without a word (a machine's crash).
+WATCH_TRUST = 12.0
+
+
+def _watch(
+    connections: Connections, endpoint: str, stream: str, state: ProducerState | _Missing
+) -> None:
+    """Have the endpoint's kept connection watch the head ``state`` found."""
+    if not isinstance(state, ProducerState) or state.lost is not None:
+        return  # asked again next trigger
+    client = connections.take(endpoint)
+    if client is None:
+        return
+    try:
+        _arm(connections, endpoint, client, stream, state)
+    except StreamQError:
+        client.close()
+        return
+    connections.keep(endpoint, client)
+
+
+def _arm(
+    connections: Connections, endpoint: str, client: Client, stream: str, state: ProducerState
+) -> None:
+    client.watch_head(stream, state.head)
+    assert client.watching is not None
+    connections.watches[endpoint] = _Watch(state, client.watching)
+
+
+def _unchanged(
+    connections: Connections,
+    endpoint: str,
+    client: Client,
+    stream: str,
+    positions: Mapping[str, Position],
+    reports: Reports | None,
+) -> ProducerState | None:
+    """The producer's state without a round trip, if its kept connection's watch says the
+    head has not moved since the last probe (no answer yet, or one with the same head:
+    then it watches again); None when it must be asked.
+
+    Nothing else can have changed on a connection kept open: a producer that lost commits
+    restarted, which ended it. A report to send makes a round anyway."""
+    watch = connections.watches.pop(endpoint, None)
+    if watch is None or client.watching != watch.since:  # none, or a read took its answer
+        return None
+    state = watch.state
+    position = positions.get(state.producer_id)
+    if position is not None and position.seq > state.head + 1:
+        return None  # not a position this connection vouched for
+    if reports is not None and state.producer_id in reports.seqs:
+        return None
+    if not client.answer_ready:
+        if time.monotonic() - watch.since >= WATCH_TRUST:
+            return None
+        connections.watches[endpoint] = watch
+        return state
+    info = client.watched()
+    if info.head != state.head:
+        return None
+    state = replace(state, low=info.low)
+    _arm(connections, endpoint, client, stream, state)
+    return state
 
 
 def _send_round(

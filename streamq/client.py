@@ -8,7 +8,10 @@ a plain socket. One client, one connection; requests run one after another.
 from __future__ import annotations
 
 import asyncio
+import select
 import socket
+import ssl
+import time
 from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any, NamedTuple, TypeVar
@@ -41,6 +44,7 @@ from .protocol import (
     StreamInfo,
     StreamList,
     TimePosition,
+    WatchHead,
 )
 from .security import ClientTLS
 from .transport import (
@@ -175,6 +179,9 @@ class Client:
             self._sock = socket.create_connection((host, port), timeout=timeout)
         self._conn = ClientConnection(max_frame_size)
         self._received = bytearray(READ_SIZE)  # every read lands here first
+        # A WATCH_HEAD's: its answer unread (since when, time.monotonic()), or read early.
+        self._watching: float | None = None
+        self._watched: StreamInfo | None = None
         self.consumer: str | None = None
         try:
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -226,6 +233,8 @@ class Client:
 
     def _receive(self) -> Message:
         try:
+            if self._watching is not None:  # a WATCH_HEAD's answer comes first: keep it
+                self._watched, self._watching = self._receive_info(), None
             return self._receive_message()
         except StreamQError:
             self.close()  # an ERROR ends the connection; so does a peer out of step
@@ -240,6 +249,11 @@ class Client:
             raise error_from_frame(message.code, message.message, message.details)
         return message
 
+    def _receive_info(self) -> StreamInfo:
+        info = self._receive_message()
+        assert isinstance(info, StreamInfo)  # the state machine let nothing else through
+        return info
+
     def send_requests(self, *requests: Message) -> None:
         """Send ``requests`` in one write without waiting for answers (pipelined: the
         protocol's "Requests MAY be pipelined"); ``next_answer`` reads them in order. What
@@ -252,6 +266,46 @@ class Client:
         an ERROR raises its ``ServerError`` (the producer then ends the connection, and
         answers no request pipelined after it)."""
         return self._receive()
+
+    def watch_head(self, stream: str, head: int) -> None:
+        """Ask to be told once ``stream``'s head is beyond ``head`` (WATCH_HEAD), without
+        waiting: ``answer_ready`` says when ``watched`` can read the answer at once. The
+        producer answers at the latest after its heartbeat interval, head as it is. Other
+        requests may follow: they end the wait (their answers come after its answer)."""
+        self._send(WatchHead(stream, head))
+        self._watching, self._watched = time.monotonic(), None
+
+    @property
+    def watching(self) -> float | None:
+        """Since when (``time.monotonic()``) a ``watch_head`` waits for its answer; None if
+        none does."""
+        return self._watching
+
+    def watched(self) -> StreamInfo:
+        """The answer to the last ``watch_head``, waiting for it if it has not come."""
+        if self._watching is not None:
+            try:
+                self._watched, self._watching = self._receive_info(), None
+            except StreamQError:
+                self.close()
+                raise
+        if self._watched is None:
+            raise RuntimeError("watched() without watch_head()")
+        info, self._watched = self._watched, None
+        return info
+
+    @property
+    def answer_ready(self) -> bool:
+        """Whether the next answer (or the connection's end) can be read without waiting."""
+        if self._conn.buffered:
+            return True
+        sock = self._sock
+        if isinstance(sock, ssl.SSLSocket) and sock.pending():
+            return True
+        try:
+            return bool(select.select([sock], [], [], 0)[0])
+        except (OSError, ValueError):  # closed: reading says so at once
+            return True
 
     def head(self, stream: str) -> StreamInfo:
         """The stream's head (last committed seq) and low (first seq still held)."""

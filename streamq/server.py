@@ -60,10 +60,11 @@ from .protocol import (
     Subscribe,
     Subscribed,
     TimePosition,
+    WatchHead,
 )
 from .security import Principal, ServerTLS, TokenAuth, check_admin, check_stream
 from .storage import OpenTransactions
-from .transport import discard_input, read_message
+from .transport import READ_SIZE, discard_input, read_message
 
 logger = logging.getLogger("streamq.server")
 
@@ -409,7 +410,8 @@ class Server:
                 await self.refresh()
                 refreshed_at = conn.received
             if isinstance(
-                message, Subscribe | GetHead | GetRange | GetHistory | SeekTime | ReportPosition
+                message,
+                Subscribe | GetHead | GetRange | GetHistory | SeekTime | ReportPosition | WatchHead,
             ):
                 check_stream(principal, message.stream)
                 self._check_known(principal, message.stream)
@@ -418,6 +420,11 @@ class Server:
                 return
             if isinstance(message, GetHead):
                 stream = self.log.stream(message.stream)
+                writer.write(conn.send(StreamInfo(stream.name, stream.head, stream.low)))
+            elif isinstance(message, WatchHead):
+                stream = self.log.stream(message.stream)
+                if not await self._await_head(conn, stream, message.head, reader):
+                    return  # the client closed
                 writer.write(conn.send(StreamInfo(stream.name, stream.head, stream.low)))
             elif isinstance(message, GetRange):
                 await self._send_range(conn, message, writer)
@@ -451,6 +458,30 @@ class Server:
                 self.positions.report(reporter, stream.name, min(message.seq, stream.head))
                 writer.write(conn.send(StreamInfo(stream.name, stream.head, stream.low)))
             await writer.drain()
+
+    async def _await_head(
+        self, conn: ServerConnection, stream: Stream, head: int, reader: asyncio.StreamReader
+    ) -> bool:
+        """WATCH_HEAD's wait: until the head is beyond ``head``, the client sends more (its
+        next request is answered after this one), or the heartbeat interval is up. False
+        if the client closed meanwhile."""
+        if stream.head > head or conn.buffered:
+            return True
+        more = asyncio.ensure_future(reader.read(READ_SIZE))
+        moved = asyncio.ensure_future(stream.wait_beyond(head, self.settings.heartbeat_interval))
+        try:
+            await asyncio.wait((more, moved), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (more, moved):
+                task.cancel()  # a read cancelled leaves its bytes in the reader's buffer
+            await asyncio.gather(more, moved, return_exceptions=True)
+        if more.cancelled():
+            return True
+        data = more.result()
+        if not data:
+            return False
+        conn.receive_data(data)
+        return True
 
     def _check_known(self, principal: Principal | None, name: str) -> None:
         """With tokens, the error for an unknown stream names only the streams the consumer

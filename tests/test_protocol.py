@@ -55,6 +55,7 @@ from streamq.protocol import (
     Subscribe,
     Subscribed,
     TimePosition,
+    WatchHead,
     decode_message,
     encode,
     encode_record,
@@ -155,6 +156,7 @@ MESSAGE_STRATEGIES: dict[type[Any], st.SearchStrategy[Any]] = {
     GetHistory: st.builds(GetHistory, texts, st.binary(max_size=12), uints, uints),
     SeekTime: st.builds(SeekTime, texts, msgpack_ints),
     TimePosition: st.builds(TimePosition, texts, uints, uints, uints),
+    WatchHead: st.builds(WatchHead, texts, uints),
     StatusReport: st.builds(StatusReport, maps),
     Error: st.builds(Error, st.sampled_from(ErrorCode).map(int) | uints, texts, maps),
     Authenticated: st.builds(Authenticated, st.none() | texts),
@@ -192,6 +194,7 @@ FIELD_KINDS: dict[type[Any], tuple[str, ...]] = {
     GetHistory: ("str", "bin", "uint", "uint"),
     SeekTime: ("str", "int"),
     TimePosition: ("str", "uint", "uint", "uint"),
+    WatchHead: ("str", "uint"),
     Authenticated: ("opt_str",),
 }
 not_str = st.one_of(
@@ -420,6 +423,7 @@ client_requests = st.one_of(
     MESSAGE_STRATEGIES[ReportPosition],
     MESSAGE_STRATEGIES[GetHistory],
     MESSAGE_STRATEGIES[SeekTime],
+    MESSAGE_STRATEGIES[WatchHead],
 )
 
 
@@ -1023,6 +1027,7 @@ def test_server_needs_client_hello_first(first: Message) -> None:
         GetStatus(),
         GetHistory("s", b"k", 1, 10),
         SeekTime("s", 1700000000000),
+        WatchHead("s", 7),
     ],
     ids=lambda m: m.TYPE.name,
 )
@@ -1171,6 +1176,8 @@ def test_client_rejects_responses_with_no_request_pending(response: Message) -> 
         (GetHead("s"), TimePosition("s", 1, 1, 1)),
         (GetHistory("s", b"k", 1, 5), StreamInfo("s", 1, 1)),
         (GetHistory("s", b"k", 1, 5), TimePosition("s", 1, 1, 1)),
+        (WatchHead("s", 1), TimePosition("s", 1, 1, 1)),
+        (WatchHead("s", 1), recs(2)),
     ],
     ids=str,
 )
@@ -1522,7 +1529,7 @@ def range_responses(draw: st.DrawFn, request: GetRange) -> list[tuple[Message, b
 
 
 def responses_to(data: st.DataObject, request: Message) -> Iterator[tuple[Message, bool]]:
-    if isinstance(request, GetHead | ReportPosition):
+    if isinstance(request, GetHead | ReportPosition | WatchHead):
         yield StreamInfo(request.stream, data.draw(uints), data.draw(uints)), False
     elif isinstance(request, SeekTime):
         yield TimePosition(request.stream, *data.draw(st.tuples(uints, uints, uints))), False
@@ -1550,6 +1557,7 @@ pair_requests = st.one_of(
     MESSAGE_STRATEGIES[GetStatus],
     MESSAGE_STRATEGIES[ReportPosition],
     MESSAGE_STRATEGIES[SeekTime],
+    MESSAGE_STRATEGIES[WatchHead],
     st.builds(
         lambda stream, key, start, length: GetHistory(stream, key, start, start + length),
         texts,

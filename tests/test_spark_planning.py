@@ -20,7 +20,7 @@ from bench.tools import discovery
 from spark_source import planning
 from spark_source.planning import Connect, ProducerState, Range, StreamQSourceError
 
-from .waiting import wait_until
+from .waiting import producer_connections, wait_until
 
 STATES = {
     "a": ProducerState("a", "h:1", head=100, low=1),
@@ -178,6 +178,80 @@ def test_discovery_asks_all_at_once_and_an_error_costs_only_its_producer(tmp_pat
             kept.close()
 
 
+def test_an_idle_trigger_asks_no_producer_whose_watch_is_quiet(tmp_path: Path) -> None:
+    """Streaming discovery leaves each kept connection watching its producer's head
+    (WATCH_HEAD): while no answer comes, a trigger asks that producer nothing and its
+    state stands; a commit answers the watch, and that producer alone is asked again."""
+    with (
+        streamq.SyncProducer(str(tmp_path / "a.db")) as a,
+        streamq.SyncProducer(str(tmp_path / "b.db")) as b,
+    ):
+        for producer in (a, b):
+            producer.publish("orders", b"x")
+        endpoints = [a.address, b.address]
+        kept = planning.Connections(Connect(timeout=10))
+        try:
+            first = planning.discover(endpoints, "orders", kept, {})
+            positions = {pid: planning.Position(2, s.epoch) for pid, s in first.items()}
+            armed = {e: kept.watches[e].since for e in endpoints}
+            for _ in range(3):
+                assert planning.discover(endpoints, "orders", kept, positions) == first
+                assert {e: kept.watches[e].since for e in endpoints} == armed  # none sent
+            a.publish("orders", b"new")
+            wait_until(
+                lambda: (
+                    planning.discover(endpoints, "orders", kept, positions)[a.producer_id]
+                    == ProducerState(a.producer_id, a.address, 2, 1, first[a.producer_id].epoch)
+                ),
+                "the new head",
+            )
+            assert kept.watches[b.address].since == armed[b.address]
+            assert kept.watches[a.address].since > armed[a.address]  # asked, watched anew
+        finally:
+            kept.close()
+
+
+def test_a_watch_is_believed_for_a_while_then_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A watch that stays unanswered past ``WATCH_TRUST`` (a producer answers within its
+    heartbeat interval) is not believed: the producer is asked, which finds a peer that
+    went away without a word."""
+    monkeypatch.setattr(planning, "WATCH_TRUST", 0.0)
+    with streamq.SyncProducer(str(tmp_path / "a.db")) as a:
+        a.publish("orders", b"x")
+        kept = planning.Connections(Connect(timeout=10))
+        try:
+            first = planning.discover([a.address], "orders", kept, {})
+            positions = {a.producer_id: planning.Position(2, first[a.producer_id].epoch)}
+            armed = kept.watches[a.address].since
+            assert planning.discover([a.address], "orders", kept, positions) == first
+            assert kept.watches[a.address].since > armed
+        finally:
+            kept.close()
+
+
+def test_a_producer_restarted_while_watched_is_asked_on_a_new_connection(tmp_path: Path) -> None:
+    db = str(tmp_path / "a.db")
+    with streamq.SyncProducer(db) as a:
+        address, pid = a.address, a.producer_id
+        port = int(address.rsplit(":", 1)[1])
+        a.publish("orders", b"1")
+        kept = planning.Connections(Connect(timeout=10))
+        first = planning.discover([address], "orders", kept, {})
+        positions = {pid: planning.Position(2, first[pid].epoch)}
+    try:
+        with streamq.SyncProducer(db, port=port) as restarted:
+            restarted.publish("orders", b"2")
+            wait_until(
+                lambda: planning.discover([address], "orders", kept, positions)[pid].head == 2,
+                "the restarted producer's head",
+            )
+            assert producer_connections(address) == 2  # this one and the driver's new one
+    finally:
+        kept.close()
+
+
 def test_the_discovery_tool_measures_a_fleet(tmp_path: Path) -> None:
     fleet = Fleet(_fill_producers(tmp_path, 3, 30))
     try:
@@ -295,7 +369,7 @@ def test_the_driver_keeps_one_connection_per_producer_for_discovery_and_reports(
             assert reports.sent == {pid}
             # A status client and the driver's kept connection: no others. (The server
             # counts a closed connection out once it has read its end.)
-            wait_until(lambda: connections(address) == 2, "two connections")
+            wait_until(lambda: producer_connections(address) == 2, "two connections")
             with streamq.Client(address) as client:
                 assert [p["applied"] for p in client.status()["positions"]] == [head]
             a.publish("orders", b"more")
@@ -305,17 +379,12 @@ def test_the_driver_keeps_one_connection_per_producer_for_discovery_and_reports(
             assert planning.discover([address], "orders", kept, {}, reports)[pid].head == 3
             assert reports.sent == sent
         kept.close()
-        wait_until(lambda: connections(address) == 1, "only the status client's connection")
+        wait_until(
+            lambda: producer_connections(address) == 1, "only the status client's connection"
+        )
         with streamq.Client(address) as client:
             assert [p["applied"] for p in client.status()["positions"]] == [3]
         assert restarted.producer_id == pid
-
-
-def connections(address: str) -> int:
-    """The producer's open connections, as its status counts them (this one's included)."""
-    with streamq.Client(address) as client:
-        count: int = client.status()["connections"]
-        return count
 
 
 def registry() -> list[str]:

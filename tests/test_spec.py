@@ -64,6 +64,7 @@ from streamq.protocol import (
     Subscribe,
     Subscribed,
     TimePosition,
+    WatchHead,
     decode_message,
     encode,
     frame,
@@ -226,6 +227,7 @@ SAMPLES: dict[str, Message] = {
     "GET_HISTORY": GetHistory("s", b"k", 1, 2),
     "SEEK_TIME": SeekTime("s", 0),
     "TIME_POSITION": TimePosition("s", 1, 0, 1),
+    "WATCH_HEAD": WatchHead("s", 0),
     "AUTHENTICATED": Authenticated(None),
 }
 
@@ -349,6 +351,7 @@ ASKED: dict[str, Message] = {
     "GET_HISTORY": GetHistory("s", b"k", 1, 5),
     "SEEK_TIME": SeekTime("s", 0),
     "REPORT_POSITION": ReportPosition("s", "c", 0),
+    "WATCH_HEAD": WatchHead("s", 0),
 }
 ANSWER = re.compile(r"((?:`[A-Z_]+`(?: \(zero or more\))?(?: then )?)+) for `([A-Z_]+)`")
 
@@ -517,6 +520,7 @@ REQUESTS: dict[str, Callable[[str], Message]] = {
     "GET_HISTORY": lambda stream: GetHistory(stream, b"k", 1, 2),
     "SEEK_TIME": lambda stream: SeekTime(stream, 0),
     "REPORT_POSITION": lambda stream: ReportPosition(stream, "a", 1),
+    "WATCH_HEAD": lambda stream: WatchHead(stream, 0),
 }
 
 simple("a frame body that is not valid MessagePack", "—", HELLO + frame(b"\xc1"))

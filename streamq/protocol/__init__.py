@@ -78,6 +78,7 @@ from .events import (
     Subscribe,
     Subscribed,
     TimePosition,
+    WatchHead,
 )
 from .state import ClientConnection, Role, ServerConnection, State
 from .state import Connection as Connection  # what ``transport.read_message`` reads from
@@ -123,6 +124,7 @@ __all__ = [
     "Subscribe",
     "Subscribed",
     "TimePosition",
+    "WatchHead",
     "collector_paused",
     "decode_message",
     "decode_record",

@@ -43,6 +43,7 @@ class MessageType(IntEnum):
     GET_HISTORY = 18
     SEEK_TIME = 19
     TIME_POSITION = 20
+    WATCH_HEAD = 21
     AUTHENTICATED = 26
 
 
@@ -373,6 +374,19 @@ class SeekTime(Message):
     TYPE: ClassVar[MessageType] = MessageType.SEEK_TIME
 
 
+@_message(is_str, is_uint)
+@dataclass(frozen=True, slots=True)
+class WatchHead(Message):
+    """Answer with the stream's STREAM_INFO once its head is beyond ``head``: a reader
+    that asks every trigger (a Spark query) learns of new records without asking producers
+    that have none. Answered at once, head as it is, when another message follows it, and
+    after at most the heartbeat interval."""
+
+    stream: str
+    head: int
+    TYPE: ClassVar[MessageType] = MessageType.WATCH_HEAD
+
+
 @_message(is_str, is_uint, is_uint, is_uint)
 @dataclass(frozen=True, slots=True)
 class TimePosition(Message):
@@ -415,6 +429,7 @@ Request = (
     | ReportPosition
     | GetHistory
     | SeekTime
+    | WatchHead
 )
 
 

@@ -50,6 +50,7 @@ from .events import (
     Subscribe,
     Subscribed,
     TimePosition,
+    WatchHead,
     first_and_last_seq,
 )
 
@@ -86,6 +87,7 @@ _RESPONSES: dict[type[Any], tuple[type[Any], ...]] = {
     ReportPosition: (StreamInfo,),
     GetHistory: (Records, RecordRows, RangeEnd),
     SeekTime: (TimePosition,),
+    WatchHead: (StreamInfo,),
 }
 _FINAL_RESPONSES = (Subscribed, StreamInfo, RangeEnd, StreamList, StatusReport, TimePosition)
 _REQUESTS = tuple(r for r in _RESPONSES if r is not Subscribe)
