@@ -42,6 +42,7 @@ from streamq.protocol import (
     ReportPosition,
     StreamInfo,
     StreamList,
+    WatchHead,
 )
 from streamq.subscription import lost_seqs
 from streamq.transport import parse_address
@@ -205,8 +206,10 @@ class Connections:
         self.name = name  # the client name connections say in their hello
         self._open: dict[str, Client] = {}
         self._pool: ThreadPoolExecutor | None = None
-        # Streaming discovery's: kept connections that watch their producer's head.
+        # Streaming discovery's: kept connections that watch their producer's head, and
+        # producers that refused WATCH_HEAD (older versions: MALFORMED_FRAME).
         self.watches: dict[str, _Watch] = {}
+        self.unwatchable: set[str] = set()
 
     def take(self, endpoint: str) -> Client | None:
         """The endpoint's kept connection, for the caller alone until it ``keep``s it."""
@@ -297,12 +300,14 @@ def _probe(
     stream: str,
     positions: Mapping[str, Position] | None,
     reports: Reports | None = None,
+    watch: bool = True,
 ) -> Probe:
     """The questions for one producer: its head and low; for a streaming query
     (``positions``) also the epoch that wrote the head and the seqs up to the query's
     position that the producer's log no longer holds as the query read them ("Epochs").
     An idle trigger (nothing new since the query's position) takes one round. A report
-    in ``reports`` goes last in the first round."""
+    in ``reports`` goes last in the first round. A second round also has the connection
+    watch the head it found (WATCH_HEAD, left unanswered: ``_Watch``)."""
     position = None if positions is None else positions.get(producer_id)
     seq, seen = (0, 0) if position is None else (position.seq, position.epoch or 0)
     if seq <= 1:
@@ -339,7 +344,10 @@ def _probe(
             lost = lost_seqs(seq - 1, seq - 1, vouch.rewritten_from)
             if seq - 1 == head:  # nothing new: the position's epoch is the head's
                 return ProducerState(producer_id, endpoint, head, info.low, vouch.after_epoch, lost)
-    at_head = (yield [vouch_request(stream, head)])[0]
+    last: list[Message] = [vouch_request(stream, head)]
+    if watch:
+        last.append(WatchHead(stream, head))
+    at_head = (yield last)[0]
     if isinstance(at_head, MalformedFrameError):
         return ProducerState(producer_id, endpoint, head, info.low, None, lost)
     epoch = vouch_answer(_answer(at_head, RangeEnd)).after_epoch
@@ -394,7 +402,8 @@ def _ask_all(
 
     def start(endpoint: str, client: Client, kept: bool) -> _Asking:
         report = reports if kept else None
-        probe = _probe(endpoint, client.producer_id, stream, positions, report)
+        watch = endpoint not in connections.unwatchable
+        probe = _probe(endpoint, client.producer_id, stream, positions, report, watch)
         return _Asking(endpoint, client, probe, next(probe), kept)
 
     def connect(endpoint: str) -> _Asking | StreamQSourceError:
@@ -412,7 +421,9 @@ def _ask_all(
         for endpoint, client in list(kept.items()):
             try:
                 state = _unchanged(connections, endpoint, client, stream, positions, reports)
-            except StreamQError:  # the watch's answer: the connection's end, or an ERROR
+            except StreamQError as error:  # the watch's answer: the connection's end, an ERROR
+                if isinstance(error, MalformedFrameError):
+                    connections.unwatchable.add(endpoint)
                 client.close()
                 del kept[endpoint]  # a new one, with no report (see above)
                 continue
@@ -462,6 +473,8 @@ def _watch(
     """Have the endpoint's kept connection watch the head ``state`` found."""
     if not isinstance(state, ProducerState) or state.lost is not None:
         return  # asked again next trigger
+    if endpoint in connections.unwatchable:
+        return
     client = connections.take(endpoint)
     if client is None:
         return
@@ -476,7 +489,9 @@ def _watch(
 def _arm(
     connections: Connections, endpoint: str, client: Client, stream: str, state: ProducerState
 ) -> None:
-    client.watch_head(stream, state.head)
+    """Have ``client`` watch the head of ``state``, unless its last round already asked."""
+    if client.watching is None:
+        client.watch_head(stream, state.head)
     assert client.watching is not None
     connections.watches[endpoint] = _Watch(state, client.watching)
 
@@ -549,7 +564,7 @@ def _read_round(
     one = asking[one.endpoint]  # restarted when sending, perhaps
     with _about(one.endpoint):
         answers: Answers = []
-        for _ in one.requests:
+        for _ in _answered(one.requests):
             try:
                 answers.append(one.client.next_answer())
             except _CLOSED_WHILE_KEPT:
@@ -568,6 +583,11 @@ def _read_round(
             del asking[one.endpoint]
             if not one.client.closed:
                 connections.keep(one.endpoint, one.client)
+
+
+def _answered(requests: list[Message]) -> list[Message]:
+    """The requests of a round whose answers the round reads: not a WATCH_HEAD's."""
+    return [r for r in requests if not isinstance(r, WatchHead)]
 
 
 def _fresh(

@@ -233,7 +233,7 @@ class Client:
 
     def _receive(self) -> Message:
         try:
-            if self._watching is not None:  # a WATCH_HEAD's answer comes first: keep it
+            if isinstance(self._conn.answering, WatchHead):  # its answer is next: keep it
                 self._watched, self._watching = self._receive_info(), None
             return self._receive_message()
         except StreamQError:
@@ -260,6 +260,8 @@ class Client:
         lets one thread ask many producers at once."""
         with producer_errors(self.address, "sending to"):
             self._sock.sendall(b"".join(map(self._conn.send, requests)))
+        if any(isinstance(request, WatchHead) for request in requests):
+            self._watching, self._watched = time.monotonic(), None
 
     def next_answer(self) -> Message:
         """The answer to the oldest request sent with ``send_requests`` and not yet read;
@@ -272,8 +274,7 @@ class Client:
         waiting: ``answer_ready`` says when ``watched`` can read the answer at once. The
         producer answers at the latest after its heartbeat interval, head as it is. Other
         requests may follow: they end the wait (their answers come after its answer)."""
-        self._send(WatchHead(stream, head))
-        self._watching, self._watched = time.monotonic(), None
+        self.send_requests(WatchHead(stream, head))
 
     @property
     def watching(self) -> float | None:
@@ -282,7 +283,8 @@ class Client:
         return self._watching
 
     def watched(self) -> StreamInfo:
-        """The answer to the last ``watch_head``, waiting for it if it has not come."""
+        """The answer to the last ``watch_head`` (or WATCH_HEAD in ``send_requests``),
+        waiting for it if it has not come; the answers before it must have been read."""
         if self._watching is not None:
             try:
                 self._watched, self._watching = self._receive_info(), None
@@ -302,10 +304,12 @@ class Client:
         sock = self._sock
         if isinstance(sock, ssl.SSLSocket) and sock.pending():
             return True
+        poller = select.poll()  # not select(): a driver holds more than 1,024 sockets
         try:
-            return bool(select.select([sock], [], [], 0)[0])
+            poller.register(sock, select.POLLIN)
         except (OSError, ValueError):  # closed: reading says so at once
             return True
+        return bool(poller.poll(0))
 
     def head(self, stream: str) -> StreamInfo:
         """The stream's head (last committed seq) and low (first seq still held)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from .errors import OffsetOutOfRangeError, UnknownStreamError
@@ -254,6 +254,64 @@ class Stream:
         finally:
             if waits is not None:
                 waits.end()
+
+    def on_beyond(self, seq: int, timeout: float, callback: Callable[[], None]) -> Beyond:
+        """Call ``callback`` once head > ``seq`` or ``timeout`` has passed (not now: the
+        caller checks the head first), with no task of its own: what a WATCH_HEAD waits
+        with, so that hundreds of watching connections cost a future and a timer each."""
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        return Beyond(self, loop, seq, loop.time() + timeout, callback)
+
+
+class Beyond:
+    """``Stream.on_beyond``'s wait; ``cancel`` ends it without calling anything."""
+
+    __slots__ = ("_callback", "_loop", "_seq", "_stream", "_timer", "_waiter")
+
+    def __init__(
+        self,
+        stream: Stream,
+        loop: asyncio.AbstractEventLoop,
+        seq: int,
+        deadline: float,
+        callback: Callable[[], None],
+    ) -> None:
+        self._stream, self._loop, self._seq, self._callback = stream, loop, seq, callback
+        self._waiter: asyncio.Future[bool] | None = None
+        self._timer = loop.call_at(deadline, self._done)
+        if stream.waits is not None:
+            stream.waits.begin()
+        self._wait()
+
+    def _wait(self) -> None:
+        self._waiter = waiter = self._loop.create_future()
+        self._stream._waiters[waiter] = None
+        waiter.add_done_callback(self._woken)
+
+    def _woken(self, waiter: asyncio.Future[bool]) -> None:
+        if waiter is not self._waiter:
+            return  # cancelled
+        if self._stream.head <= self._seq:
+            self._wait()  # a wake that did not reach the seq
+        else:
+            self._done()
+
+    def _done(self) -> None:
+        if self._waiter is not None:
+            self.cancel()
+            self._callback()
+
+    def cancel(self) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is None:
+            return
+        self._timer.cancel()
+        self._stream._waiters.pop(waiter, None)
+        waiter.cancel()
+        if self._stream.waits is not None:
+            self._stream.waits.end()
 
 
 class Waits:

@@ -32,7 +32,7 @@ from .errors import (
     UnknownStreamError,
 )
 from .filters import Filter, share_name
-from .log import NOTHING, Log, Packed, Stream
+from .log import NOTHING, Beyond, Log, Packed, Stream
 from .positions import Positions
 from .protocol import (
     DEFAULT_MAX_FRAME_SIZE,
@@ -64,7 +64,7 @@ from .protocol import (
 )
 from .security import Principal, ServerTLS, TokenAuth, check_admin, check_stream
 from .storage import OpenTransactions
-from .transport import READ_SIZE, discard_input, read_message
+from .transport import discard_input, read_message
 
 logger = logging.getLogger("streamq.server")
 
@@ -119,6 +119,52 @@ class ServerSettings:
             )
         if self.max_batch_bytes > self.max_frame_size - FRAME_OVERHEAD:
             raise ValueError("max_batch_bytes must leave room for framing within max_frame_size")
+
+
+# The requests that name a stream: checked against the grants, and that it exists.
+_NAMING_A_STREAM = (
+    Subscribe,
+    GetHead,
+    GetRange,
+    GetHistory,
+    SeekTime,
+    ReportPosition,
+    WatchHead,
+)
+
+
+class _HeadWatch:
+    """A WATCH_HEAD's answer, owed until the head moves beyond the client's, the client
+    sends another message, or the heartbeat interval is up: written from a callback
+    (``Stream.on_beyond``) while the connection waits for its next request, so a watching
+    connection costs no task."""
+
+    def __init__(
+        self, conn: ServerConnection, writer: asyncio.StreamWriter, stream: Stream
+    ) -> None:
+        self._conn, self._writer, self._stream = conn, writer, stream
+        self._beyond: Beyond | None = None
+        self._answered = False
+
+    def wait(self, head: int, timeout: float) -> None:
+        if self._stream.head > head:
+            self.answer()
+        else:
+            self._beyond = self._stream.on_beyond(head, timeout, self.answer)
+
+    def answer(self) -> None:
+        if self._answered:
+            return
+        self._answered = True
+        self.cancel()
+        if not self._writer.transport.is_closing():  # a client gone: its end is read next
+            stream = self._stream
+            self._writer.write(self._conn.send(StreamInfo(stream.name, stream.head, stream.low)))
+
+    def cancel(self) -> None:
+        if self._beyond is not None:
+            self._beyond.cancel()
+            self._beyond = None
 
 
 @dataclass(eq=False)
@@ -392,96 +438,88 @@ class Server:
         # the hello's token names; nothing is answered before the token is checked.
         principal: Principal | None = None
         refreshed_at = -1  # conn.received at the last refresh
-        while (message := await self._next_message(conn, reader)) is not None:
-            if isinstance(message, ClientHello):
-                principal = self._authenticate(message)
-                if conn.our_state is State.AUTHENTICATING:
-                    name = None if principal is None else principal.name
-                    writer.write(conn.send(Authenticated(name)))
-                continue
-            if (
-                self.refresh is not None
-                and not isinstance(message, GetStatus)
-                and conn.received != refreshed_at
-            ):
-                # Other processes' commits, even those made just now. Once for requests
-                # pipelined together: one whose bytes had all come by the last refresh was
-                # sent before it, so that refresh found every commit its client had seen.
-                await self.refresh()
-                refreshed_at = conn.received
-            if isinstance(
-                message,
-                Subscribe | GetHead | GetRange | GetHistory | SeekTime | ReportPosition | WatchHead,
-            ):
-                check_stream(principal, message.stream)
-                self._check_known(principal, message.stream)
-            if isinstance(message, Subscribe):
-                await self._subscription(conn, message, reader, writer, principal)
-                return
-            if isinstance(message, GetHead):
-                stream = self.log.stream(message.stream)
-                writer.write(conn.send(StreamInfo(stream.name, stream.head, stream.low)))
-            elif isinstance(message, WatchHead):
-                stream = self.log.stream(message.stream)
-                if not await self._await_head(conn, stream, message.head, reader):
-                    return  # the client closed
-                writer.write(conn.send(StreamInfo(stream.name, stream.head, stream.low)))
-            elif isinstance(message, GetRange):
-                await self._send_range(conn, message, writer)
-            elif isinstance(message, GetHistory):
-                await self._send_history(conn, message, writer)
-            elif isinstance(message, SeekTime):
-                stream = self.log.stream(message.stream)
-                # "SEEK_TIME": stored timestamps are signed 64-bit; one beyond them all is
-                # later than every record (the database cannot even compare it).
-                if message.timestamp > MAX_STORED_TIMESTAMP:
-                    seq = stream.head + 1
-                else:
-                    seq = await self.log.seek_time(stream, message.timestamp)
-                writer.write(conn.send(TimePosition(stream.name, seq, stream.head, stream.low)))
-            elif isinstance(message, ListStreams):
-                infos = tuple(
-                    StreamInfo(s.name, s.head, s.low)
-                    for s in self.log.streams.values()
-                    if principal is None or principal.may_read(s.name)
-                )
-                writer.write(conn.send(StreamList(infos)))
-            elif isinstance(message, GetStatus):
-                check_admin(principal, "the status report")
-                writer.write(conn.send(StatusReport(self.status())))
-            elif isinstance(message, ReportPosition):
-                _check_consumer_name(message.consumer)
-                stream = self.log.stream(message.stream)
-                reporter = message.consumer if principal is None else principal.name
-                # Nothing beyond the head can have been applied: a report claiming more would
-                # let retention delete what a registered consumer still needs.
-                self.positions.report(reporter, stream.name, min(message.seq, stream.head))
-                writer.write(conn.send(StreamInfo(stream.name, stream.head, stream.low)))
-            await writer.drain()
-
-    async def _await_head(
-        self, conn: ServerConnection, stream: Stream, head: int, reader: asyncio.StreamReader
-    ) -> bool:
-        """WATCH_HEAD's wait: until the head is beyond ``head``, the client sends more (its
-        next request is answered after this one), or the heartbeat interval is up. False
-        if the client closed meanwhile."""
-        if stream.head > head or conn.buffered:
-            return True
-        more = asyncio.ensure_future(reader.read(READ_SIZE))
-        moved = asyncio.ensure_future(stream.wait_beyond(head, self.settings.heartbeat_interval))
+        watch: _HeadWatch | None = None  # a WATCH_HEAD waiting for its answer
         try:
-            await asyncio.wait((more, moved), return_when=asyncio.FIRST_COMPLETED)
+            while (message := await self._next_message(conn, reader)) is not None:
+                if watch is not None:  # another message ends the wait: answered first
+                    watch.answer()
+                    watch = None
+                if isinstance(message, ClientHello):
+                    principal = self._authenticate(message)
+                    if conn.our_state is State.AUTHENTICATING:
+                        name = None if principal is None else principal.name
+                        writer.write(conn.send(Authenticated(name)))
+                    continue
+                if (
+                    self.refresh is not None
+                    and not isinstance(message, GetStatus)
+                    and conn.received != refreshed_at
+                ):
+                    # Other processes' commits, even those made just now. Once for requests
+                    # pipelined together: one whose bytes had all come by the last refresh
+                    # was sent before it, so that refresh found every commit its client had
+                    # seen.
+                    await self.refresh()
+                    refreshed_at = conn.received
+                if isinstance(message, _NAMING_A_STREAM):
+                    check_stream(principal, message.stream)
+                    self._check_known(principal, message.stream)
+                if isinstance(message, Subscribe):
+                    await self._subscription(conn, message, reader, writer, principal)
+                    return
+                watch = await self._answer(conn, message, writer, principal)
+                await writer.drain()
         finally:
-            for task in (more, moved):
-                task.cancel()  # a read cancelled leaves its bytes in the reader's buffer
-            await asyncio.gather(more, moved, return_exceptions=True)
-        if more.cancelled():
-            return True
-        data = more.result()
-        if not data:
-            return False
-        conn.receive_data(data)
-        return True
+            if watch is not None:
+                watch.cancel()
+
+    async def _answer(
+        self,
+        conn: ServerConnection,
+        message: Any,
+        writer: asyncio.StreamWriter,
+        principal: Principal | None,
+    ) -> _HeadWatch | None:
+        """Answer one request; a WATCH_HEAD's answer may wait (it is returned then)."""
+        if isinstance(message, GetHead):
+            stream = self.log.stream(message.stream)
+            writer.write(conn.send(StreamInfo(stream.name, stream.head, stream.low)))
+        elif isinstance(message, WatchHead):
+            watch = _HeadWatch(conn, writer, self.log.stream(message.stream))
+            watch.wait(message.head, self.settings.heartbeat_interval)
+            return watch
+        elif isinstance(message, GetRange):
+            await self._send_range(conn, message, writer)
+        elif isinstance(message, GetHistory):
+            await self._send_history(conn, message, writer)
+        elif isinstance(message, SeekTime):
+            stream = self.log.stream(message.stream)
+            # "SEEK_TIME": stored timestamps are signed 64-bit; one beyond them all is
+            # later than every record (the database cannot even compare it).
+            if message.timestamp > MAX_STORED_TIMESTAMP:
+                seq = stream.head + 1
+            else:
+                seq = await self.log.seek_time(stream, message.timestamp)
+            writer.write(conn.send(TimePosition(stream.name, seq, stream.head, stream.low)))
+        elif isinstance(message, ListStreams):
+            infos = tuple(
+                StreamInfo(s.name, s.head, s.low)
+                for s in self.log.streams.values()
+                if principal is None or principal.may_read(s.name)
+            )
+            writer.write(conn.send(StreamList(infos)))
+        elif isinstance(message, GetStatus):
+            check_admin(principal, "the status report")
+            writer.write(conn.send(StatusReport(self.status())))
+        elif isinstance(message, ReportPosition):
+            _check_consumer_name(message.consumer)
+            stream = self.log.stream(message.stream)
+            reporter = message.consumer if principal is None else principal.name
+            # Nothing beyond the head can have been applied: a report claiming more would
+            # let retention delete what a registered consumer still needs.
+            self.positions.report(reporter, stream.name, min(message.seq, stream.head))
+            writer.write(conn.send(StreamInfo(stream.name, stream.head, stream.low)))
+        return None
 
     def _check_known(self, principal: Principal | None, name: str) -> None:
         """With tokens, the error for an unknown stream names only the streams the consumer

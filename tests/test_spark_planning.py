@@ -15,10 +15,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import streamq
+import streamq.server
 from bench.spark.streamq import Fleet, _fill_producers
 from bench.tools import discovery
 from spark_source import planning
 from spark_source.planning import Connect, ProducerState, Range, StreamQSourceError
+from streamq.errors import MalformedFrameError
 
 from .waiting import producer_connections, wait_until
 
@@ -250,6 +252,32 @@ def test_a_producer_restarted_while_watched_is_asked_on_a_new_connection(tmp_pat
             assert producer_connections(address) == 2  # this one and the driver's new one
     finally:
         kept.close()
+
+
+def test_a_producer_that_refuses_watches_is_asked_every_trigger(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A producer of a version before WATCH_HEAD answers it MALFORMED_FRAME (an unknown
+    message type) and closes: the driver stops watching it, and asks it at every trigger
+    on one kept connection, as before."""
+
+    def refuse(*args: object) -> None:
+        raise MalformedFrameError("unknown message type 21")
+
+    monkeypatch.setattr(streamq.server._HeadWatch, "wait", refuse)
+    with streamq.SyncProducer(str(tmp_path / "a.db")) as a:
+        address, pid = a.address, a.producer_id
+        kept = planning.Connections(Connect(timeout=10))
+        try:
+            for head in range(1, 5):
+                a.publish("orders", b"x")
+                positions = {pid: planning.Position(head)}  # behind the head: two rounds
+                assert planning.discover([address], "orders", kept, positions)[pid].head == head
+            assert kept.unwatchable == {address}
+            assert kept.watches == {}
+            assert producer_connections(address) == 2  # this one and the driver's
+        finally:
+            kept.close()
 
 
 def test_the_discovery_tool_measures_a_fleet(tmp_path: Path) -> None:

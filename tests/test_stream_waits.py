@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from streamq.log import Stream, TailBuffer
+from streamq.log import Stream, TailBuffer, Waits
 
 
 def stream(head: int = 5) -> Stream:
@@ -66,3 +66,56 @@ async def test_a_cancelled_wait_leaves_nothing() -> None:
         await wait
     assert not s._waiters
     commit(s, 6)  # nobody left to wake
+
+
+# ``Stream.on_beyond``: the same wait as a callback, with no task (a WATCH_HEAD's).
+
+
+async def test_on_beyond_calls_back_once_the_head_is_beyond() -> None:
+    s = stream()
+    s.waits = Waits()
+    calls: list[int] = []
+    called = asyncio.Event()
+
+    def callback() -> None:
+        calls.append(s.head)
+        called.set()
+
+    s.on_beyond(7, 30, callback)
+    assert s.waits.count == 1
+    commit(s, 6)  # not yet beyond 7: waits on
+    await asyncio.sleep(0)
+    assert not calls and len(s._waiters) == 1
+    commit(s, 8)
+    async with asyncio.timeout(10):
+        await called.wait()
+    assert calls == [8]
+    assert not s._waiters and s.waits.count == 0
+
+
+async def test_on_beyond_calls_back_when_time_is_up() -> None:
+    s = stream()
+    s.waits = Waits()
+    called = asyncio.Event()
+    s.on_beyond(5, 0.01, called.set)
+    async with asyncio.timeout(10):
+        await called.wait()
+    assert s.head == 5
+    assert not s._waiters and s.waits.count == 0
+
+
+async def test_a_cancelled_on_beyond_calls_nothing_and_leaves_nothing() -> None:
+    s = stream()
+    s.waits = Waits()
+    calls: list[None] = []
+    beyond = s.on_beyond(5, 0.01, lambda: calls.append(None))
+    beyond.cancel()
+    beyond.cancel()  # twice: nothing more
+    assert not s._waiters and s.waits.count == 0
+    later = asyncio.Event()
+    s.on_beyond(5, 0.02, later.set)  # timers run in deadline order: the first's is past
+    async with asyncio.timeout(10):
+        await later.wait()
+    commit(s, 6)
+    await asyncio.sleep(0)
+    assert calls == []

@@ -272,6 +272,11 @@ class ClientConnection(Connection):
         self._subscription: Subscribe | None = None
         self.last_seq = 0
 
+    @property
+    def answering(self) -> Request | None:
+        """The oldest request still waiting for (the rest of) its answer."""
+        return self._pending[0] if self._pending else None
+
     def _check_sent(self, message: Message) -> None:
         if isinstance(message, Subscribe):
             if self._pending:
