@@ -6,7 +6,9 @@ Offsets are JSON maps ``{producer id: next seq}``; a streaming query's offsets a
 producer say whether it still holds the seqs the query read as the query read them.
 Everything here is plain Python; the only I/O is the blocking ``streamq.Client``, a few
 short requests per producer: pipelined to every producer at once from one thread for
-discovery (``_ask_all``), in parallel threads elsewhere.
+discovery (``_ask_all``), in parallel threads elsewhere. Between a streaming query's
+triggers each kept connection watches its producer's head (``_Watch``), so a trigger asks
+only the producers whose head moved.
 """
 
 from __future__ import annotations
@@ -393,7 +395,9 @@ def _ask_all(
     """Every producer's probe at once, from this thread: a round's requests go to every
     producer before any answer is read, so a round costs about the slowest producer's
     answer, not the sum of all (and no thread per producer fights for the GIL). Missing
-    connections are made first, in parallel; all are kept for the next trigger.
+    connections are made first, in parallel; all are kept for the next trigger. With
+    ``positions`` (streaming), a producer whose watch says its head has not moved is not
+    asked at all (``_unchanged``), and every connection asked is left watching.
 
     ``reports`` go only on connections kept from the last discovery: that one vouched
     for the query's position, and a producer that lost commits since has restarted,
