@@ -247,9 +247,10 @@ class _Settings:
         positions: Mapping[str, Position] | None = None,
         via: Connections | None = None,
         reports: Reports | None = None,
+        known: Mapping[str, ProducerState] | None = None,
     ) -> dict[str, ProducerState]:
         return planning.discover(
-            self.endpoints(), self.stream, via or self.connect, positions, reports
+            self.endpoints(), self.stream, via or self.connect, positions, reports, known
         )
 
     def initial(self, states: Mapping[str, ProducerState], default: str) -> Offsets:
@@ -552,6 +553,7 @@ class StreamQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._initial: Offsets | None = None  # a new query's start: nothing applied yet
         # What was last reported to each producer: (last seq held, time.monotonic()).
         self._reported: dict[str, tuple[int, float]] = {}
+        self._down: set[str] = set()  # producers down at the last trigger (logged)
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled to the executors: the driver's connections stay behind."""
@@ -563,9 +565,12 @@ class StreamQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return self._connections
 
     def _refresh(self, positions: Mapping[str, Position] | None = None) -> dict[str, ProducerState]:
+        """Every producer's state now. With ``positions`` (a trigger of a running query), a
+        producer it reads that is down is its last known state (``ProducerState.down``)."""
         settings = self.settings
         reports = Reports(settings.consumer_name, dict(self._unreported))
-        self._states = settings.discover(positions, self.connections(), reports)
+        known = None if positions is None else self._states
+        self._states = settings.discover(positions, self.connections(), reports, known)
         for pid in reports.sent:
             if self._unreported.get(pid) == reports.seqs[pid]:
                 del self._unreported[pid]
@@ -616,10 +621,15 @@ class StreamQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             self._committed(seqs)  # reported with the discovery below
         states = self._refresh(positions)
         planning.check_producers(seqs, states)
+        self._say_down(states, seqs)
         back = {pid: self._lost(pid, seq) for pid, seq in seqs.items() if states[pid].lost}
         # Producers that appeared since the query started are read from their earliest seq.
         begin = {**{pid: s.low for pid, s in states.items()}, **seqs}
-        end = {pid: max(b, states[pid].head + 1) for pid, b in begin.items() if pid not in back}
+        end = {
+            pid: b if states[pid].down else max(b, states[pid].head + 1)
+            for pid, b in begin.items()
+            if pid not in back
+        }
         if self._target is not None:
             end = {
                 pid: max(begin[pid], min(e, self._target.get(pid, begin[pid])))
@@ -637,6 +647,24 @@ class StreamQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             if epoch is not None:
                 end_epochs[pid] = epoch
         return planning.join_offset(end, end_epochs)
+
+    def _say_down(self, states: Mapping[str, ProducerState], seqs: Offsets) -> None:
+        """A producer down (or back) is logged once, naming it: the query reads the others
+        meanwhile, and that one's records from where it stopped once it is back."""
+        for pid, state in states.items():
+            if state.down and pid not in self._down:
+                self._down.add(pid)
+                logger.warning(
+                    "producer %s at %s is down; reading the other producers meanwhile, and "
+                    "its records from seq %d on once it is back: %s",
+                    pid,
+                    state.endpoint,
+                    seqs.get(pid, state.low),
+                    state.down,
+                )
+            elif not state.down and pid in self._down:
+                self._down.discard(pid)
+                logger.warning("producer %s at %s is back", pid, state.endpoint)
 
     def reportLatestOffset(self) -> dict[str, int] | None:
         return {pid: s.head + 1 for pid, s in self._states.items()} or None

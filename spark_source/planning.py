@@ -35,7 +35,12 @@ from streamq import (
     UnknownStreamError,
 )
 from streamq.client import vouch_answer, vouch_request
-from streamq.errors import IdleTimeoutError, MalformedFrameError, ShuttingDownError
+from streamq.errors import (
+    IdleTimeoutError,
+    MalformedFrameError,
+    ShuttingDownError,
+    TooManyConnectionsError,
+)
 from streamq.protocol import (
     GetHead,
     ListStreams,
@@ -90,6 +95,10 @@ class ProducerState:
     # that the producer's log no longer holds as the query read them (None: none).
     epoch: int | None = None
     lost: range | None = None
+    # Why a producer the query already reads could not be asked this trigger (it is down,
+    # or restarting): its state is the last one known, and the query reads nothing of it
+    # until it is back (``discover``'s ``known``).
+    down: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +221,8 @@ class Connections:
         # producers that refused WATCH_HEAD (older versions: MALFORMED_FRAME).
         self.watches: dict[str, _Watch] = {}
         self.unwatchable: set[str] = set()
+        # Producers found down: when to try again, and the wait after that (``_Down``).
+        self.retry: dict[str, tuple[float, float]] = {}
 
     def take(self, endpoint: str) -> Client | None:
         """The endpoint's kept connection, for the caller alone until it ``keep``s it."""
@@ -391,6 +402,7 @@ def _ask_all(
     stream: str,
     positions: Mapping[str, Position] | None,
     reports: Reports | None = None,
+    known: Mapping[str, ProducerState] | None = None,
 ) -> list[ProducerState | _Missing]:
     """Every producer's probe at once, from this thread: a round's requests go to every
     producer before any answer is read, so a round costs about the slowest producer's
@@ -402,7 +414,10 @@ def _ask_all(
     ``reports`` go only on connections kept from the last discovery: that one vouched
     for the query's position, and a producer that lost commits since has restarted,
     ending the connection. Sent to it then, a report could claim seqs it no longer holds
-    as applied, for its retention to delete before the query reads them again."""
+    as applied, for its retention to delete before the query reads them again.
+
+    ``known``: the states of producers the query already reads, by endpoint: one of them
+    that cannot be reached is its known state, ``down`` (``_Down``), not a failure."""
 
     def start(endpoint: str, client: Client, kept: bool) -> _Asking:
         report = reports if kept else None
@@ -420,7 +435,10 @@ def _ask_all(
             return error
 
     results: dict[str, ProducerState | _Missing] = {}
-    kept = {e: c for e in endpoints if (c := connections.take(e)) is not None}
+    down = _Down(connections, known or {}, results)
+    for endpoint in endpoints:
+        down.waiting(endpoint)
+    kept = {e: c for e in endpoints if e not in results and (c := connections.take(e)) is not None}
     if positions is not None:
         for endpoint, client in list(kept.items()):
             try:
@@ -439,21 +457,75 @@ def _ask_all(
     made = connections.map(connect, new)
     asking.update((e, one) for e, one in zip(new, made, strict=True) if isinstance(one, _Asking))
     try:
-        for failed in made:
-            if isinstance(failed, StreamQSourceError):
+        for endpoint, failed in zip(new, made, strict=True):
+            if isinstance(failed, StreamQSourceError) and not down.found(endpoint, failed):
                 raise failed  # every connection made is closed below
         while asking:
             for one in list(asking.values()):
-                _send_round(connections, one, asking, start)
+                with down.tolerated(one.endpoint, asking):
+                    _send_round(connections, one, asking, start)
             for one in list(asking.values()):
-                _read_round(connections, one, asking, start, results)
+                with down.tolerated(one.endpoint, asking):
+                    _read_round(connections, one, asking, start, results)
     finally:
         for one in asking.values():
             one.client.close()
     if positions is not None:
         for endpoint in set(kept) | set(new):
             _watch(connections, endpoint, stream, results[endpoint])
+    for endpoint in endpoints:
+        result = results[endpoint]
+        if not isinstance(result, ProducerState) or result.down is None:
+            connections.retry.pop(endpoint, None)
     return [results[e] for e in endpoints]
+
+
+# How a producer the query reads may be down: it refuses connections, its machine does
+# not answer (a timeout), it is shutting down, or it is at its connection limit.
+_UNREACHABLE = (ConnectionLostError, ShuttingDownError, TooManyConnectionsError)
+# A producer found down is tried again after this, doubling up to the last.
+RETRY_FIRST, RETRY_MOST = 1.0, 30.0
+
+
+@dataclass
+class _Down:
+    """Producers that a streaming query already reads and that cannot be reached: each
+    is its last known state with ``down`` set, so the query goes on with the others and
+    reads it again once it is back, instead of failing. Tried again ``RETRY_FIRST`` after
+    it was found down, then at doubling intervals up to ``RETRY_MOST``: a machine that
+    does not answer costs a trigger the connect timeout only that often."""
+
+    connections: Connections
+    known: Mapping[str, ProducerState]
+    results: dict[str, ProducerState | _Missing]
+
+    def waiting(self, endpoint: str) -> None:
+        """Leave the endpoint out of this trigger if it is down and not due for a retry."""
+        retry = self.connections.retry.get(endpoint)
+        state = self.known.get(endpoint)
+        if retry is not None and state is not None and time.monotonic() < retry[0]:
+            self.results[endpoint] = replace(state, down=state.down or "down", lost=None)
+
+    def found(self, endpoint: str, error: StreamQSourceError) -> bool:
+        """Whether ``error`` says the known producer at ``endpoint`` is down (and noted)."""
+        state = self.known.get(endpoint)
+        if state is None or not isinstance(error.__cause__, _UNREACHABLE):
+            return False
+        wait = self.connections.retry.get(endpoint, (0.0, RETRY_FIRST / 2))[1] * 2
+        wait = min(wait, RETRY_MOST)
+        self.connections.retry[endpoint] = (time.monotonic() + wait, wait)
+        self.results[endpoint] = replace(state, down=str(error), lost=None)
+        return True
+
+    @contextlib.contextmanager
+    def tolerated(self, endpoint: str, asking: dict[str, _Asking]) -> Iterator[None]:
+        """A round with the producer at ``endpoint``; if it is down, it leaves ``asking``."""
+        try:
+            yield
+        except StreamQSourceError as error:
+            if not self.found(endpoint, error):
+                raise
+            asking.pop(endpoint).client.close()
 
 
 @dataclass(frozen=True, slots=True)
@@ -475,7 +547,7 @@ def _watch(
     connections: Connections, endpoint: str, stream: str, state: ProducerState | _Missing
 ) -> None:
     """Have the endpoint's kept connection watch the head ``state`` found."""
-    if not isinstance(state, ProducerState) or state.lost is not None:
+    if not isinstance(state, ProducerState) or state.lost is not None or state.down:
         return  # asked again next trigger
     if endpoint in connections.unwatchable:
         return
@@ -616,17 +688,21 @@ def discover(
     via: Connect | Connections,
     positions: Mapping[str, Position] | None = None,
     reports: Reports | None = None,
+    known: Mapping[str, ProducerState] | None = None,
 ) -> dict[str, ProducerState]:
     """Every producer's id, head and low, asked of all at once; raises naming what failed,
     and if any producer lacks ``stream``, naming each such producer and its streams.
 
     With ``positions`` (a streaming query's, possibly empty), also the epoch of each head
     and the seqs each producer lost under the query's position (``ProducerState.lost``).
-    ``reports``: positions to report on the way (``Reports``, ``_ask_all``).
+    ``reports``: positions to report on the way (``Reports``, ``_ask_all``). ``known``: the
+    states the last discovery found (by producer id); one of those producers that cannot
+    be reached now is its known state with ``down`` set, not an error.
     """
     connections, done = _via(via)
+    by_endpoint = {s.endpoint: s for s in (known or {}).values()}
     try:
-        found = _ask_all(connections, endpoints, stream, positions, reports)
+        found = _ask_all(connections, endpoints, stream, positions, reports, by_endpoint)
     finally:
         done()
     missing = [m for m in found if isinstance(m, _Missing)]

@@ -19,6 +19,8 @@ from pyspark.sql.streaming import StreamingQuery
 import streamq
 from spark_source.schema import SCHEMA
 
+from .waiting import wait_until
+
 
 @pytest.fixture
 def producers(tmp_path: Path) -> Iterator[list[streamq.SyncProducer]]:
@@ -404,3 +406,50 @@ def test_read_on_driver_and_a_batch_replayed_after_a_restart(
     last = seen.pop(2)
     run()
     assert seen[2] == last
+
+
+@pytest.mark.parametrize("on_driver", ["false", "true"])
+def test_a_producer_down_delays_only_its_own_records(
+    spark: SparkSession, tmp_path: Path, on_driver: str
+) -> None:
+    """A producer the running query reads stops: the query goes on with the others, then
+    reads the stopped one's records from where it stopped once it is back on its address.
+    Every record once."""
+    rows: list[tuple[str, int]] = []
+
+    def sink(df: DataFrame, batch_id: int) -> None:
+        rows.extend((r.producer, r.seq) for r in df.select("producer", "seq").collect())
+
+    def read_up_to(producer_id: str, seq: int) -> bool:
+        return any(row == (producer_id, seq) for row in list(rows))
+
+    a = streamq.SyncProducer(str(tmp_path / "a.db"))
+    b = streamq.SyncProducer(str(tmp_path / "b.db"))
+    query = None
+    try:
+        for producer in (a, b):
+            producer.publish("orders", b"first")
+        b_address, b_id = b.address, b.producer_id
+        query = (
+            spark.readStream.format("streamq")
+            .options(endpoints=f"{a.address},{b_address}", stream="orders")
+            .options(startingOffsets="earliest", readOnDriver=on_driver)
+            .load()
+            .writeStream.foreachBatch(sink)
+            .option("checkpointLocation", str(tmp_path / "ck"))
+            .start()
+        )
+        wait_until(lambda: read_up_to(b_id, 1) and read_up_to(a.producer_id, 1), "seq 1", 120)
+        b.close()
+        a.publish("orders", b"while b is down")
+        wait_until(lambda: read_up_to(a.producer_id, 2), "a's seq 2 while b is down", 120)
+        assert query.isActive
+        b = streamq.SyncProducer(str(tmp_path / "b.db"), port=int(b_address.rsplit(":", 1)[1]))
+        b.publish("orders", b"back")
+        wait_until(lambda: read_up_to(b_id, 2), "b's seq 2 once it is back", 120)
+    finally:
+        if query is not None:
+            query.stop()
+        a.close()
+        b.close()
+    assert sorted(rows) == sorted([(a.producer_id, 1), (a.producer_id, 2), (b_id, 1), (b_id, 2)])

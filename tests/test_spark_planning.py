@@ -8,6 +8,7 @@ import socket
 import socketserver
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -276,6 +277,49 @@ def test_a_producer_that_refuses_watches_is_asked_every_trigger(
             assert kept.unwatchable == {address}
             assert kept.watches == {}
             assert producer_connections(address) == 2  # this one and the driver's
+        finally:
+            kept.close()
+
+
+def test_a_known_producer_that_is_down_is_its_known_state_until_it_is_back(
+    tmp_path: Path,
+) -> None:
+    """A running query's producer that cannot be reached is its last known state, marked
+    ``down`` (the query goes on with the others), tried again after 1 s, then 2, 4...; once
+    back, it is asked as before. One the query never reached is an error, as ever."""
+    db = str(tmp_path / "b.db")
+    with streamq.SyncProducer(str(tmp_path / "a.db")) as a:
+        a.publish("orders", b"x")
+        kept = planning.Connections(Connect(timeout=10))
+        try:
+            with streamq.SyncProducer(db) as b:
+                b.publish("orders", b"x")
+                endpoints, port = [a.address, b.address], int(b.address.rsplit(":", 1)[1])
+                known = planning.discover(endpoints, "orders", kept, {})
+            positions = {pid: planning.Position(2, s.epoch) for pid, s in known.items()}
+            states = planning.discover(endpoints, "orders", kept, positions, known=known)
+            down = states[b.producer_id].down
+            assert down is not None and f"producer at {b.address}" in down
+            assert states == {**known, b.producer_id: replace(known[b.producer_id], down=down)}
+            assert kept.retry[b.address][1] == planning.RETRY_FIRST
+            due = kept.retry[b.address][0]
+            # Not due yet: not asked (the wait stays); due: asked, and the wait doubles.
+            states = planning.discover(endpoints, "orders", kept, positions, known=states)
+            assert states[b.producer_id].down and kept.retry[b.address][0] == due
+            kept.retry[b.address] = (0.0, kept.retry[b.address][1])
+            planning.discover(endpoints, "orders", kept, positions, known=states)
+            assert kept.retry[b.address][1] == 2 * planning.RETRY_FIRST
+            with streamq.SyncProducer(db, port=port) as restarted:
+                restarted.publish("orders", b"more")
+                kept.retry[b.address] = (0.0, kept.retry[b.address][1])
+                states = planning.discover(endpoints, "orders", kept, positions, known=states)
+                back, before = states[b.producer_id], known[b.producer_id]
+                assert (back.head, back.down, back.lost) == (2, None, None)
+                assert back.epoch is not None and before.epoch is not None
+                assert back.epoch > before.epoch  # a restart's epoch wrote seq 2
+                assert b.address not in kept.retry
+            with pytest.raises(StreamQSourceError, match=f"producer at {b.address}: cannot"):
+                planning.discover(endpoints, "orders", kept, positions, known={})
         finally:
             kept.close()
 

@@ -5,7 +5,10 @@ A query over a few records per producer (partition) into a noop sink, triggered 
 200 ms; once it has read them, every trigger finds nothing new. Spark reports such a
 trigger only every 10 s by default (``noDataProgressEventInterval``), so that is set to 0
 here. Prints the median and max of the idle triggers' ``latestOffset`` and
-``triggerExecution`` (Spark's ``durationMs``). docs/scaling.md has the figures.
+``triggerExecution`` (Spark's ``durationMs``). Then, three times, one new record in every
+producer (partition) while the query runs: the median ``addBatch`` and
+``triggerExecution`` of the triggers that read them (``data``). docs/scaling.md has the
+figures.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import sqlite3
 import statistics
 import tempfile
 import time
@@ -24,27 +28,52 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from .common import noop_query
-from .kafka import _fill_topic
+import streamq
+
+from .common import RECORD, noop_query
+from .kafka import _fill_topic, _produce
 from .run import spark_session
 from .streamq import Fleet, _fill_producers
 
 PER_SOURCE = 4  # records per producer (partition)
+DATA_ROUNDS = 3  # rounds of one new record per producer (partition)
 # One source's run: (spark, folder, producers, seconds) -> figures.
 Case = Callable[[Any, Path, int, float], dict[str, float]]
 TRIGGER = "200 milliseconds"
 
 
-def idle_triggers(reader: Any, checkpoint: Path, rows: int, seconds: float) -> dict[str, float]:
+def _read(query: Any, rows: int, first: int = 0) -> list[dict[str, Any]]:
+    """Wait until the query has read ``rows`` in batches ``first`` on; their progress
+    reports that read any. (Spark keeps only the last 100 reports.)"""
+    deadline = time.monotonic() + 300
+    while True:
+        read = [p for p in query.recentProgress if p["batchId"] >= first and p["numInputRows"]]
+        if sum(p["numInputRows"] for p in read) >= rows:
+            return read
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the query read fewer than {rows} rows in 300 s")
+        time.sleep(0.2)
+
+
+def _idle(query: Any) -> None:
+    """Wait for a trigger that found nothing new: it reports the id of the next batch."""
+    deadline = time.monotonic() + 300
+    while (last := query.lastProgress) is None or last["numInputRows"]:
+        if time.monotonic() > deadline:
+            raise TimeoutError("no idle trigger was reported in 300 s")
+        time.sleep(0.2)
+
+
+def idle_triggers(
+    reader: Any, checkpoint: Path, rows: int, seconds: float, add: Callable[[], int]
+) -> dict[str, float]:
     """Median and max ``latestOffset`` and ``triggerExecution`` (ms) of the idle triggers
-    in ``seconds`` after the query read its ``rows``."""
+    in ``seconds`` after the query read its ``rows``; then the median ``addBatch`` and
+    ``triggerExecution`` of the triggers that read what ``add`` adds (it returns how many
+    rows), ``DATA_ROUNDS`` times."""
     query = noop_query(reader, checkpoint, processingTime=TRIGGER)
     try:
-        deadline = time.monotonic() + 300
-        while sum(p["numInputRows"] for p in query.recentProgress) < rows:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the query read fewer than {rows} rows in 300 s")
-            time.sleep(0.2)
+        _read(query, rows)
         read = len(query.recentProgress)
         until = time.monotonic() + seconds
         deadline = until + 300
@@ -55,6 +84,10 @@ def idle_triggers(reader: Any, checkpoint: Path, rows: int, seconds: float) -> d
             if time.monotonic() > deadline:
                 raise TimeoutError("no idle trigger was reported in 300 s")
             time.sleep(0.2)
+        data = []
+        for _ in range(DATA_ROUNDS):
+            _idle(query)
+            data += _read(query, add(), query.lastProgress["batchId"])
     finally:
         query.stop()
     figures = {}
@@ -63,11 +96,15 @@ def idle_triggers(reader: Any, checkpoint: Path, rows: int, seconds: float) -> d
         figures[f"{phase} median"] = statistics.median(values)
         figures[f"{phase} max"] = max(values)
     figures["triggers"] = len(idle)
+    for phase in ("addBatch", "triggerExecution"):
+        figures[f"data {phase}"] = statistics.median(p["durationMs"][phase] for p in data)
+    figures["data triggers"] = len(data)
     return figures
 
 
 def streamq_idle(spark: Any, folder: Path, producers: int, seconds: float) -> dict[str, float]:
-    fleet = Fleet(_fill_producers(folder, producers, producers * PER_SOURCE))
+    paths = _fill_producers(folder, producers, producers * PER_SOURCE)
+    fleet = Fleet(paths)
     try:
         reader = (
             spark.readStream.format("streamq")
@@ -75,9 +112,22 @@ def streamq_idle(spark: Any, folder: Path, producers: int, seconds: float) -> di
             .option("stream", "ingest")
             .option("startingOffsets", "earliest")
         )
-        return idle_triggers(reader, folder / "ck", producers * PER_SOURCE, seconds)
+        return idle_triggers(
+            reader, folder / "ck", producers * PER_SOURCE, seconds, lambda: _publish(paths)
+        )
     finally:
         fleet.stop()
+
+
+def _publish(paths: list[Path]) -> int:
+    """One record in each producer's database, as a worker process of each would write it
+    (``streamq.publish`` on its own connection): the producers serving them find it."""
+    for path in paths:
+        with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as conn:
+            conn.execute("BEGIN IMMEDIATE")
+            streamq.publish(conn, "ingest", RECORD)
+            conn.execute("COMMIT")
+    return len(paths)
 
 
 def kafka_idle(
@@ -91,7 +141,12 @@ def kafka_idle(
         .option("subscribe", topic)
         .option("startingOffsets", "earliest")
     )
-    return idle_triggers(reader, folder / "ck", partitions * PER_SOURCE, seconds)
+
+    def add() -> int:
+        _produce(broker, topic, partitions, partitions)
+        return partitions
+
+    return idle_triggers(reader, folder / "ck", partitions * PER_SOURCE, seconds, add)
 
 
 @contextlib.contextmanager
@@ -113,9 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     counts = [int(count) for count in args.producers.split(",")]
     table = Table(title=f"idle triggers ({TRIGGER}), ms")
-    for column in ("source", "producers", "latestOffset", "max", "triggerExecution", "max"):
+    columns = ("source", "producers", "latestOffset", "max", "triggerExecution", "max")
+    for column in (*columns, "triggers", "data addBatch", "data trigger", "data triggers"):
         table.add_column(column, justify="right")
-    table.add_column("triggers", justify="right")
     with _broker(not args.no_kafka) as broker:
         spark = spark_session(broker is not None)
         spark.conf.set("spark.sql.streaming.noDataProgressEventInterval", "0")

@@ -15,6 +15,11 @@ from .common import RECORD, Latency, measure, time_query
 
 def _fill_topic(broker: Any, topic: str, partitions: int, total: int) -> None:
     broker.create_topic(topic, partitions)
+    _produce(broker, topic, partitions, total)
+
+
+def _produce(broker: Any, topic: str, partitions: int, total: int) -> None:
+    """``total`` records, spread evenly over the topic's partitions."""
     producer = Producer({"bootstrap.servers": broker.bootstrap, "linger.ms": 20})
     for i in range(total):
         while True:
