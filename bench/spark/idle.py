@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                     figures = run(spark, Path(folder), count, args.seconds)
                 table.add_row(source, str(count), *(f"{v:,.0f}" for v in figures.values()))
         spark.stop()
-    Console().print(table)
+    Console(width=200).print(table)  # every column whole, on any terminal
     return 0
 
 
