@@ -501,25 +501,32 @@ def test_a_crash_with_synchronous_commits_keeps_every_acknowledged_publish(
     commit asynchronously (as the serving producer's do; it serves one only once
     flushed): a round the crash loses costs no record, its records are pending again and
     numbered again in the same order. The crash still starts a new epoch."""
-    server = servers.start(**DELAYED_WAL)  # the last round stays unwritten until the kill
-    url = server.url()
     published = values(1, 50)
-    publish(url, published[:30])
-    assert number(url, **ASYNC) == 30  # this server life's first round: takes the epoch
-    before = epochs(url)
-    assert [first for first, _ in before] == [1]
-    publish(url, published[30:])  # acknowledged: each commit waited for its flush
-    with contextlib.closing(psycopg.connect(url)) as uncommitted:  # closed, never committed
-        receipt = streamq.publish(uncommitted, ORDERS, b"not committed")
-        assert isinstance(receipt, streamq.Receipt)
-        assert number(url, **ASYNC) == 20  # the uncommitted record is not numbered
-        assert log(url) == list(enumerate(published, 1))
-        server.kill()
-    server.restart()
-
-    survived = log(url)
-    head = len(survived)
-    assert head < len(published), "the asynchronous round survived: the crash tested nothing"
+    for _ in range(ROUNDS):  # on a new server each, until the crash loses the round
+        server = servers.start(**DELAYED_WAL)  # the last round stays unwritten to the kill
+        url = server.url()
+        publish(url, published[:30])
+        assert number(url, **ASYNC) == 30  # this server life's first round: takes the epoch
+        before = epochs(url)
+        assert [first for first, _ in before] == [1]
+        publish(url, published[30:])  # acknowledged: each commit waited for its flush
+        with contextlib.closing(psycopg.connect(url)) as uncommitted:  # never committed
+            receipt = streamq.publish(uncommitted, ORDERS, b"not committed")
+            assert isinstance(receipt, streamq.Receipt)
+            assert number(url, **ASYNC) == 20  # the uncommitted record is not numbered
+            assert log(url) == list(enumerate(published, 1))
+            server.kill()
+        server.restart()
+        survived = log(url)
+        head = len(survived)
+        if head < len(published):
+            break
+        # The WAL writer wrote the round before the kill after all (it wakes before its
+        # delay, as when WAL fills a page; seen once in CI on a loaded machine): every
+        # acknowledged publish survived, numbered, and nothing else. Crash another one.
+        assert survived == list(enumerate(published, 1))
+        assert pending(url) == []
+    assert head < len(published), f"the round survived {ROUNDS} crashes: they tested nothing"
     assert head == 30  # the round before the acknowledged commits was flushed by them
     assert survived == list(enumerate(published[:head], 1))
     assert pending(url) == published[head:]  # every acknowledged one, no other
