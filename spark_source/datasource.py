@@ -566,10 +566,13 @@ class StreamQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def _refresh(self, positions: Mapping[str, Position] | None = None) -> dict[str, ProducerState]:
         """Every producer's state now. With ``positions`` (a trigger of a running query), a
-        producer it reads that is down is its last known state (``ProducerState.down``)."""
+        producer it reads that is down is its last known state (``ProducerState.down``),
+        but not under ``Trigger.AvailableNow``: a run that promised everything available
+        when it began fails instead of ending without that producer's records."""
         settings = self.settings
         reports = Reports(settings.consumer_name, dict(self._unreported))
-        known = None if positions is None else self._states
+        tolerant = positions is not None and self._target is None
+        known = self._states if tolerant else None
         self._states = settings.discover(positions, self.connections(), reports, known)
         for pid in reports.sent:
             if self._unreported.get(pid) == reports.seqs[pid]:

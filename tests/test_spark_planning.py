@@ -14,12 +14,14 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from pyspark.sql.streaming.datasource import ReadAllAvailable
 
 import streamq
 import streamq.server
 from bench.spark.streamq import Fleet, _fill_producers
 from bench.tools import discovery
 from spark_source import planning
+from spark_source.datasource import StreamQStreamReader, _Settings
 from spark_source.planning import Connect, ProducerState, Range, StreamQSourceError
 from streamq.errors import MalformedFrameError
 
@@ -322,6 +324,36 @@ def test_a_known_producer_that_is_down_is_its_known_state_until_it_is_back(
                 planning.discover(endpoints, "orders", kept, positions, known={})
         finally:
             kept.close()
+
+
+def test_a_trigger_goes_on_without_a_producer_that_is_down_but_not_under_available_now(
+    tmp_path: Path,
+) -> None:
+    """The stream reader, driven as Spark drives it: a trigger after a producer stopped
+    carries that producer's offset forward and reads the other's new records; a
+    ``Trigger.AvailableNow`` run fails naming it, having promised what was there at its
+    start."""
+    with streamq.SyncProducer(str(tmp_path / "a.db")) as a:
+        a.publish("orders", b"x")
+        with streamq.SyncProducer(str(tmp_path / "b.db")) as b:
+            b.publish("orders", b"x")
+            options = {"endpoints": f"{a.address},{b.address}", "stream": "orders"}
+            running = StreamQStreamReader(_Settings({**options, "startingOffsets": "earliest"}))
+            available_now = StreamQStreamReader(_Settings(options))
+            start = running.initialOffset()
+            first = running.latestOffset(start, ReadAllAvailable())
+            assert planning.split_offset(first)[0] == {a.producer_id: 2, b.producer_id: 2}
+            available_now.prepareForTriggerAvailableNow()
+            now_start = available_now.initialOffset()
+        a.publish("orders", b"y")
+        try:
+            seqs = planning.split_offset(running.latestOffset(first, ReadAllAvailable()))[0]
+            assert seqs == {a.producer_id: 3, b.producer_id: 2}
+            with pytest.raises(StreamQSourceError, match=f"producer at {b.address}: cannot"):
+                available_now.latestOffset(now_start, ReadAllAvailable())
+        finally:
+            running.stop()
+            available_now.stop()
 
 
 def test_the_discovery_tool_measures_a_fleet(tmp_path: Path) -> None:
