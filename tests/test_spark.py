@@ -18,6 +18,7 @@ from pyspark.sql.streaming import StreamingQuery
 
 import streamq
 from spark_source.schema import SCHEMA
+from streamq.transport import parse_address
 
 from .waiting import wait_until
 
@@ -444,7 +445,7 @@ def test_a_producer_down_delays_only_its_own_records(
         a.publish("orders", b"while b is down")
         wait_until(lambda: read_up_to(a.producer_id, 2), "a's seq 2 while b is down", 120)
         assert query.isActive
-        b = streamq.SyncProducer(str(tmp_path / "b.db"), port=int(b_address.rsplit(":", 1)[1]))
+        b = streamq.SyncProducer(str(tmp_path / "b.db"), port=parse_address(b_address)[1])
         b.publish("orders", b"back")
         wait_until(lambda: read_up_to(b_id, 2), "b's seq 2 once it is back", 120)
     finally:

@@ -24,6 +24,7 @@ from spark_source import planning
 from spark_source.datasource import StreamQStreamReader, _Settings
 from spark_source.planning import Connect, ProducerState, Range, StreamQSourceError
 from streamq.errors import MalformedFrameError
+from streamq.transport import parse_address
 
 from .waiting import producer_connections, wait_until
 
@@ -240,7 +241,7 @@ def test_a_producer_restarted_while_watched_is_asked_on_a_new_connection(tmp_pat
     db = str(tmp_path / "a.db")
     with streamq.SyncProducer(db) as a:
         address, pid = a.address, a.producer_id
-        port = int(address.rsplit(":", 1)[1])
+        port = parse_address(address)[1]
         a.publish("orders", b"1")
         kept = planning.Connections(Connect(timeout=10))
         first = planning.discover([address], "orders", kept, {})
@@ -296,7 +297,7 @@ def test_a_known_producer_that_is_down_is_its_known_state_until_it_is_back(
         try:
             with streamq.SyncProducer(db) as b:
                 b.publish("orders", b"x")
-                endpoints, port = [a.address, b.address], int(b.address.rsplit(":", 1)[1])
+                endpoints, port = [a.address, b.address], parse_address(b.address)[1]
                 known = planning.discover(endpoints, "orders", kept, {})
             positions = {pid: planning.Position(2, s.epoch) for pid, s in known.items()}
             states = planning.discover(endpoints, "orders", kept, positions, known=known)
@@ -461,7 +462,7 @@ def test_the_driver_keeps_one_connection_per_producer_for_discovery_and_reports(
     db = str(tmp_path / "a.db")
     with streamq.SyncProducer(db) as a:
         address, pid = a.address, a.producer_id
-        port = int(address.rsplit(":", 1)[1])
+        port = parse_address(address)[1]
         a.publish("orders", b"1")
         kept = planning.Connections(Connect(timeout=10))
         reports = planning.Reports("spark", {pid: 1})
