@@ -56,6 +56,9 @@ readOnDriver             streams: ``true`` reads each micro-batch on the driver 
                          planned, with no Python task on the executors: lower latency for
                          small micro-batches; default ``false`` (executors read, for ingest)
 timeoutMs                connect and read timeout per request (default 30000)
+slowProducerMs           streams: a producer the query reads that has not answered a
+                         trigger's questions within this (default 2000) is passed over for
+                         that trigger, its records read at a later one; the others go on
 ssl.enabled              ``true``: TLS, trusting the system's CAs (implied by ssl.ca)
 ssl.ca                   PEM file of the CA that signed the producers' certificates
 ssl.cert, ssl.key        client certificate and key (mutual TLS)
@@ -236,7 +239,8 @@ class _Settings:
         self.consumer_name = options.get("consumerName", "spark")
         self.read_on_driver = _flag(options, "readOnDriver", False)
         timeout = (_int(options, "timeoutMs", 30_000) or 30_000) / 1000
-        self.connect = Connect(timeout, _tls(options), _token(options))
+        patience = (_int(options, "slowProducerMs", 2_000) or 2_000) / 1000
+        self.connect = Connect(timeout, _tls(options), _token(options), patience)
 
     def endpoints(self) -> list[str]:
         """Read anew at each call: a file or registry may list new producers."""
@@ -658,8 +662,8 @@ class StreamQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             if state.down and pid not in self._down:
                 self._down.add(pid)
                 logger.warning(
-                    "producer %s at %s is down; reading the other producers meanwhile, and "
-                    "its records from seq %d on once it is back: %s",
+                    "producer %s at %s cannot be read now; reading the other producers "
+                    "meanwhile, and its records from seq %d on once it is back: %s",
                     pid,
                     state.endpoint,
                     seqs.get(pid, state.low),

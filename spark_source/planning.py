@@ -34,7 +34,7 @@ from streamq import (
     StreamQError,
     UnknownStreamError,
 )
-from streamq.client import vouch_answer, vouch_request
+from streamq.client import answers_ready, vouch_answer, vouch_request
 from streamq.errors import (
     IdleTimeoutError,
     MalformedFrameError,
@@ -79,9 +79,22 @@ class Connect:
     timeout: float = 30.0  # per request, connect included
     tls: ClientTLS | None = None
     token: str | None = None
+    # How long a trigger waits for a producer the query already reads to answer a round
+    # of questions (or to connect) before it plans without its new records (``_Down``).
+    patience: float = 2.0
 
-    def client(self, endpoint: str, name: str) -> Client:
-        return Client(endpoint, timeout=self.timeout, name=name, tls=self.tls, token=self.token)
+    def client(self, endpoint: str, name: str, timeout: float | None = None) -> Client:
+        """A connection to ``endpoint``; ``timeout``, if given, for the connect and hello
+        only (then each request has ``self.timeout``)."""
+        client = Client(
+            endpoint,
+            timeout=self.timeout if timeout is None else timeout,
+            name=name,
+            tls=self.tls,
+            token=self.token,
+        )
+        client.timeout = self.timeout
+        return client
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +109,7 @@ class ProducerState:
     epoch: int | None = None
     lost: range | None = None
     # Why a producer the query already reads could not be asked this trigger (it is down,
-    # or restarting): its state is the last one known, and the query reads nothing of it
+    # restarting, or too slow to answer): its state is the last one known, and the query reads nothing of it
     # until it is back (``discover``'s ``known``).
     down: str | None = None
 
@@ -223,6 +236,8 @@ class Connections:
         self.unwatchable: set[str] = set()
         # Producers found down: when to try again, and the wait after that (``_Down``).
         self.retry: dict[str, tuple[float, float]] = {}
+        # Producers too slow to answer a trigger: the connection owing their answers.
+        self.late: dict[str, _Late] = {}
 
     def take(self, endpoint: str) -> Client | None:
         """The endpoint's kept connection, for the caller alone until it ``keep``s it."""
@@ -259,10 +274,11 @@ class Connections:
         return list(self._pool.map(function, items))
 
     def close(self) -> None:
-        for client in self._open.values():
+        for client in [*self._open.values(), *(late.client for late in self.late.values())]:
             client.close()
         self._open.clear()
         self.watches.clear()
+        self.late.clear()
         if self._pool is not None:
             self._pool.shutdown(wait=False)
             self._pool = None
@@ -417,7 +433,8 @@ def _ask_all(
     as applied, for its retention to delete before the query reads them again.
 
     ``known``: the states of producers the query already reads, by endpoint: one of them
-    that cannot be reached is its known state, ``down`` (``_Down``), not a failure."""
+    that cannot be reached, or does not answer within ``Connect.patience``, is its known
+    state, ``down`` (``_Down``), not a failure and not a wait for the whole trigger."""
 
     def start(endpoint: str, client: Client, kept: bool) -> _Asking:
         report = reports if kept else None
@@ -426,11 +443,11 @@ def _ask_all(
         return _Asking(endpoint, client, probe, next(probe), kept)
 
     def connect(endpoint: str) -> _Asking | StreamQSourceError:
+        patience = connections.connect.patience if endpoint in down.known else None
         try:
             with _about(endpoint):
-                return start(
-                    endpoint, connections.connect.client(endpoint, connections.name), False
-                )
+                client = connections.connect.client(endpoint, connections.name, patience)
+                return start(endpoint, client, False)
         except StreamQSourceError as error:
             return error
 
@@ -464,7 +481,11 @@ def _ask_all(
             for one in list(asking.values()):
                 with down.tolerated(one.endpoint, asking):
                     _send_round(connections, one, asking, start)
+            answering = down.answering(asking, time.monotonic() + connections.connect.patience)
             for one in list(asking.values()):
+                if one.endpoint not in answering:
+                    down.late(one, asking)
+                    continue
                 with down.tolerated(one.endpoint, asking):
                     _read_round(connections, one, asking, start, results)
     finally:
@@ -488,34 +509,103 @@ RETRY_FIRST, RETRY_MOST = 1.0, 30.0
 
 
 @dataclass
+class _Late:
+    """A producer's connection left owing the answers to a round it was too slow for."""
+
+    client: Client
+    unread: int  # answers still owed, not counting a WATCH_HEAD's
+    since: float  # time.monotonic() when the trigger passed it over
+
+
+@dataclass
 class _Down:
-    """Producers that a streaming query already reads and that cannot be reached: each
+    """Producers that a streaming query already reads and that cannot be asked now: each
     is its last known state with ``down`` set, so the query goes on with the others and
-    reads it again once it is back, instead of failing. Tried again ``RETRY_FIRST`` after
-    it was found down, then at doubling intervals up to ``RETRY_MOST``: a machine that
-    does not answer costs a trigger the connect timeout only that often."""
+    reads it again once it is back, instead of failing or waiting.
+
+    One that cannot be reached (or does not say hello within ``Connect.patience``) is
+    tried again ``RETRY_FIRST`` after it was found down, then at doubling intervals up to
+    ``RETRY_MOST``: a machine that does not answer costs a trigger that wait only that
+    often. One that is connected but does not answer within ``Connect.patience`` (paused,
+    overloaded) keeps its connection (``_Late``): a later trigger reads the answers it
+    owes once they have come, then asks it again; after ``Connect.timeout`` without them
+    it is down."""
 
     connections: Connections
     known: Mapping[str, ProducerState]
     results: dict[str, ProducerState | _Missing]
 
     def waiting(self, endpoint: str) -> None:
-        """Leave the endpoint out of this trigger if it is down and not due for a retry."""
+        """Leave the endpoint out of this trigger if it is down and not due for a retry,
+        or still owes the answers of a round it was late for."""
+        late = self.connections.late.pop(endpoint, None)
+        if late is not None and self._still_late(endpoint, late):
+            return
         retry = self.connections.retry.get(endpoint)
         state = self.known.get(endpoint)
         if retry is not None and state is not None and time.monotonic() < retry[0]:
             self.results[endpoint] = replace(state, down=state.down or "down", lost=None)
+
+    def _still_late(self, endpoint: str, late: _Late) -> bool:
+        """Read what ``late`` owes without waiting; whether it still owes some (and is
+        left out of this trigger). Paid up, its connection is kept, to be asked again."""
+        client, state = late.client, self.known.get(endpoint)
+        try:
+            while late.unread and client.answer_ready:
+                client.next_answer()
+                late.unread -= 1
+        except StreamQError:  # it ended the connection: asked on a new one
+            return False
+        if not late.unread:
+            self.connections.keep(endpoint, client)
+            return False
+        if state is None:  # not a trigger that tolerates its absence: asked anew
+            client.close()
+            return False
+        timeout = self.connections.connect.timeout
+        if time.monotonic() - late.since >= timeout:
+            client.close()
+            self._mark(endpoint, state, f"producer at {endpoint}: no answer in {timeout:g} s")
+            return True
+        self.connections.late[endpoint] = late
+        self.results[endpoint] = replace(state, down=self._slow(endpoint), lost=None)
+        return True
 
     def found(self, endpoint: str, error: StreamQSourceError) -> bool:
         """Whether ``error`` says the known producer at ``endpoint`` is down (and noted)."""
         state = self.known.get(endpoint)
         if state is None or not isinstance(error.__cause__, _UNREACHABLE):
             return False
+        self._mark(endpoint, state, str(error))
+        return True
+
+    def _mark(self, endpoint: str, state: ProducerState, why: str) -> None:
         wait = self.connections.retry.get(endpoint, (0.0, RETRY_FIRST / 2))[1] * 2
         wait = min(wait, RETRY_MOST)
         self.connections.retry[endpoint] = (time.monotonic() + wait, wait)
-        self.results[endpoint] = replace(state, down=str(error), lost=None)
-        return True
+        self.results[endpoint] = replace(state, down=why, lost=None)
+
+    def answering(self, asking: Mapping[str, _Asking], until: float) -> set[str]:
+        """The producers whose round to read now: those that have answered by ``until``
+        (``time.monotonic()``), and those the query does not know yet (waited for)."""
+        if not any(endpoint in self.known for endpoint in asking):
+            return set(asking)
+        ready = answers_ready([one.client for one in asking.values()], until)
+        answered = {id(client) for client in ready}
+        return {e for e, one in asking.items() if id(one.client) in answered or e not in self.known}
+
+    def late(self, one: _Asking, asking: dict[str, _Asking]) -> None:
+        """``one``, a known producer that has not answered in time, leaves the trigger."""
+        del asking[one.endpoint]
+        one.probe.close()
+        unread = len(_answered(one.requests))
+        self.connections.late[one.endpoint] = _Late(one.client, unread, time.monotonic())
+        state = self.known[one.endpoint]
+        self.results[one.endpoint] = replace(state, down=self._slow(one.endpoint), lost=None)
+
+    def _slow(self, endpoint: str) -> str:
+        patience = self.connections.connect.patience
+        return f"producer at {endpoint}: no answer within {patience:g} s"
 
     @contextlib.contextmanager
     def tolerated(self, endpoint: str, asking: dict[str, _Asking]) -> Iterator[None]:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -20,6 +22,7 @@ import streamq
 from spark_source.schema import SCHEMA
 from streamq.transport import parse_address
 
+from .hosted import hosted, unread
 from .waiting import wait_until
 
 
@@ -453,4 +456,50 @@ def test_a_producer_down_delays_only_its_own_records(
             query.stop()
         a.close()
         b.close()
+    assert sorted(rows) == sorted([(a.producer_id, 1), (a.producer_id, 2), (b_id, 1), (b_id, 2)])
+
+
+def test_a_paused_producer_delays_only_its_own_records(spark: SparkSession, tmp_path: Path) -> None:
+    """A producer the running query reads stops answering (SIGSTOP, as an overloaded or
+    stuck machine would) with records it has not served: once a trigger asks it (after
+    its quiet watch is no longer believed), each passes it over after ``slowProducerMs``
+    and reads the others; once it answers again, its records are read. Every record once."""
+    rows: list[tuple[str, int]] = []
+
+    def sink(df: DataFrame, batch_id: int) -> None:
+        rows.extend((r.producer, r.seq) for r in df.select("producer", "seq").collect())
+
+    def read_up_to(producer_id: str, seq: int) -> bool:
+        return any(row == (producer_id, seq) for row in list(rows))
+
+    db = str(tmp_path / "b.db")
+    with streamq.SyncProducer(db, serve=False) as b:
+        b.publish("orders", b"first")
+    query = None
+    with streamq.SyncProducer(str(tmp_path / "a.db")) as a, hosted(db) as (b_id, address, b):
+        try:
+            a.publish("orders", b"first")
+            query = (
+                spark.readStream.format("streamq")
+                .options(endpoints=f"{a.address},{address}", stream="orders")
+                .options(startingOffsets="earliest", slowProducerMs="500", timeoutMs="120000")
+                .load()
+                .writeStream.foreachBatch(sink)
+                .option("checkpointLocation", str(tmp_path / "ck"))
+                .start()
+            )
+            wait_until(lambda: read_up_to(b_id, 1) and read_up_to(a.producer_id, 1), "seq 1", 120)
+            b.send_signal(signal.SIGSTOP)
+            with sqlite3.connect(db) as conn:  # another process's commit, unseen by b
+                streamq.publish(conn, "orders", b"while paused")
+            wait_until(lambda: unread(address) > 0, "the query to ask paused b", 120)
+            a.publish("orders", b"after b was asked")
+            # Well within timeoutMs: the trigger did not wait for b to answer or time out.
+            wait_until(lambda: read_up_to(a.producer_id, 2), "a's seq 2 while b is paused", 60)
+            assert query.isActive and not read_up_to(b_id, 2)
+            b.send_signal(signal.SIGCONT)
+            wait_until(lambda: read_up_to(b_id, 2), "b's seq 2 once it answers", 120)
+        finally:
+            if query is not None:
+                query.stop()
     assert sorted(rows) == sorted([(a.producer_id, 1), (a.producer_id, 2), (b_id, 1), (b_id, 2)])

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import gc
 import json
+import signal
 import socket
 import socketserver
+import sqlite3
 import threading
 import time
 from dataclasses import replace
@@ -26,6 +28,7 @@ from spark_source.planning import Connect, ProducerState, Range, StreamQSourceEr
 from streamq.errors import MalformedFrameError
 from streamq.transport import parse_address
 
+from .hosted import hosted
 from .waiting import producer_connections, wait_until
 
 STATES = {
@@ -323,6 +326,61 @@ def test_a_known_producer_that_is_down_is_its_known_state_until_it_is_back(
                 assert b.address not in kept.retry
             with pytest.raises(StreamQSourceError, match=f"producer at {b.address}: cannot"):
                 planning.discover(endpoints, "orders", kept, positions, known={})
+        finally:
+            kept.close()
+
+
+def test_a_known_producer_slow_to_answer_is_passed_over_until_it_answers(
+    tmp_path: Path,
+) -> None:
+    """A running query's producer that is connected but does not answer within
+    ``Connect.patience`` (paused: SIGSTOP) is its known state marked ``down`` after that
+    wait, not the request timeout, and the others are read; its connection keeps owing
+    the answers, and once they come a later trigger reads them and asks it again. One
+    that does not even say hello in that time is down (tried again later)."""
+    db = str(tmp_path / "b.db")
+    with streamq.SyncProducer(db, serve=False) as b:
+        b.publish("orders", b"x")
+    connect = Connect(timeout=20, patience=0.5)
+    kept = planning.Connections(connect)
+    with streamq.SyncProducer(str(tmp_path / "a.db")) as a, hosted(db) as (b_id, address, b):
+        try:
+            a.publish("orders", b"x")
+            endpoints = [a.address, address]
+            known = planning.discover(endpoints, "orders", kept, {})
+            positions = {pid: planning.Position(2, s.epoch) for pid, s in known.items()}
+            a.publish("orders", b"y")
+            with sqlite3.connect(db) as conn:  # another process's commit: b's watch answers
+                streamq.publish(conn, "orders", b"y")
+            wait_until(lambda: kept._open[address].answer_ready, "b's watch to answer")
+            b.send_signal(signal.SIGSTOP)
+            began = time.monotonic()
+            states = planning.discover(endpoints, "orders", kept, positions, known=known)
+            assert time.monotonic() - began < connect.timeout / 2
+            assert states[a.producer_id].head == 2
+            late = states[b_id]
+            assert late.down == f"producer at {address}: no answer within 0.5 s"
+            assert late == replace(known[b_id], down=late.down)
+            assert set(kept.late) == {address}
+            # Still paused: passed over at once, not waited for again.
+            states = planning.discover(endpoints, "orders", kept, positions, known=states)
+            assert states[b_id].down == late.down and set(kept.late) == {address}
+            b.send_signal(signal.SIGCONT)
+            wait_until(lambda: kept.late[address].client.answer_ready, "b's late answers")
+            states = planning.discover(endpoints, "orders", kept, positions, known=states)
+            assert (states[b_id].head, states[b_id].down) == (2, None)
+            assert kept.late == {} and address in kept._open
+            # Paused before its hello: down, and tried again after RETRY_FIRST.
+            b.send_signal(signal.SIGSTOP)
+            fresh = planning.Connections(connect)
+            try:
+                states = planning.discover(endpoints, "orders", fresh, positions, known=states)
+                down = states[b_id].down
+                assert down is not None and "cannot connect" not in down, down
+                assert f"producer at {address}" in down and "timed out" in down, down
+                assert fresh.retry[address][1] == planning.RETRY_FIRST
+            finally:
+                fresh.close()
         finally:
             kept.close()
 
