@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck bench bench-quick bench-smoke nats-server soak soak-spark fuzz powerloss simulate clean docs
+.PHONY: demo test lint typecheck bench bench-quick bench-smoke nats-server soak soak-spark soak-spark-many fuzz powerloss simulate clean docs
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +61,10 @@ soak: $(STAMP)  # the crash test run after run: >= 1,000 kill -9 cycles, at most
 
 soak-spark: $(STAMP)  # the Spark parquet sink's exactly-once test through 20 kill -9s, ~10 min
 	STREAMQ_SPARK_KILLS=20 $(BIN)/python -m pytest -q -p no:randomly tests/test_spark_exactly_once.py
+
+soak-spark-many: $(STAMP)  # the same at 256 producers served 16 to a process, 5 kill -9s, ~4 min
+	STREAMQ_SPARK_PRODUCERS=256 STREAMQ_SPARK_KILLS=5 $(BIN)/python -m pytest -q -p no:randomly \
+		tests/test_spark_exactly_once.py
 
 FUZZ_SECONDS ?= 300
 fuzz: $(STAMP)  # atheris on the decoder and state machines, then 20,000 hostile sessions on a socket

@@ -58,8 +58,8 @@ def test_spark_fleet_serves_many_producers_to_a_process(tmp_path: Path) -> None:
 
 def test_spark_idle_triggers_are_measured(tmp_path: Path, spark: Any) -> None:
     """``bench.spark.idle`` on three producers: the query reads their records, then reports
-    idle triggers with their phases, then the triggers that read a record more in each
-    producer, three times."""
+    idle triggers with their phases and what its source holds, then the triggers that read
+    a record more in each producer, three times."""
     from bench.spark import idle
 
     spark.conf.set("spark.sql.streaming.noDataProgressEventInterval", "0")
@@ -72,3 +72,5 @@ def test_spark_idle_triggers_are_measured(tmp_path: Path, spark: Any) -> None:
     assert figures["latestOffset max"] <= figures["triggerExecution max"]
     assert 1 <= figures["data triggers"] <= 3 * 3  # each round: one trigger, or a few
     assert 0 < figures["data addBatch"] <= figures["data triggerExecution"]
+    assert figures["source sockets"] == 3  # one kept connection per producer
+    assert figures["source MiB"] > 0

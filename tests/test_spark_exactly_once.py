@@ -18,7 +18,9 @@ batch), and starts its query on the checkpoint only once that run is gone
 must hold every record of every producer exactly once, as the producer serves it.
 
 Set STREAMQ_SPARK_SEED to replay a run; the seed is in every failure message.
-``make soak-spark`` runs it with more kills (STREAMQ_SPARK_KILLS).
+``make soak-spark`` runs it with more kills (STREAMQ_SPARK_KILLS); ``make soak-spark-many``
+at 256 producers (STREAMQ_SPARK_PRODUCERS), served 16 to a process by
+tests/spark_programs/writing_host.py, a few dozen records each per run.
 """
 
 from __future__ import annotations
@@ -47,15 +49,23 @@ import streamq
 
 ROOT = Path(__file__).resolve().parent.parent
 PRODUCER_PROGRAM = Path(__file__).resolve().parent / "crash" / "producer_proc.py"
+HOST_PROGRAM = Path(__file__).resolve().parent / "spark_programs" / "writing_host.py"
 QUERY_PROGRAM = Path(__file__).resolve().parent / "spark_programs" / "query.py"
 STREAM = "orders"
 
-PRODUCERS = 3
+# More than 3 producers (``make soak-spark-many``: 256) are served HOSTED to a process
+# (writing_host.py), as a host runs them; 3 are a process each (producer_proc.py).
+PRODUCERS = int(os.environ.get("STREAMQ_SPARK_PRODUCERS") or 3)
+HOSTED = 16
+MANY = PRODUCERS > 3
 KILLS = int(os.environ.get("STREAMQ_SPARK_KILLS") or 1)  # runs of the query ended by SIGKILL
 STOPS = 1  # and gracefully
-SHARE = 400  # records each producer may publish more before each run, and before the last
+# Records each producer may publish more before each run, and before the last: about
+# 1,200 in all (6,400 for many producers, a few dozen each).
+SHARE = max(10, 6400 // PRODUCERS) if MANY else 400
 TOTAL = SHARE * (KILLS + STOPS + 2)  # records each producer publishes
-PACE = 200  # records per second each producer publishes at, on average: 2 s per share
+PACE = SHARE / 2  # records per second each producer publishes at, on average: 2 s per share
+MAX_PER_TRIGGER = 2000 if MANY else 500  # records per micro-batch, at most
 KILL_DELAY = (0.0, 2.5)  # seconds after the run's first completed batch
 PRODUCER_START_TIMEOUT = 20.0
 SESSION_TIMEOUT = 60.0  # for a run's SparkSession to start
@@ -141,8 +151,15 @@ class Proc:
 
     def wait_line(self, prefix: str, timeout: float, context: Callable[[], str]) -> str:
         """The first output line starting with ``prefix``, waiting for it up to ``timeout``."""
+        return self.wait_lines(prefix, 1, timeout, context)[0]
+
+    def wait_lines(
+        self, prefix: str, count: int, timeout: float, context: Callable[[], str]
+    ) -> list[str]:
+        """The output lines starting with ``prefix``, once there are ``count``, waiting for
+        them up to ``timeout``."""
         deadline = time.monotonic() + timeout
-        while not (found := self.matching(prefix)):
+        while len(found := self.matching(prefix)) < count:
             assert self.alive(), (
                 f"{self.log.name} exited ({self.popen.returncode}) before {prefix!r}:\n"
                 f"{self.tail()}\n{context()}"
@@ -152,7 +169,7 @@ class Proc:
                 f"{self.tail()}\n{context()}"
             )
             time.sleep(0.02)
-        return found[0]
+        return found
 
     def kill_all(self) -> int | None:
         """SIGKILL every process of the program's session at once, and reap them; returns
@@ -283,6 +300,9 @@ class SparkRun:
 
     def start_producers(self) -> None:
         self.allow(SHARE)
+        if MANY:
+            self.start_hosts()
+            return
         for number in range(PRODUCERS):
             port = free_port()
             db = self.dir / f"producer-{number}.db"
@@ -294,6 +314,22 @@ class SparkRun:
         for producer in self.producers:
             ready = producer.wait_line("READY", PRODUCER_START_TIMEOUT, self.context)
             self.event(f"{producer.log.name}: {ready}")
+
+    def start_hosts(self) -> None:
+        """PRODUCERS producers, HOSTED to a process."""
+        hosted = []
+        for first in range(0, PRODUCERS, HOSTED):
+            numbers = range(first, min(first + HOSTED, PRODUCERS))
+            args = [str(HOST_PROGRAM), str(TOTAL)]
+            args += [str(self.dir / f"producer-{number}.db") for number in numbers]
+            args += ["--allow", str(self.allow_file)]
+            args += ["--pace", str(PACE), "--seed", str(self.rng.randrange(2**32))]
+            self.producers.append(Proc(args, self.dir / f"host-{first // HOSTED}.log"))
+            hosted.append(len(numbers))
+        for host, count in zip(self.producers, hosted, strict=True):
+            ready = host.wait_lines("READY", count, PRODUCER_START_TIMEOUT, self.context)
+            self.addresses += [line.split()[2] for line in ready]
+        self.event(f"{PRODUCERS} producers in {len(self.producers)} processes ready")
 
     def heads(self) -> int:
         """Records published so far, by all producers."""
@@ -337,6 +373,7 @@ class SparkRun:
         self.runs += 1
         name = f"query-{self.runs}.log"
         args = [str(QUERY_PROGRAM), ",".join(self.addresses), str(self.checkpoint), str(self.out)]
+        args += ["--max-per-trigger", str(MAX_PER_TRIGGER)]
         self.event(f"{name}: start {' '.join(extra)}")
         self.next_query = Proc([*args, *extra, "--wait-go"], self.dir / name, piped=True)
 

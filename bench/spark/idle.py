@@ -7,8 +7,10 @@ trigger only every 10 s by default (``noDataProgressEventInterval``), so that is
 here. Prints the median and max of the idle triggers' ``latestOffset`` and
 ``triggerExecution`` (Spark's ``durationMs``). Then, three times, one new record in every
 producer (partition) while the query runs: the median ``addBatch`` and
-``triggerExecution`` of the triggers that read them (``data``). docs/scaling.md has the
-figures.
+``triggerExecution`` of the triggers that read them (``data``). And what the source
+holds once idle (``footprint``): the streamq source's Python process's memory and its
+connections to the producers; the Kafka source's JVM's (all of Spark's) and its
+connections to the broker. docs/scaling.md has the figures.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from rich.table import Table
 
 import streamq
 
+from . import footprint
 from .common import RECORD, noop_query
 from .kafka import _fill_topic, _produce
 from .run import spark_session
@@ -65,12 +68,17 @@ def _idle(query: Any) -> None:
 
 
 def idle_triggers(
-    reader: Any, checkpoint: Path, rows: int, seconds: float, add: Callable[[], int]
+    reader: Any,
+    checkpoint: Path,
+    rows: int,
+    seconds: float,
+    add: Callable[[], int],
+    footprint: Callable[[], dict[str, float]],
 ) -> dict[str, float]:
     """Median and max ``latestOffset`` and ``triggerExecution`` (ms) of the idle triggers
-    in ``seconds`` after the query read its ``rows``; then the median ``addBatch`` and
-    ``triggerExecution`` of the triggers that read what ``add`` adds (it returns how many
-    rows), ``DATA_ROUNDS`` times."""
+    in ``seconds`` after the query read its ``rows``, and the source's ``footprint`` at
+    their end; then the median ``addBatch`` and ``triggerExecution`` of the triggers that
+    read what ``add`` adds (it returns how many rows), ``DATA_ROUNDS`` times."""
     query = noop_query(reader, checkpoint, processingTime=TRIGGER)
     try:
         _read(query, rows)
@@ -84,6 +92,7 @@ def idle_triggers(
             if time.monotonic() > deadline:
                 raise TimeoutError("no idle trigger was reported in 300 s")
             time.sleep(0.2)
+        held = footprint()
         data = []
         for _ in range(DATA_ROUNDS):
             _idle(query)
@@ -99,7 +108,7 @@ def idle_triggers(
     for phase in ("addBatch", "triggerExecution"):
         figures[f"data {phase}"] = statistics.median(p["durationMs"][phase] for p in data)
     figures["data triggers"] = len(data)
-    return figures
+    return {**figures, **held}
 
 
 def streamq_idle(spark: Any, folder: Path, producers: int, seconds: float) -> dict[str, float]:
@@ -113,7 +122,12 @@ def streamq_idle(spark: Any, folder: Path, producers: int, seconds: float) -> di
             .option("startingOffsets", "earliest")
         )
         return idle_triggers(
-            reader, folder / "ck", producers * PER_SOURCE, seconds, lambda: _publish(paths)
+            reader,
+            folder / "ck",
+            producers * PER_SOURCE,
+            seconds,
+            lambda: _publish(paths),
+            lambda: footprint.streamq_source(fleet.endpoints),
         )
     finally:
         fleet.stop()
@@ -146,7 +160,8 @@ def kafka_idle(
         _produce(broker, topic, partitions, partitions)
         return partitions
 
-    return idle_triggers(reader, folder / "ck", partitions * PER_SOURCE, seconds, add)
+    held = functools.partial(footprint.kafka_source, broker.bootstrap)
+    return idle_triggers(reader, folder / "ck", partitions * PER_SOURCE, seconds, add, held)
 
 
 @contextlib.contextmanager
@@ -169,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     counts = [int(count) for count in args.producers.split(",")]
     table = Table(title=f"idle triggers ({TRIGGER}), ms")
     columns = ("source", "producers", "latestOffset", "max", "triggerExecution", "max")
-    for column in (*columns, "triggers", "data addBatch", "data trigger", "data triggers"):
+    data = ("data addBatch", "data trigger", "data triggers")
+    for column in (*columns, "triggers", *data, "source MiB", "sockets"):
         table.add_column(column, justify="right")
     with _broker(not args.no_kafka) as broker:
         spark = spark_session(broker is not None)

@@ -2,10 +2,10 @@
 tests/test_spark_exactly_once.py.
 
     query.py ENDPOINTS CHECKPOINT OUT [--available-now] [--stop-file FILE] [--dump FILE]
-             [--max-seconds S] [--wait-go]
+             [--max-seconds S] [--wait-go] [--max-per-trigger N]
 
 Reads stream ``orders`` of every producer in ENDPOINTS (comma-separated
-host:port) from the earliest seq, at most 500 records per micro-batch, and
+host:port) from the earliest seq, at most N records per micro-batch (500), and
 writes it as parquet to OUT with its checkpoint in CHECKPOINT: a restarted
 query continues from the checkpoint.
 
@@ -39,7 +39,6 @@ from pyspark.sql.streaming import StreamingQuery
 from spark_source.session import local_spark
 
 STREAM = "orders"
-MAX_RECORDS_PER_TRIGGER = 500
 POLL_SECONDS = 0.1
 
 
@@ -53,7 +52,7 @@ def start(spark: SparkSession, args: argparse.Namespace) -> StreamingQuery:
         .option("endpoints", args.endpoints)
         .option("stream", STREAM)
         .option("startingOffsets", "earliest")
-        .option("maxRecordsPerTrigger", str(MAX_RECORDS_PER_TRIGGER))
+        .option("maxRecordsPerTrigger", str(args.max_per_trigger))
         .load()
     )
     writer = source.writeStream.format("parquet").option("checkpointLocation", args.checkpoint)
@@ -146,4 +145,5 @@ if __name__ == "__main__":
     parser.add_argument("--dump", default=None)
     parser.add_argument("--max-seconds", type=float, default=240.0)
     parser.add_argument("--wait-go", action="store_true")
+    parser.add_argument("--max-per-trigger", type=int, default=500)
     sys.exit(main(parser.parse_args()))
