@@ -109,8 +109,8 @@ class ProducerState:
     epoch: int | None = None
     lost: range | None = None
     # Why a producer the query already reads could not be asked this trigger (it is down,
-    # restarting, or too slow to answer): its state is the last one known, and the query reads nothing of it
-    # until it is back (``discover``'s ``known``).
+    # restarting, or too slow to answer): its state is the last one known, and the query
+    # reads nothing of it until it is back (``discover``'s ``known``).
     down: str | None = None
 
 
