@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from .errors import OffsetOutOfRangeError, UnknownStreamError
-from .protocol import numbered_records, record_key, split_records
+from .protocol import StreamInfo, numbered_records, record_key, split_records
 from .storage import Run, Storage, StreamRow, StreamSettings
 
 
@@ -216,6 +216,10 @@ class Stream:
     _waiters: dict[asyncio.Future[bool], None] = field(default_factory=dict)
     _loop: asyncio.AbstractEventLoop | None = None  # asked once: each ask is a system call
     waits: Waits | None = None  # its log's count of waits (``Log.add``)
+
+    def info(self) -> StreamInfo:
+        """Its head and low, as the protocol answers them (STREAM_INFO)."""
+        return StreamInfo(self.name, self.head, self.low)
 
     def notify(self) -> None:
         """Wake everyone waiting for a commit."""

@@ -55,7 +55,6 @@ from .protocol import (
     ServerHello,
     State,
     StatusReport,
-    StreamInfo,
     StreamList,
     Subscribe,
     Subscribed,
@@ -159,7 +158,7 @@ class _HeadWatch:
         self.cancel()
         if not self._writer.transport.is_closing():  # a client gone: its end is read next
             stream = self._stream
-            self._writer.write(self._conn.send(StreamInfo(stream.name, stream.head, stream.low)))
+            self._writer.write(self._conn.send(stream.info()))
 
     def cancel(self) -> None:
         if self._beyond is not None:
@@ -483,7 +482,7 @@ class Server:
         """Answer one request; a WATCH_HEAD's answer may wait (it is returned then)."""
         if isinstance(message, GetHead):
             stream = self.log.stream(message.stream)
-            writer.write(conn.send(StreamInfo(stream.name, stream.head, stream.low)))
+            writer.write(conn.send(stream.info()))
         elif isinstance(message, WatchHead):
             watch = _HeadWatch(conn, writer, self.log.stream(message.stream))
             watch.wait(message.head, self.settings.heartbeat_interval)
@@ -503,7 +502,7 @@ class Server:
             writer.write(conn.send(TimePosition(stream.name, seq, stream.head, stream.low)))
         elif isinstance(message, ListStreams):
             infos = tuple(
-                StreamInfo(s.name, s.head, s.low)
+                s.info()
                 for s in self.log.streams.values()
                 if principal is None or principal.may_read(s.name)
             )
@@ -518,7 +517,7 @@ class Server:
             # Nothing beyond the head can have been applied: a report claiming more would
             # let retention delete what a registered consumer still needs.
             self.positions.report(reporter, stream.name, min(message.seq, stream.head))
-            writer.write(conn.send(StreamInfo(stream.name, stream.head, stream.low)))
+            writer.write(conn.send(stream.info()))
         return None
 
     def _check_known(self, principal: Principal | None, name: str) -> None:
