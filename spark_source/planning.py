@@ -457,9 +457,14 @@ def _ask_all(
         down.waiting(endpoint)
     kept = {e: c for e in endpoints if e not in results and (c := connections.take(e)) is not None}
     if positions is not None:
+        # One poll for every watch (an idle trigger over a thousand producers is this).
+        watching = [client for client in kept.values() if client.watching is not None]
+        answered = {id(client) for client in answers_ready(watching, time.monotonic())}
         for endpoint, client in list(kept.items()):
             try:
-                state = _unchanged(connections, endpoint, client, stream, positions, reports)
+                state = _unchanged(
+                    connections, endpoint, client, stream, positions, reports, answered
+                )
             except StreamQError as error:  # the watch's answer: the connection's end, an ERROR
                 if isinstance(error, MalformedFrameError):
                     connections.unwatchable.add(endpoint)
@@ -669,10 +674,12 @@ def _unchanged(
     stream: str,
     positions: Mapping[str, Position],
     reports: Reports | None,
+    answered: set[int],
 ) -> ProducerState | None:
     """The producer's state without a round trip, if its kept connection's watch says the
     head has not moved since the last probe (no answer yet, or one with the same head:
-    then it watches again); None when it must be asked.
+    then it watches again); None when it must be asked. ``answered``: the ``id`` of each
+    kept connection whose answer can be read now (``answers_ready``).
 
     Nothing else can have changed on a connection kept open: a producer that lost commits
     restarted, which ended it. A report to send makes a round anyway."""
@@ -685,7 +692,7 @@ def _unchanged(
         return None  # not a position this connection vouched for
     if reports is not None and state.producer_id in reports.seqs:
         return None
-    if not client.answer_ready:
+    if id(client) not in answered:
         if time.monotonic() - watch.since >= WATCH_TRUST:
             return None
         connections.watches[endpoint] = watch
