@@ -17,10 +17,12 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 from rich.console import Console
 from rich.table import Table
+
+T = TypeVar("T")
 
 RESULTS = Path(__file__).parent / "results"  # full runs: committed, shown in the README
 
@@ -238,6 +240,21 @@ def proc_cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as stat:
         fields = stat.read().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_until(
+    what: str, probe: Callable[[], T | None], timeout: float = 120.0, every: float = 0.005
+) -> T:
+    """``probe()`` once it returns something other than None or False, asked ``every``
+    seconds; ``TimeoutError`` naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = probe()
+        if found is not None and found is not False:
+            return found
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {what} within {timeout:g} s")
+        time.sleep(every)
 
 
 def alternating(systems: Sequence[str], repeats: int) -> Iterator[str]:

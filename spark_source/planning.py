@@ -93,7 +93,8 @@ class Connect:
             tls=self.tls,
             token=self.token,
         )
-        client.timeout = self.timeout
+        if timeout is not None:
+            client.timeout = self.timeout
         return client
 
 
@@ -549,7 +550,7 @@ class _Down:
         retry = self.connections.retry.get(endpoint)
         state = self.known.get(endpoint)
         if retry is not None and state is not None and time.monotonic() < retry[0]:
-            self.results[endpoint] = replace(state, down=state.down or "down", lost=None)
+            self._carry(endpoint, state, state.down or "down")
 
     def _still_late(self, endpoint: str, late: _Late) -> bool:
         """Read what ``late`` owes without waiting; whether it still owes some (and is
@@ -573,7 +574,7 @@ class _Down:
             self._mark(endpoint, state, f"producer at {endpoint}: no answer in {timeout:g} s")
             return True
         self.connections.late[endpoint] = late
-        self.results[endpoint] = replace(state, down=self._slow(endpoint), lost=None)
+        self._carry(endpoint, state, self._slow(endpoint))
         return True
 
     def found(self, endpoint: str, error: StreamQSourceError) -> bool:
@@ -588,6 +589,10 @@ class _Down:
         wait = self.connections.retry.get(endpoint, (0.0, RETRY_FIRST / 2))[1] * 2
         wait = min(wait, RETRY_MOST)
         self.connections.retry[endpoint] = (time.monotonic() + wait, wait)
+        self._carry(endpoint, state, why)
+
+    def _carry(self, endpoint: str, state: ProducerState, why: str) -> None:
+        """The producer's known state carried forward for this trigger, ``down`` for ``why``."""
         self.results[endpoint] = replace(state, down=why, lost=None)
 
     def answering(self, asking: Mapping[str, _Asking], until: float) -> set[str]:
@@ -605,8 +610,7 @@ class _Down:
         one.probe.close()
         unread = len(_answered(one.requests))
         self.connections.late[one.endpoint] = _Late(one.client, unread, time.monotonic())
-        state = self.known[one.endpoint]
-        self.results[one.endpoint] = replace(state, down=self._slow(one.endpoint), lost=None)
+        self._carry(one.endpoint, self.known[one.endpoint], self._slow(one.endpoint))
 
     def _slow(self, endpoint: str) -> str:
         patience = self.connections.connect.patience

@@ -10,6 +10,9 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from bench.spark.footprint import established
+from streamq.transport import parse_address
+
 
 @contextlib.contextmanager
 def hosted(db: str) -> Iterator[tuple[str, str, subprocess.Popen[str]]]:
@@ -36,11 +39,5 @@ def unread(address: str) -> int:
     """Bytes its peers have sent the producer at ``address`` that it has not read yet, over
     every connection (the kernel's receive queues, ``/proc/net/tcp``): what a paused
     producer has been asked."""
-    port = int(address.rsplit(":", 1)[1])
-    total = 0
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        fields = line.split()
-        local, state, queues = fields[1], fields[3], fields[4]
-        if int(local.split(":")[1], 16) == port and state == "01":  # ESTABLISHED
-            total += int(queues.split(":")[1], 16)
-    return total
+    port = parse_address(address)[1]
+    return sum(c.unread for c in established() if c.local_port == port)

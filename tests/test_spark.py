@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from pyspark.errors import PySparkException
 from pyspark.sql import DataFrame, SparkSession
-from pyspark.sql.streaming import StreamingQuery
+from pyspark.sql.streaming import DataStreamReader, StreamingQuery
 
 import streamq
 from spark_source.schema import SCHEMA
@@ -412,6 +412,31 @@ def test_read_on_driver_and_a_batch_replayed_after_a_restart(
     assert seen[2] == last
 
 
+class Seen:
+    """A ``foreachBatch`` sink that keeps each row's (producer, seq)."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, int]] = []
+
+    def __call__(self, df: DataFrame, batch_id: int) -> None:
+        self.rows.extend((r.producer, r.seq) for r in df.select("producer", "seq").collect())
+
+    def read(self, producer_id: str, seq: int) -> bool:
+        return (producer_id, seq) in list(self.rows)
+
+
+def start_into(seen: Seen, reader: DataStreamReader, checkpoint: Path) -> StreamingQuery:
+    """``reader``'s stream of ``orders``, from the earliest seq, into ``seen``."""
+    return (
+        reader.format("streamq")
+        .options(stream="orders", startingOffsets="earliest")
+        .load()
+        .writeStream.foreachBatch(seen)
+        .option("checkpointLocation", str(checkpoint))
+        .start()
+    )
+
+
 @pytest.mark.parametrize("on_driver", ["false", "true"])
 def test_a_producer_down_delays_only_its_own_records(
     spark: SparkSession, tmp_path: Path, on_driver: str
@@ -419,14 +444,7 @@ def test_a_producer_down_delays_only_its_own_records(
     """A producer the running query reads stops: the query goes on with the others, then
     reads the stopped one's records from where it stopped once it is back on its address.
     Every record once."""
-    rows: list[tuple[str, int]] = []
-
-    def sink(df: DataFrame, batch_id: int) -> None:
-        rows.extend((r.producer, r.seq) for r in df.select("producer", "seq").collect())
-
-    def read_up_to(producer_id: str, seq: int) -> bool:
-        return any(row == (producer_id, seq) for row in list(rows))
-
+    seen = Seen()
     a = streamq.SyncProducer(str(tmp_path / "a.db"))
     b = streamq.SyncProducer(str(tmp_path / "b.db"))
     query = None
@@ -434,29 +452,26 @@ def test_a_producer_down_delays_only_its_own_records(
         for producer in (a, b):
             producer.publish("orders", b"first")
         b_address, b_id = b.address, b.producer_id
-        query = (
-            spark.readStream.format("streamq")
-            .options(endpoints=f"{a.address},{b_address}", stream="orders")
-            .options(startingOffsets="earliest", readOnDriver=on_driver)
-            .load()
-            .writeStream.foreachBatch(sink)
-            .option("checkpointLocation", str(tmp_path / "ck"))
-            .start()
+        reader = spark.readStream.options(
+            endpoints=f"{a.address},{b_address}", readOnDriver=on_driver
         )
-        wait_until(lambda: read_up_to(b_id, 1) and read_up_to(a.producer_id, 1), "seq 1", 120)
+        query = start_into(seen, reader, tmp_path / "ck")
+        wait_until(lambda: seen.read(b_id, 1) and seen.read(a.producer_id, 1), "seq 1", 120)
         b.close()
         a.publish("orders", b"while b is down")
-        wait_until(lambda: read_up_to(a.producer_id, 2), "a's seq 2 while b is down", 120)
+        wait_until(lambda: seen.read(a.producer_id, 2), "a's seq 2 while b is down", 120)
         assert query.isActive
         b = streamq.SyncProducer(str(tmp_path / "b.db"), port=parse_address(b_address)[1])
         b.publish("orders", b"back")
-        wait_until(lambda: read_up_to(b_id, 2), "b's seq 2 once it is back", 120)
+        wait_until(lambda: seen.read(b_id, 2), "b's seq 2 once it is back", 120)
     finally:
         if query is not None:
             query.stop()
         a.close()
         b.close()
-    assert sorted(rows) == sorted([(a.producer_id, 1), (a.producer_id, 2), (b_id, 1), (b_id, 2)])
+    assert sorted(seen.rows) == sorted(
+        [(a.producer_id, 1), (a.producer_id, 2), (b_id, 1), (b_id, 2)]
+    )
 
 
 def test_a_paused_producer_delays_only_its_own_records(spark: SparkSession, tmp_path: Path) -> None:
@@ -464,14 +479,7 @@ def test_a_paused_producer_delays_only_its_own_records(spark: SparkSession, tmp_
     stuck machine would) with records it has not served: once a trigger asks it (after
     its quiet watch is no longer believed), each passes it over after ``slowProducerMs``
     and reads the others; once it answers again, its records are read. Every record once."""
-    rows: list[tuple[str, int]] = []
-
-    def sink(df: DataFrame, batch_id: int) -> None:
-        rows.extend((r.producer, r.seq) for r in df.select("producer", "seq").collect())
-
-    def read_up_to(producer_id: str, seq: int) -> bool:
-        return any(row == (producer_id, seq) for row in list(rows))
-
+    seen = Seen()
     db = str(tmp_path / "b.db")
     with streamq.SyncProducer(db, serve=False) as b:
         b.publish("orders", b"first")
@@ -479,27 +487,24 @@ def test_a_paused_producer_delays_only_its_own_records(spark: SparkSession, tmp_
     with streamq.SyncProducer(str(tmp_path / "a.db")) as a, hosted(db) as (b_id, address, b):
         try:
             a.publish("orders", b"first")
-            query = (
-                spark.readStream.format("streamq")
-                .options(endpoints=f"{a.address},{address}", stream="orders")
-                .options(startingOffsets="earliest", slowProducerMs="500", timeoutMs="120000")
-                .load()
-                .writeStream.foreachBatch(sink)
-                .option("checkpointLocation", str(tmp_path / "ck"))
-                .start()
+            reader = spark.readStream.options(
+                endpoints=f"{a.address},{address}", slowProducerMs="500", timeoutMs="120000"
             )
-            wait_until(lambda: read_up_to(b_id, 1) and read_up_to(a.producer_id, 1), "seq 1", 120)
+            query = start_into(seen, reader, tmp_path / "ck")
+            wait_until(lambda: seen.read(b_id, 1) and seen.read(a.producer_id, 1), "seq 1", 120)
             b.send_signal(signal.SIGSTOP)
             with sqlite3.connect(db) as conn:  # another process's commit, unseen by b
                 streamq.publish(conn, "orders", b"while paused")
             wait_until(lambda: unread(address) > 0, "the query to ask paused b", 120)
             a.publish("orders", b"after b was asked")
             # Well within timeoutMs: the trigger did not wait for b to answer or time out.
-            wait_until(lambda: read_up_to(a.producer_id, 2), "a's seq 2 while b is paused", 60)
-            assert query.isActive and not read_up_to(b_id, 2)
+            wait_until(lambda: seen.read(a.producer_id, 2), "a's seq 2 while b is paused", 60)
+            assert query.isActive and not seen.read(b_id, 2)
             b.send_signal(signal.SIGCONT)
-            wait_until(lambda: read_up_to(b_id, 2), "b's seq 2 once it answers", 120)
+            wait_until(lambda: seen.read(b_id, 2), "b's seq 2 once it answers", 120)
         finally:
             if query is not None:
                 query.stop()
-    assert sorted(rows) == sorted([(a.producer_id, 1), (a.producer_id, 2), (b_id, 1), (b_id, 2)])
+    assert sorted(seen.rows) == sorted(
+        [(a.producer_id, 1), (a.producer_id, 2), (b_id, 1), (b_id, 2)]
+    )

@@ -46,6 +46,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import streamq
+from bench.spark.footprint import processes
 
 ROOT = Path(__file__).resolve().parent.parent
 PRODUCER_PROGRAM = Path(__file__).resolve().parent / "crash" / "producer_proc.py"
@@ -88,18 +89,7 @@ def session_members(sid: int) -> list[tuple[int, str, int]]:
     """(pid, state, parent pid) of the processes of session ``sid``: a program started in its
     own session and all it started (Spark's JVM and Python workers change their process
     group, not their session)."""
-    members = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(entry.path, "stat").read_text()
-        except OSError:
-            continue  # exited meanwhile
-        state, ppid, _pgrp, session = stat.rpartition(")")[2].split()[:4]
-        if int(session) == sid:
-            members.append((int(entry.name), state, int(ppid)))
-    return members
+    return [(p.pid, p.state, p.parent) for p in processes() if p.session == sid]
 
 
 @contextlib.contextmanager

@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
-import time
 from collections import Counter
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterator
+from typing import Any
 
 from ..common import Reporting
 from ..latency import DUE, record_value
-
-T = TypeVar("T")
 
 STREAM = "events"  # streamq's stream; Kafka's topic is named per run
 GROUP = "appliers"  # the group's name: streamq's consumer name, Kafka's group.id
@@ -120,21 +117,6 @@ def passed(checks: dict[str, Any]) -> bool:
 # --- the driver's view of the members ---------------------------------------------------
 
 WAIT = 120.0  # s, the bound on every wait of a run
-
-
-def wait_until(
-    what: str, probe: Callable[[], T | None], timeout: float = WAIT, every: float = 0.005
-) -> T:
-    """``probe()`` once it returns something other than None or False, asked ``every``
-    seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        found = probe()
-        if found is not None and found is not False:
-            return found
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"groups: no {what} within {timeout:g} s")
-        time.sleep(every)
 
 
 def held(member: Reporting) -> list[int]:

@@ -40,7 +40,7 @@ from typing import Any
 from rich.progress import Progress
 from rich.table import Table
 
-from ..common import Reporting, console, save, workload_main
+from ..common import Reporting, console, save, wait_until, workload_main
 from .common import (
     GROUP,
     KEYS,
@@ -54,7 +54,6 @@ from .common import (
     held,
     passed,
     reading,
-    wait_until,
 )
 
 STREAMQ = "bench.groups.streamq"

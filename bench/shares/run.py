@@ -79,7 +79,8 @@ def run_group_once(
     once every share is held, STOP once every record is applied; its figures, checked."""
     import psycopg
 
-    from ..groups.common import balanced, wait_until
+    from ..common import wait_until
+    from ..groups.common import balanced
 
     url = server.create_database(name)
     with psycopg.connect(url, autocommit=True) as conn:

@@ -32,6 +32,7 @@ from rich.table import Table
 
 import streamq
 
+from ..common import wait_until
 from . import footprint
 from .common import RECORD, noop_query
 from .kafka import _fill_topic, _produce
@@ -43,28 +44,28 @@ DATA_ROUNDS = 3  # rounds of one new record per producer (partition)
 # One source's run: (spark, folder, producers, seconds) -> figures.
 Case = Callable[[Any, Path, int, float], dict[str, float]]
 TRIGGER = "200 milliseconds"
+WAIT = 300.0  # s, the bound on each wait for the query
 
 
 def _read(query: Any, rows: int, first: int = 0) -> list[dict[str, Any]]:
     """Wait until the query has read ``rows`` in batches ``first`` on; their progress
     reports that read any. (Spark keeps only the last 100 reports.)"""
-    deadline = time.monotonic() + 300
-    while True:
-        read = [p for p in query.recentProgress if p["batchId"] >= first and p["numInputRows"]]
-        if sum(p["numInputRows"] for p in read) >= rows:
-            return read
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the query read fewer than {rows} rows in 300 s")
-        time.sleep(0.2)
+
+    def batches() -> list[dict[str, Any]] | None:
+        found = [p for p in query.recentProgress if p["batchId"] >= first and p["numInputRows"]]
+        return found if sum(p["numInputRows"] for p in found) >= rows else None
+
+    return wait_until(f"{rows} rows read", batches, WAIT, 0.2)
 
 
 def _idle(query: Any) -> None:
     """Wait for a trigger that found nothing new: it reports the id of the next batch."""
-    deadline = time.monotonic() + 300
-    while (last := query.lastProgress) is None or last["numInputRows"]:
-        if time.monotonic() > deadline:
-            raise TimeoutError("no idle trigger was reported in 300 s")
-        time.sleep(0.2)
+
+    def idle() -> bool:
+        last = query.lastProgress
+        return last is not None and not last["numInputRows"]
+
+    wait_until("idle trigger", idle, WAIT, 0.2)
 
 
 def idle_triggers(
@@ -73,10 +74,10 @@ def idle_triggers(
     rows: int,
     seconds: float,
     add: Callable[[], int],
-    footprint: Callable[[], dict[str, float]],
+    holds: Callable[[], dict[str, float]],
 ) -> dict[str, float]:
     """Median and max ``latestOffset`` and ``triggerExecution`` (ms) of the idle triggers
-    in ``seconds`` after the query read its ``rows``, and the source's ``footprint`` at
+    in ``seconds`` after the query read its ``rows``, and what the source ``holds`` at
     their end; then the median ``addBatch`` and ``triggerExecution`` of the triggers that
     read what ``add`` adds (it returns how many rows), ``DATA_ROUNDS`` times."""
     query = noop_query(reader, checkpoint, processingTime=TRIGGER)
@@ -84,15 +85,14 @@ def idle_triggers(
         _read(query, rows)
         read = len(query.recentProgress)
         until = time.monotonic() + seconds
-        deadline = until + 300
-        while True:  # at least ``seconds``, and at least one idle trigger
+
+        def enough() -> list[dict[str, Any]] | None:
+            """At least ``seconds`` of triggers, and at least one idle trigger."""
             idle = [p for p in query.recentProgress[read:] if not p["numInputRows"]]
-            if idle and time.monotonic() >= until:
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError("no idle trigger was reported in 300 s")
-            time.sleep(0.2)
-        held = footprint()
+            return idle if idle and time.monotonic() >= until else None
+
+        idle = wait_until("idle trigger", enough, seconds + WAIT, 0.2)
+        held = holds()
         data = []
         for _ in range(DATA_ROUNDS):
             _idle(query)
