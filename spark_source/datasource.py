@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -124,9 +125,10 @@ logger = logging.getLogger("spark_source")
 # Rows per Arrow batch: about a RECORDS frame's worth (producers send at most 8,192 records
 # per frame by default). Larger batches only make the rows outgrow the CPU's caches.
 _ROWS_PER_BATCH = 8192
-# An unchanged position is reported again after this many seconds: a query idle at the
-# head stays "heard of" (producers forget positions not reported for days), at one
-# request per producer per interval, not one per trigger.
+# An unchanged position is reported again after this many seconds, up to twice as many at
+# random: a query idle at the head stays "heard of" (producers forget positions not
+# reported for days), at one request per producer per interval, not one per trigger, and
+# not to every producer in the same trigger.
 _REPORT_AGAIN = 30.0
 
 
@@ -555,7 +557,8 @@ class StreamQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         # seq the sink holds}); sent ones leave.
         self._unreported: dict[str, int] = {}
         self._initial: Offsets | None = None  # a new query's start: nothing applied yet
-        # What was last reported to each producer: (last seq held, time.monotonic()).
+        # What was last reported to each producer: (last seq held, when it is reported
+        # again if it stays, time.monotonic()).
         self._reported: dict[str, tuple[int, float]] = {}
         self._down: set[str] = set()  # producers down at the last trigger (logged)
 
@@ -584,12 +587,15 @@ class StreamQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return self._states
 
     def initialOffset(self) -> dict[str, Any]:
+        """Found once: Spark asks again as it plans the first batch, and a second answer
+        could be later (``latest`` with new commits: records lost between the two), and
+        its discovery would take each kept connection's watch."""
         settings = self.settings
-        seqs = settings.initial(self._refresh(), "latest")
-        self._initial = seqs
+        if self._initial is None:
+            self._initial = settings.initial(self._refresh(), "latest")
         # startingOffsets copied from a query's offsets keeps the epochs beside the seqs.
         given = settings.starting if settings.starting_timestamp is None else None
-        return planning.join_offset(seqs, planning.given_epochs(given))
+        return planning.join_offset(self._initial, planning.given_epochs(given))
 
     def getDefaultReadLimit(self) -> ReadLimit:
         if self.settings.max_per_trigger is None:
@@ -720,9 +726,9 @@ class StreamQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             state, reported = self._states.get(pid), self._reported.get(pid)
             if state is None or state.lost or seq <= 1:
                 continue
-            if reported is None or reported[0] != seq - 1 or now - reported[1] >= _REPORT_AGAIN:
+            if reported is None or reported[0] != seq - 1 or now >= reported[1]:
                 self._unreported[pid] = seq - 1
-                self._reported[pid] = (seq - 1, now)
+                self._reported[pid] = (seq - 1, now + _REPORT_AGAIN * random.uniform(1, 2))
 
     def stop(self) -> None:
         try:

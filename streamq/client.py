@@ -183,6 +183,9 @@ class Client:
         # A WATCH_HEAD's: its answer unread (since when, time.monotonic()), or read early.
         self._watching: float | None = None
         self._watched: StreamInfo | None = None
+        # Answers due before the watch's that nobody reads: a superseded watch's, and those
+        # of the requests ``watch_head`` sent before it.
+        self._dropping = 0
         self.consumer: str | None = None
         try:
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -234,12 +237,20 @@ class Client:
 
     def _receive(self) -> Message:
         try:
+            self._drop_answers()
             if isinstance(self._conn.answering, WatchHead):  # its answer is next: keep it
                 self._watched, self._watching = self._receive_info(), None
             return self._receive_message()
         except StreamQError:
             self.close()  # an ERROR ends the connection; so does a peer out of step
             raise
+
+    def _drop_answers(self, waiting: bool = True) -> None:
+        """Read the answers nobody reads (``watch_head``), or without ``waiting`` those that
+        have come; an ERROR among them raises."""
+        while self._dropping and (waiting or self.answer_ready):
+            self._receive_message()
+            self._dropping -= 1
 
     def _receive_message(self) -> Message:
         with producer_errors(self.address, "reading from"):
@@ -270,12 +281,23 @@ class Client:
         answers no request pipelined after it)."""
         return self._receive()
 
-    def watch_head(self, stream: str, head: int) -> None:
+    def watch_head(self, stream: str, head: int, *told: Message, wait: float | None = None) -> None:
         """Ask to be told once ``stream``'s head is beyond ``head`` (WATCH_HEAD), without
-        waiting: ``answer_ready`` says when ``watched`` can read the answer at once. The
-        producer answers at the latest after its heartbeat interval, head as it is. Other
-        requests may follow: they end the wait (their answers come after its answer)."""
-        self.send_requests(WatchHead(stream, head))
+        waiting: ``watch_answered`` says when ``watched`` can read the answer at once. The
+        producer answers at the latest after ``wait`` seconds (its heartbeat interval if
+        None), head as it is. Other requests may follow: they end the wait (their answers
+        come after its answer).
+
+        ``told``: requests sent first, in the same write, whose answers nobody reads (an
+        advisory REPORT_POSITION): they are dropped as they come, and an ERROR among them
+        raises from the next read. A watch still waiting is replaced, its answer dropped
+        too: the new one is answered at once if the head has moved beyond ``head``."""
+        dropped = len(told) + (self._watching is not None)
+        if self._conn.owed != self._dropping + (self._watching is not None):
+            raise RuntimeError("watch_head() with answers still to read")
+        wait_ms = None if wait is None else math.ceil(wait * 1000)
+        self.send_requests(*told, WatchHead(stream, head, wait_ms))
+        self._dropping += dropped
 
     @property
     def watching(self) -> float | None:
@@ -288,6 +310,7 @@ class Client:
         waiting for it if it has not come; the answers before it must have been read."""
         if self._watching is not None:
             try:
+                self._drop_answers()
                 self._watched, self._watching = self._receive_info(), None
             except StreamQError:
                 self.close()
@@ -296,6 +319,16 @@ class Client:
             raise RuntimeError("watched() without watch_head()")
         info, self._watched = self._watched, None
         return info
+
+    def watch_answered(self) -> bool:
+        """Whether ``watched`` can return without waiting. The answers it would drop first
+        (``watch_head``'s ``told``) are read as far as they have come."""
+        try:
+            self._drop_answers(waiting=False)
+        except StreamQError:
+            self.close()
+            raise
+        return not self._dropping and (self._watching is None or self.answer_ready)
 
     @property
     def answer_ready(self) -> bool:

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import math
 import os
+import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -485,7 +486,14 @@ class Server:
             writer.write(conn.send(stream.info()))
         elif isinstance(message, WatchHead):
             watch = _HeadWatch(conn, writer, self.log.stream(message.stream))
-            watch.wait(message.head, self.settings.heartbeat_interval)
+            settings = self.settings
+            wait = settings.heartbeat_interval
+            if message.wait_ms is not None:
+                wait = message.wait_ms / 1000
+            # "WATCH_HEAD": well within the idle timeout, and at random from half the wait
+            # on, so that idle watches sent together (a Spark trigger's) come back spread.
+            wait = min(wait, settings.idle_timeout / 2)
+            watch.wait(message.head, wait * random.uniform(0.5, 1))
             return watch
         elif isinstance(message, GetRange):
             await self._send_range(conn, message, writer)

@@ -156,7 +156,7 @@ MESSAGE_STRATEGIES: dict[type[Any], st.SearchStrategy[Any]] = {
     GetHistory: st.builds(GetHistory, texts, st.binary(max_size=12), uints, uints),
     SeekTime: st.builds(SeekTime, texts, msgpack_ints),
     TimePosition: st.builds(TimePosition, texts, uints, uints, uints),
-    WatchHead: st.builds(WatchHead, texts, uints),
+    WatchHead: st.builds(WatchHead, texts, uints, st.none() | uints),
     StatusReport: st.builds(StatusReport, maps),
     Error: st.builds(Error, st.sampled_from(ErrorCode).map(int) | uints, texts, maps),
     Authenticated: st.builds(Authenticated, st.none() | texts),
@@ -173,6 +173,7 @@ OPTIONAL_FIELDS: dict[type[Any], int] = {
     Records: 2,
     GetRange: 2,
     RangeEnd: 2,
+    WatchHead: 1,
 }
 # The wire kind of each field after the message type, as the message docstrings describe.
 FIELD_KINDS: dict[type[Any], tuple[str, ...]] = {
@@ -194,7 +195,7 @@ FIELD_KINDS: dict[type[Any], tuple[str, ...]] = {
     GetHistory: ("str", "bin", "uint", "uint"),
     SeekTime: ("str", "int"),
     TimePosition: ("str", "uint", "uint", "uint"),
-    WatchHead: ("str", "uint"),
+    WatchHead: ("str", "uint", "uint"),
     Authenticated: ("opt_str",),
 }
 not_str = st.one_of(

@@ -28,7 +28,7 @@ from spark_source.planning import Connect, ProducerState, Range, StreamQSourceEr
 from streamq.errors import MalformedFrameError
 from streamq.transport import parse_address
 
-from .hosted import hosted
+from .hosted import hosted, unread
 from .waiting import producer_connections, wait_until
 
 STATES = {
@@ -405,6 +405,8 @@ def test_a_trigger_goes_on_without_a_producer_that_is_down_but_not_under_availab
             available_now.prepareForTriggerAvailableNow()
             now_start = available_now.initialOffset()
         a.publish("orders", b"y")
+        watching = running.connections()._open[a.address]
+        wait_until(watching.watch_answered, "a's watch to answer")
         try:
             seqs = planning.split_offset(running.latestOffset(first, ReadAllAvailable()))[0]
             assert seqs == {a.producer_id: 3, b.producer_id: 2}
@@ -413,6 +415,51 @@ def test_a_trigger_goes_on_without_a_producer_that_is_down_but_not_under_availab
         finally:
             running.stop()
             available_now.stop()
+
+
+def test_reports_told_in_one_trigger_are_bounded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past ``TOLD_PER_TRIGGER``, reports to producers a trigger does not ask wait for a
+    later one: the trigger after a batch over a thousand producers writes to a few."""
+    monkeypatch.setattr(planning, "TOLD_PER_TRIGGER", 1)
+    with (
+        streamq.SyncProducer(str(tmp_path / "a.db")) as a,
+        streamq.SyncProducer(str(tmp_path / "b.db")) as b,
+    ):
+        for producer in (a, b):
+            producer.publish("orders", b"x")
+        endpoints = [a.address, b.address]
+        kept = planning.Connections(Connect(timeout=10))
+        try:
+            known = planning.discover(endpoints, "orders", kept, {})
+            positions = {pid: planning.Position(2, s.epoch) for pid, s in known.items()}
+            unreported = {pid: 1 for pid in known}
+            for _ in range(2):
+                reports = planning.Reports("spark", dict(unreported))
+                assert planning.discover(endpoints, "orders", kept, positions, reports) == known
+                assert len(reports.sent) == 1 and reports.told == 1
+                del unreported[reports.sent.pop()]
+            assert unreported == {}
+            for producer in (a, b):
+                wait_until(lambda p=producer: applied(p.address) == [1], "the report applied")
+        finally:
+            kept.close()
+
+
+def test_the_initial_offset_is_found_once(tmp_path: Path) -> None:
+    """Spark asks for it again as it plans the first batch: with ``latest`` and a commit
+    in between, a second discovery would start the query after that commit, never read."""
+    with streamq.SyncProducer(str(tmp_path / "a.db")) as a:
+        a.publish("orders", b"x")
+        reader = StreamQStreamReader(_Settings({"endpoints": a.address, "stream": "orders"}))
+        try:
+            first = reader.initialOffset()
+            a.publish("orders", b"y")
+            assert reader.initialOffset() == first
+            assert planning.split_offset(first)[0] == {a.producer_id: 2}
+        finally:
+            reader.stop()
 
 
 def test_the_discovery_tool_measures_a_fleet(tmp_path: Path) -> None:
@@ -533,9 +580,9 @@ def test_the_driver_keeps_one_connection_per_producer_for_discovery_and_reports(
             # A status client and the driver's kept connection: no others. (The server
             # counts a closed connection out once it has read its end.)
             wait_until(lambda: producer_connections(address) == 2, "two connections")
-            with streamq.Client(address) as client:
-                assert [p["applied"] for p in client.status()["positions"]] == [head]
+            wait_until(lambda h=head: applied(address) == [h], f"position {head} applied")
             a.publish("orders", b"more")
+            wait_until(kept._open[address].watch_answered, "the watch's answer")
     with streamq.SyncProducer(db, port=port) as restarted:
         for sent in (set(), {pid}):  # made anew first: no report on that connection
             reports = planning.Reports("spark", {pid: 3})
@@ -545,9 +592,46 @@ def test_the_driver_keeps_one_connection_per_producer_for_discovery_and_reports(
         wait_until(
             lambda: producer_connections(address) == 1, "only the status client's connection"
         )
-        with streamq.Client(address) as client:
-            assert [p["applied"] for p in client.status()["positions"]] == [3]
+        assert applied(address) == [3]
         assert restarted.producer_id == pid
+
+
+def applied(address: str) -> list[int]:
+    """The positions the producer at ``address`` holds as applied by its consumers."""
+    with streamq.Client(address) as client:
+        return [p["applied"] for p in client.status()["positions"]]
+
+
+def test_a_report_to_a_producer_whose_head_has_not_moved_waits_for_no_answer(
+    tmp_path: Path,
+) -> None:
+    """A position report to a producer a trigger need not ask (its watch quiet) goes in one
+    write with a new watch, not a round trip: a trigger reports to a paused producer and
+    goes on at once, not taking it as down; it applies the report once it runs again, and
+    its next commit answers the new watch as before."""
+    db = str(tmp_path / "b.db")
+    with streamq.SyncProducer(db, serve=False) as b:
+        b.publish("orders", b"x")
+    kept = planning.Connections(Connect(timeout=20, patience=5))
+    with hosted(db) as (pid, address, process):
+        try:
+            known = planning.discover([address], "orders", kept, {})
+            positions = {pid: planning.Position(2, known[pid].epoch)}
+            process.send_signal(signal.SIGSTOP)
+            asked = unread(address)
+            reports = planning.Reports("spark", {pid: 1})
+            states = planning.discover([address], "orders", kept, positions, reports, known)
+            assert states == known and reports.sent == {pid}  # not down: not asked
+            assert unread(address) > asked  # written, its answer not waited for
+            process.send_signal(signal.SIGCONT)
+            wait_until(lambda: applied(address) == [1], "the report applied")
+            with sqlite3.connect(db) as conn:  # another process's commit: the watch answers
+                streamq.publish(conn, "orders", b"y")
+            wait_until(kept._open[address].watch_answered, "the new watch's answer")
+            states = planning.discover([address], "orders", kept, positions, known=states)
+            assert states[pid].head == 2 and states[pid].down is None
+        finally:
+            kept.close()
 
 
 def registry() -> list[str]:

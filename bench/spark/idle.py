@@ -47,25 +47,54 @@ TRIGGER = "200 milliseconds"
 WAIT = 300.0  # s, the bound on each wait for the query
 
 
-def _read(query: Any, rows: int, first: int = 0) -> list[dict[str, Any]]:
-    """Wait until the query has read ``rows`` in batches ``first`` on; their progress
-    reports that read any. (Spark keeps only the last 100 reports.)"""
-
-    def batches() -> list[dict[str, Any]] | None:
-        found = [p for p in query.recentProgress if p["batchId"] >= first and p["numInputRows"]]
-        return found if sum(p["numInputRows"] for p in found) >= rows else None
-
-    return wait_until(f"{rows} rows read", batches, WAIT, 0.2)
+PHASES = ("latestOffset", "triggerExecution", "addBatch")
 
 
-def _idle(query: Any) -> None:
-    """Wait for a trigger that found nothing new: it reports the id of the next batch."""
+class _Progress:
+    """A query's progress reports, gathered from ``recentProgress`` as they come: Spark
+    keeps only the last 100 (20 s of triggers here) and posts no event for an idle one.
+    Read from Spark's JVM a field at a time: PySpark's ``recentProgress`` parses every
+    report whole at each call, at 1,024 producers two offsets of about 90 KB each, most
+    of a core taken from the query measured when polled often enough to miss none."""
 
-    def idle() -> bool:
-        last = query.lastProgress
-        return last is not None and not last["numInputRows"]
+    POLL = 1.0
 
-    wait_until("idle trigger", idle, WAIT, 0.2)
+    def __init__(self, query: Any) -> None:
+        self._query = query._jsq
+        self._seen: dict[str, dict[str, Any]] = {}  # by timestamp: idle ones share a batchId
+
+    def since(self, began: str) -> list[dict[str, Any]]:
+        """Those of triggers that began after ``began`` (a report's timestamp), in order."""
+        for report in self._query.recentProgress():
+            timestamp = report.timestamp()
+            if timestamp not in self._seen:
+                durations = report.durationMs()
+                self._seen[timestamp] = {
+                    "timestamp": timestamp,
+                    "numInputRows": report.numInputRows(),
+                    "durationMs": {p: v for p in PHASES if (v := durations.get(p)) is not None},
+                }
+        return [self._seen[t] for t in sorted(self._seen) if t > began]
+
+    def read(self, rows: int, began: str) -> list[dict[str, Any]]:
+        """Wait until the query has read ``rows`` in triggers after ``began``; the reports
+        of those that read any."""
+
+        def batches() -> list[dict[str, Any]] | None:
+            found = [p for p in self.since(began) if p["numInputRows"]]
+            return found if sum(p["numInputRows"] for p in found) >= rows else None
+
+        return wait_until(f"{rows} rows read", batches, WAIT, self.POLL)
+
+    def idle(self) -> str:
+        """Wait for a trigger that found nothing new; its timestamp."""
+
+        def idle() -> str | None:
+            last = self._query.lastProgress()
+            found = last is not None and not last.numInputRows()
+            return last.timestamp() if found else None
+
+        return wait_until("idle trigger", idle, WAIT, 0.2)
 
 
 def idle_triggers(
@@ -82,21 +111,22 @@ def idle_triggers(
     read what ``add`` adds (it returns how many rows), ``DATA_ROUNDS`` times."""
     query = noop_query(reader, checkpoint, processingTime=TRIGGER)
     try:
-        _read(query, rows)
-        read = len(query.recentProgress)
+        progress = _Progress(query)
+        read = progress.read(rows, "")
         until = time.monotonic() + seconds
 
         def enough() -> list[dict[str, Any]] | None:
             """At least ``seconds`` of triggers, and at least one idle trigger."""
-            idle = [p for p in query.recentProgress[read:] if not p["numInputRows"]]
+            later = progress.since(read[-1]["timestamp"])
+            idle = [p for p in later if not p["numInputRows"]]
             return idle if idle and time.monotonic() >= until else None
 
-        idle = wait_until("idle trigger", enough, seconds + WAIT, 0.2)
+        idle = wait_until("idle trigger", enough, seconds + WAIT, progress.POLL)
         held = holds()
         data = []
         for _ in range(DATA_ROUNDS):
-            _idle(query)
-            data += _read(query, add(), query.lastProgress["batchId"])
+            began = progress.idle()  # before adding: its rows may come at once
+            data += progress.read(add(), began)
     finally:
         query.stop()
     figures = {}

@@ -374,16 +374,18 @@ class SeekTime(Message):
     TYPE: ClassVar[MessageType] = MessageType.SEEK_TIME
 
 
-@_message(is_str, is_uint)
+@_message(is_str, is_uint, is_uint, optional=1)
 @dataclass(frozen=True, slots=True)
 class WatchHead(Message):
     """Answer with the stream's STREAM_INFO once its head is beyond ``head``: a reader
     that asks every trigger (a Spark query) learns of new records without asking producers
     that have none. Answered at once, head as it is, when another message follows it, and
-    after at most the heartbeat interval."""
+    after at most ``wait_ms`` (optional: the heartbeat interval if None, which leaves the
+    field off the wire)."""
 
     stream: str
     head: int
+    wait_ms: int | None = None
     TYPE: ClassVar[MessageType] = MessageType.WATCH_HEAD
 
 

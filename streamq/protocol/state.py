@@ -277,6 +277,11 @@ class ClientConnection(Connection):
         """The oldest request still waiting for (the rest of) its answer."""
         return self._pending[0] if self._pending else None
 
+    @property
+    def owed(self) -> int:
+        """How many requests still wait for (the rest of) their answers."""
+        return len(self._pending)
+
     def _check_sent(self, message: Message) -> None:
         if isinstance(message, Subscribe):
             if self._pending:
