@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import signal
@@ -10,6 +11,7 @@ import socketserver
 import sqlite3
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -191,31 +193,49 @@ def test_an_idle_trigger_asks_no_producer_whose_watch_is_quiet(tmp_path: Path) -
     """Streaming discovery leaves each kept connection watching its producer's head
     (WATCH_HEAD): while no answer comes, a trigger asks that producer nothing and its
     state stands; a commit answers the watch, and that producer alone is asked again."""
+    with watched_pair(tmp_path) as (a, b, kept, first, positions):
+        endpoints = [a.address, b.address]
+        armed = {e: kept.watches[e].since for e in endpoints}
+        for _ in range(3):
+            assert planning.discover(endpoints, "orders", kept, positions) == first
+            assert {e: kept.watches[e].since for e in endpoints} == armed  # none sent
+        a.publish("orders", b"new")
+        wait_until(
+            lambda: (
+                planning.discover(endpoints, "orders", kept, positions)[a.producer_id]
+                == ProducerState(a.producer_id, a.address, 2, 1, first[a.producer_id].epoch)
+            ),
+            "the new head",
+        )
+        assert kept.watches[b.address].since == armed[b.address]
+        assert kept.watches[a.address].since > armed[a.address]  # asked, watched anew
+
+
+@contextlib.contextmanager
+def watched_pair(
+    tmp_path: Path,
+) -> Iterator[
+    tuple[
+        streamq.SyncProducer,
+        streamq.SyncProducer,
+        planning.Connections,
+        dict[str, ProducerState],
+        dict[str, planning.Position],
+    ]
+]:
+    """Two producers with a record each, found by a streaming query's discovery: (a, b,
+    the connections it keeps, watching each head, the states, the query's positions)."""
     with (
         streamq.SyncProducer(str(tmp_path / "a.db")) as a,
         streamq.SyncProducer(str(tmp_path / "b.db")) as b,
     ):
         for producer in (a, b):
             producer.publish("orders", b"x")
-        endpoints = [a.address, b.address]
         kept = planning.Connections(Connect(timeout=10))
         try:
-            first = planning.discover(endpoints, "orders", kept, {})
+            first = planning.discover([a.address, b.address], "orders", kept, {})
             positions = {pid: planning.Position(2, s.epoch) for pid, s in first.items()}
-            armed = {e: kept.watches[e].since for e in endpoints}
-            for _ in range(3):
-                assert planning.discover(endpoints, "orders", kept, positions) == first
-                assert {e: kept.watches[e].since for e in endpoints} == armed  # none sent
-            a.publish("orders", b"new")
-            wait_until(
-                lambda: (
-                    planning.discover(endpoints, "orders", kept, positions)[a.producer_id]
-                    == ProducerState(a.producer_id, a.address, 2, 1, first[a.producer_id].epoch)
-                ),
-                "the new head",
-            )
-            assert kept.watches[b.address].since == armed[b.address]
-            assert kept.watches[a.address].since > armed[a.address]  # asked, watched anew
+            yield a, b, kept, first, positions
         finally:
             kept.close()
 
@@ -423,28 +443,16 @@ def test_reports_told_in_one_trigger_are_bounded(
     """Past ``TOLD_PER_TRIGGER``, reports to producers a trigger does not ask wait for a
     later one: the trigger after a batch over a thousand producers writes to a few."""
     monkeypatch.setattr(planning, "TOLD_PER_TRIGGER", 1)
-    with (
-        streamq.SyncProducer(str(tmp_path / "a.db")) as a,
-        streamq.SyncProducer(str(tmp_path / "b.db")) as b,
-    ):
-        for producer in (a, b):
-            producer.publish("orders", b"x")
+    with watched_pair(tmp_path) as (a, b, kept, known, positions):
         endpoints = [a.address, b.address]
-        kept = planning.Connections(Connect(timeout=10))
-        try:
-            known = planning.discover(endpoints, "orders", kept, {})
-            positions = {pid: planning.Position(2, s.epoch) for pid, s in known.items()}
-            unreported = {pid: 1 for pid in known}
-            for _ in range(2):
-                reports = planning.Reports("spark", dict(unreported))
-                assert planning.discover(endpoints, "orders", kept, positions, reports) == known
-                assert len(reports.sent) == 1 and reports.told == 1
-                del unreported[reports.sent.pop()]
-            assert unreported == {}
-            for producer in (a, b):
-                wait_until(lambda p=producer: applied(p.address) == [1], "the report applied")
-        finally:
-            kept.close()
+        unreported = {pid: 1 for pid in known}
+        for _ in range(2):
+            reports = planning.Reports("spark", dict(unreported))
+            assert planning.discover(endpoints, "orders", kept, positions, reports) == known
+            assert len(reports.sent) == 1 and reports.told == 1
+            del unreported[reports.sent.pop()]
+        assert unreported == {}
+        wait_until(lambda: [applied(a.address), applied(b.address)] == [[1], [1]], "reports")
 
 
 def test_the_initial_offset_is_found_once(tmp_path: Path) -> None:
@@ -580,7 +588,7 @@ def test_the_driver_keeps_one_connection_per_producer_for_discovery_and_reports(
             # A status client and the driver's kept connection: no others. (The server
             # counts a closed connection out once it has read its end.)
             wait_until(lambda: producer_connections(address) == 2, "two connections")
-            wait_until(lambda h=head: applied(address) == [h], f"position {head} applied")
+            wait_until(applied_is(address, [head]), f"position {head} applied")
             a.publish("orders", b"more")
             wait_until(kept._open[address].watch_answered, "the watch's answer")
     with streamq.SyncProducer(db, port=port) as restarted:
@@ -600,6 +608,10 @@ def applied(address: str) -> list[int]:
     """The positions the producer at ``address`` holds as applied by its consumers."""
     with streamq.Client(address) as client:
         return [p["applied"] for p in client.status()["positions"]]
+
+
+def applied_is(address: str, positions: list[int]) -> Callable[[], bool]:
+    return lambda: applied(address) == positions
 
 
 def test_a_report_to_a_producer_whose_head_has_not_moved_waits_for_no_answer(
