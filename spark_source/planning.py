@@ -34,7 +34,7 @@ from streamq import (
     StreamQError,
     UnknownStreamError,
 )
-from streamq.client import answers_ready, vouch_answer, vouch_request
+from streamq.client import answers_ready, vouch_answer, vouch_request, watch_request
 from streamq.errors import (
     IdleTimeoutError,
     MalformedFrameError,
@@ -384,7 +384,7 @@ def _probe(
                 return ProducerState(producer_id, endpoint, head, info.low, vouch.after_epoch, lost)
     last: list[Message] = [vouch_request(stream, head)]
     if watch:
-        last.append(WatchHead(stream, head, math.ceil(WATCH_WAIT * 1000)))
+        last.append(watch_request(stream, head, WATCH_WAIT))
     at_head = (yield last)[0]
     if isinstance(at_head, MalformedFrameError):
         return ProducerState(producer_id, endpoint, head, info.low, None, lost)

@@ -73,6 +73,11 @@ def vouch_request(stream: str, position: int, seen_epoch: int = 0) -> GetRange:
     return GetRange(stream, position + 1, position + 1, seen_epoch)
 
 
+def watch_request(stream: str, head: int, wait: float | None = None) -> WatchHead:
+    """What ``Client.watch_head`` asks: ``wait`` in seconds, the heartbeat interval if None."""
+    return WatchHead(stream, head, None if wait is None else math.ceil(wait * 1000))
+
+
 def vouch_answer(end: Message) -> Vouch:
     """The producer's answer to ``vouch_request``."""
     assert isinstance(end, RangeEnd)
@@ -295,8 +300,7 @@ class Client:
         dropped = len(told) + (self._watching is not None)
         if self._conn.owed != self._dropping + (self._watching is not None):
             raise RuntimeError("watch_head() with answers still to read")
-        wait_ms = None if wait is None else math.ceil(wait * 1000)
-        self.send_requests(*told, WatchHead(stream, head, wait_ms))
+        self.send_requests(*told, watch_request(stream, head, wait))
         self._dropping += dropped
 
     @property
