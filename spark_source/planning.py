@@ -14,6 +14,7 @@ only the producers whose head moved.
 from __future__ import annotations
 
 import contextlib
+import functools
 import heapq
 import importlib
 import itertools
@@ -181,24 +182,37 @@ def parse_endpoints(
     """
     found: list[str] = []
     if endpoints:
-        found += [e.strip() for e in endpoints.split(",") if e.strip()]
+        found += _listed(endpoints, ",")
     if endpoints_file:
-        with open(endpoints_file) as lines:
-            found += [
-                line.split("#", 1)[0].strip() for line in lines if line.split("#", 1)[0].strip()
-            ]
+        with open(endpoints_file) as file:
+            found += _listed(file.read(), "\n")
     if provider:
-        found += [str(e).strip() for e in _load_provider(provider)()]
+        found += _checked(tuple(str(e).strip() for e in _load_provider(provider)()))
     if not found:
         raise StreamQSourceError(
             "set option 'endpoints' (host:port,...), 'endpointsFile' or 'endpointsProvider'"
         )
-    for endpoint in found:  # here, not in a thread of discover, as one line
+    return list(dict.fromkeys(found))
+
+
+@functools.lru_cache(maxsize=8)
+def _listed(text: str, separator: str) -> tuple[str, ...]:
+    """The endpoints ``text`` lists, one per ``separator`` (lines of a file may end in a
+    # comment), checked. Parsed once per text: read at every trigger, a thousand endpoints
+    checked each time cost an idle trigger milliseconds."""
+    parts = text.split(separator)
+    if separator == "\n":
+        parts = [line.split("#", 1)[0] for line in parts]
+    return _checked(tuple(part.strip() for part in parts if part.strip()))
+
+
+def _checked(endpoints: tuple[str, ...]) -> tuple[str, ...]:
+    for endpoint in endpoints:  # here, not in a thread of discover, as one line
         try:
             parse_address(endpoint)
         except ValueError as exc:
             raise StreamQSourceError(f"endpoints: {exc}") from None
-    return list(dict.fromkeys(found))
+    return endpoints
 
 
 def _load_provider(spec: str) -> Callable[[], Iterable[str]]:
@@ -462,17 +476,20 @@ def _ask_all(
 
     results: dict[str, ProducerState | _Missing] = {}
     down = _Down(connections, known or {}, results)
-    for endpoint in endpoints:
-        down.waiting(endpoint)
+    listed = set(endpoints)
+    for endpoint in dict.fromkeys([*connections.late, *connections.retry]):
+        if endpoint in listed:  # the others are asked, or answer their watch
+            down.waiting(endpoint)
     kept = {e: c for e in endpoints if e not in results and (c := connections.take(e)) is not None}
     if positions is not None:
         # One poll for every watch (an idle trigger over a thousand producers is this).
         watching = [client for client in kept.values() if client.watching is not None]
-        answered = {id(client) for client in answers_ready(watching, time.monotonic())}
+        now = time.monotonic()
+        answered = {id(client) for client in answers_ready(watching, now)}
         for endpoint, client in list(kept.items()):
             try:
                 state = _unchanged(
-                    connections, endpoint, client, stream, positions, reports, answered
+                    connections, endpoint, client, stream, positions, reports, answered, now
                 )
             except StreamQError as error:  # the watch's answer: the connection's end, an ERROR
                 if isinstance(error, MalformedFrameError):
@@ -698,6 +715,7 @@ def _unchanged(
     positions: Mapping[str, Position],
     reports: Reports | None,
     answered: set[int],
+    now: float,
 ) -> ProducerState | None:
     """The producer's state without a round trip, if its kept connection's watch says the
     head has not moved since the last probe (no answer yet, or one with the same head:
@@ -708,34 +726,38 @@ def _unchanged(
     restarted, which ended it. A report to send goes with a new watch, its answer not
     waited for (``Client.watch_head``'s ``told``; a query's last reports, as it stops, go
     with a discovery that asks every producer and reads every answer)."""
-    watch = connections.watches.pop(endpoint, None)
+    watches = connections.watches
+    watch = watches.get(endpoint)
     if watch is None or client.watching != watch.since:  # none, or a read took its answer
+        watches.pop(endpoint, None)
         return None
     state = watch.state
     position = positions.get(state.producer_id)
-    if position is not None and position.seq > state.head + 1:
+    vouched = position is None or position.seq <= state.head + 1
+    tell = reports if reports is not None and reports.told < TOLD_PER_TRIGGER else None
+    held = None if tell is None else tell.seqs.get(state.producer_id)
+    if vouched and held is None and id(client) not in answered and now - watch.since < WATCH_TRUST:
+        return state  # most of an idle trigger's producers: quiet, nothing to tell
+    del watches[endpoint]
+    if not vouched:
         return None  # not a position this connection vouched for
     report: list[Message] = []
-    if (
-        reports is not None
-        and (held := reports.seqs.get(state.producer_id)) is not None
-        and reports.told < TOLD_PER_TRIGGER
-    ):
-        report.append(ReportPosition(stream, reports.consumer, held))
+    if tell is not None and held is not None:
+        report.append(ReportPosition(stream, tell.consumer, held))
     if id(client) in answered and client.watch_answered():
         info = client.watched()
         if info.head != state.head:
             return None  # asked, the report with the questions
         state = replace(state, low=info.low)
-    elif time.monotonic() - watch.since >= WATCH_TRUST:
+    elif now - watch.since >= WATCH_TRUST:
         return None
     elif not report:
-        connections.watches[endpoint] = watch
+        watches[endpoint] = watch
         return state
     _arm(connections, endpoint, client, stream, state, *report)
-    if reports is not None and report:
-        reports.sent.add(state.producer_id)  # advisory: its answer is not waited for
-        reports.told += 1
+    if tell is not None and report:
+        tell.sent.add(state.producer_id)  # advisory: its answer is not waited for
+        tell.told += 1
     return state
 
 
