@@ -207,6 +207,7 @@ def _listed(text: str, separator: str) -> tuple[str, ...]:
 
 
 def _checked(endpoints: tuple[str, ...]) -> tuple[str, ...]:
+    """``endpoints``, once each parses as host:port; else one line naming the bad one."""
     for endpoint in endpoints:  # here, not in a thread of discover, as one line
         try:
             parse_address(endpoint)
