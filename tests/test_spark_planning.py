@@ -134,6 +134,14 @@ def test_endpoints_from_list_and_file(tmp_path: Path) -> None:
     assert planning.parse_endpoints("h:1, h:2", str(listing)) == ["h:1", "h:2", "h:3"]
     with pytest.raises(StreamQSourceError, match="set option 'endpoints'"):
         planning.parse_endpoints(None, None)
+    # Read anew at every call (each text parsed once): a producer added joins, a bad line
+    # fails the call even after the same file parsed well.
+    listing.write_text("h:3\nh:4\n")
+    assert planning.parse_endpoints("h:1, h:2", str(listing)) == ["h:1", "h:2", "h:3", "h:4"]
+    listing.write_text("h:3\nh\n")
+    for _ in range(2):
+        with pytest.raises(StreamQSourceError, match="endpoints: "):
+            planning.parse_endpoints("h:1", str(listing))
 
 
 def test_discover_real_producers(tmp_path: Path) -> None:
