@@ -297,11 +297,11 @@ class Client:
         advisory REPORT_POSITION): they are dropped as they come, and an ERROR among them
         raises from the next read. A watch still waiting is replaced, its answer dropped
         too: the new one is answered at once if the head has moved beyond ``head``."""
-        dropped = len(told) + (self._watching is not None)
-        if self._conn.owed != self._dropping + (self._watching is not None):
+        replaced = self._watching is not None  # its answer is dropped too
+        if self._conn.owed != self._dropping + replaced:
             raise RuntimeError("watch_head() with answers still to read")
         self.send_requests(*told, watch_request(stream, head, wait))
-        self._dropping += dropped
+        self._dropping += len(told) + replaced
 
     @property
     def watching(self) -> float | None:
