@@ -1,16 +1,19 @@
 """What an idle trigger costs a streaming query at N producers (N Kafka partitions beside
-it): ``python -m bench.spark.idle [--producers 64,256] [--seconds 15] [--no-kafka]``.
+it): ``python -m bench.spark.idle [--producers 64,256] [--seconds 15] [--repeats 1]
+[--data-rounds 3] [--no-kafka]``.
 
 A query over a few records per producer (partition) into a noop sink, triggered every
 200 ms; once it has read them, every trigger finds nothing new. Spark reports such a
 trigger only every 10 s by default (``noDataProgressEventInterval``), so that is set to 0
 here. Prints the median and max of the idle triggers' ``latestOffset`` and
-``triggerExecution`` (Spark's ``durationMs``). Then, three times, one new record in every
-producer (partition) while the query runs: the median ``addBatch`` and
+``triggerExecution`` (Spark's ``durationMs``). Then, ``--data-rounds`` times, one new
+record in every producer (partition) while the query runs: the median ``addBatch`` and
 ``triggerExecution`` of the triggers that read them (``data``). And what the source
 holds once idle (``footprint``): the streamq source's Python process's memory and its
 connections to the producers; the Kafka source's JVM's (all of Spark's) and its
-connections to the broker. docs/scaling.md has the figures.
+connections to the broker. With ``--repeats N`` each count runs both sources N times,
+alternating which goes first, and the table gives each figure's median over the runs.
+docs/scaling.md has the figures.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import json
 import sqlite3
 import statistics
 import tempfile
@@ -32,7 +36,7 @@ from rich.table import Table
 
 import streamq
 
-from ..common import wait_until
+from ..common import alternating, wait_until
 from . import footprint
 from .common import RECORD, noop_query
 from .kafka import _fill_topic, _produce
@@ -40,9 +44,9 @@ from .run import spark_session
 from .streamq import Fleet, _fill_producers
 
 PER_SOURCE = 4  # records per producer (partition)
-DATA_ROUNDS = 3  # rounds of one new record per producer (partition)
-# One source's run: (spark, folder, producers, seconds) -> figures.
-Case = Callable[[Any, Path, int, float], dict[str, float]]
+DATA_ROUNDS = 3  # rounds of one new record per producer (partition), by default
+# One source's run: (spark, folder, producers, seconds, data rounds) -> figures.
+Case = Callable[[Any, Path, int, float, int], dict[str, float]]
 TRIGGER = "200 milliseconds"
 WAIT = 300.0  # s, the bound on each wait for the query
 
@@ -102,13 +106,14 @@ def idle_triggers(
     checkpoint: Path,
     rows: int,
     seconds: float,
+    rounds: int,
     add: Callable[[], int],
     holds: Callable[[], dict[str, float]],
 ) -> dict[str, float]:
     """Median and max ``latestOffset`` and ``triggerExecution`` (ms) of the idle triggers
     in ``seconds`` after the query read its ``rows``, and what the source ``holds`` at
     their end; then the median ``addBatch`` and ``triggerExecution`` of the triggers that
-    read what ``add`` adds (it returns how many rows), ``DATA_ROUNDS`` times."""
+    read what ``add`` adds (it returns how many rows), ``rounds`` times."""
     query = noop_query(reader, checkpoint, processingTime=TRIGGER)
     try:
         progress = _Progress(query)
@@ -124,7 +129,7 @@ def idle_triggers(
         idle = wait_until("idle trigger", enough, seconds + WAIT, progress.POLL)
         held = holds()
         data = []
-        for _ in range(DATA_ROUNDS):
+        for _ in range(rounds):
             began = progress.idle()  # before adding: its rows may come at once
             data += progress.read(add(), began)
     finally:
@@ -141,7 +146,9 @@ def idle_triggers(
     return {**figures, **held}
 
 
-def streamq_idle(spark: Any, folder: Path, producers: int, seconds: float) -> dict[str, float]:
+def streamq_idle(
+    spark: Any, folder: Path, producers: int, seconds: float, rounds: int
+) -> dict[str, float]:
     paths = _fill_producers(folder, producers, producers * PER_SOURCE)
     fleet = Fleet(paths)
     try:
@@ -156,6 +163,7 @@ def streamq_idle(spark: Any, folder: Path, producers: int, seconds: float) -> di
             folder / "ck",
             producers * PER_SOURCE,
             seconds,
+            rounds,
             lambda: _publish(paths),
             lambda: footprint.streamq_source(fleet.endpoints),
         )
@@ -175,7 +183,7 @@ def _publish(paths: list[Path]) -> int:
 
 
 def kafka_idle(
-    spark: Any, folder: Path, partitions: int, seconds: float, *, broker: Any
+    spark: Any, folder: Path, partitions: int, seconds: float, rounds: int, *, broker: Any
 ) -> dict[str, float]:
     topic = f"idle-{uuid.uuid4().hex[:8]}"
     _fill_topic(broker, topic, partitions, partitions * PER_SOURCE)
@@ -191,7 +199,8 @@ def kafka_idle(
         return partitions
 
     held = functools.partial(footprint.kafka_source, broker.bootstrap)
-    return idle_triggers(reader, folder / "ck", partitions * PER_SOURCE, seconds, add, held)
+    rows = partitions * PER_SOURCE
+    return idle_triggers(reader, folder / "ck", rows, seconds, rounds, add, held)
 
 
 @contextlib.contextmanager
@@ -209,10 +218,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.spark.idle")
     parser.add_argument("--producers", default="64,256", help="comma-separated counts")
     parser.add_argument("--seconds", type=float, default=15.0, help="of idle triggers per case")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per source and count (1)")
+    parser.add_argument(
+        "--data-rounds", type=int, default=DATA_ROUNDS, help=f"data rounds per run ({DATA_ROUNDS})"
+    )
     parser.add_argument("--no-kafka", action="store_true", help="streamq alone (no broker)")
     args = parser.parse_args(argv)
     counts = [int(count) for count in args.producers.split(",")]
-    table = Table(title=f"idle triggers ({TRIGGER}), ms")
+    title = f"idle triggers ({TRIGGER}), ms; medians of {args.repeats} run(s)"
+    table = Table(title=title)
     columns = ("source", "producers", "latestOffset", "max", "triggerExecution", "max")
     data = ("data addBatch", "data trigger", "data triggers")
     for column in (*columns, "triggers", *data, "source MiB", "sockets"):
@@ -221,13 +235,20 @@ def main(argv: list[str] | None = None) -> int:
         spark = spark_session(broker is not None)
         spark.conf.set("spark.sql.streaming.noDataProgressEventInterval", "0")
         for count in counts:
-            cases: list[tuple[str, Case]] = [("streamq", streamq_idle)]
+            cases: dict[str, Case] = {"streamq": streamq_idle}
             if broker is not None:
-                cases.append(("kafka", functools.partial(kafka_idle, broker=broker)))
-            for source, run in cases:
+                cases["kafka"] = functools.partial(kafka_idle, broker=broker)
+            runs: dict[str, list[dict[str, float]]] = {source: [] for source in cases}
+            for source in alternating(list(cases), args.repeats):
                 with tempfile.TemporaryDirectory(prefix="streamq-idle-") as folder:
-                    figures = run(spark, Path(folder), count, args.seconds)
-                table.add_row(source, str(count), *(f"{v:,.0f}" for v in figures.values()))
+                    figures = cases[source](
+                        spark, Path(folder), count, args.seconds, args.data_rounds
+                    )
+                print(source, count, json.dumps(figures), flush=True)  # each run, as it ends
+                runs[source].append(figures)
+            for source, each in runs.items():
+                medians = [statistics.median(run[name] for run in each) for name in each[0]]
+                table.add_row(source, str(count), *(f"{v:,.0f}" for v in medians))
         spark.stop()
     Console(width=200).print(table)  # every column whole, on any terminal
     return 0
