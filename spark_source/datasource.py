@@ -56,6 +56,10 @@ readOnDriver             streams: ``true`` reads each micro-batch on the driver 
                          planned, with no Python task on the executors: lower latency for
                          small micro-batches; default ``false`` (executors read, for ingest)
 timeoutMs                connect and read timeout per request (default 30000)
+unreachableTimeoutMs     a producer that cannot be reached while a task reads its planned
+                         range (restarting, since the batch was planned) is tried again,
+                         from the first seq not yet read, for this long (default 120000,
+                         Spark's ``spark.network.timeout``); then the task fails
 slowProducerMs           streams: a producer the query reads that has not answered a
                          trigger's questions within this (default 2000) is passed over for
                          that trigger, its records read at a later one; the others go on
@@ -104,6 +108,7 @@ from pyspark.sql.types import StructType
 from streamq import Client, ClientTLS, OffsetOutOfRangeError, SeqsReusedError, StreamQError
 from streamq import Filter as RecordFilter
 from streamq.client import RangeRead
+from streamq.errors import ConnectionLostError, ShuttingDownError, TooManyConnectionsError
 from streamq.protocol import collector_paused
 
 from . import planning
@@ -242,7 +247,8 @@ class _Settings:
         self.read_on_driver = _flag(options, "readOnDriver", False)
         timeout = (_int(options, "timeoutMs", 30_000) or 30_000) / 1000
         patience = (_int(options, "slowProducerMs", 2_000) or 2_000) / 1000
-        self.connect = Connect(timeout, _tls(options), _token(options), patience)
+        unreachable = (_int(options, "unreachableTimeoutMs", 120_000) or 120_000) / 1000
+        self.connect = Connect(timeout, _tls(options), _token(options), patience, unreachable)
 
     def endpoints(self) -> list[str]:
         """Read anew at each call: a file or registry may list new producers."""
@@ -451,18 +457,56 @@ class _PartitionRead:
             )
 
 
+class _Unreachable:
+    """Tries again at a producer a planned read cannot reach: the batch's offsets are in the
+    checkpoint, so its range must be read, and a producer restarting is back in seconds.
+    Waits double from ``FIRST`` up to ``LONGEST``, for ``Connect.unreachable`` from the
+    first failure since the read last moved on; then the task fails, naming the option."""
+
+    FIRST, LONGEST = 0.05, 2.0  # s
+
+    def __init__(self, state: _PartitionRead) -> None:
+        self.state = state
+        self.since: int | None = None  # the seq the read stood at when the failures began
+        self.deadline = self.wait = 0.0
+
+    def wait_or_fail(self, exc: StreamQError) -> None:
+        state, limit, now = self.state, self.state.partition.connect.unreachable, time.monotonic()
+        if self.since != state.start:  # the first failure, or the read moved on since
+            self.since, self.deadline, self.wait = state.start, now + limit, self.FIRST
+            logger.warning(
+                "%s: cannot read seqs %d..%d (%s); trying again for up to %g s "
+                "(unreachableTimeoutMs)",
+                state.where,
+                state.start,
+                state.end - 1,
+                exc,
+                limit,
+            )
+        if now >= self.deadline:
+            raise StreamQSourceError(
+                f"{state.where}: unreachable for {limit:g} s (unreachableTimeoutMs) while "
+                f"reading seqs {state.start}..{state.end - 1}, planned for this micro-batch: "
+                f"{exc}"
+            ) from exc
+        time.sleep(min(self.wait, self.deadline - now))
+        self.wait = min(2 * self.wait, self.LONGEST)
+
+
 def read_partition(
     partition: StreamQPartition,
     columns: Columns = EVERY_COLUMN,
     connections: Connections | None = None,
 ) -> Iterator[pa.RecordBatch]:
     """Read exactly the partition's range from its producer, as Arrow batches of ``columns``:
-    on a connection of its own (an executor), or on one of ``connections`` (the driver)."""
+    on a connection of its own (an executor), or on one of ``connections`` (the driver).
+    A producer that cannot be reached is tried again (``_Unreachable``)."""
     if partition.keys is not None:
         yield from _read_keys(partition, partition.keys, columns)
         return
     rng = partition.range
     state = _PartitionRead(partition)
+    unreachable = _Unreachable(state)
     while state.start < state.end:
         try:
             if connections is None:
@@ -475,6 +519,8 @@ def read_partition(
             state.reused(exc)
         except OffsetOutOfRangeError as exc:
             state.out_of_range(exc)
+        except (ConnectionLostError, ShuttingDownError, TooManyConnectionsError) as exc:
+            unreachable.wait_or_fail(exc)
         except StreamQError as exc:
             raise StreamQSourceError(f"producer at {rng.endpoint}: {exc}") from exc
 

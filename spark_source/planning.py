@@ -83,6 +83,9 @@ class Connect:
     # How long a trigger waits for a producer the query already reads to answer a round
     # of questions (or to connect) before it plans without its new records (``_Down``).
     patience: float = 2.0
+    # How long a planned range's read tries again a producer it cannot reach (restarting
+    # since the batch was planned) before its task fails: Spark's ``spark.network.timeout``.
+    unreachable: float = 120.0
 
     def client(self, endpoint: str, name: str, timeout: float | None = None) -> Client:
         """A connection to ``endpoint``; ``timeout``, if given, for the connect and hello

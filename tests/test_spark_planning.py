@@ -731,3 +731,50 @@ def test_executors_pause_the_collector_only_while_they_build_a_batch(tmp_path: P
             assert not gc.isenabled()
         finally:
             gc.enable()
+
+
+def test_a_planned_read_waits_for_its_producer_to_restart_and_reads_each_record_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A producer that stops while a task reads its planned range (a restart, after the
+    batch was planned) is tried again, and the read goes on from the first seq it has not
+    handed Spark once the producer is back: every record once. One that stays down fails
+    the task once ``unreachableTimeoutMs`` has passed, naming it and the option."""
+    from spark_source.datasource import StreamQPartition, read_partition
+
+    total = 60_000
+
+    db, settings = str(tmp_path / "p.db"), streamq.ServerSettings(max_batch_records=1000)
+    with streamq.SyncProducer(db, settings=settings) as producer:
+        with producer.transaction() as tx:
+            # More than the kernel's socket buffers hold (32 + 4 MiB here): still unsent
+            # when the producer stops.
+            tx.publish_many("orders", [b"%1000d" % n for n in range(1, total + 1)])
+        producer_id, address = producer.producer_id, producer.address
+        rng = Range(producer_id, address, 1, total + 1)
+        connect = Connect(timeout=10, unreachable=60)
+        batches = read_partition(StreamQPartition(rng, "orders", True, connect))
+        read = next(batches).column("seq").to_pylist()  # the rest is read after the restart
+    assert 0 < len(read) < total
+    failed: list[BaseException] = []
+
+    def read_the_rest() -> None:
+        try:
+            for batch in batches:
+                read.extend(batch.column("seq").to_pylist())
+        except BaseException as exc:  # the test's thread reports it below
+            failed.append(exc)
+
+    reader = threading.Thread(target=read_the_rest)
+    with caplog.at_level("WARNING", logger="spark_source"):
+        reader.start()
+        wait_until(lambda: "trying again" in caplog.text, "the read to find its producer gone")
+        with streamq.SyncProducer(db, port=parse_address(address)[1], settings=settings):
+            reader.join(timeout=60)
+    assert not reader.is_alive() and not failed
+    assert read == list(range(1, total + 1))
+    assert f"producer {producer_id} at {address}" in caplog.text
+
+    gone = StreamQPartition(rng, "orders", True, Connect(timeout=10, unreachable=0.3))
+    with pytest.raises(StreamQSourceError, match=r"unreachable for 0.3 s \(unreachableTimeoutMs\)"):
+        list(read_partition(gone))
