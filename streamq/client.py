@@ -225,6 +225,11 @@ class Client:
         """Closed by ``close``, or after an ERROR or a failure."""
         return self._sock.fileno() == -1
 
+    def fileno(self) -> int:
+        """The socket's file descriptor (-1 once closed), for ``select.poll``: only what
+        ``answer_ready`` says is buffered in the client is not seen there."""
+        return self._sock.fileno()
+
     def __enter__(self) -> Client:
         return self
 

@@ -219,6 +219,23 @@ def test_an_idle_trigger_asks_no_producer_whose_watch_is_quiet(tmp_path: Path) -
         assert kept.watches[a.address].since > armed[a.address]  # asked, watched anew
 
 
+def test_the_watches_are_one_poll_that_names_what_can_be_read(tmp_path: Path) -> None:
+    """``Connections.answered``: the kept connections watching their producers' heads are
+    polled at once, and name the endpoints with something to read: a watch's answer until
+    a discovery reads it, a connection the producer ended."""
+    with watched_pair(tmp_path) as (a, b, kept, first, positions):
+        endpoints = [a.address, b.address]
+        assert kept.answered() == set()
+        a.publish("orders", b"new")
+        wait_until(lambda: kept.answered() == {a.address}, "a's watch to answer")
+        assert kept.answered() == {a.address}  # until it is read
+        states = planning.discover(endpoints, "orders", kept, positions)
+        assert states[a.producer_id].head == 2 and states[b.producer_id] == first[b.producer_id]
+        assert kept.answered() == set()  # read, and watching again
+        b.close()  # its connections end
+        wait_until(lambda: kept.answered() == {b.address}, "b's end to show")
+
+
 @contextlib.contextmanager
 def watched_pair(
     tmp_path: Path,
