@@ -264,6 +264,10 @@ class Connections:
         self._polled: dict[int, str] = {}
         self._buffered: set[str] = set()
 
+    def peek(self, endpoint: str) -> Client | None:
+        """The endpoint's kept connection, left kept (to look at, not to use)."""
+        return self._open.get(endpoint)
+
     def take(self, endpoint: str) -> Client | None:
         """The endpoint's kept connection, for the caller alone until it ``keep``s it."""
         return self._open.pop(endpoint, None)
@@ -307,7 +311,7 @@ class Connections:
         ready, self._buffered = self._buffered, set()
         for fd, _ in self._poller.poll(0):
             endpoint = self._polled.get(fd)
-            client = None if endpoint is None else self._open.get(endpoint)
+            client = None if endpoint is None else self.peek(endpoint)
             if endpoint is not None:
                 ready.add(endpoint)
             if client is None or client.fileno() != fd:
@@ -581,7 +585,7 @@ def _quiet(
     has nothing to read, the watch is trusted, the query's position is one it vouched for,
     and no report is due to it (up to what this trigger may tell). One pass of lookups,
     with no connection taken out; the others go through ``_unchanged``."""
-    watches, kept = connections.watches, connections._open
+    watches = connections.watches
     seqs = {} if reports is None else reports.seqs
     tellable = 0 if reports is None else TOLD_PER_TRIGGER - reports.told
     for endpoint in endpoints:
@@ -595,7 +599,7 @@ def _quiet(
         if tellable > 0 and state.producer_id in seqs:
             tellable -= 1
             continue
-        client = kept.get(endpoint)
+        client = connections.peek(endpoint)
         if client is None or client.watching != watch.since or now - watch.since >= WATCH_TRUST:
             continue
         results[endpoint] = state
@@ -806,8 +810,6 @@ def _unchanged(
     vouched = position is None or position.seq <= state.head + 1
     tell = reports if reports is not None and reports.told < TOLD_PER_TRIGGER else None
     held = None if tell is None else tell.seqs.get(state.producer_id)
-    if vouched and held is None and endpoint not in answered and now - watch.since < WATCH_TRUST:
-        return state  # most of an idle trigger's producers: quiet, nothing to tell
     del watches[endpoint]
     if not vouched:
         return None  # not a position this connection vouched for
