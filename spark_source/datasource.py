@@ -108,7 +108,6 @@ from pyspark.sql.types import StructType
 from streamq import Client, ClientTLS, OffsetOutOfRangeError, SeqsReusedError, StreamQError
 from streamq import Filter as RecordFilter
 from streamq.client import RangeRead
-from streamq.errors import ConnectionLostError, ShuttingDownError, TooManyConnectionsError
 from streamq.protocol import collector_paused
 
 from . import planning
@@ -519,7 +518,7 @@ def read_partition(
             state.reused(exc)
         except OffsetOutOfRangeError as exc:
             state.out_of_range(exc)
-        except (ConnectionLostError, ShuttingDownError, TooManyConnectionsError) as exc:
+        except planning.UNREACHABLE as exc:
             unreachable.wait_or_fail(exc)
         except StreamQError as exc:
             raise StreamQSourceError(f"producer at {rng.endpoint}: {exc}") from exc

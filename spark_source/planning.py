@@ -606,8 +606,9 @@ def _quiet(
 
 
 # How a producer the query reads may be down: it refuses connections, its machine does
-# not answer (a timeout), it is shutting down, or it is at its connection limit.
-_UNREACHABLE = (ConnectionLostError, ShuttingDownError, TooManyConnectionsError)
+# not answer (a timeout), it is shutting down, or it is at its connection limit: taken as
+# down by discovery (``_Down``), tried again by a planned read (``unreachableTimeoutMs``).
+UNREACHABLE = (ConnectionLostError, ShuttingDownError, TooManyConnectionsError)
 # A producer found down is tried again after this, doubling up to the last.
 RETRY_FIRST, RETRY_MOST = 1.0, 30.0
 
@@ -678,7 +679,7 @@ class _Down:
     def found(self, endpoint: str, error: StreamQSourceError) -> bool:
         """Whether ``error`` says the known producer at ``endpoint`` is down (and noted)."""
         state = self.known.get(endpoint)
-        if state is None or not isinstance(error.__cause__, _UNREACHABLE):
+        if state is None or not isinstance(error.__cause__, UNREACHABLE):
             return False
         self._mark(endpoint, state, str(error))
         return True
@@ -800,22 +801,20 @@ def _unchanged(
     restarted, which ended it. A report to send goes with a new watch, its answer not
     waited for (``Client.watch_head``'s ``told``; a query's last reports, as it stops, go
     with a discovery that asks every producer and reads every answer)."""
-    watches = connections.watches
-    watch = watches.get(endpoint)
+    watch = connections.watches.pop(endpoint, None)
     if watch is None or client.watching != watch.since:  # none, or a read took its answer
-        watches.pop(endpoint, None)
         return None
     state = watch.state
     position = positions.get(state.producer_id)
-    vouched = position is None or position.seq <= state.head + 1
-    tell = reports if reports is not None and reports.told < TOLD_PER_TRIGGER else None
-    held = None if tell is None else tell.seqs.get(state.producer_id)
-    del watches[endpoint]
-    if not vouched:
+    if position is not None and position.seq > state.head + 1:
         return None  # not a position this connection vouched for
     report: list[Message] = []
-    if tell is not None and held is not None:
-        report.append(ReportPosition(stream, tell.consumer, held))
+    if (
+        reports is not None
+        and (held := reports.seqs.get(state.producer_id)) is not None
+        and reports.told < TOLD_PER_TRIGGER
+    ):
+        report.append(ReportPosition(stream, reports.consumer, held))
     if endpoint in answered and client.watch_answered():
         info = client.watched()
         if info.head != state.head:
@@ -824,12 +823,12 @@ def _unchanged(
     elif now - watch.since >= WATCH_TRUST:
         return None
     elif not report:
-        watches[endpoint] = watch
+        connections.watches[endpoint] = watch
         return state
     _arm(connections, endpoint, client, stream, state, *report)
-    if tell is not None and report:
-        tell.sent.add(state.producer_id)  # advisory: its answer is not waited for
-        tell.told += 1
+    if reports is not None and report:
+        reports.sent.add(state.producer_id)  # advisory: its answer is not waited for
+        reports.told += 1
     return state
 
 
