@@ -257,12 +257,16 @@ class Connections:
         # Producers too slow to answer a trigger: the connection owing their answers.
         self.late: dict[str, _Late] = {}
         # The watching connections, registered once as each watch is sent, so that an idle
-        # trigger is one poll that names the few that answered (``answered``), not a
-        # registration per producer: a file descriptor's endpoint, and those whose answer
-        # was already in the client's buffer as the watch was sent (a poll misses it).
-        self._poller = select.poll()
+        # trigger is one epoll that names the few that answered (``answered``), at a cost
+        # in what is ready, not in how many are watched: a file descriptor's endpoint, and
+        # those whose answer was already in the client's buffer as the watch was sent (a
+        # poll misses it).
+        self._poller = select.epoll()
         self._polled: dict[int, str] = {}
         self._buffered: set[str] = set()
+        # When the last streaming discovery found every producer's watch quiet: the time
+        # the first of those watches stops being believed (``_quiet``); else None.
+        self.still: float | None = None
 
     def peek(self, endpoint: str) -> Client | None:
         """The endpoint's kept connection, left kept (to look at, not to use)."""
@@ -298,7 +302,10 @@ class Connections:
         """``client`` has just sent the endpoint's watch: ``answered`` will name it once
         there is something to read."""
         fd = client.fileno()
-        self._poller.register(fd, select.POLLIN)  # again for a file descriptor re-used
+        try:
+            self._poller.register(fd, select.EPOLLIN)
+        except FileExistsError:  # watched again on the same connection
+            self._poller.modify(fd, select.EPOLLIN)
         self._polled[fd] = endpoint
         if client.answer_ready:
             self._buffered.add(endpoint)
@@ -307,7 +314,7 @@ class Connections:
         """The endpoints whose watching connection can be read without waiting (an answer,
         an ERROR, or its end), in one poll that does not wait. Any doubt names one: it is
         then asked, as it would be without watches. A file descriptor no longer its
-        endpoint's kept connection's leaves the poll."""
+        endpoint's kept connection's leaves the poll (a closed one leaves by itself)."""
         ready, self._buffered = self._buffered, set()
         for fd, _ in self._poller.poll(0):
             endpoint = self._polled.get(fd)
@@ -315,9 +322,16 @@ class Connections:
             if endpoint is not None:
                 ready.add(endpoint)
             if client is None or client.fileno() != fd:
-                self._poller.unregister(fd)
+                with contextlib.suppress(OSError):
+                    self._poller.unregister(fd)
                 self._polled.pop(fd, None)
         return ready
+
+    def any_answered(self) -> bool:
+        """Whether ``answered`` would name an endpoint now; those it would name are kept
+        for its next call."""
+        self._buffered |= self.answered()
+        return bool(self._buffered)
 
     def map(self, function: Callable[[U], T], items: Sequence[U]) -> list[T]:
         """``function`` over ``items`` in parallel (up to 32 threads, kept as well)."""
@@ -333,7 +347,9 @@ class Connections:
         self._open.clear()
         self.watches.clear()
         self.late.clear()
-        self._poller, self._polled, self._buffered = select.poll(), {}, set()
+        self._poller.close()
+        self._poller, self._polled, self._buffered = select.epoll(), {}, set()
+        self.still = None
         if self._pool is not None:
             self._pool.shutdown(wait=False)
             self._pool = None
@@ -520,9 +536,10 @@ def _ask_all(
     for endpoint in dict.fromkeys([*connections.late, *connections.retry]):
         if endpoint in listed:  # the others are asked, or answer their watch
             down.waiting(endpoint)
+    connections.still = None
     if positions is not None:
         now, answered = time.monotonic(), connections.answered()
-        _quiet(connections, endpoints, positions, reports, answered, now, results)
+        still = _quiet(connections, endpoints, positions, reports, answered, now, results)
     kept = {e: c for e in endpoints if e not in results and (c := connections.take(e)) is not None}
     if positions is not None:
         for endpoint, client in list(kept.items()):
@@ -568,6 +585,8 @@ def _ask_all(
         result = results.get(endpoint)
         if not isinstance(result, ProducerState) or result.down is None:
             del connections.retry[endpoint]
+    if positions is not None:
+        connections.still = still
     return [results[e] for e in endpoints]
 
 
@@ -579,30 +598,42 @@ def _quiet(
     answered: set[str],
     now: float,
     results: dict[str, ProducerState | _Missing],
-) -> None:
+) -> float | None:
     """Into ``results``, the state of every producer whose watch is quiet (most of them, in
     an idle trigger over a thousand): its kept connection still waits for the answer and
     has nothing to read, the watch is trusted, the query's position is one it vouched for,
     and no report is due to it (up to what this trigger may tell). One pass of lookups,
-    with no connection taken out; the others go through ``_unchanged``."""
+    with no connection taken out; the others go through ``_unchanged``.
+
+    Returns, if every producer was quiet, when the first of their watches stops being
+    believed: until then, with nothing answered, a trigger at the same position would
+    find the same (``Connections.still``); else None."""
     watches = connections.watches
     seqs = {} if reports is None else reports.seqs
     tellable = 0 if reports is None else TOLD_PER_TRIGGER - reports.told
+    still = not results
+    first = now
     for endpoint in endpoints:
         watch = watches.get(endpoint)
         if watch is None or endpoint in answered or endpoint in results:
+            still = False
             continue
         state = watch.state
         position = positions.get(state.producer_id)
         if position is not None and position.seq > state.head + 1:
+            still = False
             continue
         if tellable > 0 and state.producer_id in seqs:
             tellable -= 1
+            still = False
             continue
         client = connections.peek(endpoint)
         if client is None or client.watching != watch.since or now - watch.since >= WATCH_TRUST:
+            still = False
             continue
         results[endpoint] = state
+        first = min(first, watch.since)
+    return first + WATCH_TRUST if still else None
 
 
 # How a producer the query reads may be down: it refuses connections, its machine does

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -23,7 +24,7 @@ from pyspark.sql.streaming.datasource import ReadAllAvailable
 import streamq
 import streamq.server
 from bench.spark.streamq import Fleet, _fill_producers
-from bench.tools import discovery
+from bench.tools import discovery, triggers
 from spark_source import planning
 from spark_source.datasource import StreamQStreamReader, _Settings
 from spark_source.planning import Connect, ProducerState, Range, StreamQSourceError
@@ -495,6 +496,65 @@ def test_the_initial_offset_is_found_once(tmp_path: Path) -> None:
             reader.stop()
 
 
+TRUST = 3.0  # s a watch is believed, for the test below
+
+
+def test_an_idle_trigger_repeats_without_a_pass_over_the_producers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once a trigger finds every producer's watch quiet and nothing moved, the next ones
+    at the same position are answered without a discovery, until something could have
+    changed: a commit (the watch answers), a producer listed anew, a watch past belief."""
+    discoveries = []
+    real = planning.discover
+
+    def counted(*args: Any, **kwargs: Any) -> dict[str, ProducerState]:
+        discoveries.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(planning, "discover", counted)
+    monkeypatch.setattr(planning, "WATCH_TRUST", TRUST)
+    listed = tmp_path / "endpoints"
+    with (
+        streamq.SyncProducer(str(tmp_path / "a.db")) as a,
+        streamq.SyncProducer(str(tmp_path / "b.db")) as b,
+    ):
+        for producer in (a, b):
+            producer.publish("orders", b"x")
+        listed.write_text(a.address + "\n")
+        options = {"endpointsFile": str(listed), "stream": "orders", "startingOffsets": "latest"}
+        reader = StreamQStreamReader(_Settings(options))
+        try:
+            start = reader.initialOffset()
+
+            def trigger(offset: dict[str, Any]) -> bool:
+                """Whether a trigger at ``offset`` (finding it unmoved) asked the producers."""
+                asked = len(discoveries)
+                assert reader.latestOffset(dict(offset), ReadAllAvailable()) == offset
+                return len(discoveries) > asked
+
+            def settled(offset: dict[str, Any]) -> None:
+                """Asked until the watches are quiet (answers read, reports sent: a few
+                triggers after a change), then repeated."""
+                wait_until(lambda: not any(trigger(offset) for _ in range(3)), "repeats")
+
+            assert trigger(start)  # asks, watches
+            settled(start)
+            a.publish("orders", b"y")  # its watch answers: the next trigger asks
+            wait_until(lambda: reader.connections().any_answered(), "a's watch to answer")
+            moved = reader.latestOffset(start, ReadAllAvailable())
+            assert planning.split_offset(moved)[0] == {a.producer_id: 3}
+            settled(moved)
+
+            listed.write_text(f"{a.address}\n{b.address}\n")  # b listed: asked at once
+            both = reader.latestOffset(moved, ReadAllAvailable())
+            assert planning.split_offset(both)[0] == {a.producer_id: 3, b.producer_id: 2}
+            settled(both)
+            wait_until(lambda: trigger(both), "a watch past belief to be asked", TRUST + 10)
+        finally:
+            reader.stop()
+
+
 def test_the_discovery_tool_measures_a_fleet(tmp_path: Path) -> None:
     fleet = Fleet(_fill_producers(tmp_path, 3, 30))
     try:
@@ -505,6 +565,17 @@ def test_the_discovery_tool_measures_a_fleet(tmp_path: Path) -> None:
         f"{case} {figure}" for case in ("idle", "behind") for figure in ("median", "max", "cpu")
     ]
     assert all(value > 0 for value in figures.values())
+
+
+def test_the_triggers_tool_measures_a_fleet(tmp_path: Path) -> None:
+    fleet = Fleet(_fill_producers(tmp_path, 3, 30))
+    try:
+        walls = triggers.measure(fleet.endpoints, 3, 0.0)
+    finally:
+        fleet.stop()
+    assert list(walls) == list(triggers.STEPS)
+    assert all(len(w) == 3 and all(t > 0 for t in w) for w in walls.values())
+    assert all(walls["trigger"][i] >= walls["latestOffset"][i] for i in range(3))
 
 
 def test_a_stream_missing_on_any_producer_is_an_error_naming_each(tmp_path: Path) -> None:
