@@ -9,12 +9,14 @@ own database, in the same transaction as their effects.
 from .applying import save_position, save_position_async
 from .batches import Batch
 from .blocking import BlockingSQL
+from .capturing import decode_change
 from .client import Client, history
 from .compaction import Compacted
 from .consumer import Consumer
 from .errors import (
     AlreadyServedError,
     AuthenticationFailedError,
+    CaptureError,
     ConcurrentWriterError,
     ConnectionLostError,
     ConsumerPositionError,
@@ -71,6 +73,7 @@ __all__ = [
     "Batch",
     "BlockingSQL",
     "BlockingTransaction",
+    "CaptureError",
     "Client",
     "ClientTLS",
     "Compacted",
@@ -127,6 +130,7 @@ __all__ = [
     "UnsupportedConnectionError",
     "VersionMismatchError",
     "create_tables",
+    "decode_change",
     "history",
     "list_dead_letters",
     "make_token",

@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from . import _loop
+from .capturing import capture_streams
 from .client import Client
 from .consumer import Consumer
 from .engines import Engine, for_target, open_storage
@@ -73,6 +74,14 @@ def _timestamp(text: str) -> int:
 def _stream(text: str) -> str:
     try:
         return check_stream_name(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _capture(text: str) -> dict[str, str]:
+    """``--capture orders,public.customers``: the tables, each into its own stream."""
+    try:
+        return capture_streams([t.strip() for t in text.split(",") if t.strip()])
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -226,6 +235,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+CAPTURE_OPTION: dict[str, Any] = {
+    "type": _capture,
+    "default": None,
+    "metavar": "TABLES",
+    "help": "PostgreSQL: publish every committed change to these tables (comma-separated, "
+    "schema.table; orders is public.orders), each to a stream of its name "
+    "(docs/guides/capture.md)",
+}
+
+
 def _add_serve(commands: argparse._SubParsersAction[_Parser]) -> None:
     """``serve``: a producer's database served to consumers."""
     serve = commands.add_parser("serve", help="serve a producer database to consumers")
@@ -241,6 +260,7 @@ def _add_serve(commands: argparse._SubParsersAction[_Parser]) -> None:
         "(consumers that applied them stop with an error naming the seqs)",
     )
     serve.add_argument("--create", action="store_true", help="create the database if missing")
+    serve.add_argument("--capture", **CAPTURE_OPTION)
     _add_server_security(serve)
     serve.add_argument(
         "--metrics-port",
@@ -288,6 +308,7 @@ def _add_init_and_publish(commands: argparse._SubParsersAction[_Parser]) -> None
         help="create this stream too, so consumers can subscribe before its first record "
         "(repeatable)",
     )
+    init.add_argument("--capture", **CAPTURE_OPTION)
 
     publish = commands.add_parser("publish", help="publish records in one transaction")
     publish.add_argument("db", help=DATABASE_HELP + ", with the log tables (streamq init)")
@@ -569,6 +590,7 @@ async def _serve(args: argparse.Namespace) -> None:
         metrics_host=args.metrics_host,
         retention_ms=args.retention_ms,
         retention_bytes=args.retention_bytes,
+        capture=args.capture,
     ) as p:
         streams = ", ".join(f"{s.name}@{s.head}" for s in p.log.streams.values()) or "none yet"
         print(f"serving producer {p.producer_id} (epoch {p.epoch}) on {p.address}", flush=True)
@@ -583,11 +605,14 @@ async def _serve(args: argparse.Namespace) -> None:
 
 
 async def _init(args: argparse.Namespace) -> None:
-    async with Producer(args.db, serve=False) as producer:
+    async with Producer(args.db, serve=False, capture=args.capture) as producer:
         for stream in args.stream:
             await producer.create_stream(stream)
     streams = f"; streams: {', '.join(args.stream)}" if args.stream else ""
     print(f"{args.db}: streamq log tables ready (producer {producer.producer_id}){streams}")
+    if producer.capture is not None:
+        captured = ", ".join(f"{t} -> {s}" for t, s in producer.captured.items())
+        print(f"capturing {captured}: slot and publication {producer.capture.slot}")
 
 
 async def _publish(args: argparse.Namespace) -> None:

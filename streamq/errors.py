@@ -304,6 +304,11 @@ class AlreadyServedError(StreamQError):
     the others publish (``serve=False``, ``streamq.publish``). The message names both."""
 
 
+class CaptureError(StreamQError):
+    """Tables cannot be captured on this database (``Producer(capture=...)``): the
+    message says why and what to change."""
+
+
 class SchemaMissingError(StreamQError):
     """The database has no streamq log tables (or an older version of them): create
     them with ``streamq init DB``, by starting a ``Producer`` on it, or by a migration."""

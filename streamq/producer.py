@@ -27,12 +27,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import replace
 from types import TracebackType
 from typing import Any, TypeVar, cast
 
 from .blocking import to_the_end
+from .capturing import capture_streams
 from .compaction import Compacted, Compactor, OnCompacted
 from .engines import open_storage
 from .groups import GroupCommit
@@ -49,6 +50,8 @@ from .resharing import names_for
 from .retention import Retention, RetentionPasses, RetentionPolicy, Truncation
 from .server import Server, ServerSettings
 from .storage import (
+    Capturing,
+    CapturingStorage,
     Durability,
     EpochRow,
     Limits,
@@ -117,11 +120,20 @@ class Producer:
         metrics_host: str = "127.0.0.1",
         compact_interval: float = 60.0,
         on_compacted: OnCompacted | None = None,
+        capture: Sequence[str] | Mapping[str, str] | None = None,
     ) -> None:
         if durability not in ("normal", "full"):
             raise ValueError(f"durability must be 'normal' or 'full', not {durability!r}")
         self.path = str(path)
         self.storage = open_storage(self.path)
+        # Tables whose changes this producer publishes ({schema.table: stream}).
+        self.captured = {} if capture is None else capture_streams(capture)
+        if self.captured and not self.storage.features.captures:
+            raise ValueError(
+                "capture reads PostgreSQL's write-ahead log: it needs a PostgreSQL "
+                f"database (postgresql://...), not {self.path!r}"
+            )
+        self._capture: Capturing | None = None
         self.durability: Durability = durability
         self.settings = settings or ServerSettings()
         self.max_record_size = self.settings.max_frame_size - FRAME_OVERHEAD
@@ -194,6 +206,8 @@ class Producer:
                 if self._server is not None:
                     self._server.open_transactions = lambda: numberer.open_transactions
                 self._tasks.append(asyncio.create_task(numberer.run()))
+            if self.captured:
+                await self._start_capture()
             if self._serve:
                 self._tasks.append(asyncio.create_task(self._save_periodically()))
             self._tasks.append(asyncio.create_task(self.retention_passes.run()))
@@ -202,6 +216,25 @@ class Producer:
             await self.close()
             raise
         self._started = True
+
+    async def _start_capture(self) -> None:
+        """Check and make what capture needs, its streams (keys indexed: a row's history),
+        and, serving, its loop (``engines/postgres/capture.py``): with ``serve=False``
+        nothing is captured, but all is ready (``streamq init --capture``)."""
+        storage = cast(CapturingStorage, self.storage)
+        capture = storage.capture(self.captured, self.producer_id, self.max_record_size)
+        self._capture = capture
+        await capture.prepare()
+        for stream in self.captured.values():
+            if stream not in self.log.streams:
+                await create_stream(self.writing, stream, StreamSettings(key_index=True))
+        if self._serve:
+            self._tasks.append(asyncio.create_task(capture.run()))
+
+    @property
+    def capture(self) -> Capturing | None:
+        """The capture of tables' changes (None without ``capture=``)."""
+        return self._capture
 
     async def close(self) -> None:
         """Stop serving and the periodic work, save positions, close the database."""
@@ -226,6 +259,8 @@ class Producer:
             await self.writing.watch.close()
         if self.numberer is not None:
             await self.numberer.close()
+        if self._capture is not None:
+            await self._capture.close()
         if self._session is not None:
             await asyncio.to_thread(self._session.close)
         await self.storage.close()

@@ -25,7 +25,7 @@ import asyncio
 import bisect
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Container, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, Protocol, TypeVar
 
@@ -163,6 +163,9 @@ class Features:
     # holds it, and that connection may commit meanwhile. Otherwise (PostgreSQL) writers
     # do not wait for each other.
     single_writer: bool
+    # Tables' changes can be read from the database's own log and published as streams
+    # (PostgreSQL's logical decoding: ``engines/postgres/capture.py``).
+    captures: bool = False
 
 
 # --- numbering after the commit (engines with ``numbered_after_commit``) -------------
@@ -557,3 +560,31 @@ class NumberingStorage(Storage, Protocol):
         ``serve`` is given each round once flushed; ``resync`` is awaited after a
         failure, once what committed is flushed."""
         ...
+
+
+class CapturingStorage(Storage, Protocol):
+    """The storage of an engine with ``captures``."""
+
+    def capture(
+        self, streams: Mapping[str, str], producer_id: str, max_record_size: int
+    ) -> Capturing:
+        """The serving producer's capture of ``streams`` (``{schema.table: stream}``)."""
+        ...
+
+
+class Capturing(Protocol):
+    """A capture loop (``engines/postgres/capture.Capture``)."""
+
+    slot: str  # where it reads the changes from (a replication slot's name)
+    lsn: int
+    retained_bytes: int
+
+    async def prepare(self) -> Any:
+        """Check and make what capture needs; raises saying what is wrong."""
+        ...
+
+    async def run(self) -> None:
+        """For ever, until cancelled."""
+        ...
+
+    async def close(self) -> None: ...

@@ -69,12 +69,12 @@ def kafka_broker() -> Iterator[KafkaBroker]:
         yield broker
 
 
-def started_server() -> Iterator[PostgresServer]:
+def started_server(settings: dict[str, str] | None = None) -> Iterator[PostgresServer]:
     """A throwaway PostgreSQL server, stopped and removed afterwards (for a fixture to
     ``yield from``). Missing binaries fail the tests that need it, with how to install
     them: never a skip."""
     try:
-        server = PostgresServer()
+        server = PostgresServer(settings=settings)
     except PostgresMissingError as exc:
         pytest.fail(str(exc), pytrace=False)
     try:
@@ -100,6 +100,21 @@ def pg_url(postgres: PostgresServer) -> Iterator[str]:
     url = postgres.create_database(name)
     yield url
     postgres.drop_database(name)
+
+
+@pytest.fixture(scope="session")
+def logical_postgres() -> Iterator[PostgresServer]:
+    """A server whose WAL can be decoded (``wal_level = logical``), for capture's tests."""
+    yield from started_server({"wal_level": "logical", "max_replication_slots": "20"})
+
+
+@pytest.fixture
+def capture_url(logical_postgres: PostgresServer) -> Iterator[str]:
+    """A fresh database on the logical server; its replication slots go with it."""
+    name = f"capture_{next(_DATABASES)}"
+    url = logical_postgres.create_database(name)
+    yield url
+    logical_postgres.drop_database(name, slots=True)
 
 
 @pytest.fixture

@@ -230,12 +230,30 @@ class PostgresServer:
             conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
         return self.url(name)
 
-    def drop_database(self, name: str) -> None:
-        """Drop it, ending the sessions a failed test left open on it."""
+    def drop_database(self, name: str, slots: bool = False) -> None:
+        """Drop it, ending the sessions a failed test left open on it (and, with
+        ``slots``, its logical replication slots first: they would keep it)."""
         import psycopg
         from psycopg import sql
 
         with psycopg.connect(self.url(), autocommit=True) as conn:
+            if slots:
+                conn.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s",
+                    (name,),
+                )
+
+                def dropped() -> bool:
+                    """Its inactive slots dropped; whether none is left (an active one's
+                    session is ending)."""
+                    listed = "FROM pg_replication_slots WHERE database = %s"
+                    conn.execute(
+                        f"SELECT pg_drop_replication_slot(slot_name) {listed} AND NOT active",
+                        (name,),
+                    )
+                    return not conn.execute(f"SELECT {listed}", (name,)).fetchall()
+
+                wait_until(dropped, f"the slots of {name} to go")
             conn.execute(
                 sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
             )

@@ -3,8 +3,9 @@
 Each block is a complete program. It runs as ``python example.py`` in a fresh process, in an
 empty temporary directory (its SQLite files land there), with warnings as errors. A block
 that reads ``DATABASE_URL`` gets a fresh database on the session's PostgreSQL server
-(``pg_url``). Spark blocks (those importing ``pyspark`` or ``spark_source``) start and stop
-their own local Spark, but run one after another in one Python process
+(``pg_url``; ``capture_url``, on a server whose WAL can be decoded, for one that captures
+tables). Spark blocks (those importing ``pyspark`` or ``spark_source``) start and stop their
+own local Spark, but run one after another in one Python process
 (``tests/spark_programs/examples.py``), each as ``__main__`` in its own namespace, directory
 and environment, so that Spark's JVM starts once rather than once per block. A block that
 cannot run (a shell command, a configuration file) belongs in another fence (```bash,
@@ -230,8 +231,9 @@ def spark_runner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SparkRunn
 )
 def test_example_runs(block: Block, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("STREAMQ_", "PYTEST"))}
-    if "DATABASE_URL" in block.code:
-        env["DATABASE_URL"] = request.getfixturevalue("pg_url")
+    if "DATABASE_URL" in block.code:  # capture's on a server whose WAL can be decoded
+        fixture = "capture_url" if "capture=" in block.code else "pg_url"
+        env["DATABASE_URL"] = request.getfixturevalue(fixture)
     script = tmp_path / "example" / "example.py"
     script.parent.mkdir()
     script.write_text(block.code, encoding="utf-8")

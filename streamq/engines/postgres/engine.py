@@ -24,7 +24,7 @@ class PostgresEngine(ModuleEngine):
     # Writers insert records unnumbered, with no lock; the serving producer numbers them
     # once committed (numbering.py). The producer's writer is an asyncio connection: a
     # transaction of many statements does not run on a thread of its own.
-    features = Features(numbered_after_commit=True, single_writer=False)
+    features = Features(numbered_after_commit=True, single_writer=False, captures=True)
     max_seq = MAX_SEQ  # SQLite's, so that a log moves between engines
 
     def open_storage(self, target: str) -> PostgresStorage:

@@ -25,7 +25,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from ...errors import AlreadyServedError, DatabaseOpenError
@@ -56,6 +56,7 @@ from .append import (
     new_epoch_steps,
     run_async,
 )
+from .capture import Capture
 from .driver import cannot_open, connect_async, database, in_transaction, psycopg_module
 from .engine import ENGINE
 from .numbering import Numberer
@@ -525,6 +526,12 @@ class PostgresStorage:
     ) -> Numberer:
         """The serving producer's numbering of what writers published."""
         return Numberer(self.url, self.where, serve, resync)
+
+    def capture(
+        self, streams: Mapping[str, str], producer_id: str, max_record_size: int
+    ) -> Capture:
+        """The serving producer's capture of tables' changes (``capture.py``)."""
+        return Capture(self.url, self.where, producer_id, streams, max_record_size)
 
     def session(self, durability: Durability) -> PostgresSession:
         return PostgresSession(self.url, durability)

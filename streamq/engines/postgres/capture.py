@@ -1,0 +1,305 @@
+"""Tables as streams: every committed INSERT, UPDATE, DELETE and TRUNCATE on captured
+tables, read from PostgreSQL's WAL and published as records (docs/guides/capture.md).
+
+The serving producer reads a logical replication slot of its own (``streamq_<producer
+id>``, PostgreSQL's built-in ``pgoutput`` plugin) over a publication of the captured
+tables (named alike), through the SQL functions: ``pg_logical_slot_peek_binary_changes``
+then ``pg_replication_slot_advance``. Each *round* peeks what committed since the slot's
+position, whole transactions in commit order, turns them into change records
+(``changes.py``), and publishes them as any writer does (``append.py``: unnumbered, then
+numbered by the serving producer in the order they were published) in one transaction
+that also stores how far the capture has got, in ``streamq_capture``. Only after that
+transaction has committed (synchronously) is the slot advanced. So, exactly once:
+
+- a crash before the commit loses nothing: the slot has not moved, the round is read
+  again;
+- a crash after it, before the slot moved (or after: PostgreSQL persists a slot's
+  position at its next checkpoint, and a server crash can take it back), reads again
+  transactions already published: those that end at or before the stored position are
+  skipped.
+
+A round that finds no captured change still advances the slot, so that the WAL other
+writes leave (the application's other tables, streamq's own numbering) is not kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ...errors import CaptureError, DatabaseOpenError
+from ...records import CheckedRecord
+from .append import SYNC_COMMIT, append_steps, run_async
+from .changes import Captured, ChangeDecoder
+from .driver import connect_async, psycopg_module
+from .pgoutput import format_lsn, parse_lsn
+
+logger = logging.getLogger("streamq.capture")
+
+LIMIT = 10_000  # changes a round asks for at most (whole transactions: it may get more)
+IDLE_WAIT = 0.01  # s between looks at the WAL while nothing moves
+_RECONNECT_FIRST, _RECONNECT_MOST = 0.5, 30.0
+
+CAPTURE_TABLE = """CREATE TABLE IF NOT EXISTS streamq_capture (
+    slot text PRIMARY KEY,
+    lsn bigint NOT NULL,   -- every transaction ending at or before it is published
+    tables text[] NOT NULL
+)"""
+PEEK = (
+    "SELECT data FROM pg_logical_slot_peek_binary_changes(%s, %s::pg_lsn, %s, "
+    "'proto_version', '1', 'publication_names', %s)"
+)
+# The tables' primary keys, and whether each can be captured (a table without a primary
+# key publishes UPDATE and DELETE only with REPLICA IDENTITY FULL or USING INDEX:
+# PostgreSQL would refuse the application's own updates otherwise).
+TABLES_QUERY = """
+SELECT n.nspname || '.' || c.relname, c.relreplident,
+    ARRAY(SELECT a.attname FROM pg_index i
+          JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey)
+          WHERE i.indrelid = c.oid AND i.indisprimary
+          ORDER BY array_position(i.indkey::int2[], a.attnum))
+FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE c.relkind IN ('r', 'p') AND n.nspname || '.' || c.relname = ANY(%s)"""
+
+
+def slot_name(producer_id: str) -> str:
+    """The producer's slot and publication: one each per producer database."""
+    return f"streamq_{producer_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class CaptureState:
+    """What ``prepare`` found or made: the slot and publication, the stored position,
+    and each table's primary key columns."""
+
+    slot: str
+    lsn: int
+    keys: dict[str, list[str]]
+
+
+async def prepare(
+    conn: Any, producer_id: str, streams: Mapping[str, str], where: str
+) -> CaptureState:
+    """Check the server and tables can be captured, and make (or bring up to date) the
+    publication, the slot and the stored position; ``CaptureError`` says what is wrong.
+    ``conn``: autocommit, not in a transaction (a slot is made outside of one)."""
+    (wal_level,) = await _one(conn, "SHOW wal_level")
+    if wal_level != "logical":
+        raise CaptureError(
+            f"capturing tables needs wal_level = logical, and {where} has {wal_level!r}: "
+            "run ALTER SYSTEM SET wal_level = logical and restart PostgreSQL"
+        )
+    (allowed, role) = await _one(
+        conn,
+        "SELECT rolreplication OR rolsuper, rolname FROM pg_roles WHERE rolname = current_user",
+    )
+    if not allowed:
+        raise CaptureError(
+            f"capturing tables reads a replication slot, which needs the REPLICATION "
+            f"attribute: role {role!r} lacks it on {where} (ALTER ROLE {role} REPLICATION)"
+        )
+    keys = await _checked_tables(conn, list(streams), where)
+    slot = slot_name(producer_id)
+    await conn.execute(CAPTURE_TABLE)
+    await _publication(conn, slot, list(streams))
+    row = await _one(conn, "SELECT lsn FROM streamq_capture WHERE slot = %s", (slot,))
+    stored = None if row is None else int(row[0])
+    found = await _one(
+        conn, "SELECT confirmed_flush_lsn FROM pg_replication_slots WHERE slot_name = %s", (slot,)
+    )
+    if found is None:
+        (made,) = await _one(
+            conn, "SELECT lsn FROM pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,)
+        )
+        lsn = parse_lsn(str(made))
+        if stored is not None:  # the slot was dropped behind the capture's back
+            logger.error(
+                "capture on %s: slot %s was gone, made again at %s: changes committed "
+                "after %s and before it were not captured",
+                where,
+                slot,
+                format_lsn(lsn),
+                format_lsn(stored),
+            )
+        logger.info("capture on %s: slot %s made at %s", where, slot, format_lsn(lsn))
+    else:
+        lsn = stored if stored is not None else parse_lsn(str(found[0]))
+    await conn.execute(
+        "INSERT INTO streamq_capture (slot, lsn, tables) VALUES (%s, %s, %s) "
+        "ON CONFLICT (slot) DO UPDATE SET tables = EXCLUDED.tables",
+        (slot, lsn, sorted(streams)),
+    )
+    return CaptureState(slot, lsn, keys)
+
+
+async def _checked_tables(conn: Any, tables: list[str], where: str) -> dict[str, list[str]]:
+    cursor = await conn.execute(TABLES_QUERY, (tables,))
+    found = {name: (identity, list(key)) for name, identity, key in await cursor.fetchall()}
+    missing = [t for t in tables if t not in found]
+    if missing:
+        raise CaptureError(f"cannot capture {', '.join(missing)}: no such table in {where}")
+    for table, (identity, key) in found.items():
+        if not key and identity in ("d", "n"):
+            raise CaptureError(
+                f"cannot capture {table}: it has no primary key, and PostgreSQL would then "
+                f"refuse its UPDATEs and DELETEs once published: add a primary key, or run "
+                f"ALTER TABLE {table} REPLICA IDENTITY FULL"
+            )
+    return {table: key for table, (_, key) in found.items() if key}
+
+
+async def _publication(conn: Any, name: str, tables: list[str]) -> None:
+    """The publication of exactly ``tables``, made or changed."""
+    sql = psycopg_module().sql
+    listed = sql.SQL(", ").join(sql.Identifier(*t.split(".")) for t in tables)
+    (exists,) = await _one(conn, "SELECT count(*) FROM pg_publication WHERE pubname = %s", (name,))
+    verb = "ALTER PUBLICATION {} SET TABLE {}" if exists else "CREATE PUBLICATION {} FOR TABLE {}"
+    await conn.execute(sql.SQL(verb).format(sql.Identifier(name), listed))
+
+
+async def _one(conn: Any, query: str, params: Any = None) -> Any:
+    cursor = await conn.execute(query, params)
+    return await cursor.fetchone()
+
+
+class Capture:
+    """The serving producer's capture loop, on a connection of its own (module docstring).
+    ``published`` is called after each round that published records (the producer's
+    numbering then serves them)."""
+
+    def __init__(
+        self,
+        url: str,
+        where: str,
+        producer_id: str,
+        streams: Mapping[str, str],
+        max_record_size: int,
+        idle_wait: float = IDLE_WAIT,
+    ) -> None:
+        self._url, self._where = url, where
+        self.producer_id = producer_id
+        self.streams = dict(streams)
+        self.slot = slot_name(producer_id)
+        self._max_record_size = max_record_size
+        self.idle_wait = idle_wait
+        self._conn: Any = None
+        self._state: CaptureState | None = None
+        self.lsn = 0  # every transaction ending at or before it is published
+        self._reached = 0  # the slot has been read up to here
+        self.rounds = 0
+        self.captured = 0  # changes published by this process
+        self.retained_bytes = 0  # WAL the slot holds back, as last seen
+
+    async def prepare(self) -> CaptureState:
+        """Check and make what capture needs (``prepare``), before serving."""
+        conn = await self._connect()
+        self._state = await prepare(conn, self.producer_id, self.streams, self._where)
+        self.lsn = self._reached = self._state.lsn
+        return self._state
+
+    async def _connect(self) -> Any:
+        if self._conn is None or self._conn.closed or self._conn.broken:
+            self._conn = await connect_async(
+                self._url, self._where, application_name="streamq capture"
+            )
+            # The text of every value as the change format reads it (changes.py).
+            await self._conn.execute("SET TimeZone = 'UTC'")
+            await self._conn.execute("SET DateStyle = 'ISO, YMD'")
+            await self._conn.execute("SET extra_float_digits = 3")
+        return self._conn
+
+    async def run(self) -> None:
+        """For ever: rounds while the WAL moves, a look every ``idle_wait`` otherwise; a
+        lost connection is made again (its round read again)."""
+        delay = _RECONNECT_FIRST
+        while True:
+            try:
+                if self._state is None:
+                    await self.prepare()
+                while True:
+                    moved = await self.round()
+                    delay = _RECONNECT_FIRST
+                    if not moved:
+                        await asyncio.sleep(self.idle_wait)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                psycopg = psycopg_module()
+                if isinstance(exc, DatabaseOpenError | psycopg.OperationalError):
+                    logger.warning("capture on %s: %s; connecting again", self._where, exc)
+                else:
+                    logger.exception("capture on %s failed; trying again", self._where)
+                await self._reset()
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, _RECONNECT_MOST)
+
+    async def _reset(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                await self._conn.close()
+        self._conn = None
+        self._state = None  # prepared again: the stored position is read anew
+
+    async def round(self) -> bool:
+        """Read what committed since the slot's position, publish what is new, advance
+        the slot; whether the WAL had moved."""
+        conn = await self._connect()
+        assert self._state is not None
+        (target,) = await _one(conn, "SELECT pg_current_wal_flush_lsn()")
+        target_lsn = parse_lsn(str(target))
+        if target_lsn <= self._reached:
+            return False
+        cursor = await conn.execute(PEEK, (self.slot, target, LIMIT, self.slot))
+        rows = await cursor.fetchall()
+        decoder = ChangeDecoder(self.streams, self._state.keys)
+        captured = [c for (data,) in rows if (c := decoder.feed(bytes(data))) is not None]
+        reached = target_lsn
+        if len(rows) >= LIMIT:  # perhaps stopped early: as far as it read
+            reached = max((c.end_lsn for c in captured), default=self._reached)
+        new = [c for c in captured if c.end_lsn > self.lsn]
+        if new:
+            await self._publish(conn, new)
+        await conn.execute(
+            "SELECT pg_replication_slot_advance(%s, %s::pg_lsn)", (self.slot, format_lsn(reached))
+        )
+        self._reached = reached
+        self.rounds += 1
+        return True
+
+    async def _publish(self, conn: Any, new: list[Captured]) -> None:
+        """The records of ``new``, and the position past them, in one transaction that
+        commits synchronously: then the slot may move past them."""
+        by_stream: dict[str, list[CheckedRecord]] = defaultdict(list)
+        for transaction in new:
+            for stream, record in transaction.records:
+                by_stream[stream].append(record)
+        lsn = new[-1].end_lsn
+        async with conn.transaction():
+            for stream, records in by_stream.items():
+                steps = append_steps(
+                    stream,
+                    records,
+                    max_record_size=self._max_record_size,
+                    where=lambda: self._where,
+                )
+                await run_async(conn, steps)
+            await conn.execute(SYNC_COMMIT)
+            await conn.execute(
+                "UPDATE streamq_capture SET lsn = %s WHERE slot = %s", (lsn, self.slot)
+            )
+        self.lsn = lsn
+        self.captured += sum(len(records) for records in by_stream.values())
+
+    def _named(self) -> str:
+        return self._where
+
+    async def close(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                await self._conn.close()
+            self._conn = None

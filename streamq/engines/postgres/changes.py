@@ -1,0 +1,271 @@
+"""Captured row changes as streamq records: pgoutput messages in, each committed
+transaction's records out. Sans-IO: no connection, the capture (``capture.py``) feeds it.
+
+A change record's value is a msgpack map (docs/guides/capture.md, "The change format"):
+
+- ``op``: ``"insert"``, ``"update"``, ``"delete"`` or ``"truncate"``;
+- ``table``: the table, ``schema.name``;
+- ``new``: the row after the change, ``{column: value}`` (None for a delete or truncate);
+  a TOASTed value an update left as it was is not in the WAL: that column is missing
+  from ``new`` and named in ``unchanged``;
+- ``old``: before an update or delete, what the table's ``REPLICA IDENTITY`` gives: its
+  key columns (the default: on a delete, and on an update that changed the key), the
+  whole row (``FULL``), else None;
+- ``xid``, ``lsn`` (the commit record's, as an integer), ``commit_time`` (ms since the
+  Unix epoch, also the record's timestamp), ``index`` and ``changes``: this change's
+  place among the transaction's captured changes, and how many there are, over every
+  captured table: a consumer of several tables' streams regroups a transaction by
+  ``(lsn, xid)``, and knows when it holds all of it.
+
+The record's key is the row's primary key as compact JSON (``{"id":42}``), or its
+replica identity's columns for a table without one. Values are plain msgpack (and JSON)
+types: bool, integers and floats, text, ``bytea`` as bytes, ``json``/``jsonb`` as what
+they hold, arrays as lists; ``numeric`` as its exact text (``"12.50"``); dates, times
+and timestamps in ISO 8601 (``timestamptz`` in UTC); every other type as PostgreSQL's
+text form of it (``interval``, ``uuid``, enums, ranges, ...).
+"""
+
+from __future__ import annotations
+
+import datetime
+import decimal
+import json
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from ...capturing import HEADER, HEADER_VALUE, json_default
+from ...records import CheckedRecord
+from . import pgoutput
+from .pgoutput import UNCHANGED, Relation
+
+# Types loaded into a plain value (psycopg's loaders), by OID; the rest stay text.
+_LOADED = {
+    16,
+    20,
+    21,
+    23,
+    26,
+    700,
+    701,
+    1700,
+    17,
+    114,
+    3802,
+    1184,
+    1114,
+    1082,
+    1083,  # scalars
+    1000,
+    1016,
+    1005,
+    1007,
+    1028,
+    1021,
+    1022,
+    1231,
+    1001,
+    199,
+    3807,
+    1185,
+    1115,  # arrays
+    1182,
+    1183,
+    1009,
+    1015,
+    1014,
+    2951,
+}
+_TEXT = {25, 1043, 1042, 19, 2950}  # text, varchar, char, name, uuid: the text itself
+
+
+def plain(value: Any) -> Any:
+    """A loaded value as msgpack and JSON types (the module docstring)."""
+    if value is None or isinstance(value, bool | int | float | str | bytes):
+        return value
+    if isinstance(value, list):
+        return [plain(item) for item in value]
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, datetime.date | datetime.time):
+        return value.isoformat()
+    if isinstance(value, decimal.Decimal | uuid.UUID):
+        return str(value)
+    return str(value)
+
+
+def _loader(type_oid: int) -> Callable[[bytes], Any]:
+    """How a column's text form becomes its value."""
+    if type_oid in _TEXT:
+        return lambda data: data.decode("utf-8")
+    if type_oid not in _LOADED:
+        return lambda data: data.decode("utf-8", "backslashreplace")
+    from psycopg.adapt import Transformer
+    from psycopg.pq import Format
+
+    load = Transformer().get_loader(type_oid, Format.TEXT).load
+
+    def loaded(data: bytes) -> Any:
+        try:
+            return plain(load(data))
+        except Exception:  # beyond Python's types ('infinity', year 10000): as text
+            return data.decode("utf-8", "backslashreplace")
+
+    return loaded
+
+
+@dataclass
+class _Table:
+    relation: Relation
+    stream: str
+    loaders: list[Callable[[bytes], Any]]
+    key: list[int]  # the key's columns, by position
+
+
+@dataclass(frozen=True, slots=True)
+class Captured:
+    """One committed transaction's captured changes, as records of their streams in
+    commit order, and the slot position just past it."""
+
+    xid: int
+    commit_lsn: int
+    end_lsn: int
+    records: list[tuple[str, CheckedRecord]]
+
+
+@dataclass
+class _Open:
+    begin: pgoutput.Begin
+    changes: list[tuple[str, bytes | None, dict[str, Any]]] = field(default_factory=list)
+
+
+class ChangeDecoder:
+    """pgoutput messages (``feed``), in the order the slot gives them, to ``Captured``
+    transactions. ``streams``: each captured table's stream (``schema.name``: stream);
+    ``keys``: each table's primary key columns, where it has one. A change to a table
+    not in ``streams`` (the publication holds more) is an error: it would be lost."""
+
+    def __init__(self, streams: Mapping[str, str], keys: Mapping[str, Sequence[str]]) -> None:
+        self.streams, self.keys = dict(streams), {t: list(k) for t, k in keys.items()}
+        self._tables: dict[int, _Table] = {}
+        self._open: _Open | None = None
+
+    def feed(self, data: bytes) -> Captured | None:
+        """One message; the transaction it ends, if it is a COMMIT."""
+        message = pgoutput.decode(data)
+        if isinstance(message, pgoutput.Begin):
+            self._open = _Open(message)
+            return None
+        if isinstance(message, pgoutput.Relation):
+            self._relation(message)
+            return None
+        if isinstance(message, pgoutput.Origin | pgoutput.Type):
+            return None
+        tx = self._open
+        if tx is None:
+            raise pgoutput.DecodeError(f"{type(message).__name__} outside a transaction")
+        if isinstance(message, pgoutput.Commit):
+            self._open = None
+            return self._captured(tx, message)
+        if isinstance(message, pgoutput.Truncate):
+            for relation_id in message.relation_ids:
+                table = self._table(relation_id)
+                tx.changes.append((table.stream, None, _change("truncate", table, None, None)))
+            return None
+        self._change(tx, message)
+        return None
+
+    def _relation(self, relation: Relation) -> None:
+        stream = self.streams.get(relation.table)
+        if stream is None:
+            raise pgoutput.DecodeError(f"a change to {relation.table}, which is not captured")
+        names = [c.name for c in relation.columns]
+        primary = self.keys.get(relation.table, [])
+        if primary and all(name in names for name in primary):
+            key = [names.index(name) for name in primary]
+        else:
+            key = [i for i, c in enumerate(relation.columns) if c.key]
+        loaders = [_loader(c.type_oid) for c in relation.columns]
+        self._tables[relation.relation_id] = _Table(relation, stream, loaders, key)
+
+    def _table(self, relation_id: int) -> _Table:
+        table = self._tables.get(relation_id)
+        if table is None:
+            raise pgoutput.DecodeError(f"a change to relation {relation_id} before its RELATION")
+        return table
+
+    def _change(
+        self, tx: _Open, message: pgoutput.Insert | pgoutput.Update | pgoutput.Delete
+    ) -> None:
+        table = self._table(message.relation_id)
+        if isinstance(message, pgoutput.Insert):
+            op, new, old, old_kind = "insert", message.new, None, None
+        elif isinstance(message, pgoutput.Update):
+            op, new, old, old_kind = "update", message.new, message.old, message.old_kind
+        else:
+            op, new, old, old_kind = "delete", None, message.old, message.old_kind
+        new_row = None if new is None else _row(table, new)
+        old_row = None if old is None else _row(table, old, only_key=old_kind == "K")
+        change = _change(op, table, new_row, old_row)
+        if new is not None and (unchanged := _unchanged(table, new)):
+            change["unchanged"] = unchanged
+        keyed = new if new is not None else old
+        key = None if keyed is None else _key(table, keyed)
+        tx.changes.append((table.stream, key, change))
+
+    def _captured(self, tx: _Open, commit: pgoutput.Commit) -> Captured:
+        begin = tx.begin
+        commit_ms = commit.commit_time_us // 1000
+        records = []
+        for index, (stream, key, change) in enumerate(tx.changes):
+            change.update(
+                xid=begin.xid,
+                lsn=commit.commit_lsn,
+                commit_time=commit_ms,
+                index=index,
+                changes=len(tx.changes),
+            )
+            value = msgpack.packb(change, use_bin_type=True)
+            records.append((stream, (value, key, {HEADER: HEADER_VALUE}, commit_ms)))
+        return Captured(begin.xid, commit.commit_lsn, commit.end_lsn, records)
+
+
+def _change(
+    op: str, table: _Table, new: dict[str, Any] | None, old: dict[str, Any] | None
+) -> dict[str, Any]:
+    return {"op": op, "table": table.relation.table, "new": new, "old": old}
+
+
+def _row(table: _Table, values: pgoutput.Tuple, only_key: bool = False) -> dict[str, Any]:
+    """The row's columns (only its replica identity's with ``only_key``: the others are
+    NULL in such an old row, not known)."""
+    columns = table.relation.columns
+    wanted = [i for i, c in enumerate(columns) if c.key] if only_key else range(len(values))
+    row = {}
+    for i in wanted:
+        value = values[i]
+        if value is UNCHANGED:
+            continue
+        row[columns[i].name] = None if value is None else table.loaders[i](value)  # type: ignore[arg-type]
+    return row
+
+
+def _unchanged(table: _Table, values: pgoutput.Tuple) -> list[str]:
+    return [c.name for c, v in zip(table.relation.columns, values, strict=True) if v is UNCHANGED]
+
+
+def _key(table: _Table, values: pgoutput.Tuple) -> bytes | None:
+    """The row's key as compact JSON, its columns in key order; None without a key."""
+    if not table.key:
+        return None
+    columns = table.relation.columns
+    key = {}
+    for i in table.key:
+        value = values[i]
+        key[columns[i].name] = (
+            None if value is None or value is UNCHANGED else table.loaders[i](value)  # type: ignore[arg-type]
+        )
+    return json.dumps(key, separators=(",", ":"), ensure_ascii=False, default=json_default).encode()
