@@ -769,6 +769,14 @@ def _status(args: argparse.Namespace) -> None:
             f"the oldest open for {open_transactions['oldest_age_ms'] / 1000:.1f} s: "
             "their records are served once they commit"
         )
+    capture = status.get("capture")
+    if capture:
+        tables = ", ".join(capture["tables"])
+        console.print(
+            f"capturing {tables} (slot {capture['slot']}): published up to LSN "
+            f"{capture['lsn']}, {capture['changes']} change(s) since start; the slot holds "
+            f"back {capture['retained_wal_bytes'] / 2**20:.1f} MiB of WAL"
+        )
     heads = {s["stream"]: s["head"] for s in status["streams"]}
     streams = Table("stream", "head", "first held", title="streams")
     for s in status["streams"]:

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from .log import Stream
     from .positions import Positions
     from .server import Server
-    from .storage import Numbering
+    from .storage import Capturing, Numbering
 
 
 class ProducerState(Protocol):
@@ -47,6 +47,8 @@ class ProducerState(Protocol):
     def watching_commits(self) -> bool: ...
     @property
     def server(self) -> Server | None: ...
+    @property
+    def capture(self) -> Capturing | None: ...
 
 
 class ConsumerState(Protocol):
@@ -115,6 +117,7 @@ class ProducerCollector(Collector):
 
         yield from _positions(producer, streams)
         yield from _open_transactions(producer)
+        yield from _capture(producer)
         yield CounterMetricFamily(
             "streamq_registrations_dropped",
             "Registrations dropped by their limits (max_idle_ms, max_bytes)",
@@ -177,6 +180,26 @@ def _open_transactions(producer: ProducerState) -> Iterator[Metric]:
         "streamq_oldest_open_transaction_seconds",
         "How long the oldest of them has been open (0 with none)",
         found.oldest_age(time.time()),
+    )
+
+
+def _capture(producer: ProducerState) -> Iterator[Metric]:
+    """Tables captured from the WAL (none without ``capture=``)."""
+    capture = producer.capture
+    if capture is None:
+        return
+    yield CounterMetricFamily(
+        "streamq_capture_changes", "Row changes captured and published", capture.captured
+    )
+    yield GaugeMetricFamily(
+        "streamq_capture_lsn",
+        "Every transaction committed up to this LSN is published",
+        capture.lsn,
+    )
+    yield GaugeMetricFamily(
+        "streamq_capture_retained_wal_bytes",
+        "WAL the capture's replication slot keeps PostgreSQL from recycling",
+        capture.retained_bytes,
     )
 
 

@@ -229,6 +229,8 @@ class Producer:
             if stream not in self.log.streams:
                 await create_stream(self.writing, stream, StreamSettings(key_index=True))
         if self._serve:
+            if self._server is not None:
+                self._server.capture_status = capture.status
             self._tasks.append(asyncio.create_task(capture.run()))
 
     @property

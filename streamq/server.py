@@ -288,6 +288,8 @@ class Server:
         # Where records are numbered after the commit (PostgreSQL): the transactions that
         # published and are still open (``storage.OpenTransactions``), for the status.
         self.open_transactions: Callable[[], OpenTransactions] | None = None
+        # Where tables are captured (PostgreSQL): what status reports of it.
+        self.capture_status: Callable[[], dict[str, Any]] | None = None
         # Called as a consumer subscribes, with its name, stream and number of shares: the
         # producer forgets its positions under another split (``Producer._resplit``).
         self.resplit: Callable[[str, str, int], Awaitable[None]] | None = None
@@ -565,6 +567,7 @@ class Server:
             "connections": self.connections,
             "errors_sent": self.errors_sent,
             **self._open_transactions(),
+            **({} if self.capture_status is None else {"capture": self.capture_status()}),
         }
 
     def _open_transactions(self) -> dict[str, Any]:

@@ -576,8 +576,13 @@ class Capturing(Protocol):
     """A capture loop (``engines/postgres/capture.Capture``)."""
 
     slot: str  # where it reads the changes from (a replication slot's name)
-    lsn: int
-    retained_bytes: int
+    lsn: int  # every transaction ending at or before it is published
+    captured: int  # changes published by this process
+    retained_bytes: int  # WAL the slot holds back, as last seen
+
+    def status(self) -> dict[str, Any]:
+        """For ``streamq status``."""
+        ...
 
     async def prepare(self) -> Any:
         """Check and make what capture needs; raises saying what is wrong."""

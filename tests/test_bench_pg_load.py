@@ -68,3 +68,25 @@ def test_debezium_without_a_broker_says_so(tmp_path: Path, monkeypatch: pytest.M
     with pytest.raises(SystemExit, match=r"^BENCH_DEBEZIUM=1: Debezium ships to Kafka, and this "):
         pg_load.run(None, True, 1, sizes=TINY, folder=tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.timeout(240)
+def test_tiny_capture_run_is_checked_beside_streamqs_publish(tmp_path: Path) -> None:
+    """The capture system: the outbox's changes captured by ``streamq serve --capture`` on a
+    server with ``wal_level=logical``, every event received once, in each writer's order."""
+    try:
+        results = pg_load.run(
+            None, True, 1, sizes=TINY, folder=tmp_path, systems=["streamq", "capture"]
+        )
+    finally:
+        assert list(running_children().values()) == []
+    assert results["server_settings"]["wal_level"] == "logical"
+    runs = results["runs"]
+    assert {(r["system"], r["rate"]) for r in runs} == {
+        (system, rate) for system in ("streamq", "capture") for rate in (0, 100)
+    }
+    for r in runs:
+        assert r["committed"] > 0 and r["anomalies"] == 0 and r["received"] == r["committed"], r
+        assert r["delivered_per_s"] > 0 and r["receipt_latency_us"][1] > 0, r
+    with pytest.raises(SystemExit, match=r"^unknown systems \['kafkaa'\]"):
+        pg_load.run(None, True, 1, sizes=TINY, folder=tmp_path, systems=["kafkaa"])

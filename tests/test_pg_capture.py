@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
+import urllib.request
 from typing import Any
 
 import psycopg
@@ -19,6 +20,8 @@ from streamq import CaptureError, Consumer, Producer
 from streamq.capturing import HEADER, HEADER_VALUE, capture_streams, change_json, decode_change
 from streamq.engines.postgres import pgoutput
 from streamq.engines.postgres.capture import slot_name
+
+from .conftest import wait_for
 
 # --- pgoutput messages, built as the manual describes them -----------------------------
 
@@ -156,6 +159,17 @@ def test_captured_tables_are_named_as_postgresql_names_them() -> None:
 
 
 # --- capture on a real server --------------------------------------------------------
+
+
+def producer_status(address: str) -> dict[str, Any]:
+    with streamq.Client(address) as client:
+        return client.status()
+
+
+def scrape(address: str) -> str:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
+        text: str = response.read().decode()
+    return text
 
 
 def sql(url: str, *statements: str, params: Any = None) -> None:
@@ -383,3 +397,70 @@ async def test_capture_needs_the_replication_attribute(capture_url: str) -> None
         with psycopg.connect(capture_url, autocommit=True) as conn:
             conn.execute("DROP OWNED BY plain_app")
             conn.execute("DROP ROLE plain_app")
+
+
+async def test_columns_added_and_dropped_mid_stream_show_in_the_next_changes(
+    capture_url: str,
+) -> None:
+    """No schema registry: each change carries its row as the table was when it
+    committed, so a column added shows from the first change after it, and one dropped
+    is gone from the next."""
+    sql(capture_url, "CREATE TABLE orders (id integer PRIMARY KEY, note text)")
+    async with Producer(capture_url, capture=["orders"]) as producer:
+        sql(capture_url, "INSERT INTO orders VALUES (1, 'a')")
+        sql(
+            capture_url,
+            "ALTER TABLE orders ADD COLUMN total numeric DEFAULT 0",
+            "INSERT INTO orders VALUES (2, 'b', 5.5)",
+        )
+        sql(capture_url, "UPDATE orders SET total = 1 WHERE id = 1")
+        sql(capture_url, "ALTER TABLE orders DROP COLUMN note", "INSERT INTO orders VALUES (3, 7)")
+        got = await changes(producer.address, "public.orders", 4)
+    assert [c["new"] for _, c in got] == [
+        {"id": 1, "note": "a"},
+        {"id": 2, "note": "b", "total": "5.5"},
+        {"id": 1, "note": "a", "total": "1"},
+        {"id": 3, "total": "7"},
+    ]
+
+
+async def test_status_and_metrics_say_how_far_capture_is_and_the_wal_it_holds(
+    capture_url: str,
+) -> None:
+    sql(capture_url, "CREATE TABLE orders (id integer PRIMARY KEY)")
+    async with Producer(capture_url, capture=["orders"], metrics_port=0) as producer:
+        sql(capture_url, "INSERT INTO orders SELECT generate_series(1, 50)")
+        await changes(producer.address, "public.orders", 50)
+        capture = producer.capture
+        assert capture is not None
+        await wait_for(lambda: capture.retained_bytes > 0, what="a look at the slot")
+        status = await asyncio.to_thread(producer_status, producer.address)
+        metrics = await asyncio.to_thread(scrape, producer.metrics_address)
+    assert status["capture"]["slot"] == slot_name(producer.producer_id)
+    assert status["capture"]["tables"] == {"public.orders": "public.orders"}
+    assert status["capture"]["changes"] == 50
+    assert pgoutput.parse_lsn(status["capture"]["lsn"]) == capture.lsn > 0
+    assert 0 < status["capture"]["retained_wal_bytes"] < 64 << 20
+    assert "streamq_capture_changes_total 50.0" in metrics
+    assert "streamq_capture_retained_wal_bytes " in metrics
+
+
+async def test_a_table_left_out_of_the_capture_is_left_out_of_its_older_wal_too(
+    capture_url: str,
+) -> None:
+    """The WAL written while a table was captured still holds it in the publication as
+    decoded then: once the capture drops it, its changes there are skipped, the other
+    tables' captured."""
+    sql(
+        capture_url,
+        "CREATE TABLE a (id integer PRIMARY KEY)",
+        "CREATE TABLE b (id integer PRIMARY KEY)",
+    )
+    async with Producer(capture_url, capture=["a", "b"]):
+        pass
+    sql(capture_url, "INSERT INTO a VALUES (1)", "INSERT INTO b VALUES (1)")
+    async with Producer(capture_url, capture=["a"]) as producer:
+        sql(capture_url, "INSERT INTO a VALUES (2)", "INSERT INTO b VALUES (2)")
+        got = await changes(producer.address, "public.a", 2)
+        assert producer.head("public.b") == 0
+    assert [(c["new"], c["changes"]) for _, c in got] == [({"id": 1}, 1), ({"id": 2}, 1)]

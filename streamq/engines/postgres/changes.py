@@ -28,9 +28,8 @@ text form of it (``interval``, ``uuid``, enums, ranges, ...).
 from __future__ import annotations
 
 import datetime
-import decimal
+import functools
 import json
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,44 +41,24 @@ from ...records import CheckedRecord
 from . import pgoutput
 from .pgoutput import UNCHANGED, Relation
 
-# Types loaded into a plain value (psycopg's loaders), by OID; the rest stay text.
-_LOADED = {
-    16,
-    20,
-    21,
-    23,
-    26,
-    700,
-    701,
-    1700,
-    17,
-    114,
-    3802,
-    1184,
-    1114,
-    1082,
-    1083,  # scalars
-    1000,
-    1016,
-    1005,
-    1007,
-    1028,
-    1021,
-    1022,
-    1231,
-    1001,
-    199,
-    3807,
-    1185,
-    1115,  # arrays
-    1182,
-    1183,
-    1009,
-    1015,
-    1014,
-    2951,
-}
-_TEXT = {25, 1043, 1042, 19, 2950}  # text, varchar, char, name, uuid: the text itself
+# Types whose text form is loaded into a plain value (psycopg's loaders), their arrays
+# too; every other type stays text (the module docstring). The text ones are decoded.
+_LOADED = (
+    "bool", "int2", "int4", "int8", "oid", "float4", "float8", "numeric", "bytea", "json",
+    "jsonb", "timestamptz", "timestamp", "date", "time",
+)  # fmt: skip
+_TEXT = ("text", "varchar", "bpchar", "name", "uuid")
+
+
+@functools.cache
+def _oids() -> tuple[frozenset[int], frozenset[int]]:
+    """The OIDs of the types loaded (with their arrays, and the text types' arrays), and
+    of the text types."""
+    from psycopg.postgres import types
+
+    loaded = {types[name].oid for name in _LOADED}
+    arrays = {types[name].array_oid for name in (*_LOADED, *_TEXT)}
+    return frozenset(loaded | arrays), frozenset(types[name].oid for name in _TEXT)
 
 
 def plain(value: Any) -> Any:
@@ -92,37 +71,42 @@ def plain(value: Any) -> Any:
         return {str(k): plain(v) for k, v in value.items()}
     if isinstance(value, datetime.date | datetime.time):
         return value.isoformat()
-    if isinstance(value, decimal.Decimal | uuid.UUID):
-        return str(value)
-    return str(value)
+    return str(value)  # Decimal: its exact text; UUID
 
 
 def _loader(type_oid: int) -> Callable[[bytes], Any]:
     """How a column's text form becomes its value."""
-    if type_oid in _TEXT:
+    loaded, text = _oids()
+    if type_oid in text:
         return lambda data: data.decode("utf-8")
-    if type_oid not in _LOADED:
+    if type_oid not in loaded:
         return lambda data: data.decode("utf-8", "backslashreplace")
     from psycopg.adapt import Transformer
     from psycopg.pq import Format
 
     load = Transformer().get_loader(type_oid, Format.TEXT).load
 
-    def loaded(data: bytes) -> Any:
+    def loaded_value(data: bytes) -> Any:
         try:
             return plain(load(data))
         except Exception:  # beyond Python's types ('infinity', year 10000): as text
             return data.decode("utf-8", "backslashreplace")
 
-    return loaded
+    return loaded_value
 
 
 @dataclass
 class _Table:
     relation: Relation
-    stream: str
+    stream: str | None  # None: not captured (any more)
     loaders: list[Callable[[bytes], Any]]
     key: list[int]  # the key's columns, by position
+
+    def value(self, column: int, value: pgoutput.Value | pgoutput.Unchanged) -> Any:
+        """A column's value, loaded (UNCHANGED: None)."""
+        if value is None or value is UNCHANGED:
+            return None
+        return self.loaders[column](value)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,8 +129,9 @@ class _Open:
 class ChangeDecoder:
     """pgoutput messages (``feed``), in the order the slot gives them, to ``Captured``
     transactions. ``streams``: each captured table's stream (``schema.name``: stream);
-    ``keys``: each table's primary key columns, where it has one. A change to a table
-    not in ``streams`` (the publication holds more) is an error: it would be lost."""
+    ``keys``: each table's primary key columns, where it has one. A change to a table not
+    in ``streams`` is left out: the WAL from before a table left the capture still has
+    it in the publication."""
 
     def __init__(self, streams: Mapping[str, str], keys: Mapping[str, Sequence[str]]) -> None:
         self.streams, self.keys = dict(streams), {t: list(k) for t, k in keys.items()}
@@ -173,15 +158,15 @@ class ChangeDecoder:
         if isinstance(message, pgoutput.Truncate):
             for relation_id in message.relation_ids:
                 table = self._table(relation_id)
-                tx.changes.append((table.stream, None, _change("truncate", table, None, None)))
+                if table.stream is not None:
+                    change = _change("truncate", table, None, None)
+                    tx.changes.append((table.stream, None, change))
             return None
         self._change(tx, message)
         return None
 
     def _relation(self, relation: Relation) -> None:
         stream = self.streams.get(relation.table)
-        if stream is None:
-            raise pgoutput.DecodeError(f"a change to {relation.table}, which is not captured")
         names = [c.name for c in relation.columns]
         primary = self.keys.get(relation.table, [])
         if primary and all(name in names for name in primary):
@@ -201,6 +186,8 @@ class ChangeDecoder:
         self, tx: _Open, message: pgoutput.Insert | pgoutput.Update | pgoutput.Delete
     ) -> None:
         table = self._table(message.relation_id)
+        if table.stream is None:
+            return
         if isinstance(message, pgoutput.Insert):
             op, new, old, old_kind = "insert", message.new, None, None
         elif isinstance(message, pgoutput.Update):
@@ -244,13 +231,9 @@ def _row(table: _Table, values: pgoutput.Tuple, only_key: bool = False) -> dict[
     NULL in such an old row, not known)."""
     columns = table.relation.columns
     wanted = [i for i, c in enumerate(columns) if c.key] if only_key else range(len(values))
-    row = {}
-    for i in wanted:
-        value = values[i]
-        if value is UNCHANGED:
-            continue
-        row[columns[i].name] = None if value is None else table.loaders[i](value)  # type: ignore[arg-type]
-    return row
+    return {
+        columns[i].name: table.value(i, values[i]) for i in wanted if values[i] is not UNCHANGED
+    }
 
 
 def _unchanged(table: _Table, values: pgoutput.Tuple) -> list[str]:
@@ -262,10 +245,5 @@ def _key(table: _Table, values: pgoutput.Tuple) -> bytes | None:
     if not table.key:
         return None
     columns = table.relation.columns
-    key = {}
-    for i in table.key:
-        value = values[i]
-        key[columns[i].name] = (
-            None if value is None or value is UNCHANGED else table.loaders[i](value)  # type: ignore[arg-type]
-        )
+    key = {columns[i].name: table.value(i, values[i]) for i in table.key}
     return json.dumps(key, separators=(",", ":"), ensure_ascii=False, default=json_default).encode()

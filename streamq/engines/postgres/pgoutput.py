@@ -69,13 +69,15 @@ class Relation:
 Value = bytes | None
 
 
-class _Unchanged:
+class Unchanged:
+    """The type of ``UNCHANGED``."""
+
     def __repr__(self) -> str:
         return "UNCHANGED"
 
 
-UNCHANGED = _Unchanged()
-Tuple = tuple[Value | _Unchanged, ...]
+UNCHANGED = Unchanged()
+Tuple = tuple[Value | Unchanged, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +165,7 @@ def _time(reader: _Reader) -> int:
 
 
 def _tuple(reader: _Reader) -> Tuple:
-    values: list[Value | _Unchanged] = []
+    values: list[Value | Unchanged] = []
     for _ in range(reader.unpack(_INT16)):
         kind = reader.byte()
         if kind == "n":
