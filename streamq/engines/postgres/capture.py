@@ -3,23 +3,23 @@ tables, read from PostgreSQL's WAL and published as records (docs/guides/capture
 
 The serving producer reads a logical replication slot of its own (``streamq_<producer
 id>``, PostgreSQL's built-in ``pgoutput`` plugin) over a publication of the captured
-tables (named alike), through the SQL functions: ``pg_logical_slot_peek_binary_changes``
-then ``pg_replication_slot_advance``. Each *round* peeks what committed since the slot's
-position, whole transactions in commit order, turns them into change records
-(``changes.py``), and publishes them as any writer does (``append.py``: unnumbered, then
-numbered by the serving producer in the order they were published) in one transaction
-that also stores how far the capture has got, in ``streamq_capture``. Only after that
-transaction has committed (synchronously) is the slot advanced. So, exactly once:
+tables (named alike), through the streaming replication protocol (``replication.py``):
+the server pushes each transaction, whole and in commit order, once it has committed.
+What has come is turned into change records (``changes.py``) and published as any writer
+publishes (``append.py``: unnumbered, then numbered by the serving producer in the order
+published), in one transaction that also stores how far the capture has got, in
+``streamq_capture``. Only after that transaction has committed (synchronously) is the
+slot confirmed past it. So, exactly once:
 
-- a crash before the commit loses nothing: the slot has not moved, the round is read
-  again;
-- a crash after it, before the slot moved (or after: PostgreSQL persists a slot's
-  position at its next checkpoint, and a server crash can take it back), reads again
+- a crash before the commit loses nothing: the slot has not moved, the stream starts
+  again before those transactions;
+- a crash after it, before the slot was confirmed (or after: PostgreSQL persists a slot's
+  position at its next checkpoint, and a server crash can take it back), sends again
   transactions already published: those that end at or before the stored position are
   skipped.
 
-A round that finds no captured change still advances the slot, so that the WAL other
-writes leave (the application's other tables, streamq's own numbering) is not kept.
+While no captured table changes, the slot is confirmed as far as the server has decoded,
+so that the WAL other writes leave (other tables, streamq's own numbering) is not kept.
 """
 
 from __future__ import annotations
@@ -28,22 +28,21 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ...errors import CaptureError, DatabaseOpenError
-from ...records import CheckedRecord
-from .append import SYNC_COMMIT, append_steps, run_async
+from ...records import encode_unnumbered
+from .append import CHANNEL, DOORBELL
 from .changes import Captured, ChangeDecoder
 from .driver import connect_async, psycopg_module
 from .pgoutput import format_lsn, parse_lsn
+from .replication import SlotReader
 
 logger = logging.getLogger("streamq.capture")
 
-LIMIT = 10_000  # changes a round asks for at most (whole transactions: it may get more)
-IDLE_WAIT = 0.01  # s between looks at the WAL while nothing moves
+LIMIT = 10_000  # messages read before what they hold is published
 RETAINED_EVERY = 1.0  # s between looks at the WAL the slot holds back
 # Past this much WAL held back by the slot, a warning (once, until it is back under).
 RETAINED_WARNING = 1 << 30
@@ -58,10 +57,22 @@ CAPTURE_TABLE = """CREATE TABLE IF NOT EXISTS streamq_capture (
     lsn bigint NOT NULL,   -- every transaction ending at or before it is published
     tables text[] NOT NULL
 )"""
-PEEK = (
-    "SELECT data FROM pg_logical_slot_peek_binary_changes(%s, %s::pg_lsn, %s, "
-    "'proto_version', '1', 'publication_names', %s)"
-)
+# A round's records, published as ``append.PUBLISH`` publishes (unnumbered, in order:
+# the serving producer numbers them), with the position past them, in one statement: on
+# an autocommit connection, one transaction and one round trip. The doorbell as there:
+# rung if the numberer armed it.
+PUBLISH = f"""
+WITH added AS (
+    INSERT INTO streamq_pending (stream, ts, record, key)
+    SELECT * FROM unnest(%(streams)s::text[], %(ts)s::bigint[], %(records)s::bytea[],
+        %(keys)s::bytea[])
+    RETURNING 1),
+stored AS (
+    INSERT INTO streamq_capture (slot, lsn, tables) VALUES (%(slot)s, %(lsn)s, %(tables)s)
+    ON CONFLICT (slot) DO UPDATE SET lsn = EXCLUDED.lsn)
+SELECT CASE WHEN NOT pg_try_advisory_xact_lock_shared({DOORBELL})
+    THEN pg_notify('{CHANNEL}', '') END, (SELECT count(*) FROM added)"""
+
 # The tables' primary keys, and whether each can be captured (a table without a primary
 # key publishes UPDATE and DELETE only with REPLICA IDENTITY FULL or USING INDEX:
 # PostgreSQL would refuse the application's own updates otherwise).
@@ -186,19 +197,15 @@ class Capture:
         producer_id: str,
         streams: Mapping[str, str],
         max_record_size: int,
-        idle_wait: float = IDLE_WAIT,
     ) -> None:
         self._url, self._where = url, where
         self.producer_id = producer_id
         self.streams = dict(streams)
         self.slot = slot_name(producer_id)
         self._max_record_size = max_record_size
-        self.idle_wait = idle_wait
         self._conn: Any = None
         self._state: CaptureState | None = None
         self.lsn = 0  # every transaction ending at or before it is published
-        self._reached = 0  # the slot has been read up to here
-        self.rounds = 0
         self.captured = 0  # changes published by this process
         self.retained_bytes = 0  # WAL the slot holds back, as last seen
         self._retained_at = -RETAINED_EVERY  # monotonic time of that look
@@ -207,7 +214,7 @@ class Capture:
         """Check and make what capture needs (``prepare``), before serving."""
         conn = await self._connect()
         self._state = await prepare(conn, self.producer_id, self.streams, self._where)
-        self.lsn = self._reached = self._state.lsn
+        self.lsn = self._state.lsn
         return self._state
 
     async def _connect(self) -> Any:
@@ -215,6 +222,8 @@ class Capture:
             self._conn = await connect_async(
                 self._url, self._where, application_name="streamq capture"
             )
+            # What is published is stored before the slot moves past it.
+            await self._conn.execute("SET synchronous_commit = on")
             # The text of every value as the change format reads it (changes.py).
             await self._conn.execute("SET TimeZone = 'UTC'")
             await self._conn.execute("SET DateStyle = 'ISO, YMD'")
@@ -222,18 +231,14 @@ class Capture:
         return self._conn
 
     async def run(self) -> None:
-        """For ever: rounds while the WAL moves, a look every ``idle_wait`` otherwise; a
-        lost connection is made again (its round read again)."""
+        """For ever: the changes as the server sends them; a lost connection is made
+        again, the stream started again from the stored position."""
         delay = _RECONNECT_FIRST
         while True:
             try:
                 if self._state is None:
                     await self.prepare()
-                while True:
-                    moved = await self.round()
-                    delay = _RECONNECT_FIRST
-                    if not moved:
-                        await asyncio.sleep(self.idle_wait)
+                await self._stream()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -253,57 +258,67 @@ class Capture:
         self._conn = None
         self._state = None  # prepared again: the stored position is read anew
 
-    async def round(self) -> bool:
-        """Read what committed since the slot's position, publish what is new, advance
-        the slot; whether the WAL had moved."""
-        conn = await self._connect()
+    async def _stream(self) -> None:
+        """Read the slot from the stored position on: what has come, whole transactions,
+        is published in one transaction, then the slot confirmed past it."""
         assert self._state is not None
-        if time.monotonic() - self._retained_at >= RETAINED_EVERY:
-            await self._look_at_retained(conn)
-        (target,) = await _one(conn, "SELECT pg_current_wal_flush_lsn()")
-        target_lsn = parse_lsn(str(target))
-        if target_lsn <= self._reached:
-            return False
-        cursor = await conn.execute(PEEK, (self.slot, target, LIMIT, self.slot))
-        rows = await cursor.fetchall()
-        decoder = ChangeDecoder(self.streams, self._state.keys)
-        captured = [c for (data,) in rows if (c := decoder.feed(bytes(data))) is not None]
-        reached = target_lsn
-        if len(rows) >= LIMIT:  # perhaps stopped early: as far as it read
-            reached = max((c.end_lsn for c in captured), default=self._reached)
-        new = [c for c in captured if c.end_lsn > self.lsn]
-        if new:
-            await self._publish(conn, new)
-        await conn.execute(
-            "SELECT pg_replication_slot_advance(%s, %s::pg_lsn)", (self.slot, format_lsn(reached))
+        conn = await self._connect()
+        start = self.lsn
+        reader = await asyncio.to_thread(
+            SlotReader, self._url, self._where, self.slot, self.slot, start
         )
-        self._reached = reached
-        self.rounds += 1
-        return True
+        loop = asyncio.get_running_loop()
+        readable = asyncio.Event()
+        fd = reader.fileno()
+        loop.add_reader(fd, readable.set)
+        decoder = ChangeDecoder(self.streams, self._state.keys)
+        confirmed = start
+        try:
+            while True:
+                readable.clear()
+                messages, drained = reader.read(LIMIT)
+                new = []
+                for data in messages:
+                    captured = decoder.feed(data)
+                    if captured is not None and captured.end_lsn > self.lsn:
+                        new.append(captured)
+                if new:
+                    await self._publish(conn, new)
+                    reader.confirm(confirmed := self.lsn)
+                elif drained and decoder.between_transactions and reader.wal_end > confirmed:
+                    # Nothing of ours before what the server has sent: its WAL may go.
+                    reader.confirm(confirmed := reader.wal_end)
+                if time.monotonic() - self._retained_at >= RETAINED_EVERY:
+                    await self._look_at_retained(conn)
+                if drained and not new:
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(RETAINED_EVERY):
+                            await readable.wait()
+        finally:
+            loop.remove_reader(fd)
+            reader.close()
 
     async def _publish(self, conn: Any, new: list[Captured]) -> None:
-        """The records of ``new``, and the position past them, in one transaction that
-        commits synchronously: then the slot may move past them."""
-        by_stream: dict[str, list[CheckedRecord]] = defaultdict(list)
+        """The records of ``new``, and the position past them, in one statement (its own
+        transaction, committed synchronously: then the slot may move past them)."""
+        streams, records = [], []
         for transaction in new:
             for stream, record in transaction.records:
-                by_stream[stream].append(record)
+                streams.append(stream)
+                records.append(record)
         lsn = new[-1].end_lsn
-        async with conn.transaction():
-            for stream, records in by_stream.items():
-                steps = append_steps(
-                    stream,
-                    records,
-                    max_record_size=self._max_record_size,
-                    where=lambda: self._where,
-                )
-                await run_async(conn, steps)
-            await conn.execute(SYNC_COMMIT)
-            await conn.execute(
-                "UPDATE streamq_capture SET lsn = %s WHERE slot = %s", (lsn, self.slot)
-            )
+        params = {
+            "streams": streams,
+            "ts": [ts for _, _, _, ts in records],
+            "records": encode_unnumbered(records, self._max_record_size),
+            "keys": [key for _, key, _, _ in records],
+            "lsn": lsn,
+            "slot": self.slot,
+            "tables": sorted(self.streams),
+        }
+        await conn.execute(PUBLISH, params)
         self.lsn = lsn
-        self.captured += sum(len(records) for records in by_stream.values())
+        self.captured += len(records)
 
     async def _look_at_retained(self, conn: Any) -> None:
         """How much WAL the slot keeps PostgreSQL from recycling (a metric, in status);

@@ -138,6 +138,11 @@ class ChangeDecoder:
         self._tables: dict[int, _Table] = {}
         self._open: _Open | None = None
 
+    @property
+    def between_transactions(self) -> bool:
+        """No transaction begun and not yet committed."""
+        return self._open is None
+
     def feed(self, data: bytes) -> Captured | None:
         """One message; the transaction it ends, if it is a COMMIT."""
         message = pgoutput.decode(data)
