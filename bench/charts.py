@@ -324,6 +324,7 @@ def transfer_pg(results: Results, folder: Path) -> list[Path]:
 
 
 PG_LOAD = {
+    "capture": "streamq capture",
     "kafka": "Kafka + outbox",
     "debezium": "Debezium + Kafka",
     "outbox": "outbox alone (nothing reads it)",
@@ -365,7 +366,7 @@ def pg_load(results: Results, folder: Path) -> list[Path]:
     return [
         finish(
             fig,
-            folder / "pg_load.png",
+            folder / f"{results['workload']}.png",  # pg_load, or pg_load_capture
             "PostgreSQL at load: writer processes on one database, synchronous_commit=on",
             results,
         )
@@ -483,6 +484,7 @@ CHARTS: dict[str, Callable[[Results, Path], list[Path]]] = {
     "workers": workers,
     "transfer_pg": transfer_pg,
     "pg_load": pg_load,
+    "pg_load_capture": pg_load,
     "shares": shares,
     "groups": groups,
 }

@@ -19,7 +19,9 @@ from rich.console import Console
 from rich.table import Table
 
 from . import _loop
-from .capturing import capture_streams
+from .capturing import HEADER as CHANGE_HEADER
+from .capturing import HEADER_VALUE as CHANGE_HEADER_VALUE
+from .capturing import capture_streams, change_json, decode_change, json_default
 from .client import Client
 from .consumer import Consumer
 from .engines import Engine, for_target, open_storage
@@ -628,21 +630,26 @@ async def _publish(args: argparse.Namespace) -> None:
 
 
 def _format(record: Record, as_json: bool) -> str:
+    """A record as a line: a captured change's value (msgpack) as its JSON."""
+
     def text(data: bytes | None) -> str | None:
         return None if data is None else data.decode("utf-8", "backslashreplace")
 
+    captured = record.headers.get(CHANGE_HEADER) == CHANGE_HEADER_VALUE
     if as_json:
         return json.dumps(
             {
                 "seq": record.seq,
                 "timestamp": record.timestamp,
                 "key": text(record.key),
-                "value": text(record.value),
+                "value": decode_change(record.value) if captured else text(record.value),
                 "headers": {k: text(v) for k, v in record.headers.items()},
-            }
+            },
+            default=json_default,
         )
     key = "" if record.key is None else f" key={text(record.key)}"
-    return f"{record.seq}\t{record.timestamp}{key}\t{text(record.value)}"
+    value = change_json(record.value) if captured else text(record.value)
+    return f"{record.seq}\t{record.timestamp}{key}\t{value}"
 
 
 async def _tail(args: argparse.Namespace) -> None:

@@ -81,6 +81,8 @@ def test_tiny_capture_run_is_checked_beside_streamqs_publish(tmp_path: Path) -> 
     finally:
         assert list(running_children().values()) == []
     assert results["server_settings"]["wal_level"] == "logical"
+    assert (tmp_path / "pg_load_capture.png").stat().st_size > 0  # saved apart from pg_load
+    assert not (tmp_path / "pg_load.json").exists()
     runs = results["runs"]
     assert {(r["system"], r["rate"]) for r in runs} == {
         (system, rate) for system in ("streamq", "capture") for rate in (0, 100)

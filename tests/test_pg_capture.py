@@ -6,7 +6,10 @@ messages is pure, and checked against messages built from the manual's format.""
 from __future__ import annotations
 
 import asyncio
+import json
 import struct
+import subprocess
+import sys
 import urllib.request
 from typing import Any
 
@@ -464,3 +467,50 @@ async def test_a_table_left_out_of_the_capture_is_left_out_of_its_older_wal_too(
         got = await changes(producer.address, "public.a", 2)
         assert producer.head("public.b") == 0
     assert [(c["new"], c["changes"]) for _, c in got] == [({"id": 1}, 1), ({"id": 2}, 1)]
+
+
+def test_the_command_line_captures_tails_changes_as_json_and_says_how_far(
+    capture_url: str,
+) -> None:
+    """``streamq init --capture`` makes the slot and publication, ``streamq serve
+    --capture`` captures, ``streamq tail`` shows a change as JSON, ``streamq status``
+    says what is captured; a bad table name is one line."""
+    sql(capture_url, "CREATE TABLE orders (id integer PRIMARY KEY, blob bytea)")
+    init = run_cli("init", capture_url, "--capture", "orders")
+    assert "capturing public.orders -> public.orders: slot and publication streamq_" in init
+    serving = subprocess.Popen(
+        [*STREAMQ, "serve", capture_url, "--port", "0", "--capture", "orders"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert serving.stdout is not None
+        address = serving.stdout.readline().rsplit(" on ", 1)[1].strip()
+        sql(capture_url, "INSERT INTO orders VALUES (1, '\\xff'), (2, NULL)")
+        tailed = run_cli("tail", address, "public.orders", "--from", "1", "--count", "2", "--json")
+        first, second = (json.loads(line) for line in tailed.splitlines())
+        assert first["key"] == '{"id":1}' and first["value"]["new"] == {"id": 1, "blob": "ff"}
+        assert second["value"]["op"] == "insert" and second["value"]["changes"] == 2
+        plain = run_cli("tail", address, "public.orders", "--from", "2", "--count", "1")
+        assert plain.split("\t")[-1].startswith('{"op":"insert","table":"public.orders"')
+        status = run_cli("status", address)
+        assert "capturing public.orders (slot streamq_" in status and "2 change(s)" in status
+    finally:
+        serving.terminate()
+        serving.wait(timeout=30)
+        serving.stdout.close()  # type: ignore[union-attr]
+    bad = subprocess.run(
+        [*STREAMQ, "serve", capture_url, "--capture", "orders;drop"], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "capture: not a table name" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
+STREAMQ = [sys.executable, "-m", "streamq"]
+
+
+def run_cli(*args: str) -> str:
+    done = subprocess.run([*STREAMQ, *args], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout

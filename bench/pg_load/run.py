@@ -541,7 +541,9 @@ def run(
         "commit_seconds": slowed,
         "runs": [asdict(r) for r in runs],
     }
-    save("pg_load", payload, quick, folder, partial=broker is None)
+    # A run with capture is the comparison of the readers of the WAL: saved apart.
+    name = "pg_load_capture" if "capture" in systems else "pg_load"
+    save(name, payload, quick, folder, partial=broker is None)
     return payload
 
 

@@ -6,8 +6,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+from rich.progress import Progress
 
 import streamq
 
@@ -63,6 +67,23 @@ class Fleet:
             process.terminate()
         for process in self.processes:
             process.communicate(timeout=30)
+
+
+def each_fleet(counts: Sequence[int], name: str) -> Iterator[tuple[int, Fleet]]:
+    """A fleet of each count in turn (ten records a producer), with a progress bar,
+    stopped and removed after its turn: the driver-side tools' loop (``bench.tools``)."""
+    with Progress(transient=True) as progress:
+        task = progress.add_task(name, total=len(counts))
+        for count in counts:
+            progress.update(task, description=f"{count} producers: filling")
+            with tempfile.TemporaryDirectory(prefix=f"streamq-{name}-") as folder:
+                fleet = Fleet(_fill_producers(Path(folder), count, count * 10))
+                try:
+                    progress.update(task, description=f"{count} producers: measuring")
+                    yield count, fleet
+                finally:
+                    fleet.stop()
+            progress.advance(task)
 
 
 def warm_workers(spark: Any, fleet: Fleet) -> None:

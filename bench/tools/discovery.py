@@ -14,17 +14,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
 from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 
 from spark_source import planning
 
-from ..spark.streamq import Fleet, _fill_producers
+from ..spark.streamq import Fleet, each_fleet
 
 STREAM = "ingest"
 
@@ -71,19 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         table.add_column(column, justify="right")
     table.add_column("behind max", justify="right")
     table.add_column("behind cpu", justify="right")
-    with Progress(transient=True) as progress:
-        task = progress.add_task("discovery", total=len(counts))
-        for count in counts:
-            progress.update(task, description=f"{count} producers: filling")
-            with tempfile.TemporaryDirectory(prefix="streamq-discovery-") as folder:
-                fleet = Fleet(_fill_producers(Path(folder), count, count * 10))
-                try:
-                    progress.update(task, description=f"{count} producers: measuring")
-                    figures = measure(fleet, args.rounds)
-                finally:
-                    fleet.stop()
-            table.add_row(str(count), *(f"{value:.1f}" for value in figures.values()))
-            progress.advance(task)
+    for count, fleet in each_fleet(counts, "discovery"):
+        figures = measure(fleet, args.rounds)
+        table.add_row(str(count), *(f"{value:.1f}" for value in figures.values()))
     Console().print(table)
     return 0
 

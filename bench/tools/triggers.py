@@ -13,18 +13,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
 from pyspark.sql.streaming.datasource import ReadAllAvailable
 from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 
 from spark_source.datasource import StreamQStreamReader, _Settings
 
-from ..spark.streamq import Fleet, _fill_producers
+from ..spark.streamq import each_fleet
 
 STREAM = "ingest"
 STEPS = ("decode start", "latestOffset", "encode end", "reportLatestOffset", "trigger")
@@ -82,20 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     table.add_column("producers", justify="right")
     for step in STEPS:
         table.add_column(step, justify="right")
-    with Progress(transient=True) as progress:
-        task = progress.add_task("triggers", total=len(counts))
-        for count in counts:
-            progress.update(task, description=f"{count} producers: filling")
-            with tempfile.TemporaryDirectory(prefix="streamq-triggers-") as folder:
-                fleet = Fleet(_fill_producers(Path(folder), count, count * 10))
-                try:
-                    progress.update(task, description=f"{count} producers: measuring")
-                    walls = measure(fleet.endpoints, args.triggers, args.interval / 1000)
-                finally:
-                    fleet.stop()
-            cells = (f"{statistics.median(w):.1f} / {max(w):.1f}" for w in walls.values())
-            table.add_row(str(count), *cells)
-            progress.advance(task)
+    for count, fleet in each_fleet(counts, "triggers"):
+        walls = measure(fleet.endpoints, args.triggers, args.interval / 1000)
+        cells = (f"{statistics.median(w):.1f} / {max(w):.1f}" for w in walls.values())
+        table.add_row(str(count), *cells)
     Console().print(table)
     return 0
 

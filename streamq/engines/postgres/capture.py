@@ -8,7 +8,7 @@ the server pushes each transaction, whole and in commit order, once it has commi
 What has come is turned into change records (``changes.py``) and published as any writer
 publishes (``append.py``: unnumbered, then numbered by the serving producer in the order
 published), in one transaction that also stores how far the capture has got, in
-``streamq_capture``. Only after that transaction has committed (synchronously) is the
+``streamq_capture``. Only once the WAL is flushed past that transaction's commit is the
 slot confirmed past it. So, exactly once:
 
 - a crash before the commit loses nothing: the slot has not moved, the stream starts
@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +45,8 @@ logger = logging.getLogger("streamq.capture")
 
 LIMIT = 10_000  # messages read before what they hold is published
 RETAINED_EVERY = 1.0  # s between looks at the WAL the slot holds back
+FLUSH_LOOK = 0.01  # s between looks at the WAL's flush while stored positions wait for it
+WAL_POSITIONS = "SELECT pg_current_wal_insert_lsn()::text, pg_current_wal_flush_lsn()::text"
 # Past this much WAL held back by the slot, a warning (once, until it is back under).
 RETAINED_WARNING = 1 << 30
 RETAINED = (
@@ -208,6 +211,9 @@ class Capture:
         self.lsn = 0  # every transaction ending at or before it is published
         self.captured = 0  # changes published by this process
         self.retained_bytes = 0  # WAL the slot holds back, as last seen
+        # Stored positions not yet confirmed to the slot: (position, the WAL written up to
+        # just after its commit), oldest first; confirmed once the WAL is flushed past.
+        self._unflushed: deque[tuple[int, int]] = deque()
         self._retained_at = -RETAINED_EVERY  # monotonic time of that look
 
     async def prepare(self) -> CaptureState:
@@ -222,8 +228,10 @@ class Capture:
             self._conn = await connect_async(
                 self._url, self._where, application_name="streamq capture"
             )
-            # What is published is stored before the slot moves past it.
-            await self._conn.execute("SET synchronous_commit = on")
+            # Its commits wait for no flush of their own: the slot is confirmed past what
+            # they stored only once the WAL is flushed past them (``_confirmable``), and
+            # the numbering serves their records only then too.
+            await self._conn.execute("SET synchronous_commit = off")
             # The text of every value as the change format reads it (changes.py).
             await self._conn.execute("SET TimeZone = 'UTC'")
             await self._conn.execute("SET DateStyle = 'ISO, YMD'")
@@ -273,6 +281,7 @@ class Capture:
         loop.add_reader(fd, readable.set)
         decoder = ChangeDecoder(self.streams, self._state.keys)
         confirmed = start
+        self._unflushed.clear()
         try:
             while True:
                 readable.clear()
@@ -283,24 +292,40 @@ class Capture:
                     if captured is not None and captured.end_lsn > self.lsn:
                         new.append(captured)
                 if new:
-                    await self._publish(conn, new)
-                    reader.confirm(confirmed := self.lsn)
+                    flushed = await self._publish(conn, new)
+                elif self._unflushed:
+                    (flushed,) = await _one(conn, "SELECT pg_current_wal_flush_lsn()::text")
+                if self._unflushed:
+                    if (durable := self._confirmable(parse_lsn(flushed))) > confirmed:
+                        reader.confirm(confirmed := durable)
                 elif drained and decoder.between_transactions and reader.wal_end > confirmed:
-                    # Nothing of ours before what the server has sent: its WAL may go.
+                    # All stored and flushed, nothing of ours before what the server has
+                    # sent: the WAL up to there may go.
                     reader.confirm(confirmed := reader.wal_end)
                 if time.monotonic() - self._retained_at >= RETAINED_EVERY:
                     await self._look_at_retained(conn)
                 if drained and not new:
+                    wait = FLUSH_LOOK if self._unflushed else RETAINED_EVERY
                     with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(RETAINED_EVERY):
+                        async with asyncio.timeout(wait):
                             await readable.wait()
         finally:
             loop.remove_reader(fd)
             reader.close()
 
-    async def _publish(self, conn: Any, new: list[Captured]) -> None:
+    def _confirmable(self, flushed: int) -> int:
+        """How far the slot may be confirmed, the WAL flushed up to ``flushed``: past the
+        stored positions whose commits it holds (0: none)."""
+        durable = 0
+        while self._unflushed and self._unflushed[0][1] <= flushed:
+            durable = self._unflushed.popleft()[0]
+        return durable
+
+    async def _publish(self, conn: Any, new: list[Captured]) -> str:
         """The records of ``new``, and the position past them, in one statement (its own
-        transaction, committed synchronously: then the slot may move past them)."""
+        transaction); returns how far the WAL is flushed now. The commit's record ends
+        before where the WAL is written up to just after it: once flushed past there,
+        the slot may move past what it stored (``_unflushed``)."""
         streams, records = [], []
         for transaction in new:
             for stream, record in transaction.records:
@@ -316,9 +341,14 @@ class Capture:
             "slot": self.slot,
             "tables": sorted(self.streams),
         }
-        await conn.execute(PUBLISH, params)
+        async with conn.pipeline():  # one round trip: the commit, then where the WAL is
+            await conn.execute(PUBLISH, params)
+            cursor = await conn.execute(WAL_POSITIONS)
+        bound, flushed = await cursor.fetchone()
+        self._unflushed.append((lsn, parse_lsn(bound)))
         self.lsn = lsn
         self.captured += len(records)
+        return str(flushed)
 
     async def _look_at_retained(self, conn: Any) -> None:
         """How much WAL the slot keeps PostgreSQL from recycling (a metric, in status);
