@@ -99,6 +99,10 @@ class Producer:
     stream); retention runs every ``retention_interval`` seconds and on
     ``apply_retention()``. ``metrics_port`` serves Prometheus metrics on
     ``metrics_host`` (loopback by default; 0 picks a free port).
+
+    ``capture`` (PostgreSQL): tables whose every committed change, read from the
+    write-ahead log, this producer publishes to a stream of each (table names, or a map
+    of table names to stream names; docs/guides/capture.md).
     """
 
     def __init__(
