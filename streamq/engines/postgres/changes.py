@@ -114,8 +114,6 @@ class Captured:
     """One committed transaction's captured changes, as records of their streams in
     commit order, and the slot position just past it."""
 
-    xid: int
-    commit_lsn: int
     end_lsn: int
     records: list[tuple[str, CheckedRecord]]
 
@@ -222,7 +220,7 @@ class ChangeDecoder:
             )
             value = msgpack.packb(change, use_bin_type=True)
             records.append((stream, (value, key, {HEADER: HEADER_VALUE}, commit_ms)))
-        return Captured(begin.xid, commit.commit_lsn, commit.end_lsn, records)
+        return Captured(commit.end_lsn, records)
 
 
 def _change(
