@@ -263,6 +263,12 @@ def _add_serve(commands: argparse._SubParsersAction[_Parser]) -> None:
     )
     serve.add_argument("--create", action="store_true", help="create the database if missing")
     serve.add_argument("--capture", **CAPTURE_OPTION)
+    serve.add_argument(
+        "--snapshot",
+        action="store_true",
+        help="with --capture: each table's current rows first, then its changes (once per "
+        "table, consistent with where they start)",
+    )
     _add_server_security(serve)
     serve.add_argument(
         "--metrics-port",
@@ -593,6 +599,7 @@ async def _serve(args: argparse.Namespace) -> None:
         retention_ms=args.retention_ms,
         retention_bytes=args.retention_bytes,
         capture=args.capture,
+        snapshot=args.snapshot,
     ) as p:
         streams = ", ".join(f"{s.name}@{s.head}" for s in p.log.streams.values()) or "none yet"
         print(f"serving producer {p.producer_id} (epoch {p.epoch}) on {p.address}", flush=True)
@@ -784,6 +791,11 @@ def _status(args: argparse.Namespace) -> None:
             f"{capture['lsn']}, {capture['changes']} change(s) since start; the slot holds "
             f"back {capture['retained_wal_bytes'] / 2**20:.1f} MiB of WAL"
         )
+        if snapshot := capture.get("snapshot"):
+            console.print(
+                f"taking a snapshot of {', '.join(snapshot['tables'])} at LSN "
+                f"{snapshot['lsn']}: {snapshot['rows']} of {snapshot['of']} rows read"
+            )
     heads = {s["stream"]: s["head"] for s in status["streams"]}
     streams = Table("stream", "head", "first held", title="streams")
     for s in status["streams"]:
@@ -951,7 +963,10 @@ def _database_errors() -> tuple[type[Exception], ...]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "snapshot", False) and not args.capture:
+        parser.error("--snapshot streams captured tables' rows first: it needs --capture")
     try:
         if args.command == "serve":
             _loop.run(_serve(args))

@@ -102,7 +102,9 @@ class Producer:
 
     ``capture`` (PostgreSQL): tables whose every committed change, read from the
     write-ahead log, this producer publishes to a stream of each (table names, or a map
-    of table names to stream names; docs/guides/capture.md).
+    of table names to stream names; docs/guides/capture.md); with ``snapshot``, each
+    table's rows first, as of a snapshot consistent with where its changes start (once
+    per table).
     """
 
     def __init__(
@@ -125,6 +127,7 @@ class Producer:
         compact_interval: float = 60.0,
         on_compacted: OnCompacted | None = None,
         capture: Sequence[str] | Mapping[str, str] | None = None,
+        snapshot: bool = False,
     ) -> None:
         if durability not in ("normal", "full"):
             raise ValueError(f"durability must be 'normal' or 'full', not {durability!r}")
@@ -137,6 +140,9 @@ class Producer:
                 "capture reads PostgreSQL's write-ahead log: it needs a PostgreSQL "
                 f"database (postgresql://...), not {self.path!r}"
             )
+        if snapshot and not self.captured:
+            raise ValueError("snapshot= streams captured tables' rows first: it needs capture=")
+        self._snapshot = snapshot
         self._capture: Capturing | None = None
         self.durability: Durability = durability
         self.settings = settings or ServerSettings()
@@ -226,7 +232,9 @@ class Producer:
         and, serving, its loop (``engines/postgres/capture.py``): with ``serve=False``
         nothing is captured, but all is ready (``streamq init --capture``)."""
         storage = cast(CapturingStorage, self.storage)
-        capture = storage.capture(self.captured, self.producer_id, self.max_record_size)
+        capture = storage.capture(
+            self.captured, self.producer_id, self.max_record_size, self._snapshot
+        )
         self._capture = capture
         await capture.prepare()
         for stream in self.captured.values():

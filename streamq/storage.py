@@ -566,9 +566,14 @@ class CapturingStorage(Storage, Protocol):
     """The storage of an engine with ``captures``."""
 
     def capture(
-        self, streams: Mapping[str, str], producer_id: str, max_record_size: int
+        self,
+        streams: Mapping[str, str],
+        producer_id: str,
+        max_record_size: int,
+        snapshot: bool = False,
     ) -> Capturing:
-        """The serving producer's capture of ``streams`` (``{schema.table: stream}``)."""
+        """The serving producer's capture of ``streams`` (``{schema.table: stream}``),
+        each table's rows first with ``snapshot``."""
         ...
 
 

@@ -77,11 +77,11 @@ class Writer(threading.Thread):
 
 
 class Serving:
-    """``streamq serve URL --capture orders`` in a process of its own, started again
-    after each kill (and while the serving lock of a killed one is still held)."""
+    """``streamq serve URL --capture orders`` (and ``options``) in a process of its own,
+    started again after each kill (and while the serving lock of a killed one is still held)."""
 
-    def __init__(self, url: str, log: Path) -> None:
-        self.url, self.log = url, log
+    def __init__(self, url: str, log: Path, *options: str) -> None:
+        self.url, self.log, self.options = url, log, options
         self.proc: subprocess.Popen[bytes] | None = None
         self.address = ""
         self.lives = 0
@@ -90,7 +90,16 @@ class Serving:
         def started() -> bool:
             with self.log.open("ab") as out:
                 self.proc = subprocess.Popen(
-                    [*STREAMQ, "serve", self.url, "--port", "0", "--capture", "orders"],
+                    [
+                        *STREAMQ,
+                        "serve",
+                        self.url,
+                        "--port",
+                        "0",
+                        "--capture",
+                        "orders",
+                        *self.options,
+                    ],
                     stdout=subprocess.PIPE,
                     stderr=out,
                 )
@@ -181,3 +190,63 @@ def test_capture_is_exactly_once_through_kills_of_the_producer_and_the_server(
         f"{len(rows)} rows captured once each through {PRODUCER_KILLS} producer kills and "
         f"{SERVER_KILLS} server kills ({context}); 0 anomalies"
     )
+
+
+SNAPSHOT_ROWS = 60_000
+
+
+def test_a_snapshot_cut_by_a_kill_is_taken_again_whole(
+    server: PostgresServer, tmp_path: Path
+) -> None:
+    """The serving producer is killed while its snapshot is being published, a writer
+    committing throughout: started again, it takes a new snapshot, and the stream holds
+    each row once, the snapshot's then the later inserts."""
+    url = server.create_database("snapshot")
+    with psycopg.connect(url) as conn:
+        conn.execute("CREATE TABLE orders (id integer PRIMARY KEY, v integer)")
+        conn.execute(
+            "INSERT INTO orders SELECT -i, -i * 10 FROM generate_series(1, %s) AS i",
+            (SNAPSHOT_ROWS,),
+        )
+    serving = Serving(url, tmp_path / "serve.log", "--snapshot")
+    writer = Writer(url)
+    try:
+        writer.start()
+        serving.start()
+        wait_until(lambda: _publishing_snapshot(url), "the snapshot's first rows", 60)
+        serving.kill()
+        with psycopg.connect(url) as conn:
+            taken = conn.execute("SELECT count(*) FROM streamq_capture_snapshot").fetchone()
+        assert taken == (0,), "the kill came after the snapshot: the test did not cut it"
+        serving.start()
+        wait_until(lambda: head(serving.address) > SNAPSHOT_ROWS, "the snapshot", 120)
+        writer.stop.set()
+        writer.join(timeout=30)
+        with psycopg.connect(url) as conn:
+            rows = [i for (i,) in conn.execute("SELECT id FROM orders").fetchall()]
+        wait_until(lambda: head(serving.address) >= len(rows), "every row captured", 60)
+        records = read_stream(serving.address)
+    finally:
+        writer.stop.set()
+        serving.stop()
+        with contextlib.suppress(Exception):
+            server.drop_database("snapshot", slots=True)
+    changes = [decode_change(r.value) for r in records]
+    ids = [c["new"]["id"] for c in changes]
+    assert len(ids) == len(set(ids)) and sorted(ids) == sorted(rows)
+    ops = [c["op"] for c in changes]
+    snapshot = ops.count("snapshot")
+    assert ops == ["snapshot"] * snapshot + ["insert"] * (len(ops) - snapshot)
+    assert {c["lsn"] for c in changes[:snapshot]} == {changes[0]["lsn"]}
+    assert snapshot >= SNAPSHOT_ROWS and all(c["new"]["v"] == c["new"]["id"] * 10 for c in changes)
+
+
+def _publishing_snapshot(url: str) -> bool:
+    """Whether the producer's snapshot has begun publishing rows (its transaction has an
+    id: it has written)."""
+    with psycopg.connect(url) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE application_name = 'streamq snapshot' AND backend_xid IS NOT NULL"
+        ).fetchone()
+    return row == (1,)

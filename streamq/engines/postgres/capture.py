@@ -34,12 +34,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import CaptureError, DatabaseOpenError
-from ...records import encode_unnumbered
+from ...records import CheckedRecord, encode_unnumbered
 from .append import CHANNEL, DOORBELL
-from .changes import Captured, ChangeDecoder
+from .changes import Captured, ChangeDecoder, snapshot_records, table_of
 from .driver import connect_async, psycopg_module
-from .pgoutput import format_lsn, parse_lsn
-from .replication import SlotReader
+from .pgoutput import Column, Relation, format_lsn, parse_lsn
+from .replication import ExportedSnapshot, SlotReader
 
 logger = logging.getLogger("streamq.capture")
 
@@ -60,21 +60,45 @@ CAPTURE_TABLE = """CREATE TABLE IF NOT EXISTS streamq_capture (
     lsn bigint NOT NULL,   -- every transaction ending at or before it is published
     tables text[] NOT NULL
 )"""
-# A round's records, published as ``append.PUBLISH`` publishes (unnumbered, in order:
-# the serving producer numbers them), with the position past them, in one statement: on
-# an autocommit connection, one transaction and one round trip. The doorbell as there:
-# rung if the numberer armed it.
-PUBLISH = f"""
-WITH added AS (
+# The tables whose rows were published as of a snapshot (``--snapshot``), and its LSN:
+# their changes committed before it are in those rows, and are left out.
+SNAPSHOTS_TABLE = """CREATE TABLE IF NOT EXISTS streamq_capture_snapshot (
+    slot text NOT NULL,
+    tbl text NOT NULL,
+    lsn bigint NOT NULL,
+    rows bigint NOT NULL,
+    PRIMARY KEY (slot, tbl)
+)"""
+# Records published as ``append.PUBLISH`` publishes (unnumbered, in order: the serving
+# producer numbers them), and the doorbell as there: rung if the numberer armed it.
+_ADDED = """added AS (
     INSERT INTO streamq_pending (stream, ts, record, key)
     SELECT * FROM unnest(%(streams)s::text[], %(ts)s::bigint[], %(records)s::bytea[],
         %(keys)s::bytea[])
-    RETURNING 1),
+    RETURNING 1)"""
+_RING = f"""SELECT CASE WHEN NOT pg_try_advisory_xact_lock_shared({DOORBELL})
+    THEN pg_notify('{CHANNEL}', '') END, (SELECT count(*) FROM added)"""
+# A round's records with the position past them, in one statement: on an autocommit
+# connection, one transaction and one round trip.
+PUBLISH = f"""
+WITH {_ADDED},
 stored AS (
     INSERT INTO streamq_capture (slot, lsn, tables) VALUES (%(slot)s, %(lsn)s, %(tables)s)
     ON CONFLICT (slot) DO UPDATE SET lsn = EXCLUDED.lsn)
-SELECT CASE WHEN NOT pg_try_advisory_xact_lock_shared({DOORBELL})
-    THEN pg_notify('{CHANNEL}', '') END, (SELECT count(*) FROM added)"""
+{_RING}"""
+SNAPSHOT_ROWS = f"WITH {_ADDED}\n{_RING}"  # part of a snapshot, in its transaction
+SNAPSHOT_BATCH = 5_000  # rows read and published at a time
+# A table's columns as pgoutput's RELATION message gives them: name, type, modifier, and
+# whether the replica identity holds it.
+COLUMNS_QUERY = """
+SELECT a.attname, a.atttypid, a.atttypmod, c.relreplident = 'f' OR a.attnum = ANY(COALESCE(
+    (SELECT i.indkey::int2[] FROM pg_index i WHERE i.indrelid = c.oid
+     AND CASE c.relreplident WHEN 'i' THEN i.indisreplident ELSE i.indisprimary END),
+    '{}'))
+FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped
+WHERE n.nspname || '.' || c.relname = %s
+ORDER BY a.attnum"""
 
 # The tables' primary keys, and whether each can be captured (a table without a primary
 # key publishes UPDATE and DELETE only with REPLICA IDENTITY FULL or USING INDEX:
@@ -97,11 +121,12 @@ def slot_name(producer_id: str) -> str:
 @dataclass(frozen=True, slots=True)
 class CaptureState:
     """What ``prepare`` found or made: the slot and publication, the stored position,
-    and each table's primary key columns."""
+    each table's primary key columns, and the snapshots taken."""
 
     slot: str
     lsn: int
     keys: dict[str, list[str]]
+    snapshots: dict[str, int]  # the tables published as of a snapshot: its LSN
 
 
 async def prepare(
@@ -156,7 +181,17 @@ async def prepare(
         "ON CONFLICT (slot) DO UPDATE SET tables = EXCLUDED.tables",
         (slot, lsn, sorted(streams)),
     )
-    return CaptureState(slot, lsn, keys)
+    # A table left out and captured again later gets a snapshot of its own again.
+    await conn.execute(SNAPSHOTS_TABLE)
+    await conn.execute(
+        "DELETE FROM streamq_capture_snapshot WHERE slot = %s AND NOT tbl = ANY(%s)",
+        (slot, list(streams)),
+    )
+    cursor = await conn.execute(
+        "SELECT tbl, lsn FROM streamq_capture_snapshot WHERE slot = %s", (slot,)
+    )
+    snapshots = {table: int(at) for table, at in await cursor.fetchall()}
+    return CaptureState(slot, lsn, keys, snapshots)
 
 
 async def _checked_tables(conn: Any, tables: list[str], where: str) -> dict[str, list[str]]:
@@ -178,13 +213,25 @@ async def _checked_tables(conn: Any, tables: list[str], where: str) -> dict[str,
 async def _publication(conn: Any, name: str, tables: list[str]) -> None:
     """The publication of exactly ``tables``, made or changed."""
     sql = psycopg_module().sql
-    listed = sql.SQL(", ").join(sql.Identifier(*t.split(".")) for t in tables)
+    listed = sql.SQL(", ").join(_name(t) for t in tables)
     (exists,) = await _one(conn, "SELECT count(*) FROM pg_publication WHERE pubname = %s", (name,))
     verb = "ALTER PUBLICATION {} SET TABLE {}" if exists else "CREATE PUBLICATION {} FOR TABLE {}"
     await conn.execute(sql.SQL(verb).format(sql.Identifier(name), listed))
 
 
-async def _one(conn: Any, query: str, params: Any = None) -> Any:
+async def _text_forms(conn: Any) -> None:
+    """Every value's text as the change format reads it (``changes.py``)."""
+    await conn.execute("SET TimeZone = 'UTC'")
+    await conn.execute("SET DateStyle = 'ISO, YMD'")
+    await conn.execute("SET extra_float_digits = 3")
+
+
+def _name(table: str) -> Any:
+    """``schema.name`` as an identifier."""
+    return psycopg_module().sql.Identifier(*table.split(".", 1))
+
+
+async def _one(conn: Any, query: Any, params: Any = None) -> Any:
     cursor = await conn.execute(query, params)
     return await cursor.fetchone()
 
@@ -200,12 +247,15 @@ class Capture:
         producer_id: str,
         streams: Mapping[str, str],
         max_record_size: int,
+        snapshot: bool = False,
     ) -> None:
         self._url, self._where = url, where
         self.producer_id = producer_id
         self.streams = dict(streams)
         self.slot = slot_name(producer_id)
         self._max_record_size = max_record_size
+        self.snapshot = snapshot  # each table's rows first, once (``_take_snapshot``)
+        self.snapshotting: dict[str, Any] | None = None  # a snapshot's progress
         self._conn: Any = None
         self._state: CaptureState | None = None
         self.lsn = 0  # every transaction ending at or before it is published
@@ -232,10 +282,7 @@ class Capture:
             # they stored only once the WAL is flushed past them (``_confirmable``), and
             # the numbering serves their records only then too.
             await self._conn.execute("SET synchronous_commit = off")
-            # The text of every value as the change format reads it (changes.py).
-            await self._conn.execute("SET TimeZone = 'UTC'")
-            await self._conn.execute("SET DateStyle = 'ISO, YMD'")
-            await self._conn.execute("SET extra_float_digits = 3")
+            await _text_forms(self._conn)
         return self._conn
 
     async def run(self) -> None:
@@ -246,6 +293,10 @@ class Capture:
             try:
                 if self._state is None:
                     await self.prepare()
+                assert self._state is not None
+                todo = [t for t in self.streams if t not in self._state.snapshots]
+                if self.snapshot and todo:
+                    await self._take_snapshot(todo)
                 await self._stream()
             except asyncio.CancelledError:
                 raise
@@ -279,7 +330,7 @@ class Capture:
         readable = asyncio.Event()
         fd = reader.fileno()
         loop.add_reader(fd, readable.set)
-        decoder = ChangeDecoder(self.streams, self._state.keys)
+        decoder = ChangeDecoder(self.streams, self._state.keys, self._state.snapshots)
         confirmed = start
         self._unflushed.clear()
         try:
@@ -313,6 +364,94 @@ class Capture:
             loop.remove_reader(fd)
             reader.close()
 
+    async def _take_snapshot(self, tables: list[str]) -> None:
+        """The rows of ``tables`` as of a snapshot consistent with a point of the WAL, as
+        records, in one transaction that also stores that point: from then on, those
+        tables' changes committed before it (in the rows) are left out, the later ones
+        captured. A crash before its commit leaves nothing: it is taken again."""
+        assert self._state is not None
+        exported = await asyncio.to_thread(
+            ExportedSnapshot, self._url, self._where, f"{self.slot}_snapshot"
+        )
+        try:
+            conn = await connect_async(self._url, self._where, application_name="streamq snapshot")
+            try:
+                await _text_forms(conn)
+                async with conn.transaction():
+                    rows = await self._snapshot_rows(conn, exported, tables)
+                    await conn.execute(
+                        "INSERT INTO streamq_capture_snapshot (slot, tbl, lsn, rows) "
+                        "SELECT %s, * FROM unnest(%s::text[], %s::bigint[], %s::bigint[])",
+                        (self.slot, tables, [exported.lsn] * len(tables), rows),
+                    )
+            finally:
+                await conn.close()
+        finally:
+            exported.close()
+            self.snapshotting = None
+        self._state.snapshots.update(dict.fromkeys(tables, exported.lsn))
+        logger.info(
+            "capture on %s: snapshot of %s at %s published: %s rows",
+            self._where,
+            ", ".join(tables),
+            format_lsn(exported.lsn),
+            ", ".join(str(n) for n in rows),
+        )
+
+    async def _snapshot_rows(
+        self, conn: Any, exported: ExportedSnapshot, tables: list[str]
+    ) -> list[int]:
+        """In ``conn``'s transaction: the tables' rows as of ``exported``, published; how
+        many each has."""
+        assert self._state is not None
+        sql = psycopg_module().sql
+        await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        await conn.execute(
+            sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(exported.name))
+        )
+        relations, counts = [], []
+        for name in tables:
+            cursor = await conn.execute(COLUMNS_QUERY, (name,))
+            columns = tuple(
+                Column(column, type_oid, modifier, key)
+                for column, type_oid, modifier, key in await cursor.fetchall()
+            )
+            namespace, relname = name.split(".", 1)
+            relations.append(Relation(0, namespace, relname, "d", columns))
+            (count,) = await _one(conn, sql.SQL("SELECT count(*) FROM {}").format(_name(name)))
+            counts.append(int(count))
+        total, done, now_ms = sum(counts), 0, int(time.time() * 1000)
+        at = format_lsn(exported.lsn)
+        self.snapshotting = {"tables": tables, "lsn": at, "rows": 0, "of": total}
+        for relation in relations:
+            table = table_of(relation, self.streams, self._state.keys)
+            texts = sql.SQL(", ").join(
+                sql.SQL("{}::text").format(sql.Identifier(c.name)) for c in relation.columns
+            )
+            order = sql.SQL(", ").join(sql.Identifier(relation.columns[i].name) for i in table.key)
+            query = sql.SQL("SELECT {} FROM {}").format(texts, _name(relation.table))
+            if table.key:
+                query += sql.SQL(" ORDER BY {}").format(order)
+            cursor = conn.cursor(name="streamq_snapshot")
+            await cursor.execute(query)
+            while batch := await cursor.fetchmany(SNAPSHOT_BATCH):
+                values = [tuple(None if v is None else v.encode() for v in row) for row in batch]
+                records = snapshot_records(table, values, exported.lsn, now_ms, done, total)
+                await conn.execute(SNAPSHOT_ROWS, self._records(records))
+                done += len(records)
+                self.snapshotting["rows"] = done
+            await cursor.close()
+        return counts
+
+    def _records(self, records: list[tuple[str, CheckedRecord]]) -> dict[str, Any]:
+        """``_ADDED``'s parameters: records of their streams, in order."""
+        return {
+            "streams": [stream for stream, _ in records],
+            "ts": [record[3] for _, record in records],
+            "records": encode_unnumbered([r for _, r in records], self._max_record_size),
+            "keys": [record[1] for _, record in records],
+        }
+
     def _confirmable(self, flushed: int) -> int:
         """How far the slot may be confirmed, the WAL flushed up to ``flushed``: past the
         stored positions whose commits it holds (0: none)."""
@@ -326,17 +465,10 @@ class Capture:
         transaction); returns how far the WAL is flushed now. The commit's record ends
         before where the WAL is written up to just after it: once flushed past there,
         the slot may move past what it stored (``_unflushed``)."""
-        streams, records = [], []
-        for transaction in new:
-            for stream, record in transaction.records:
-                streams.append(stream)
-                records.append(record)
+        records = [record for transaction in new for record in transaction.records]
         lsn = new[-1].end_lsn
         params = {
-            "streams": streams,
-            "ts": [ts for _, _, _, ts in records],
-            "records": encode_unnumbered(records, self._max_record_size),
-            "keys": [key for _, key, _, _ in records],
+            **self._records(records),
             "lsn": lsn,
             "slot": self.slot,
             "tables": sorted(self.streams),
@@ -368,14 +500,18 @@ class Capture:
         self._retained_at = time.monotonic()
 
     def status(self) -> dict[str, Any]:
-        """For ``streamq status``: what is captured, how far, and the WAL held back."""
-        return {
+        """For ``streamq status``: what is captured, how far, the WAL held back, and the
+        snapshot being taken, if one is."""
+        status = {
             "slot": self.slot,
             "tables": dict(self.streams),
             "lsn": format_lsn(self.lsn),
             "changes": self.captured,
             "retained_wal_bytes": self.retained_bytes,
         }
+        if self.snapshotting is not None:
+            status["snapshot"] = dict(self.snapshotting)
+        return status
 
     async def close(self) -> None:
         if self._conn is not None:

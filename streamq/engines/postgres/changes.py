@@ -3,7 +3,8 @@ transaction's records out. Sans-IO: no connection, the capture (``capture.py``) 
 
 A change record's value is a msgpack map (docs/guides/capture.md, "The change format"):
 
-- ``op``: ``"insert"``, ``"update"``, ``"delete"`` or ``"truncate"``;
+- ``op``: ``"insert"``, ``"update"``, ``"delete"`` or ``"truncate"``, and ``"snapshot"``
+  for a row as a snapshot read it (``--snapshot``: the table's rows before its changes);
 - ``table``: the table, ``schema.name``;
 - ``new``: the row after the change, ``{column: value}`` (None for a delete or truncate);
   a TOASTed value an update left as it was is not in the WAL: that column is missing
@@ -15,7 +16,9 @@ A change record's value is a msgpack map (docs/guides/capture.md, "The change fo
   Unix epoch, also the record's timestamp), ``index`` and ``changes``: this change's
   place among the transaction's captured changes, and how many there are, over every
   captured table: a consumer of several tables' streams regroups a transaction by
-  ``(lsn, xid)``, and knows when it holds all of it.
+  ``(lsn, xid)``, and knows when it holds all of it. A snapshot is one such group: its
+  LSN is the point it is consistent with (what committed before it is in the rows, what
+  committed after comes as changes), its xid None.
 
 The record's key is the row's primary key as compact JSON (``{"id":42}``), or its
 replica identity's columns for a table without one. Values are plain msgpack (and JSON)
@@ -109,6 +112,22 @@ class _Table:
         return self.loaders[column](value)  # type: ignore[arg-type]
 
 
+def table_of(
+    relation: Relation, streams: Mapping[str, str], keys: Mapping[str, Sequence[str]]
+) -> _Table:
+    """How a table's changes become records: its stream (None: not captured), each
+    column's loader, and its key's columns (the primary key's, else the replica
+    identity's)."""
+    names = [c.name for c in relation.columns]
+    primary = keys.get(relation.table, [])
+    if primary and all(name in names for name in primary):
+        key = [names.index(name) for name in primary]
+    else:
+        key = [i for i, c in enumerate(relation.columns) if c.key]
+    loaders = [_loader(c.type_oid) for c in relation.columns]
+    return _Table(relation, streams.get(relation.table), loaders, key)
+
+
 @dataclass(frozen=True, slots=True)
 class Captured:
     """One committed transaction's captured changes, as records of their streams in
@@ -129,10 +148,17 @@ class ChangeDecoder:
     transactions. ``streams``: each captured table's stream (``schema.name``: stream);
     ``keys``: each table's primary key columns, where it has one. A change to a table not
     in ``streams`` is left out: the WAL from before a table left the capture still has
-    it in the publication."""
+    it in the publication. ``snapshots``: the tables whose rows were published as of a
+    snapshot, with its LSN: their changes committed before it are in it, left out."""
 
-    def __init__(self, streams: Mapping[str, str], keys: Mapping[str, Sequence[str]]) -> None:
+    def __init__(
+        self,
+        streams: Mapping[str, str],
+        keys: Mapping[str, Sequence[str]],
+        snapshots: Mapping[str, int] | None = None,
+    ) -> None:
         self.streams, self.keys = dict(streams), {t: list(k) for t, k in keys.items()}
+        self.snapshots = dict(snapshots or {})
         self._tables: dict[int, _Table] = {}
         self._open: _Open | None = None
 
@@ -161,23 +187,14 @@ class ChangeDecoder:
         if isinstance(message, pgoutput.Truncate):
             for relation_id in message.relation_ids:
                 table = self._table(relation_id)
-                if table.stream is not None:
-                    change = _change("truncate", table, None, None)
-                    tx.changes.append((table.stream, None, change))
+                if (stream := self._stream(tx, table)) is not None:
+                    tx.changes.append((stream, None, _change("truncate", table, None, None)))
             return None
         self._change(tx, message)
         return None
 
     def _relation(self, relation: Relation) -> None:
-        stream = self.streams.get(relation.table)
-        names = [c.name for c in relation.columns]
-        primary = self.keys.get(relation.table, [])
-        if primary and all(name in names for name in primary):
-            key = [names.index(name) for name in primary]
-        else:
-            key = [i for i, c in enumerate(relation.columns) if c.key]
-        loaders = [_loader(c.type_oid) for c in relation.columns]
-        self._tables[relation.relation_id] = _Table(relation, stream, loaders, key)
+        self._tables[relation.relation_id] = table_of(relation, self.streams, self.keys)
 
     def _table(self, relation_id: int) -> _Table:
         table = self._tables.get(relation_id)
@@ -189,7 +206,7 @@ class ChangeDecoder:
         self, tx: _Open, message: pgoutput.Insert | pgoutput.Update | pgoutput.Delete
     ) -> None:
         table = self._table(message.relation_id)
-        if table.stream is None:
+        if (stream := self._stream(tx, table)) is None:
             return
         if isinstance(message, pgoutput.Insert):
             op, new, old, old_kind = "insert", message.new, None, None
@@ -204,23 +221,66 @@ class ChangeDecoder:
             change["unchanged"] = unchanged
         keyed = new if new is not None else old
         key = None if keyed is None else _key(table, keyed)
-        tx.changes.append((table.stream, key, change))
+        tx.changes.append((stream, key, change))
+
+    def _stream(self, tx: _Open, table: _Table) -> str | None:
+        """The stream a change of ``tx`` to ``table`` goes to; None if the table is not
+        captured, or the change is in the snapshot its rows were published as of."""
+        snapshot = self.snapshots.get(table.relation.table)
+        if snapshot is not None and tx.begin.final_lsn < snapshot:
+            return None
+        return table.stream
 
     def _captured(self, tx: _Open, commit: pgoutput.Commit) -> Captured:
-        begin = tx.begin
         commit_ms = commit.commit_time_us // 1000
-        records = []
-        for index, (stream, key, change) in enumerate(tx.changes):
-            change.update(
-                xid=begin.xid,
-                lsn=commit.commit_lsn,
-                commit_time=commit_ms,
-                index=index,
-                changes=len(tx.changes),
-            )
-            value = msgpack.packb(change, use_bin_type=True)
-            records.append((stream, (value, key, {HEADER: HEADER_VALUE}, commit_ms)))
+        total = len(tx.changes)
+        records = [
+            _record(stream, key, change, tx.begin.xid, commit.commit_lsn, commit_ms, i, total)
+            for i, (stream, key, change) in enumerate(tx.changes)
+        ]
         return Captured(commit.end_lsn, records)
+
+
+def snapshot_records(
+    table: _Table,
+    rows: Sequence[pgoutput.Tuple],
+    lsn: int,
+    time_ms: int,
+    first: int,
+    total: int,
+) -> list[tuple[str, CheckedRecord]]:
+    """Rows a snapshot read (each column's text form, or None for NULL) as records of
+    the table's stream: ``"op": "snapshot"``, the row in ``new``, the snapshot's LSN, no
+    xid; ``first``: the first's index among the ``total`` rows of the snapshot."""
+    assert table.stream is not None
+    return [
+        _record(
+            table.stream,
+            _key(table, values),
+            _change("snapshot", table, _row(table, values), None),
+            None,
+            lsn,
+            time_ms,
+            first + i,
+            total,
+        )
+        for i, values in enumerate(rows)
+    ]
+
+
+def _record(
+    stream: str,
+    key: bytes | None,
+    change: dict[str, Any],
+    xid: int | None,
+    lsn: int,
+    time_ms: int,
+    index: int,
+    total: int,
+) -> tuple[str, CheckedRecord]:
+    change.update(xid=xid, lsn=lsn, commit_time=time_ms, index=index, changes=total)
+    value = msgpack.packb(change, use_bin_type=True)
+    return stream, (value, key, {HEADER: HEADER_VALUE}, time_ms)
 
 
 def _change(

@@ -14,7 +14,7 @@ from typing import Any
 
 from ...errors import DatabaseOpenError
 from .driver import cannot_open
-from .pgoutput import format_lsn
+from .pgoutput import format_lsn, parse_lsn
 
 STATUS_INTERVAL = 1.0  # s between the feedback messages psycopg2 sends by itself
 
@@ -90,6 +90,41 @@ class SlotReader:
             raise DatabaseOpenError(f"replication from {self._where}: {exc}") from exc
 
     def close(self) -> None:
-        conn = getattr(self, "_conn", None)
-        if conn is not None and not conn.closed:
-            conn.close()
+        _close(self)
+
+
+class ExportedSnapshot:
+    """A snapshot of the database consistent with a slot's start, for the rows a capture
+    streams first (``--snapshot``): a temporary slot made with ``EXPORT_SNAPSHOT``.
+    ``name`` is for ``SET TRANSACTION SNAPSHOT`` (valid until ``close``); every
+    transaction whose commit record is before ``lsn`` is in it, every later one is not.
+    Making it waits for the transactions open at that moment to end."""
+
+    def __init__(self, url: str, where: str, slot: str) -> None:
+        psycopg2 = _psycopg2()
+        try:
+            self._conn = psycopg2.connect(
+                url,
+                connection_factory=psycopg2.extras.LogicalReplicationConnection,
+                application_name="streamq snapshot",
+                connect_timeout=10,
+            )
+            cursor = self._conn.cursor()
+            # The slot goes with this connection; the snapshot while it runs nothing else.
+            cursor.execute(
+                f'CREATE_REPLICATION_SLOT "{slot}" TEMPORARY LOGICAL pgoutput EXPORT_SNAPSHOT'
+            )
+            _, consistent_point, self.name, _ = cursor.fetchone()
+        except psycopg2.Error as exc:
+            self.close()
+            raise cannot_open(where, url, exc) from exc
+        self.lsn = parse_lsn(consistent_point)
+
+    def close(self) -> None:
+        _close(self)
+
+
+def _close(holder: Any) -> None:
+    conn = getattr(holder, "_conn", None)
+    if conn is not None and not conn.closed:
+        conn.close()

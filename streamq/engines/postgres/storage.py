@@ -528,10 +528,14 @@ class PostgresStorage:
         return Numberer(self.url, self.where, serve, resync)
 
     def capture(
-        self, streams: Mapping[str, str], producer_id: str, max_record_size: int
+        self,
+        streams: Mapping[str, str],
+        producer_id: str,
+        max_record_size: int,
+        snapshot: bool = False,
     ) -> Capture:
         """The serving producer's capture of tables' changes (``capture.py``)."""
-        return Capture(self.url, self.where, producer_id, streams, max_record_size)
+        return Capture(self.url, self.where, producer_id, streams, max_record_size, snapshot)
 
     def session(self, durability: Durability) -> PostgresSession:
         return PostgresSession(self.url, durability)
