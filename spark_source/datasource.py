@@ -52,6 +52,13 @@ consumerName             name positions are reported under (default ``spark``;
 includeHeaders           ``false``: no ``headers`` column (Kafka's source has none by
                          default); default ``true``, the schema before the option existed.
                          A schema given with ``.schema(...)`` picks columns by name instead
+changeColumns            ``true``: a captured table's stream (docs/guides/capture.md) as
+                         its changes' fields instead of ``value``: ``op``, ``table``,
+                         ``xid``, ``lsn``, ``index``, ``changes``, ``unchanged``, and
+                         ``new`` and ``old``, structs of the table's columns typed from its
+                         catalog (the producer's status report: an admin token); a schema
+                         given with ``.schema(...)`` may name them too, typed as it says.
+                         Default ``false``: ``value`` as it is, the change's msgpack
 readOnDriver             streams: ``true`` reads each micro-batch on the driver as it is
                          planned, with no Python task on the executors: lower latency for
                          small micro-batches; default ``false`` (executors read, for ingest)
@@ -106,7 +113,14 @@ from pyspark.sql.streaming.datasource import (
 )
 from pyspark.sql.types import StructType
 
-from streamq import Client, ClientTLS, OffsetOutOfRangeError, SeqsReusedError, StreamQError
+from streamq import (
+    Client,
+    ClientTLS,
+    NotAuthorizedError,
+    OffsetOutOfRangeError,
+    SeqsReusedError,
+    StreamQError,
+)
 from streamq import Filter as RecordFilter
 from streamq.client import RangeRead
 from streamq.protocol import collector_paused
@@ -123,7 +137,7 @@ from .planning import (
     Reports,
     StreamQSourceError,
 )
-from .schema import EVERY_COLUMN, Columns, default_schema
+from .schema import EVERY_COLUMN, Columns, change_schema, default_schema
 
 logger = logging.getLogger("spark_source")
 
@@ -205,7 +219,47 @@ def _token(options: Mapping[str, str]) -> str | None:
 
 
 def _default_schema(options: Mapping[str, str]) -> StructType:
-    return default_schema(_flag(options, "includeHeaders", True))
+    include_headers = _flag(options, "includeHeaders", True)
+    if _flag(options, "changeColumns", False):
+        return change_schema(_captured_columns(options), include_headers)
+    return default_schema(include_headers)
+
+
+def _captured_columns(options: Mapping[str, str]) -> list[dict[str, Any]]:
+    """The columns of the table captured into the stream, as the first producer that
+    answers reports them (its status report: ``capture.columns``)."""
+    stream = options.get("stream")
+    if not stream:
+        raise StreamQSourceError("set option 'stream'")
+    endpoints = planning.parse_endpoints(
+        options.get("endpoints"), options.get("endpointsFile"), options.get("endpointsProvider")
+    )
+    timeout = (_int(options, "timeoutMs", 30_000) or 30_000) / 1000
+    connect = Connect(timeout, _tls(options), _token(options))
+    failures = []
+    for endpoint in endpoints:
+        try:
+            with connect.client(endpoint, "spark schema") as client:
+                status = client.status()
+        except NotAuthorizedError:
+            raise StreamQSourceError(
+                f"changeColumns types new and old from the producer's catalog, in its status "
+                f"report, which {endpoint} gives only to an admin token: use one, or give "
+                "the columns with .schema(...)"
+            ) from None
+        except (OSError, StreamQError) as exc:
+            failures.append(f"{endpoint}: {exc}")
+            continue
+        columns = (status.get("capture") or {}).get("columns", {}).get(stream)
+        if columns is None:
+            raise StreamQSourceError(
+                f"changeColumns: the producer at {endpoint} captures no table into stream "
+                f"{stream!r}"
+            )
+        return list(columns)
+    raise StreamQSourceError(
+        f"changeColumns: no producer told the columns of stream {stream!r} ({'; '.join(failures)})"
+    )
 
 
 def _columns(options: Mapping[str, str], schema: StructType) -> Columns:

@@ -6,10 +6,18 @@ topic, partition and offset. A query may read fewer: ``includeHeaders=false``
 drops ``headers``, and a schema given with ``.schema(...)`` names the columns
 it wants. Python sources get no column pruning from Spark, so every column the
 source builds costs the executor's Python and the JVM per row.
+
+A captured table's stream (docs/guides/capture.md) reads as its changes' fields
+instead of ``value``: ``op``, ``table``, ``xid``, ``lsn``, ``index``, ``changes``,
+``unchanged``, and ``new`` and ``old`` as structs of the table's columns, typed from
+its catalog (``change_schema``) or as a schema given with ``.schema(...)`` types them.
 """
 
 from __future__ import annotations
 
+import datetime
+import decimal
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,12 +27,23 @@ from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.types import (
     ArrayType,
     BinaryType,
+    BooleanType,
+    DataType,
+    DateType,
+    DecimalType,
+    DoubleType,
+    FloatType,
+    IntegerType,
     LongType,
+    ShortType,
     StringType,
     StructField,
     StructType,
+    TimestampNTZType,
     TimestampType,
 )
+
+from streamq.capturing import decode_change
 
 HEADER_TYPE = StructType(
     [StructField("key", StringType(), False), StructField("value", BinaryType(), True)]
@@ -43,6 +62,34 @@ SCHEMA = StructType(
     ]
 )
 FIELDS = {field.name: field for field in SCHEMA.fields}
+# A change's fields, read from its value (``new`` and ``old``: structs of any columns).
+CHANGE_FIELDS = {
+    field.name: field
+    for field in (
+        StructField("op", StringType(), False),
+        StructField("table", StringType(), False),
+        StructField("xid", LongType(), True),  # None in a snapshot's rows
+        StructField("lsn", LongType(), False),
+        StructField("index", IntegerType(), False),
+        StructField("changes", IntegerType(), False),
+        StructField("unchanged", ArrayType(StringType(), False), True),
+    )
+}
+ROWS = ("new", "old")
+# Spark's type for PostgreSQL's (pg_type.typname); any other is its text.
+_SPARK_TYPES: dict[str, DataType] = {
+    "bool": BooleanType(),
+    "int2": ShortType(),
+    "int4": IntegerType(),
+    "int8": LongType(),
+    "oid": LongType(),
+    "float4": FloatType(),
+    "float8": DoubleType(),
+    "bytea": BinaryType(),
+    "timestamptz": TimestampType(),
+    "timestamp": TimestampNTZType(),
+    "date": DateType(),
+}
 
 # How each column is built: from the partition's constants, or from rows [seq, timestamp,
 # key, value, headers] as the client decodes records.
@@ -63,16 +110,48 @@ def default_schema(include_headers: bool) -> StructType:
     return StructType([field for field in SCHEMA.fields if field.name != "headers"])
 
 
+def change_schema(columns: Sequence[dict[str, Any]], include_headers: bool) -> StructType:
+    """A captured table's stream without ``.schema(...)``: the record's columns but
+    ``value``, then the change's, ``new`` and ``old`` typed from the table's columns as
+    the producer reports them (``{"name", "type", "array"}``, and a numeric's
+    ``"precision"`` and ``"scale"``)."""
+    row = StructType([StructField(c["name"], spark_type(c), True) for c in columns])
+    fields = [f for f in default_schema(include_headers).fields if f.name != "value"]
+    fields += [*CHANGE_FIELDS.values(), StructField("new", row), StructField("old", row)]
+    return StructType(fields)
+
+
+def spark_type(column: dict[str, Any]) -> DataType:
+    """A column's Spark type from its PostgreSQL type, as the change format carries its
+    values: numeric as a decimal when it declares a precision Spark holds (else text),
+    json and jsonb as their JSON text, every type without a Spark twin as its text."""
+    name = column["type"]
+    precision, scale = column.get("precision", -1), column.get("scale", -1)
+    if name == "numeric" and 0 <= scale <= precision <= 38:
+        element: DataType = DecimalType(precision, scale)
+    else:
+        element = _SPARK_TYPES.get(name, StringType())
+    return ArrayType(element, True) if column.get("array") else element
+
+
 def _check_schema(schema: StructType) -> None:
-    """A schema given with ``.schema(...)`` must pick columns of ``SCHEMA`` by name, with
-    their types (nested nullability aside); raises ``ValueError`` saying what is wrong."""
+    """A schema given with ``.schema(...)`` must pick columns of ``SCHEMA`` (or of a
+    change: ``CHANGE_FIELDS``, ``new``, ``old``) by name, with their types (nested
+    nullability aside); raises ``ValueError`` saying what is wrong."""
     if not schema.fields:
         raise ValueError("the schema names no column")
     for field in schema.fields:
-        ours = FIELDS.get(field.name)
+        if field.name in ROWS:
+            if not isinstance(field.dataType, StructType):
+                raise ValueError(f"column {field.name!r} is a struct of the table's columns")
+            if not field.nullable:
+                raise ValueError(f"column {field.name!r} is nullable")
+            continue
+        ours = FIELDS.get(field.name) or CHANGE_FIELDS.get(field.name)
         if ours is None:
             raise ValueError(
-                f"no column {field.name!r}; the columns are {', '.join(FIELDS)} "
+                f"no column {field.name!r}; the columns are {', '.join(FIELDS)}, and for "
+                f"a captured table's changes {', '.join([*CHANGE_FIELDS, *ROWS])} "
                 "(pick any of them, in any order)"
             )
         if field.dataType.simpleString() != ours.dataType.simpleString():
@@ -97,7 +176,14 @@ class Columns:
         self._casts = {
             name: self.arrow_schema.field(name).type
             for name in self.names
-            if self.arrow_schema.field(name).type != ARROW_SCHEMA.field(name).type
+            if name in FIELDS
+            and self.arrow_schema.field(name).type != ARROW_SCHEMA.field(name).type
+        }
+        # The change's fields, read from each record's value: how each becomes Arrow's.
+        self._changes = {
+            field.name: _converter(field.dataType)
+            for field in schema.fields
+            if field.name in CHANGE_FIELDS or field.name in ROWS
         }
 
     def batch(
@@ -111,9 +197,14 @@ class Columns:
             # Rows to fields in one pass in C (a tuple per field), not a list per column.
             fields = _fields(rows) if count else [()] * 5
             seqs = pa.array(fields[0], pa.int64())
+            changes = [_change(v) for v in fields[3]] if self._changes else []
             columns = []
             for name in self.names:
-                if name in _CONSTANTS:
+                if name in self._changes:
+                    convert = self._changes[name]
+                    values = [convert(change.get(name)) for change in changes]
+                    column = pa.array(values, self.arrow_schema.field(name).type)
+                elif name in _CONSTANTS:
                     column = pa.repeat(pa.scalar(constants[name], pa.string()), count)
                 elif name == "seq":
                     column = seqs
@@ -121,7 +212,7 @@ class Columns:
                     column = _build(name, fields[_ROW_INDEX[name]])
                 cast = self._casts.get(name)
                 columns.append(column if cast is None else column.cast(cast))
-        except (pa.ArrowException, TypeError, ValueError, LookupError) as exc:
+        except (pa.ArrowException, TypeError, ValueError, LookupError, ArithmeticError) as exc:
             raise ValueError(f"malformed records from producer {producer}: {exc}") from None
         if count > 1 and not pc.all(pc.less(seqs[:-1], seqs[1:])).as_py():
             raise ValueError(f"records from producer {producer} are not in increasing seq order")
@@ -158,3 +249,47 @@ def _headers(headers: Sequence[Any]) -> pa.Array:
         raise TypeError("headers must be maps")
     rows = [[{"key": k, "value": v} for k, v in h.items()] for h in headers]
     return pa.array(rows, _HEADERS_TYPE)
+
+
+def _change(value: bytes) -> dict[str, Any]:
+    """A captured change's fields; ``ValueError`` for a record that is not one."""
+    try:
+        change = decode_change(value)
+    except Exception:
+        change = None
+    if not isinstance(change, dict) or "op" not in change:
+        raise ValueError("a record is not a captured change: read its value, not op/new/old")
+    return change
+
+
+def _converter(data_type: DataType) -> Any:
+    """How a change's value (docs/guides/capture.md: "The change format") becomes what
+    Arrow builds ``data_type`` from; None stays None."""
+    if isinstance(data_type, StructType):
+        fields = [(f.name, _converter(f.dataType)) for f in data_type.fields]
+        return lambda row: None if row is None else {n: c(row.get(n)) for n, c in fields}
+    if isinstance(data_type, ArrayType):
+        element = _converter(data_type.elementType)
+        return lambda items: None if items is None else [element(i) for i in items]
+    parse = _PARSERS.get(type(data_type))
+    if parse is None:
+        return _same
+    return lambda value: None if value is None else parse(value)
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _text(value: Any) -> str:
+    """Text as itself; what json and jsonb hold as its JSON."""
+    return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+
+
+_PARSERS: dict[type, Any] = {
+    StringType: _text,
+    TimestampType: datetime.datetime.fromisoformat,
+    TimestampNTZType: datetime.datetime.fromisoformat,
+    DateType: datetime.date.fromisoformat,
+    DecimalType: decimal.Decimal,
+}

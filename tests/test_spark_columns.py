@@ -3,11 +3,24 @@
 from __future__ import annotations
 
 import datetime
+import decimal
 from typing import Any
 
+import msgpack
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from pyspark.sql.types import (
+    ArrayType,
+    DateType,
+    DecimalType,
+    IntegerType,
+    LongType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampType,
+)
 
 from spark_source.schema import EVERY_COLUMN, Columns, default_schema
 
@@ -79,3 +92,57 @@ def test_no_rows_make_an_empty_batch_of_the_schema() -> None:
     batch = EVERY_COLUMN.batch("p1", "h:1", "orders", [])
     assert batch.num_rows == 0
     assert batch.schema == EVERY_COLUMN.arrow_schema
+
+
+def test_change_columns_are_read_from_the_value_as_the_schema_types_them() -> None:
+    row = StructType(
+        [
+            StructField("at", TimestampType()),
+            StructField("days", ArrayType(DateType())),
+            StructField("amount", DecimalType(5, 2)),
+            StructField("doc", StringType()),
+            StructField("gone", IntegerType()),
+        ]
+    )
+    schema = StructType(
+        [
+            StructField("seq", LongType(), False),
+            StructField("op", StringType(), False),
+            StructField("xid", LongType()),
+            StructField("new", row),
+            StructField("old", StructType([StructField("id", IntegerType())])),
+        ]
+    )
+    change = {
+        "op": "update",
+        "xid": 7,
+        "new": {
+            "at": "2026-12-01T16:00:00.250000+00:00",
+            "days": ["2026-12-01", None],
+            "amount": "12.50",
+            "doc": {"a": [1, None]},
+        },
+        "old": None,
+    }
+    value = msgpack.packb(change, use_bin_type=True)
+    batch = Columns(schema).batch("p1", "h:1", "public.orders", [[3, 0, None, value, {}]])
+    at = datetime.datetime(2026, 12, 1, 16, 0, 0, 250000, tzinfo=datetime.UTC)
+    assert batch.to_pylist() == [
+        {
+            "seq": 3,
+            "op": "update",
+            "xid": 7,
+            "new": {
+                "at": at,
+                "days": [datetime.date(2026, 12, 1), None],
+                "amount": decimal.Decimal("12.50"),
+                "doc": '{"a":[1,null]}',
+                "gone": None,  # a column the change lacks
+            },
+            "old": None,
+        }
+    ]
+    with pytest.raises(ValueError, match="not a captured change"):
+        Columns(schema).batch("p1", "h:1", "events", [[1, 0, None, b"plain", {}]])
+    with pytest.raises(ValueError, match="struct of the table's columns"):
+        Columns(StructType([StructField("new", StringType())]))

@@ -88,6 +88,22 @@ stored AS (
 {_RING}"""
 SNAPSHOT_ROWS = f"WITH {_ADDED}\n{_RING}"  # part of a snapshot, in its transaction
 SNAPSHOT_BATCH = 5_000  # rows read and published at a time
+# The captured tables' columns, as a reader of their streams types them (the Spark
+# source): name, type (an array's: its elements'), whether an array, and a numeric's
+# precision and scale where declared.
+CATALOG_QUERY = """
+SELECT n.nspname || '.' || c.relname, a.attname, COALESCE(e.typname, t.typname),
+    e.oid IS NOT NULL,
+    CASE WHEN COALESCE(e.typname, t.typname) = 'numeric' AND a.atttypmod >= 4
+        THEN ((a.atttypmod - 4) >> 16) & 65535 END,
+    CASE WHEN COALESCE(e.typname, t.typname) = 'numeric' AND a.atttypmod >= 4
+        THEN (((a.atttypmod - 4) & 2047) # 1024) - 1024 END
+FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped
+JOIN pg_type t ON t.oid = a.atttypid
+LEFT JOIN pg_type e ON e.oid = t.typelem AND t.typcategory = 'A'
+WHERE n.nspname || '.' || c.relname = ANY(%s)
+ORDER BY 1, a.attnum"""
 # A table's columns as pgoutput's RELATION message gives them: name, type, modifier, and
 # whether the replica identity holds it.
 COLUMNS_QUERY = """
@@ -127,6 +143,7 @@ class CaptureState:
     lsn: int
     keys: dict[str, list[str]]
     snapshots: dict[str, int]  # the tables published as of a snapshot: its LSN
+    columns: dict[str, list[dict[str, Any]]]  # each table's, as ``CATALOG_QUERY`` reads them
 
 
 async def prepare(
@@ -191,7 +208,20 @@ async def prepare(
         "SELECT tbl, lsn FROM streamq_capture_snapshot WHERE slot = %s", (slot,)
     )
     snapshots = {table: int(at) for table, at in await cursor.fetchall()}
-    return CaptureState(slot, lsn, keys, snapshots)
+    return CaptureState(slot, lsn, keys, snapshots, await _catalog(conn, list(streams)))
+
+
+async def _catalog(conn: Any, tables: list[str]) -> dict[str, list[dict[str, Any]]]:
+    """Each table's columns: ``{"name", "type", "array"}``, and ``"precision"`` and
+    ``"scale"`` for a numeric that declares them (docs/guides/capture.md)."""
+    cursor = await conn.execute(CATALOG_QUERY, (tables,))
+    columns: dict[str, list[dict[str, Any]]] = {table: [] for table in tables}
+    for table, name, type_name, array, precision, scale in await cursor.fetchall():
+        column = {"name": name, "type": type_name, "array": array}
+        if precision is not None:
+            column.update(precision=precision, scale=scale)
+        columns[table].append(column)
+    return columns
 
 
 async def _checked_tables(conn: Any, tables: list[str], where: str) -> dict[str, list[str]]:
@@ -500,8 +530,8 @@ class Capture:
         self._retained_at = time.monotonic()
 
     def status(self) -> dict[str, Any]:
-        """For ``streamq status``: what is captured, how far, the WAL held back, and the
-        snapshot being taken, if one is."""
+        """For ``streamq status``: what is captured, how far, the WAL held back, each
+        captured stream's columns, and the snapshot being taken, if one is."""
         status = {
             "slot": self.slot,
             "tables": dict(self.streams),
@@ -509,6 +539,9 @@ class Capture:
             "changes": self.captured,
             "retained_wal_bytes": self.retained_bytes,
         }
+        if self._state is not None:
+            columns = self._state.columns
+            status["columns"] = {self.streams[t]: columns.get(t, []) for t in self.streams}
         if self.snapshotting is not None:
             status["snapshot"] = dict(self.snapshotting)
         return status

@@ -1,0 +1,114 @@
+"""Spark reads a captured table's stream as typed columns (``changeColumns``): ``op``,
+``new`` and ``old`` as structs of the table's columns typed from its catalog, with a
+real local SparkSession and a real PostgreSQL server with ``wal_level = logical``."""
+
+from __future__ import annotations
+
+import datetime
+import decimal
+
+import pytest
+from pyspark.sql import SparkSession
+from pyspark.sql.utils import AnalysisException, PythonException
+
+import streamq
+
+from .test_pg_capture import sql
+
+TABLE = """CREATE TABLE orders (
+    id integer PRIMARY KEY, note text, amount numeric(10, 2), at timestamptz, day date,
+    doc jsonb, tags text[], blob bytea, n bigint, ok boolean, ratio double precision,
+    span interval, big numeric)"""
+ROW = (
+    "'first', 12.50, '2026-12-01 17:00:00.25+01', '2026-12-01', '{\"a\": [1, null]}', "
+    "'{x,\"y z\"}', '\\x00ff', 9007199254740993, true, 0.1, '1 mon 2 days', 1e40"
+)
+
+
+def test_a_captured_stream_reads_as_the_tables_typed_columns(
+    spark: SparkSession, capture_url: str
+) -> None:
+    sql(capture_url, TABLE, f"INSERT INTO orders VALUES (1, {ROW})")
+    with streamq.SyncProducer(capture_url, capture=["orders"], snapshot=True) as producer:
+        with streamq.Client(producer.address) as client:
+            streamq_wait(client, 1)  # the snapshot
+            sql(capture_url, "INSERT INTO orders (id, note) VALUES (2, 'second')")
+            sql(capture_url, "UPDATE orders SET amount = 7.25 WHERE id = 2")
+            sql(capture_url, "DELETE FROM orders WHERE id = 1")
+            streamq_wait(client, 4)
+        frame = (
+            spark.read.format("streamq")
+            .option("endpoints", producer.address)
+            .option("stream", "public.orders")
+            .option("changeColumns", "true")
+            .load()
+        )
+        rows = frame.orderBy("seq").collect()
+        types = dict(frame.select("new.*").dtypes)
+        assert "value" not in frame.columns
+        assert frame.schema["xid"].dataType.simpleString() == "bigint"
+    assert types == {
+        "id": "int",
+        "note": "string",
+        "amount": "decimal(10,2)",
+        "at": "timestamp",
+        "day": "date",
+        "doc": "string",
+        "tags": "array<string>",
+        "blob": "binary",
+        "n": "bigint",
+        "ok": "boolean",
+        "ratio": "double",
+        "span": "string",
+        "big": "string",  # no precision declared: its exact text
+    }
+    assert [(r.seq, r.op, r.key) for r in rows] == [
+        (1, "snapshot", b'{"id":1}'),
+        (2, "insert", b'{"id":2}'),
+        (3, "update", b'{"id":2}'),
+        (4, "delete", b'{"id":1}'),
+    ]
+    first = rows[0].new.asDict()
+    assert first["amount"] == decimal.Decimal("12.50")
+    assert first["at"] == datetime.datetime(2026, 12, 1, 16, 0, 0, 250000)  # the session's UTC
+    assert first["day"] == datetime.date(2026, 12, 1)
+    assert first["doc"] == '{"a":[1,null]}' and first["tags"] == ["x", "y z"]
+    assert first["blob"] == b"\x00\xff" and first["n"] == 9007199254740993 and first["ok"]
+    assert first["big"] == "1" + "0" * 40 and first["span"] == "1 mon 2 days"
+    assert rows[0].xid is None and rows[1].xid is not None and rows[0].lsn < rows[1].lsn
+    assert rows[2].new.amount == decimal.Decimal("7.25") and rows[2].new.note == "second"
+    assert rows[3].new is None and rows[3].old.id == 1 and rows[3].old.note is None
+    assert [(r["index"], r["changes"]) for r in rows] == [(0, 1)] * 4  # Row.index: a method
+
+
+def test_change_columns_of_a_stream_no_table_is_captured_into_fail_saying_so(
+    spark: SparkSession, capture_url: str
+) -> None:
+    sql(capture_url, "CREATE TABLE orders (id integer PRIMARY KEY)")
+    with streamq.SyncProducer(capture_url, capture=["orders"]) as producer:
+        producer.create_stream("events")
+        reader = (
+            spark.read.format("streamq")
+            .option("endpoints", producer.address)
+            .option("changeColumns", "true")
+        )
+        with pytest.raises((AnalysisException, PythonException)) as failed:
+            reader.option("stream", "events").load()
+        assert "captures no table into stream 'events'" in str(failed.value)
+        producer.publish("events", b"not a change")
+        given = "seq long, op string, new struct<id:int>"
+        rows = reader.option("stream", "public.orders").schema(given).load().collect()
+        assert rows == []
+        with pytest.raises(Exception, match="not a captured change"):
+            reader.option("stream", "events").schema(given).load().collect()
+
+
+def streamq_wait(client: streamq.Client, head: int) -> None:
+    """Until the captured stream's head is ``head``."""
+    from .waiting import wait_until
+
+    def served() -> bool:
+        (info,) = [s for s in client.streams() if s.stream == "public.orders"]
+        return info.head >= head
+
+    wait_until(served, f"{head} changes served", timeout=60)
