@@ -92,3 +92,21 @@ def test_tiny_capture_run_is_checked_beside_streamqs_publish(tmp_path: Path) -> 
         assert r["delivered_per_s"] > 0 and r["receipt_latency_us"][1] > 0, r
     with pytest.raises(SystemExit, match=r"^unknown systems \['kafkaa'\]"):
         pg_load.run(None, True, 1, sizes=TINY, folder=tmp_path, systems=["kafkaa"])
+
+
+def test_tiny_backlog_run_drains_what_was_committed_while_the_reader_was_stopped(
+    tmp_path: Path,
+) -> None:
+    """``--backlog``: the capture's server stopped (SIGSTOP) while the writers write, then
+    let go; every event received once, and how fast they came from then on."""
+    try:
+        results = pg_load.run(
+            None, True, 1, sizes=TINY, folder=tmp_path, systems=["capture"], backlog=True
+        )
+    finally:
+        assert list(running_children().values()) == []
+    assert results["backlog"] and (tmp_path / "pg_load_backlog.json").exists()
+    (r,) = results["runs"]
+    assert r["rate"] == 0 and r["backlog"] and r["receipt_latency_us"] is None
+    assert r["committed"] > 0 and r["anomalies"] == 0 and r["received"] == r["committed"], r
+    assert r["delivered_per_s"] > 0

@@ -70,8 +70,8 @@ class Servers:
             streamq.create_tables(conn)
         return server
 
-    def replica(self, primary: PostgresServer) -> PostgresServer:
-        replica = primary.replica()
+    def replica(self, primary: PostgresServer, **settings: str) -> PostgresServer:
+        replica = primary.replica(settings or None)
         self.started.append(replica)
         return replica
 
@@ -586,3 +586,63 @@ async def test_consumers_beyond_a_promoted_replicas_head_stop(
         with pytest.raises(streamq.SeqsReusedError) as reused:
             await apply_all(producer.address, M + 1)
         assert reused.value.lost == range(N + 1, M + 1)
+
+
+LOGICAL = {"wal_level": "logical"}
+
+
+async def test_a_captured_tables_consumer_is_told_of_a_failover_that_lost_changes(
+    servers: Servers, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Capture through a failover: a replication slot lives on one server, so the
+    promoted replica has none. The producer started there makes one (logging the LSNs
+    between which changes were not captured); the changes the failover lost are lost
+    with the rows themselves, and the consumer that applied them is told as for any
+    stream: ``ConsumerPositionError``, then ``SeqsReusedError`` once new changes take
+    their seqs."""
+    consumer_db = str(tmp_path / "ledger.db")
+    primary = servers.start(**LOGICAL)
+    with psycopg.connect(primary.url()) as conn:
+        conn.execute("CREATE TABLE orders (id integer PRIMARY KEY)")
+    replica = servers.replica(primary, **LOGICAL)
+    stream = "public.orders"
+
+    async def apply_all(address: str, count: int) -> list[int]:
+        ids = []
+        async with streamq.Consumer(address, stream, db=consumer_db, name="ledger") as c:
+            async with asyncio.timeout(30):
+                while c.applied < count:
+                    batch = await anext(c)
+                    async with c.transaction(batch):
+                        ids += [streamq.decode_change(r.value)["new"]["id"] for r in batch]
+        return ids
+
+    def insert(url: str, ids: Iterable[int]) -> None:
+        with psycopg.connect(url, autocommit=True) as conn:
+            for i in ids:
+                conn.execute("INSERT INTO orders VALUES (%s)", (i,))
+
+    async with streamq.Producer(primary.url(), capture=["orders"]) as producer:
+        producer_id = producer.producer_id
+        insert(primary.url(), range(1, N + 1))
+        assert await apply_all(producer.address, N) == list(range(1, N + 1))
+        await asyncio.to_thread(replica.wait_replayed, primary)
+        await asyncio.to_thread(replica.crash)
+        insert(primary.url(), range(N + 1, M + 1))  # changes the replica never receives
+        assert await apply_all(producer.address, M) == list(range(N + 1, M + 1))
+    await asyncio.to_thread(primary.crash)
+    await asyncio.to_thread(replica.restart)
+    await asyncio.to_thread(replica.promote)
+
+    with caplog.at_level("ERROR", logger="streamq.capture"):
+        async with streamq.Producer(replica.url(), capture=["orders"]) as producer:
+            assert producer.producer_id == producer_id and producer.head(stream) == N
+            assert "were not captured" in caplog.text
+            with pytest.raises(streamq.ConsumerPositionError) as behind:
+                await apply_all(producer.address, M)
+            assert behind.value.lost == range(N + 1, M + 1)
+            insert(replica.url(), range(100, 100 + M - N + 1))  # new rows, under lost seqs
+            await wait_for(lambda: producer.head(stream) == M + 1, 30, "the new changes")
+            with pytest.raises(streamq.SeqsReusedError) as reused:
+                await apply_all(producer.address, M + 1)
+            assert reused.value.lost == range(N + 1, M + 1)

