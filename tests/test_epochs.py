@@ -178,10 +178,13 @@ async def test_a_consumer_without_database_catches_reuse_on_reconnect(producer_d
                 break
         await producer.close()
         restore(image, producer_db)
+        # Written before the port is served again: the consumer, reconnecting, finds
+        # seqs 4..7 re-used (not a head below them, which it would if it came first).
+        async with Producer(producer_db, serve=False) as writer:
+            async with writer.transaction() as tx:
+                await tx.publish_many("orders", [b"x"] * 10)  # seqs 4..13, 4..7 re-used
         producer = Producer(producer_db, port=port)
         await producer.start()
-        async with producer.transaction() as tx:
-            await tx.publish_many("orders", [b"x"] * 10)  # seqs 4..13, 4..7 re-used
         with pytest.raises(SeqsReusedError) as info:
             async for _ in consumer:
                 pass

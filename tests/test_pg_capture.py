@@ -444,6 +444,9 @@ async def test_status_and_metrics_say_how_far_capture_is_and_the_wal_it_holds(
     assert status["capture"]["changes"] == 50
     assert pgoutput.parse_lsn(status["capture"]["lsn"]) == capture.lsn > 0
     assert 0 < status["capture"]["retained_wal_bytes"] < 64 << 20
+    assert status["capture"]["columns"] == {
+        "public.orders": [{"name": "id", "type": "int4", "array": False}]
+    }
     assert "streamq_capture_changes_total 50.0" in metrics
     assert "streamq_capture_retained_wal_bytes " in metrics
 

@@ -20,6 +20,12 @@ slot confirmed past it. So, exactly once:
 
 While no captured table changes, the slot is confirmed as far as the server has decoded,
 so that the WAL other writes leave (other tables, streamq's own numbering) is not kept.
+
+With ``snapshot``, a table's rows come first, once: read as of a snapshot a temporary
+slot exports (``replication.ExportedSnapshot``: every transaction committed before its
+LSN is in it, none after), published in one transaction that stores that LSN in
+``streamq_capture_snapshot``; the table's changes committed before it are then left out
+(``ChangeDecoder``'s ``snapshots``), whatever the slot sends again.
 """
 
 from __future__ import annotations
