@@ -186,7 +186,7 @@ DOORBELL = "1937011313, 2"
 PUBLISH = f"""
 WITH added AS (
     INSERT INTO streamq_pending (stream, ts, record, key)
-    SELECT %(stream)s, * FROM unnest(%(ts)s::bigint[], %(records)s::bytea[], %(keys)s::bytea[])
+    SELECT %(stream)s, * FROM unnest(%(ts)b::bigint[], %(records)b::bytea[], %(keys)b::bytea[])
     RETURNING id)
 SELECT pg_current_xact_id()::text::bigint, min(id), count(*),
     pg_try_advisory_xact_lock_shared({DOORBELL})
@@ -288,20 +288,20 @@ def insert_statement(
     if epochs:
         ctes.append(
             "epochs AS (INSERT INTO streamq_epochs (stream_id, first_seq, epoch) SELECT * "
-            "FROM unnest(%(e_ids)s::bigint[], %(e_firsts)s::bigint[], %(e_epochs)s::bigint[]))"
+            "FROM unnest(%(e_ids)b::bigint[], %(e_firsts)b::bigint[], %(e_epochs)b::bigint[]))"
         )
         params |= _columns(("e_ids", "e_firsts", "e_epochs"), epochs)
     if times:
         ctes.append(
             "times AS (INSERT INTO streamq_time (stream_id, ts, seq) SELECT * "
-            "FROM unnest(%(t_ids)s::bigint[], %(t_ts)s::bigint[], %(t_seqs)s::bigint[]))"
+            "FROM unnest(%(t_ids)b::bigint[], %(t_ts)b::bigint[], %(t_seqs)b::bigint[]))"
         )
         params |= _columns(("t_ids", "t_ts", "t_seqs"), times)
     params |= _columns(("ids", "seqs", "ts", "records", "keys"), rows)
     insert = (
         "INSERT INTO streamq_log (stream_id, seq, ts, record, key) SELECT * "
-        "FROM unnest(%(ids)s::bigint[], %(seqs)s::bigint[], %(ts)s::bigint[], "
-        "%(records)s::bytea[], %(keys)s::bytea[])"
+        "FROM unnest(%(ids)b::bigint[], %(seqs)b::bigint[], %(ts)b::bigint[], "
+        "%(records)b::bytea[], %(keys)b::bytea[])"
     )
     return Statement(("WITH " + ", ".join(ctes) + " " if ctes else "") + insert, params)
 

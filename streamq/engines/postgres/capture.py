@@ -79,8 +79,8 @@ SNAPSHOTS_TABLE = """CREATE TABLE IF NOT EXISTS streamq_capture_snapshot (
 # producer numbers them), and the doorbell as there: rung if the numberer armed it.
 _ADDED = """added AS (
     INSERT INTO streamq_pending (stream, ts, record, key)
-    SELECT * FROM unnest(%(streams)s::text[], %(ts)s::bigint[], %(records)s::bytea[],
-        %(keys)s::bytea[])
+    SELECT * FROM unnest(%(streams)b::text[], %(ts)b::bigint[], %(records)b::bytea[],
+        %(keys)b::bytea[])
     RETURNING 1)"""
 _RING = f"""SELECT CASE WHEN NOT pg_try_advisory_xact_lock_shared({DOORBELL})
     THEN pg_notify('{CHANNEL}', '') END, (SELECT count(*) FROM added)"""

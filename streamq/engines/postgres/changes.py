@@ -309,4 +309,8 @@ def _key(table: _Table, values: pgoutput.Tuple) -> bytes | None:
         return None
     columns = table.relation.columns
     key = {columns[i].name: table.value(i, values[i]) for i in table.key}
-    return json.dumps(key, separators=(",", ":"), ensure_ascii=False, default=json_default).encode()
+    return _KEY_JSON(key).encode()
+
+
+# One encoder for every key: ``json.dumps`` with options makes one per call.
+_KEY_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, default=json_default).encode
