@@ -180,9 +180,8 @@ async def test_a_consumer_without_database_catches_reuse_on_reconnect(producer_d
         restore(image, producer_db)
         # Written before the port is served again: the consumer, reconnecting, finds
         # seqs 4..7 re-used (not a head below them, which it would if it came first).
-        async with Producer(producer_db, serve=False) as writer:
-            async with writer.transaction() as tx:
-                await tx.publish_many("orders", [b"x"] * 10)  # seqs 4..13, 4..7 re-used
+        async with Producer(producer_db, serve=False) as writer, writer.transaction() as tx:
+            await tx.publish_many("orders", [b"x"] * 10)  # seqs 4..13, 4..7 re-used
         producer = Producer(producer_db, port=port)
         await producer.start()
         with pytest.raises(SeqsReusedError) as info:

@@ -146,6 +146,19 @@ def read_stream(address: str) -> list[streamq.Record]:
         return [record for batch in client.read_range("public.orders", 1, end) for record in batch]
 
 
+def stop_and_read(
+    writer: Writer, serving: Serving, url: str
+) -> tuple[list[int], list[streamq.Record]]:
+    """Once the writer has stopped: the table's ids, in id order, and, once as many are
+    captured, every record of the stream."""
+    writer.stop.set()
+    writer.join(timeout=30)
+    with psycopg.connect(url) as conn:
+        rows = [i for (i,) in conn.execute("SELECT id FROM orders ORDER BY id").fetchall()]
+    wait_until(lambda: head(serving.address) >= len(rows), "every row captured", 60)
+    return rows, read_stream(serving.address)
+
+
 def test_capture_is_exactly_once_through_kills_of_the_producer_and_the_server(
     server: PostgresServer, tmp_path: Path, figures: Callable[[str], None]
 ) -> None:
@@ -167,13 +180,8 @@ def test_capture_is_exactly_once_through_kills_of_the_producer_and_the_server(
                 server.restart()
             serving.start()
         wait_until(lambda: len(writer.committed) > 0, "the writer to commit")
-        writer.stop.set()
-        writer.join(timeout=30)
-        with psycopg.connect(url) as conn:
-            rows = [i for (i,) in conn.execute("SELECT id FROM orders ORDER BY id").fetchall()]
+        rows, records = stop_and_read(writer, serving, url)
         assert set(writer.committed) <= set(rows) <= set(writer.committed) | set(writer.unsure)
-        wait_until(lambda: head(serving.address) >= len(rows), "every row captured", 60)
-        records = read_stream(serving.address)
     finally:
         writer.stop.set()
         serving.stop()
@@ -220,12 +228,7 @@ def test_a_snapshot_cut_by_a_kill_is_taken_again_whole(
         assert taken == (0,), "the kill came after the snapshot: the test did not cut it"
         serving.start()
         wait_until(lambda: head(serving.address) > SNAPSHOT_ROWS, "the snapshot", 120)
-        writer.stop.set()
-        writer.join(timeout=30)
-        with psycopg.connect(url) as conn:
-            rows = [i for (i,) in conn.execute("SELECT id FROM orders").fetchall()]
-        wait_until(lambda: head(serving.address) >= len(rows), "every row captured", 60)
-        records = read_stream(serving.address)
+        rows, records = stop_and_read(writer, serving, url)
     finally:
         writer.stop.set()
         serving.stop()

@@ -39,12 +39,7 @@ class SlotReader:
     def __init__(self, url: str, where: str, slot: str, publication: str, start_lsn: int) -> None:
         psycopg2 = _psycopg2()
         try:
-            self._conn = psycopg2.connect(
-                url,
-                connection_factory=psycopg2.extras.LogicalReplicationConnection,
-                application_name="streamq capture",
-                connect_timeout=10,
-            )
+            self._conn = _replication_connection(psycopg2, url, "streamq capture")
             self._cursor = self._conn.cursor()
             self._cursor.start_replication(
                 slot_name=slot,
@@ -103,12 +98,7 @@ class ExportedSnapshot:
     def __init__(self, url: str, where: str, slot: str) -> None:
         psycopg2 = _psycopg2()
         try:
-            self._conn = psycopg2.connect(
-                url,
-                connection_factory=psycopg2.extras.LogicalReplicationConnection,
-                application_name="streamq snapshot",
-                connect_timeout=10,
-            )
+            self._conn = _replication_connection(psycopg2, url, "streamq snapshot")
             cursor = self._conn.cursor()
             # The slot goes with this connection; the snapshot while it runs nothing else.
             cursor.execute(
@@ -122,6 +112,15 @@ class ExportedSnapshot:
 
     def close(self) -> None:
         _close(self)
+
+
+def _replication_connection(psycopg2: Any, url: str, name: str) -> Any:
+    return psycopg2.connect(
+        url,
+        connection_factory=psycopg2.extras.LogicalReplicationConnection,
+        application_name=name,
+        connect_timeout=10,
+    )
 
 
 def _close(holder: Any) -> None:
