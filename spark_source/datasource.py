@@ -231,13 +231,8 @@ def _captured_columns(options: Mapping[str, str]) -> list[dict[str, Any]]:
     stream = options.get("stream")
     if not stream:
         raise StreamQSourceError("set option 'stream'")
-    endpoints = planning.parse_endpoints(
-        options.get("endpoints"), options.get("endpointsFile"), options.get("endpointsProvider")
-    )
-    timeout = (_int(options, "timeoutMs", 30_000) or 30_000) / 1000
-    connect = Connect(timeout, _tls(options), _token(options))
-    failures = []
-    for endpoint in endpoints:
+    connect, failures = _connect(options), []
+    for endpoint in planning.parse_endpoints(*_endpoint_options(options)):
         try:
             with connect.client(endpoint, "spark schema") as client:
                 status = client.status()
@@ -262,6 +257,19 @@ def _captured_columns(options: Mapping[str, str]) -> list[dict[str, Any]]:
     )
 
 
+def _endpoint_options(options: Mapping[str, str]) -> tuple[str | None, ...]:
+    """The endpoints list, file and provider, for ``planning.parse_endpoints``."""
+    return tuple(options.get(name) for name in ("endpoints", "endpointsFile", "endpointsProvider"))
+
+
+def _connect(options: Mapping[str, str]) -> Connect:
+    """How the query reaches producers: its timeouts, TLS and token."""
+    timeout = (_int(options, "timeoutMs", 30_000) or 30_000) / 1000
+    patience = (_int(options, "slowProducerMs", 2_000) or 2_000) / 1000
+    unreachable = (_int(options, "unreachableTimeoutMs", 120_000) or 120_000) / 1000
+    return Connect(timeout, _tls(options), _token(options), patience, unreachable)
+
+
 def _columns(options: Mapping[str, str], schema: StructType) -> Columns:
     """The columns to build: the schema Spark hands the reader, ours or one given with
     ``.schema(...)``."""
@@ -278,11 +286,7 @@ class _Settings:
 
     def __init__(self, options: Mapping[str, str], schema: StructType | None = None) -> None:
         self.columns = _columns(options, _default_schema(options) if schema is None else schema)
-        self._endpoint_options = (
-            options.get("endpoints"),
-            options.get("endpointsFile"),
-            options.get("endpointsProvider"),
-        )
+        self._endpoint_options = _endpoint_options(options)
         self.endpoints()  # fail early on a missing or bad option
         stream = options.get("stream")
         if not stream:
@@ -299,10 +303,7 @@ class _Settings:
         self.fail_on_data_loss = _flag(options, "failOnDataLoss", True)
         self.consumer_name = options.get("consumerName", "spark")
         self.read_on_driver = _flag(options, "readOnDriver", False)
-        timeout = (_int(options, "timeoutMs", 30_000) or 30_000) / 1000
-        patience = (_int(options, "slowProducerMs", 2_000) or 2_000) / 1000
-        unreachable = (_int(options, "unreachableTimeoutMs", 120_000) or 120_000) / 1000
-        self.connect = Connect(timeout, _tls(options), _token(options), patience, unreachable)
+        self.connect = _connect(options)
 
     def endpoints(self) -> list[str]:
         """Read anew at each call: a file or registry may list new producers."""

@@ -255,7 +255,7 @@ def _change(value: bytes) -> dict[str, Any]:
     """A captured change's fields; ``ValueError`` for a record that is not one."""
     try:
         change = decode_change(value)
-    except Exception:
+    except (ValueError, TypeError):  # msgpack's errors on what is not msgpack
         change = None
     if not isinstance(change, dict) or "op" not in change:
         raise ValueError("a record is not a captured change: read its value, not op/new/old")

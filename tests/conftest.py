@@ -14,9 +14,16 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 import uvloop
+from hypothesis import HealthCheck, settings
 
 from .children import KEPT, running_children
 from .pgserver import PostgresMissingError, PostgresServer
+
+# Property tests check what the code does, never how fast: no per-example deadline and no
+# "too slow" health check, which a loaded machine (two test workers, a Spark JVM) trips.
+# Speed lives in bench/.
+settings.register_profile("streamq", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("streamq")
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession

@@ -146,6 +146,26 @@ def read_stream(address: str) -> list[streamq.Record]:
         return [record for batch in client.read_range("public.orders", 1, end) for record in batch]
 
 
+@contextlib.contextmanager
+def capturing(
+    server: PostgresServer, name: str, tmp_path: Path, *options: str
+) -> Iterator[tuple[str, Serving, Writer]]:
+    """A database ``name`` with the table ``orders``, a serving producer capturing it
+    (with ``options``) and a writer, neither started; both stopped and the database
+    dropped at the end."""
+    url = server.create_database(name)
+    with psycopg.connect(url) as conn:
+        conn.execute("CREATE TABLE orders (id integer PRIMARY KEY, v integer)")
+    serving, writer = Serving(url, tmp_path / "serve.log", *options), Writer(url)
+    try:
+        yield url, serving, writer
+    finally:
+        writer.stop.set()
+        serving.stop()
+        with contextlib.suppress(Exception):
+            server.drop_database(name, slots=True)
+
+
 def stop_and_read(
     writer: Writer, serving: Serving, url: str
 ) -> tuple[list[int], list[streamq.Record]]:
@@ -162,14 +182,9 @@ def stop_and_read(
 def test_capture_is_exactly_once_through_kills_of_the_producer_and_the_server(
     server: PostgresServer, tmp_path: Path, figures: Callable[[str], None]
 ) -> None:
-    url = server.create_database("crash")
-    with psycopg.connect(url) as conn:
-        conn.execute("CREATE TABLE orders (id integer PRIMARY KEY, v integer)")
-    subprocess.run([*STREAMQ, "init", url, "--capture", "orders"], check=True, timeout=60)
-    serving = Serving(url, tmp_path / "serve.log")
-    writer = Writer(url)
     rng = random.Random(SEED)
-    try:
+    with capturing(server, "crash", tmp_path) as (url, serving, writer):
+        subprocess.run([*STREAMQ, "init", url, "--capture", "orders"], check=True, timeout=60)
         serving.start()
         writer.start()
         for kill in range(1, PRODUCER_KILLS + 1):
@@ -182,11 +197,6 @@ def test_capture_is_exactly_once_through_kills_of_the_producer_and_the_server(
         wait_until(lambda: len(writer.committed) > 0, "the writer to commit")
         rows, records = stop_and_read(writer, serving, url)
         assert set(writer.committed) <= set(rows) <= set(writer.committed) | set(writer.unsure)
-    finally:
-        writer.stop.set()
-        serving.stop()
-        with contextlib.suppress(Exception):
-            server.drop_database("crash", slots=True)
     changes = [decode_change(r.value) for r in records]
     ids = [c["new"]["id"] for c in changes]
     context = f"seed {SEED}, {serving.lives} producer lives, {writer.failures} failed commits"
@@ -209,16 +219,12 @@ def test_a_snapshot_cut_by_a_kill_is_taken_again_whole(
     """The serving producer is killed while its snapshot is being published, a writer
     committing throughout: started again, it takes a new snapshot, and the stream holds
     each row once, the snapshot's then the later inserts."""
-    url = server.create_database("snapshot")
-    with psycopg.connect(url) as conn:
-        conn.execute("CREATE TABLE orders (id integer PRIMARY KEY, v integer)")
-        conn.execute(
-            "INSERT INTO orders SELECT -i, -i * 10 FROM generate_series(1, %s) AS i",
-            (SNAPSHOT_ROWS,),
-        )
-    serving = Serving(url, tmp_path / "serve.log", "--snapshot")
-    writer = Writer(url)
-    try:
+    with capturing(server, "snapshot", tmp_path, "--snapshot") as (url, serving, writer):
+        with psycopg.connect(url) as conn:
+            conn.execute(
+                "INSERT INTO orders SELECT -i, -i * 10 FROM generate_series(1, %s) AS i",
+                (SNAPSHOT_ROWS,),
+            )
         writer.start()
         serving.start()
         wait_until(lambda: _publishing_snapshot(url), "the snapshot's first rows", 60)
@@ -229,11 +235,6 @@ def test_a_snapshot_cut_by_a_kill_is_taken_again_whole(
         serving.start()
         wait_until(lambda: head(serving.address) > SNAPSHOT_ROWS, "the snapshot", 120)
         rows, records = stop_and_read(writer, serving, url)
-    finally:
-        writer.stop.set()
-        serving.stop()
-        with contextlib.suppress(Exception):
-            server.drop_database("snapshot", slots=True)
     changes = [decode_change(r.value) for r in records]
     ids = [c["new"]["id"] for c in changes]
     assert len(ids) == len(set(ids)) and sorted(ids) == sorted(rows)

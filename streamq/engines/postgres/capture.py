@@ -94,12 +94,17 @@ stored AS (
 {_RING}"""
 SNAPSHOT_ROWS = f"WITH {_ADDED}\n{_RING}"  # part of a snapshot, in its transaction
 SNAPSHOT_BATCH = 5_000  # rows read and published at a time
-# The captured tables' columns, as a reader of their streams types them (the Spark
-# source): name, type (an array's: its elements'), whether an array, and a numeric's
-# precision and scale where declared.
+# The captured tables' columns: as pgoutput's RELATION message gives them (name, type,
+# modifier, whether the replica identity holds it: for a snapshot's rows), and as a
+# reader of their streams types them (the Spark source): the type's name (an array's:
+# its elements'), whether an array, and a numeric's precision and scale where declared.
 CATALOG_QUERY = """
-SELECT n.nspname || '.' || c.relname, a.attname, COALESCE(e.typname, t.typname),
-    e.oid IS NOT NULL,
+SELECT n.nspname || '.' || c.relname, a.attname, a.atttypid, a.atttypmod,
+    c.relreplident = 'f' OR a.attnum = ANY(COALESCE(
+        (SELECT i.indkey::int2[] FROM pg_index i WHERE i.indrelid = c.oid
+         AND CASE c.relreplident WHEN 'i' THEN i.indisreplident ELSE i.indisprimary END),
+        '{}')),
+    COALESCE(e.typname, t.typname), e.oid IS NOT NULL,
     CASE WHEN COALESCE(e.typname, t.typname) = 'numeric' AND a.atttypmod >= 4
         THEN ((a.atttypmod - 4) >> 16) & 65535 END,
     CASE WHEN COALESCE(e.typname, t.typname) = 'numeric' AND a.atttypmod >= 4
@@ -110,17 +115,6 @@ JOIN pg_type t ON t.oid = a.atttypid
 LEFT JOIN pg_type e ON e.oid = t.typelem AND t.typcategory = 'A'
 WHERE n.nspname || '.' || c.relname = ANY(%s)
 ORDER BY 1, a.attnum"""
-# A table's columns as pgoutput's RELATION message gives them: name, type, modifier, and
-# whether the replica identity holds it.
-COLUMNS_QUERY = """
-SELECT a.attname, a.atttypid, a.atttypmod, c.relreplident = 'f' OR a.attnum = ANY(COALESCE(
-    (SELECT i.indkey::int2[] FROM pg_index i WHERE i.indrelid = c.oid
-     AND CASE c.relreplident WHEN 'i' THEN i.indisreplident ELSE i.indisprimary END),
-    '{}'))
-FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
-JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped
-WHERE n.nspname || '.' || c.relname = %s
-ORDER BY a.attnum"""
 
 # The tables' primary keys, and whether each can be captured (a table without a primary
 # key publishes UPDATE and DELETE only with REPLICA IDENTITY FULL or USING INDEX:
@@ -149,7 +143,8 @@ class CaptureState:
     lsn: int
     keys: dict[str, list[str]]
     snapshots: dict[str, int]  # the tables published as of a snapshot: its LSN
-    columns: dict[str, list[dict[str, Any]]]  # each table's, as ``CATALOG_QUERY`` reads them
+    relations: dict[str, Relation]  # each table's, as ``CATALOG_QUERY`` reads them
+    columns: dict[str, list[dict[str, Any]]]  # and each table's columns' types, for status
 
 
 async def prepare(
@@ -214,20 +209,31 @@ async def prepare(
         "SELECT tbl, lsn FROM streamq_capture_snapshot WHERE slot = %s", (slot,)
     )
     snapshots = {table: int(at) for table, at in await cursor.fetchall()}
-    return CaptureState(slot, lsn, keys, snapshots, await _catalog(conn, list(streams)))
+    relations, columns = await _catalog(conn, list(streams))
+    return CaptureState(slot, lsn, keys, snapshots, relations, columns)
 
 
-async def _catalog(conn: Any, tables: list[str]) -> dict[str, list[dict[str, Any]]]:
-    """Each table's columns: ``{"name", "type", "array"}``, and ``"precision"`` and
-    ``"scale"`` for a numeric that declares them (docs/guides/capture.md)."""
+async def _catalog(
+    conn: Any, tables: list[str]
+) -> tuple[dict[str, Relation], dict[str, list[dict[str, Any]]]]:
+    """Each table as a RELATION message would give it, and its columns' types:
+    ``{"name", "type", "array"}``, and ``"precision"`` and ``"scale"`` for a numeric
+    that declares them (docs/guides/capture.md)."""
     cursor = await conn.execute(CATALOG_QUERY, (tables,))
+    found: dict[str, list[Column]] = {table: [] for table in tables}
     columns: dict[str, list[dict[str, Any]]] = {table: [] for table in tables}
-    for table, name, type_name, array, precision, scale in await cursor.fetchall():
+    for row in await cursor.fetchall():
+        table, name, type_oid, modifier, key, type_name, array, precision, scale = row
+        found[table].append(Column(name, type_oid, modifier, key))
         column = {"name": name, "type": type_name, "array": array}
         if precision is not None:
             column.update(precision=precision, scale=scale)
         columns[table].append(column)
-    return columns
+    relations = {}
+    for table in tables:
+        namespace, name = table.split(".", 1)
+        relations[table] = Relation(0, namespace, name, "d", tuple(found[table]))
+    return relations, columns
 
 
 async def _checked_tables(conn: Any, tables: list[str], where: str) -> dict[str, list[str]]:
@@ -445,15 +451,9 @@ class Capture:
         await conn.execute(
             sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(exported.name))
         )
-        relations, counts = [], []
+        relations = [self._state.relations[name] for name in tables]
+        counts = []
         for name in tables:
-            cursor = await conn.execute(COLUMNS_QUERY, (name,))
-            columns = tuple(
-                Column(column, type_oid, modifier, key)
-                for column, type_oid, modifier, key in await cursor.fetchall()
-            )
-            namespace, relname = name.split(".", 1)
-            relations.append(Relation(0, namespace, relname, "d", columns))
             (count,) = await _one(conn, sql.SQL("SELECT count(*) FROM {}").format(_name(name)))
             counts.append(int(count))
         total, done, now_ms = sum(counts), 0, int(time.time() * 1000)
