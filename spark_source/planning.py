@@ -23,7 +23,15 @@ import logging
 import math
 import select
 import time
-from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import (
+    Callable,
+    Collection,
+    Generator,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar, cast
@@ -36,7 +44,13 @@ from streamq import (
     StreamQError,
     UnknownStreamError,
 )
-from streamq.client import answers_ready, vouch_answer, vouch_request, watch_request
+from streamq.client import (
+    Parallel,
+    answers_ready,
+    vouch_answer,
+    vouch_request,
+    watch_request,
+)
 from streamq.errors import (
     IdleTimeoutError,
     MalformedFrameError,
@@ -101,6 +115,25 @@ class Connect:
         if timeout is not None:
             client.timeout = self.timeout
         return client
+
+    def clients(
+        self, endpoints: Sequence[str], name: str, hurried: Collection[str], parallel: Parallel
+    ) -> list[Client | StreamQError]:
+        """Connections to ``endpoints``, their handshakes together (``Client.connect_all``):
+        ``hurried`` ones within ``patience``, the others within ``timeout``."""
+        made: dict[str, Client | StreamQError] = {}
+        for timeout in (self.patience, self.timeout):
+            group = [e for e in endpoints if (e in hurried) == (timeout == self.patience)]
+            if not group:
+                continue
+            found = Client.connect_all(
+                group, timeout=timeout, name=name, tls=self.tls, token=self.token, parallel=parallel
+            )
+            made.update(zip(group, found, strict=True))
+        for client in made.values():
+            if isinstance(client, Client):
+                client.timeout = self.timeout
+        return [made[e] for e in endpoints]
 
 
 @dataclass(frozen=True, slots=True)
@@ -521,11 +554,11 @@ def _ask_all(
         probe = _probe(endpoint, client.producer_id, stream, positions, report, watch)
         return _Asking(endpoint, client, probe, next(probe), kept)
 
-    def connect(endpoint: str) -> _Asking | StreamQSourceError:
-        patience = connections.connect.patience if endpoint in down.known else None
+    def begin(endpoint: str, client: Client | StreamQError) -> _Asking | StreamQSourceError:
         try:
             with _about(endpoint):
-                client = connections.connect.client(endpoint, connections.name, patience)
+                if isinstance(client, StreamQError):
+                    raise client
                 return start(endpoint, client, False)
         except StreamQSourceError as error:
             return error
@@ -558,7 +591,8 @@ def _ask_all(
                 connections.keep(endpoint, kept.pop(endpoint))
     asking = {e: start(e, c, True) for e, c in kept.items()}
     new = [e for e in endpoints if e not in kept and e not in results]
-    made = connections.map(connect, new)
+    clients = connections.connect.clients(new, connections.name, down.known, connections.map)
+    made = [begin(e, client) for e, client in zip(new, clients, strict=True)]
     asking.update((e, one) for e, one in zip(new, made, strict=True) if isinstance(one, _Asking))
     try:
         for endpoint, failed in zip(new, made, strict=True):

@@ -49,14 +49,25 @@ from .protocol import (
 )
 from .security import ClientTLS
 from .transport import (
-    READ_SIZE,
     client_handshake,
     closed_by_producer,
     handshake_blocking,
     parse_address,
     producer_errors,
     read_message_blocking,
+    start_handshake,
 )
+
+_AT_ONCE = 0.001  # s: a read's timeout for an answer that has come, or is about to
+
+# Maps a function over items, in parallel perhaps (``Client.connect_all``'s connects).
+Parallel = Callable[[Callable[[str], Any], Sequence[str]], list[Any]]
+
+
+def _connect(address: str, timeout: float | None) -> socket.socket:
+    with producer_errors(address, "cannot connect to"):
+        return socket.create_connection(parse_address(address), timeout=timeout)
+
 
 T = TypeVar("T")
 
@@ -179,12 +190,26 @@ class Client:
         tls: ClientTLS | None = None,
         token: str | None = None,
     ) -> None:
+        self._start(address, None, timeout, name, max_frame_size, tls, token)
+        self._finish()
+
+    def _start(
+        self,
+        address: str,
+        sock: socket.socket | None,
+        timeout: float | None,
+        name: str,
+        max_frame_size: int,
+        tls: ClientTLS | None,
+        token: str | None,
+    ) -> None:
+        """Connect (unless ``sock`` is connected already) and send the handshake's first
+        messages; ``_finish`` reads the producer's answer."""
         self.address = address
-        host, port = parse_address(address)
-        with producer_errors(address, "cannot connect to"):
-            self._sock = socket.create_connection((host, port), timeout=timeout)
+        if sock is None:
+            sock = _connect(address, timeout)
+        self._sock = sock
         self._conn = ClientConnection(max_frame_size)
-        self._received = bytearray(READ_SIZE)  # every read lands here first
         # A WATCH_HEAD's: its answer unread (since when, time.monotonic()), or read early.
         self._watching: float | None = None
         self._watched: StreamInfo | None = None
@@ -192,16 +217,24 @@ class Client:
         # of the requests ``watch_head`` sent before it.
         self._dropping = 0
         self.consumer: str | None = None
+        self._handshake = client_handshake(address, name, token, tls)
         try:
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if tls is not None:
-                self._sock = self._wrap(tls, host)
-            steps = client_handshake(address, name, token, tls)
-            server_hello, self.consumer = handshake_blocking(steps, self._send, self._receive)
+                self._sock = self._wrap(tls, parse_address(address)[0])
+            start_handshake(self._handshake, self._send)
+        except BaseException:
+            self._sock.close()
+            raise
+
+    def _finish(self) -> None:
+        try:
+            steps, send, receive = self._handshake, self._send, self._receive
+            server_hello, self.consumer = handshake_blocking(steps, send, receive, started=True)
         except RemoteProtocolError as exc:  # no producer answers so: another service's port
             self._sock.close()
             raise RemoteProtocolError(
-                f"the peer at {address} is not a streamq producer: it answered with no "
+                f"the peer at {self.address} is not a streamq producer: it answered with no "
                 f"SERVER_HELLO ({exc})",
                 exc.code,
             ) from exc
@@ -210,6 +243,57 @@ class Client:
             raise
         self.producer_id = server_hello.producer_id
         self.epoch = server_hello.epoch
+
+    @classmethod
+    def connect_all(
+        cls,
+        addresses: Sequence[str],
+        *,
+        timeout: float | None = 30.0,
+        name: str = "client",
+        tls: ClientTLS | None = None,
+        token: str | None = None,
+        parallel: Parallel | None = None,
+    ) -> list[Client | StreamQError]:
+        """A client for each address, their handshakes together: every CLIENT_HELLO is
+        sent before any SERVER_HELLO is read, so n producers cost about one round trip,
+        not n. ``parallel`` maps the TCP connects (a thread pool: an address that does not
+        answer then costs its timeout once, not once per address after it); the answers,
+        all due within ``timeout`` of the last CLIENT_HELLO. One that cannot be reached,
+        or refuses, is its error, in its place in the list."""
+        mapped = parallel or (lambda connect, items: [connect(item) for item in items])
+
+        def connect(address: str) -> socket.socket | StreamQError:
+            try:
+                return _connect(address, timeout)
+            except StreamQError as exc:
+                return exc
+
+        clients: list[Client | StreamQError] = []
+        for address, sock in zip(addresses, mapped(connect, addresses), strict=True):
+            if isinstance(sock, StreamQError):
+                clients.append(sock)
+                continue
+            client = cls.__new__(cls)
+            try:
+                client._start(address, sock, timeout, name, DEFAULT_MAX_FRAME_SIZE, tls, token)
+            except StreamQError as exc:
+                clients.append(exc)
+                continue
+            clients.append(client)
+        # The answers are awaited together too: each within what is left of ``timeout``.
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for i, one in enumerate(clients):
+            if isinstance(one, Client):
+                if deadline is not None:
+                    one.timeout = max(deadline - time.monotonic(), _AT_ONCE)
+                try:
+                    one._finish()
+                except StreamQError as exc:
+                    clients[i] = exc
+                    continue
+                one.timeout = timeout
+        return clients
 
     def _wrap(self, tls: ClientTLS, host: str) -> socket.socket:
         context = tls.context()  # errors in this side's own files are not the handshake's
@@ -264,7 +348,7 @@ class Client:
 
     def _receive_message(self) -> Message:
         with producer_errors(self.address, "reading from"):
-            message = read_message_blocking(self._conn, self._sock, self._received)
+            message = read_message_blocking(self._conn, self._sock)
         if message is None:
             raise closed_by_producer(self.address, self._conn)
         if isinstance(message, Error):
