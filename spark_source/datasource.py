@@ -85,7 +85,7 @@ import json
 import logging
 import random
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -389,12 +389,69 @@ def _partitions(
     ]
 
 
+# Ranges of a task whose connections an executor opens together (``read_task``): enough
+# that a handshake's round trip is paid once for many, few enough for any fd limit.
+OPENED_TOGETHER = 64
+
+
 def read_task(
     task: StreamQTask, columns: Columns = EVERY_COLUMN, connections: Connections | None = None
 ) -> Iterator[pa.RecordBatch]:
-    """Every range of a Spark partition, in turn (``read_partition``)."""
-    for part in task.parts:
-        yield from read_partition(part, columns, connections)
+    """Every range of a Spark partition, in turn (``read_partition``). On an executor, the
+    ranges' connections are opened together, ``OPENED_TOGETHER`` at a time, and each range
+    is asked for as the one before it is read: a producer prepares its answer while the
+    task reads another's, and a range costs no round trip of its own."""
+    parts = task.parts
+    if connections is not None or any(part.keys is not None for part in parts):
+        for part in parts:
+            yield from read_partition(part, columns, connections)
+        return
+    for first in range(0, len(parts), OPENED_TOGETHER):
+        group = parts[first : first + OPENED_TOGETHER]
+        endpoints = [part.range.endpoint for part in group]
+        clients = group[0].connect.clients(endpoints, "spark executor", (), _one_by_one)
+        asked: list[_Asked | None] = [None] * len(group)
+        try:
+            for i, part in enumerate(group):
+                asked[i] = asked[i] or _Asked.ask(part, clients[i])
+                if i + 1 < len(group):
+                    asked[i + 1] = _Asked.ask(group[i + 1], clients[i + 1])
+                yield from read_partition(part, columns, asked=asked[i])
+        finally:
+            for client in clients:
+                if isinstance(client, Client):
+                    client.close()
+
+
+def _one_by_one(function: Callable[[str], Any], items: Sequence[str]) -> list[Any]:
+    """Connects one after another: on an executor, threads would only compete with the
+    task's own work for the GIL (a connect to a live producer takes microseconds)."""
+    return [function(item) for item in items]
+
+
+@dataclass(frozen=True, slots=True)
+class _Asked:
+    """A range asked for ahead of its read: its connection, the request sent, and where
+    the read stands."""
+
+    client: Client
+    reader: RangeRead[list[list[Any]]]
+    state: _PartitionRead
+
+    @classmethod
+    def ask(cls, partition: StreamQPartition, client: Client | StreamQError) -> _Asked | None:
+        """None if the connection failed or is not the planned producer's: the read then
+        makes its own and fails, or tries again, as any read would."""
+        if not isinstance(client, Client) or client.producer_id != partition.range.producer_id:
+            return None
+        state = _PartitionRead(partition)
+        reader = _request(client, state)
+        try:
+            reader.send()
+        except StreamQError:
+            client.close()
+            return None
+        return cls(client, reader, state)
 
 
 def _batch(columns: Columns, rng: Range, stream: str, rows: list[list[Any]]) -> pa.RecordBatch:
@@ -552,19 +609,25 @@ def read_partition(
     partition: StreamQPartition,
     columns: Columns = EVERY_COLUMN,
     connections: Connections | None = None,
+    asked: _Asked | None = None,
 ) -> Iterator[pa.RecordBatch]:
     """Read exactly the partition's range from its producer, as Arrow batches of ``columns``:
-    on a connection of its own (an executor), or on one of ``connections`` (the driver).
-    A producer that cannot be reached is tried again (``_Unreachable``)."""
+    on a connection of its own (an executor; ``asked``: already asked on it), or on one of
+    ``connections`` (the driver). A producer that cannot be reached is tried again
+    (``_Unreachable``)."""
     if partition.keys is not None:
         yield from _read_keys(partition, partition.keys, columns)
         return
     rng = partition.range
-    state = _PartitionRead(partition)
+    state = _PartitionRead(partition) if asked is None else asked.state
     unreachable = _Unreachable(state)
     while state.start < state.end:
         try:
-            if connections is None:
+            if asked is not None:
+                client, reader, asked = asked.client, asked.reader, None
+                with client:
+                    yield from _read_range(client, state, columns, reader)
+            elif connections is None:
                 with partition.connect.client(rng.endpoint, "spark executor") as client:
                     yield from _read_range(client, state, columns)
             else:
@@ -580,19 +643,29 @@ def read_partition(
             raise StreamQSourceError(f"producer at {rng.endpoint}: {exc}") from exc
 
 
-def _read_range(
-    client: Client, state: _PartitionRead, columns: Columns
-) -> Iterator[pa.RecordBatch]:
-    """One range request from where ``state`` stands; it moves on as batches are taken."""
+def _request(client: Client, state: _PartitionRead) -> RangeRead[list[list[Any]]]:
+    """The range request from where ``state`` stands."""
     partition = state.partition
-    _check_producer(client, partition.range)
-    reader = client.read_range_rows(
+    return client.read_range_rows(
         partition.stream,
         state.start,
         state.end,
         seen_epoch=state.seen_epoch,
         filter=partition.filter,
     )
+
+
+def _read_range(
+    client: Client,
+    state: _PartitionRead,
+    columns: Columns,
+    reader: RangeRead[list[list[Any]]] | None = None,
+) -> Iterator[pa.RecordBatch]:
+    """One range request from where ``state`` stands (``reader``: already made, perhaps
+    sent); it moves on as batches are taken."""
+    _check_producer(client, state.partition.range)
+    if reader is None:
+        reader = _request(client, state)
     while True:
         # Rows live only while one batch is built: the collector need not scan them at all.
         with collector_paused():

@@ -119,21 +119,29 @@ class Connect:
     def clients(
         self, endpoints: Sequence[str], name: str, hurried: Collection[str], parallel: Parallel
     ) -> list[Client | StreamQError]:
-        """Connections to ``endpoints``, their handshakes together (``Client.connect_all``):
-        ``hurried`` ones within ``patience``, the others within ``timeout``."""
-        made: dict[str, Client | StreamQError] = {}
+        """A connection to each of ``endpoints`` (one each, an endpoint listed twice
+        included), their handshakes together (``Client.connect_all``): ``hurried`` ones
+        within ``patience``, the others within ``timeout``."""
+        made: list[Client | StreamQError | None] = [None] * len(endpoints)
         for timeout in (self.patience, self.timeout):
-            group = [e for e in endpoints if (e in hurried) == (timeout == self.patience)]
+            group = [
+                i for i, e in enumerate(endpoints) if (e in hurried) == (timeout == self.patience)
+            ]
             if not group:
                 continue
             found = Client.connect_all(
-                group, timeout=timeout, name=name, tls=self.tls, token=self.token, parallel=parallel
+                [endpoints[i] for i in group],
+                timeout=timeout,
+                name=name,
+                tls=self.tls,
+                token=self.token,
+                parallel=parallel,
             )
-            made.update(zip(group, found, strict=True))
-        for client in made.values():
-            if isinstance(client, Client):
-                client.timeout = self.timeout
-        return [made[e] for e in endpoints]
+            for i, client in zip(group, found, strict=True):
+                if isinstance(client, Client):
+                    client.timeout = self.timeout
+                made[i] = client
+        return [client for client in made if client is not None]
 
 
 @dataclass(frozen=True, slots=True)

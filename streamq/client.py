@@ -122,13 +122,18 @@ class RangeRead(Iterator[T]):
         self.after_epoch: int | None = None
         self.rewritten_from: int | None = None
 
+    def send(self) -> None:
+        """Send the request now, before its answer is read (else at the first ``next()``):
+        a reader of many producers asks the next one while it reads this one's answer."""
+        if self._request is not None:
+            request, self._request = self._request, None
+            self._client._send(request)
+
     def __next__(self) -> T:
         if self._done:
             raise StopIteration
         client = self._client
-        if self._request is not None:
-            request, self._request = self._request, None
-            client._send(request)
+        self.send()
         conn = client._conn
         conn.raw_records = self._raw
         try:

@@ -16,6 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -866,3 +867,47 @@ def test_a_planned_read_waits_for_its_producer_to_restart_and_reads_each_record_
     gone = StreamQPartition(rng, "orders", True, Connect(timeout=10, unreachable=0.3))
     with pytest.raises(StreamQSourceError, match=r"unreachable for 0.3 s \(unreachableTimeoutMs\)"):
         list(read_partition(gone))
+
+
+def test_a_task_reads_each_range_once_in_order_asked_ahead_in_groups(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An executor's task over many ranges (``read_task``): connections opened a group at a
+    time, each range asked for while the one before it is read; every record once, in the
+    task's order, whatever the groups' bounds. A range planned for a producer whose address
+    now serves another fails naming both."""
+    from spark_source.datasource import StreamQPartition, StreamQTask, read_task
+
+    monkeypatch.setattr("spark_source.datasource.OPENED_TOGETHER", 2)
+    with contextlib.ExitStack() as stack:
+        producers = [
+            stack.enter_context(streamq.SyncProducer(str(tmp_path / f"p{i}.db"))) for i in range(3)
+        ]
+        for i, producer in enumerate(producers):
+            with producer.transaction() as tx:
+                tx.publish_many("orders", [b"%d:%d" % (i, n) for n in range(1, 11)])
+        ranges = [
+            Range(producers[0].producer_id, producers[0].address, 1, 6),
+            Range(producers[0].producer_id, producers[0].address, 6, 11),  # a split range
+            Range(producers[1].producer_id, producers[1].address, 3, 11),
+            Range(producers[2].producer_id, producers[2].address, 1, 4),
+            Range(producers[2].producer_id, producers[2].address, 4, 11),
+        ]
+
+        def task(*chosen: Range) -> StreamQTask:
+            return StreamQTask([StreamQPartition(r, "orders", True, Connect(10)) for r in chosen])
+
+        table = pa.Table.from_batches(list(read_task(task(*ranges))))
+        expected = [
+            b"%d:%d" % (i, n) for i, first in ((0, 1), (1, 3), (2, 1)) for n in range(first, 11)
+        ]
+        assert table.column("value").to_pylist() == expected
+        before = producer_connections(producers[1].address)
+
+        swapped = Range(producers[0].producer_id, producers[1].address, 1, 11)
+        with pytest.raises(StreamQSourceError, match=f"{producers[1].address} now serves producer"):
+            list(read_task(task(ranges[3], swapped, ranges[2])))
+        # The task's connections end with it, the failed one's included.
+        wait_until(
+            lambda: producer_connections(producers[1].address) <= before, "connections closed"
+        )
