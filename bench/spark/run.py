@@ -7,8 +7,9 @@ Then micro-batch latency, publish to visible in the sink (``common.measure``), w
 median of each micro-batch phase (Spark's ``durationMs``) to say where the time goes.
 
 ``python -m bench.spark.run [--quick] [--repeats N] [--no-kafka] [--producers 1,4]
-[--rows N] [--no-ingest] [--no-latency]``: the whole workload (saved like ``python -m
-bench --only spark``), or part of it at a chosen size (printed, not saved).
+[--rows N] [--no-ingest] [--no-latency] [--save-as NAME]``: the whole workload (saved like
+``python -m bench --only spark``), or part of it at a chosen size (printed, and saved as
+``bench/results/NAME.json`` with ``--save-as``: the sweep at scale is ``spark_many``).
 """
 
 from __future__ import annotations
@@ -126,6 +127,7 @@ def run(
     ingest: bool = True,
     latency: bool = True,
     saved: bool = True,
+    name: str = "spark",
 ) -> dict[str, Any]:
     sweep = SWEEP if sweep is None else sweep
     total = total or (200_000 if quick else 2_000_000)
@@ -178,7 +180,7 @@ def run(
         },
     }
     if saved:
-        save("spark", results, quick, partial=broker is None)
+        save(name, results, quick, partial=broker is None)
     return results
 
 
@@ -191,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, help="rows per ingest case (not saved)")
     parser.add_argument("--no-ingest", action="store_true", help="latency only (not saved)")
     parser.add_argument("--no-latency", action="store_true", help="ingest only (not saved)")
+    parser.add_argument(
+        "--save-as", metavar="NAME", help="save a partial run as bench/results/NAME.json"
+    )
     args = parser.parse_args(argv)
     sweep = [int(n) for n in args.producers.split(",")] if args.producers else None
     partial = sweep is not None or args.rows or args.no_ingest or args.no_latency
@@ -208,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
             total=args.rows,
             ingest=not args.no_ingest,
             latency=not args.no_latency,
-            saved=not partial,
+            saved=not partial or args.save_as is not None,
+            name=args.save_as or "spark",
         )
     return 0
 
