@@ -352,7 +352,7 @@ class StreamQPartition(InputPartition):
 
 class StreamQTask(InputPartition):
     """One Spark partition: several producers' ranges (``planning.pack``), read one after
-    another, each on a connection of its own."""
+    another, each on a connection of its own, each asked for ahead (``read_task``)."""
 
     def __init__(self, parts: list[StreamQPartition]) -> None:
         super().__init__(len(parts))
