@@ -190,36 +190,47 @@ def client_handshake(
     return server_hello, authenticated.consumer
 
 
+def _resume(
+    steps: Handshake,
+    send: Callable[[Message], None],
+    reply: Message | None,
+    failed: Exception | None = None,
+) -> Hello | None:
+    """Go on with the handshake given the producer's message (or the failure to read it),
+    sending what it yields until it waits for the next one (None), or its end."""
+    try:
+        step = steps.send(reply) if failed is None else steps.throw(failed)
+        while step is not None:
+            send(step)
+            step = steps.send(None)
+    except StopIteration as done:
+        hello: Hello = done.value
+        return hello
+    return None
+
+
 async def handshake(
     steps: Handshake, send: Callable[[Message], None], receive: Callable[[], Awaitable[Message]]
 ) -> Hello:
     """Drive ``client_handshake``'s steps over an asyncio connection."""
-    reply: Message | None = None
-    failed: Exception | None = None
-    while True:
-        try:
-            step = steps.send(reply) if failed is None else steps.throw(failed)
-        except StopIteration as done:
-            hello: Hello = done.value
-            return hello
-        reply = failed = None
-        if step is not None:
-            send(step)
-            continue
+    hello = _resume(steps, send, None)
+    while hello is None:
+        reply: Message | None = None
+        failed: Exception | None = None
         try:
             reply = await receive()
         except Exception as exc:
             failed = exc
+        hello = _resume(steps, send, reply, failed)
+    return hello
 
 
 def start_handshake(steps: Handshake, send: Callable[[Message], None]) -> None:
     """Send the handshake's first messages, up to the producer's first answer: what
     ``handshake_blocking(started=True)`` then goes on from. Started on many connections
     before any is finished, n handshakes cost about one round trip, not n."""
-    step = next(steps)
-    while step is not None:
-        send(step)
-        step = steps.send(None)
+    hello = _resume(steps, send, None)
+    assert hello is None  # every handshake waits for the producer
 
 
 def handshake_blocking(
@@ -229,22 +240,12 @@ def handshake_blocking(
     started: bool = False,
 ) -> Hello:
     """``handshake`` over a blocking socket; ``started``: by ``start_handshake``."""
-    reply: Message | None = None
-    failed: Exception | None = None
-    waiting = started
-    while True:
-        if not waiting:
-            try:
-                step = steps.send(reply) if failed is None else steps.throw(failed)
-            except StopIteration as done:
-                hello: Hello = done.value
-                return hello
-            reply = failed = None
-            if step is not None:
-                send(step)
-                continue
-        waiting = False
+    hello = None if started else _resume(steps, send, None)
+    while hello is None:
         try:
             reply = receive()
         except Exception as exc:
-            failed = exc
+            hello = _resume(steps, send, None, exc)
+        else:
+            hello = _resume(steps, send, reply)
+    return hello

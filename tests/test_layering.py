@@ -3,7 +3,7 @@
 Checked twice: statically, by parsing the source of each module and of every
 streamq module it imports (transitively); and at runtime, by importing
 ``streamq.protocol`` in a fresh interpreter without running the package's
-``__init__`` (which is the public facade and imports everything on purpose).
+``__init__`` (the public facade, which imports each module at first use).
 ``streamq.protocol`` is a package: every module in it is checked, whether its
 ``__init__`` imports it or not.
 """
@@ -460,3 +460,36 @@ def test_only_the_facades_import_the_producer() -> None:
         "streamq.cli",
         "streamq.demo",
     }
+
+
+def test_the_facade_lists_each_public_name_once_where_it_lives() -> None:
+    """``streamq/__init__.py`` imports its names for type checkers only and finds them at
+    first use in ``_MODULES``: both must say the same, and every name must be found."""
+    import streamq
+
+    tree = ast.parse((PACKAGE_DIR / "__init__.py").read_text())
+    imported: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+            imported.update((alias.name, node.module) for alias in node.names)
+    assert imported == streamq._HOMES
+    assert sorted(streamq.__all__) == sorted(imported)
+    assert all(getattr(streamq, name) is not None for name in streamq.__all__)
+
+
+def test_the_spark_source_loads_no_producer_consumer_or_metrics() -> None:
+    """Spark starts a Python process for every streaming query (its source's runner):
+    importing the source must not load the producer's or consumer's side of streamq."""
+    code = textwrap.dedent(
+        """
+        import json, sys
+        import spark_source.datasource
+        print(json.dumps(sorted(m for m in sys.modules if m.startswith("streamq"))))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    loaded = set(json.loads(done.stdout))
+    assert "streamq.client" in loaded
+    unwanted = {"streamq.producer", "streamq.consumer", "streamq.metrics", "streamq.server"}
+    assert not loaded & unwanted, loaded & unwanted
