@@ -85,7 +85,7 @@ import json
 import logging
 import random
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -409,7 +409,9 @@ def read_task(
     for first in range(0, len(parts), OPENED_TOGETHER):
         group = parts[first : first + OPENED_TOGETHER]
         endpoints = [part.range.endpoint for part in group]
-        clients = group[0].connect.clients(endpoints, "spark executor", (), _one_by_one)
+        # One after another: on an executor, threads would only compete with the task's
+        # own work for the GIL (a connect to a live producer takes microseconds).
+        clients = group[0].connect.clients(endpoints, "spark executor")
         asked: list[_Asked | None] = [None] * len(group)
         try:
             for i, part in enumerate(group):
@@ -421,12 +423,6 @@ def read_task(
             for client in clients:
                 if isinstance(client, Client):
                     client.close()
-
-
-def _one_by_one(function: Callable[[str], Any], items: Sequence[str]) -> list[Any]:
-    """Connects one after another: on an executor, threads would only compete with the
-    task's own work for the GIL (a connect to a live producer takes microseconds)."""
-    return [function(item) for item in items]
 
 
 @dataclass(frozen=True, slots=True)

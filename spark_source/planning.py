@@ -117,11 +117,16 @@ class Connect:
         return client
 
     def clients(
-        self, endpoints: Sequence[str], name: str, hurried: Collection[str], parallel: Parallel
+        self,
+        endpoints: Sequence[str],
+        name: str,
+        hurried: Collection[str] = (),
+        parallel: Parallel | None = None,
     ) -> list[Client | StreamQError]:
         """A connection to each of ``endpoints`` (one each, an endpoint listed twice
-        included), their handshakes together (``Client.connect_all``): ``hurried`` ones
-        within ``patience``, the others within ``timeout``."""
+        included), their handshakes together (``Client.connect_all``, its connects mapped
+        by ``parallel``): ``hurried`` ones within ``patience``, the others within
+        ``timeout``."""
         made: list[Client | StreamQError | None] = [None] * len(endpoints)
         for timeout in (self.patience, self.timeout):
             group = [
