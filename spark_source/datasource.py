@@ -83,11 +83,10 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import pyarrow as pa
 from pyspark.errors import PySparkNotImplementedError
@@ -140,14 +139,15 @@ from .planning import (
 from .schema import EVERY_COLUMN, Columns, change_schema, default_schema
 
 logger = logging.getLogger("spark_source")
+T = TypeVar("T")
 
 # Rows per Arrow batch: about a RECORDS frame's worth (producers send at most 8,192 records
 # per frame by default). Larger batches only make the rows outgrow the CPU's caches.
 _ROWS_PER_BATCH = 8192
-# An unchanged position is reported again after this many seconds, up to twice as many at
-# random: a query idle at the head stays "heard of" (producers forget positions not
-# reported for days), at one request per producer per interval, not one per trigger, and
-# not to every producer in the same trigger.
+# An unchanged position is reported again once this many seconds have passed, with the
+# next request sent to the producer anyway (a watch renewed at its wait's end, every 1 to
+# 2 minutes): a query idle at the head stays "heard of" (producers forget positions not
+# reported for days) at no write of its own.
 _REPORT_AGAIN = 30.0
 
 
@@ -712,12 +712,13 @@ def _read_kept(
 
 @dataclass(frozen=True, slots=True)
 class _Idle:
-    """A trigger that found no producer moved: its offset, the producers it asked, and
-    until when the same start would find the same (``StreamQStreamReader._repeats``)."""
+    """A trigger that found no producer moved: its offset, the positions in it, and the
+    producers it asked, for the next triggers at the same start to repeat
+    (``StreamQStreamReader._repeats``)."""
 
     offset: dict[str, Any]
+    positions: dict[str, Position]
     endpoints: list[str]
-    until: float
 
 
 class StreamQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
@@ -737,8 +738,7 @@ class StreamQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         # seq the sink holds}); sent ones leave.
         self._unreported: dict[str, int] = {}
         self._initial: Offsets | None = None  # a new query's start: nothing applied yet
-        # What was last reported to each producer: (last seq held, when it is reported
-        # again if it stays, time.monotonic()).
+        # What was last reported to each producer: (last seq held, when, monotonic).
         self._reported: dict[str, tuple[int, float]] = {}
         self._down: set[str] = set()  # producers down at the last trigger (logged)
         self._idle: _Idle | None = None  # the last trigger's, if it found nothing moved
@@ -758,14 +758,37 @@ class StreamQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         but not under ``Trigger.AvailableNow``: a run that promised everything available
         when it began fails instead of ending without that producer's records."""
         settings = self.settings
-        reports = Reports(settings.consumer_name, dict(self._unreported))
         tolerant = positions is not None and self._target is None
         known = self._states if tolerant else None
-        self._states = settings.discover(positions, self.connections(), reports, known)
-        for pid in reports.sent:
-            if self._unreported.get(pid) == reports.seqs[pid]:
-                del self._unreported[pid]
+        self._states = self._reporting(
+            lambda reports: settings.discover(positions, self.connections(), reports, known)
+        )
         return self._states
+
+    def _reporting(self, send: Callable[[Reports], T]) -> T:
+        """``send(reports)``, with the positions still to report, and those to report
+        again (``_again``); those sent leave them."""
+        reports = Reports(self.settings.consumer_name, dict(self._unreported), self._again)
+        try:
+            return send(reports)
+        finally:
+            now = time.monotonic()
+            for pid in reports.sent:
+                seq = reports.seqs.get(pid)
+                if seq is None:
+                    seq = self._reported[pid][0]
+                elif self._unreported.get(pid) == seq:
+                    del self._unreported[pid]
+                self._reported[pid] = (seq, now)
+
+    def _again(self, pid: str) -> int | None:
+        """The position last reported to the producer, if reported ``_REPORT_AGAIN`` ago
+        or more and still the query's (``Reports.again``)."""
+        reported, state = self._reported.get(pid), self._states.get(pid)
+        if reported is None or state is None or state.lost or pid in self._unreported:
+            return None
+        seq, at = reported
+        return seq if time.monotonic() - at >= _REPORT_AGAIN else None
 
     def initialOffset(self) -> dict[str, Any]:
         """Found once: Spark asks again as it plans the first batch, and a second answer
@@ -811,41 +834,53 @@ class StreamQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
         idle, self._idle = self._idle, None
-        if idle is not None and self._repeats(idle, start):
-            self._idle = idle
-            return idle.offset
-        offset = self._latest(start, limit)
-        self._idle = self._still(start, offset)
+        if idle is not None:
+            self._idle = self._repeats(idle, start)
+            if self._idle is not None:
+                return idle.offset
+        seqs, epochs = planning.split_offset(start)
+        positions = {pid: Position(seq, epochs.get(pid)) for pid, seq in seqs.items()}
+        if seqs != self._initial:  # the end of the last batch, which the sink holds
+            self._committed(seqs)  # reported with the discovery below
+        offset = self._latest(seqs, epochs, positions, limit)
+        self._idle = self._still(start, offset, positions)
         return offset
 
-    def _repeats(self, idle: _Idle, start: Mapping[str, Any]) -> bool:
-        """Whether this trigger would find what ``idle`` found: the same position and
-        producers, before any watch stops being believed or any report is due, and no
-        watch has answered (a commit, a restart, a connection's end) since. An idle
+    def _repeats(self, idle: _Idle, start: Mapping[str, Any]) -> _Idle | None:
+        """``idle`` again if this trigger finds what it found: the same position and
+        producers, no watch answered but at its wait's end with the head unchanged, none
+        past belief (``planning.tend``, which also sends the reports due). An idle
         trigger over a thousand producers is then a poll, not a pass over each."""
-        return (
-            time.monotonic() < idle.until
-            and not self._unreported
-            and self._target is None
-            and start == idle.offset
-            and self.settings.endpoints() == idle.endpoints
-            and not self.connections().any_answered()
+        if self._target is not None or start != idle.offset:
+            return None
+        if self.settings.endpoints() != idle.endpoints:
+            return None
+        connections, stream, positions = self.connections(), self.settings.stream, idle.positions
+        still = self._reporting(
+            lambda reports: planning.tend(connections, stream, positions, reports, self._states)
         )
+        return None if still is None else idle
 
-    def _still(self, start: Mapping[str, Any], offset: dict[str, Any]) -> _Idle | None:
+    def _still(
+        self,
+        start: Mapping[str, Any],
+        offset: dict[str, Any],
+        positions: dict[str, Position],
+    ) -> _Idle | None:
         """The trigger just planned, to repeat (``_repeats``) if it moved nothing and its
         discovery found every producer's watch quiet (``Connections.still``)."""
         still = self.connections().still
         if still is None or offset != start or self._target is not None or self._down:
             return None
-        due = min((again for _, again in self._reported.values()), default=still)
-        return _Idle(offset, self.settings.endpoints(), min(still, due))
+        return _Idle(offset, positions, self.settings.endpoints())
 
-    def _latest(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
-        seqs, epochs = planning.split_offset(start)
-        positions = {pid: Position(seq, epochs.get(pid)) for pid, seq in seqs.items()}
-        if seqs != self._initial:  # the end of the last batch, which the sink holds
-            self._committed(seqs)  # reported with the discovery below
+    def _latest(
+        self,
+        seqs: Offsets,
+        epochs: Mapping[str, int],
+        positions: Mapping[str, Position],
+        limit: ReadLimit,
+    ) -> dict[str, Any]:
         states = self._refresh(positions)
         planning.check_producers(seqs, states)
         self._say_down(states, seqs)
@@ -933,16 +968,14 @@ class StreamQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def _committed(self, seqs: Offsets) -> None:
         """Advisory: tell each producer how far this query's sink durably holds its stream
         (``seqs``: the next seq to read), with the next discovery, on its connections
-        (``planning.Reports``); again after ``_REPORT_AGAIN`` while it stays. Not to a
-        producer that lost seqs the query read (it will read them again)."""
-        now = time.monotonic()
+        (``planning.Reports``); again (``_again``) while it stays. Not to a producer that
+        lost seqs the query read (it will read them again)."""
         for pid, seq in seqs.items():
             state, reported = self._states.get(pid), self._reported.get(pid)
             if state is None or state.lost or seq <= 1:
                 continue
-            if reported is None or reported[0] != seq - 1 or now >= reported[1]:
+            if reported is None or reported[0] != seq - 1:
                 self._unreported[pid] = seq - 1
-                self._reported[pid] = (seq - 1, now + _REPORT_AGAIN * random.uniform(1, 2))
 
     def stop(self) -> None:
         try:

@@ -352,6 +352,8 @@ class Connections:
             self._poller.register(fd, select.EPOLLIN)
         except FileExistsError:  # watched again on the same connection
             self._poller.modify(fd, select.EPOLLIN)
+        else:
+            client.keep_alive(*KEEP_ALIVE)
         self._polled[fd] = endpoint
         if client.answer_ready:
             self._buffered.add(endpoint)
@@ -372,12 +374,6 @@ class Connections:
                     self._poller.unregister(fd)
                 self._polled.pop(fd, None)
         return ready
-
-    def any_answered(self) -> bool:
-        """Whether ``answered`` would name an endpoint now; those it would name are kept
-        for its next call."""
-        self._buffered |= self.answered()
-        return bool(self._buffered)
 
     def map(self, function: Callable[[U], T], items: Sequence[U]) -> list[T]:
         """``function`` over ``items`` in parallel (up to 32 threads, kept as well)."""
@@ -429,17 +425,32 @@ Answers = list["Message | StreamQError"]
 Probe = Generator[list[Message], Answers, "ProducerState | _Missing"]
 
 
+def _never(producer_id: str) -> None:
+    return None
+
+
 @dataclass
 class Reports:
     """Positions a streaming query reports to its producers (``{producer id: last seq its
     sink holds}``, advisory: retention and lag), sent with discovery's first questions on
     the same connections, or with a new watch to a producer not asked (``_unchanged``);
-    ``sent`` names those the producers answered or were sent without a wait for answers."""
+    ``sent`` names those the producers answered or were sent without a wait for answers.
+
+    ``again``: a position the producer heard long enough ago to hear again, told only
+    with a request sent anyway (questions, a watch renewed at its wait's end), so that a
+    query idle at the head stays heard of at no write of its own."""
 
     consumer: str
     seqs: Mapping[str, int]
+    again: Callable[[str], int | None] = _never
     sent: set[str] = field(default_factory=set)
     told: int = 0  # of them sent with a new watch (``_unchanged``)
+
+    def held(self, producer_id: str, anyway: bool) -> int | None:
+        """The position to tell the producer, if any: with requests sent ``anyway``, also
+        one it heard long enough ago."""
+        held = self.seqs.get(producer_id)
+        return self.again(producer_id) if held is None and anyway else held
 
 
 # Reports a trigger sends with new watches at most: the others wait for a later trigger
@@ -469,7 +480,7 @@ def _probe(
     first: list[Message] = [GetHead(stream)]
     if seen:
         first.append(vouch_request(stream, seq - 1, seen))
-    held = None if reports is None else reports.seqs.get(producer_id)
+    held = None if reports is None else reports.held(producer_id, anyway=True)
     if reports is not None and held is not None:
         first.append(ReportPosition(stream, reports.consumer, held))
     answers = yield first
@@ -589,17 +600,12 @@ def _ask_all(
     kept = {e: c for e in endpoints if e not in results and (c := connections.take(e)) is not None}
     if positions is not None:
         for endpoint, client in list(kept.items()):
-            try:
-                state = _unchanged(
-                    connections, endpoint, client, stream, positions, reports, answered, now
-                )
-            except StreamQError as error:  # the watch's answer: the connection's end, an ERROR
-                if isinstance(error, MalformedFrameError):
-                    connections.unwatchable.add(endpoint)
-                client.close()
+            state = _unchanged(
+                connections, endpoint, client, stream, positions, reports, answered, now
+            )
+            if isinstance(state, _Ended):
                 del kept[endpoint]  # a new one, with no report (see above)
-                continue
-            if state is not None:
+            elif state is not None:
                 results[endpoint] = state
                 connections.keep(endpoint, kept.pop(endpoint))
     asking = {e: start(e, c, True) for e, c in kept.items()}
@@ -681,6 +687,49 @@ def _quiet(
         results[endpoint] = state
         first = min(first, watch.since)
     return first + WATCH_TRUST if still else None
+
+
+def tend(
+    connections: Connections,
+    stream: str,
+    positions: Mapping[str, Position],
+    reports: Reports,
+    states: Mapping[str, ProducerState],
+) -> float | None:
+    """An idle trigger after one that found every watch quiet (``Connections.still``),
+    without a pass over the producers: only the kept connections with something to read
+    (a watch answered at its wait's end, the head unchanged; a report's answer) are read
+    and watch again, and reports (``states``: where each producer is) go with new watches,
+    up to ``TOLD_PER_TRIGGER``. An idle trigger then costs what answered since the last,
+    not how many producers are watched, however long the query idles.
+
+    Returns when the first watch stops being believed, as ``still`` is; None when
+    discovery must ask: a head moved, a connection ended, a watch is past belief, a
+    producer is late or down. Every endpoint read is settled either way (watching again,
+    or left for discovery to ask), so nothing answered is lost to the pass that follows."""
+    still, now = connections.still, time.monotonic()
+    if still is None or now >= still or connections.late or connections.retry:
+        return None
+    answered = connections.answered()
+    told = (states[pid].endpoint for pid in reports.seqs if pid in states)
+    asked = False
+    for endpoint in dict.fromkeys([*answered, *itertools.islice(told, TOLD_PER_TRIGGER)]):
+        client = connections.take(endpoint)
+        if client is None:
+            asked = True
+            continue
+        state = _unchanged(connections, endpoint, client, stream, positions, reports, answered, now)
+        if isinstance(state, _Ended):
+            asked = True
+            continue
+        connections.keep(endpoint, client)
+        asked |= state is None
+    if asked:
+        connections.still = None
+        return None
+    first = min((watch.since for watch in connections.watches.values()), default=now)
+    connections.still = first + WATCH_TRUST
+    return connections.still
 
 
 # How a producer the query reads may be down: it refuses connections, its machine does
@@ -814,14 +863,19 @@ class _Watch:
 
 
 # How long a producer may leave a watch unanswered while its head stays (WATCH_HEAD's
-# ``wait_ms``): each such answer costs the driver a read and a new watch's write (about
-# 0.3 ms here, with the producers on the same two cores); at the producers' 5 s heartbeat
-# interval, 1,024 idle producers took a tenth of the driver's core.
-WATCH_WAIT = 30.0
+# ``wait_ms``; producers answer from half of it on, at random): each such answer costs the
+# driver a read and a new watch's write (about 0.1 ms of its CPU, and as much of the
+# producer's); at the producers' 5 s heartbeat interval, 1,024 idle producers took a
+# tenth of the driver's core, and at 30 s an idle trigger every second read and wrote 45.
+# A producer gone without a word is found by TCP keepalive instead (``KEEP_ALIVE``).
+WATCH_WAIT = 120.0
 # How long a watch not answered is believed: a producer answers one within WATCH_WAIT,
-# whatever happened; one that did not is asked (a round), which also finds a peer that
-# went away without a word (a machine's crash).
+# whatever happened; one that did not is asked (a round).
 WATCH_TRUST = WATCH_WAIT + 10.0
+# A watching connection's TCP keepalive (``Client.keep_alive``: quiet seconds, seconds
+# between probes, probes): a producer whose machine crashed or rebooted ends its watch
+# within about 35 s, at no cost to the producer's process.
+KEEP_ALIVE = (20.0, 5.0, 3)
 
 
 def _watch(
@@ -860,6 +914,13 @@ def _arm(
     connections.poll_watch(endpoint, client)
 
 
+class _Ended:
+    """``_unchanged``'s answer for a kept connection its watch's answer ended."""
+
+
+_ENDED = _Ended()
+
+
 def _unchanged(
     connections: Connections,
     endpoint: str,
@@ -869,11 +930,13 @@ def _unchanged(
     reports: Reports | None,
     answered: set[str],
     now: float,
-) -> ProducerState | None:
+) -> ProducerState | _Ended | None:
     """The producer's state without a round trip, if its kept connection's watch says the
     head has not moved since the last probe (no answer yet, or one with the same head:
-    then it watches again); None when it must be asked. ``answered``: the endpoints whose
-    kept connection can be read now (``Connections.answered``).
+    then it watches again); None when it must be asked; ``_ENDED`` when the watch's answer
+    was the connection's end or an ERROR (``client`` is closed then, and a producer that
+    refused WATCH_HEAD is ``unwatchable``). ``answered``: the endpoints whose kept
+    connection can be read now (``Connections.answered``).
 
     Nothing else can have changed on a connection kept open: a producer that lost commits
     restarted, which ended it. A report to send goes with a new watch, its answer not
@@ -886,28 +949,41 @@ def _unchanged(
     position = positions.get(state.producer_id)
     if position is not None and position.seq > state.head + 1:
         return None  # not a position this connection vouched for
-    report: list[Message] = []
-    if (
-        reports is not None
-        and (held := reports.seqs.get(state.producer_id)) is not None
-        and reports.told < TOLD_PER_TRIGGER
-    ):
-        report.append(ReportPosition(stream, reports.consumer, held))
-    if endpoint in answered and client.watch_answered():
-        info = client.watched()
-        if info.head != state.head:
-            return None  # asked, the report with the questions
-        state = replace(state, low=info.low)
-    elif now - watch.since >= WATCH_TRUST:
-        return None
-    elif not report:
-        connections.watches[endpoint] = watch
-        return state
-    _arm(connections, endpoint, client, stream, state, *report)
-    if reports is not None and report:
-        reports.sent.add(state.producer_id)  # advisory: its answer is not waited for
-        reports.told += 1
+    renewed = False  # the watch answered at its wait's end: watched again anyway
+    try:
+        if endpoint in answered and client.watch_answered():
+            info = client.watched()
+            if info.head != state.head:
+                return None  # asked, the report with the questions
+            state, renewed = replace(state, low=info.low), True
+        elif now - watch.since >= WATCH_TRUST:
+            return None
+        report = _told(reports, stream, state.producer_id, renewed)
+        if not (renewed or report):
+            connections.watches[endpoint] = watch
+            return state
+        _arm(connections, endpoint, client, stream, state, *report)
+    except StreamQError as error:
+        if isinstance(error, MalformedFrameError):
+            connections.unwatchable.add(endpoint)
+        client.close()
+        return _ENDED
     return state
+
+
+def _told(reports: Reports | None, stream: str, producer_id: str, renewed: bool) -> list[Message]:
+    """The report to send with a new watch, counted as sent (advisory: its answer is not
+    waited for): the producer's new position, if this trigger may still write one
+    (``TOLD_PER_TRIGGER``); with a watch ``renewed`` anyway, also one heard long ago."""
+    if reports is None:
+        return []
+    held = reports.held(producer_id, anyway=renewed)
+    owed = producer_id in reports.seqs and not renewed
+    if held is None or (owed and reports.told >= TOLD_PER_TRIGGER):
+        return []
+    reports.sent.add(producer_id)
+    reports.told += owed
+    return [ReportPosition(stream, reports.consumer, held)]
 
 
 def _send_round(

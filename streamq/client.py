@@ -319,6 +319,24 @@ class Client:
         ``answer_ready`` says is buffered in the client is not seen there."""
         return self._sock.fileno()
 
+    def keep_alive(self, idle: float, interval: float, probes: int) -> None:
+        """Have the kernel probe the connection once it has been quiet ``idle`` seconds
+        (TCP keepalive), every ``interval`` seconds up to ``probes`` times: a producer gone
+        without a word (its machine crashed, or rebooted) then ends the connection within
+        about ``idle + interval * probes``, for a read or a poll to find, where a watch
+        waiting for its answer would otherwise wait for ever. The producer's kernel
+        answers the probes: they do not wake the producer's process."""
+        sock = self._sock
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for option, value in (
+            ("TCP_KEEPIDLE", idle),  # Linux; macOS names it TCP_KEEPALIVE
+            ("TCP_KEEPALIVE", idle),
+            ("TCP_KEEPINTVL", interval),
+            ("TCP_KEEPCNT", probes),
+        ):
+            if hasattr(socket, option):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), math.ceil(value))
+
     def __enter__(self) -> Client:
         return self
 

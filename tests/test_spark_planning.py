@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import os
 import signal
 import socket
 import socketserver
@@ -26,7 +27,7 @@ import streamq
 import streamq.server
 from bench.spark.streamq import Fleet, _fill_producers
 from bench.tools import discovery, triggers
-from spark_source import planning
+from spark_source import datasource, planning
 from spark_source.datasource import StreamQStreamReader, _Settings
 from spark_source.planning import Connect, ProducerState, Range, StreamQSourceError
 from streamq.errors import MalformedFrameError
@@ -542,7 +543,9 @@ def test_an_idle_trigger_repeats_without_a_pass_over_the_producers(
             assert trigger(start)  # asks, watches
             settled(start)
             a.publish("orders", b"y")  # its watch answers: the next trigger asks
-            wait_until(lambda: reader.connections().any_answered(), "a's watch to answer")
+            kept = reader.connections().peek(a.address)
+            assert kept is not None
+            wait_until(lambda: kept.answer_ready, "a's watch to answer")
             moved = reader.latestOffset(start, ReadAllAvailable())
             assert planning.split_offset(moved)[0] == {a.producer_id: 3}
             settled(moved)
@@ -554,6 +557,100 @@ def test_an_idle_trigger_repeats_without_a_pass_over_the_producers(
             wait_until(lambda: trigger(both), "a watch past belief to be asked", TRUST + 10)
         finally:
             reader.stop()
+
+
+def test_an_idle_query_repeats_through_watches_renewed_and_reports_sent_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A query idle at the head goes on repeating its idle triggers (no discovery) as its
+    producers answer their watches at the wait's end, the head unchanged: only those
+    connections are read and watch again, with the query's position told again on the
+    way once it was heard long enough ago. A commit still moves the next offset."""
+    discoveries = []
+    real = planning.discover
+
+    def counted(*args: Any, **kwargs: Any) -> dict[str, ProducerState]:
+        discoveries.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(planning, "discover", counted)
+    monkeypatch.setattr(planning, "WATCH_WAIT", 0.4)  # answered within 0.2 to 0.4 s
+    monkeypatch.setattr(datasource, "_REPORT_AGAIN", 0.3)
+    with (
+        streamq.SyncProducer(str(tmp_path / "a.db")) as a,
+        streamq.SyncProducer(str(tmp_path / "b.db")) as b,
+    ):
+        for producer in (a, b):
+            producer.publish("orders", b"x")
+        options = {
+            "endpoints": f"{a.address},{b.address}",
+            "stream": "orders",
+            "startingOffsets": "earliest",
+        }
+        reader = StreamQStreamReader(_Settings(options))
+        try:
+            read = reader.latestOffset(reader.initialOffset(), ReadAllAvailable())
+            assert planning.split_offset(read)[0] == {a.producer_id: 2, b.producer_id: 2}
+
+            def trigger() -> bool:
+                """Whether an idle trigger at ``read`` asked the producers."""
+                asked = len(discoveries)
+                assert reader.latestOffset(dict(read), ReadAllAvailable()) == read
+                return len(discoveries) > asked
+
+            wait_until(lambda: not any(trigger() for _ in range(3)), "idle triggers to repeat")
+            kept = reader.connections()
+            since = {e: kept.watches[e].since for e in (a.address, b.address)}
+            heard = {p.address: reported_at(p.address) for p in (a, b)}
+            asked = len(discoveries)
+
+            def renewed_and_heard() -> bool:
+                trigger()
+                return all(
+                    kept.watches[e].since > since[e] and reported_at(e) > heard[e] for e in since
+                )
+
+            wait_until(renewed_and_heard, "watches renewed and positions told again")
+            assert len(discoveries) == asked
+            assert all(position == 1 for position in reported_positions(a, b))
+            a.publish("orders", b"y")
+            wait_until(lambda: reader.latestOffset(dict(read), ReadAllAvailable()) != read, "a")
+            assert len(discoveries) > asked
+        finally:
+            reader.stop()
+
+
+def reported_at(address: str) -> int:
+    """When the producer last heard the query's position (ms since the epoch)."""
+    with streamq.Client(address) as client:
+        (position,) = client.status()["positions"]
+    return int(position["updated_at"])
+
+
+def reported_positions(*producers: streamq.SyncProducer) -> list[int]:
+    positions = []
+    for producer in producers:
+        with streamq.Client(producer.address) as client:
+            positions += [p["applied"] for p in client.status()["positions"]]
+    return positions
+
+
+def test_a_watching_connection_has_tcp_keepalive(tmp_path: Path) -> None:
+    """A producer whose machine crashed never answers its watch: the kernel's keepalive
+    probes end the connection instead, for the next trigger's poll to find."""
+    with watched_pair(tmp_path) as (a, b, kept, _, _):
+        for endpoint in (a.address, b.address):
+            client = kept.peek(endpoint)
+            assert client is not None
+            sock = socket.socket(fileno=os.dup(client.fileno()))
+            try:
+                assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+                idle, interval, probes = planning.KEEP_ALIVE
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == idle
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == interval
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == probes
+            finally:
+                sock.close()
 
 
 def test_the_discovery_tool_measures_a_fleet(tmp_path: Path) -> None:

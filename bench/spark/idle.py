@@ -1,12 +1,14 @@
 """What an idle trigger costs a streaming query at N producers (N Kafka partitions beside
-it): ``python -m bench.spark.idle [--producers 64,256] [--seconds 15] [--repeats 1]
+it): ``python -m bench.spark.idle [--producers 64,256] [--seconds 130] [--repeats 1]
 [--data-rounds 3] [--no-kafka]``.
 
 A query over a few records per producer (partition) into a noop sink, triggered every
 200 ms; once it has read them, every trigger finds nothing new. Spark reports such a
 trigger only every 10 s by default (``noDataProgressEventInterval``), so that is set to 0
 here. Prints the median and max of the idle triggers' ``latestOffset`` and
-``triggerExecution`` (Spark's ``durationMs``). Then, ``--data-rounds`` times, one new
+``triggerExecution`` (Spark's ``durationMs``), over ``--seconds`` after the read: by
+default past ``planning.WATCH_TRUST``, so that every producer's watch has been renewed
+once and the positions told again, as they are all along a query that idles. Then, ``--data-rounds`` times, one new
 record in every producer (partition) while the query runs: the median ``addBatch`` and
 ``triggerExecution`` of the triggers that read them (``data``). And what the source
 holds once idle (``footprint``): the streamq source's Python process's memory and its
@@ -217,7 +219,7 @@ def _broker(with_kafka: bool) -> Iterator[Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.spark.idle")
     parser.add_argument("--producers", default="64,256", help="comma-separated counts")
-    parser.add_argument("--seconds", type=float, default=15.0, help="of idle triggers per case")
+    parser.add_argument("--seconds", type=float, default=130.0, help="of idle triggers per case")
     parser.add_argument("--repeats", type=int, default=1, help="runs per source and count (1)")
     parser.add_argument(
         "--data-rounds", type=int, default=DATA_ROUNDS, help=f"data rounds per run ({DATA_ROUNDS})"

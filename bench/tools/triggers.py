@@ -4,7 +4,9 @@ without Spark: ``python -m bench.tools.triggers [--producers 1024] [--triggers 5
 A ``StreamQStreamReader`` over producers served 16 to a process (``bench.spark.host``),
 driven as PySpark's source runner drives it each trigger: the start offset decoded from
 JSON, ``latestOffset``, its answer encoded, then ``reportLatestOffset`` encoded, one
-trigger every ``--interval`` ms with nothing written. Prints the median and max wall time
+trigger every ``--interval`` ms with nothing written, after a first trigger that found
+every producer's records (from ``earliest``): the triggers then report that position to
+each producer, and again as their watches are renewed. Prints the median and max wall time
 of each step and of the trigger; docs/scaling.md has the figures.
 """
 
@@ -47,11 +49,11 @@ class _Steps:
 
 def measure(endpoints: list[str], triggers: int, interval: float) -> dict[str, list[float]]:
     """``triggers`` idle triggers of one reader, after the first one that connects."""
-    reader = StreamQStreamReader(_Settings({"endpoints": ",".join(endpoints), "stream": STREAM}))
+    options = {"endpoints": ",".join(endpoints), "stream": STREAM, "startingOffsets": "earliest"}
+    reader = StreamQStreamReader(_Settings(options))
     steps = _Steps()
     try:
-        text = json.dumps(reader.initialOffset())
-        reader.latestOffset(json.loads(text), ReadAllAvailable())  # connects, watches
+        text = json.dumps(reader.latestOffset(reader.initialOffset(), ReadAllAvailable()))
         for _ in range(triggers):
             time.sleep(interval)
             steps.start()
