@@ -849,8 +849,9 @@ class StreamQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def _repeats(self, idle: _Idle, start: Mapping[str, Any]) -> _Idle | None:
         """``idle`` again if this trigger finds what it found: the same position and
         producers, no watch answered but at its wait's end with the head unchanged, none
-        past belief (``planning.tend``, which also sends the reports due). An idle
-        trigger over a thousand producers is then a poll, not a pass over each."""
+        past belief (``planning.tend``, which also sends the positions to report). An
+        idle trigger over a thousand producers is then a poll and the few connections
+        that answered, not a pass over each, however long the query idles."""
         if self._target is not None or start != idle.offset:
             return None
         if self.settings.endpoints() != idle.endpoints:
