@@ -738,6 +738,7 @@ class StreamQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         # seq the sink holds}); sent ones leave.
         self._unreported: dict[str, int] = {}
         self._initial: Offsets | None = None  # a new query's start: nothing applied yet
+        self._started: dict[str, ProducerState] | None = None  # ``_starting``'s, till a trigger
         # What was last reported to each producer: (last seq held, when, monotonic).
         self._reported: dict[str, tuple[int, float]] = {}
         self._down: set[str] = set()  # producers down at the last trigger (logged)
@@ -796,7 +797,7 @@ class StreamQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         its discovery would take each kept connection's watch."""
         settings = self.settings
         if self._initial is None:
-            self._initial = settings.initial(self._refresh(), "latest")
+            self._initial = settings.initial(self._starting(), "latest")
         # startingOffsets copied from a query's offsets keeps the epochs beside the seqs.
         given = settings.starting if settings.starting_timestamp is None else None
         return planning.join_offset(self._initial, planning.given_epochs(given))
@@ -807,8 +808,17 @@ class StreamQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return ReadMaxRows(self.settings.max_per_trigger)
 
     def prepareForTriggerAvailableNow(self) -> None:
-        self._target = {pid: s.head + 1 for pid, s in self._refresh().items()}
+        self._target = {pid: s.head + 1 for pid, s in self._starting().items()}
         self._idle = None
+
+    def _starting(self) -> dict[str, ProducerState]:
+        """The producers' states as the query starts, found once for ``initialOffset`` and
+        ``prepareForTriggerAvailableNow``, which Spark calls one after the other before
+        the first trigger: the heads of that moment are both where ``latest`` starts and
+        what Trigger.AvailableNow promises to read (one round over every producer less)."""
+        if self._started is None:
+            self._started = self._refresh()
+        return self._started
 
     def _lost(self, pid: str, seq: int) -> int:
         """A producer lost seqs the query read: fail, or (failOnDataLoss=false) warn and
@@ -833,7 +843,7 @@ class StreamQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return first
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
-        idle, self._idle = self._idle, None
+        idle, self._idle, self._started = self._idle, None, None
         if idle is not None:
             self._idle = self._repeats(idle, start)
             if self._idle is not None:

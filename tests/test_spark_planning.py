@@ -620,6 +620,36 @@ def test_an_idle_query_repeats_through_watches_renewed_and_reports_sent_again(
             reader.stop()
 
 
+def test_a_query_starting_under_available_now_asks_its_producers_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``initialOffset`` and ``prepareForTriggerAvailableNow`` share one discovery: where
+    ``latest`` starts is what Trigger.AvailableNow promises to read, so the first batch
+    is empty; a record committed after it is not in the run."""
+    discoveries = []
+    real = planning.discover
+
+    def counted(*args: Any, **kwargs: Any) -> dict[str, ProducerState]:
+        discoveries.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(planning, "discover", counted)
+    with streamq.SyncProducer(str(tmp_path / "a.db")) as a:
+        a.publish("orders", b"x")
+        reader = StreamQStreamReader(_Settings({"endpoints": a.address, "stream": "orders"}))
+        try:
+            reader.prepareForTriggerAvailableNow()
+            start = reader.initialOffset()
+            assert len(discoveries) == 1
+            assert planning.split_offset(start)[0] == {a.producer_id: 2}
+            a.publish("orders", b"y")
+            end = reader.latestOffset(start, ReadAllAvailable())
+            assert planning.split_offset(end)[0] == {a.producer_id: 2}  # the promise's end
+            assert len(discoveries) == 2
+        finally:
+            reader.stop()
+
+
 def reported_at(address: str) -> int:
     """When the producer last heard the query's position (ms since the epoch)."""
     with streamq.Client(address) as client:

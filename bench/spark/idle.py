@@ -8,8 +8,9 @@ trigger only every 10 s by default (``noDataProgressEventInterval``), so that is
 here. Prints the median and max of the idle triggers' ``latestOffset`` and
 ``triggerExecution`` (Spark's ``durationMs``), over ``--seconds`` after the read: by
 default past ``planning.WATCH_TRUST``, so that every producer's watch has been renewed
-once and the positions told again, as they are all along a query that idles. Then, ``--data-rounds`` times, one new
-record in every producer (partition) while the query runs: the median ``addBatch`` and
+once and the positions told again, as they are all along a query that idles. Then,
+``--data-rounds`` times, one new record in every producer (partition) while the query
+runs: the median ``addBatch`` and
 ``triggerExecution`` of the triggers that read them (``data``). And what the source
 holds once idle (``footprint``): the streamq source's Python process's memory and its
 connections to the producers; the Kafka source's JVM's (all of Spark's) and its
