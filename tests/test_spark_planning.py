@@ -498,6 +498,19 @@ def test_the_initial_offset_is_found_once(tmp_path: Path) -> None:
             reader.stop()
 
 
+def counted_discoveries(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The endpoints of each ``planning.discover`` from now on, in a list kept up to date."""
+    discoveries = []
+    real = planning.discover
+
+    def counted(*args: Any, **kwargs: Any) -> dict[str, ProducerState]:
+        discoveries.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(planning, "discover", counted)
+    return discoveries
+
+
 TRUST = 3.0  # s a watch is believed, for the test below
 
 
@@ -507,14 +520,7 @@ def test_an_idle_trigger_repeats_without_a_pass_over_the_producers(
     """Once a trigger finds every producer's watch quiet and nothing moved, the next ones
     at the same position are answered without a discovery, until something could have
     changed: a commit (the watch answers), a producer listed anew, a watch past belief."""
-    discoveries = []
-    real = planning.discover
-
-    def counted(*args: Any, **kwargs: Any) -> dict[str, ProducerState]:
-        discoveries.append(args[0])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(planning, "discover", counted)
+    discoveries = counted_discoveries(monkeypatch)
     monkeypatch.setattr(planning, "WATCH_TRUST", TRUST)
     listed = tmp_path / "endpoints"
     with (
@@ -566,14 +572,7 @@ def test_an_idle_query_repeats_through_watches_renewed_and_reports_sent_again(
     producers answer their watches at the wait's end, the head unchanged: only those
     connections are read and watch again, with the query's position told again on the
     way once it was heard long enough ago. A commit still moves the next offset."""
-    discoveries = []
-    real = planning.discover
-
-    def counted(*args: Any, **kwargs: Any) -> dict[str, ProducerState]:
-        discoveries.append(args[0])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(planning, "discover", counted)
+    discoveries = counted_discoveries(monkeypatch)
     monkeypatch.setattr(planning, "WATCH_WAIT", 0.4)  # answered within 0.2 to 0.4 s
     monkeypatch.setattr(datasource, "_REPORT_AGAIN", 0.3)
     with (
@@ -626,14 +625,7 @@ def test_a_query_starting_under_available_now_asks_its_producers_once(
     """``initialOffset`` and ``prepareForTriggerAvailableNow`` share one discovery: where
     ``latest`` starts is what Trigger.AvailableNow promises to read, so the first batch
     is empty; a record committed after it is not in the run."""
-    discoveries = []
-    real = planning.discover
-
-    def counted(*args: Any, **kwargs: Any) -> dict[str, ProducerState]:
-        discoveries.append(args[0])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(planning, "discover", counted)
+    discoveries = counted_discoveries(monkeypatch)
     with streamq.SyncProducer(str(tmp_path / "a.db")) as a:
         a.publish("orders", b"x")
         reader = StreamQStreamReader(_Settings({"endpoints": a.address, "stream": "orders"}))
