@@ -967,6 +967,8 @@ def _unchanged(
         if isinstance(error, MalformedFrameError):
             connections.unwatchable.add(endpoint)
         client.close()
+        if reports is not None:
+            reports.sent.discard(state.producer_id)  # told to no one: told again later
         return _ENDED
     return state
 
