@@ -844,10 +844,9 @@ class StreamQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
         idle, self._idle, self._started = self._idle, None, None
-        if idle is not None:
-            self._idle = self._repeats(idle, start)
-            if self._idle is not None:
-                return idle.offset
+        if idle is not None and self._repeats(idle, start):
+            self._idle = idle
+            return idle.offset
         seqs, epochs = planning.split_offset(start)
         positions = {pid: Position(seq, epochs.get(pid)) for pid, seq in seqs.items()}
         if seqs != self._initial:  # the end of the last batch, which the sink holds
@@ -856,21 +855,21 @@ class StreamQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._idle = self._still(start, offset, positions)
         return offset
 
-    def _repeats(self, idle: _Idle, start: Mapping[str, Any]) -> _Idle | None:
-        """``idle`` again if this trigger finds what it found: the same position and
+    def _repeats(self, idle: _Idle, start: Mapping[str, Any]) -> bool:
+        """Whether this trigger finds what ``idle`` found: the same position and
         producers, no watch answered but at its wait's end with the head unchanged, none
         past belief (``planning.tend``, which also sends the positions to report). An
         idle trigger over a thousand producers is then a poll and the few connections
         that answered, not a pass over each, however long the query idles."""
         if self._target is not None or start != idle.offset:
-            return None
+            return False
         if self.settings.endpoints() != idle.endpoints:
-            return None
+            return False
         connections, stream, positions = self.connections(), self.settings.stream, idle.positions
         still = self._reporting(
             lambda reports: planning.tend(connections, stream, positions, reports, self._states)
         )
-        return None if still is None else idle
+        return still is not None
 
     def _still(
         self,

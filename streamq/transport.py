@@ -215,13 +215,12 @@ async def handshake(
     """Drive ``client_handshake``'s steps over an asyncio connection."""
     hello = _resume(steps, send, None)
     while hello is None:
-        reply: Message | None = None
-        failed: Exception | None = None
         try:
             reply = await receive()
         except Exception as exc:
-            failed = exc
-        hello = _resume(steps, send, reply, failed)
+            hello = _resume(steps, send, None, exc)
+        else:
+            hello = _resume(steps, send, reply)
     return hello
 
 

@@ -600,18 +600,18 @@ def test_an_idle_query_repeats_through_watches_renewed_and_reports_sent_again(
             wait_until(lambda: not any(trigger() for _ in range(3)), "idle triggers to repeat")
             kept = reader.connections()
             since = {e: kept.watches[e].since for e in (a.address, b.address)}
-            heard = {p.address: reported_at(p.address) for p in (a, b)}
+            heard = {e: heard_of(e) for e in since}
             asked = len(discoveries)
 
             def renewed_and_heard() -> bool:
                 trigger()
                 return all(
-                    kept.watches[e].since > since[e] and reported_at(e) > heard[e] for e in since
+                    kept.watches[e].since > since[e] and heard_of(e)[1] > heard[e][1] for e in since
                 )
 
             wait_until(renewed_and_heard, "watches renewed and positions told again")
             assert len(discoveries) == asked
-            assert all(position == 1 for position in reported_positions(a, b))
+            assert all(heard_of(e)[0] == 1 for e in since)
             a.publish("orders", b"y")
             wait_until(lambda: reader.latestOffset(dict(read), ReadAllAvailable()) != read, "a")
             assert len(discoveries) > asked
@@ -642,19 +642,12 @@ def test_a_query_starting_under_available_now_asks_its_producers_once(
             reader.stop()
 
 
-def reported_at(address: str) -> int:
-    """When the producer last heard the query's position (ms since the epoch)."""
+def heard_of(address: str) -> tuple[int, int]:
+    """What the producer last heard of the query: (the seq it applied, when, in ms since
+    the epoch)."""
     with streamq.Client(address) as client:
         (position,) = client.status()["positions"]
-    return int(position["updated_at"])
-
-
-def reported_positions(*producers: streamq.SyncProducer) -> list[int]:
-    positions = []
-    for producer in producers:
-        with streamq.Client(producer.address) as client:
-            positions += [p["applied"] for p in client.status()["positions"]]
-    return positions
+    return int(position["applied"]), int(position["updated_at"])
 
 
 def test_a_watching_connection_has_tcp_keepalive(tmp_path: Path) -> None:

@@ -10,13 +10,12 @@ here. Prints the median and max of the idle triggers' ``latestOffset`` and
 default past ``planning.WATCH_TRUST``, so that every producer's watch has been renewed
 once and the positions told again, as they are all along a query that idles. Then,
 ``--data-rounds`` times, one new record in every producer (partition) while the query
-runs: the median ``addBatch`` and
-``triggerExecution`` of the triggers that read them (``data``). And what the source
-holds once idle (``footprint``): the streamq source's Python process's memory and its
-connections to the producers; the Kafka source's JVM's (all of Spark's) and its
-connections to the broker. With ``--repeats N`` each count runs both sources N times,
-alternating which goes first, and the table gives each figure's median over the runs.
-docs/scaling.md has the figures.
+runs: the median ``addBatch`` and ``triggerExecution`` of the triggers that read them
+(``data``). And what the source holds once idle (``footprint``): the streamq source's
+Python process's memory and its connections to the producers; the Kafka source's JVM's
+(all of Spark's) and its connections to the broker. With ``--repeats N`` each count runs
+both sources N times, alternating which goes first, and the table gives each figure's
+median over the runs. docs/scaling.md has the figures.
 """
 
 from __future__ import annotations
@@ -38,6 +37,7 @@ from rich.console import Console
 from rich.table import Table
 
 import streamq
+from spark_source import planning
 
 from ..common import alternating, wait_until
 from . import footprint
@@ -220,7 +220,12 @@ def _broker(with_kafka: bool) -> Iterator[Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.spark.idle")
     parser.add_argument("--producers", default="64,256", help="comma-separated counts")
-    parser.add_argument("--seconds", type=float, default=130.0, help="of idle triggers per case")
+    parser.add_argument(
+        "--seconds",
+        type=float,
+        default=planning.WATCH_TRUST,
+        help=f"of idle triggers per case ({planning.WATCH_TRUST:g}: past every watch's renewal)",
+    )
     parser.add_argument("--repeats", type=int, default=1, help="runs per source and count (1)")
     parser.add_argument(
         "--data-rounds", type=int, default=DATA_ROUNDS, help=f"data rounds per run ({DATA_ROUNDS})"
