@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -74,3 +75,4 @@ def test_spark_idle_triggers_are_measured(tmp_path: Path, spark: Any) -> None:
     assert 0 < figures["data addBatch"] <= figures["data triggerExecution"]
     assert figures["source sockets"] == 3  # one kept connection per producer
     assert figures["source MiB"] > 0
+    assert 0 <= figures["serving % core"] <= 100 * (os.cpu_count() or 1)  # the producers' process

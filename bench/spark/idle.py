@@ -13,7 +13,9 @@ once and the positions told again, as they are all along a query that idles. The
 runs: the median ``addBatch`` and ``triggerExecution`` of the triggers that read them
 (``data``). And what the source holds once idle (``footprint``): the streamq source's
 Python process's memory and its connections to the producers; the Kafka source's JVM's
-(all of Spark's) and its connections to the broker. With ``--repeats N`` each count runs
+(all of Spark's) and its connections to the broker. And what serving the idle query
+costs over those ``--seconds`` (``serving % core``): the producers' processes' CPU
+(16 producers to a process), the broker's. With ``--repeats N`` each count runs
 both sources N times, alternating which goes first, and the table gives each figure's
 median over the runs. docs/scaling.md has the figures.
 """
@@ -39,7 +41,7 @@ from rich.table import Table
 import streamq
 from spark_source import planning
 
-from ..common import alternating, wait_until
+from ..common import alternating, proc_cpu_seconds, wait_until
 from . import footprint
 from .common import RECORD, noop_query
 from .kafka import _fill_topic, _produce
@@ -112,16 +114,19 @@ def idle_triggers(
     rounds: int,
     add: Callable[[], int],
     holds: Callable[[], dict[str, float]],
+    serving: Callable[[], float],
 ) -> dict[str, float]:
     """Median and max ``latestOffset`` and ``triggerExecution`` (ms) of the idle triggers
-    in ``seconds`` after the query read its ``rows``, and what the source ``holds`` at
-    their end; then the median ``addBatch`` and ``triggerExecution`` of the triggers that
+    in ``seconds`` after the query read its ``rows``, what the source ``holds`` at their
+    end, and the share of a core the serving side used meanwhile (``serving``: its CPU
+    seconds so far); then the median ``addBatch`` and ``triggerExecution`` of the triggers that
     read what ``add`` adds (it returns how many rows), ``rounds`` times."""
     query = noop_query(reader, checkpoint, processingTime=TRIGGER)
     try:
         progress = _Progress(query)
         read = progress.read(rows, "")
-        until = time.monotonic() + seconds
+        idled, used = time.monotonic(), serving()
+        until = idled + seconds
 
         def enough() -> list[dict[str, Any]] | None:
             """At least ``seconds`` of triggers, and at least one idle trigger."""
@@ -130,7 +135,8 @@ def idle_triggers(
             return idle if idle and time.monotonic() >= until else None
 
         idle = wait_until("idle trigger", enough, seconds + WAIT, progress.POLL)
-        held = holds()
+        share = (serving() - used) / (time.monotonic() - idled) * 100
+        held = {**holds(), "serving % core": share}
         data = []
         for _ in range(rounds):
             began = progress.idle()  # before adding: its rows may come at once
@@ -169,6 +175,7 @@ def streamq_idle(
             rounds,
             lambda: _publish(paths),
             lambda: footprint.streamq_source(fleet.endpoints),
+            lambda: sum(proc_cpu_seconds(process.pid) for process in fleet.processes),
         )
     finally:
         fleet.stop()
@@ -202,8 +209,9 @@ def kafka_idle(
         return partitions
 
     held = functools.partial(footprint.kafka_source, broker.bootstrap)
+    serving = functools.partial(proc_cpu_seconds, broker.pid)
     rows = partitions * PER_SOURCE
-    return idle_triggers(reader, folder / "ck", rows, seconds, rounds, add, held)
+    return idle_triggers(reader, folder / "ck", rows, seconds, rounds, add, held, serving)
 
 
 @contextlib.contextmanager
@@ -237,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     table = Table(title=title)
     columns = ("source", "producers", "latestOffset", "max", "triggerExecution", "max")
     data = ("data addBatch", "data trigger", "data triggers")
-    for column in (*columns, "triggers", *data, "source MiB", "sockets"):
+    for column in (*columns, "triggers", *data, "source MiB", "sockets", "serving % core"):
         table.add_column(column, justify="right")
     with _broker(not args.no_kafka) as broker:
         spark = spark_session(broker is not None)
@@ -256,7 +264,9 @@ def main(argv: list[str] | None = None) -> int:
                 runs[source].append(figures)
             for source, each in runs.items():
                 medians = [statistics.median(run[name] for run in each) for name in each[0]]
-                table.add_row(source, str(count), *(f"{v:,.0f}" for v in medians))
+                table.add_row(
+                    source, str(count), *(f"{v:,.1f}" if v < 10 else f"{v:,.0f}" for v in medians)
+                )
         spark.stop()
     Console(width=200).print(table)  # every column whole, on any terminal
     return 0
