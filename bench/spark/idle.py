@@ -119,8 +119,8 @@ def idle_triggers(
     """Median and max ``latestOffset`` and ``triggerExecution`` (ms) of the idle triggers
     in ``seconds`` after the query read its ``rows``, what the source ``holds`` at their
     end, and the share of a core the serving side used meanwhile (``serving``: its CPU
-    seconds so far); then the median ``addBatch`` and ``triggerExecution`` of the triggers that
-    read what ``add`` adds (it returns how many rows), ``rounds`` times."""
+    seconds so far); then the median ``addBatch`` and ``triggerExecution`` of the
+    triggers that read what ``add`` adds (it returns how many rows), ``rounds`` times."""
     query = noop_query(reader, checkpoint, processingTime=TRIGGER)
     try:
         progress = _Progress(query)
