@@ -184,3 +184,38 @@ def test_a_snapshot_without_capture_is_refused_in_one_line(tmp_path: Path) -> No
     )
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "it needs --capture" in done.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    ("columns", "keys"),
+    [
+        ("id integer PRIMARY KEY", ["12", "-3", "2", "10", "-20", "1", "9", "11"]),
+        (
+            "a integer, b text, PRIMARY KEY (a, b)",
+            ["10, 'b'", "2, 'a'", "-1, 'z'", "2, 'B'", "10, 'a'"],
+        ),
+        (
+            "id uuid PRIMARY KEY",
+            [f"'{n:08x}-0000-0000-0000-000000000000'" for n in (0x10, 0x9, 0xA0, 0x1)],
+        ),
+    ],
+)
+async def test_a_snapshot_gives_rows_in_primary_key_order_not_as_text(
+    capture_url: str, columns: str, keys: list[str]
+) -> None:
+    """Keys that sort otherwise as text (numbers past 9, negative numbers, composite keys,
+    uuids) come in the table's own order: the order PostgreSQL gives them in."""
+    sql(capture_url, f"CREATE TABLE ordered ({columns})")
+    sql(capture_url, *(f"INSERT INTO ordered VALUES ({key})" for key in keys))
+    with psycopg.connect(capture_url) as conn:
+        names = [c.name for c in conn.execute("SELECT * FROM ordered LIMIT 0").description or ()]
+        texts = ", ".join(f"{n}::text" for n in names)
+        # The table's own order (an unqualified name would be the text output column's).
+        order = ", ".join(f"o.{n}" for n in names)
+        query = f"SELECT {texts} FROM ordered AS o ORDER BY {order}"
+        expected = [dict(zip(names, row, strict=True)) for row in conn.execute(query)]
+    async with Producer(capture_url, capture=["ordered"], snapshot=True) as producer:
+        got = await changes(producer.address, "public.ordered", len(keys))
+    assert [c["op"] for _, c in got] == ["snapshot"] * len(keys)
+    rows = [{name: str(c["new"][name]) for name in names} for _, c in got]
+    assert rows == expected

@@ -462,10 +462,13 @@ class Capture:
         for relation in relations:
             table = table_of(relation, self.streams, self._state.keys)
             texts = sql.SQL(", ").join(
-                sql.SQL("{}::text").format(sql.Identifier(c.name)) for c in relation.columns
+                sql.SQL("t.{}::text").format(sql.Identifier(c.name)) for c in relation.columns
             )
-            order = sql.SQL(", ").join(sql.Identifier(relation.columns[i].name) for i in table.key)
-            query = sql.SQL("SELECT {} FROM {}").format(texts, _name(relation.table))
+            # Qualified: a bare name would sort by the output column, the key as text.
+            order = sql.SQL(", ").join(
+                sql.SQL("t.{}").format(sql.Identifier(relation.columns[i].name)) for i in table.key
+            )
+            query = sql.SQL("SELECT {} FROM {} AS t").format(texts, _name(relation.table))
             if table.key:
                 query += sql.SQL(" ORDER BY {}").format(order)
             cursor = conn.cursor(name="streamq_snapshot")
