@@ -210,11 +210,14 @@ class Producer:
                 self._tasks.append(asyncio.create_task(watching))
             if self._serve and self.storage.features.numbered_after_commit:
                 storage = cast(NumberingStorage, self.storage)
-                self.writing.numberer = numberer = storage.numberer(self._numbered, self._resync)
+                self.writing.numberer = numberer = storage.numberer(
+                    self._numbered, self._resync, self.producer_id
+                )
                 if self._watch_interval is not None:
                     numberer.idle_check = self._watch_interval
                 if self._server is not None:
                     self._server.open_transactions = lambda: numberer.open_transactions
+                    self._server.publishing = numberer.status
                 self._tasks.append(asyncio.create_task(numberer.run()))
             if self.captured:
                 await self._start_capture()

@@ -288,6 +288,9 @@ class Server:
         # Where records are numbered after the commit (PostgreSQL): the transactions that
         # published and are still open (``storage.OpenTransactions``), for the status.
         self.open_transactions: Callable[[], OpenTransactions] | None = None
+        # Where records are numbered after the commit (PostgreSQL): the publishing path
+        # (through the WAL or the pending table) and why, for the status.
+        self.publishing: Callable[[], dict[str, Any]] | None = None
         # Where tables are captured (PostgreSQL): what status reports of it.
         self.capture_status: Callable[[], dict[str, Any]] | None = None
         # Called as a consumer subscribes, with its name, stream and number of shares: the
@@ -567,6 +570,7 @@ class Server:
             "connections": self.connections,
             "errors_sent": self.errors_sent,
             **self._open_transactions(),
+            **({} if self.publishing is None else {"publishing": self.publishing()}),
             **({} if self.capture_status is None else {"capture": self.capture_status()}),
         }
 

@@ -543,6 +543,10 @@ class Numbering(Protocol):
     idle_check: float  # seconds: armed, a round anyway after this long
     open_transactions: OpenTransactions  # looked at every second or so
 
+    def status(self) -> dict[str, Any]:
+        """For ``streamq status``: the publishing path, and why it is that one."""
+        ...
+
     async def run(self) -> None:
         """Number, and serve once flushed, for ever."""
         ...
@@ -554,9 +558,12 @@ class NumberingStorage(Storage, Protocol):
     """The storage of an engine with ``numbered_after_commit``."""
 
     def numberer(
-        self, serve: Callable[[Numbered], None], resync: Callable[[], Awaitable[Any]]
+        self,
+        serve: Callable[[Numbered], None],
+        resync: Callable[[], Awaitable[Any]],
+        producer_id: str,
     ) -> Numbering:
-        """The serving producer's numbering (``engines/postgres/numbering.Numberer``):
+        """The serving producer's numbering (``engines/postgres/walpath.WalNumberer``):
         ``serve`` is given each round once flushed; ``resync`` is awaited after a
         failure, once what committed is flushed."""
         ...

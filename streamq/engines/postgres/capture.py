@@ -41,7 +41,7 @@ from typing import Any
 
 from ...errors import CaptureError, DatabaseOpenError
 from ...records import CheckedRecord, encode_unnumbered
-from .append import CHANNEL, DOORBELL
+from .append import CAPTURE_TABLE, CHANNEL, DOORBELL
 from .changes import Captured, ChangeDecoder, snapshot_records, table_of
 from .driver import connect_async, psycopg_module
 from .pgoutput import Column, Relation, format_lsn, parse_lsn
@@ -61,11 +61,6 @@ RETAINED = (
 )
 _RECONNECT_FIRST, _RECONNECT_MOST = 0.5, 30.0
 
-CAPTURE_TABLE = """CREATE TABLE IF NOT EXISTS streamq_capture (
-    slot text PRIMARY KEY,
-    lsn bigint NOT NULL,   -- every transaction ending at or before it is published
-    tables text[] NOT NULL
-)"""
 # The tables whose rows were published as of a snapshot (``--snapshot``), and its LSN:
 # their changes committed before it are in those rows, and are left out.
 SNAPSHOTS_TABLE = """CREATE TABLE IF NOT EXISTS streamq_capture_snapshot (

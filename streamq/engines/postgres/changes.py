@@ -190,7 +190,8 @@ class ChangeDecoder:
                 if (stream := self._stream(tx, table)) is not None:
                     tx.changes.append((stream, None, _change("truncate", table, None, None)))
             return None
-        self._change(tx, message)
+        if not isinstance(message, pgoutput.LogicalMessage):  # capture asks for none
+            self._change(tx, message)
         return None
 
     def _relation(self, relation: Relation) -> None:

@@ -123,7 +123,7 @@ WHERE l.locktype = 'relation' AND l.relation = 'streamq_pending'::regclass
 # A transaction that writes WAL and commits synchronously: flushes all WAL before it.
 FLUSH = (
     "BEGIN; SET LOCAL synchronous_commit = on; "
-    "SELECT pg_logical_emit_message(true, 'streamq', 'flush'); COMMIT"
+    "SELECT pg_logical_emit_message(true, 'streamq.flush', ''); COMMIT"
 )
 
 
@@ -208,6 +208,20 @@ def number_steps(
         return None
     rows.sort(key=lambda row: (row[0], row[1]))  # RETURNING keeps no order
     epoch, booted = int(rows[0][6]), rows[0][7]
+    return (yield from number_rows(rows, epoch, booted, known, before_commit))
+
+
+def number_rows(
+    rows: list[Any],
+    epoch: int,
+    booted: bool,
+    known: dict[str, StreamState] | None = None,
+    before_commit: Callable[[Numbered], None] | None = None,
+) -> Steps:
+    """Number ``rows`` (``(xid, id, stream, ts, unnumbered record, key)``, in the order
+    their seqs follow) and insert them into the log, in the caller's transaction: a
+    ``Numbered``. ``epoch`` is the database's, ``booted`` whether this server life took
+    one (else a new one is taken); the rest as ``number_steps``."""
     names = list(dict.fromkeys(row[2] for row in rows))
     states = {name: known[name] for name in names if known and name in known}
     unknown = [name for name in names if name not in states]
@@ -232,7 +246,7 @@ def number_steps(
             sid, name, state.low, state.settings, first, [], state.max_ts, segment is not None
         )
         records, groups, seq = stream.records, stream.groups, first
-        for xid, pending_id, _, _, record, _, _, _ in taken:
+        for xid, pending_id, _, _, record, *_ in taken:
             records.append(numbered(bytes(record), seq))
             if groups and groups[-1].xid == xid:
                 groups[-1].ids.append(pending_id)

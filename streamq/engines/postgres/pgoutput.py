@@ -123,7 +123,20 @@ class Type:
     name: str
 
 
-Message = Begin | Commit | Relation | Insert | Update | Delete | Truncate | Origin | Type
+@dataclass(frozen=True, slots=True)
+class LogicalMessage:
+    """What ``pg_logical_emit_message`` wrote (sent with the ``messages`` option): a
+    transactional one arrives inside its transaction, between BEGIN and COMMIT."""
+
+    transactional: bool
+    lsn: int  # the message's own position in the WAL
+    prefix: str
+    content: bytes
+
+
+Message = (
+    Begin | Commit | Relation | Insert | Update | Delete | Truncate | Origin | Type | LogicalMessage
+)
 
 
 class _Reader:
@@ -249,6 +262,10 @@ def decode(data: bytes) -> Message:
             message = _truncate(reader)
         elif kind == "O":
             message = Origin(reader.unpack(_UINT64), reader.string())
+        elif kind == "M":
+            transactional, lsn = bool(reader.unpack(_INT8) & 1), reader.unpack(_UINT64)
+            prefix = reader.string()
+            message = LogicalMessage(transactional, lsn, prefix, reader.take(reader.unpack(_INT32)))
         elif kind == "Y":
             message = Type(reader.unpack(_UINT32), reader.string(), reader.string())
         else:

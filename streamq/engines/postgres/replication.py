@@ -36,16 +36,29 @@ class SlotReader:
     confirmed position if that is later). ``confirm(lsn)`` moves the slot: every
     transaction ending at or before ``lsn`` is stored, the server may recycle its WAL."""
 
-    def __init__(self, url: str, where: str, slot: str, publication: str, start_lsn: int) -> None:
+    def __init__(
+        self,
+        url: str,
+        where: str,
+        slot: str,
+        publication: str,
+        start_lsn: int,
+        *,
+        messages: bool = False,  # logical messages too (``pgoutput.LogicalMessage``)
+        name: str = "streamq capture",
+    ) -> None:
         psycopg2 = _psycopg2()
+        options = {"proto_version": "1", "publication_names": publication}
+        if messages:
+            options["messages"] = "true"
         try:
-            self._conn = _replication_connection(psycopg2, url, "streamq capture")
+            self._conn = _replication_connection(psycopg2, url, name)
             self._cursor = self._conn.cursor()
             self._cursor.start_replication(
                 slot_name=slot,
                 decode=False,
                 start_lsn=format_lsn(start_lsn),
-                options={"proto_version": "1", "publication_names": publication},
+                options=options,
                 status_interval=STATUS_INTERVAL,
             )
         except psycopg2.Error as exc:
@@ -95,15 +108,15 @@ class ExportedSnapshot:
     transaction whose commit record is before ``lsn`` is in it, every later one is not.
     Making it waits for the transactions open at that moment to end."""
 
-    def __init__(self, url: str, where: str, slot: str) -> None:
+    def __init__(self, url: str, where: str, slot: str, *, temporary: bool = True) -> None:
         psycopg2 = _psycopg2()
         try:
             self._conn = _replication_connection(psycopg2, url, "streamq snapshot")
             cursor = self._conn.cursor()
-            # The slot goes with this connection; the snapshot while it runs nothing else.
-            cursor.execute(
-                f'CREATE_REPLICATION_SLOT "{slot}" TEMPORARY LOGICAL pgoutput EXPORT_SNAPSHOT'
-            )
+            # A temporary slot goes with this connection; the snapshot while it runs
+            # nothing else.
+            kind = "TEMPORARY LOGICAL" if temporary else "LOGICAL"
+            cursor.execute(f'CREATE_REPLICATION_SLOT "{slot}" {kind} pgoutput EXPORT_SNAPSHOT')
             _, consistent_point, self.name, _ = cursor.fetchone()
         except psycopg2.Error as exc:
             self.close()

@@ -54,12 +54,13 @@ from .append import (
     create_schema_steps,
     insert_statement,
     new_epoch_steps,
+    path_of,
     run_async,
 )
 from .capture import Capture
 from .driver import cannot_open, connect_async, database, in_transaction, psycopg_module
 from .engine import ENGINE
-from .numbering import Numberer
+from .walpath import WalNumberer
 
 T = TypeVar("T")
 
@@ -250,7 +251,13 @@ class PostgresWriter:
     ) -> Receipt:
         """Publish ``records`` unnumbered (``append.py``)."""
         where = self.where
-        steps = append_steps(stream, records, max_record_size=max_record_size, where=lambda: where)
+        steps = append_steps(
+            stream,
+            records,
+            max_record_size=max_record_size,
+            where=lambda: where,
+            path=path_of(self.conn),
+        )
         receipt: Receipt = await self._steps(steps)
         return receipt
 
@@ -522,10 +529,14 @@ class PostgresStorage:
         return PostgresWatch(self.url, self.where, self.writer)
 
     def numberer(
-        self, serve: Callable[[Numbered], None], resync: Callable[[], Awaitable[Any]]
-    ) -> Numberer:
-        """The serving producer's numbering of what writers published."""
-        return Numberer(self.url, self.where, serve, resync)
+        self,
+        serve: Callable[[Numbered], None],
+        resync: Callable[[], Awaitable[Any]],
+        producer_id: str,
+    ) -> WalNumberer:
+        """The serving producer's numbering of what writers published: through the WAL
+        where the server allows it, else through the pending table (``walpath.py``)."""
+        return WalNumberer(self.url, self.where, producer_id, serve, resync)
 
     def capture(
         self,

@@ -1,0 +1,256 @@
+"""The WAL path (``engines/postgres/walpath.py``): on a server with ``wal_level = logical``,
+``streamq.publish`` writes the records as a logical message in the writer's transaction,
+and the serving producer numbers them from its own replication slot into the log, each
+record stored once. The message format and its decoder are pure and checked without a
+server; the rest against a real one."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+
+import msgpack
+import psycopg
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import streamq
+from streamq import Consumer, Producer
+from streamq.engines.postgres import pgoutput
+from streamq.engines.postgres.walpath import (
+    BadMessage,
+    WalDecoder,
+    publish_slot,
+    read_message,
+    widen,
+)
+
+from .conftest import wait_for
+from .test_pg_capture import encode
+
+# --- the messages, without a server ----------------------------------------------------
+
+
+def message(content: bytes, lsn: int = 0x1_0000_0010, prefix: str = "streamq") -> bytes:
+    """A pgoutput MESSAGE, as the manual's format gives it (transactional)."""
+    return (
+        b"M"
+        + struct.pack("!bQ", 1, lsn)
+        + prefix.encode()
+        + b"\0"
+        + struct.pack("!i", len(content))
+        + content
+    )
+
+
+def test_a_logical_message_decodes_and_a_cut_one_is_an_error() -> None:
+    data = message(b"payload")
+    assert pgoutput.decode(data) == pgoutput.LogicalMessage(
+        True, 0x1_0000_0010, "streamq", b"payload"
+    )
+    with pytest.raises(pgoutput.DecodeError):
+        pgoutput.decode(data[:-1])
+
+
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [
+        (b"\xc1", "not a streamq message"),
+        (msgpack.packb((2, "s", [1], [b"r"], [None])), "message version 2"),
+        (msgpack.packb((1, "s", [1, 2], [b"r"], [None])), "do not match"),
+    ],
+)
+def test_a_message_that_is_not_a_writers_is_refused_saying_why(content: bytes, reason: str) -> None:
+    with pytest.raises(BadMessage, match=reason):
+        read_message(content)
+
+
+@given(st.integers(0, 2**62), st.integers(0, 2**31 - 1))
+def test_a_32_bit_transaction_id_widens_to_its_xid8(xid8: int, ahead: int) -> None:
+    current = xid8 + ahead  # taken after the transaction: never before it
+    assert widen(xid8 & 0xFFFFFFFF, current) == xid8
+    assert widen(xid8, current) == xid8  # an xid8 already is one
+
+
+def test_the_decoder_gives_committed_transactions_with_their_records() -> None:
+    """Messages of the ``streamq`` prefix and pending rows, in order, each with its id
+    (a message's records at its LSN, LSN + 1, ...); other prefixes, and transactions
+    holding nothing of streamq's, give nothing; a bad message is counted, not fatal."""
+    columns = tuple(
+        pgoutput.Column(name, 0, -1, False)
+        for name in ("xid", "id", "stream", "ts", "record", "key")
+    )
+    relation = pgoutput.Relation(7, "public", "streamq_pending", "d", columns)
+    ours = msgpack.packb((1, "orders", [5, 6], [b"a", b"b"], [b"k", None]))
+    decoder = WalDecoder()
+    feed = [
+        pgoutput.Begin(100, 0, 42),
+        relation,
+        message(ours, lsn=1000),
+        message(b"ignored", prefix="other"),
+        pgoutput.Insert(7, (b"4294967338", b"3", b"orders", b"7", b"\\x63", None)),
+        message(b"\xc1", lsn=2000),
+    ]
+    for item in feed:
+        data = item if isinstance(item, bytes) else encode(item)
+        assert decoder.feed(data) is None
+        assert not decoder.between_transactions
+    done = decoder.feed(encode(pgoutput.Commit(100, 120, 0)))
+    assert done is not None and decoder.between_transactions
+    assert (done.xid, done.end_lsn, done.pending) == (42, 120, [(4294967338, 3)])
+    assert done.rows == [
+        (42, 1000, "orders", 5, b"a", b"k"),
+        (42, 1001, "orders", 6, b"b", None),
+        (4294967338, 3, "orders", 7, b"c", None),
+    ]
+    assert decoder.bad == 1
+    decoder.feed(encode(pgoutput.Begin(200, 0, 43)))
+    assert decoder.feed(encode(pgoutput.Commit(200, 220, 0))) is None  # nothing of ours
+
+
+# --- on a real server ------------------------------------------------------------------
+
+
+async def serving_through_the_wal(producer: Producer) -> dict[str, object]:
+    numberer = producer.numberer
+    assert numberer is not None
+    await wait_for(lambda: numberer.status()["path"] != "starting", what="a path chosen")
+    return numberer.status()
+
+
+async def received(address: str, stream: str, count: int) -> list[tuple[int, bytes]]:
+    async with Consumer(address, stream) as consumer:
+        got: list[tuple[int, bytes]] = []
+        while len(got) < count:
+            batch = await asyncio.wait_for(anext(consumer), 30)
+            got += [(record.seq, record.value) for record in batch]
+    return got
+
+
+def count(url: str, table: str) -> int:
+    with psycopg.connect(url) as conn:
+        row = conn.execute(f"SELECT count(*) FROM {table}").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+async def test_records_go_through_the_wal_once_in_commit_order(capture_url: str) -> None:
+    """A record published before the slot existed (pending) comes first; then the
+    others in the order their transactions committed, not the order they published;
+    a rollback publishes nothing; nothing is left in the pending table, and the log
+    holds each record once."""
+    with psycopg.connect(capture_url) as conn:
+        streamq.create_tables(conn)
+        streamq.publish(conn, "orders", b"before")
+    async with Producer(capture_url) as producer:
+        status = await serving_through_the_wal(producer)
+        assert status["path"] == "wal" and status["slot"] == publish_slot(producer.producer_id)
+        await wait_for(lambda: producer.head("orders") == 1, what="the pending record numbered")
+        with (
+            psycopg.connect(capture_url) as first,
+            psycopg.connect(capture_url) as second,
+            psycopg.connect(capture_url) as third,
+        ):
+            late = streamq.publish(first, "orders", b"published first, committed second")
+            streamq.publish(second, "orders", b"published second, committed first")
+            second.commit()
+            first.commit()
+            streamq.publish(third, "orders", b"rolled back")
+            third.rollback()
+            many = streamq.publish_many(third, "orders", [b"m1", b"m2"])
+            third.commit()
+        got = await received(producer.address, "orders", 5)
+        assert await producer.wait_served(late, timeout=10) == range(3, 4)
+        assert await producer.wait_served(many, timeout=10) == range(4, 6)
+        assert producer.server is not None
+        assert producer.server.status()["publishing"]["path"] == "wal"
+    assert got == [
+        (1, b"before"),
+        (2, b"published second, committed first"),
+        (3, b"published first, committed second"),
+        (4, b"m1"),
+        (5, b"m2"),
+    ]
+    assert count(capture_url, "streamq_pending") == 0
+    assert count(capture_url, "streamq_log") == 5
+
+
+async def test_a_transaction_open_for_long_delays_only_its_own_records(capture_url: str) -> None:
+    with psycopg.connect(capture_url) as conn:
+        streamq.create_tables(conn)
+    async with Producer(capture_url) as producer:
+        await serving_through_the_wal(producer)
+        await producer.create_stream("s")
+        with psycopg.connect(capture_url) as slow, psycopg.connect(capture_url) as quick:
+            streamq.publish(slow, "s", b"slow")
+            streamq.publish(quick, "s", b"quick")
+            quick.commit()
+            assert await received(producer.address, "s", 1) == [(1, b"quick")]
+            numberer = producer.numberer
+            assert numberer is not None
+            await wait_for(lambda: numberer.open_transactions.count >= 1, what="reported")
+            slow.commit()
+        assert await received(producer.address, "s", 2) == [(1, b"quick"), (2, b"slow")]
+
+
+async def test_without_wal_level_logical_the_table_path_runs_and_says_why(pg_url: str) -> None:
+    with psycopg.connect(pg_url) as conn:
+        streamq.create_tables(conn)
+    async with Producer(pg_url) as producer:
+        status = await serving_through_the_wal(producer)
+        assert status["path"] == "table"
+        assert "wal_level is 'replica'" in str(status["reason"])
+        await producer.create_stream("s")
+        with psycopg.connect(pg_url) as conn:
+            streamq.publish(conn, "s", b"r")
+        assert await received(producer.address, "s", 1) == [(1, b"r")]
+        assert count(pg_url, "streamq_pending") == 0
+
+
+async def test_a_slot_dropped_under_it_is_said_and_made_again(
+    capture_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Someone drops the slot (its reader cut off first): one error line naming it, the
+    slot made again, and records published after that served on at the next seq."""
+    with psycopg.connect(capture_url) as conn:
+        streamq.create_tables(conn)
+    async with Producer(capture_url) as producer:
+        await serving_through_the_wal(producer)
+        await producer.create_stream("s")
+        slot = publish_slot(producer.producer_id)
+        with psycopg.connect(capture_url) as conn:
+            streamq.publish(conn, "s", b"one")
+        assert await received(producer.address, "s", 1) == [(1, b"one")]
+        with caplog.at_level(logging.INFO, "streamq.postgres"):
+
+            def dropped() -> bool:
+                with psycopg.connect(capture_url, autocommit=True) as admin:
+                    admin.execute(
+                        "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots "
+                        "WHERE slot_name = %s AND active_pid IS NOT NULL",
+                        (slot,),
+                    )
+                    try:
+                        admin.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+                    except psycopg.errors.ObjectInUse:
+                        return False  # its reader had not gone yet
+                return True
+
+            await wait_for(dropped, what="the slot dropped")
+            await wait_for(
+                lambda: any("was dropped" in r.getMessage() for r in caplog.records),
+                timeout=30,
+                what="the error line",
+            )
+            await wait_for(
+                lambda: any("made on" in r.getMessage() for r in caplog.records),
+                timeout=30,
+                what="the slot made again",
+            )
+        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        assert len(errors) == 1 and slot in errors[0], errors
+        with psycopg.connect(capture_url) as conn:
+            streamq.publish(conn, "s", b"two")
+        assert await received(producer.address, "s", 2) == [(1, b"one"), (2, b"two")]
