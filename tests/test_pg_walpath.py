@@ -67,11 +67,11 @@ def test_a_message_that_is_not_a_writers_is_refused_saying_why(content: bytes, r
         read_message(content)
 
 
-@given(st.integers(0, 2**62), st.integers(0, 2**31 - 1))
-def test_a_32_bit_transaction_id_widens_to_its_xid8(xid8: int, ahead: int) -> None:
-    current = xid8 + ahead  # taken after the transaction: never before it
-    assert widen(xid8 & 0xFFFFFFFF, current) == xid8
-    assert widen(xid8, current) == xid8  # an xid8 already is one
+@given(st.integers(0, 2**62), st.integers(-(2**31) + 1, 2**31 - 1))
+def test_a_32_bit_transaction_id_widens_to_its_xid8(xid8: int, apart: int) -> None:
+    reference = max(0, xid8 + apart)  # a recent xid8, before or after it
+    assert widen(xid8 & 0xFFFFFFFF, reference) == xid8
+    assert widen(xid8, reference) == xid8  # an xid8 already is one
 
 
 def test_the_decoder_gives_committed_transactions_with_their_records() -> None:

@@ -371,12 +371,20 @@ def append_steps(
 
 
 def insert_statement(
-    rows: Sequence[LogRow], times: Sequence[TimeRow], epochs: Sequence[EpochRow]
+    rows: Sequence[LogRow],
+    times: Sequence[TimeRow],
+    epochs: Sequence[EpochRow],
+    also: Statement | None = None,
 ) -> Statement:
     """One statement for records, their time index rows and epoch rows, of any streams:
-    one round trip however many records."""
+    one round trip however many records. ``also``: a further statement run with it, as a
+    CTE (named parameters, none of those used here)."""
     params: dict[str, Any] = {}
     ctes = []
+    if also is not None:
+        ctes.append(f"also AS ({also.sql})")
+        assert isinstance(also.params, dict)
+        params |= also.params
     if epochs:
         ctes.append(
             "epochs AS (INSERT INTO streamq_epochs (stream_id, first_seq, epoch) SELECT * "

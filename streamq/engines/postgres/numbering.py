@@ -217,11 +217,13 @@ def number_rows(
     booted: bool,
     known: dict[str, StreamState] | None = None,
     before_commit: Callable[[Numbered], None] | None = None,
+    also: Statement | None = None,
 ) -> Steps:
     """Number ``rows`` (``(xid, id, stream, ts, unnumbered record, key)``, in the order
     their seqs follow) and insert them into the log, in the caller's transaction: a
     ``Numbered``. ``epoch`` is the database's, ``booted`` whether this server life took
-    one (else a new one is taken); the rest as ``number_steps``."""
+    one (else a new one is taken); ``also`` is run in the insert's statement; the rest
+    as ``number_steps``."""
     names = list(dict.fromkeys(row[2] for row in rows))
     states = {name: known[name] for name in names if known and name in known}
     unknown = [name for name in names if name not in states]
@@ -267,7 +269,7 @@ def number_rows(
         if segment is not None:
             epochs.append(segment)
         result.streams.append(stream)
-    yield insert_statement(log_rows, times, epochs)
+    yield insert_statement(log_rows, times, epochs, also)
     if before_commit is not None:
         before_commit(result)
     return result

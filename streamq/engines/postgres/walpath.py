@@ -69,6 +69,7 @@ logger = logging.getLogger("streamq.postgres")
 
 IDLE_WAIT = 1.0  # s: with nothing coming, a look anyway (status, the slot confirmed)
 FLUSH_PATIENCE_MS = 3  # a round's flush left to the writers that long at most
+CONFIRM_EVERY = 0.2  # s between confirmations of the slot (each one a message)
 OPEN_LOOK_S = 1.0  # how often open writing transactions are looked up
 _RECONNECT_FIRST, _RECONNECT_MOST = 0.5, 30.0
 
@@ -81,7 +82,7 @@ DELETE_PENDING = """
 DELETE FROM streamq_pending WHERE (xid, id) IN (
     SELECT x::text::xid8, i FROM unnest(%(xids)b::bigint[], %(ids)b::bigint[]) AS t (x, i))"""
 STORE = """
-INSERT INTO streamq_capture (slot, lsn, tables) VALUES (%s, %s, '{}')
+INSERT INTO streamq_capture (slot, lsn, tables) VALUES (%(slot)s, %(lsn)s, '{}')
 ON CONFLICT (slot) DO UPDATE SET lsn = EXCLUDED.lsn"""
 SLOT_QUERY = """
 SELECT (SELECT value FROM streamq_meta WHERE key = 'publish_slot'),
@@ -203,10 +204,25 @@ class WalDecoder:
         )
 
 
-def widen(xid32: int, current: int) -> int:
-    """A 32-bit transaction id as the xid8 it is, given the current xid8 (taken after
-    it): the latest full id with those low 32 bits."""
-    return current - ((current - xid32) & 0xFFFFFFFF)
+def widen(xid: int, reference: int) -> int:
+    """A 32-bit transaction id as the xid8 it is: the one with those low 32 bits nearest
+    ``reference``, a recent xid8 (within 2^31 of every transaction still decoded). An
+    xid8 already is one."""
+    value = (reference & ~0xFFFFFFFF) | (xid & 0xFFFFFFFF)
+    if value - reference > 1 << 31:
+        value -= 1 << 32
+    elif reference - value > 1 << 31:
+        value += 1 << 32
+    return value
+
+
+@dataclass(slots=True)
+class Round:
+    """What a round needs besides its transactions: the epoch (None: read it, in a
+    transaction the caller began) and a recent xid8 to widen the 32-bit ids by."""
+
+    epoch: int | None
+    reference: int
 
 
 def round_steps(
@@ -214,21 +230,31 @@ def round_steps(
     slot: str,
     known: dict[str, StreamState],
     before_commit: Callable[[Numbered], None],
+    at: Round,
 ) -> Steps:
-    """One round in the caller's transaction: the records numbered into the log, the
-    pending rows among them deleted, the position past them stored; a ``Numbered``."""
-    epoch, booted, current = yield Statement(ROUND_START, fetch=True)
+    """One round: the records numbered into the log, the pending rows among them deleted,
+    the position past them stored; a ``Numbered``. One statement (autocommit) when the
+    epoch is known and no pending row came; else in the caller's transaction, which
+    ``ROUND_START`` reads first (a new epoch taken if this server life took none)."""
+    booted = True
+    if at.epoch is None:
+        epoch, booted, at.reference = yield Statement(ROUND_START, fetch=True)
+        at.epoch = int(epoch)
     rows: list[tuple[Any, ...]] = []
     pending: list[tuple[int, int]] = []
     for tx in transactions:
         pending += tx.pending
         # A message's rows carry the 32-bit id, a pending row's its xid8: both widen alike.
-        rows += [(widen(row[0], int(current)), *row[1:]) for row in tx.rows]
-    done: Numbered = yield from number_rows(rows, int(epoch), booted, known, before_commit)
+        rows += [(widen(row[0], at.reference), *row[1:]) for row in tx.rows]
+    at.reference = max(at.reference, rows[-1][0])
     if pending:
         xids, ids = zip(*pending, strict=True)
         yield Statement(DELETE_PENDING, {"xids": list(xids), "ids": list(ids)})
-    yield Statement(STORE, (slot, transactions[-1].end_lsn))
+    store = Statement(STORE, {"slot": slot, "lsn": transactions[-1].end_lsn})
+    done: Numbered = yield from number_rows(
+        rows, at.epoch, booted, known, before_commit, also=store
+    )
+    at.epoch = done.epoch
     return done
 
 
@@ -250,6 +276,7 @@ class WalNumberer:
         self._table: Numberer | None = None  # the table path, if that is the one
         self._conn: Any = None
         self._known: dict[str, StreamState] = {}
+        self._round_at = Round(None, 0)
         self._lost = False  # a round may have committed unserved: resync first
         self.position = 0  # every transaction ending at or before it is numbered
         # Rounds committed, not yet known flushed: (round, the WAL written up to just
@@ -326,6 +353,7 @@ class WalNumberer:
 
     async def _reset(self) -> None:
         self._known.clear()
+        self._round_at.epoch = None  # read again on the next connection (a new epoch?)
         if self._conn is not None:
             with contextlib.suppress(Exception):
                 await self._conn.close()
@@ -420,7 +448,7 @@ class WalNumberer:
             await conn.execute("SET LOCAL synchronous_commit = on")  # served at once
             while (done := await run_async(conn, number_steps())) is not None:
                 drained.append(done)
-            await conn.execute(STORE, (self.slot, exported.lsn))
+            await conn.execute(STORE, {"slot": self.slot, "lsn": exported.lsn})
             await conn.execute(SET_META, ("publish_slot", self.slot))
             await conn.execute("COMMIT")
         except BaseException:
@@ -460,6 +488,7 @@ class WalNumberer:
         decoder = WalDecoder()
         self._unflushed.clear()
         self._flushed = self._served_position = confirmed = start
+        confirmed_at = 0.0
         batch: list[Transaction] = []
         count = 0
         try:
@@ -478,8 +507,10 @@ class WalNumberer:
                     await self._round(batch)
                     batch, count = [], 0
                 self._serve_flushed()
-                if self._served_position > confirmed:
+                now = time.monotonic()
+                if self._served_position > confirmed and now - confirmed_at >= CONFIRM_EVERY:
                     reader.confirm(confirmed := self._served_position)
+                    confirmed_at = now
                 elif (
                     drained
                     and not self._unflushed
@@ -505,16 +536,21 @@ class WalNumberer:
         """Number ``batch`` in one transaction, committed without waiting for its flush
         (it rides on the writers'); served once the WAL is flushed past it."""
         conn = self._conn
+        # One statement, its own transaction, when it can (``round_steps``).
+        alone = self._round_at.epoch is not None and not any(tx.pending for tx in batch)
+        steps = round_steps(batch, self.slot, self._known, self._taken, self._round_at)
         try:
-            async with conn.pipeline():
-                await conn.execute("BEGIN")
-                steps = round_steps(batch, self.slot, self._known, self._taken)
+            if alone:  # two statements: a pipeline would cost more than the round trip
                 done: Numbered = await run_async(conn, steps)
-                await conn.execute("COMMIT")
-                cursor = await conn.execute(WAL_POSITIONS)
-                bound, flushed = await cursor.fetchone()
+            else:
+                async with conn.pipeline():
+                    await conn.execute("BEGIN")
+                    done = await run_async(conn, steps)
+                    await conn.execute("COMMIT")
+            bound, flushed = await self._one(WAL_POSITIONS)
         except BaseException:
             self._known.clear()
+            self._round_at.epoch = None
             with contextlib.suppress(Exception):
                 await conn.execute("ROLLBACK")
             raise
