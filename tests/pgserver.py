@@ -312,6 +312,15 @@ class PostgresServer:
                 replayed, f"the replica on port {self.port} to replay up to {target}", timeout
             )
 
+    def reconfigure(self, **settings: str) -> None:
+        """Stop the server (fast), change ``settings`` and start it again, same directory
+        and port: what an operator's ALTER SYSTEM and restart do."""
+        self._run("pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "-t", "60", "stop")
+        self.running = False
+        self.settings.update(settings)
+        self._configure()
+        self._pg_ctl_start()
+
     def crash(self) -> None:
         """``pg_ctl stop -m immediate``: the postmaster ends every process at once, with no
         shutdown checkpoint; the next start runs crash recovery, as after kill -9."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
+from collections.abc import Iterator
 
 import msgpack
 import psycopg
@@ -17,6 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import streamq
+from bench.transfer_pg.kafka import drop_slot
 from streamq import Consumer, Producer
 from streamq.engines.postgres import pgoutput
 from streamq.engines.postgres.walpath import (
@@ -27,7 +29,8 @@ from streamq.engines.postgres.walpath import (
     widen,
 )
 
-from .conftest import wait_for
+from .conftest import started_server, wait_for
+from .pgserver import PostgresServer
 from .test_pg_capture import encode
 
 # --- the messages, without a server ----------------------------------------------------
@@ -254,3 +257,114 @@ async def test_a_slot_dropped_under_it_is_said_and_made_again(
         with psycopg.connect(capture_url) as conn:
             streamq.publish(conn, "s", b"two")
         assert await received(producer.address, "s", 2) == [(1, b"one"), (2, b"two")]
+
+
+@pytest.fixture
+def own_server() -> Iterator[PostgresServer]:
+    """A logical server of the test's own, which it restarts or fills with WAL."""
+    yield from started_server(
+        {"wal_level": "logical", "max_replication_slots": "5", "max_slot_wal_keep_size": "1MB"}
+    )
+
+
+def slot_status(url: str, slot: str) -> str | None:
+    with psycopg.connect(url) as conn:
+        row = conn.execute(
+            "SELECT wal_status FROM pg_replication_slots WHERE slot_name = %s", (slot,)
+        ).fetchone()
+    return None if row is None else str(row[0])
+
+
+async def test_a_server_restarted_with_wal_level_lowered_is_served_through_the_table(
+    own_server: PostgresServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The documented way back: the slot dropped once numbered, wal_level lowered, the
+    server restarted. Records published since go through the pending table, the next
+    serving process says so once, and the stream goes on at the next seq."""
+    url = own_server.create_database("lowered")
+    with psycopg.connect(url) as conn:
+        streamq.create_tables(conn)
+    async with Producer(url) as producer:
+        assert (await serving_through_the_wal(producer))["path"] == "wal"
+        await producer.create_stream("s")
+        slot = publish_slot(producer.producer_id)
+        with psycopg.connect(url) as conn:
+            streamq.publish(conn, "s", b"through the WAL")
+        assert await received(producer.address, "s", 1) == [(1, b"through the WAL")]
+    drop_slot(url, slot)
+    own_server.reconfigure(wal_level="replica")
+    with psycopg.connect(url) as conn:
+        streamq.publish(conn, "s", b"through the table")
+    assert count(url, "streamq_pending") == 1
+    with caplog.at_level(logging.INFO, "streamq.postgres"):
+        async with Producer(url) as producer:
+            status = await serving_through_the_wal(producer)
+            assert status["path"] == "table" and "wal_level is 'replica'" in str(status["reason"])
+            got = await received(producer.address, "s", 2)
+    assert got == [(1, b"through the WAL"), (2, b"through the table")]
+    said = [r.getMessage() for r in caplog.records if "through table" in r.getMessage()]
+    assert len(said) == 1, said
+
+
+async def test_a_slot_invalidated_while_nobody_served_is_said_and_made_again(
+    own_server: PostgresServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``max_slot_wal_keep_size`` exceeded while no process served: PostgreSQL
+    invalidates the slot and recycles the WAL it held, with a record published through
+    it. Writers then publish through the table; the next serving process names the slot
+    and the position after which records may be lost, in one error line, makes a new
+    slot and serves on at the next seq: nothing served wrong."""
+    url = own_server.create_database("invalidated")
+    with psycopg.connect(url) as conn:
+        streamq.create_tables(conn)
+    async with Producer(url) as producer:
+        await serving_through_the_wal(producer)
+        await producer.create_stream("s")
+        slot = publish_slot(producer.producer_id)
+        with psycopg.connect(url) as conn:
+            streamq.publish(conn, "s", b"served")
+        assert await received(producer.address, "s", 1) == [(1, b"served")]
+    with psycopg.connect(url) as conn:
+        streamq.publish(conn, "s", b"in the WAL when it went")
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("CREATE TABLE filler (x text)")
+        for _ in range(20):  # bounded: 20 x 8 MiB of WAL at most
+            if slot_status(url, slot) == "lost":
+                break
+            conn.execute(
+                "INSERT INTO filler SELECT repeat('x', 1000) FROM generate_series(1, 8000)"
+            )
+            conn.execute("SELECT pg_switch_wal()")
+            conn.execute("CHECKPOINT")
+    assert slot_status(url, slot) == "lost"
+    with psycopg.connect(url) as conn:
+        streamq.publish(conn, "s", b"after")  # the slot is lost: through the table
+    assert count(url, "streamq_pending") == 1
+    with caplog.at_level(logging.INFO, "streamq.postgres"):
+        async with Producer(url) as producer:
+            await wait_for(lambda: slot_status(url, slot) not in (None, "lost"), 30, "a new slot")
+            got = await received(producer.address, "s", 2)
+    assert got == [(1, b"served"), (2, b"after")]
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and slot in errors[0] and "invalidated" in errors[0], errors
+
+
+async def test_a_savepoint_rolled_back_takes_its_records_with_it(capture_url: str) -> None:
+    """Records published inside a savepoint that is rolled back are not published (a
+    transactional message belongs to its subtransaction); the others in the same
+    transaction are, at consecutive seqs."""
+    with psycopg.connect(capture_url) as conn:
+        streamq.create_tables(conn)
+    async with Producer(capture_url) as producer:
+        assert (await serving_through_the_wal(producer))["path"] == "wal"
+        await producer.create_stream("s")
+        with psycopg.connect(capture_url) as conn:
+            streamq.publish(conn, "s", b"before")
+            with pytest.raises(ZeroDivisionError), conn.transaction():  # a savepoint
+                streamq.publish(conn, "s", b"rolled back with its savepoint")
+                raise ZeroDivisionError
+            with conn.transaction():
+                streamq.publish(conn, "s", b"kept with its savepoint")
+            streamq.publish(conn, "s", b"after")
+        got = await received(producer.address, "s", 3)
+    assert got == [(1, b"before"), (2, b"kept with its savepoint"), (3, b"after")]

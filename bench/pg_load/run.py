@@ -162,7 +162,7 @@ def _wal(url: str) -> tuple[int, int]:
     return (int(row[0]), int(row[1])) if row else (0, 0)
 
 
-def _busy_seconds() -> float:
+def busy_seconds() -> float:
     """CPU time every process of the machine has used so far (``/proc/stat``)."""
     with open("/proc/stat") as f:
         fields = [int(v) for v in f.readline().split()[1:]]
@@ -170,7 +170,7 @@ def _busy_seconds() -> float:
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
-def _publishing_path(url: str) -> str:
+def publishing_path(url: str) -> str:
     """The path ``streamq serve`` numbers through, once it has chosen: "wal" once it
     names its slot to writers, else "table" (the server cannot decode its WAL)."""
     with psycopg.connect(url) as conn:
@@ -280,16 +280,16 @@ def run_once(
             ]
             for child in children:
                 child.expect("READY", STARTUP_TIMEOUT)
-            path = _publishing_path(url) if system == "streamq" else ""
+            path = publishing_path(url) if system == "streamq" else ""
             syncs, wal_bytes = _wal(url)
-            busy = _busy_seconds()
+            busy = busy_seconds()
             if backlog and source is not None:
                 source.process.send_signal(signal.SIGSTOP)
             for child in children:
                 child.send("GO")
             committed = sum(int(child.expect("DONE", seconds + 120)[0]) for child in children)
             flushes = (_wal_syncs(url) - syncs) / max(committed, 1)
-            used = _busy_seconds() - busy, _wal(url)[1] - wal_bytes
+            used = busy_seconds() - busy, _wal(url)[1] - wal_bytes
             if backlog and source is not None:
                 resumed = time.time_ns()
                 source.process.send_signal(signal.SIGCONT)
@@ -300,7 +300,7 @@ def run_once(
                 got, anomalies = map(int, consumer.expect("DONE", DRAIN_TIMEOUT))
                 received = got
                 anomalies += abs(got - committed)
-                used = _busy_seconds() - busy, _wal(url)[1] - wal_bytes
+                used = busy_seconds() - busy, _wal(url)[1] - wal_bytes
         times = [_load(folder / f"w{i}") for i in range(writers)]
         commits: dict[tuple[int, int], int] = {}
         tx, commit = [], []
@@ -388,7 +388,7 @@ def measure_idle(server: Any, seconds: float) -> dict[str, float]:
         stack.callback(drop_slot, url, publish_slot(_producer_id(url)))  # once it stopped
         serving = stack.enter_context(Child("streamq", "serve", url, "--port", 0))
         serving.expect("serving", STARTUP_TIMEOUT)
-        _publishing_path(url)  # its sessions as they stay
+        publishing_path(url)  # its sessions as they stay
         with psycopg.connect(url) as conn, psycopg.connect(url) as held:
             for n in range(10):
                 streamq.publish(conn, STREAM, b"%d" % n)

@@ -415,23 +415,18 @@ class WalNumberer:
     async def _make_slot(self, named: str | None, status: str | None, stored: int | None) -> int:
         """Make the slot (again), number the pending rows committed before it, and name it
         to writers; the position it starts from."""
-        if status == "lost":
-            logger.error(
-                "the WAL path's slot %s on %s was invalidated (max_slot_wal_keep_size): "
-                "records published through the WAL after %s may be lost; making it again",
-                self.slot,
-                self._where,
-                format_lsn(int(stored or 0)),
-            )
-        elif status is not None or (named == self.slot and stored is not None):
+        told = named == self.slot  # writers were publishing through it
+        if told and (status in (None, "lost")):
             logger.error(
                 "the WAL path's slot %s on %s was %s: records published through the WAL "
                 "after %s may be lost; making it again",
                 self.slot,
                 self._where,
-                "left unfinished" if status is not None else "dropped",
+                "invalidated (max_slot_wal_keep_size)" if status == "lost" else "dropped",
                 format_lsn(int(stored or 0)),
             )
+        elif status is not None:  # made, but the setup did not finish: nobody used it
+            logger.info("the WAL path's slot %s on %s: made again", self.slot, self._where)
         if named:  # writers go back to the table path before the slot goes
             await self._conn.execute(SET_META, ("publish_slot", ""))
             await asyncio.sleep(PATH_CHECK_EVERY * 1.5)
