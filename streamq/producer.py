@@ -236,7 +236,12 @@ class Producer:
         nothing is captured, but all is ready (``streamq init --capture``)."""
         storage = cast(CapturingStorage, self.storage)
         capture = storage.capture(
-            self.captured, self.producer_id, self.max_record_size, self._snapshot
+            self.captured,
+            self.producer_id,
+            self.max_record_size,
+            self._numbered,
+            self._resync,
+            self._snapshot,
         )
         self._capture = capture
         await capture.prepare()

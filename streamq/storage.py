@@ -577,10 +577,13 @@ class CapturingStorage(Storage, Protocol):
         streams: Mapping[str, str],
         producer_id: str,
         max_record_size: int,
+        serve: Callable[[Numbered], None],
+        resync: Callable[[], Awaitable[Any]],
         snapshot: bool = False,
     ) -> Capturing:
         """The serving producer's capture of ``streams`` (``{schema.table: stream}``),
-        each table's rows first with ``snapshot``."""
+        each table's rows first with ``snapshot``; ``serve`` and ``resync`` as for the
+        numbering (``NumberingStorage.numberer``): capture numbers its streams itself."""
         ...
 
 

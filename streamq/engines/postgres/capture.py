@@ -5,11 +5,11 @@ The serving producer reads a logical replication slot of its own (``streamq_<pro
 id>``, PostgreSQL's built-in ``pgoutput`` plugin) over a publication of the captured
 tables (named alike), through the streaming replication protocol (``replication.py``):
 the server pushes each transaction, whole and in commit order, once it has committed.
-What has come is turned into change records (``changes.py``) and published as any writer
-publishes (``append.py``: unnumbered, then numbered by the serving producer in the order
-published), in one transaction that also stores how far the capture has got, in
-``streamq_capture``. Only once the WAL is flushed past that transaction's commit is the
-slot confirmed past it. So, exactly once:
+What has come is turned into change records (``changes.py``) and numbered straight into
+the captured streams' log (``walpath.commit_round``, as the WAL path numbers what writers
+publish), in one statement that also stores how far the capture has got, in
+``streamq_capture``: each change stored once. Only once the WAL is flushed past that
+commit are the records served and the slot confirmed past it. So, exactly once:
 
 - a crash before the commit loses nothing: the slot has not moved, the stream starts
   again before those transactions;
@@ -23,7 +23,7 @@ so that the WAL other writes leave (other tables, streamq's own numbering) is no
 
 With ``snapshot``, a table's rows come first, once: read as of a snapshot a temporary
 slot exports (``replication.ExportedSnapshot``: every transaction committed before its
-LSN is in it, none after), published in one transaction that stores that LSN in
+LSN is in it, none after), numbered in one transaction that stores that LSN in
 ``streamq_capture_snapshot``; the table's changes committed before it are then left out
 (``ChangeDecoder``'s ``snapshots``), whatever the slot sends again.
 """
@@ -35,24 +35,32 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ...errors import CaptureError, DatabaseOpenError
 from ...records import CheckedRecord, encode_unnumbered
-from .append import CAPTURE_TABLE, CHANNEL, DOORBELL
+from ...storage import Numbered
+from .append import CAPTURE_TABLE, SYNC_COMMIT, run_async
 from .changes import Captured, ChangeDecoder, snapshot_records, table_of
 from .driver import connect_async, psycopg_module
+from .numbering import FLUSH, StreamState
 from .pgoutput import Column, Relation, format_lsn, parse_lsn
 from .replication import ExportedSnapshot, SlotReader
+from .walpath import (
+    FLUSH_PATIENCE_MS,
+    FLUSHED,
+    Round,
+    Transaction,
+    commit_round,
+    numbered_steps,
+)
 
 logger = logging.getLogger("streamq.capture")
 
 LIMIT = 10_000  # messages read before what they hold is published
 RETAINED_EVERY = 1.0  # s between looks at the WAL the slot holds back
-FLUSH_LOOK = 0.01  # s between looks at the WAL's flush while stored positions wait for it
-WAL_POSITIONS = "SELECT pg_current_wal_insert_lsn()::text, pg_current_wal_flush_lsn()::text"
 # Past this much WAL held back by the slot, a warning (once, until it is back under).
 RETAINED_WARNING = 1 << 30
 RETAINED = (
@@ -70,24 +78,6 @@ SNAPSHOTS_TABLE = """CREATE TABLE IF NOT EXISTS streamq_capture_snapshot (
     rows bigint NOT NULL,
     PRIMARY KEY (slot, tbl)
 )"""
-# Records published as ``append.PUBLISH`` publishes (unnumbered, in order: the serving
-# producer numbers them), and the doorbell as there: rung if the numberer armed it.
-_ADDED = """added AS (
-    INSERT INTO streamq_pending (stream, ts, record, key)
-    SELECT * FROM unnest(%(streams)b::text[], %(ts)b::bigint[], %(records)b::bytea[],
-        %(keys)b::bytea[])
-    RETURNING 1)"""
-_RING = f"""SELECT CASE WHEN NOT pg_try_advisory_xact_lock_shared({DOORBELL})
-    THEN pg_notify('{CHANNEL}', '') END, (SELECT count(*) FROM added)"""
-# A round's records with the position past them, in one statement: on an autocommit
-# connection, one transaction and one round trip.
-PUBLISH = f"""
-WITH {_ADDED},
-stored AS (
-    INSERT INTO streamq_capture (slot, lsn, tables) VALUES (%(slot)s, %(lsn)s, %(tables)s)
-    ON CONFLICT (slot) DO UPDATE SET lsn = EXCLUDED.lsn)
-{_RING}"""
-SNAPSHOT_ROWS = f"WITH {_ADDED}\n{_RING}"  # part of a snapshot, in its transaction
 SNAPSHOT_BATCH = 5_000  # rows read and published at a time
 # The captured tables' columns: as pgoutput's RELATION message gives them (name, type,
 # modifier, whether the replica identity holds it: for a snapshot's rows), and as a
@@ -284,9 +274,14 @@ class Capture:
         producer_id: str,
         streams: Mapping[str, str],
         max_record_size: int,
+        serve: Callable[[Numbered], None],
+        resync: Callable[[], Awaitable[Any]],
         snapshot: bool = False,
     ) -> None:
         self._url, self._where = url, where
+        # Each round once flushed; after a snapshot or a failure, the heads from the
+        # database (``Producer._numbered``, ``Producer._resync``).
+        self._serve, self._resync = serve, resync
         self.producer_id = producer_id
         self.streams = dict(streams)
         self.slot = slot_name(producer_id)
@@ -298,9 +293,14 @@ class Capture:
         self.lsn = 0  # every transaction ending at or before it is published
         self.captured = 0  # changes published by this process
         self.retained_bytes = 0  # WAL the slot holds back, as last seen
-        # Stored positions not yet confirmed to the slot: (position, the WAL written up to
-        # just after its commit), oldest first; confirmed once the WAL is flushed past.
-        self._unflushed: deque[tuple[int, int]] = deque()
+        # Rounds not yet known flushed: (position past them, the WAL written up to just
+        # after their commit, the round), oldest first; served, and the slot confirmed
+        # past them, once the WAL is flushed past.
+        self._unflushed: deque[tuple[int, int, Numbered]] = deque()
+        self._known: dict[str, StreamState] = {}  # the captured streams, as numbered
+        self._round_at = Round(None, 0)
+        self._next_id = 0  # records' ids within their rounds' groups (no receipts wait)
+        self._lost = False  # rounds may have committed unserved: flush and resync
         self._retained_at = -RETAINED_EVERY  # monotonic time of that look
 
     async def prepare(self) -> CaptureState:
@@ -315,9 +315,9 @@ class Capture:
             self._conn = await connect_async(
                 self._url, self._where, application_name="streamq capture"
             )
-            # Its commits wait for no flush of their own: the slot is confirmed past what
-            # they stored only once the WAL is flushed past them (``_confirmable``), and
-            # the numbering serves their records only then too.
+            # Its commits wait for no flush of their own: their records are served, and
+            # the slot confirmed past what they stored, once the WAL is flushed past them
+            # (``_confirmable``).
             await self._conn.execute("SET synchronous_commit = off")
             await _text_forms(self._conn)
         return self._conn
@@ -331,6 +331,10 @@ class Capture:
                 if self._state is None:
                     await self.prepare()
                 assert self._state is not None
+                if self._lost:  # rounds may have committed unserved: flushed, then heads
+                    await (await self._connect()).execute(FLUSH)
+                    await self._resync()
+                    self._lost = False
                 todo = [t for t in self.streams if t not in self._state.snapshots]
                 if self.snapshot and todo:
                     await self._take_snapshot(todo)
@@ -353,6 +357,10 @@ class Capture:
                 await self._conn.close()
         self._conn = None
         self._state = None  # prepared again: the stored position is read anew
+        self._known.clear()
+        self._round_at.epoch = None
+        self._lost = True  # a round may have committed, and not been served
+        self._unflushed.clear()
 
     async def _stream(self) -> None:
         """Read the slot from the stored position on: what has come, whole transactions,
@@ -379,12 +387,12 @@ class Capture:
                     captured = decoder.feed(data)
                     if captured is not None and captured.end_lsn > self.lsn:
                         new.append(captured)
+                # The server decodes only flushed WAL: what it has sent is flushed.
+                flushed = reader.wal_end
                 if new:
-                    flushed = await self._publish(conn, new)
-                elif self._unflushed:
-                    (flushed,) = await _one(conn, "SELECT pg_current_wal_flush_lsn()::text")
+                    flushed = max(flushed, await self._publish(conn, new))
                 if self._unflushed:
-                    if (durable := self._confirmable(parse_lsn(flushed))) > confirmed:
+                    if (durable := self._confirmable(flushed)) > confirmed:
                         reader.confirm(confirmed := durable)
                 elif drained and decoder.between_transactions and reader.wal_end > confirmed:
                     # All stored and flushed, nothing of ours before what the server has
@@ -393,10 +401,15 @@ class Capture:
                 if time.monotonic() - self._retained_at >= RETAINED_EVERY:
                     await self._look_at_retained(conn)
                 if drained and not new:
-                    wait = FLUSH_LOOK if self._unflushed else RETAINED_EVERY
+                    wait = FLUSH_PATIENCE_MS / 1000 if self._unflushed else RETAINED_EVERY
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(wait):
                             await readable.wait()
+                    if self._unflushed and not readable.is_set():
+                        await conn.execute(FLUSH)  # nobody flushed meanwhile
+                        (now,) = await _one(conn, FLUSHED)
+                        if (durable := self._confirmable(int(now))) > confirmed:
+                            reader.confirm(confirmed := durable)
         finally:
             loop.remove_reader(fd)
             reader.close()
@@ -416,6 +429,8 @@ class Capture:
                 await _text_forms(conn)
                 async with conn.transaction():
                     rows = await self._snapshot_rows(conn, exported, tables)
+                    # Its records are served from the database once it commits: flushed.
+                    await conn.execute(SYNC_COMMIT)
                     await conn.execute(
                         "INSERT INTO streamq_capture_snapshot (slot, tbl, lsn, rows) "
                         "SELECT %s, * FROM unnest(%s::text[], %s::bigint[], %s::bigint[])",
@@ -423,9 +438,13 @@ class Capture:
                     )
             finally:
                 await conn.close()
+        except BaseException:
+            self._known.clear()  # numbered in a transaction that did not commit
+            raise
         finally:
             exported.close()
             self.snapshotting = None
+        await self._resync()  # the streams' new heads, from the database
         self._state.snapshots.update(dict.fromkeys(tables, exported.lsn))
         logger.info(
             "capture on %s: snapshot of %s at %s published: %s rows",
@@ -452,8 +471,13 @@ class Capture:
             (count,) = await _one(conn, sql.SQL("SELECT count(*) FROM {}").format(_name(name)))
             counts.append(int(count))
         total, done, now_ms = sum(counts), 0, int(time.time() * 1000)
-        at = format_lsn(exported.lsn)
-        self.snapshotting = {"tables": tables, "lsn": at, "rows": 0, "of": total}
+        at = Round(None, 0)  # the epoch read in this transaction
+        self.snapshotting = {
+            "tables": tables,
+            "lsn": format_lsn(exported.lsn),
+            "rows": 0,
+            "of": total,
+        }
         for relation in relations:
             table = table_of(relation, self.streams, self._state.keys)
             texts = sql.SQL(", ").join(
@@ -471,50 +495,42 @@ class Capture:
             while batch := await cursor.fetchmany(SNAPSHOT_BATCH):
                 values = [tuple(None if v is None else v.encode() for v in row) for row in batch]
                 records = snapshot_records(table, values, exported.lsn, now_ms, done, total)
-                await conn.execute(SNAPSHOT_ROWS, self._records(records))
+                await run_async(conn, numbered_steps(self._rows(records), at, self._known))
                 done += len(records)
                 self.snapshotting["rows"] = done
             await cursor.close()
         return counts
 
-    def _records(self, records: list[tuple[str, CheckedRecord]]) -> dict[str, Any]:
-        """``_ADDED``'s parameters: records of their streams, in order."""
-        return {
-            "streams": [stream for stream, _ in records],
-            "ts": [record[3] for _, record in records],
-            "records": encode_unnumbered([r for _, r in records], self._max_record_size),
-            "keys": [record[1] for _, record in records],
-        }
+    def _rows(self, records: list[tuple[str, CheckedRecord]]) -> list[tuple[Any, ...]]:
+        """Records of their streams, in order, as ``numbering.number_rows`` takes them."""
+        encoded = encode_unnumbered([r for _, r in records], self._max_record_size)
+        first, self._next_id = self._next_id, self._next_id + len(records)
+        return [
+            (0, first + i, stream, record[3], data, record[1])
+            for i, ((stream, record), data) in enumerate(zip(records, encoded, strict=True))
+        ]
 
     def _confirmable(self, flushed: int) -> int:
-        """How far the slot may be confirmed, the WAL flushed up to ``flushed``: past the
-        stored positions whose commits it holds (0: none)."""
+        """Serve the rounds the WAL is flushed past (``flushed``), in order; how far the
+        slot may be confirmed (0: no further)."""
         durable = 0
         while self._unflushed and self._unflushed[0][1] <= flushed:
-            durable = self._unflushed.popleft()[0]
+            durable, _, done = self._unflushed.popleft()
+            self._serve(done)
         return durable
 
-    async def _publish(self, conn: Any, new: list[Captured]) -> str:
-        """The records of ``new``, and the position past them, in one statement (its own
-        transaction); returns how far the WAL is flushed now. The commit's record ends
-        before where the WAL is written up to just after it: once flushed past there,
-        the slot may move past what it stored (``_unflushed``)."""
-        records = [record for transaction in new for record in transaction.records]
-        lsn = new[-1].end_lsn
-        params = {
-            **self._records(records),
-            "lsn": lsn,
-            "slot": self.slot,
-            "tables": sorted(self.streams),
-        }
-        async with conn.pipeline():  # one round trip: the commit, then where the WAL is
-            await conn.execute(PUBLISH, params)
-            cursor = await conn.execute(WAL_POSITIONS)
-        bound, flushed = await cursor.fetchone()
-        self._unflushed.append((lsn, parse_lsn(bound)))
-        self.lsn = lsn
-        self.captured += len(records)
-        return str(flushed)
+    async def _publish(self, conn: Any, new: list[Captured]) -> int:
+        """The records of ``new`` numbered into their streams, and the position past them
+        stored, in one statement (its own transaction: ``walpath.commit_round``); returns
+        how far the WAL is flushed now."""
+        transactions = [Transaction(0, self._rows(c.records), [], c.end_lsn) for c in new]
+        done, bound, flushed = await commit_round(
+            conn, transactions, self.slot, self._known, self._round_at
+        )
+        self.lsn = new[-1].end_lsn
+        self._unflushed.append((self.lsn, bound, done))
+        self.captured += sum(len(c.records) for c in new)
+        return flushed
 
     async def _look_at_retained(self, conn: Any) -> None:
         """How much WAL the slot keeps PostgreSQL from recycling (a metric, in status);

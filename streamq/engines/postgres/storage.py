@@ -543,10 +543,14 @@ class PostgresStorage:
         streams: Mapping[str, str],
         producer_id: str,
         max_record_size: int,
+        serve: Callable[[Numbered], None],
+        resync: Callable[[], Awaitable[Any]],
         snapshot: bool = False,
     ) -> Capture:
         """The serving producer's capture of tables' changes (``capture.py``)."""
-        return Capture(self.url, self.where, producer_id, streams, max_record_size, snapshot)
+        return Capture(
+            self.url, self.where, producer_id, streams, max_record_size, serve, resync, snapshot
+        )
 
     def session(self, durability: Durability) -> PostgresSession:
         return PostgresSession(self.url, durability)

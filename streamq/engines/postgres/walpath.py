@@ -225,37 +225,92 @@ class Round:
     reference: int
 
 
+def started(at: Round) -> Steps:
+    """Read the epoch and a recent xid8 if ``at`` does not know them, in the caller's
+    transaction; returns whether this server life took an epoch (else the numbering
+    takes a new one)."""
+    if at.epoch is not None:
+        return True
+    epoch, booted, at.reference = yield Statement(ROUND_START, fetch=True)
+    at.epoch = int(epoch)
+    return bool(booted)
+
+
+def numbered_steps(
+    rows: list[tuple[Any, ...]],
+    at: Round,
+    known: dict[str, StreamState],
+    before_commit: Callable[[Numbered], None] | None = None,
+    also: Statement | None = None,
+) -> Steps:
+    """``numbering.number_rows`` under ``at``'s epoch (read first if unknown)."""
+    booted = yield from started(at)
+    assert at.epoch is not None
+    done: Numbered = yield from number_rows(rows, at.epoch, booted, known, before_commit, also)
+    at.epoch = done.epoch
+    known |= states_after(done)
+    return done
+
+
 def round_steps(
     transactions: list[Transaction],
     slot: str,
     known: dict[str, StreamState],
-    before_commit: Callable[[Numbered], None],
+    before_commit: Callable[[Numbered], None] | None,
     at: Round,
 ) -> Steps:
     """One round: the records numbered into the log, the pending rows among them deleted,
     the position past them stored; a ``Numbered``. One statement (autocommit) when the
     epoch is known and no pending row came; else in the caller's transaction, which
     ``ROUND_START`` reads first (a new epoch taken if this server life took none)."""
-    booted = True
-    if at.epoch is None:
-        epoch, booted, at.reference = yield Statement(ROUND_START, fetch=True)
-        at.epoch = int(epoch)
+    yield from started(at)  # the reference to widen ids by, first
     rows: list[tuple[Any, ...]] = []
     pending: list[tuple[int, int]] = []
     for tx in transactions:
         pending += tx.pending
         # A message's rows carry the 32-bit id, a pending row's its xid8: both widen alike.
         rows += [(widen(row[0], at.reference), *row[1:]) for row in tx.rows]
-    at.reference = max(at.reference, rows[-1][0])
+    if rows:  # (captured transactions may hold none: their position is stored alone)
+        at.reference = max(at.reference, rows[-1][0])
     if pending:
         xids, ids = zip(*pending, strict=True)
         yield Statement(DELETE_PENDING, {"xids": list(xids), "ids": list(ids)})
     store = Statement(STORE, {"slot": slot, "lsn": transactions[-1].end_lsn})
-    done: Numbered = yield from number_rows(
-        rows, at.epoch, booted, known, before_commit, also=store
-    )
-    at.epoch = done.epoch
+    done: Numbered = yield from numbered_steps(rows, at, known, before_commit, also=store)
     return done
+
+
+async def commit_round(
+    conn: Any,
+    transactions: list[Transaction],
+    slot: str,
+    known: dict[str, StreamState],
+    at: Round,
+    before_commit: Callable[[Numbered], None] | None = None,
+) -> tuple[Numbered, int, int]:
+    """One round (``round_steps``) committed on ``conn`` (autocommit, asynchronous
+    commits) without waiting for its flush: the round, the WAL written up to just after
+    its commit (flushed past there, it may be served), and the WAL flushed so far. On
+    failure ``known`` and ``at`` are forgotten: read again from the database."""
+    alone = at.epoch is not None and not any(tx.pending for tx in transactions)
+    steps = round_steps(transactions, slot, known, before_commit, at)
+    try:
+        if alone:  # two statements: a pipeline would cost more than the round trip
+            done: Numbered = await run_async(conn, steps)
+        else:
+            async with conn.pipeline():
+                await conn.execute("BEGIN")
+                done = await run_async(conn, steps)
+                await conn.execute("COMMIT")
+        cursor = await conn.execute(WAL_POSITIONS)
+        bound, flushed = await cursor.fetchone()
+    except BaseException:
+        known.clear()
+        at.epoch = None
+        with contextlib.suppress(Exception):
+            await conn.execute("ROLLBACK")
+        raise
+    return done, int(bound), int(flushed)
 
 
 class WalNumberer:
@@ -319,7 +374,8 @@ class WalNumberer:
                 start = await self._prepare()
                 if start is None:
                     return await self._run_table_path()
-                if self._lost:
+                if self._lost:  # rounds may have committed unserved: flushed, then heads
+                    await self._conn.execute(FLUSH)
                     await self._resync()
                     self._lost = False
                 delay = _RECONNECT_FIRST
@@ -528,32 +584,14 @@ class WalNumberer:
             reader.close()
 
     async def _round(self, batch: list[Transaction]) -> None:
-        """Number ``batch`` in one transaction, committed without waiting for its flush
-        (it rides on the writers'); served once the WAL is flushed past it."""
-        conn = self._conn
-        # One statement, its own transaction, when it can (``round_steps``).
-        alone = self._round_at.epoch is not None and not any(tx.pending for tx in batch)
-        steps = round_steps(batch, self.slot, self._known, self._taken, self._round_at)
-        try:
-            if alone:  # two statements: a pipeline would cost more than the round trip
-                done: Numbered = await run_async(conn, steps)
-            else:
-                async with conn.pipeline():
-                    await conn.execute("BEGIN")
-                    done = await run_async(conn, steps)
-                    await conn.execute("COMMIT")
-            bound, flushed = await self._one(WAL_POSITIONS)
-        except BaseException:
-            self._known.clear()
-            self._round_at.epoch = None
-            with contextlib.suppress(Exception):
-                await conn.execute("ROLLBACK")
-            raise
-        self._known |= states_after(done)
+        """Number ``batch``: served once the WAL is flushed past it (``commit_round``)."""
+        done, bound, flushed = await commit_round(
+            self._conn, batch, self.slot, self._known, self._round_at, self._taken
+        )
         self.position = batch[-1].end_lsn
         self._rounds += 1
-        self._unflushed.append((done, int(bound), self.position))
-        self._flushed = max(self._flushed, int(flushed))
+        self._unflushed.append((done, bound, self.position))
+        self._flushed = max(self._flushed, flushed)
 
     def _serve_flushed(self) -> None:
         """Serve the rounds the WAL is flushed past, in order."""
