@@ -495,18 +495,19 @@ class Capture:
             while batch := await cursor.fetchmany(SNAPSHOT_BATCH):
                 values = [tuple(None if v is None else v.encode() for v in row) for row in batch]
                 records = snapshot_records(table, values, exported.lsn, now_ms, done, total)
-                await run_async(conn, numbered_steps(self._rows(records), at, self._known))
+                await run_async(conn, numbered_steps(self._rows(records, 0), at, self._known))
                 done += len(records)
                 self.snapshotting["rows"] = done
             await cursor.close()
         return counts
 
-    def _rows(self, records: list[tuple[str, CheckedRecord]]) -> list[tuple[Any, ...]]:
-        """Records of their streams, in order, as ``numbering.number_rows`` takes them."""
+    def _rows(self, records: list[tuple[str, CheckedRecord]], xid: int) -> list[tuple[Any, ...]]:
+        """Records of their streams, in order, as ``numbering.number_rows`` takes them:
+        of transaction ``xid`` (0: a snapshot's), each with an id of its own."""
         encoded = encode_unnumbered([r for _, r in records], self._max_record_size)
         first, self._next_id = self._next_id, self._next_id + len(records)
         return [
-            (0, first + i, stream, record[3], data, record[1])
+            (xid, first + i, stream, record[3], data, record[1])
             for i, ((stream, record), data) in enumerate(zip(records, encoded, strict=True))
         ]
 
@@ -523,7 +524,9 @@ class Capture:
         """The records of ``new`` numbered into their streams, and the position past them
         stored, in one statement (its own transaction: ``walpath.commit_round``); returns
         how far the WAL is flushed now."""
-        transactions = [Transaction(0, self._rows(c.records), [], c.end_lsn) for c in new]
+        transactions = [
+            Transaction(c.xid, self._rows(c.records, c.xid), [], c.end_lsn) for c in new
+        ]
         done, bound, flushed = await commit_round(
             conn, transactions, self.slot, self._known, self._round_at
         )

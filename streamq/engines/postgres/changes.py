@@ -131,10 +131,11 @@ def table_of(
 @dataclass(frozen=True, slots=True)
 class Captured:
     """One committed transaction's captured changes, as records of their streams in
-    commit order, and the slot position just past it."""
+    commit order, the slot position just past it, and its (32-bit) transaction id."""
 
     end_lsn: int
     records: list[tuple[str, CheckedRecord]]
+    xid: int = 0
 
 
 @dataclass
@@ -239,7 +240,7 @@ class ChangeDecoder:
             _record(stream, key, change, tx.begin.xid, commit.commit_lsn, commit_ms, i, total)
             for i, (stream, key, change) in enumerate(tx.changes)
         ]
-        return Captured(commit.end_lsn, records)
+        return Captured(commit.end_lsn, records, tx.begin.xid)
 
 
 def snapshot_records(

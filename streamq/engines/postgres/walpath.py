@@ -33,7 +33,7 @@ path (``numbering.Numberer``) runs instead, said once in the log and in ``status
 A slot PostgreSQL invalidated (``max_slot_wal_keep_size``) has lost WAL that may hold
 records: that is said in an error naming the position from which records may be lost,
 writers go back to the table path meanwhile (``append.PATH_QUERY``), and the slot is made
-again (docs/guides/postgres.md).
+again (docs/guides/postgresql.md).
 """
 
 from __future__ import annotations
