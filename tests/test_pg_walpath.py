@@ -7,9 +7,10 @@ server; the rest against a real one."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import struct
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import msgpack
 import psycopg
@@ -212,20 +213,27 @@ async def test_without_wal_level_logical_the_table_path_runs_and_says_why(pg_url
         assert count(pg_url, "streamq_pending") == 0
 
 
+@contextlib.asynccontextmanager
+async def serving_one(url: str, value: bytes) -> AsyncIterator[tuple[Producer, str]]:
+    """A producer serving ``url`` through the WAL, ``value`` published to stream "s" and
+    received; the producer and its slot."""
+    with psycopg.connect(url) as conn:
+        streamq.create_tables(conn)
+    async with Producer(url) as producer:
+        assert (await serving_through_the_wal(producer))["path"] == "wal"
+        await producer.create_stream("s")
+        with psycopg.connect(url) as conn:
+            streamq.publish(conn, "s", value)
+        assert await received(producer.address, "s", 1) == [(1, value)]
+        yield producer, publish_slot(producer.producer_id)
+
+
 async def test_a_slot_dropped_under_it_is_said_and_made_again(
     capture_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Someone drops the slot (its reader cut off first): one error line naming it, the
     slot made again, and records published after that served on at the next seq."""
-    with psycopg.connect(capture_url) as conn:
-        streamq.create_tables(conn)
-    async with Producer(capture_url) as producer:
-        await serving_through_the_wal(producer)
-        await producer.create_stream("s")
-        slot = publish_slot(producer.producer_id)
-        with psycopg.connect(capture_url) as conn:
-            streamq.publish(conn, "s", b"one")
-        assert await received(producer.address, "s", 1) == [(1, b"one")]
+    async with serving_one(capture_url, b"one") as (producer, slot):
         with caplog.at_level(logging.INFO, "streamq.postgres"):
 
             def dropped() -> bool:
@@ -282,15 +290,8 @@ async def test_a_server_restarted_with_wal_level_lowered_is_served_through_the_t
     server restarted. Records published since go through the pending table, the next
     serving process says so once, and the stream goes on at the next seq."""
     url = own_server.create_database("lowered")
-    with psycopg.connect(url) as conn:
-        streamq.create_tables(conn)
-    async with Producer(url) as producer:
-        assert (await serving_through_the_wal(producer))["path"] == "wal"
-        await producer.create_stream("s")
-        slot = publish_slot(producer.producer_id)
-        with psycopg.connect(url) as conn:
-            streamq.publish(conn, "s", b"through the WAL")
-        assert await received(producer.address, "s", 1) == [(1, b"through the WAL")]
+    async with serving_one(url, b"through the WAL") as (_, slot):
+        pass
     drop_slot(url, slot)
     own_server.reconfigure(wal_level="replica")
     with psycopg.connect(url) as conn:
@@ -315,15 +316,8 @@ async def test_a_slot_invalidated_while_nobody_served_is_said_and_made_again(
     and the position after which records may be lost, in one error line, makes a new
     slot and serves on at the next seq: nothing served wrong."""
     url = own_server.create_database("invalidated")
-    with psycopg.connect(url) as conn:
-        streamq.create_tables(conn)
-    async with Producer(url) as producer:
-        await serving_through_the_wal(producer)
-        await producer.create_stream("s")
-        slot = publish_slot(producer.producer_id)
-        with psycopg.connect(url) as conn:
-            streamq.publish(conn, "s", b"served")
-        assert await received(producer.address, "s", 1) == [(1, b"served")]
+    async with serving_one(url, b"served") as (_, slot):
+        pass
     with psycopg.connect(url) as conn:
         streamq.publish(conn, "s", b"in the WAL when it went")
     with psycopg.connect(url, autocommit=True) as conn:
@@ -353,18 +347,19 @@ async def test_a_savepoint_rolled_back_takes_its_records_with_it(capture_url: st
     """Records published inside a savepoint that is rolled back are not published (a
     transactional message belongs to its subtransaction); the others in the same
     transaction are, at consecutive seqs."""
-    with psycopg.connect(capture_url) as conn:
-        streamq.create_tables(conn)
-    async with Producer(capture_url) as producer:
-        assert (await serving_through_the_wal(producer))["path"] == "wal"
-        await producer.create_stream("s")
+    async with serving_one(capture_url, b"first") as (producer, _):
         with psycopg.connect(capture_url) as conn:
-            streamq.publish(conn, "s", b"before")
-            with pytest.raises(ZeroDivisionError), conn.transaction():  # a savepoint
+            streamq.publish(conn, "s", b"before")  # the transaction the savepoints are in
+            with pytest.raises(ZeroDivisionError), conn.transaction():
                 streamq.publish(conn, "s", b"rolled back with its savepoint")
                 raise ZeroDivisionError
             with conn.transaction():
                 streamq.publish(conn, "s", b"kept with its savepoint")
             streamq.publish(conn, "s", b"after")
-        got = await received(producer.address, "s", 3)
-    assert got == [(1, b"before"), (2, b"kept with its savepoint"), (3, b"after")]
+        got = await received(producer.address, "s", 4)
+    assert got == [
+        (1, b"first"),
+        (2, b"before"),
+        (3, b"kept with its savepoint"),
+        (4, b"after"),
+    ]

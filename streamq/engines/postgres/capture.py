@@ -55,6 +55,7 @@ from .walpath import (
     Transaction,
     commit_round,
     numbered_steps,
+    readable_within,
 )
 
 logger = logging.getLogger("streamq.capture")
@@ -402,10 +403,7 @@ class Capture:
                     await self._look_at_retained(conn)
                 if drained and not new:
                     wait = FLUSH_PATIENCE_MS / 1000 if self._unflushed else RETAINED_EVERY
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(wait):
-                            await readable.wait()
-                    if self._unflushed and not readable.is_set():
+                    if not await readable_within(readable, wait) and self._unflushed:
                         await conn.execute(FLUSH)  # nobody flushed meanwhile
                         (now,) = await _one(conn, FLUSHED)
                         if (durable := self._confirmable(int(now))) > confirmed:

@@ -313,6 +313,14 @@ async def commit_round(
     return done, int(bound), int(flushed)
 
 
+async def readable_within(readable: asyncio.Event, seconds: float) -> bool:
+    """Wait up to ``seconds`` for the slot's socket; whether it became readable."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            await readable.wait()
+    return readable.is_set()
+
+
 class WalNumberer:
     """The serving producer's numbering (``storage.Numbering``) through the WAL path, or
     through the table path (``numbering.Numberer``) where the WAL path cannot run."""
@@ -574,10 +582,7 @@ class WalNumberer:
                     await self._look()
                 if drained and not batch:
                     wait = FLUSH_PATIENCE_MS / 1000 if self._unflushed else IDLE_WAIT
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(wait):
-                            await readable.wait()
-                    if self._unflushed and not readable.is_set():
+                    if not await readable_within(readable, wait) and self._unflushed:
                         await self._flush()  # nobody flushed meanwhile
         finally:
             loop.remove_reader(fd)
