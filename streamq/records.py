@@ -107,14 +107,15 @@ class Receipt:
     serving producer numbers each committed transaction's records in commit order.
 
     They are ``count`` records that transaction ``xid`` published to ``stream`` in one
-    call, the first stored as pending row ``id``; they get consecutive seqs.
+    call, the first stored as pending row ``id`` (or, through the WAL, in the message at
+    LSN ``id``); they get consecutive seqs.
     ``await producer.wait_served(receipt)`` (in the serving process) returns them once
     the records are served.
     """
 
     stream: str
     xid: int  # the publishing transaction's id (pg_current_xact_id())
-    id: int  # the first record's row in streamq_pending
+    id: int  # the first record's row in streamq_pending, or its message's LSN
     count: int
 
 

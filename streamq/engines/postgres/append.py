@@ -313,15 +313,15 @@ def path_of(conn: Any) -> PublishPath:
     return path
 
 
+MESSAGE_VERSION = 1  # of ``wal_message``'s format
+
+
 def wal_message(stream: str, records: Sequence[CheckedRecord], encoded: list[bytes]) -> bytes:
     """The WAL path's message: the stream and its records (``walpath.read_message``)."""
     ts = [record[3] for record in records]
     keys = [record[1] for record in records]
     payload: bytes = msgpack.packb((MESSAGE_VERSION, stream, ts, encoded, keys))
     return payload
-
-
-MESSAGE_VERSION = 1
 
 
 def append_steps(
