@@ -363,3 +363,23 @@ async def test_a_savepoint_rolled_back_takes_its_records_with_it(capture_url: st
         (3, b"kept with its savepoint"),
         (4, b"after"),
     ]
+
+
+async def test_with_no_free_replication_slot_the_table_path_runs_and_says_why() -> None:
+    """Every slot taken: the WAL path cannot start, so the table path runs (records are
+    served), and status says which setting to raise."""
+    settings = {"wal_level": "logical", "max_replication_slots": "1"}
+    with contextlib.contextmanager(started_server)(settings) as server:
+        url = server.create_database("full")
+        with psycopg.connect(url) as conn:
+            conn.execute("SELECT pg_create_logical_replication_slot('someone_elses', 'pgoutput')")
+            conn.commit()
+            streamq.create_tables(conn)
+        async with Producer(url) as producer:
+            status = await serving_through_the_wal(producer)
+            assert status["path"] == "table"
+            assert "max_replication_slots" in str(status["reason"])
+            await producer.create_stream("s")
+            with psycopg.connect(url) as conn:
+                streamq.publish(conn, "s", b"r")
+            assert await received(producer.address, "s", 1) == [(1, b"r")]

@@ -88,6 +88,11 @@ SLOT_QUERY = """
 SELECT (SELECT value FROM streamq_meta WHERE key = 'publish_slot'),
     (SELECT wal_status FROM pg_replication_slots WHERE slot_name = %(slot)s),
     (SELECT lsn FROM streamq_capture WHERE slot = %(slot)s)"""
+# Room for the WAL path's slot and its reader: slots and WAL senders, allowed and in use.
+ROOM = """
+SELECT current_setting('max_replication_slots')::int, current_setting('max_wal_senders')::int,
+    (SELECT count(*) FROM pg_replication_slots),
+    (SELECT count(*) FROM pg_stat_replication)"""
 # Just after a round's commit: the WAL written so far (its commit record ends before
 # there) and flushed so far, as byte positions.
 WAL_POSITIONS = (
@@ -446,8 +451,11 @@ class WalNumberer:
                 f"(ALTER ROLE {role} REPLICATION)"
             )
             return None
-        await self._publication()
         named, status, stored = await self._one(SLOT_QUERY, {"slot": self.slot})
+        if status is None and (reason := await self._no_room()) is not None:
+            self._table_path(reason)
+            return None
+        await self._publication()
         if named == self.slot and status not in (None, "lost") and stored is not None:
             start = int(stored)
         else:
@@ -461,6 +469,22 @@ class WalNumberer:
             format_lsn(start),
         )
         return start
+
+    async def _no_room(self) -> str | None:
+        """Why a slot cannot be made and read now, if it cannot: none free, or no WAL
+        sender for it (the table path runs instead, until the next start)."""
+        slots, senders, used, sending = await self._one(ROOM)
+        if used >= slots:
+            return (
+                f"all {slots} replication slots are in use (max_replication_slots): "
+                "raise it, or drop a slot nobody reads, and restart the serving process"
+            )
+        if sending >= senders:
+            return (
+                f"all {senders} WAL senders are in use (max_wal_senders): raise it and "
+                "restart the serving process"
+            )
+        return None
 
     def _table_path(self, reason: str) -> None:
         self.path = {"path": "table", "reason": reason}
