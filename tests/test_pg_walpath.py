@@ -383,3 +383,31 @@ async def test_with_no_free_replication_slot_the_table_path_runs_and_says_why() 
             with psycopg.connect(url) as conn:
                 streamq.publish(conn, "s", b"r")
             assert await received(producer.address, "s", 1) == [(1, b"r")]
+
+
+async def test_a_wal_path_that_cannot_be_set_up_leaves_the_table_path_numbering(
+    capture_url: str,
+) -> None:
+    """The slot's publication refused (here by an event trigger, as a DDL policy or a
+    missing privilege would): after a few tries the table path numbers, and status says
+    what failed, rather than nothing being numbered."""
+    with psycopg.connect(capture_url) as conn:
+        streamq.create_tables(conn)
+        conn.execute(
+            "CREATE FUNCTION no_publications() RETURNS event_trigger LANGUAGE plpgsql AS "
+            "$$ BEGIN RAISE EXCEPTION 'publications are not allowed here'; END $$"
+        )
+        conn.execute(
+            "CREATE EVENT TRIGGER no_publications ON ddl_command_start "
+            "WHEN TAG IN ('CREATE PUBLICATION') EXECUTE FUNCTION no_publications()"
+        )
+    async with Producer(capture_url) as producer:
+        numberer = producer.numberer
+        assert numberer is not None
+        await wait_for(lambda: numberer.status()["path"] == "table", 30, "the table path")
+        reason = str(numberer.status()["reason"])
+        assert "could not be set up" in reason and "not allowed here" in reason
+        await producer.create_stream("s")
+        with psycopg.connect(capture_url) as conn:
+            streamq.publish(conn, "s", b"r")
+        assert await received(producer.address, "s", 1) == [(1, b"r")]

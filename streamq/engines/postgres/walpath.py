@@ -72,6 +72,7 @@ FLUSH_PATIENCE_MS = 3  # a round's flush left to the writers that long at most
 CONFIRM_EVERY = 0.2  # s between confirmations of the slot (each one a message)
 OPEN_LOOK_S = 1.0  # how often open writing transactions are looked up
 _RECONNECT_FIRST, _RECONNECT_MOST = 0.5, 30.0
+SETUP_TRIES = 3  # failures setting the WAL path up, connected, before the table path runs
 
 # What a round needs to know first: the epoch, whether this server life took one, and
 # the current transaction id (to widen the 32-bit ids decoding gives to xid8).
@@ -381,10 +382,20 @@ class WalNumberer:
         """For ever: a lost connection is made again and reading starts again from the
         stored position; where the WAL path cannot run, the table path runs instead."""
         delay = _RECONNECT_FIRST
+        failed = 0  # setting up in a row, connected
         while True:
             try:
                 await self._connect()
-                start = await self._prepare()
+                try:
+                    start = await self._prepare()
+                except Exception as exc:
+                    failed += 1
+                    if failed < SETUP_TRIES:
+                        raise
+                    # Not a passing failure (a missing privilege, say): the table path
+                    # numbers meanwhile, rather than nothing at all.
+                    self._table_path(f"the WAL path could not be set up: {exc}")
+                    start = None
                 if start is None:
                     return await self._run_table_path()
                 if self._lost:  # rounds may have committed unserved: flushed, then heads
