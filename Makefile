@@ -54,10 +54,13 @@ nats-server: $(STAMP)
 	$(BIN)/python -m bench.nats.server --build
 
 # SOAK_ENGINE=postgres: both databases on a throwaway PostgreSQL server, which is killed
-# with -9 too, and other writer processes publishing with streamq.publish.
+# with -9 too, and other writer processes publishing with streamq.publish; SOAK_WAL=1
+# runs that server with wal_level = logical (records published through the WAL).
 SOAK_ENGINE ?= sqlite
+SOAK_WAL ?= 0
 soak: $(STAMP)  # the crash test run after run: >= 1,000 kill -9 cycles, at most 30 min
-	STREAMQ_CRASH_ENGINE=$(SOAK_ENGINE) $(BIN)/python -m tests.soak --kills 1000 --max-seconds 1800
+	STREAMQ_CRASH_ENGINE=$(SOAK_ENGINE) STREAMQ_CRASH_WAL=$(SOAK_WAL) \
+		$(BIN)/python -m tests.soak --kills 1000 --max-seconds 1800
 
 soak-spark: $(STAMP)  # the Spark parquet sink's exactly-once test through 20 kill -9s, ~10 min
 	STREAMQ_SPARK_KILLS=20 $(BIN)/python -m pytest -q -p no:randomly tests/test_spark_exactly_once.py
