@@ -199,18 +199,24 @@ async def test_a_transaction_open_for_long_delays_only_its_own_records(capture_u
         assert await received(producer.address, "s", 2) == [(1, b"quick"), (2, b"slow")]
 
 
+async def served_through_the_table(url: str, *reason: str) -> None:
+    """A producer on ``url`` (its tables made) runs the table path, its status giving
+    ``reason``, and serves what is published."""
+    async with Producer(url) as producer:
+        status = await serving_through_the_wal(producer)
+        assert status["path"] == "table"
+        assert all(part in str(status["reason"]) for part in reason), status
+        await producer.create_stream("s")
+        with psycopg.connect(url) as conn:
+            streamq.publish(conn, "s", b"r")
+        assert await received(producer.address, "s", 1) == [(1, b"r")]
+    assert count(url, "streamq_pending") == 0
+
+
 async def test_without_wal_level_logical_the_table_path_runs_and_says_why(pg_url: str) -> None:
     with psycopg.connect(pg_url) as conn:
         streamq.create_tables(conn)
-    async with Producer(pg_url) as producer:
-        status = await serving_through_the_wal(producer)
-        assert status["path"] == "table"
-        assert "wal_level is 'replica'" in str(status["reason"])
-        await producer.create_stream("s")
-        with psycopg.connect(pg_url) as conn:
-            streamq.publish(conn, "s", b"r")
-        assert await received(producer.address, "s", 1) == [(1, b"r")]
-        assert count(pg_url, "streamq_pending") == 0
+    await served_through_the_table(pg_url, "wal_level is 'replica'")
 
 
 @contextlib.asynccontextmanager
@@ -375,14 +381,7 @@ async def test_with_no_free_replication_slot_the_table_path_runs_and_says_why() 
             conn.execute("SELECT pg_create_logical_replication_slot('someone_elses', 'pgoutput')")
             conn.commit()
             streamq.create_tables(conn)
-        async with Producer(url) as producer:
-            status = await serving_through_the_wal(producer)
-            assert status["path"] == "table"
-            assert "max_replication_slots" in str(status["reason"])
-            await producer.create_stream("s")
-            with psycopg.connect(url) as conn:
-                streamq.publish(conn, "s", b"r")
-            assert await received(producer.address, "s", 1) == [(1, b"r")]
+        await served_through_the_table(url, "max_replication_slots")
 
 
 async def test_a_wal_path_that_cannot_be_set_up_leaves_the_table_path_numbering(
@@ -401,13 +400,4 @@ async def test_a_wal_path_that_cannot_be_set_up_leaves_the_table_path_numbering(
             "CREATE EVENT TRIGGER no_publications ON ddl_command_start "
             "WHEN TAG IN ('CREATE PUBLICATION') EXECUTE FUNCTION no_publications()"
         )
-    async with Producer(capture_url) as producer:
-        numberer = producer.numberer
-        assert numberer is not None
-        await wait_for(lambda: numberer.status()["path"] == "table", 30, "the table path")
-        reason = str(numberer.status()["reason"])
-        assert "could not be set up" in reason and "not allowed here" in reason
-        await producer.create_stream("s")
-        with psycopg.connect(capture_url) as conn:
-            streamq.publish(conn, "s", b"r")
-        assert await received(producer.address, "s", 1) == [(1, b"r")]
+    await served_through_the_table(capture_url, "could not be set up", "not allowed here")
