@@ -776,20 +776,20 @@ def _status(args: argparse.Namespace) -> None:
         f"producer [bold]{status['producer_id']}[/] epoch {status['epoch']} at {args.address}, "
         f"{status['connections']} connection(s)"
     )
-    publishing = status.get("publishing")
-    if publishing and publishing["path"] == "wal":
+    publishing = status.get("publishing") or {}
+    path = publishing.get("path")
+    if path == "wal":
         console.print(
             f"publishing through the WAL (slot {publishing['slot']}): numbered up to LSN "
             f"{publishing['position']}"
         )
-    elif publishing and publishing["path"] == "table":
+    elif path == "table":
         console.print(f"publishing through table streamq_pending: {publishing['reason']}")
     open_transactions = status.get("open_transactions")
     if open_transactions and open_transactions["count"]:
-        wal = publishing is not None and publishing["path"] == "wal"
         console.print(
             f"{open_transactions['count']} transaction(s) "
-            f"{'written' if wal else 'published'} and not ended yet, "
+            f"{'written' if path == 'wal' else 'published'} and not ended yet, "
             f"the oldest open for {open_transactions['oldest_age_ms'] / 1000:.1f} s: "
             "their records are served once they commit"
         )

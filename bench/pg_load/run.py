@@ -151,10 +151,6 @@ def _load(path: Path) -> array.array[int]:
     return values
 
 
-def _wal_syncs(url: str) -> int:
-    return _wal(url)[0]
-
-
 def _wal(url: str) -> tuple[int, int]:
     """The server's WAL flushes and bytes so far (``pg_stat_wal``)."""
     with psycopg.connect(url) as conn:
@@ -288,8 +284,9 @@ def run_once(
             for child in children:
                 child.send("GO")
             committed = sum(int(child.expect("DONE", seconds + 120)[0]) for child in children)
-            flushes = (_wal_syncs(url) - syncs) / max(committed, 1)
-            used = busy_seconds() - busy, _wal(url)[1] - wal_bytes
+            syncs_now, wal_now = _wal(url)
+            flushes = (syncs_now - syncs) / max(committed, 1)
+            used = busy_seconds() - busy, wal_now - wal_bytes
             if backlog and source is not None:
                 resumed = time.time_ns()
                 source.process.send_signal(signal.SIGCONT)

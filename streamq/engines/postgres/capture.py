@@ -34,7 +34,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -50,10 +49,9 @@ from .pgoutput import Column, Relation, format_lsn, parse_lsn
 from .replication import ExportedSnapshot, SlotReader
 from .walpath import (
     FLUSH_PATIENCE_MS,
-    FLUSHED,
     Round,
+    Rounds,
     Transaction,
-    commit_round,
     numbered_steps,
     readable_within,
 )
@@ -280,9 +278,8 @@ class Capture:
         snapshot: bool = False,
     ) -> None:
         self._url, self._where = url, where
-        # Each round once flushed; after a snapshot or a failure, the heads from the
-        # database (``Producer._numbered``, ``Producer._resync``).
-        self._serve, self._resync = serve, resync
+        # After a snapshot or a failure: the heads from the database (``Producer._resync``).
+        self._resync = resync
         self.producer_id = producer_id
         self.streams = dict(streams)
         self.slot = slot_name(producer_id)
@@ -294,10 +291,7 @@ class Capture:
         self.lsn = 0  # every transaction ending at or before it is published
         self.captured = 0  # changes published by this process
         self.retained_bytes = 0  # WAL the slot holds back, as last seen
-        # Rounds not yet known flushed: (position past them, the WAL written up to just
-        # after their commit, the round), oldest first; served, and the slot confirmed
-        # past them, once the WAL is flushed past.
-        self._unflushed: deque[tuple[int, int, Numbered]] = deque()
+        self._waiting = Rounds(serve)  # rounds committed, served once flushed
         self._known: dict[str, StreamState] = {}  # the captured streams, as numbered
         self._round_at = Round(None, 0)
         self._next_id = 0  # records' ids within their rounds' groups (no receipts wait)
@@ -361,7 +355,6 @@ class Capture:
         self._known.clear()
         self._round_at.epoch = None
         self._lost = True  # a round may have committed, and not been served
-        self._unflushed.clear()
 
     async def _stream(self) -> None:
         """Read the slot from the stored position on: what has come, whole transactions,
@@ -378,7 +371,8 @@ class Capture:
         loop.add_reader(fd, readable.set)
         decoder = ChangeDecoder(self.streams, self._state.keys, self._state.snapshots)
         confirmed = start
-        self._unflushed.clear()
+        waiting = self._waiting
+        waiting.start(start)
         try:
             while True:
                 readable.clear()
@@ -388,26 +382,27 @@ class Capture:
                     captured = decoder.feed(data)
                     if captured is not None and captured.end_lsn > self.lsn:
                         new.append(captured)
-                # The server decodes only flushed WAL: what it has sent is flushed.
-                flushed = reader.wal_end
                 if new:
-                    flushed = max(flushed, await self._publish(conn, new))
-                if self._unflushed:
-                    if (durable := self._confirmable(flushed)) > confirmed:
-                        reader.confirm(confirmed := durable)
-                elif drained and decoder.between_transactions and reader.wal_end > confirmed:
+                    await self._publish(conn, new)
+                # The server decodes only flushed WAL: what it has sent is flushed.
+                waiting.flushed_to(reader.wal_end)
+                if waiting.served > confirmed:
+                    reader.confirm(confirmed := waiting.served)
+                elif (
+                    drained
+                    and not waiting
+                    and decoder.between_transactions
+                    and reader.wal_end > confirmed
+                ):
                     # All stored and flushed, nothing of ours before what the server has
                     # sent: the WAL up to there may go.
                     reader.confirm(confirmed := reader.wal_end)
                 if time.monotonic() - self._retained_at >= RETAINED_EVERY:
                     await self._look_at_retained(conn)
                 if drained and not new:
-                    wait = FLUSH_PATIENCE_MS / 1000 if self._unflushed else RETAINED_EVERY
-                    if not await readable_within(readable, wait) and self._unflushed:
-                        await conn.execute(FLUSH)  # nobody flushed meanwhile
-                        (now,) = await _one(conn, FLUSHED)
-                        if (durable := self._confirmable(int(now))) > confirmed:
-                            reader.confirm(confirmed := durable)
+                    wait = FLUSH_PATIENCE_MS / 1000 if waiting else RETAINED_EVERY
+                    if not await readable_within(readable, wait) and waiting:
+                        await waiting.flush(conn)  # nobody flushed meanwhile
         finally:
             loop.remove_reader(fd)
             reader.close()
@@ -509,29 +504,16 @@ class Capture:
             for i, ((stream, record), data) in enumerate(zip(records, encoded, strict=True))
         ]
 
-    def _confirmable(self, flushed: int) -> int:
-        """Serve the rounds the WAL is flushed past (``flushed``), in order; how far the
-        slot may be confirmed (0: no further)."""
-        durable = 0
-        while self._unflushed and self._unflushed[0][1] <= flushed:
-            durable, _, done = self._unflushed.popleft()
-            self._serve(done)
-        return durable
-
-    async def _publish(self, conn: Any, new: list[Captured]) -> int:
+    async def _publish(self, conn: Any, new: list[Captured]) -> None:
         """The records of ``new`` numbered into their streams, and the position past them
-        stored, in one statement (its own transaction: ``walpath.commit_round``); returns
-        how far the WAL is flushed now."""
+        stored, in one statement (its own transaction: ``walpath.commit_round``); served
+        once flushed."""
         transactions = [
             Transaction(c.xid, self._rows(c.records, c.xid), [], c.end_lsn) for c in new
         ]
-        done, bound, flushed = await commit_round(
-            conn, transactions, self.slot, self._known, self._round_at
-        )
+        await self._waiting.commit(conn, transactions, self.slot, self._known, self._round_at)
         self.lsn = new[-1].end_lsn
-        self._unflushed.append((self.lsn, bound, done))
         self.captured += sum(len(c.records) for c in new)
-        return flushed
 
     async def _look_at_retained(self, conn: Any) -> None:
         """How much WAL the slot keeps PostgreSQL from recycling (a metric, in status);

@@ -327,6 +327,67 @@ async def readable_within(readable: asyncio.Event, seconds: float) -> bool:
     return readable.is_set()
 
 
+class Rounds:
+    """Rounds committed without waiting for their flush (``commit_round``), served in
+    order once the WAL is flushed past their commit; the slot may then be confirmed past
+    them. The WAL path's numbering and capture each keep one."""
+
+    def __init__(self, serve: Callable[[Numbered], None]) -> None:
+        self._serve = serve
+        # (round, the WAL written up to just after its commit, the position past it)
+        self._waiting: deque[tuple[Numbered, int, int]] = deque()
+        self.flushed = 0  # the WAL is flushed up to here, as last seen
+        self.served = 0  # the position past the last round served
+        self.unserved: Counter[str] = Counter()  # streams of rounds committed, not served
+
+    def __bool__(self) -> bool:
+        return bool(self._waiting)
+
+    def start(self, position: int) -> None:
+        """Reading the slot (again) from ``position``: rounds that waited are forgotten
+        (after a failure, the producer reads the heads from the database)."""
+        self._waiting.clear()
+        self.unserved.clear()
+        self.flushed = self.served = position
+
+    async def commit(
+        self,
+        conn: Any,
+        transactions: list[Transaction],
+        slot: str,
+        known: dict[str, StreamState],
+        at: Round,
+    ) -> None:
+        """One round of ``transactions`` (``commit_round``), served once flushed."""
+        done, bound, flushed = await commit_round(conn, transactions, slot, known, at, self._taken)
+        self._waiting.append((done, bound, transactions[-1].end_lsn))
+        self.flushed_to(flushed)
+
+    def flushed_to(self, lsn: int) -> None:
+        """The WAL is flushed up to ``lsn``: serve the rounds it is past, in order."""
+        self.flushed = max(self.flushed, lsn)
+        while self._waiting and self._waiting[0][1] <= self.flushed:
+            done, _, self.served = self._waiting.popleft()
+            try:
+                self._serve(done)
+            finally:
+                for stream in done.streams:
+                    self.unserved[stream.name] -= 1
+                    if not self.unserved[stream.name]:
+                        del self.unserved[stream.name]
+
+    async def flush(self, conn: Any) -> None:
+        """Flush the WAL (nobody else did), then serve every round waiting."""
+        await conn.execute(FLUSH)
+        cursor = await conn.execute(FLUSHED)
+        (flushed,) = await cursor.fetchone()
+        self.flushed_to(int(flushed))
+
+    def _taken(self, done: Numbered) -> None:
+        for stream in done.streams:
+            self.unserved[stream.name] += 1
+
+
 class WalNumberer:
     """The serving producer's numbering (``storage.Numbering``) through the WAL path, or
     through the table path (``numbering.Numberer``) where the WAL path cannot run."""
@@ -348,13 +409,8 @@ class WalNumberer:
         self._round_at = Round(None, 0)
         self._lost = False  # a round may have committed unserved: resync first
         self.position = 0  # every transaction ending at or before it is numbered
-        # Rounds committed, not yet known flushed: (round, the WAL written up to just
-        # after its commit, the position past it), in order.
-        self._unflushed: deque[tuple[Numbered, int, int]] = deque()
-        self._flushed = 0  # the WAL is flushed up to here, as last seen
-        self._served_position = 0  # the slot may be confirmed up to here
+        self._waiting = Rounds(serve)  # rounds committed, served once flushed
         self.path: dict[str, Any] = {"path": "starting"}  # for status: which, and why
-        self.unserved_wal: Counter[str] = Counter()
         self._rounds = 0  # through the WAL path
         self.bad_messages = 0
         self.idle_check = 5.0
@@ -364,7 +420,7 @@ class WalNumberer:
     # --- storage.Numbering, for either path ---------------------------------------------
     @property
     def unserved(self) -> Counter[str]:
-        return self._table.unserved if self._table is not None else self.unserved_wal
+        return self._table.unserved if self._table is not None else self._waiting.unserved
 
     @property
     def armed(self) -> bool:
@@ -580,9 +636,9 @@ class WalNumberer:
         fd = reader.fileno()
         loop.add_reader(fd, readable.set)
         decoder = WalDecoder()
-        self._unflushed.clear()
-        self._flushed = self._served_position = confirmed = start
-        confirmed_at = 0.0
+        waiting = self._waiting
+        waiting.start(start)
+        confirmed, confirmed_at = start, 0.0
         batch: list[Transaction] = []
         count = 0
         try:
@@ -595,19 +651,20 @@ class WalNumberer:
                         batch.append(tx)
                         count += len(tx.rows)
                 self.bad_messages = decoder.bad
-                # The server decodes only flushed WAL: what it has sent is flushed.
-                self._flushed = max(self._flushed, reader.wal_end)
                 if batch and (drained or count >= LIMIT):
-                    await self._round(batch)
+                    await waiting.commit(self._conn, batch, self.slot, self._known, self._round_at)
+                    self.position = batch[-1].end_lsn
+                    self._rounds += 1
                     batch, count = [], 0
-                self._serve_flushed()
+                # The server decodes only flushed WAL: what it has sent is flushed.
+                waiting.flushed_to(reader.wal_end)
                 now = time.monotonic()
-                if self._served_position > confirmed and now - confirmed_at >= CONFIRM_EVERY:
-                    reader.confirm(confirmed := self._served_position)
+                if waiting.served > confirmed and now - confirmed_at >= CONFIRM_EVERY:
+                    reader.confirm(confirmed := waiting.served)
                     confirmed_at = now
                 elif (
                     drained
-                    and not self._unflushed
+                    and not waiting
                     and decoder.between_transactions
                     and reader.wal_end > confirmed
                 ):
@@ -616,45 +673,12 @@ class WalNumberer:
                 if time.monotonic() - self._looked_at >= OPEN_LOOK_S:
                     await self._look()
                 if drained and not batch:
-                    wait = FLUSH_PATIENCE_MS / 1000 if self._unflushed else IDLE_WAIT
-                    if not await readable_within(readable, wait) and self._unflushed:
-                        await self._flush()  # nobody flushed meanwhile
+                    wait = FLUSH_PATIENCE_MS / 1000 if waiting else IDLE_WAIT
+                    if not await readable_within(readable, wait) and waiting:
+                        await waiting.flush(self._conn)  # nobody flushed meanwhile
         finally:
             loop.remove_reader(fd)
             reader.close()
-
-    async def _round(self, batch: list[Transaction]) -> None:
-        """Number ``batch``: served once the WAL is flushed past it (``commit_round``)."""
-        done, bound, flushed = await commit_round(
-            self._conn, batch, self.slot, self._known, self._round_at, self._taken
-        )
-        self.position = batch[-1].end_lsn
-        self._rounds += 1
-        self._unflushed.append((done, bound, self.position))
-        self._flushed = max(self._flushed, flushed)
-
-    def _serve_flushed(self) -> None:
-        """Serve the rounds the WAL is flushed past, in order."""
-        while self._unflushed and self._unflushed[0][1] <= self._flushed:
-            done, _, position = self._unflushed.popleft()
-            self._served_position = position
-            try:
-                self._serve(done)
-            finally:
-                for stream in done.streams:
-                    self.unserved_wal[stream.name] -= 1
-                    if not self.unserved_wal[stream.name]:
-                        del self.unserved_wal[stream.name]
-
-    async def _flush(self) -> None:
-        await self._conn.execute(FLUSH)
-        (flushed,) = await self._one(FLUSHED)
-        self._flushed = max(self._flushed, int(flushed))
-        self._serve_flushed()
-
-    def _taken(self, done: Numbered) -> None:
-        for stream in done.streams:
-            self.unserved_wal[stream.name] += 1
 
     async def _look(self) -> None:
         count, oldest = await self._one(OPEN_WRITERS)
