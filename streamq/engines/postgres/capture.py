@@ -386,17 +386,9 @@ class Capture:
                     await self._publish(conn, new)
                 # The server decodes only flushed WAL: what it has sent is flushed.
                 waiting.flushed_to(reader.wal_end)
-                if waiting.served > confirmed:
-                    reader.confirm(confirmed := waiting.served)
-                elif (
-                    drained
-                    and not waiting
-                    and decoder.between_transactions
-                    and reader.wal_end > confirmed
-                ):
-                    # All stored and flushed, nothing of ours before what the server has
-                    # sent: the WAL up to there may go.
-                    reader.confirm(confirmed := reader.wal_end)
+                idle = drained and decoder.between_transactions
+                if (target := waiting.confirmable(reader.wal_end, idle)) > confirmed:
+                    reader.confirm(confirmed := target)
                 if time.monotonic() - self._retained_at >= RETAINED_EVERY:
                     await self._look_at_retained(conn)
                 if drained and not new:

@@ -376,6 +376,12 @@ class Rounds:
                     if not self.unserved[stream.name]:
                         del self.unserved[stream.name]
 
+    def confirmable(self, wal_end: int, idle: bool) -> int:
+        """How far the slot may be confirmed: past the rounds served; and, ``idle``
+        (nothing of ours read and not numbered) with none waiting, as far as the server
+        has decoded (``wal_end``), so that the WAL other writes leave is not kept."""
+        return max(self.served, wal_end) if idle and not self._waiting else self.served
+
     async def flush(self, conn: Any) -> None:
         """Flush the WAL (nobody else did), then serve every round waiting."""
         await conn.execute(FLUSH)
@@ -658,18 +664,11 @@ class WalNumberer:
                     batch, count = [], 0
                 # The server decodes only flushed WAL: what it has sent is flushed.
                 waiting.flushed_to(reader.wal_end)
-                now = time.monotonic()
-                if waiting.served > confirmed and now - confirmed_at >= CONFIRM_EVERY:
-                    reader.confirm(confirmed := waiting.served)
+                idle = drained and not batch and decoder.between_transactions
+                target, now = waiting.confirmable(reader.wal_end, idle), time.monotonic()
+                if target > confirmed and now - confirmed_at >= CONFIRM_EVERY:
+                    reader.confirm(confirmed := target)
                     confirmed_at = now
-                elif (
-                    drained
-                    and not waiting
-                    and decoder.between_transactions
-                    and reader.wal_end > confirmed
-                ):
-                    # Nothing of ours before what the server has sent: that WAL may go.
-                    reader.confirm(confirmed := reader.wal_end)
                 if time.monotonic() - self._looked_at >= OPEN_LOOK_S:
                     await self._look()
                 if drained and not batch:
