@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck bench bench-quick bench-smoke nats-server soak soak-spark soak-spark-many fuzz powerloss simulate clean docs
+.PHONY: demo test lint typecheck bench bench-quick bench-smoke nats-server soak soak-spark soak-spark-many fuzz powerloss simulate clean docs docs-fit
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,10 @@ $(DOCS_STAMP): $(STAMP) pyproject.toml
 
 docs: $(DOCS_STAMP)  # the site: guides, API and CLI reference, protocol, benchmarks
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+docs-fit: docs  # no code block scrolls sideways at 1280 px, in headless Chromium
+	$(BIN)/pip install --quiet -e '.[browser]'
+	$(BIN)/python tests/docs/fit.py
 
 demo: $(STAMP)
 	$(BIN)/python -m streamq demo
@@ -63,24 +67,24 @@ soak: $(STAMP)  # the crash test run after run: >= 1,000 kill -9 cycles, at most
 		$(BIN)/python -m tests.soak --kills 1000 --max-seconds 1800
 
 soak-spark: $(STAMP)  # the Spark parquet sink's exactly-once test through 20 kill -9s, ~10 min
-	STREAMQ_SPARK_KILLS=20 $(BIN)/python -m pytest -q -p no:randomly tests/test_spark_exactly_once.py
+	STREAMQ_SPARK_KILLS=20 $(BIN)/python -m pytest -q -p no:randomly tests/spark/test_spark_exactly_once.py
 
 soak-spark-many: $(STAMP)  # the same at 256 producers served 16 to a process, 5 kill -9s, ~4 min
 	STREAMQ_SPARK_PRODUCERS=256 STREAMQ_SPARK_KILLS=5 $(BIN)/python -m pytest -q -p no:randomly \
-		tests/test_spark_exactly_once.py
+		tests/spark/test_spark_exactly_once.py
 
 FUZZ_SECONDS ?= 300
 fuzz: $(STAMP)  # atheris on the decoder and state machines, then 20,000 hostile sessions on a socket
 	$(BIN)/pip install --quiet -e '.[fuzz]'
 	$(BIN)/python tests/fuzz_protocol.py -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=1024
-	STREAMQ_FUZZ_EXAMPLES=20000 $(BIN)/python -m pytest -q -s -p no:cacheprovider tests/test_hostile_input.py
+	STREAMQ_FUZZ_EXAMPLES=20000 $(BIN)/python -m pytest -q -s -p no:cacheprovider tests/protocol/test_hostile_input.py
 
 powerloss: $(STAMP)  # power-loss images of a producer's database, 60 commits each mode: figures
 	$(BIN)/python -m tests.powerloss --commits 60
 
 simulate: $(STAMP)  # the protocol and storage simulation, 10,500 generated programs
 	STREAMQ_SIM_EXAMPLES=10500 $(BIN)/python -m pytest -q -p no:cacheprovider \
-		tests/test_simulation.py::test_simulation --hypothesis-show-statistics
+		tests/protocol/test_simulation.py::test_simulation --hypothesis-show-statistics
 
 lint: $(STAMP)
 	$(BIN)/ruff check streamq spark_source bench tests

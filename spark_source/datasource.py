@@ -121,8 +121,8 @@ from streamq import (
     StreamQError,
 )
 from streamq import Filter as RecordFilter
-from streamq.client import RangeRead
 from streamq.protocol import collector_paused
+from streamq.wire.client import RangeRead
 
 from . import planning
 from .planning import (

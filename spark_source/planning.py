@@ -44,13 +44,6 @@ from streamq import (
     StreamQError,
     UnknownStreamError,
 )
-from streamq.client import (
-    Parallel,
-    answers_ready,
-    vouch_answer,
-    vouch_request,
-    watch_request,
-)
 from streamq.errors import (
     IdleTimeoutError,
     MalformedFrameError,
@@ -66,9 +59,16 @@ from streamq.protocol import (
     StreamInfo,
     StreamList,
     WatchHead,
+    lost_seqs,
 )
-from streamq.subscription import lost_seqs
-from streamq.transport import parse_address
+from streamq.wire.client import (
+    Parallel,
+    answers_ready,
+    vouch_answer,
+    vouch_request,
+    watch_request,
+)
+from streamq.wire.transport import parse_address
 
 Offsets = dict[str, int]
 

@@ -43,7 +43,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from streamq.capturing import decode_change
+from streamq.captured import decode_change
 
 HEADER_TYPE = StructType(
     [StructField("key", StringType(), False), StructField("value", BinaryType(), True)]

@@ -12,13 +12,15 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what type checkers see; at run time each is imported at first use
-    from .applying import save_position, save_position_async
-    from .batches import Batch
-    from .blocking import BlockingSQL
-    from .capturing import decode_change
-    from .client import Client, history
-    from .compaction import Compacted
-    from .consumer import Consumer
+    from .captured import decode_change
+    from .consumer.batch import Batch
+    from .consumer.consumer import Consumer
+    from .consumer.database import list_dead_letters, mark_for_retry
+    from .consumer.failures import DeadLetter, Retry, Stop
+    from .consumer.fanin import FanInConsumer
+    from .consumer.position_store import ConsumerTransaction, ParkedRecord
+    from .consumer.save_position import save_position, save_position_async
+    from .consumer.settings import ConsumerSettings
     from .errors import (
         AlreadyServedError,
         AuthenticationFailedError,
@@ -51,24 +53,22 @@ if TYPE_CHECKING:  # what type checkers see; at run time each is imported at fir
         UnsupportedConnectionError,
         VersionMismatchError,
     )
-    from .failures import DeadLetter, Retry, Stop
-    from .fanin import FanInConsumer
     from .filters import Filter, share_of
-    from .group import GroupConsumer
+    from .groups.group_consumer import GroupConsumer
     from .metrics import ConsumerCollector
-    from .positions import ConsumerLag
-    from .positionstore import ConsumerTransaction, ParkedRecord
-    from .producer import Producer
+    from .producer.compaction import Compacted
+    from .producer.consumer_positions import ConsumerLag
+    from .producer.producer import Producer
+    from .producer.publishing import create_tables, publish, publish_async, publish_many
+    from .producer.retention import RetentionPolicy, Truncation
+    from .producer.server import ServerSettings
+    from .producer.transactions import BlockingTransaction, Transaction
     from .protocol import PROTOCOL_VERSION, Record, StreamInfo, TimePosition
-    from .publishing import create_tables, publish, publish_async, publish_many
     from .records import Receipt
-    from .retention import RetentionPolicy, Truncation
-    from .security import ClientTLS, ServerTLS, TokenAuth, make_token
-    from .server import ServerSettings
-    from .settings import ConsumerSettings
-    from .stores import list_dead_letters, mark_for_retry
+    from .sql import BlockingSQL
     from .sync import SyncProducer, SyncTransaction
-    from .transactions import BlockingTransaction, Transaction
+    from .wire.client import Client, history
+    from .wire.security import ClientTLS, ServerTLS, TokenAuth, make_token
 
 __version__ = "0.1.0"
 
@@ -153,13 +153,15 @@ __all__ = [
 # needs only the client (the Spark source's runner and workers, started for every query)
 # does not pay for the producer, the consumer and the metrics.
 _MODULES = {
-    "applying": ("save_position", "save_position_async"),
-    "batches": ("Batch",),
-    "blocking": ("BlockingSQL",),
-    "capturing": ("decode_change",),
-    "client": ("Client", "history"),
-    "compaction": ("Compacted",),
-    "consumer": ("Consumer",),
+    "captured": ("decode_change",),
+    "consumer.batch": ("Batch",),
+    "consumer.consumer": ("Consumer",),
+    "consumer.database": ("list_dead_letters", "mark_for_retry"),
+    "consumer.failures": ("DeadLetter", "Retry", "Stop"),
+    "consumer.fanin": ("FanInConsumer",),
+    "consumer.position_store": ("ConsumerTransaction", "ParkedRecord"),
+    "consumer.save_position": ("save_position", "save_position_async"),
+    "consumer.settings": ("ConsumerSettings",),
     "errors": (
         "AlreadyServedError",
         "AuthenticationFailedError",
@@ -192,24 +194,22 @@ _MODULES = {
         "UnsupportedConnectionError",
         "VersionMismatchError",
     ),
-    "failures": ("DeadLetter", "Retry", "Stop"),
-    "fanin": ("FanInConsumer",),
     "filters": ("Filter", "share_of"),
-    "group": ("GroupConsumer",),
+    "groups.group_consumer": ("GroupConsumer",),
     "metrics": ("ConsumerCollector",),
-    "positions": ("ConsumerLag",),
-    "positionstore": ("ConsumerTransaction", "ParkedRecord"),
-    "producer": ("Producer",),
+    "producer.compaction": ("Compacted",),
+    "producer.consumer_positions": ("ConsumerLag",),
+    "producer.producer": ("Producer",),
+    "producer.publishing": ("create_tables", "publish", "publish_async", "publish_many"),
+    "producer.retention": ("RetentionPolicy", "Truncation"),
+    "producer.server": ("ServerSettings",),
+    "producer.transactions": ("BlockingTransaction", "Transaction"),
     "protocol": ("PROTOCOL_VERSION", "Record", "StreamInfo", "TimePosition"),
-    "publishing": ("create_tables", "publish", "publish_async", "publish_many"),
     "records": ("Receipt",),
-    "retention": ("RetentionPolicy", "Truncation"),
-    "security": ("ClientTLS", "ServerTLS", "TokenAuth", "make_token"),
-    "server": ("ServerSettings",),
-    "settings": ("ConsumerSettings",),
-    "stores": ("list_dead_letters", "mark_for_retry"),
+    "sql": ("BlockingSQL",),
     "sync": ("SyncProducer", "SyncTransaction"),
-    "transactions": ("BlockingTransaction", "Transaction"),
+    "wire.client": ("Client", "history"),
+    "wire.security": ("ClientTLS", "ServerTLS", "TokenAuth", "make_token"),
 }
 _HOMES = {name: module for module, names in _MODULES.items() for name in names}
 

@@ -19,24 +19,30 @@ from rich.console import Console
 from rich.table import Table
 
 from . import _loop
-from .capturing import HEADER as CHANGE_HEADER
-from .capturing import HEADER_VALUE as CHANGE_HEADER_VALUE
-from .capturing import capture_streams, change_json, decode_change, json_default
-from .client import Client
-from .consumer import Consumer
-from .engines import Engine, for_target, open_storage
+from .captured import HEADER as CHANGE_HEADER
+from .captured import HEADER_VALUE as CHANGE_HEADER_VALUE
+from .captured import capture_streams, change_json, decode_change, json_default
+from .consumer.consumer import Consumer
+from .consumer.database import list_dead_letters, mark_for_retry, reshare
+from .consumer.resharing import OnlineMove
+from .engines import Engine, for_target, is_postgres_url, open_storage
 from .errors import SchemaMissingError, StreamQError
 from .filters import Filter
-from .log import Log
-from .producer import Producer
+from .producer.committed_log import Log
+from .producer.producer import Producer
+from .producer.server import ServerSettings
 from .protocol import Record, decode_record
 from .records import check_stream_name
-from .resharing import OnlineMove
-from .security import MIN_SECRET_BYTES, ClientTLS, ServerTLS, TokenAuth, make_token, read_secret
-from .server import ServerSettings
-from .storage import is_postgres_url
-from .stores import list_dead_letters, mark_for_retry, reshare
-from .transport import parse_address
+from .wire.client import Client
+from .wire.security import (
+    MIN_SECRET_BYTES,
+    ClientTLS,
+    ServerTLS,
+    TokenAuth,
+    make_token,
+    read_secret,
+)
+from .wire.transport import parse_address
 
 DEFAULT_PORT = 7400
 TOKEN_ENV = "STREAMQ_TOKEN"

@@ -25,8 +25,8 @@ from rich.live import Live
 from rich.table import Table
 
 from . import _loop
-from .consumer import Consumer
-from .producer import Producer
+from .consumer.consumer import Consumer
+from .producer.producer import Producer
 
 ACCOUNTS = 100
 OPENING_BALANCE = 1_000_000

@@ -45,6 +45,13 @@ def share_name(consumer: str, share: tuple[int, int]) -> str:
     return f"{consumer}[{share[0]}/{share[1]}]"
 
 
+def names_for(consumer: str, shares: int) -> tuple[str, ...]:
+    """The position names of a split into ``shares`` (1: the consumer's own name)."""
+    if shares == 1:
+        return (consumer,)
+    return tuple(share_name(consumer, (i, shares)) for i in range(shares))
+
+
 def shared_as(consumer: str, name: str) -> tuple[int, int] | None:
     """``share_name`` backwards: (index, count) if ``name`` is a share of ``consumer``'s
     (``consumer[i/n]``, a valid share), else None."""

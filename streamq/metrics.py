@@ -1,4 +1,5 @@
-"""Prometheus metrics of a producer and of consumers, read from live state at scrape time.
+"""Prometheus metrics of consumers, and the endpoint that serves them beside a
+producer's (``producer.metrics``), read from live state at scrape time.
 
 Custom collectors, not counters updated as records flow: publishing, pushing and
 applying keep only the plain integers they already had (heads, positions, per-stream
@@ -11,8 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -21,34 +21,6 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
-
-    from .log import Stream
-    from .positions import Positions
-    from .server import Server
-    from .storage import Capturing, Numbering
-
-
-class ProducerState(Protocol):
-    """What a producer's metrics read, at scrape time (a ``Producer``)."""
-
-    @property
-    def producer_id(self) -> str: ...
-    @property
-    def epoch(self) -> int: ...
-    @property
-    def positions(self) -> Positions: ...
-    @property
-    def numberer(self) -> Numbering | None: ...
-    @property
-    def streams(self) -> Mapping[str, Stream]: ...
-    @property
-    def registrations_dropped(self) -> int: ...
-    @property
-    def watching_commits(self) -> bool: ...
-    @property
-    def server(self) -> Server | None: ...
-    @property
-    def capture(self) -> Capturing | None: ...
 
 
 class ConsumerState(Protocol):
@@ -90,139 +62,6 @@ class ServesMetrics(Protocol):
 
     @property
     def consumer_collector(self) -> ConsumerCollector | None: ...
-
-
-class ProducerCollector(Collector):
-    """Heads, consumer positions and lag, traffic, connections and errors of one producer."""
-
-    def __init__(self, producer: ProducerState) -> None:
-        self._producer = producer
-
-    def collect(self) -> Iterator[Metric]:
-        producer = self._producer
-        streams = dict(producer.streams)
-        info = GaugeMetricFamily(
-            "streamq_producer_info", "This producer's id and epoch", labels=["producer_id", "epoch"]
-        )
-        info.add_metric([producer.producer_id, str(producer.epoch)], 1)
-        yield info
-
-        head = GaugeMetricFamily("streamq_stream_head", "Last committed seq", labels=["stream"])
-        low = GaugeMetricFamily("streamq_stream_low", "First seq still held", labels=["stream"])
-        for name, stream in streams.items():
-            head.add_metric([name], stream.head)
-            low.add_metric([name], stream.low)
-        yield head
-        yield low
-
-        yield from _positions(producer, streams)
-        yield from _open_transactions(producer)
-        yield from _capture(producer)
-        yield CounterMetricFamily(
-            "streamq_registrations_dropped",
-            "Registrations dropped by their limits (max_idle_ms, max_bytes)",
-            producer.registrations_dropped,
-        )
-        server = producer.server
-        if server is not None:
-            yield GaugeMetricFamily(
-                "streamq_commit_watch",
-                "1 if other writers' commits wake this producer at once (inotify, NOTIFY); "
-                "0 if it finds them by checking periodically",
-                int(producer.watching_commits),
-            )
-            yield from _traffic(server)
-
-
-def _positions(producer: ProducerState, streams: Mapping[str, Stream]) -> Iterator[Metric]:
-    """Each consumer's position and lag per stream, as the producer knows them."""
-    labels = ["consumer", "stream"]
-    applied = GaugeMetricFamily(
-        "streamq_consumer_applied", "Last seq the consumer reported applied", labels=labels
-    )
-    lag = GaugeMetricFamily(
-        "streamq_consumer_lag", "Records committed and not yet applied", labels=labels
-    )
-    registered = GaugeMetricFamily(
-        "streamq_consumer_registered", "1 if retention keeps records for it", labels=labels
-    )
-    lost = CounterMetricFamily(
-        "streamq_consumer_lost_records",
-        "Records retention deleted before the consumer applied them",
-        labels=labels,
-    )
-    reported = GaugeMetricFamily(
-        "streamq_consumer_last_report_seconds",
-        "When the consumer last reported its position (Unix time; 0: never)",
-        labels=labels,
-    )
-    for position in producer.positions.lags(streams):
-        key = [position.consumer, position.stream]
-        applied.add_metric(key, position.applied)
-        lag.add_metric(key, position.lag)
-        registered.add_metric(key, int(position.registered))
-        lost.add_metric(key, position.lost)
-        reported.add_metric(key, position.updated_at)
-    yield from (applied, lag, registered, lost, reported)
-
-
-def _open_transactions(producer: ProducerState) -> Iterator[Metric]:
-    """Transactions that published and have not ended (none without a numberer)."""
-    if producer.numberer is None:
-        return
-    found = producer.numberer.open_transactions
-    yield GaugeMetricFamily(
-        "streamq_open_transactions",
-        "Transactions that published and have not ended (their records wait)",
-        found.count,
-    )
-    yield GaugeMetricFamily(
-        "streamq_oldest_open_transaction_seconds",
-        "How long the oldest of them has been open (0 with none)",
-        found.oldest_age(time.time()),
-    )
-
-
-def _capture(producer: ProducerState) -> Iterator[Metric]:
-    """Tables captured from the WAL (none without ``capture=``)."""
-    capture = producer.capture
-    if capture is None:
-        return
-    yield CounterMetricFamily(
-        "streamq_capture_changes", "Row changes captured and published", capture.captured
-    )
-    yield GaugeMetricFamily(
-        "streamq_capture_lsn",
-        "Every transaction committed up to this LSN is published",
-        capture.lsn,
-    )
-    yield GaugeMetricFamily(
-        "streamq_capture_retained_wal_bytes",
-        "WAL the capture's replication slot keeps PostgreSQL from recycling",
-        capture.retained_bytes,
-    )
-
-
-def _traffic(server: Server) -> Iterator[Metric]:
-    """What the producer's server sent, and its connections."""
-    records = CounterMetricFamily(
-        "streamq_sent_records", "Records sent to consumers and readers", labels=["stream"]
-    )
-    sent_bytes = CounterMetricFamily(
-        "streamq_sent_bytes", "Bytes of RECORDS frames sent", labels=["stream"]
-    )
-    for name, traffic in list(server.traffic.items()):
-        records.add_metric([name], traffic.records)
-        sent_bytes.add_metric([name], traffic.bytes)
-    yield records
-    yield sent_bytes
-    yield GaugeMetricFamily("streamq_connections", "Open connections", server.connections)
-    yield GaugeMetricFamily(
-        "streamq_subscriptions", "Active subscriptions", len(server.subscriptions)
-    )
-    yield CounterMetricFamily(
-        "streamq_errors_sent", "ERROR frames sent to peers", server.errors_sent
-    )
 
 
 # A consumer's own view, one sample per consumer: (name, help, the consumer's attribute
@@ -338,18 +177,19 @@ class ConsumerCollector(Collector):
 
 class MetricsServer:
     """``/metrics`` over HTTP, in a thread of prometheus-client's: one producer's metrics
-    (None: none), and those of the consumers added to ``consumers``."""
+    (its ``producer.metrics.ProducerCollector``; None: none), and those of the consumers
+    added to ``consumers``."""
 
     def __init__(
         self,
-        producer: ProducerState | None,
         host: str,
         port: int,
         consumers: ConsumerCollector | None = None,
+        producer: Collector | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         if producer is not None:
-            self.registry.register(ProducerCollector(producer))
+            self.registry.register(producer)
         self.consumers = ConsumerCollector() if consumers is None else consumers
         self.registry.register(self.consumers)
         try:
@@ -394,7 +234,7 @@ class MetricsEndpoint:
     def open(self) -> ConsumerCollector | None:
         """Serve the endpoint of its own, or find the target's collector."""
         if self._port is not None:
-            self._server = MetricsServer(None, self._host, self._port, self.collector)
+            self._server = MetricsServer(self._host, self._port, self.collector)
         elif self._target is not None:
             self.collector = consumers_of(self._target)
         return self.collector

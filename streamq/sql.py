@@ -14,13 +14,15 @@ import asyncio
 import contextlib
 import sqlite3
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Any, TypeVar, cast
+from typing import Any, Literal, TypeVar, cast
 
 import aiosqlite
 
 from .errors import TransactionClosedError
 
 T = TypeVar("T")
+
+Durability = Literal["normal", "full"]  # how a commit is made durable: synchronous=NORMAL or FULL
 
 
 def raw_connection(conn: aiosqlite.Connection) -> sqlite3.Connection:

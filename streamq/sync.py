@@ -17,14 +17,14 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from ._loop import loop_factory
-from .compaction import Compacted
-from .positions import ConsumerLag
-from .producer import Producer
+from .producer.compaction import Compacted
+from .producer.consumer_positions import ConsumerLag
+from .producer.producer import Producer
+from .producer.retention import Truncation
+from .producer.storage import Session
+from .producer.transactions import SyncTransaction
 from .protocol import Record
 from .records import Receipt
-from .retention import Truncation
-from .storage import Session
-from .transactions import SyncTransaction
 
 __all__ = ["SyncProducer", "SyncTransaction"]
 
@@ -132,7 +132,7 @@ class SyncProducer:
 
     def _served(self, tx: SyncTransaction) -> None:
         """After a commit: served now if someone waits for it or for its seqs (else within
-        ``watcher.IDLE_CHECK``)."""
+        ``commit_watcher.IDLE_CHECK``)."""
         if self._producer.log.waits.count or tx.last_receipt is not None:
             self._loop.call_soon_threadsafe(self._producer.writing.wake)
         if tx.last_receipt is not None:  # numbered after the commit: once served

@@ -3,7 +3,7 @@
     python tests/fuzz_protocol.py [-max_total_time=300] [-rss_limit_mb=512] [CORPUS_DIR]
 
 ``make fuzz`` runs it (then a long hypothesis campaign against a real server socket,
-tests/test_hostile_input.py). Each input picks a role (server, client before or after
+tests/protocol/test_hostile_input.py). Each input picks a role (server, client before or after
 subscribing, client with a request pending), a frame size limit and a way of cutting
 the bytes, and feeds the rest to the connection. Bad input must only ever raise
 ``RemoteProtocolError``; anything else (an IndexError, a RecursionError, a MemoryError

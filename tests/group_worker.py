@@ -1,4 +1,4 @@
-"""A consumer group member process for tests/test_groups.py.
+"""A consumer group member process for tests/groups/test_groups.py.
 
     python -m tests.group_worker ADDRESS DB [--shares N] [--die-in-apply K]
 
@@ -19,7 +19,7 @@ import signal
 
 import streamq
 from streamq._loop import run
-from streamq.group import GroupConsumer
+from streamq.groups.group_consumer import GroupConsumer
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from bench.spark.footprint import established
-from streamq.transport import parse_address
+from streamq.wire.transport import parse_address
 
 
 @contextlib.contextmanager

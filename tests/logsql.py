@@ -9,8 +9,8 @@ from typing import Any
 
 import psycopg
 
+from streamq.engines import is_postgres_url
 from streamq.engines.sqlite.storage import unpack_rows
-from streamq.storage import is_postgres_url
 
 SEQ_MASK = (1 << 40) - 1  # SQLite packs (stream id, seq) in its rowid
 

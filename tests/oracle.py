@@ -115,7 +115,7 @@ POSTGRES = Dialect(
 
 def dialect(db: Path | str) -> Dialect:
     """The engine of ``db``: PostgreSQL for a ``postgresql://`` URL, else SQLite."""
-    from streamq.storage import is_postgres_url
+    from streamq.engines import is_postgres_url
 
     return POSTGRES if is_postgres_url(str(db)) else SQLITE
 

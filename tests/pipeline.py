@@ -14,7 +14,7 @@ import sqlite3
 from pathlib import Path
 
 from streamq import Consumer, Producer, ServerSettings
-from streamq.transport import parse_address
+from streamq.wire.transport import parse_address
 
 from .oracle import (
     ADD_TO_SUM,

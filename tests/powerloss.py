@@ -53,7 +53,7 @@ from streamq import (
     SeqsReusedError,
 )
 from streamq.engines.sqlite.storage import HEAD_QUERY, unpack_rows
-from streamq.storage import Durability
+from streamq.sql import Durability
 
 from .conftest import wait_for
 from .walimage import FRAME_HEADER, WAL_HEADER, commit_ends, valid_frames, write_image
@@ -455,7 +455,7 @@ class WalTape:
     """A served producer's database (SQLite, WAL, ``durability="normal"``) recorded as it
     runs, to be replaced afterwards by an image a power loss could leave, built from its WAL
     the way ``images`` builds them (``walimage``): for tests of other readers than the
-    Consumer, such as the Spark source (tests/test_spark_power_loss.py).
+    Consumer, such as the Spark source (tests/spark/test_spark_power_loss.py).
 
     ``mark()`` notes the WAL's length: once right after the producer started (its epoch's
     commit synced the WAL), then after each commit that returned. ``freeze()``, while the

@@ -2,7 +2,7 @@
 
     python -m tests.soak [--kills 1000] [--max-seconds 1800] [--seed S]
 
-Each run is a fresh producer and consumer database with the plan of tests/test_crash.py
+Each run is a fresh producer and consumer database with the plan of tests/crash/test_crash.py
 (kills at random moments and at every fault point, pauses beyond every timeout), checked
 by the oracle after every kill and at its end. Runs go on until ``--kills`` kill cycles
 are done or ``--max-seconds`` have passed (a run is never cut short). Prints the figures;

@@ -15,7 +15,7 @@ from streamq.engines.sqlite.storage import SEQ_BITS
 from streamq.errors import OutOfOrderBatchError, TransactionClosedError
 from streamq.records import DEFAULT_MAX_RECORD_SIZE
 
-from .test_producer import log_seqs
+from .producer.test_producer import log_seqs
 
 SEQ_MASK = (1 << SEQ_BITS) - 1
 

@@ -22,7 +22,12 @@ import pytest
 PACKAGE = "streamq"
 PACKAGE_DIR = Path(__file__).resolve().parent.parent / PACKAGE
 FORBIDDEN = frozenset({"asyncio", "socket", "sqlite3", "aiosqlite", "selectors", "threading"})
-SANS_IO_MODULES = ("streamq.protocol", "streamq.errors", "streamq.filters", "streamq.resharing")
+SANS_IO_MODULES = (
+    "streamq.protocol",
+    "streamq.errors",
+    "streamq.filters",
+    "streamq.consumer.resharing",
+)
 PROTOCOL_MODULES = {
     "streamq.protocol",
     "streamq.protocol.events",
@@ -153,13 +158,13 @@ def test_every_protocol_module_is_checked() -> None:
 
 def test_io_modules_are_detected() -> None:
     """The checker flags what it should, so a green run means something."""
-    found, visited = forbidden_imports(PACKAGE_DIR, PACKAGE, "streamq.producer")
-    assert "asyncio" in found["streamq.server"]
+    found, visited = forbidden_imports(PACKAGE_DIR, PACKAGE, "streamq.producer.producer")
+    assert "asyncio" in found["streamq.producer.server"]
     # reached through producer -> engines -> the SQLite engine's storage
     assert "aiosqlite" in found["streamq.engines.sqlite.storage"]
     assert {
-        "streamq.server",
-        "streamq.log",
+        "streamq.producer.server",
+        "streamq.producer.committed_log",
         "streamq.engines.sqlite.storage",
         "streamq.protocol",
     } <= visited
@@ -454,7 +459,7 @@ def test_only_the_facades_import_the_producer() -> None:
     the writing core (``writing.Writing``) or a small protocol, not the ``Producer``:
     it is imported by the facades alone (the package, ``SyncProducer``, the CLI and its
     demo)."""
-    assert importers(PACKAGE_DIR, PACKAGE, "streamq.producer") == {
+    assert importers(PACKAGE_DIR, PACKAGE, "streamq.producer.producer") == {
         "streamq",
         "streamq.sync",
         "streamq.cli",
@@ -490,6 +495,145 @@ def test_the_spark_source_loads_no_producer_consumer_or_metrics() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     loaded = set(json.loads(done.stdout))
-    assert "streamq.client" in loaded
-    unwanted = {"streamq.producer", "streamq.consumer", "streamq.metrics", "streamq.server"}
-    assert not loaded & unwanted, loaded & unwanted
+    assert "streamq.wire.client" in loaded
+    sides = ("streamq.producer.", "streamq.consumer.", "streamq.groups.", "streamq.engines")
+    unwanted = {m for m in loaded if m.startswith(sides) or m == "streamq.metrics"}
+    assert not unwanted, unwanted
+
+
+# --- the packages: who may import whom ---------------------------------------------------
+
+# The modules at the top that every part shares: the vocabulary (errors, records, filters,
+# captured changes), the application's SQL handles, consumers' metrics and their endpoint.
+SHARED = frozenset({"errors", "records", "filters", "captured", "sql", "metrics", "_loop"})
+# The facades: the package itself, the blocking producer, the command line and the demo.
+FACADES = frozenset({"", "__main__", "sync", "cli", "demo"})
+# What each part may import from the others (its own modules aside). "shared" is SHARED.
+MAY_IMPORT: dict[str, frozenset[str]] = {
+    "shared": frozenset({"shared", "protocol"}),
+    "protocol": frozenset({"errors", "filters"}),
+    "wire": frozenset({"shared", "protocol"}),
+    "engines": frozenset({"shared", "protocol"}),
+    "producer": frozenset({"shared", "protocol", "wire", "engines"}),
+    "consumer": frozenset({"shared", "protocol", "wire", "engines"}),
+    "groups": frozenset({"shared", "protocol", "wire", "engines", "consumer"}),
+}
+# The interfaces the engines implement, and the types those interfaces speak: the only
+# modules of the producer's side, the consumer's and groups that an engine imports.
+ENGINE_INTERFACES = {
+    "producer.storage": "the producer's storage interface",
+    "producer.append_rule": "which rows an append adds, the same on every engine",
+    "consumer.position_store": "the consumer's position-store interface",
+    "consumer.batch": "what a position store saves a position for",
+    "consumer.resharing": "the moves a position store makes when shares change",
+    "groups.membership": "the leases a lease table holds",
+}
+
+
+def part_of(module: str, package: str) -> str:
+    """Which part of the package ``module`` is: a package's name, "shared", or "facade"."""
+    parts = module.split(".")[1:]
+    if not parts or parts[0] in FACADES:
+        return "facade"
+    if parts[0] in SHARED:
+        return "shared"
+    return parts[0]
+
+
+def layering_breaches(package_dir: Path, package: str) -> dict[str, set[str]]:
+    """module -> the modules of other parts it imports and may not (``MAY_IMPORT``, the
+    engines' ``ENGINE_INTERFACES``); a facade may import anything, and a part's modules each
+    other. A package's bare name counts as its ``__init__``."""
+    modules = _modules(package_dir, package)
+    breaches: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        part = part_of(module, package)
+        if part == "facade":
+            continue
+        allowed = MAY_IMPORT.get(part, frozenset())
+        for name in imported_names(path, module):
+            if name not in modules or name == package:
+                continue
+            other = part_of(name, package)
+            if other == part:
+                continue
+            inner = name.removeprefix(f"{package}.")
+            if other == "shared" and "shared" in allowed:
+                continue
+            if other in allowed or inner in allowed:
+                continue
+            if part == "engines" and inner in ENGINE_INTERFACES:
+                continue
+            breaches.setdefault(module, set()).add(name)
+    return breaches
+
+
+def test_each_part_imports_only_what_it_may() -> None:
+    """The consumer's side never imports the producer's, nor the reverse; groups build on
+    the consumer; the wire and protocol know neither side; engines import only the
+    interfaces they implement; the facades alone import across."""
+    assert layering_breaches(PACKAGE_DIR, PACKAGE) == {}
+
+
+def test_every_module_belongs_to_a_known_part() -> None:
+    """A new package or a new module at the top is placed on purpose: added to
+    ``MAY_IMPORT``, ``SHARED`` or ``FACADES`` with what it may import."""
+    parts = {part_of(module, PACKAGE) for module in _modules(PACKAGE_DIR, PACKAGE)}
+    assert parts <= {"facade", *MAY_IMPORT}, parts - {"facade", *MAY_IMPORT}
+
+
+def test_package_inits_import_nothing_of_streamq() -> None:
+    """Importing ``streamq.producer.storage`` (an engine's interface) must not load the
+    producer: each side's ``__init__`` holds its docstring and nothing to import."""
+    for name in ("producer", "consumer", "groups", "wire"):
+        init = PACKAGE_DIR / name / "__init__.py"
+        assert imported_names(init, f"{PACKAGE}.{name}") == set(), name
+        assert ast.get_docstring(ast.parse(init.read_text())), f"{name} says what it owns"
+
+
+def test_layering_breaches_are_detected(tmp_path: Path) -> None:
+    """Each rule flags its breach, so a green run means something."""
+    pkg = tmp_path / "streamq"
+    for name in ("producer", "consumer", "groups", "wire", "engines", "protocol"):
+        (pkg / name).mkdir(parents=True)
+        (pkg / name / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("from .producer import producer\n")  # a facade
+    (pkg / "errors.py").write_text("")
+    (pkg / "producer" / "storage.py").write_text("from ..errors import E\n")
+    (pkg / "producer" / "producer.py").write_text(
+        "from .storage import S\nfrom ..consumer import turn\n"
+    )
+    (pkg / "consumer" / "turn.py").write_text(
+        "def f():\n    from ..producer.producer import Producer\n"
+    )
+    (pkg / "groups" / "member.py").write_text("from ..consumer.turn import T\n")
+    (pkg / "wire" / "client.py").write_text("from ..engines import base\n")
+    (pkg / "protocol" / "codec.py").write_text("from ..wire.client import C\n")
+    (pkg / "engines" / "base.py").write_text(
+        "from ..producer.storage import S\nfrom ..producer.producer import P\n"
+    )
+    assert layering_breaches(pkg, "streamq") == {
+        "streamq.producer.producer": {"streamq.consumer", "streamq.consumer.turn"},
+        "streamq.consumer.turn": {"streamq.producer.producer"},
+        "streamq.wire.client": {"streamq.engines", "streamq.engines.base"},
+        "streamq.protocol.codec": {"streamq.wire.client"},
+        "streamq.engines.base": {"streamq.producer.producer"},
+    }
+
+
+def test_every_public_name_still_imports() -> None:
+    """The public API does not move with the modules: ``streamq.X``, ``streamq.sync.X``,
+    and the command line's entry point, in a fresh interpreter."""
+    code = textwrap.dedent(
+        """
+        import streamq, streamq.sync, streamq.cli
+        missing = [n for n in streamq.__all__ if getattr(streamq, n, None) is None]
+        missing += [n for n in streamq.sync.__all__ if getattr(streamq.sync, n, None) is None]
+        assert callable(streamq.cli.main)
+        print(len(streamq.__all__), missing)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    count, missing = done.stdout.split(" ", 1)
+    assert int(count) >= 70 and missing.strip() == "[]", done.stdout

@@ -11,7 +11,7 @@
    group drains and the table is checked: every record applied once, each key in order.
 2. **Online resharing 4 -> 8** (streamq only: a Kafka topic's partition count cannot grow
    without moving keys between partitions, breaking per-key order): eight members from the
-   start over shares=4 (four standbys), then ``streamq.stores.reshare(db, GROUP, 8)``
+   start over shares=4 (four standbys), then ``streamq.consumer.database.reshare(db, GROUP, 8)``
    while the producer writes. Measured from the table: duplicates, lost records, key-order
    violations, the longest gap between applies across the group and per key, and records
    applied per 100 ms before, during and after.
@@ -217,7 +217,7 @@ AROUND = (-2.0, 5.0)  # s from the reshare: the window around the change
 def resharing(folder: Path, sizes: Sizes) -> dict[str, Any]:
     """Eight members over shares=4 (four standbys), then ``reshare(db, GROUP, 8)`` while
     the producer writes; the pauses and the throughput around it, the table checked."""
-    from streamq.stores import reshare
+    from streamq.consumer.database import reshare
 
     db = str(folder / "reshare.db")
     create(db)

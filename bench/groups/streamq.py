@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import streamq
 from streamq import _loop
-from streamq.group import GroupConsumer
+from streamq.groups.group_consumer import GroupConsumer
 
 from ..common import say, wait_line
 from ..measure import Pacer

@@ -15,7 +15,7 @@ from typing import cast
 
 import streamq
 from streamq import _loop
-from streamq.storage import Durability
+from streamq.sql import Durability
 
 from ..common import say, wait_line
 from ..measure import Latencies, Pacer

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import streamq
 from streamq import _loop
-from streamq.storage import Durability
+from streamq.sql import Durability
 
 from ..common import Child, console
 from ..latency import schedule_start

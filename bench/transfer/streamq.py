@@ -13,7 +13,7 @@ from typing import Any, cast
 
 import streamq
 from streamq import _loop
-from streamq.storage import Durability
+from streamq.sql import Durability
 
 from ..common import say
 from ..measure import Latencies

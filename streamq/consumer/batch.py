@@ -6,7 +6,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, overload
 
-from .protocol import Record
+from ..protocol import Record
 
 
 class Fence(NamedTuple):

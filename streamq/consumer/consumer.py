@@ -7,9 +7,9 @@ resumes right after the last committed batch.
 The consumer is a facade over parts of one job each: ``subscription.Subscription`` (the
 connection: handshake, subscription, the bounded queue of pushed batches, reconnects,
 acknowledgements), ``turn.Turn`` (whose turn it is to apply, one transaction at a time),
-``stores.PositionStore`` (its database, one class per engine: SQLite or PostgreSQL),
+``position_store.PositionStore`` (its database, one class per engine: SQLite or PostgreSQL),
 ``failures.Policies`` (``on_failure``: what ``apply`` does when the application's
-function raises), ``settings.ConsumerSettings`` (its options) and ``batches.Batch`` (what
+function raises), ``settings.ConsumerSettings`` (its options) and ``batch.Batch`` (what
 it yields). What is its own: where it starts with a producer it has not read yet (its
 stored position, checked to be this producer's and this split's, or the configured start).
 """
@@ -23,19 +23,19 @@ from dataclasses import replace
 from types import TracebackType
 from typing import Any, TypeVar, Unpack
 
-from .batches import Batch
-from .client import Client
-from .errors import ProducerChangedError, SharesChangedError
+from ..errors import ProducerChangedError, SharesChangedError
+from ..filters import share_name, shared_as
+from ..metrics import ConsumerCollector, MetricsEndpoint
+from ..wire.client import Client
+from ..wire.transport import parse_address
+from .batch import Batch
+from .database import ConsumerTransaction, PositionStore, open_position_store
 from .failures import FailurePolicy, Policies
-from .filters import share_name, shared_as
-from .metrics import ConsumerCollector, MetricsEndpoint
 from .settings import ConsumerOptions, ConsumerSettings
-from .stores import ConsumerTransaction, PositionStore, open_position_store
-from .subscription import Resume, Subscription, heartbeat_timeout, lost_seqs
-from .transport import parse_address
+from .subscription import Resume, Subscription, heartbeat_timeout
 from .turn import Turn
 
-__all__ = ["Consumer", "ConsumerSettings", "heartbeat_timeout", "lost_seqs"]
+__all__ = ["Consumer", "ConsumerSettings", "heartbeat_timeout"]
 
 T = TypeVar("T")
 

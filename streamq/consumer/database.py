@@ -2,7 +2,7 @@
 
 The consumer's database is SQLite (a path) or PostgreSQL (a ``postgresql://`` URL).
 The consumer does not know which: it talks to a ``PositionStore`` (the interface is in
-``positionstore``), one per engine (``engines/sqlite/positions.py``,
+``position_store``), one per engine (``engines/sqlite/positions.py``,
 ``engines/postgres/positions.py``), each holding all of its engine's SQL, picked once
 from ``db`` (``open_position_store``). The functions here that take ``db`` (dead
 letters, resharing) pick the engine the same way.
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .engines import Engine, for_target
-from .errors import SchemaMissingError
-from .positionstore import ConsumerTransaction, ParkedRecord, PositionStore
-from .storage import Durability
+from ..engines import Engine, for_target
+from ..errors import SchemaMissingError
+from ..sql import Durability
+from .position_store import ConsumerTransaction, ParkedRecord, PositionStore
 
 if TYPE_CHECKING:
     from .resharing import Move, OnlineMove

@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast
 
 import msgpack
 
-from .batches import Batch
-from .errors import RecordFailedError
-from .positionstore import stored_record
-from .protocol import Record
+from ..errors import RecordFailedError
+from ..protocol import Record
+from .batch import Batch
+from .position_store import stored_record
 
 if TYPE_CHECKING:
     from .turn import Turn

@@ -19,11 +19,11 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
-from .batches import Batch
+from ..metrics import MetricsEndpoint
+from ..sql import Durability
+from .batch import Batch
 from .consumer import Consumer
-from .metrics import MetricsEndpoint
-from .storage import Durability
-from .stores import ConsumerTransaction, PositionStore, open_position_store
+from .database import ConsumerTransaction, PositionStore, open_position_store
 
 T = TypeVar("T")
 

@@ -4,7 +4,7 @@ the dead letters' statements and rows (``DeadLetterSQL``, ``ParkedRecord``), and
 errors a store raises for a batch out of turn or applied under a lost lease.
 
 The engines (``engines/*/positions.py``) import these from here, below them; the consumer,
-its failure policies and ``stores`` (which picks an engine for a database) import them
+its failure policies and ``database`` (which picks an engine for a database) import them
 too. This module imports none of those.
 """
 
@@ -16,9 +16,9 @@ from typing import Any, NamedTuple, Protocol, TypeVar, cast
 
 import msgpack
 
-from .batches import Batch
-from .errors import LeaseLostError, OutOfOrderBatchError
-from .protocol import Record
+from ..errors import LeaseLostError, OutOfOrderBatchError
+from ..protocol import Record
+from .batch import Batch
 
 T = TypeVar("T")
 

@@ -30,8 +30,8 @@ from collections import defaultdict
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from .errors import StreamQError
-from .filters import MAX_SHARES, share_name, share_of, shared_as
+from ..errors import StreamQError
+from ..filters import MAX_SHARES, names_for, share_of, shared_as
 
 
 class ReshareRefusedError(StreamQError):
@@ -57,13 +57,6 @@ class Move(NamedTuple):
     endpoint: str
     old: tuple[str, ...]
     new: tuple[str, ...]
-
-
-def names_for(consumer: str, shares: int) -> tuple[str, ...]:
-    """The position names of a split into ``shares`` (1: the consumer's own name)."""
-    if shares == 1:
-        return (consumer,)
-    return tuple(share_name(consumer, (i, shares)) for i in range(shares))
 
 
 def split_of(consumer: str, names: Iterable[str]) -> int | None:

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .batches import Batch
-from .connections import SAVE_POSITION
-from .engines import for_connection, for_connection_async
+from ..engines import for_connection, for_connection_async
+from ..engines.app_connection import SAVE_POSITION
+from .batch import Batch
 
 
 def save_position(conn: Any, batch: Batch) -> None:

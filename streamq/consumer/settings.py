@@ -11,14 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypedDict
 
+from ..filters import Filter
+from ..protocol import DEFAULT_MAX_FRAME_SIZE
+from ..sql import Durability
+from ..wire.security import ClientTLS
 from .failures import DeadLetter, FailurePolicy, Retry, Stop
-from .filters import Filter
-from .protocol import DEFAULT_MAX_FRAME_SIZE
-from .security import ClientTLS
-from .storage import Durability
 
 if TYPE_CHECKING:
-    from .metrics import ConsumerCollector, ServesMetrics
+    from ..metrics import ConsumerCollector, ServesMetrics
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,8 +21,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import NamedTuple
 
-from .batches import Batch
-from .errors import (
+from ..errors import (
     ConnectionLostError,
     ConsumerPositionError,
     IdleTimeoutError,
@@ -35,7 +34,7 @@ from .errors import (
     TooManyConnectionsError,
     error_from_frame,
 )
-from .protocol import (
+from ..protocol import (
     Ack,
     ClientConnection,
     Error,
@@ -47,10 +46,9 @@ from .protocol import (
     Subscribe,
     Subscribed,
     TimePosition,
+    lost_seqs,
 )
-from .resharing import Floors
-from .settings import ConsumerSettings
-from .transport import (
+from ..wire.transport import (
     client_handshake,
     closed_by_producer,
     handshake,
@@ -58,6 +56,9 @@ from .transport import (
     producer_errors,
     read_message,
 )
+from .batch import Batch
+from .resharing import Floors
+from .settings import ConsumerSettings
 
 logger = logging.getLogger("streamq.consumer")
 
@@ -94,13 +95,6 @@ def heartbeat_timeout(given: float | None, interval_ms: int | None) -> float:
     if interval_ms is None:
         return DEFAULT_HEARTBEAT_TIMEOUT
     return max(HEARTBEAT_MISSES * interval_ms / 1000, MIN_HEARTBEAT_TIMEOUT)
-
-
-def lost_seqs(position: int, head: int, rewritten_from: int) -> range | None:
-    """The seqs up to ``position`` that the producer's log no longer holds ("Epochs"): those
-    beyond its ``head``, and those from ``rewritten_from`` (if not 0) on; None if none."""
-    first = rewritten_from or head + 1
-    return range(first, position + 1) if 0 < first <= position else None
 
 
 class Resume(NamedTuple):

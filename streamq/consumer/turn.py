@@ -13,9 +13,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from .batches import Batch, Fence
-from .errors import OutOfOrderBatchError
-from .positionstore import PositionStore
+from ..errors import OutOfOrderBatchError
+from .batch import Batch, Fence
+from .position_store import PositionStore
 
 
 class Turn:

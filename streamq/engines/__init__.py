@@ -5,8 +5,15 @@
 what the caller holds: ``for_target`` for a database named by a path or a URL,
 ``for_connection`` / ``for_connection_async`` for the application's own connection.
 Code above never branches on an engine's name: it asks the ``Engine``, or its
-``features`` (independent capabilities, each commented in ``storage.Features``). Each
-engine imports its driver only when used (psycopg is an optional extra).
+``features`` (independent capabilities, each commented in ``producer/storage.py``'s
+``Features``). Each engine imports its driver only when used (psycopg is an optional
+extra).
+
+May import: the shared modules at the top, ``protocol``, and of the two sides and groups
+only the interfaces the engines implement and the types those speak
+(``producer.storage``, ``producer.append_rule``, ``consumer.position_store``,
+``consumer.batch``, ``consumer.resharing``, ``groups.membership``). Never the
+``Producer``, the ``Consumer`` or the rest of either side.
 """
 
 from __future__ import annotations
@@ -14,12 +21,20 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ..connections import PUBLISH, Operation, resolve_engine, resolve_engine_async
 from ..errors import DatabaseOpenError
-from ..storage import Storage, is_postgres_url
+from ..producer.storage import Storage
+from .app_connection import PUBLISH, Operation, resolve_engine, resolve_engine_async
 from .base import Engine, ModuleEngine, Tables
 
 __all__ = ["Engine", "ModuleEngine", "Tables", "for_connection", "for_target", "open_storage"]
+
+
+POSTGRES_SCHEMES = ("postgresql://", "postgres://")
+
+
+def is_postgres_url(target: str) -> bool:
+    """``target`` names a PostgreSQL database (else a SQLite file, or an unknown scheme)."""
+    return target.startswith(POSTGRES_SCHEMES)
 
 
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
@@ -56,7 +71,7 @@ def _by_name(name: str) -> Engine:
 
 
 def for_connection(conn: Any, operation: Operation = PUBLISH) -> tuple[Engine, Any]:
-    """The engine of the application's connection (``connections.resolve_engine``: a
+    """The engine of the application's connection (``app_connection.resolve_engine``: a
     sqlite3 or psycopg connection, SQLAlchemy's, Django's), and the DB-API connection to
     run its statements on, checked to be in a transaction; errors name ``operation``."""
     resolved = resolve_engine(conn, operation)

@@ -21,7 +21,7 @@ import sqlite3
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .errors import NotInTransactionError, UnsupportedConnectionError
+from ..errors import NotInTransactionError, UnsupportedConnectionError
 
 Engine = Literal["sqlite", "postgresql"]
 

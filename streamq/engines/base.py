@@ -11,13 +11,14 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from ..storage import Durability, Features, Storage
+from ..producer.storage import Features, Storage
+from ..sql import Durability
 
 if TYPE_CHECKING:
-    from ..batches import Batch
-    from ..positionstore import ParkedRecord, PositionStore
+    from ..consumer.batch import Batch
+    from ..consumer.position_store import ParkedRecord, PositionStore
+    from ..consumer.resharing import Move
     from ..records import CheckedRecord, Receipt
-    from ..resharing import Move
     from .leases import LeaseTable
 
 

@@ -1,7 +1,7 @@
 """A consumer group's rows in the consumer's database, written once for both engines.
 
 ``membership`` decides; this runs its decisions on a DB-API connection of the member's
-own (blocking: ``group.GroupConsumer`` calls it on a thread, a few times a second). The
+own (blocking: ``group_consumer.GroupConsumer`` calls it on a thread, a few times a second). The
 statements are written with ``?`` placeholders; each engine's subclass
 (``engines/*/leases.py``) gives its connection, its clock, how a write transaction
 begins, and the liveness lock that dies with the member's process.
@@ -20,9 +20,9 @@ import secrets
 import time
 from typing import Any, ClassVar
 
+from ..consumer.resharing import Floors, OnlineMove, StoredPosition, plan_online
 from ..errors import GroupSpecError
-from ..membership import LEASES_VERSION, Lease, Member, View
-from ..resharing import Floors, OnlineMove, StoredPosition, plan_online
+from ..groups.membership import LEASES_VERSION, Lease, Member, View
 
 SCHEMA = (
     """CREATE TABLE IF NOT EXISTS streamq_groups (

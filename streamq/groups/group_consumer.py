@@ -25,16 +25,16 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeVar
 
-from .batches import Batch, Fence
-from .consumer import Consumer
-from .engines import for_target
-from .errors import GroupSpecError, LeaseLostError, SharesChangedError
+from ..consumer.batch import Batch, Fence
+from ..consumer.consumer import Consumer
+from ..consumer.database import ConsumerTransaction, open_position_store
+from ..consumer.resharing import Floors
+from ..consumer.subscription import FIRST_DELAY, MAX_DELAY, TRANSIENT
+from ..engines import for_target
+from ..errors import GroupSpecError, LeaseLostError, SharesChangedError
+from ..metrics import ConsumerCollector, MetricsEndpoint
+from ..sql import Durability
 from .membership import Lease, plan, taken_from
-from .metrics import ConsumerCollector, MetricsEndpoint
-from .resharing import Floors
-from .storage import Durability
-from .stores import ConsumerTransaction, open_position_store
-from .subscription import FIRST_DELAY, MAX_DELAY, TRANSIENT
 
 T = TypeVar("T")
 

@@ -6,7 +6,7 @@ coordinator: each worker is a *member* with a row in the consumer's database, an
 each of its shares through a *lease* row naming it. Everything that decides is here,
 pure (no SQL, no sockets): ``plan`` says what one member should take and give back, from
 a ``View`` of the rows. Each engine stores the rows (``engines/*/leases.py``), and
-``group.GroupConsumer`` runs the loop around them.
+``group_consumer.GroupConsumer`` runs the loop around them.
 
 - **A member is alive** while it renews its row before ``expires_at`` *and* the process
   still holds its liveness lock: an open-file-description lock on a file beside a SQLite
@@ -18,7 +18,7 @@ a ``View`` of the rows. Each engine stores the rows (``engines/*/leases.py``), a
   compare-and-set on the lease's ``token``, which each take increments; the share's
   position is then read after that write, so it includes every batch the previous holder
   committed.
-- **Fencing.** Every batch applied under a lease carries its token (``batches.Fence``),
+- **Fencing.** Every batch applied under a lease carries its token (``batch.Fence``),
   and the position's turn check refuses it once the token has moved on
   (``LeaseLostError``), inside the same transaction: a stalled worker that wakes up after
   its share was taken cannot commit into it. On PostgreSQL the check locks the lease row

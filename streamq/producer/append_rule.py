@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from itertools import count, repeat
 
-from .records import MAX_SEQ
+from ..records import MAX_SEQ
 from .storage import EpochRow, LogRow, TimeRow
 
 

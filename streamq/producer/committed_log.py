@@ -14,8 +14,8 @@ import bisect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from .errors import OffsetOutOfRangeError, UnknownStreamError
-from .protocol import StreamInfo, numbered_records, record_key, split_records
+from ..errors import OffsetOutOfRangeError, UnknownStreamError
+from ..protocol import StreamInfo, numbered_records, record_key, split_records
 from .storage import Run, Storage, StreamRow, StreamSettings
 
 
@@ -320,7 +320,7 @@ class Beyond:
 
 class Waits:
     """How many waits for a commit are under way, over every stream of a log: read by
-    the watcher (``watcher.IDLE_CHECK``) and by a ``SyncProducer``'s threads, which wake
+    the watcher (``commit_watcher.IDLE_CHECK``) and by a ``SyncProducer``'s threads, which wake
     the loop after a commit only if someone waits (an int: read safely from any thread)."""
 
     __slots__ = ("_began", "count")

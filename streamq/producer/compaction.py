@@ -20,8 +20,8 @@ from typing import Any
 
 import msgpack
 
-from .log import Stream
-from .protocol import Record, decode_record
+from ..protocol import Record, decode_record
+from .committed_log import Stream
 from .transactions import Transaction, transaction
 from .writing import Writing
 

@@ -20,11 +20,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
-from .filters import shared_as
+from ..filters import shared_as
 from .storage import NO_LIMITS, ConsumerRow, KnownPosition, Limits
 
 if TYPE_CHECKING:
-    from .log import Stream
+    from .committed_log import Stream
 
 Key = tuple[str, str]  # (consumer name, stream name)
 MAX_UNREGISTERED = 1024  # positions of unregistered consumers kept (and stored), the most recent

@@ -18,7 +18,7 @@ A lone transaction runs as before: no savepoint, one COMMIT.
 Where it costs no one a wait, the group runs on the event loop's own thread: a short
 transaction costs less than the hop to the writer's thread and back (two thread
 wake-ups), most of all on a loaded machine. It does while groups take under 1 ms on
-average (``blocking.InlineBudget``) and no other connection holds the write lock (BEGIN
+average (``sql.InlineBudget``) and no other connection holds the write lock (BEGIN
 would wait for it), never with ``durability="full"``: there each COMMIT waits for an fsync, and
 the next group gathers meanwhile.
 """
@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
-from .blocking import InlineBudget, to_the_end
+from ..sql import InlineBudget, to_the_end
 from .storage import BlockingWriter, EpochRow, LogRow, ThreadedWriter, TimeRow, WouldWait
 from .transactions import BlockingTransaction
 from .writing import Appending, OthersCommitted, Pending, Writing

@@ -15,10 +15,10 @@ there and ``wait_served`` tells its seqs.
 The ``Producer`` is the facade: its lifecycle and the consumers' registrations. The
 rest is in parts of one job each, which take the writing core (``writing.Writing``: the
 writer, BEGIN and its catch-up, what committed) instead of the producer:
-``transactions`` (what a transaction appends), ``groups`` (group commit), ``watcher``
+``transactions`` (what a transaction appends), ``group_commit``, ``commit_watcher``
 (noticing other writers' commits), ``retention.RetentionPasses`` and
 ``compaction.Compactor`` (deleting, on request and periodically), ``server.Server``
-(serving) and ``log.Log`` (what is committed).
+(serving) and ``committed_log.Log`` (what is committed).
 """
 
 from __future__ import annotations
@@ -32,27 +32,28 @@ from dataclasses import replace
 from types import TracebackType
 from typing import Any, TypeVar, cast
 
-from .blocking import to_the_end
-from .capturing import capture_streams
-from .compaction import Compacted, Compactor, OnCompacted
-from .engines import open_storage
-from .groups import GroupCommit
-from .log import Log, Stream
-from .metrics import ConsumerCollector, MetricsServer
-from .positions import ConsumerLag, Position, Positions
-from .protocol import FRAME_OVERHEAD, Record, decode_record
-from .records import (
+from ..captured import capture_streams
+from ..engines import open_storage
+from ..filters import names_for
+from ..metrics import ConsumerCollector, MetricsServer
+from ..protocol import FRAME_OVERHEAD, Record, decode_record
+from ..records import (
     Receipt,
     as_bytes,
     check_stream_name,
 )
-from .resharing import names_for
+from ..sql import Durability, to_the_end
+from .commit_watcher import watch_commits
+from .committed_log import Log, Stream
+from .compaction import Compacted, Compactor, OnCompacted
+from .consumer_positions import ConsumerLag, Position, Positions
+from .group_commit import GroupCommit
+from .metrics import ProducerCollector
 from .retention import Retention, RetentionPasses, RetentionPolicy, Truncation
 from .server import Server, ServerSettings
 from .storage import (
     Capturing,
     CapturingStorage,
-    Durability,
     EpochRow,
     Limits,
     Numbered,
@@ -69,7 +70,6 @@ from .transactions import (
     create_stream,
     transaction,
 )
-from .watcher import watch_commits
 from .writing import Writing
 
 logger = logging.getLogger("streamq.producer")
@@ -204,7 +204,9 @@ class Producer:
                 await self._server.start(self._host, self._port)
                 await self.storage.serving(self._server.address)
             if self._metrics_port is not None:
-                self._metrics = MetricsServer(self, self._metrics_host, self._metrics_port)
+                self._metrics = MetricsServer(
+                    self._metrics_host, self._metrics_port, producer=ProducerCollector(self)
+                )
             if self.writing.watch is not None:
                 watching = watch_commits(self.writing, self.writing.watch, self._watch_interval)
                 self._tasks.append(asyncio.create_task(watching))
@@ -492,7 +494,7 @@ class Producer:
 
     def head(self, stream: str) -> int:
         """The last committed seq of ``stream`` (0 if none yet), as this producer knows
-        it: its own commits at once, other connections' within ``watcher.IDLE_CHECK``
+        it: its own commits at once, other connections' within ``commit_watcher.IDLE_CHECK``
         (50 ms) while no consumer waits, at once while one does."""
         return self.log.stream(stream).head
 

@@ -3,7 +3,7 @@
 ``streamq.publish(conn, "orders", b"...")`` appends a record to the producer database
 that ``conn`` is connected to, in the transaction ``conn`` has open: it commits with the
 application's writes, and a rollback publishes nothing. ``conn`` is whatever the
-application holds (``connections.resolve_engine``): a ``sqlite3.Connection``, a psycopg
+application holds (``app_connection.resolve_engine``): a ``sqlite3.Connection``, a psycopg
 ``Connection``, a SQLAlchemy ``Connection`` or ``Session``, Django's ``connection``;
 ``publish_async`` takes aiosqlite, psycopg's and SQLAlchemy's asyncio ones.
 
@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from .connections import CREATE_TABLES
-from .engines import for_connection, for_connection_async
-from .records import (
+from ..engines import for_connection, for_connection_async
+from ..engines.app_connection import CREATE_TABLES
+from ..records import (
     DEFAULT_MAX_RECORD_SIZE,
     CheckedRecord,
     Receipt,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-from .records import Receipt
+from ..records import Receipt
 from .storage import Group, Numbered, group_seqs
 
 KEEP = 65_536  # (transaction, stream) groups remembered

@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .log import Stream
-from .positions import Position
+from .committed_log import Stream
+from .consumer_positions import Position
 from .storage import NO_LIMITS, Writer
 from .transactions import Transaction, transaction
 from .writing import Writing

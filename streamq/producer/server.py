@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import (
+from ..errors import (
     ErrorCode,
     IdleTimeoutError,
     MalformedFrameError,
@@ -32,10 +32,8 @@ from .errors import (
     TooManyConnectionsError,
     UnknownStreamError,
 )
-from .filters import Filter, share_name
-from .log import NOTHING, Beyond, Log, Packed, Stream
-from .positions import Positions
-from .protocol import (
+from ..filters import Filter, share_name
+from ..protocol import (
     DEFAULT_MAX_FRAME_SIZE,
     FRAME_OVERHEAD,
     PROTOCOL_VERSION,
@@ -62,9 +60,11 @@ from .protocol import (
     TimePosition,
     WatchHead,
 )
-from .security import Principal, ServerTLS, TokenAuth, check_admin, check_stream
+from ..wire.security import Principal, ServerTLS, TokenAuth, check_admin, check_stream
+from ..wire.transport import discard_input, read_message
+from .committed_log import NOTHING, Beyond, Log, Packed, Stream
+from .consumer_positions import Positions
 from .storage import OpenTransactions
-from .transport import discard_input, read_message
 
 logger = logging.getLogger("streamq.server")
 

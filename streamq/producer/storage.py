@@ -27,17 +27,11 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
+
+from ..sql import Durability
 
 T = TypeVar("T")
-
-Durability = Literal["normal", "full"]
-
-POSTGRES_SCHEMES = ("postgresql://", "postgres://")
-
-
-def is_postgres_url(target: str) -> bool:
-    return target.startswith(POSTGRES_SCHEMES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,7 +255,7 @@ class BlockingWriter(Protocol):
 
     def rollback(self) -> None: ...
 
-    # One member of a commit group at a time (``groups``): begun, then released or
+    # One member of a commit group at a time (``group_commit``): begun, then released or
     # rolled back to, before the next begins.
     def savepoint(self) -> None: ...
 

@@ -15,9 +15,8 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from types import TracebackType
 from typing import Any, TypeVar, cast
 
-from .blocking import AsyncSQL, BlockingSQL, to_the_end
-from .errors import TransactionClosedError
-from .records import (
+from ..errors import TransactionClosedError
+from ..records import (
     CheckedRecord,
     Receipt,
     check_stream_name,
@@ -25,6 +24,7 @@ from .records import (
     seq_range,
     values_only,
 )
+from ..sql import AsyncSQL, BlockingSQL, to_the_end
 from .storage import BlockingWriter, Session, StreamSettings, UnnumberedWriter
 from .writing import Pending, Writing
 

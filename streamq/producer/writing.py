@@ -1,6 +1,6 @@
 """The writing core of a producer: what every feature that writes needs, and nothing else.
 
-A producer's transactions (``transactions``), group commit (``groups``), retention,
+A producer's transactions (``transactions``), group commit (``group_commit``), retention,
 compaction and the commit watcher all write through one connection, under one lock, and
 hand what committed to one ``Log``. ``Writing`` holds that state and those steps: the
 writer lock, BEGIN with its catch-up, the streams as appends start from them, the
@@ -22,17 +22,17 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
 
-from .errors import RecordTooLargeError
-from .log import RECORD_OVERHEAD, Log
-from .positions import Positions
-from .protocol import encode_record, encode_values
+from ..errors import RecordTooLargeError
+from ..protocol import encode_record, encode_values
+from ..records import Receipt, as_bytes, check_stream_name, checked_timestamp
+from ..sql import Durability
+from .append_rule import append_rows, check_last_seq, segment_row
+from .committed_log import RECORD_OVERHEAD, Log
+from .consumer_positions import Positions
 from .receipts import ServedReceipts
-from .records import Receipt, as_bytes, check_stream_name, checked_timestamp
-from .rows import append_rows, check_last_seq, segment_row
 from .storage import (
     AppendState,
     Changes,
-    Durability,
     EpochRow,
     LogRow,
     Numbering,

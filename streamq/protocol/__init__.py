@@ -24,6 +24,9 @@ Three modules, each readable alone, as h11 splits its own:
 
 This module is their one facade: every name the rest of streamq, the tests and the
 documentation use as ``streamq.protocol.X``.
+
+May import: ``errors`` and ``filters`` at the top (the error codes a frame carries, the
+filters a request names), nothing else of streamq, and no I/O (``tests/test_layering.py``).
 """
 
 from .codec import (
@@ -80,7 +83,7 @@ from .events import (
     TimePosition,
     WatchHead,
 )
-from .state import ClientConnection, Role, ServerConnection, State
+from .state import ClientConnection, Role, ServerConnection, State, lost_seqs
 from .state import Connection as Connection  # what ``transport.read_message`` reads from
 
 __all__ = [
@@ -132,6 +135,7 @@ __all__ = [
     "encode_record",
     "encode_values",
     "frame",
+    "lost_seqs",
     "numbered",
     "numbered_records",
     "record_key",

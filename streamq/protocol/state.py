@@ -57,6 +57,13 @@ from .events import (
 # --- Connection state ("Connection states" in docs/protocol.md) --------------
 
 
+def lost_seqs(position: int, head: int, rewritten_from: int) -> range | None:
+    """The seqs up to ``position`` that the producer's log no longer holds ("Epochs"): those
+    beyond its ``head``, and those from ``rewritten_from`` (if not 0) on; None if none."""
+    first = rewritten_from or head + 1
+    return range(first, position + 1) if 0 < first <= position else None
+
+
 class State(Enum):
     AWAIT_HELLO = "await hello"
     AUTHENTICATING = "authenticating"  # the server owes AUTHENTICATED: the hello had a token

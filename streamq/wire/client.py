@@ -17,14 +17,14 @@ from collections.abc import Callable, Iterator, Sequence
 from types import TracebackType
 from typing import Any, NamedTuple, TypeVar
 
-from .errors import (
+from ..errors import (
     RemoteProtocolError,
     SeqsReusedError,
     StreamQError,
     error_from_frame,
 )
-from .filters import Filter
-from .protocol import (
+from ..filters import Filter
+from ..protocol import (
     DEFAULT_MAX_FRAME_SIZE,
     MAX_SEQ,
     ClientConnection,

@@ -23,7 +23,7 @@ import ssl
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from .errors import AuthenticationFailedError, NotAuthorizedError, TLSError
+from ..errors import AuthenticationFailedError, NotAuthorizedError, TLSError
 
 MIN_SECRET_BYTES = 16
 _TOKEN_CONTEXT = b"streamq-token-v1\x00"

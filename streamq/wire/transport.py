@@ -19,8 +19,8 @@ import ssl
 import threading
 from collections.abc import Awaitable, Callable, Generator, Iterator
 
-from .errors import ConnectionLostError
-from .protocol import (
+from ..errors import ConnectionLostError
+from ..protocol import (
     PROTOCOL_VERSION,
     Authenticated,
     ClientConnection,

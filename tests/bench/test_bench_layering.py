@@ -11,9 +11,9 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-from .test_layering import imported_names
+from ..test_layering import imported_names
 
-BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
+BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
 
 
 def import_graph(package_dir: Path, package: str) -> dict[str, set[str]]:

@@ -14,7 +14,7 @@ import pytest
 from bench.kafka.broker import KafkaBroker
 from bench.pg_load import run as pg_load
 
-from .children import running_children
+from ..children import running_children
 
 TINY = pg_load.Sizes(
     delays=(20_000,),

@@ -23,7 +23,7 @@ from bench.transfer.common import (
     PRODUCER_SCHEMA,
 )
 
-from .children import running_children
+from ..children import running_children
 
 TRANSFERS = 1500
 KILLS = 3

@@ -22,8 +22,8 @@ from bench.transfer_pg.common import JOURNAL, setup_ledger, setup_payments
 from bench.transfer_pg.kafka import PostgresOutbox
 from streamq.engines.postgres.numbering import number_all
 
-from .children import running_children
-from .pgserver import PostgresServer
+from ..children import running_children
+from ..pgserver import PostgresServer
 
 TINY = transfer_pg.Sizes(writers=(2,), transfers=400, rate=400, seconds=0.5, warm_up=100)
 

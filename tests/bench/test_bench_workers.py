@@ -17,7 +17,7 @@ from bench.kafka.broker import KafkaBroker
 from bench.workers import run as workers
 from bench.workers.common import ORDERS_SCHEMA, RECEIVED_SCHEMA, SYNC_VARIANTS
 
-from .children import running_children
+from ..children import running_children
 
 ORDERS = 400
 DRAIN = 10.0  # s for the consumer to receive the last commit; then the check names what is missing

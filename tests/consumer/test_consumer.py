@@ -21,8 +21,8 @@ from streamq.errors import (
     UnknownStreamError,
 )
 
-from .conftest import wait_for
-from .test_producer import commit_holder
+from ..conftest import wait_for
+from ..producer.test_producer import commit_holder
 
 
 def free_port() -> int:

@@ -16,8 +16,8 @@ import pytest
 
 from streamq import Batch, Consumer, ConsumerCollector, DeadLetter, FanInConsumer, Producer
 
-from .conftest import wait_for
-from .test_lag import scrape
+from ..conftest import wait_for
+from ..producer.test_lag import scrape
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 

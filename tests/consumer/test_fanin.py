@@ -21,8 +21,8 @@ from streamq import (
 )
 from streamq.engines.sqlite.storage import HEAD_QUERY
 
-from .conftest import wait_for
-from .crashrun import Proc, free_port
+from ..conftest import wait_for
+from ..crashrun import Proc, free_port
 
 STREAM = "orders"
 

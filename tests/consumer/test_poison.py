@@ -3,7 +3,7 @@ sockets, into a consumer database of either engine (SQLite, PostgreSQL), and as 
 processes: a consumer killed with ``kill -9`` between parking a record and committing,
 then ``streamq dead-letters list|retry`` and the record re-applied exactly once.
 
-Run as ``python -m tests.test_poison ADDRESS DB TARGET`` this module is that consumer.
+Run as ``python -m tests.consumer.test_poison ADDRESS DB TARGET`` this module is that consumer.
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ import pytest
 
 import streamq
 from streamq import Batch, Consumer, DeadLetter, Producer, RecordFailedError, Retry
+from streamq.engines import is_postgres_url
 from streamq.errors import OutOfOrderBatchError
-from streamq.storage import is_postgres_url
 
-from .conftest import wait_for
+from ..conftest import wait_for
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 STREAMQ = [sys.executable, "-m", "streamq"]
 POISON = b"poison"
 
@@ -352,7 +352,7 @@ def run_consumer(
     address: str, url: str, target: int, *flags: str
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "tests.test_poison", address, url, str(target), *flags],
+        [sys.executable, "-m", "tests.consumer.test_poison", address, url, str(target), *flags],
         capture_output=True,
         text=True,
         timeout=120,

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from .crashrun import (
+from ..crashrun import (
     CONSUMER_FAULTS,
     SERVER_KILL_MOMENTS,
     CrashRun,
@@ -35,7 +35,7 @@ from .crashrun import (
     describe,
     seed_from_env,
 )
-from .pgserver import PostgresMissingError, find_bindir
+from ..pgserver import PostgresMissingError, find_bindir
 
 # Fewer records and consumer kills than the SQLite run (10,000 and 20, five at each kind
 # of moment; the consumer's code is the same on both engines), the same 6 producer lives,

@@ -21,11 +21,11 @@ import psycopg
 import pytest
 
 import streamq
-from streamq.capturing import decode_change
+from streamq.captured import decode_change
 
-from .conftest import started_server
-from .pgserver import PostgresServer
-from .waiting import wait_until
+from ..conftest import started_server
+from ..pgserver import PostgresServer
+from ..waiting import wait_until
 
 PRODUCER_KILLS = 8
 SERVER_KILLS = 2  # after producer kills 3 and 6

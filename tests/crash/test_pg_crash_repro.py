@@ -1,4 +1,4 @@
-"""A bug the PostgreSQL crash run (tests/test_crash.py) found, reduced to its steps: the
+"""A bug the PostgreSQL crash run (tests/crash/test_crash.py) found, reduced to its steps: the
 serving producer pushes another writer's records under the wrong epoch, and a consumer
 that applied them is later refused with ``SeqsReusedError`` though nothing was lost.
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from .powerloss import sweep
+from ..powerloss import sweep
 
 
 @pytest.mark.parametrize("durability", ["normal", "full"])

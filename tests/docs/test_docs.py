@@ -6,7 +6,7 @@ that reads ``DATABASE_URL`` gets a fresh database on the session's PostgreSQL se
 (``pg_url``; ``capture_url``, on a server whose WAL can be decoded, for one that captures
 tables). Spark blocks (those importing ``pyspark`` or ``spark_source``) start and stop their
 own local Spark, but run one after another in one Python process
-(``tests/spark_programs/examples.py``), each as ``__main__`` in its own namespace, directory
+(``tests/spark/programs/examples.py``), each as ``__main__`` in its own namespace, directory
 and environment, so that Spark's JVM starts once rather than once per block. A block that
 cannot run (a shell command, a configuration file) belongs in another fence (```bash,
 ```text, ...): a fence that looks like Python but is not tagged ``python`` is refused.
@@ -34,7 +34,7 @@ import pytest
 
 import streamq
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 PAGES = sorted([ROOT / "README.md", *DOCS.rglob("*.md")])
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^`\n]*)$")
@@ -42,7 +42,7 @@ FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^`
 PYTHON_LIKE = re.compile(r"^\{?\.?(py|python|python3|py3|pycon|ipython|pyi)\b", re.IGNORECASE)
 TIMEOUT = 60.0  # seconds per example
 SPARK_TIMEOUT = 420.0  # the first Spark example starts the JVM
-SPARK_RUNNER = Path(__file__).resolve().parent / "spark_programs" / "examples.py"
+SPARK_RUNNER = ROOT / "tests" / "spark" / "programs" / "examples.py"
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ def starts_spark(block: Block) -> bool:
 
 
 class SparkRunner:
-    """``tests/spark_programs/examples.py``, running the Spark examples in one process: started
+    """``tests/spark/programs/examples.py``, running the Spark examples in one process: started
     for the first one, and again for the next one after one fails."""
 
     def __init__(self, log: Path) -> None:
@@ -332,3 +332,58 @@ def test_readme_links_resolve() -> None:
     local = [t.split("#")[0] for t in targets if not re.match(r"[a-z]+:", t) and t[0] != "#"]
     assert local
     assert [t for t in local if not (ROOT / t).exists()] == []
+
+
+DESIGN = DOCS / "reference" / "design.md"
+
+
+def package_map(text: str) -> tuple[set[str], dict[str, str]]:
+    """The design page's package map: its headings' folders, and each row's path (a
+    module, or a folder whose modules its text names) -> its text."""
+    section = text.split("## Package map\n", 1)[1].split("\n## ", 1)[0]
+    headings: set[str] = set()
+    rows: dict[str, str] = {}
+    for line in section.splitlines():
+        if heading := re.match(r"### `(streamq/[a-z_/]*)`", line):
+            headings.add(heading.group(1))
+        elif row := re.match(r"\| `(streamq/[a-z_/.]*)` \| (.*) \|$", line):
+            assert row.group(1) not in rows, f"{row.group(1)} is in the map twice"
+            rows[row.group(1)] = row.group(2)
+    return headings, rows
+
+
+def unmapped(root: Path, headings: set[str], rows: dict[str, str]) -> tuple[set[str], set[str]]:
+    """(modules of ``root/streamq`` the map does not name, paths it names that are not
+    there). A folder row names its modules in its text (``name.py``); a heading or a folder
+    row covers its package's ``__init__.py``."""
+    tree = {str(p.relative_to(root)) for p in (root / "streamq").rglob("*.py")}
+    named = {folder + "__init__.py" for folder in headings}
+    for path, text in rows.items():
+        if path.endswith("/"):
+            named.add(path + "__init__.py")
+            named.update(path + name for name in re.findall(r"`([a-z_]+\.py)`", text))
+        else:
+            named.add(path)
+    return tree - named, named - tree
+
+
+def test_the_design_pages_map_matches_the_tree() -> None:
+    """Every module of streamq is on the design page's package map, once, and every path
+    on the map is there: a module added, moved or renamed changes the map with it."""
+    missing, stale = unmapped(ROOT, *package_map(DESIGN.read_text()))
+    assert missing == set(), f"on no row of {DESIGN.name}'s package map: {sorted(missing)}"
+    assert stale == set(), f"on {DESIGN.name}'s package map, not in the tree: {sorted(stale)}"
+
+
+def test_an_unmapped_or_stale_module_is_caught(tmp_path: Path) -> None:
+    (tmp_path / "streamq" / "side").mkdir(parents=True)
+    for name in ("__init__.py", "a.py", "side/__init__.py", "side/b.py", "side/c.py"):
+        (tmp_path / "streamq" / name).write_text("")
+    page = (
+        "## Package map\n\n### `streamq/side/`\n\n| module | what |\n| --- | --- |\n"
+        "| `streamq/a.py` | a |\n| `streamq/gone.py` | moved away |\n"
+        "| `streamq/side/` | `b.py` (b) |\n\n## Next\n| `streamq/c.py` | not the map |\n"
+    )
+    missing, stale = unmapped(tmp_path, *package_map(page))
+    assert missing == {"streamq/__init__.py", "streamq/side/c.py"}  # a heading covers side/
+    assert stale == {"streamq/gone.py"}

@@ -12,7 +12,7 @@ from streamq.engines.sqlite.checkpoints import WRITER_AUTOCHECKPOINT, Checkpoint
 from streamq.engines.sqlite.positions import SQLitePositionStore
 from streamq.engines.sqlite.storage import SQLiteStorage
 
-from .conftest import wait_for
+from ..conftest import wait_for
 
 PAGE = 4096  # SQLite's default page size, the tests' databases'
 

@@ -20,11 +20,11 @@ from hypothesis import strategies as st
 
 import streamq
 from streamq import CaptureError, Consumer, Producer
-from streamq.capturing import HEADER, HEADER_VALUE, capture_streams, change_json, decode_change
+from streamq.captured import HEADER, HEADER_VALUE, capture_streams, change_json, decode_change
 from streamq.engines.postgres import pgoutput
 from streamq.engines.postgres.capture import slot_name
 
-from .conftest import wait_for
+from ..conftest import wait_for
 
 # --- pgoutput messages, built as the manual describes them -----------------------------
 

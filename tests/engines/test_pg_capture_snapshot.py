@@ -17,9 +17,9 @@ import psycopg
 import pytest
 
 from streamq import Consumer, Producer
-from streamq.capturing import decode_change
+from streamq.captured import decode_change
 
-from .conftest import wait_for
+from ..conftest import wait_for
 from .test_pg_capture import ORDERS, changes, sql
 
 FULL_ROW = (

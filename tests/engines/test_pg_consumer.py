@@ -41,11 +41,11 @@ from streamq.errors import (
     TransactionClosedError,
 )
 
-from .conftest import wait_for
-from .pgserver import free_port
-from .test_epochs import image_at, restore
+from ..conftest import wait_for
+from ..pgserver import free_port
+from ..producer.test_epochs import image_at, restore
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EFFECTS = "CREATE TABLE credits (seq BIGINT PRIMARY KEY, value BYTEA NOT NULL)"
 
 
@@ -751,8 +751,8 @@ django.setup()
 from django.db import connection, transaction
 
 import streamq
-from streamq.batches import Batch
-from streamq.stores import open_position_store
+from streamq.consumer.batch import Batch
+from streamq.consumer.database import open_position_store
 from streamq.protocol import Record
 
 

@@ -35,8 +35,8 @@ import streamq
 from streamq.engines.postgres.numbering import number_all
 from streamq.protocol import decode_record
 
-from .conftest import wait_for
-from .pgserver import PostgresMissingError, PostgresServer, find_bindir
+from ..conftest import wait_for
+from ..pgserver import PostgresMissingError, PostgresServer, find_bindir
 
 ORDERS = "orders"
 # Crash tests: a commit with synchronous_commit=off (writers on the ASYNC_COMMIT servers;

@@ -22,10 +22,10 @@ from streamq import Consumer, Producer
 from streamq.engines.postgres import storage as postgres_storage
 from streamq.engines.postgres.numbering import Numberer
 from streamq.errors import AlreadyServedError, DatabaseOpenError
-from streamq.metrics import ProducerCollector
+from streamq.producer.metrics import ProducerCollector
 
-from .conftest import started_server, wait_for
-from .pgserver import PostgresServer
+from ..conftest import started_server, wait_for
+from ..pgserver import PostgresServer
 
 STREAMQ = [sys.executable, "-m", "streamq"]
 

@@ -31,9 +31,9 @@ from streamq.engines.postgres.append import run
 from streamq.engines.postgres.numbering import SNAPSHOT, TAKE, Window, number_all, number_steps
 from streamq.protocol import decode_record
 
-from .conftest import wait_for
+from ..conftest import wait_for
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ORDERS = "CREATE TABLE orders (worker text NOT NULL, n integer NOT NULL)"
 
 

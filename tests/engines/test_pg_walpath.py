@@ -30,8 +30,8 @@ from streamq.engines.postgres.walpath import (
     widen,
 )
 
-from .conftest import started_server, wait_for
-from .pgserver import PostgresServer
+from ..conftest import started_server, wait_for
+from ..pgserver import PostgresServer
 from .test_pg_capture import encode
 
 # --- the messages, without a server ----------------------------------------------------

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from .recipes import harness
-from .recipes.group_harness import (
+from ..recipes import harness
+from ..recipes.group_harness import (
     Deployment,
     Fleet,
     Publisher,

@@ -1,4 +1,4 @@
-"""Consumer groups (streamq.group, streamq.membership): members divide a stream's shares
+"""Consumer groups (streamq.groups): members divide a stream's shares
 through leases in the consumer's database, take over the shares of members that die,
 and a batch applied under a lease that moved on is refused in its transaction."""
 
@@ -20,8 +20,8 @@ import psycopg
 import pytest
 
 import streamq
-from streamq.group import GroupConsumer
-from streamq.stores import reshare
+from streamq.consumer.database import reshare
+from streamq.groups.group_consumer import GroupConsumer
 from tests.conftest import wait_for
 from tests.faultproxy import FaultProxy, Stall
 

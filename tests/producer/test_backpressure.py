@@ -15,7 +15,7 @@ from streamq.protocol import (
     Subscribe,
 )
 
-from .conftest import wait_for
+from ..conftest import wait_for
 
 RECORD = b"r" * 1000
 TRANSACTIONS = 100

@@ -11,12 +11,13 @@ import msgpack
 import pytest
 
 import streamq
+import streamq.producer.compaction
 from streamq import Client, Compacted, Consumer, Producer
 from streamq.engines.sqlite import storage as sqlite_storage
 from streamq.errors import OffsetOutOfRangeError
 
-from .conftest import wait_for
-from .logsql import stored_seqs
+from ..conftest import wait_for
+from ..logsql import stored_seqs
 
 # seq:    1     2     3     4     5     6     7     8
 KEYS = [b"a", b"b", None, b"a", b"c", b"a", b"b", None]
@@ -183,7 +184,7 @@ async def test_compaction_in_windows_removes_the_same(
     producer_db: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Long streams are compacted a window of seqs per transaction: same result."""
-    monkeypatch.setattr(streamq.compaction, "WINDOW", 3)
+    monkeypatch.setattr(streamq.producer.compaction, "WINDOW", 3)
     told: list[list[int]] = []
     async with Producer(
         producer_db, on_compacted=lambda s, r: told.append([c.old_seq for c in r])

@@ -2,7 +2,7 @@
 
 Real producers and consumers on loopback and real SQLite files. A lost suffix of commits
 is made with SQLite's backup API (a consistent copy taken at the moment the power "goes
-out"); tests/test_power_loss.py does it at the level of WAL frames.
+out"); tests/crash/test_power_loss.py does it at the level of WAL frames.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import sqlite3
 import pytest
 
 from streamq import Consumer, Producer, SeqsReusedError
-from streamq.log import Epochs
+from streamq.producer.committed_log import Epochs
 
-from .conftest import wait_for
-from .test_consumer import apply, credits, free_port
+from ..conftest import wait_for
+from ..consumer.test_consumer import apply, credits, free_port
 
 
 def epoch_rows(path: str) -> list[tuple[int, int]]:

@@ -26,7 +26,7 @@ import pytest
 import streamq
 from streamq import Consumer, Producer, SyncProducer
 from streamq.errors import ErrorCode
-from streamq.positions import MAX_UNREGISTERED
+from streamq.producer.consumer_positions import MAX_UNREGISTERED
 from streamq.protocol import (
     PROTOCOL_VERSION,
     Ack,
@@ -42,10 +42,10 @@ from streamq.protocol import (
     encode,
 )
 
-from .conftest import wait_for
-from .oracle import read_log
-from .pipeline import NAME, Pipeline
-from .serverproc import ServerProc, Subscriber
+from ..conftest import wait_for
+from ..oracle import read_log
+from ..pipeline import NAME, Pipeline
+from ..serverproc import ServerProc, Subscriber
 
 STREAM = "orders"
 HELLO = encode(ClientHello(PROTOCOL_VERSION, "flood"))

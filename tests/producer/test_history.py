@@ -22,8 +22,8 @@ from streamq.engines.sqlite import storage as sqlite_storage
 from streamq.errors import OffsetOutOfRangeError, UnknownStreamError
 from streamq.protocol import Record, encode_record
 
-from .conftest import wait_for
-from .logsql import stored_keys
+from ..conftest import wait_for
+from ..logsql import stored_keys
 
 STREAMQ = [sys.executable, "-m", "streamq"]
 T0 = 1_700_000_000_000  # ms since the epoch

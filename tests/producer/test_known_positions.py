@@ -26,10 +26,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from streamq import Client, Consumer, Producer, ServerSettings
-from streamq.positions import MAX_UNREGISTERED, Positions
-from streamq.storage import is_postgres_url
+from streamq.engines import is_postgres_url
+from streamq.producer.consumer_positions import MAX_UNREGISTERED, Positions
 
-from .conftest import wait_for
+from ..conftest import wait_for
 
 FAST = ServerSettings(progress_interval=0.05)
 STREAMQ = [sys.executable, "-m", "streamq"]

@@ -16,10 +16,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import streamq
 from streamq import Consumer, Producer
-from streamq.positions import Positions
+from streamq.producer.consumer_positions import Positions
 
-from .conftest import wait_for
-from .test_cli import wait_for_head
+from ..conftest import wait_for
+from ..test_cli import wait_for_head
 
 
 async def apply_until(consumer: Consumer, until: int) -> None:

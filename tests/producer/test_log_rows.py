@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 import streamq
 from streamq import ConcurrentWriterError, Producer
 from streamq.engines.sqlite.storage import BATCH_BYTES, BATCH_RECORDS, SEQ_BITS, pos
-from streamq.log import take, take_runs
+from streamq.producer.committed_log import take, take_runs
 from streamq.protocol import decode_record, encode_record, split_records
 
-from .logsql import stored_seqs
+from ..logsql import stored_seqs
 
 
 def rows_of(path: str) -> list[tuple[int, int, int]]:

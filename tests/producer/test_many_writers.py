@@ -23,10 +23,10 @@ import pytest
 import streamq
 from streamq import Consumer, Producer
 
-from .conftest import wait_for
-from .writers.worker import ORDERS
+from ..conftest import wait_for
+from ..writers.worker import ORDERS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 VIAS = ("publish", "legacy", "sqlalchemy", "sync")
 
 
@@ -245,7 +245,7 @@ async def test_commits_of_others_are_served_while_the_producer_waits_for_the_wri
 async def test_with_nobody_waiting_commits_are_not_caught_up_one_by_one(producer_db: str) -> None:
     """Another connection commits 300 times back to back while nobody waits for a commit:
     the serving producer looks far less often than once per commit (at most once per
-    ``watcher.IDLE_CHECK``), yet every commit is there for the consumer that comes next,
+    ``commit_watcher.IDLE_CHECK``), yet every commit is there for the consumer that comes next,
     and a consumer waiting at the head gets each commit pushed."""
     commits = 300
 

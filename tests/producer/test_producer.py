@@ -16,7 +16,7 @@ from streamq import Producer, ServerSettings, SyncProducer
 from streamq.engines.sqlite.storage import unpack_rows
 from streamq.errors import RecordTooLargeError, TransactionClosedError
 
-from .conftest import wait_for
+from ..conftest import wait_for
 
 
 def log_seqs(path: str, stream: str = "orders") -> list[int]:

@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 import streamq
 from streamq import Consumer, Producer
 
-from .conftest import wait_for
+from ..conftest import wait_for
 
 SCHEMA = "CREATE TABLE IF NOT EXISTS orders (id INTEGER PRIMARY KEY, sku TEXT NOT NULL)"
 

@@ -1,6 +1,6 @@
 """Range reads with epochs (docs/protocol.md, "Epochs"): real producers on loopback and real
-SQLite files; a lost suffix of commits is made as in tests/test_epochs.py (a consistent
-copy taken when the power "goes out"; tests/test_spark_power_loss.py builds one from WAL
+SQLite files; a lost suffix of commits is made as in tests/producer/test_epochs.py (a consistent
+copy taken when the power "goes out"; tests/spark/test_spark_power_loss.py builds one from WAL
 frames)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from streamq import Client, OffsetOutOfRangeError, SeqsReusedError, ServerSettings, SyncProducer
-from streamq.client import RangeRead, Vouch
+from streamq.wire.client import RangeRead, Vouch
 
 from .test_epochs import image_at, restore
 

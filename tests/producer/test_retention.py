@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 import streamq
 from streamq import Consumer, OffsetOutOfRangeError, Producer
 
-from .conftest import wait_for
-from .logsql import stored_bytes, stored_seqs
+from ..conftest import wait_for
+from ..logsql import stored_bytes, stored_seqs
 from .test_lag import apply_until, scrape
 
 STREAMQ = [sys.executable, "-m", "streamq"]

@@ -11,6 +11,7 @@ import pytest
 
 from streamq import Client, Consumer, Producer, ServerSettings
 from streamq.errors import ErrorCode
+from streamq.producer.server import MAX_CONSUMER_NAME
 from streamq.protocol import (
     PROTOCOL_VERSION,
     Ack,
@@ -27,9 +28,8 @@ from streamq.protocol import (
     encode,
     frame,
 )
-from streamq.server import MAX_CONSUMER_NAME
 
-from .conftest import wait_for
+from ..conftest import wait_for
 
 HELLO = encode(ClientHello(PROTOCOL_VERSION, "test"))
 

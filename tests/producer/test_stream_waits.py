@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from streamq.log import Stream, TailBuffer, Waits
+from streamq.producer.committed_log import Stream, TailBuffer, Waits
 
 
 def stream(head: int = 5) -> Stream:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamq.log import RECORD_OVERHEAD, TailBuffer
+from streamq.producer.committed_log import RECORD_OVERHEAD, TailBuffer
 
 appends = st.lists(  # (gap before it: 0 follows the head, record sizes)
     st.tuples(st.sampled_from([0, 0, 0, 3]), st.lists(st.integers(0, 40), max_size=8)),

@@ -12,10 +12,10 @@ import pytest
 
 import streamq
 from streamq import ServerSettings, UnknownStreamError
-from streamq.client import answers_ready
 from streamq.protocol import GetHead, ReportPosition, StreamInfo
+from streamq.wire.client import answers_ready
 
-from .waiting import producer_connections, wait_until
+from ..waiting import producer_connections, wait_until
 
 
 def test_a_head_beyond_is_answered_at_once(tmp_path: Path) -> None:

@@ -58,8 +58,8 @@ from streamq.protocol import (
     frame,
 )
 
-from .oracle import read_log
-from .serverproc import ServerProc, Subscriber
+from ..oracle import read_log
+from ..serverproc import ServerProc, Subscriber
 
 STREAM = "orders"
 HEAD = 20

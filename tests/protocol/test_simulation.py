@@ -3,7 +3,7 @@
 A hypothesis state machine drives the real ``ServerConnection``, ``ClientConnection`` and
 ``FrameDecoder`` (bytes delivered in arbitrary pieces), the real ``Epochs`` (the server's
 answer to a subscription, ``Epochs.vouch``, and where frames split) and the real
-consumer-side check (``consumer.lost_seqs``), around a model of the producer's storage:
+consumer-side check (``protocol.lost_seqs``), around a model of the producer's storage:
 commits, syncs and power losses per durability mode, epochs committed with a full sync at
 every start, and ``streamq_epochs`` rows written as ``Producer`` writes them. Faults:
 connections dropped, a consumer reconnecting while its old connection is still served
@@ -36,9 +36,8 @@ from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from streamq.consumer import lost_seqs
 from streamq.errors import ErrorCode
-from streamq.log import Epochs
+from streamq.producer.committed_log import Epochs
 from streamq.protocol import (
     PROTOCOL_VERSION,
     ClientConnection,
@@ -51,6 +50,7 @@ from streamq.protocol import (
     Subscribe,
     Subscribed,
     encode_record,
+    lost_seqs,
 )
 
 STREAM = "s"

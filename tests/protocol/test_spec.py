@@ -25,7 +25,7 @@ import msgpack
 import pytest
 
 from streamq import Consumer, Producer, ServerSettings
-from streamq.consumer import heartbeat_timeout
+from streamq.consumer.consumer import heartbeat_timeout
 from streamq.errors import (
     ERROR_CLASSES,
     ErrorCode,
@@ -69,12 +69,12 @@ from streamq.protocol import (
     encode,
     frame,
 )
-from streamq.security import TokenAuth, make_token
+from streamq.wire.security import TokenAuth, make_token
 
-from .conftest import wait_for
-from .test_server_errors import HELLO, error_of, exchange
+from ..conftest import wait_for
+from ..producer.test_server_errors import HELLO, error_of, exchange
 
-SPEC = (Path(__file__).parent.parent / "docs" / "protocol.md").read_text()
+SPEC = (Path(__file__).parents[2] / "docs" / "protocol.md").read_text()
 
 
 # --- Reading the spec ------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Running a consumer group's deployment recipe for real (tests/test_group_recipes.py): the
+"""Running a consumer group's deployment recipe for real (tests/groups/test_group_recipes.py): the
 guide's steps (docs/guides/groups.md, "Deploying a group"), the fleet of worker processes
 under their master (supervisord, gunicorn), a steady publisher, the group as its lease
 rows and liveness locks say, and the exactly-once check.

@@ -13,7 +13,7 @@ from pyspark.sql.utils import AnalysisException, PythonException
 
 import streamq
 
-from .test_pg_capture import sql
+from ..engines.test_pg_capture import sql
 
 TABLE = """CREATE TABLE orders (
     id integer PRIMARY KEY, note text, amount numeric(10, 2), at timestamptz, day date,
@@ -105,7 +105,7 @@ def test_change_columns_of_a_stream_no_table_is_captured_into_fail_saying_so(
 
 def streamq_wait(client: streamq.Client, head: int) -> None:
     """Until the captured stream's head is ``head``."""
-    from .waiting import wait_until
+    from ..waiting import wait_until
 
     def served() -> bool:
         (info,) = [s for s in client.streams() if s.stream == "public.orders"]

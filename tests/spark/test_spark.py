@@ -20,10 +20,10 @@ from pyspark.sql.streaming import DataStreamReader, StreamingQuery
 
 import streamq
 from spark_source.schema import SCHEMA
-from streamq.transport import parse_address
+from streamq.wire.transport import parse_address
 
-from .hosted import hosted, unread
-from .waiting import wait_until
+from ..hosted import hosted, unread
+from ..waiting import wait_until
 
 
 @pytest.fixture

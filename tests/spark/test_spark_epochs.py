@@ -1,7 +1,8 @@
 """The Spark source's epochs ("Epochs" in docs/protocol.md), without Spark: the driver's
 offsets and checks and the executors' range reads, as plain functions against real
 producers that lost commits (a consistent copy taken when the power "goes out", as in
-tests/test_epochs.py; tests/test_spark_power_loss.py runs a real query on a WAL image)."""
+tests/producer/test_epochs.py; tests/spark/test_spark_power_loss.py runs a real query on a
+WAL image)."""
 
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ from spark_source.datasource import (
 from spark_source.planning import BatchEpochs, Connect, Position, Range, StreamQSourceError
 from streamq import SyncProducer
 
-from .test_consumer import free_port
-from .test_epochs import image_at, restore
+from ..consumer.test_consumer import free_port
+from ..producer.test_epochs import image_at, restore
 
 
 @dataclass

@@ -4,7 +4,7 @@ Three producer processes (tests/crash/producer_proc.py) commit transactions of
 1 to 200 records at a modest pace, a share of their records released as each run of the
 query starts (so every run reads records committed while it works), while a Spark
 streaming query process
-(tests/spark_programs/query.py, a real local[2] SparkSession) reads them with
+(tests/spark/programs/query.py, a real local[2] SparkSession) reads them with
 ``format("streamq")`` into a parquet sink, at most 500 records per micro-batch.
 The test kills the query's whole process tree (Python driver, JVM, Python
 workers) with SIGKILL at a random moment while batches run (more: ``make soak-spark``),
@@ -20,7 +20,7 @@ must hold every record of every producer exactly once, as the producer serves it
 Set STREAMQ_SPARK_SEED to replay a run; the seed is in every failure message.
 ``make soak-spark`` runs it with more kills (STREAMQ_SPARK_KILLS); ``make soak-spark-many``
 at 256 producers (STREAMQ_SPARK_PRODUCERS), served 16 to a process by
-tests/spark_programs/writing_host.py, a few dozen records each per run.
+tests/spark/programs/writing_host.py, a few dozen records each per run.
 """
 
 from __future__ import annotations
@@ -48,10 +48,10 @@ import pytest
 import streamq
 from bench.spark.footprint import processes
 
-ROOT = Path(__file__).resolve().parent.parent
-PRODUCER_PROGRAM = Path(__file__).resolve().parent / "crash" / "producer_proc.py"
-HOST_PROGRAM = Path(__file__).resolve().parent / "spark_programs" / "writing_host.py"
-QUERY_PROGRAM = Path(__file__).resolve().parent / "spark_programs" / "query.py"
+ROOT = Path(__file__).resolve().parents[2]
+PRODUCER_PROGRAM = ROOT / "tests" / "crash" / "producer_proc.py"
+HOST_PROGRAM = Path(__file__).resolve().parent / "programs" / "writing_host.py"
+QUERY_PROGRAM = Path(__file__).resolve().parent / "programs" / "query.py"
 STREAM = "orders"
 
 # More than 3 producers (``make soak-spark-many``: 256) are served HOSTED to a process

@@ -15,7 +15,7 @@ from pyspark.sql.functions import count, count_distinct
 import streamq
 
 PRODUCERS = 64
-FLEET = Path(__file__).resolve().parent / "spark_programs" / "fleet.py"
+FLEET = Path(__file__).resolve().parent / "programs" / "fleet.py"
 
 
 def records_of(i: int) -> int:

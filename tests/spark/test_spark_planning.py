@@ -24,17 +24,17 @@ from hypothesis import strategies as st
 from pyspark.sql.streaming.datasource import ReadAllAvailable
 
 import streamq
-import streamq.server
+import streamq.producer.server
 from bench.spark.streamq import Fleet, _fill_producers
 from bench.tools import discovery, triggers
 from spark_source import datasource, planning
 from spark_source.datasource import StreamQStreamReader, _Settings
 from spark_source.planning import Connect, ProducerState, Range, StreamQSourceError
 from streamq.errors import MalformedFrameError
-from streamq.transport import parse_address
+from streamq.wire.transport import parse_address
 
-from .hosted import hosted, unread
-from .waiting import producer_connections, wait_until
+from ..hosted import hosted, unread
+from ..waiting import producer_connections, wait_until
 
 STATES = {
     "a": ProducerState("a", "h:1", head=100, low=1),
@@ -319,7 +319,7 @@ def test_a_producer_that_refuses_watches_is_asked_every_trigger(
     def refuse(*args: object) -> None:
         raise MalformedFrameError("unknown message type 21")
 
-    monkeypatch.setattr(streamq.server._HeadWatch, "wait", refuse)
+    monkeypatch.setattr(streamq.producer.server._HeadWatch, "wait", refuse)
     with streamq.SyncProducer(str(tmp_path / "a.db")) as a:
         address, pid = a.address, a.producer_id
         kept = planning.Connections(Connect(timeout=10))
@@ -861,7 +861,7 @@ def registry() -> list[str]:
 
 
 def test_endpoints_from_a_provider() -> None:
-    found = planning.parse_endpoints("h:1", None, "tests.test_spark_planning:registry")
+    found = planning.parse_endpoints("h:1", None, "tests.spark.test_spark_planning:registry")
     assert found == ["h:1", "r:1", "r:2"]
     with pytest.raises(StreamQSourceError, match="must be module:function"):
         planning.parse_endpoints(None, None, "no_colon")
@@ -874,7 +874,7 @@ def test_time_seek_and_key_reads_over_tls_with_a_token(tmp_path: Path) -> None:
     ``Connect`` (TLS and token), and the key reads still report records retention deleted."""
     from spark_source.datasource import StreamQPartition, read_partition
 
-    from .certs import make_certs
+    from ..certs import make_certs
 
     certs = make_certs(tmp_path)
     secret = b"planning-test-secret-0123"

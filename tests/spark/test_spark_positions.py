@@ -16,7 +16,7 @@ from pyspark.sql.streaming import StreamingQuery
 
 import streamq
 
-from .conftest import wait_for
+from ..conftest import wait_for
 
 
 def reported(address: str) -> list[tuple[str, int, int]]:

@@ -22,8 +22,8 @@ from pyspark.sql import SparkSession
 
 from streamq import SyncProducer
 
-from .powerloss import WalTape
-from .test_consumer import free_port
+from ..consumer.test_consumer import free_port
+from ..powerloss import WalTape
 from .test_spark import run_available_now
 
 

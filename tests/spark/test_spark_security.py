@@ -11,7 +11,7 @@ from pyspark.sql import SparkSession
 
 import streamq
 
-from .certs import Certs, make_certs
+from ..certs import Certs, make_certs
 
 SECRET = b"spark-test-secret-0123456789"
 

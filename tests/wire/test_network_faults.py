@@ -19,8 +19,8 @@ import pytest
 
 from streamq import Consumer
 
-from .conftest import wait_for
-from .faultproxy import (
+from ..conftest import wait_for
+from ..faultproxy import (
     Bandwidth,
     FaultProxy,
     Latency,
@@ -31,7 +31,7 @@ from .faultproxy import (
     Stall,
     Toxic,
 )
-from .pipeline import NAME, STREAM, Pipeline
+from ..pipeline import NAME, STREAM, Pipeline
 
 HEARTBEAT_TIMEOUT = 0.5
 CONNECT_TIMEOUT = 0.5

@@ -60,10 +60,10 @@ from streamq.protocol import (
     decode_message,
     encode,
 )
-from streamq.security import Principal, read_secret
+from streamq.wire.security import Principal, read_secret
 
-from .certs import Certs, make_certs
-from .test_cli import STREAMQ, run
+from ..certs import Certs, make_certs
+from ..test_cli import STREAMQ, run
 
 SECRET = b"0123456789abcdef-test-secret"
 GRANTS = {"billing": ["orders", "refunds.*"], "ops": []}
@@ -243,7 +243,7 @@ async def test_server_name_overrides_the_host_checked(secured: Producer, certs: 
         await asyncio.to_thread(Client, secured.address, tls=wrong_name, token=BILLING)
 
 
-# What the client says for each TLS refusal (exact texts in streamq/security.py).
+# What the client says for each TLS refusal (exact texts in streamq/wire/security.py).
 _REFUSED_CERT = re.escape(
     "the producer closed the connection right after the handshake: it refused this client's "
     "certificate (expired, or not signed by a CA it trusts)"

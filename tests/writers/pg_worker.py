@@ -1,6 +1,6 @@
 """A worker process committing orders into PostgreSQL, each with its record, starting when
 told to on stdin; then prints how many it committed and how many were refused
-(``tests/test_pg_publish.py``).
+(``tests/engines/test_pg_publish.py``).
 
 ``--via``: ``psycopg`` (a plain psycopg connection: the transaction begins at the first
 statement), ``autocommit`` (an autocommit connection inside ``conn.transaction()``) or

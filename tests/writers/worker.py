@@ -1,6 +1,6 @@
 """A worker process of a service: commits orders, each with its record, into the producer
 database it shares with other workers, starting when told to on stdin, then prints how
-many it committed and how many transactions were refused (``tests/test_many_writers.py``).
+many it committed and how many transactions were refused (``tests/producer/test_many_writers.py``).
 
 ``--via``: ``publish`` (``streamq.publish`` on a plain sqlite3 connection, BEGIN
 IMMEDIATE), ``legacy`` (the same in sqlite3's default transaction handling),

@@ -82,8 +82,8 @@ from typing import Any
 import msgpack
 
 from ...errors import SchemaMissingError
+from ...producer.storage import EpochRow, LogRow, TimeRow
 from ...records import CheckedRecord, Receipt, encode_unnumbered
-from ...storage import EpochRow, LogRow, TimeRow
 from .driver import connect, database, in_transaction
 
 # Of the PostgreSQL tables (SQLite's have their own, store.SCHEMA_VERSION). 2: unnumbered

@@ -39,8 +39,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import CaptureError, DatabaseOpenError
+from ...producer.storage import Numbered
 from ...records import CheckedRecord, encode_unnumbered
-from ...storage import Numbered
 from .append import CAPTURE_TABLE, SYNC_COMMIT, run_async
 from .changes import Captured, ChangeDecoder, snapshot_records, table_of
 from .driver import connect_async, psycopg_module

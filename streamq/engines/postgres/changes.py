@@ -39,7 +39,7 @@ from typing import Any
 
 import msgpack
 
-from ...capturing import HEADER, HEADER_VALUE, json_default
+from ...captured import HEADER, HEADER_VALUE, json_default
 from ...records import CheckedRecord
 from . import pgoutput
 from .pgoutput import UNCHANGED, Relation

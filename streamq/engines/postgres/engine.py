@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
+from ...producer.storage import Features
 from ...records import MAX_SEQ
-from ...storage import Durability, Features
+from ...sql import Durability
 from ..base import ModuleEngine, Tables
 
 if TYPE_CHECKING:
-    from ...positionstore import PositionStore
+    from ...consumer.position_store import PositionStore
     from ..leases import LeaseTable
     from .storage import PostgresStorage
 

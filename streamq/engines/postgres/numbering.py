@@ -31,9 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import DatabaseOpenError
-from ...protocol import numbered
-from ...rows import append_rows, check_last_seq, segment_row
-from ...storage import (
+from ...producer.append_rule import append_rows, check_last_seq, segment_row
+from ...producer.storage import (
     EpochRow,
     Group,
     LogRow,
@@ -43,6 +42,7 @@ from ...storage import (
     StreamSettings,
     TimeRow,
 )
+from ...protocol import numbered
 from .append import (
     CHANNEL,
     COMMITTED,

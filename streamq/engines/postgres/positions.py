@@ -37,18 +37,18 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ...batches import Batch
-from ...blocking import BlockingSQL, Scoped, to_the_end
+from ...consumer.batch import Batch
+from ...consumer.position_store import DeadLetterSQL, ParkedRecord, lease_lost, out_of_turn
+from ...consumer.resharing import Move, StoredPosition, plan
 from ...errors import SchemaMissingError
-from ...positionstore import DeadLetterSQL, ParkedRecord, lease_lost, out_of_turn
-from ...resharing import Move, StoredPosition, plan
+from ...sql import BlockingSQL, Scoped, to_the_end
 from .append import UNDEFINED_TABLE, Statement, Steps, describe, run, run_async
 from .driver import connect, connect_async, database, in_transaction, psycopg_module
 
 if TYPE_CHECKING:
     import psycopg
 
-    from ...storage import Durability
+    from ...sql import Durability
 
 T = TypeVar("T")
 
@@ -241,7 +241,7 @@ def list_dead_letters(url: str, consumer: str | None = None) -> list[ParkedRecor
 
 def reshare(url: str, consumer: str, shares: int) -> list[Move]:
     """Move ``consumer``'s positions to a split into ``shares``, in one transaction
-    (``streamq.resharing``); the moves made. Raises ``ReshareRefusedError`` if unsafe."""
+    (``streamq.consumer.resharing``); the moves made. Raises ``ReshareRefusedError`` if unsafe."""
     psycopg = psycopg_module()
     conn = connect(url, database(url), application_name="streamq reshare", autocommit=False)
     with conn:  # one transaction, committed at the end of the block

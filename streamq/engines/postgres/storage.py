@@ -29,10 +29,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from typing import Any, TypeVar
 
 from ...errors import AlreadyServedError, DatabaseOpenError
-from ...records import CheckedRecord, Receipt
-from ...storage import (
+from ...producer.storage import (
     Changes,
-    Durability,
     EpochRow,
     Events,
     Identity,
@@ -46,6 +44,8 @@ from ...storage import (
     TimeRow,
     consumer_rows,
 )
+from ...records import CheckedRecord, Receipt
+from ...sql import Durability
 from .append import (
     CHANNEL,
     PostgresSession,

@@ -50,7 +50,7 @@ from typing import Any
 import msgpack
 
 from ...errors import DatabaseOpenError
-from ...storage import Numbered, OpenTransactions
+from ...producer.storage import Numbered, OpenTransactions
 from .append import (
     MESSAGE_VERSION,
     PATH_CHECK_EVERY,

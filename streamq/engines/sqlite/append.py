@@ -24,11 +24,11 @@ import sqlite3
 from collections.abc import Sequence
 from typing import Any
 
-from ...blocking import run_on_thread
 from ...errors import SchemaMissingError
+from ...producer.append_rule import append_rows, check_last_seq, segment_row
+from ...producer.storage import LogRow, TimeRow
 from ...records import DEFAULT_MAX_RECORD_SIZE, CheckedRecord, encode_checked
-from ...rows import append_rows, check_last_seq, segment_row
-from ...storage import Durability, LogRow, TimeRow
+from ...sql import Durability, run_on_thread
 from . import storage
 
 # A row of ``storage.APPEND_STATE_QUERY``: the database's epoch, the boot it was made in

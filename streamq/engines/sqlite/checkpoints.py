@@ -36,7 +36,7 @@ import time
 
 import aiosqlite
 
-from ...storage import Durability
+from ...sql import Durability
 from .walwatch import WalWatch
 
 logger = logging.getLogger("streamq.producer")

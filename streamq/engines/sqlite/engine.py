@@ -7,12 +7,13 @@ from typing import TYPE_CHECKING, ClassVar
 from urllib.request import pathname2url
 
 from ...errors import DatabaseOpenError
+from ...producer.storage import Features
 from ...records import MAX_SEQ
-from ...storage import Durability, Features
+from ...sql import Durability
 from ..base import ModuleEngine, Tables
 
 if TYPE_CHECKING:
-    from ...positionstore import PositionStore
+    from ...consumer.position_store import PositionStore
     from ..leases import LeaseTable
     from .storage import SQLiteStorage
 

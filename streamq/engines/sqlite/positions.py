@@ -10,7 +10,7 @@ write of the application's own transaction): two processes applying the same bat
 cannot both find the position it follows, so the second gets ``OutOfOrderBatchError``.
 
 ``SQLitePositionStore`` is what a ``Consumer`` with ``db=PATH`` talks to (the interface
-is ``positionstore.PositionStore``); ``save_position`` is ``streamq.save_position`` on a
+is ``position_store.PositionStore``); ``save_position`` is ``streamq.save_position`` on a
 DB-API connection to a SQLite database (sqlite3, under SQLAlchemy or Django).
 """
 
@@ -24,8 +24,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiosqlite
 
-from ...batches import Batch
-from ...blocking import (
+from ...consumer.batch import Batch
+from ...consumer.position_store import DeadLetterSQL, ParkedRecord, lease_lost, out_of_turn
+from ...consumer.resharing import Move, StoredPosition, plan
+from ...errors import DatabaseOpenError, SchemaMissingError
+from ...producer.storage import WouldWait
+from ...sql import (
     AsyncSQL,
     BlockingSQL,
     InlineBudget,
@@ -34,15 +38,11 @@ from ...blocking import (
     run_on_thread,
     to_the_end,
 )
-from ...errors import DatabaseOpenError, SchemaMissingError
-from ...positionstore import DeadLetterSQL, ParkedRecord, lease_lost, out_of_turn
-from ...resharing import Move, StoredPosition, plan
-from ...storage import WouldWait
 from .checkpoints import Checkpointer, take_over
 from .storage import begin_at_once, connect, database_file, journal_mode_wal
 
 if TYPE_CHECKING:
-    from ...storage import Durability
+    from ...sql import Durability
 
 T = TypeVar("T")
 
@@ -215,7 +215,7 @@ def list_dead_letters(path: str, consumer: str | None = None) -> list[ParkedReco
 
 def reshare(path: str, consumer: str, shares: int) -> list[Move]:
     """Move ``consumer``'s positions to a split into ``shares``, in one transaction
-    (``streamq.resharing``); the moves made. Raises ``ReshareRefusedError`` if unsafe."""
+    (``streamq.consumer.resharing``); the moves made. Raises ``ReshareRefusedError`` if unsafe."""
     conn = _dead_letters_connection(path)
     try:
         conn.execute("BEGIN IMMEDIATE")  # no worker commits between the check and the change
@@ -271,7 +271,7 @@ class SQLitePositionStore:
 
     One aiosqlite connection: ``transaction`` awaits each statement on its thread,
     ``apply`` runs a whole transaction as one function: on the event loop's thread while
-    transactions are short and the write lock is free (``blocking.InlineBudget``; the
+    transactions are short and the write lock is free (``sql.InlineBudget``; the
     caller holds the consumer's transaction lock, so nothing is under way on the
     connection's own thread), else there (one hop).
     """

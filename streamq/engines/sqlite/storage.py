@@ -63,12 +63,9 @@ from typing import Any, TypeVar
 
 import aiosqlite
 
-from ...blocking import raw_connection, run_on_thread
 from ...errors import ConcurrentWriterError, DatabaseOpenError, SchemaMissingError
-from ...protocol import numbered_records, slice_records
-from ...storage import (
+from ...producer.storage import (
     Changes,
-    Durability,
     EpochRow,
     Identity,
     KnownPosition,
@@ -81,6 +78,8 @@ from ...storage import (
     WouldWait,
     consumer_rows,
 )
+from ...protocol import numbered_records, slice_records
+from ...sql import Durability, raw_connection, run_on_thread
 from .checkpoints import Checkpointer, take_over
 from .engine import ENGINE
 from .servelock import ServeLock

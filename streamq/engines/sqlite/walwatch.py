@@ -36,7 +36,7 @@ import struct
 import sys
 import weakref
 
-from ...storage import Events
+from ...producer.storage import Events
 
 logger = logging.getLogger("streamq.producer")
 

@@ -1,5 +1,5 @@
 """A Spark streaming query from streamq producers into a parquet sink, for
-tests/test_spark_exactly_once.py.
+tests/spark/test_spark_exactly_once.py.
 
     query.py ENDPOINTS CHECKPOINT OUT [--available-now] [--stop-file FILE] [--dump FILE]
              [--max-seconds S] [--wait-go] [--max-per-trigger N]

@@ -1,4 +1,4 @@
-"""``streamq serve`` for many databases at once, for tests/test_spark_many.py: a process per
+"""``streamq serve`` for many databases at once, for tests/spark/test_spark_many.py: a process per
 database, each forked from this one once it has imported streamq (a Python start and
 streamq's imports cost ~0.3 s of CPU each: 64 of them take 10-20 s on two cores).
 

@@ -1,4 +1,4 @@
-"""Runs Python programs one after another in this one process, for tests/test_docs.py: the
+"""Runs Python programs one after another in this one process, for tests/docs/test_docs.py: the
 documentation's Spark examples, so that Spark's JVM starts once, not once per example
 (about 10 s each on a small machine).
 

@@ -1,5 +1,5 @@
 """Many producers in one process, each committing transactions while it serves, for
-tests/test_spark_exactly_once.py at hundreds of producers (as a host runs them: one
+tests/spark/test_spark_exactly_once.py at hundreds of producers (as a host runs them: one
 process per 16 producers, not one each).
 
     writing_host.py TOTAL DB... [--allow FILE] [--pace P] [--seed S]

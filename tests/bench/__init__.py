@@ -1,0 +1,3 @@
+"""Tests of bench/: each benchmark run small, its charts, and the real brokers it compares
+against.
+"""

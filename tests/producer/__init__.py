@@ -1,0 +1,3 @@
+"""Tests of streamq/producer/: transactions, group commit, publishing, the log, retention,
+compaction, the server.
+"""
