@@ -22,7 +22,7 @@ from .errors import TransactionClosedError
 
 T = TypeVar("T")
 
-Durability = Literal["normal", "full"]  # how a commit is made durable: synchronous=NORMAL or FULL
+Durability = Literal["normal", "full"]  # how durably a commit is written (guides/durability.md)
 
 
 def raw_connection(conn: aiosqlite.Connection) -> sqlite3.Connection:
