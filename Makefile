@@ -6,12 +6,12 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck bench bench-quick bench-smoke nats-server soak soak-spark soak-spark-many fuzz powerloss simulate clean docs docs-fit
+.PHONY: demo test lint typecheck bench bench-quick bench-smoke nats-server soak soak-spark soak-spark-many fuzz powerloss simulate clean docs docs-fit native test-pure wheel
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev,spark,bench]'
+	STREAMQ_PURE=1 $(BIN)/pip install --quiet -e '.[dev,spark,bench]'  # $(NATIVE) compiles
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -29,19 +29,43 @@ docs-fit: docs  # no code block scrolls sideways at 1280 px, in headless Chromiu
 	$(BIN)/pip install --quiet -e '.[browser]'
 	$(BIN)/python tests/docs/fit.py
 
+# The compiled path (setup.py, streamq/native.py): the listed modules built by mypyc, in
+# place, again whenever one of them changes. Without a C compiler it says so, and the
+# pure-Python path runs.
+NATIVE_SOURCES := $(shell sed -n '/^COMPILED = (/,/^)/s/^ *"streamq\.\([a-z_.]*\)",/streamq.\1/p' streamq/native.py | tr . / | sed 's/$$/.py/')
+NATIVE := streamq/native.json
+
+$(NATIVE): $(STAMP) setup.py streamq/native.py $(NATIVE_SOURCES)
+	$(BIN)/python setup.py --quiet build_ext --inplace
+
+native: $(NATIVE)
+
+wheel: $(STAMP)  # this machine's wheel, compiled, installed and run in a clean venv
+	$(BIN)/python -m pytest -q -p no:randomly tests/packaging/check_wheel.py
+
 demo: $(STAMP)
 	$(BIN)/python -m streamq demo
 	$(BIN)/python -m spark_source.demo
 
 # nats-server (the NATS baseline's tests need it) builds meanwhile: `go install` takes
 # minutes on a fresh machine; a test that finds the build under way waits for it.
-test: $(STAMP)
+# The suite runs on the compiled build (STREAMQ_TEST_BUILD: the run fails if another
+# path would run); `make test-pure` runs the core suites again on pure Python.
+test: $(STAMP) $(NATIVE)
 	$(BIN)/python -m bench.nats.server --build > $(VENV)/nats-build.log 2>&1 & \
-	$(BIN)/ruff check streamq spark_source bench tests && \
-	$(BIN)/ruff format --check streamq spark_source bench tests && \
+	$(BIN)/ruff check streamq spark_source bench tests setup.py && \
+	$(BIN)/ruff format --check streamq spark_source bench tests setup.py && \
 	$(BIN)/mypy && \
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup; \
+	STREAMQ_TEST_BUILD=compiled $(BIN)/python -m pytest -q -n 2 --dist loadgroup; \
 	status=$$?; wait; exit $$status
+
+PURE_SUITES := tests/protocol tests/crash tests/docs tests/test_sql.py \
+	tests/producer/test_producer.py tests/producer/test_group_commit.py \
+	tests/producer/test_publish_conn.py tests/consumer/test_consumer.py \
+	tests/consumer/test_poison.py tests/consumer/test_apply_conn.py
+
+test-pure: $(STAMP)  # the protocol, transactions, group commit, turn, crash and docs suites on pure Python
+	STREAMQ_PURE=1 STREAMQ_TEST_BUILD=pure $(BIN)/python -m pytest -q -n 2 --dist loadgroup $(PURE_SUITES)
 
 bench: $(STAMP) nats-server  # every workload at full size, against real Kafka and NATS servers
 	$(BIN)/python -m bench

@@ -11,6 +11,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from . import native
+
+native.build()  # the compiled modules or pure Python, decided before any other is imported
+
 if TYPE_CHECKING:  # what type checkers see; at run time each is imported at first use
     from .captured import decode_change
     from .consumer.batch import Batch

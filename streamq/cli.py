@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 from rich.console import Console
 from rich.table import Table
 
-from . import _loop
+from . import __version__, _loop, native
 from .captured import HEADER as CHANGE_HEADER
 from .captured import HEADER_VALUE as CHANGE_HEADER_VALUE
 from .captured import capture_streams, change_json, decode_change, json_default
@@ -230,6 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Producer-owned streams: the log lives in the producer's own database.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=_EPILOG,
+    )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"streamq {__version__}, {native.build().describe()}",
+        help="the version, and which path runs: compiled or pure Python (STREAMQ_PURE=1)",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_serve(commands)
@@ -782,6 +788,8 @@ def _status(args: argparse.Namespace) -> None:
         f"producer [bold]{status['producer_id']}[/] epoch {status['epoch']} at {args.address}, "
         f"{status['connections']} connection(s)"
     )
+    if build := status.get("build"):
+        console.print(f"running {build}")
     publishing = status.get("publishing") or {}
     path = publishing.get("path")
     if path == "wal":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,18 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
     from bench.kafka.broker import KafkaBroker
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """``STREAMQ_TEST_BUILD=compiled`` (``make test``) or ``pure`` (``make test-pure``): the
+    run stops at once if this process, and so the processes it starts, would run the other
+    path, so that a green run says which code it tested."""
+    import streamq.native
+
+    wanted = os.environ.get("STREAMQ_TEST_BUILD")
+    build = streamq.native.build()
+    if wanted is not None and wanted != ("compiled" if build.compiled else "pure"):
+        raise pytest.UsageError(f"STREAMQ_TEST_BUILD={wanted}, but streamq runs {build.describe()}")
 
 
 def pytest_asyncio_loop_factories(

@@ -29,7 +29,7 @@ def stored_seqs(database: str, stream_id: int = 1) -> list[int]:
     rows = _one(
         database,
         "SELECT pos, count, record FROM streamq_log WHERE pos >> 40 = ? ORDER BY pos",
-        "SELECT seq, 1, NULL FROM streamq_log WHERE stream_id = %s ORDER BY seq",
+        "SELECT seq, 1, ''::bytea FROM streamq_log WHERE stream_id = %s ORDER BY seq",
         (stream_id,),
     )
     return [position & SEQ_MASK for position, _ in unpack_rows(rows)]

@@ -505,7 +505,9 @@ def test_the_spark_source_loads_no_producer_consumer_or_metrics() -> None:
 
 # The modules at the top that every part shares: the vocabulary (errors, records, filters,
 # captured changes), the application's SQL handles, consumers' metrics and their endpoint.
-SHARED = frozenset({"errors", "records", "filters", "captured", "sql", "metrics", "_loop"})
+SHARED = frozenset(
+    {"errors", "records", "filters", "captured", "sql", "metrics", "_loop", "native"}
+)
 # The facades: the package itself, the blocking producer, the command line and the demo.
 FACADES = frozenset({"", "__main__", "sync", "cli", "demo"})
 # What each part may import from the others (its own modules aside). "shared" is SHARED.

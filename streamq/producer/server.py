@@ -16,10 +16,11 @@ import logging
 import math
 import os
 import random
+import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from ..errors import (
     ErrorCode,
@@ -33,6 +34,7 @@ from ..errors import (
     UnknownStreamError,
 )
 from ..filters import Filter, share_name
+from ..native import build as native_build
 from ..protocol import (
     DEFAULT_MAX_FRAME_SIZE,
     FRAME_OVERHEAD,
@@ -320,7 +322,9 @@ class Server:
             # asyncio's bind errors repeat the address in their text: the errno's is enough.
             why = os.strerror(exc.errno) if exc.errno and exc.errno > 0 else exc.strerror
             raise OSError(exc.errno, f"cannot listen on {host}:{port}: {why}") from exc
-        bound_host, bound_port = self._server.sockets[0].getsockname()[:2]
+        # uvloop gives a list where asyncio's types say a tuple (which compiled code checks).
+        sockets: Sequence[socket.socket] = cast(Any, self._server).sockets
+        bound_host, bound_port = sockets[0].getsockname()[:2]
         self.address = (
             f"[{bound_host}]:{bound_port}" if ":" in bound_host else f"{bound_host}:{bound_port}"
         )
@@ -569,6 +573,7 @@ class Server:
             },
             "connections": self.connections,
             "errors_sent": self.errors_sent,
+            "build": native_build().describe(),
             **self._open_transactions(),
             **({} if self.publishing is None else {"publishing": self.publishing()}),
             **({} if self.capture_status is None else {"capture": self.capture_status()}),

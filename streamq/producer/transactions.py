@@ -10,8 +10,7 @@ hands what committed to the log.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import Any, TypeVar, cast
 
@@ -31,28 +30,60 @@ from .writing import Pending, Writing
 T = TypeVar("T")
 
 
-@contextlib.asynccontextmanager
-async def transaction(writing: Writing) -> AsyncIterator[Transaction]:
+class transaction:
     """One transaction on the writer: BEGIN (caught up), the caller's SQL and publishes,
     COMMIT; its records handed to the log once committed, and served (where seqs are
-    given after the commit, once this serving producer has numbered them)."""
-    async with writing.holding():
-        await writing.begin()
-        tx = Transaction(writing)
+    given after the commit, once this serving producer has numbered them). A class, not a
+    generator: the compiled path has no async generators."""
+
+    __slots__ = ("_holding", "_tx", "_writing")
+
+    def __init__(self, writing: Writing) -> None:
+        self._writing = writing
+        self._holding = writing.holding()
+        self._tx: Transaction | None = None
+
+    async def __aenter__(self) -> Transaction:
+        await self._holding.__aenter__()
         try:
-            yield tx
-            await tx._commit()
+            await self._writing.begin()
         except BaseException:
-            tx._closed = True
-            if tx.committed:  # cancelled while COMMIT ran: it committed all the same
-                writing.after_blocking_commit(tx._pending)
-            else:
-                await writing.writer.rollback()
+            await self._holding.__aexit__(None, None, None)
             raise
+        self._tx = Transaction(self._writing)
+        return self._tx
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        writing, tx = self._writing, self._tx
+        assert tx is not None
+        try:
+            if exc is None:
+                try:
+                    await tx._commit()
+                except BaseException:
+                    await self._failed(tx)
+                    raise
+                tx._closed = True
+                if writing.after_commit(tx._pending):
+                    await writing.catch_up(await writing.storage.version())
+            else:
+                await self._failed(tx)
+        finally:
+            await self._holding.__aexit__(None, None, None)
+        if exc is None:
+            await writing.served(tx.last_receipt)
+
+    async def _failed(self, tx: Transaction) -> None:
         tx._closed = True
-        if writing.after_commit(tx._pending):
-            await writing.catch_up(await writing.storage.version())
-    await writing.served(tx.last_receipt)
+        if tx.committed:  # cancelled while COMMIT ran: it committed all the same
+            self._writing.after_blocking_commit(tx._pending)
+        else:
+            await self._writing.writer.rollback()
 
 
 async def create_stream(writing: Writing, name: str, settings: StreamSettings) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
@@ -51,6 +51,24 @@ class OthersCommitted(Exception):
     def __init__(self, version: int) -> None:
         super().__init__(version)
         self.version = version
+
+
+class Holding:
+    """``Writing.holding()``: the writer's lock held, and ``in_transaction`` set, for one
+    transaction. A class, not a generator: the compiled path has no async generators."""
+
+    __slots__ = ("_writing",)
+
+    def __init__(self, writing: Writing) -> None:
+        self._writing = writing
+
+    async def __aenter__(self) -> None:
+        await self._writing._lock.acquire()
+        self._writing.in_transaction = True
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._writing.in_transaction = False
+        self._writing._lock.release()
 
 
 class Writing:
@@ -89,6 +107,7 @@ class Writing:
         # may commit meanwhile: requests read its commits on a read connection
         # (``read_ahead``).
         self.beginning: object | None = None
+        self.looks = 0  # times ``check`` looked for other connections' commits
 
     @property
     def writer(self) -> Writer:
@@ -96,15 +115,10 @@ class Writing:
 
     # --- the writer, for one transaction ---------------------------------------------
 
-    @contextlib.asynccontextmanager
-    async def holding(self) -> AsyncIterator[None]:
-        """The writer connection, for one transaction of this producer's."""
-        async with self._lock:
-            self.in_transaction = True
-            try:
-                yield
-            finally:
-                self.in_transaction = False
+    def holding(self) -> Holding:
+        """The writer connection, for one transaction of this producer's
+        (``async with writing.holding():``)."""
+        return Holding(self)
 
     @contextlib.contextmanager
     def waiting_to_begin(self) -> Iterator[None]:
@@ -222,6 +236,7 @@ class Writing:
     async def check(self, *, heads: bool | None = None) -> bool:
         """Catch up if another connection committed; True if one had. While the
         producer's BEGIN waits for another connection's write lock, ``read_ahead``."""
+        self.looks += 1
         if self.beginning is not None and not heads:
             return await self.read_ahead()
         async with self._lock:

@@ -248,7 +248,8 @@ class Connection:
 class ServerConnection(Connection):
     """The producer's side of one connection."""
 
-    our_role, their_role = Role.SERVER, Role.CLIENT
+    our_role = Role.SERVER
+    their_role = Role.CLIENT
 
     def send_records(
         self,
@@ -271,7 +272,8 @@ class ClientConnection(Connection):
     was asked, and checks that a subscription's records only move forward.
     """
 
-    our_role, their_role = Role.CLIENT, Role.SERVER
+    our_role = Role.CLIENT
+    their_role = Role.SERVER
 
     def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
         super().__init__(max_frame_size)

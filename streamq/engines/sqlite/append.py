@@ -63,16 +63,17 @@ def append_from(
     """``append`` on a cursor of the connection, from ``state`` when the caller knows it
     holding the write lock (else read here); returns the seqs and the state the append
     leaves."""
-    if state is None:
+    row: Any = state  # a plain row read here: None where a stream has no records yet
+    if row is None:
         try:
             cursor.execute(storage.TAKE_WRITE_LOCK)
             cursor.execute(storage.APPEND_STATE_QUERY, (stream,))
-            state = cursor.fetchone()
+            row = cursor.fetchone()
         except Exception as exc:
             if "no such table: streamq_" in str(exc):
                 raise SchemaMissingError(_no_tables(cursor)) from exc
             raise
-    epoch, boot, version, stream_id, key_index, head, max_ts, last_epoch = state
+    epoch, boot, version, stream_id, key_index, head, max_ts, last_epoch = row
     if version != storage.SCHEMA_VERSION:
         raise SchemaMissingError(_old_schema(cursor, version))
     epoch = int(epoch)

@@ -1,0 +1,97 @@
+"""The compiled path against pure Python, side by side in one run: ``python -m
+bench.tools.builds [--transfers N] [--repeats N]``.
+
+Each case runs under both builds, alternating, ``repeats`` times (medians reported): the
+one-writer transfer end to end (``bench/transfer``: payments process, ledger consumer)
+with the floor (the same SQL, no framework) in the same rounds, and the codec alone (a
+frame of 100-byte records encoded, then decoded, in one process). A build is chosen for
+every process of a case by ``STREAMQ_PURE`` (``streamq/native.py``). Results go to
+``bench/results/builds.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ..common import RESULTS, say
+from ..transfer.deployment import flow
+from ..transfer.floor import floor_flow
+
+BUILDS = {"compiled": "", "pure": "1"}
+CODEC = """
+import time, streamq, streamq.native
+from streamq.protocol import encode_values, split_records
+records = [b"x" * 100] * 1000
+start, n = time.perf_counter(), 0
+while time.perf_counter() - start < 2:
+    encoded = encode_values(records)
+    assert len(split_records(encoded, len(records))) == len(records)
+    n += len(records)
+print(n / (time.perf_counter() - start), streamq.native.build().compiled)
+"""
+
+
+def codec_rate(build: str) -> float:
+    """Records a second through encode and split, in a process of ``build``."""
+    done = subprocess.run(
+        [sys.executable, "-c", CODEC],
+        env={**os.environ, "STREAMQ_PURE": BUILDS[build]},
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    rate, compiled = done.stdout.split()
+    assert compiled == str(build == "compiled"), f"{build} ran compiled={compiled}"
+    return float(rate)
+
+
+def transfer_rate(build: str, transfers: int) -> float:
+    """Transfers a second end to end, one writer, every process of ``build``."""
+    os.environ["STREAMQ_PURE"] = BUILDS[build]
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            return transfers / flow("streamq", None, Path(folder), transfers, 0).seconds
+    finally:
+        os.environ.pop("STREAMQ_PURE", None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--transfers", type=int, default=50_000)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    runs: dict[str, list[float]] = {}
+    for round_ in range(args.repeats):
+        for build in BUILDS:
+            runs.setdefault(f"transfer {build}", []).append(transfer_rate(build, args.transfers))
+            runs.setdefault(f"codec {build}", []).append(codec_rate(build))
+        with tempfile.TemporaryDirectory() as folder:
+            runs.setdefault("transfer floor", []).append(
+                floor_flow(Path(folder), args.transfers)[0]
+            )
+        say(f"round {round_ + 1}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in runs.items()))
+    medians = {name: statistics.median(values) for name, values in runs.items()}
+    ratios = {
+        "transfer compiled / pure": medians["transfer compiled"] / medians["transfer pure"],
+        "transfer compiled / floor": medians["transfer compiled"] / medians["transfer floor"],
+        "transfer pure / floor": medians["transfer pure"] / medians["transfer floor"],
+        "codec compiled / pure": medians["codec compiled"] / medians["codec pure"],
+    }
+    for name, value in {**medians, **ratios}.items():
+        print(f"{name}: {value:,.2f}")
+    result: dict[str, Any] = {"transfers": args.transfers, "runs": runs, "ratios": ratios}
+    (RESULTS / "builds.json").write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

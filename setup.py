@@ -1,0 +1,92 @@
+"""Builds streamq with its hot modules compiled by mypyc (``streamq/native.py`` lists
+them), from the same typed sources the pure-Python path runs.
+
+Where no C compiler is found, or mypyc cannot build them, or ``STREAMQ_PURE=1`` is set
+at build time, the package installs as pure Python and says why in one line. A
+successful build writes ``streamq/native.json``: each compiled module's source hash, by
+which ``streamq.native`` knows the build is current.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from setuptools import setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+
+
+def _native() -> dict[str, Any]:
+    """``streamq/native.py``'s names, read without importing streamq."""
+    namespace: dict[str, Any] = {"__file__": str(ROOT / "streamq" / "native.py")}
+    exec(compile((ROOT / "streamq" / "native.py").read_text(), "native.py", "exec"), namespace)
+    return namespace
+
+
+NATIVE = _native()
+
+
+def _say(why: str) -> None:
+    print(f"streamq: installing the pure-Python path only: {why}", flush=True)
+
+
+def _extensions() -> list[Any]:
+    if os.environ.get("STREAMQ_PURE", "") not in ("", "0"):
+        _say("STREAMQ_PURE is set")
+        return []
+    try:
+        from mypyc.build import mypycify
+    except ImportError:
+        _say("mypyc (part of mypy) is not installed")
+        return []
+    sources = [
+        str(NATIVE["source_of"](m, ROOT / "streamq").relative_to(ROOT)) for m in NATIVE["COMPILED"]
+    ]
+    try:
+        # Types of what is not installed at build time (msgpack, aiosqlite, psycopg in an
+        # isolated build) are taken as Any: the code compiles all the same.
+        options = ["--ignore-missing-imports", *sources]
+        return list(mypycify(options, opt_level="3", group_name="streamq._compiled"))
+    except (Exception, SystemExit) as exc:  # mypyc exits on a type error
+        _say(f"mypyc could not compile {', '.join(sources)}: {exc}")
+        return []
+
+
+class OptionalBuildExt(build_ext):
+    """Builds the compiled path if it can; otherwise leaves the pure-Python package whole.
+    Writes the manifest only after every extension is built."""
+
+    def run(self) -> None:
+        if self.inplace:  # what an earlier build left: a module no longer compiled, say
+            for old in (ROOT / "streamq").rglob("*.so"):
+                old.unlink()
+        try:
+            super().run()
+        except Exception as exc:  # no compiler, a missing header: pure Python it is
+            _say(f"the C extension did not build ({exc})")
+            return
+        if not self.extensions:
+            return
+        import mypy.version
+
+        manifest = {
+            "compiler": f"mypyc {mypy.version.__version__}",
+            "modules": {
+                m: NATIVE["digest"](NATIVE["source_of"](m, ROOT / "streamq"))
+                for m in NATIVE["COMPILED"]
+            },
+        }
+        text = json.dumps(manifest, indent=1) + "\n"
+        targets = {Path(self.build_lib) / "streamq"}
+        if self.inplace:
+            targets.add(ROOT / "streamq")
+        for target in targets:
+            target.mkdir(parents=True, exist_ok=True)
+            (target / NATIVE["MANIFEST"]).write_text(text)
+
+
+setup(ext_modules=_extensions(), cmdclass={"build_ext": OptionalBuildExt})

@@ -1,0 +1,142 @@
+"""Which path runs: streamq's hot modules compiled to native code, or pure Python.
+
+``setup.py`` compiles the modules of ``COMPILED`` with mypyc where a C compiler is found
+(``pip install``, ``make``), from the same typed sources, and writes ``native.json``
+beside this file: the hash of each compiled module's source. Without a compiler the
+package installs and runs as pure Python. ``build`` decides once per process, at
+``import streamq``:
+
+- ``STREAMQ_PURE=1``: pure Python, as asked;
+- no compiled build (none installed, or a checkout never built): pure Python;
+- a build older than its sources (a checkout edited since ``make``): pure Python, said
+  once, so that an edit is never shadowed by a stale build;
+- otherwise the compiled modules.
+
+A finder first on ``sys.meta_path`` loads streamq's other modules (all of them, for pure
+Python) from their ``.py`` files. It is all or none: mypyc links the compiled modules to
+each other, so one of them from source beside the others compiled would mix two versions
+of the code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import json
+import logging
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib.machinery import ModuleSpec
+from pathlib import Path
+from typing import Any
+
+# The modules built as native code, from a profile of the hot paths (docs/reference/
+# design.md, "The compiled path", says why each).
+COMPILED = (
+    # The producer's per-transaction work that runs as plain functions: the append rule
+    # (seqs, log rows, time rows), SQLite's append on the application's own connection
+    # (``streamq.publish``), what it served (receipts).
+    "streamq.producer.append_rule",
+    "streamq.engines.sqlite.append",
+    "streamq.producer.receipts",
+    # The push and the consumer's read: framing, encoding, decoding, connection state; the
+    # committed log's tail (what a subscription is sent from).
+    "streamq.protocol.codec",
+    "streamq.protocol.state",
+    "streamq.producer.committed_log",
+    # Capture: pgoutput decoded into change records.
+    "streamq.engines.postgres.pgoutput",
+    "streamq.engines.postgres.changes",
+)
+MANIFEST = "native.json"  # beside this file: {"compiler": ..., "modules": {name: sha256}}
+PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class Build:
+    """The path a process runs: ``compiled`` or not, and why, for people."""
+
+    compiled: bool
+    why: str
+
+    def describe(self) -> str:
+        return ("compiled" if self.compiled else "pure Python") + f" ({self.why})"
+
+
+def source_of(module: str, package_dir: Path = PACKAGE_DIR) -> Path:
+    """The ``.py`` file of ``module`` (``streamq.protocol.codec``)."""
+    return package_dir.joinpath(*module.split(".")[1:]).with_suffix(".py")
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def built(module: str, package_dir: Path = PACKAGE_DIR) -> bool:
+    """An extension module of ``module`` is installed beside its source."""
+    source = source_of(module, package_dir)
+    stem = source.with_suffix("")
+    return any(
+        stem.with_name(stem.name + s).is_file() for s in importlib.machinery.EXTENSION_SUFFIXES
+    )
+
+
+def check(environ: Mapping[str, str], package_dir: Path = PACKAGE_DIR) -> Build:
+    """Which path a process with ``environ`` runs from ``package_dir``, and why."""
+    if environ.get("STREAMQ_PURE", "") not in ("", "0"):
+        return Build(False, "STREAMQ_PURE is set")
+    manifest = package_dir / MANIFEST
+    if not manifest.is_file() or not all(built(m, package_dir) for m in COMPILED):
+        return Build(False, "no compiled build: installed without a C compiler, or not built")
+    try:
+        recorded: dict[str, Any] = json.loads(manifest.read_text())
+        hashes: dict[str, str] = recorded["modules"]
+        compiler = str(recorded["compiler"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return Build(False, f"{manifest.name} is unreadable: rebuild (make, or pip install)")
+    for module in COMPILED:
+        if hashes.get(module) != digest(source_of(module, package_dir)):
+            return Build(
+                False,
+                f"the compiled build is older than {module}'s source: rebuild (make, or "
+                "pip install) to run the compiled path",
+            )
+    return Build(True, f"{compiler}, {len(COMPILED)} modules")
+
+
+class _SourceFinder:
+    """Finds streamq's modules as ``.py`` files, but those of ``compiled`` (left to the
+    default finders, which take an extension module first): an extension module left
+    from another build, of a module no longer compiled, is never loaded."""
+
+    def __init__(self, compiled: frozenset[str]) -> None:
+        self.compiled = compiled
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> ModuleSpec | None:
+        if not fullname.startswith("streamq.") or not path or fullname in self.compiled:
+            return None
+        loaders = [(importlib.machinery.SourceFileLoader, importlib.machinery.SOURCE_SUFFIXES)]
+        for entry in path:
+            spec = importlib.machinery.FileFinder(entry, *loaders).find_spec(fullname)
+            if spec is not None:
+                return spec
+        return None
+
+
+_chosen: Build | None = None
+
+
+def build() -> Build:
+    """The path this process runs, decided at the first call: the compiled modules, or
+    the finder that keeps them out. ``streamq/__init__.py`` calls it before importing
+    any other module of streamq; ``streamq --version`` and ``streamq status`` say it."""
+    global _chosen
+    if _chosen is None:
+        _chosen = check(os.environ)
+        if not any(isinstance(f, _SourceFinder) for f in sys.meta_path):
+            sys.meta_path.insert(0, _SourceFinder(frozenset(COMPILED if _chosen.compiled else ())))
+        if "older than" in _chosen.why:
+            logging.getLogger("streamq").warning("streamq runs pure Python: %s", _chosen.why)
+    return _chosen

@@ -1,0 +1,1 @@
+"""Packaging checks, run by ``make wheel`` (not by ``make test``): the wheel built here."""
