@@ -23,7 +23,8 @@ ROUND_TRIP = textwrap.dedent(
     async def main(db: str, consumer_db: str) -> None:
         async with streamq.Producer(db) as producer:
             await producer.publish("orders", b"one")
-            async with streamq.Consumer(producer.address, "orders", db=consumer_db) as c:
+            consumer = streamq.Consumer(producer.address, "orders", db=consumer_db, name="c")
+            async with consumer as c:
                 async with asyncio.timeout(30):
                     batch = await anext(c)
                 async with c.transaction(batch):
