@@ -28,21 +28,37 @@ from ..transfer.floor import floor_flow
 BUILDS = {"compiled": "", "pure": "1"}
 CODEC = """
 import time, streamq, streamq.native
-from streamq.protocol import encode_values, split_records
-records = [b"x" * 100] * 1000
+from streamq.protocol import decode_record, encode_values, split_records
+values = [b"x" * 100] * 1000
 start, n = time.perf_counter(), 0
 while time.perf_counter() - start < 2:
-    encoded = encode_values(records)
-    assert len(split_records(encoded, len(records))) == len(records)
-    n += len(records)
+    stored = b"".join(encode_values(1, 1_700_000_000_000, values))
+    records = [decode_record(r) for r in split_records(stored, len(values))]
+    assert len(records) == len(values)
+    n += len(values)
+print(n / (time.perf_counter() - start), streamq.native.build().compiled)
+"""  # pgoutput INSERT messages of a 4-column row, decoded: capture's per-change parse.
+PGOUTPUT = """
+import struct, time, streamq, streamq.native
+from streamq.engines.postgres import pgoutput
+values = [b"12345", b"2026-12-04 20:00:00+00", b"9.90", b"a customer's name"]
+row = struct.pack("!h", len(values)) + b"".join(
+    b"t" + struct.pack("!i", len(v)) + v for v in values
+)
+message = b"I" + struct.pack("!I", 16384) + b"N" + row
+start, n = time.perf_counter(), 0
+while time.perf_counter() - start < 2:
+    for _ in range(1000):
+        pgoutput.decode(message)
+    n += 1000
 print(n / (time.perf_counter() - start), streamq.native.build().compiled)
 """
 
 
-def codec_rate(build: str) -> float:
-    """Records a second through encode and split, in a process of ``build``."""
+def codec_rate(build: str, code: str = CODEC) -> float:
+    """Records (or messages) a second through ``code``, in a process of ``build``."""
     done = subprocess.run(
-        [sys.executable, "-c", CODEC],
+        [sys.executable, "-c", code],
         env={**os.environ, "STREAMQ_PURE": BUILDS[build]},
         capture_output=True,
         text=True,
@@ -74,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         for build in BUILDS:
             runs.setdefault(f"transfer {build}", []).append(transfer_rate(build, args.transfers))
             runs.setdefault(f"codec {build}", []).append(codec_rate(build))
+            runs.setdefault(f"pgoutput {build}", []).append(codec_rate(build, PGOUTPUT))
         with tempfile.TemporaryDirectory() as folder:
             runs.setdefault("transfer floor", []).append(
                 floor_flow(Path(folder), args.transfers)[0]
@@ -85,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         "transfer compiled / floor": medians["transfer compiled"] / medians["transfer floor"],
         "transfer pure / floor": medians["transfer pure"] / medians["transfer floor"],
         "codec compiled / pure": medians["codec compiled"] / medians["codec pure"],
+        "pgoutput compiled / pure": medians["pgoutput compiled"] / medians["pgoutput pure"],
     }
     for name, value in {**medians, **ratios}.items():
         print(f"{name}: {value:,.2f}")
