@@ -54,6 +54,35 @@ while time.perf_counter() - start < 2:
 print(n / (time.perf_counter() - start), streamq.native.build().compiled)
 """
 
+# Capture's whole decoding: pgoutput transactions of 10 INSERTs each into change records
+# (``ChangeDecoder``), as a capture round feeds them.
+CAPTURE = """
+import struct, time, streamq, streamq.native
+from streamq.engines.postgres.changes import ChangeDecoder
+columns = [("id", 23, True), ("at", 1184, False), ("total", 1700, False), ("name", 25, False)]
+relation = b"R" + struct.pack("!I", 16384) + b"public\\0orders\\0d" + struct.pack("!h", 4)
+for name, oid, key in columns:
+    relation += struct.pack("!b", key) + name.encode() + b"\\0" + struct.pack("!Ii", oid, -1)
+def insert(n):
+    values = [str(n).encode(), b"2026-12-04 20:00:00+00", b"9.90", b"a customer's name"]
+    row = struct.pack("!h", 4) + b"".join(b"t" + struct.pack("!i", len(v)) + v for v in values)
+    return b"I" + struct.pack("!I", 16384) + b"N" + row
+def transaction(xid):
+    lsn = xid * 1000
+    yield b"B" + struct.pack("!QqI", lsn, 0, xid)
+    yield from (insert(xid * 10 + i) for i in range(10))
+    yield b"C" + struct.pack("!bQQq", 0, lsn, lsn + 1, 0)
+messages = [m for xid in range(1, 101) for m in transaction(xid)]
+start, n = time.perf_counter(), 0
+while time.perf_counter() - start < 2:
+    decoder = ChangeDecoder({"public.orders": "orders"}, {"public.orders": ["id"]})
+    decoder.feed(relation)
+    captured = [c for c in map(decoder.feed, messages) if c is not None]
+    assert len(captured) == 100
+    n += 1000
+print(n / (time.perf_counter() - start), streamq.native.build().compiled)
+"""
+
 
 def codec_rate(build: str, code: str = CODEC) -> float:
     """Records (or messages) a second through ``code``, in a process of ``build``."""
@@ -91,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             runs.setdefault(f"transfer {build}", []).append(transfer_rate(build, args.transfers))
             runs.setdefault(f"codec {build}", []).append(codec_rate(build))
             runs.setdefault(f"pgoutput {build}", []).append(codec_rate(build, PGOUTPUT))
+            runs.setdefault(f"capture {build}", []).append(codec_rate(build, CAPTURE))
         with tempfile.TemporaryDirectory() as folder:
             runs.setdefault("transfer floor", []).append(
                 floor_flow(Path(folder), args.transfers)[0]
@@ -103,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         "transfer pure / floor": medians["transfer pure"] / medians["transfer floor"],
         "codec compiled / pure": medians["codec compiled"] / medians["codec pure"],
         "pgoutput compiled / pure": medians["pgoutput compiled"] / medians["pgoutput pure"],
+        "capture compiled / pure": medians["capture compiled"] / medians["capture pure"],
     }
     for name, value in {**medians, **ratios}.items():
         print(f"{name}: {value:,.2f}")
