@@ -61,9 +61,12 @@ class OptionalBuildExt(build_ext):
     Writes the manifest only after every extension is built."""
 
     def run(self) -> None:
-        if self.inplace:  # what an earlier build left: a module no longer compiled, say
-            for old in (ROOT / "streamq").rglob("*.so"):
-                old.unlink()
+        # What an earlier build left (a module no longer compiled, a manifest of other
+        # sources) would be installed with this one: gone first, in place and in build/.
+        for base in {Path(self.build_lib), *([ROOT] if self.inplace else [])}:
+            stale = [*base.glob("*.so"), *(base / "streamq").rglob("*.so")]
+            for old in [*stale, base / "streamq" / NATIVE["MANIFEST"]]:
+                old.unlink(missing_ok=True)
         try:
             super().run()
         except Exception as exc:  # no compiler, a missing header: pure Python it is
