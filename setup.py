@@ -28,6 +28,7 @@ def _native() -> dict[str, Any]:
 
 
 NATIVE = _native()
+SOURCES = {m: NATIVE["source_of"](m, ROOT / "streamq") for m in NATIVE["COMPILED"]}
 
 
 def _say(why: str) -> None:
@@ -43,9 +44,7 @@ def _extensions() -> list[Any]:
     except ImportError:
         _say("mypyc (part of mypy) is not installed")
         return []
-    sources = [
-        str(NATIVE["source_of"](m, ROOT / "streamq").relative_to(ROOT)) for m in NATIVE["COMPILED"]
-    ]
+    sources = [str(path.relative_to(ROOT)) for path in SOURCES.values()]
     try:
         # Types of what is not installed at build time (msgpack, aiosqlite, psycopg in an
         # isolated build) are taken as Any: the code compiles all the same.
@@ -78,10 +77,7 @@ class OptionalBuildExt(build_ext):
 
         manifest = {
             "compiler": f"mypyc {mypy.version.__version__}",
-            "modules": {
-                m: NATIVE["digest"](NATIVE["source_of"](m, ROOT / "streamq"))
-                for m in NATIVE["COMPILED"]
-            },
+            "modules": {m: NATIVE["digest"](path) for m, path in SOURCES.items()},
         }
         text = json.dumps(manifest, indent=1) + "\n"
         targets = {Path(self.build_lib) / "streamq"}

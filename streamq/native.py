@@ -32,11 +32,11 @@ from importlib.machinery import ModuleSpec
 from pathlib import Path
 from typing import Any
 
-# The modules built as native code, from a profile of the hot paths (docs/reference/
-# design.md, "The compiled path", says why each).
+# The modules built as native code: those that measured faster compiled
+# (``python -m bench.tools.builds``; docs/reference/design.md, "The compiled path").
 COMPILED = (
-    # Capture: every WAL message parsed (struct-level byte parsing, where mypyc gains
-    # 2.3x), and the change records built from them.
+    # Capture: every WAL message parsed (byte parsing in Python, 2.45x compiled), and the
+    # change records built from them (1.52x, the two together).
     "streamq.engines.postgres.pgoutput",
     "streamq.engines.postgres.changes",
 )
@@ -50,6 +50,7 @@ class Build:
 
     compiled: bool
     why: str
+    stale: bool = False  # a build older than its sources: said once in the log
 
     def describe(self) -> str:
         return ("compiled" if self.compiled else "pure Python") + f" ({self.why})"
@@ -92,6 +93,7 @@ def check(environ: Mapping[str, str], package_dir: Path = PACKAGE_DIR) -> Build:
                 False,
                 f"the compiled build is older than {module}'s source: rebuild (make, or "
                 "pip install) to run the compiled path",
+                stale=True,
             )
     return Build(True, f"{compiler}, {len(COMPILED)} modules")
 
@@ -103,13 +105,20 @@ class _SourceFinder:
 
     def __init__(self, compiled: frozenset[str]) -> None:
         self.compiled = compiled
+        self._finders: dict[str, importlib.machinery.FileFinder] = {}  # by folder
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> ModuleSpec | None:
         if not fullname.startswith("streamq.") or not path or fullname in self.compiled:
             return None
-        loaders = [(importlib.machinery.SourceFileLoader, importlib.machinery.SOURCE_SUFFIXES)]
         for entry in path:
-            spec = importlib.machinery.FileFinder(entry, *loaders).find_spec(fullname)
+            finder = self._finders.get(entry)
+            if finder is None:
+                sources = (
+                    importlib.machinery.SourceFileLoader,
+                    importlib.machinery.SOURCE_SUFFIXES,
+                )
+                finder = self._finders[entry] = importlib.machinery.FileFinder(entry, sources)
+            spec = finder.find_spec(fullname)
             if spec is not None:
                 return spec
         return None
@@ -127,6 +136,6 @@ def build() -> Build:
         _chosen = check(os.environ)
         if not any(isinstance(f, _SourceFinder) for f in sys.meta_path):
             sys.meta_path.insert(0, _SourceFinder(frozenset(COMPILED if _chosen.compiled else ())))
-        if "older than" in _chosen.why:
+        if _chosen.stale:
             logging.getLogger("streamq").warning("streamq runs pure Python: %s", _chosen.why)
     return _chosen

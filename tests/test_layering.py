@@ -532,7 +532,7 @@ ENGINE_INTERFACES = {
 }
 
 
-def part_of(module: str, package: str) -> str:
+def part_of(module: str) -> str:
     """Which part of the package ``module`` is: a package's name, "shared", or "facade"."""
     parts = module.split(".")[1:]
     if not parts or parts[0] in FACADES:
@@ -549,14 +549,14 @@ def layering_breaches(package_dir: Path, package: str) -> dict[str, set[str]]:
     modules = _modules(package_dir, package)
     breaches: dict[str, set[str]] = {}
     for module, path in modules.items():
-        part = part_of(module, package)
+        part = part_of(module)
         if part == "facade":
             continue
         allowed = MAY_IMPORT.get(part, frozenset())
         for name in imported_names(path, module):
             if name not in modules or name == package:
                 continue
-            other = part_of(name, package)
+            other = part_of(name)
             if other == part:
                 continue
             inner = name.removeprefix(f"{package}.")
@@ -580,7 +580,7 @@ def test_each_part_imports_only_what_it_may() -> None:
 def test_every_module_belongs_to_a_known_part() -> None:
     """A new package or a new module at the top is placed on purpose: added to
     ``MAY_IMPORT``, ``SHARED`` or ``FACADES`` with what it may import."""
-    parts = {part_of(module, PACKAGE) for module in _modules(PACKAGE_DIR, PACKAGE)}
+    parts = {part_of(module) for module in _modules(PACKAGE_DIR, PACKAGE)}
     assert parts <= {"facade", *MAY_IMPORT}, parts - {"facade", *MAY_IMPORT}
 
 

@@ -84,7 +84,7 @@ print(n / (time.perf_counter() - start), streamq.native.build().compiled)
 """
 
 
-def codec_rate(build: str, code: str = CODEC) -> float:
+def rate(build: str, code: str = CODEC) -> float:
     """Records (or messages) a second through ``code``, in a process of ``build``."""
     done = subprocess.run(
         [sys.executable, "-c", code],
@@ -118,9 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     for round_ in range(args.repeats):
         for build in BUILDS:
             runs.setdefault(f"transfer {build}", []).append(transfer_rate(build, args.transfers))
-            runs.setdefault(f"codec {build}", []).append(codec_rate(build))
-            runs.setdefault(f"pgoutput {build}", []).append(codec_rate(build, PGOUTPUT))
-            runs.setdefault(f"capture {build}", []).append(codec_rate(build, CAPTURE))
+            runs.setdefault(f"codec {build}", []).append(rate(build))
+            runs.setdefault(f"pgoutput {build}", []).append(rate(build, PGOUTPUT))
+            runs.setdefault(f"capture {build}", []).append(rate(build, CAPTURE))
         with tempfile.TemporaryDirectory() as folder:
             runs.setdefault("transfer floor", []).append(
                 floor_flow(Path(folder), args.transfers)[0]
