@@ -99,14 +99,16 @@ def rate(build: str, code: str = CODEC) -> float:
     return float(rate)
 
 
-def transfer_rate(build: str, transfers: int) -> float:
-    """Transfers a second end to end, one writer, every process of ``build``."""
+def transfer_rate(build: str, transfers: int) -> tuple[float, float]:
+    """Transfers a second end to end, one writer, every process of ``build``, and the
+    producer process's CPU a transfer (µs, all its threads)."""
     os.environ["STREAMQ_PURE"] = BUILDS[build]
     try:
         with tempfile.TemporaryDirectory() as folder:
-            return transfers / flow("streamq", None, Path(folder), transfers, 0).seconds
+            measured = flow("streamq", None, Path(folder), transfers, 0)
     finally:
         os.environ.pop("STREAMQ_PURE", None)
+    return transfers / measured.seconds, measured.cpu["producer"] / transfers * 1e6
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,15 +119,17 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[float]] = {}
     for round_ in range(args.repeats):
         for build in BUILDS:
-            runs.setdefault(f"transfer {build}", []).append(transfer_rate(build, args.transfers))
+            per_second, producer_us = transfer_rate(build, args.transfers)
+            runs.setdefault(f"transfer {build}", []).append(per_second)
+            runs.setdefault(f"transfer {build}: producer CPU µs a transfer", []).append(producer_us)
             runs.setdefault(f"codec {build}", []).append(rate(build))
             runs.setdefault(f"pgoutput {build}", []).append(rate(build, PGOUTPUT))
             runs.setdefault(f"capture {build}", []).append(rate(build, CAPTURE))
         with tempfile.TemporaryDirectory() as folder:
-            runs.setdefault("transfer floor", []).append(
-                floor_flow(Path(folder), args.transfers)[0]
-            )
-        say(f"round {round_ + 1}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in runs.items()))
+            floor_rate, floor_us, _ = floor_flow(Path(folder), args.transfers)
+            runs.setdefault("transfer floor", []).append(floor_rate)
+            runs.setdefault("transfer floor: producer CPU µs a transfer", []).append(floor_us)
+        say(f"round {round_ + 1}: " + ", ".join(f"{k} {v[-1]:,.1f}" for k, v in runs.items()))
     medians = {name: statistics.median(values) for name, values in runs.items()}
     ratios = {
         "transfer compiled / pure": medians["transfer compiled"] / medians["transfer pure"],

@@ -7,6 +7,7 @@ both measure flows.
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import signal
 import socket
@@ -280,6 +281,13 @@ class Flow:
     seconds: float  # from GO to the commit of the last credit
     producer_seconds: float  # from GO to the producer's last commit
     latency: list[int]  # p50, p99, p99.9, max (microseconds), count
+    cpu: dict[str, float]  # each process's CPU seconds (all its threads) from GO to the end
+
+
+def cpu_seconds(pid: int) -> float:
+    """A process's user + system CPU seconds so far, all its threads (Linux's /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def flow(
@@ -304,7 +312,15 @@ def flow(
         durability=durability,
     ) as deployment:
         deployment.start_all()
+        pids = {role: child.process.pid for role, child in deployment.children.items()}
+        before = {role: cpu_seconds(pid) for role, pid in pids.items()}
         start = deployment.go()
         done = deployment.children["consumer"].expect("DONE", FLOW_TIMEOUT)
         produced = deployment.children["producer"].expect("DONE", STARTUP_TIMEOUT)
-        return Flow(float(done[0]) - start, float(produced[0]) - start, [int(v) for v in done[1:6]])
+        cpu = {role: cpu_seconds(pid) - before[role] for role, pid in pids.items()}
+        return Flow(
+            float(done[0]) - start,
+            float(produced[0]) - start,
+            [int(v) for v in done[1:6]],
+            cpu,
+        )

@@ -7,6 +7,7 @@ itself sees lost, doubled and wrong credits.
 from __future__ import annotations
 
 import contextlib
+import re
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import pytest
 
 from bench.kafka.broker import KafkaBroker
+from bench.tools import transfer_profile
 from bench.transfer import floor, handlers
 from bench.transfer import run as transfer
 from bench.transfer.common import (
@@ -159,3 +161,42 @@ def test_the_floor_runs_beside_streamq(capsys: pytest.CaptureFixture[str]) -> No
     out = capsys.readouterr().out
     assert "│ floor   │" in out and "│ streamq │" in out and "100%" in out
     assert our_programs() == []
+
+
+def test_where_the_transfers_time_goes(capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m bench.tools.transfer_profile``: the one-writer transfer under py-spy,
+    each process's CPU, and the producer's event-loop thread split into parts that add up
+    to all of it."""
+    assert transfer_profile.main(["--transfers", "20000", "--rate", "500"]) == 0
+    out = capsys.readouterr().out
+    cpu = re.findall(r"^(producer|consumer) CPU: ([\d.]+) µs a transfer", out, re.M)
+    assert [role for role, _ in cpu] == ["producer", "consumer"]
+    assert all(float(us) > 0 for _, us in cpu)
+    shares = [float(share) for share in re.findall(r"^ +([\d.]+)% ", out, re.M)]
+    assert len(shares) >= 5 and abs(sum(shares) - 100) < 0.5
+    assert "COMMIT  (the floor runs it too)" in out
+    assert our_programs() == []
+
+
+@pytest.mark.parametrize(
+    ("frames", "part"),
+    [
+        (["Runner.run (x.py:1)"], transfer_profile.LOOP),
+        (
+            ["Runner.run (x.py:1)", "GroupCommit._commit (g.py:2)"],
+            "group commit, transaction bookkeeping",
+        ),
+        (
+            ["GroupCommit._commit (g.py:2)", "SQLiteBlockingWriter.commit (s.py:3)"],
+            "COMMIT",
+        ),
+        (
+            ["GroupCommit._commit (g.py:2)", "debits (/w/bench/transfer/common.py:87)"],
+            transfer_profile.BENCHMARK,
+        ),
+        (["Server._push (s.py:9)", "StreamWriter.write (a.py:1)"], "the push and acknowledgements"),
+        (["Runner.run (x.py:1)", "Future.done (f.py:1)"], "other"),
+    ],
+)
+def test_profile_parts_are_told_by_their_frames(frames: list[str], part: str) -> None:
+    assert transfer_profile.part_of(frames) == part
