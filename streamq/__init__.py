@@ -63,7 +63,14 @@ if TYPE_CHECKING:  # what type checkers see; at run time each is imported at fir
     from .producer.compaction import Compacted
     from .producer.consumer_positions import ConsumerLag
     from .producer.producer import Producer
-    from .producer.publishing import create_tables, publish, publish_async, publish_many
+    from .producer.publishing import (
+        create_tables,
+        create_tables_async,
+        publish,
+        publish_async,
+        publish_many,
+        publish_many_async,
+    )
     from .producer.retention import RetentionPolicy, Truncation
     from .producer.server import ServerSettings
     from .producer.transactions import BlockingTransaction, Transaction
@@ -140,6 +147,7 @@ __all__ = [
     "UnsupportedConnectionError",
     "VersionMismatchError",
     "create_tables",
+    "create_tables_async",
     "decode_change",
     "history",
     "list_dead_letters",
@@ -148,6 +156,7 @@ __all__ = [
     "publish",
     "publish_async",
     "publish_many",
+    "publish_many_async",
     "save_position",
     "save_position_async",
     "share_of",
@@ -204,7 +213,14 @@ _MODULES = {
     "producer.compaction": ("Compacted",),
     "producer.consumer_positions": ("ConsumerLag",),
     "producer.producer": ("Producer",),
-    "producer.publishing": ("create_tables", "publish", "publish_async", "publish_many"),
+    "producer.publishing": (
+        "create_tables",
+        "create_tables_async",
+        "publish",
+        "publish_async",
+        "publish_many",
+        "publish_many_async",
+    ),
     "producer.retention": ("RetentionPolicy", "Truncation"),
     "producer.server": ("ServerSettings",),
     "producer.transactions": ("BlockingTransaction", "Transaction"),

@@ -8,11 +8,13 @@ mode would commit alone, apart from the business writes it belongs with.
 
 Supported: ``sqlite3.Connection``; psycopg 3's ``Connection`` (PostgreSQL); SQLAlchemy's
 ``Connection`` and ``Session`` on either (a transaction is begun as SQLAlchemy's own
-autobegin would); Django's ``connection`` inside ``transaction.atomic()``; and, for
-``*_async``, ``aiosqlite.Connection``, psycopg's ``AsyncConnection`` and SQLAlchemy's
-``AsyncConnection`` and ``AsyncSession``. SQLAlchemy, Django and psycopg are never
-imported before such an object is passed: objects are recognised by their module, so
-none of them is a dependency.
+autobegin would), on PostgreSQL through psycopg or, inside ``AsyncConnection.run_sync``,
+asyncpg; Django's ``connection`` inside ``transaction.atomic()``; and, for ``*_async``,
+``aiosqlite.Connection``, psycopg's ``AsyncConnection``, asyncpg's ``Connection`` (or a
+pool's), and SQLAlchemy's ``AsyncConnection`` and ``AsyncSession`` (``sqlite+aiosqlite``,
+``postgresql+psycopg``, ``postgresql+asyncpg``). SQLAlchemy, Django, psycopg and asyncpg
+are never imported before such an object is passed: objects are recognised by their
+module, so none of them is a dependency.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ Engine = Literal["sqlite", "postgresql"]
 _SUPPORTED = (
     "a sqlite3.Connection, a psycopg (3) Connection, a SQLAlchemy Connection or Session, or "
     "Django's django.db.connection (streamq.publish, save_position); an "
-    "aiosqlite.Connection, a psycopg AsyncConnection or a SQLAlchemy AsyncConnection or "
-    "AsyncSession (streamq.publish_async, save_position_async)"
+    "aiosqlite.Connection, a psycopg AsyncConnection, an asyncpg Connection or a "
+    "SQLAlchemy AsyncConnection or AsyncSession (streamq.publish_async, save_position_async)"
 )
 
 
@@ -45,7 +47,9 @@ class Operation:
 
 
 PUBLISH = Operation("publish", "publish_async", "publish", "the record commits")
-CREATE_TABLES = Operation("create_tables", None, "create_tables", "the log tables commit")
+CREATE_TABLES = Operation(
+    "create_tables", "create_tables_async", "create_tables", "the log tables commit"
+)
 SAVE_POSITION = Operation(
     "save_position", "save_position_async", "save_position", "the batch's position commits"
 )
@@ -72,7 +76,11 @@ def resolve_engine(conn: Any, op: Operation = PUBLISH) -> Resolved:
         return _sqlalchemy(conn, op)
     if module.startswith("django."):
         return _django(conn, op)
-    if module.startswith("aiosqlite") or _is_sqlalchemy_async(conn) or psycopg == "async":
+    if (
+        module.startswith(("aiosqlite", "asyncpg"))
+        or _is_sqlalchemy_async(conn)
+        or psycopg == "async"
+    ):
         use = (
             f"use 'await streamq.{op.async_name}(conn, ...)'"
             if op.async_name
@@ -89,12 +97,21 @@ async def resolve_engine_async(conn: Any, op: Operation = PUBLISH) -> Resolved:
         return Resolved("sqlite", _checked_aiosqlite(conn, "the connection", op))
     if _psycopg_kind(conn) == "async":
         return Resolved("postgresql", _checked_psycopg(conn, "the psycopg connection", op))
+    if type(conn).__module__.startswith("asyncpg."):
+        return Resolved("postgresql", _checked_asyncpg(conn, "the asyncpg connection", op))
     if not _is_sqlalchemy_async(conn):
         _refuse_blocking(conn, op)
         raise _unsupported(conn, op)
     conn = await _sqlalchemy_async_connection(conn, op)
     engine = _check_sqlalchemy_dialect(conn.dialect.name, conn.dialect.driver)
-    driver: Any = (await conn.get_raw_connection()).driver_connection
+    raw = await conn.get_raw_connection()
+    driver: Any = raw.driver_connection
+    if engine == "postgresql" and conn.dialect.driver == "asyncpg":
+        if not (raw.dbapi_connection.autocommit or driver.is_in_transaction()):
+            # SQLAlchemy's asyncpg adapter begins the transaction it was told to begin at
+            # the first statement it runs: one it runs now, so that ours runs inside.
+            await conn.exec_driver_sql("SELECT 1")
+        return Resolved(engine, _checked_asyncpg(driver, "SQLAlchemy's connection", op))
     if engine == "postgresql":
         return Resolved(engine, _checked_psycopg(driver, "SQLAlchemy's connection", op))
     if type(driver).__module__.split(".")[0] != "aiosqlite":
@@ -103,6 +120,18 @@ async def resolve_engine_async(conn: Any, op: Operation = PUBLISH) -> Resolved:
             f"streamq.{op.async_name or op.name} runs on 'sqlite+aiosqlite://'"
         )
     return Resolved(engine, _checked_aiosqlite(driver, "SQLAlchemy's connection", op))
+
+
+def _checked_asyncpg(conn: Any, what: str, op: Operation) -> Any:
+    """An asyncpg connection in a transaction (asyncpg has no autobegin: outside
+    ``conn.transaction()`` each statement commits alone); a pool's proxy gives the
+    connection it holds, which outlives it (what a connection caches lives with it)."""
+    if not conn.is_in_transaction():
+        raise NotInTransactionError(
+            f"{what} has no transaction open: call streamq.{op.async_name or op.name} inside "
+            f"'async with conn.transaction():', so {op.commits} with the application's writes"
+        )
+    return getattr(conn, "_con", conn)  # asyncpg.pool.PoolConnectionProxy's connection
 
 
 def _checked_aiosqlite(conn: Any, what: str, op: Operation) -> Any:
@@ -130,7 +159,8 @@ def _unsupported(conn: Any, op: Operation) -> UnsupportedConnectionError:
     if module.split(".")[0] == "psycopg2":
         return UnsupportedConnectionError(
             "psycopg2 connections are not supported: streamq writes to PostgreSQL through "
-            "psycopg 3 ('pip install streamq[postgres]'; SQLAlchemy: 'postgresql+psycopg://')"
+            "psycopg 3 ('pip install streamq[postgres]'; SQLAlchemy: 'postgresql+psycopg://') "
+            "or asyncpg ('postgresql+asyncpg://')"
         )
     return UnsupportedConnectionError(
         f"streamq.{op.name} cannot write through a {module}.{type(conn).__qualname__}: "
@@ -211,6 +241,16 @@ def _sqlalchemy(conn: Any, op: Operation) -> Resolved:
     if not conn.in_transaction():
         conn.begin()  # what SQLAlchemy's autobegin does at the first statement
     dbapi: Any = conn.connection.dbapi_connection
+    if engine == "postgresql" and conn.dialect.driver == "asyncpg":
+        # An asyncpg connection seen through SQLAlchemy's blocking face (run_sync,
+        # Alembic's async template): its adapter begins the transaction at our first
+        # statement, unless it is in autocommit mode.
+        if dbapi.autocommit:
+            raise NotInTransactionError(
+                f"SQLAlchemy's connection is in autocommit mode: call streamq.{op.name} "
+                f"in a transaction, so {op.commits} with the application's writes"
+            )
+        return Resolved(engine, dbapi)
     if engine == "postgresql":
         return Resolved(engine, _checked_psycopg(dbapi, "SQLAlchemy's connection", op))
     return Resolved(engine, _checked_sqlite(dbapi, "SQLAlchemy's connection", op))
@@ -237,12 +277,12 @@ def _check_sqlalchemy_dialect(name: str, driver: str) -> Engine:
     """The engine of a SQLAlchemy dialect, or an error naming what streamq writes to."""
     if name == "sqlite":
         return "sqlite"
-    if name == "postgresql" and driver == "psycopg":
+    if name == "postgresql" and driver in ("psycopg", "asyncpg"):
         return "postgresql"
     if name == "postgresql":
         raise UnsupportedConnectionError(
             f"this SQLAlchemy connection is postgresql+{driver}: streamq writes to PostgreSQL "
-            "through psycopg 3 ('postgresql+psycopg://')"
+            "through psycopg 3 ('postgresql+psycopg://') or asyncpg ('postgresql+asyncpg://')"
         )
     raise UnsupportedConnectionError(
         f"streamq publishes into SQLite and PostgreSQL databases; this SQLAlchemy "

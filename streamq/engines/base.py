@@ -77,6 +77,8 @@ class Engine(Protocol):
 
     def create_schema(self, dbapi: Any) -> None: ...
 
+    async def create_schema_async(self, dbapi: Any) -> None: ...
+
     def save_position(self, dbapi: Any, batch: Batch) -> None: ...
 
     async def save_position_async(self, dbapi: Any, batch: Batch) -> None: ...
@@ -93,7 +95,7 @@ class Engine(Protocol):
 class ModuleEngine:
     """What an engine does on the application's connection, and with a consumer's
     database, by its own modules, imported when first used: ``append`` (``append``,
-    ``append_async``), ``schema`` (``create_schema``) and ``positions``
+    ``append_async``), ``schema`` (``create_schema``, its async twin) and ``positions``
     (``save_position``, its async twin, dead letters, resharing)."""
 
     modules: ClassVar[dict[str, str]]  # role -> module name
@@ -122,6 +124,9 @@ class ModuleEngine:
 
     def create_schema(self, dbapi: Any) -> None:
         self._module("schema").create_schema(dbapi)
+
+    async def create_schema_async(self, dbapi: Any) -> None:
+        await self._module("schema").create_schema_async(dbapi)
 
     def save_position(self, dbapi: Any, batch: Batch) -> None:
         self._module("positions").save_position(dbapi, batch)

@@ -5,7 +5,7 @@ that ``conn`` is connected to, in the transaction ``conn`` has open: it commits 
 application's writes, and a rollback publishes nothing. ``conn`` is whatever the
 application holds (``app_connection.resolve_engine``): a ``sqlite3.Connection``, a psycopg
 ``Connection``, a SQLAlchemy ``Connection`` or ``Session``, Django's ``connection``;
-``publish_async`` takes aiosqlite, psycopg's and SQLAlchemy's asyncio ones.
+``publish_async`` takes aiosqlite, psycopg's, asyncpg's and SQLAlchemy's asyncio ones.
 
 Each engine keeps its own SQL, and says why its seqs are dense and in commit order
 (``engines.sqlite``: SQLite's one writer; ``engines.postgres``: records inserted
@@ -77,15 +77,26 @@ async def publish_async(
     timestamp: int | None = None,
 ) -> int | Receipt:
     """``publish`` for asyncio connections: aiosqlite, psycopg's ``AsyncConnection``,
-    SQLAlchemy's ``AsyncConnection`` and ``AsyncSession``. The same statements, run where
-    the connection runs them."""
+    asyncpg's ``Connection`` (or a pool's), SQLAlchemy's ``AsyncConnection`` and
+    ``AsyncSession``. The same statements, run where the connection runs them."""
     checked = checked_record(value, key, headers, timestamp)
-    name = check_stream_name(stream)
-    engine, dbapi = await for_connection_async(conn)
-    published = await engine.append_async(
-        dbapi, name, [checked], max_record_size=DEFAULT_MAX_RECORD_SIZE
-    )
+    published = await _append_async(conn, check_stream_name(stream), [checked])
     return published if isinstance(published, Receipt) else published[0]
+
+
+async def publish_many_async(conn: Any, stream: str, values: Iterable[bytes]) -> range | Receipt:
+    """``publish_many`` for asyncio connections (those of ``publish_async``)."""
+    published = await _append_async(conn, check_stream_name(stream), values_only(values))
+    return published if isinstance(published, Receipt) else seq_range(published)
+
+
+async def _append_async(
+    conn: Any, stream: str, records: Sequence[CheckedRecord]
+) -> list[int] | Receipt:
+    engine, dbapi = await for_connection_async(conn)
+    return await engine.append_async(
+        dbapi, stream, records, max_record_size=DEFAULT_MAX_RECORD_SIZE
+    )
 
 
 def create_tables(conn: Any) -> None:
@@ -94,3 +105,11 @@ def create_tables(conn: Any) -> None:
     Alembic's ``op.get_bind()``. ``streamq init DB`` does the same from the shell (SQLite)."""
     engine, dbapi = for_connection(conn, CREATE_TABLES)
     engine.create_schema(dbapi)
+
+
+async def create_tables_async(conn: Any) -> None:
+    """``create_tables`` for asyncio connections (those of ``publish_async``). Through
+    SQLAlchemy's, ``await conn.run_sync(streamq.create_tables)`` does the same, as an
+    Alembic migration of the async template does."""
+    engine, dbapi = await for_connection_async(conn, CREATE_TABLES)
+    await engine.create_schema_async(dbapi)

@@ -138,8 +138,19 @@ async def test_connection_errors_name_the_call_that_was_made(tmp_path: Path) -> 
     async with aiosqlite.connect(path) as conn:
         with pytest.raises(streamq.UnsupportedConnectionError, match="save_position_async"):
             streamq.save_position(conn, batch)
-        with pytest.raises(streamq.UnsupportedConnectionError, match="create_tables takes a"):
+        with pytest.raises(streamq.UnsupportedConnectionError, match="create_tables_async"):
             streamq.create_tables(conn)
+    fresh = str(tmp_path / "fresh.db")
+    async with aiosqlite.connect(fresh) as conn:
+        await streamq.create_tables_async(conn)  # in the transaction the module opens
+        await conn.commit()
+    with app_connection(fresh) as conn:
+        assert conn.execute("SELECT count(*) FROM streamq_streams").fetchone() == (0,)
+    with (
+        contextlib.closing(sqlite3.connect(fresh)) as blocking,
+        pytest.raises(streamq.UnsupportedConnectionError, match=r"streamq\.create_tables\("),
+    ):
+        await streamq.create_tables_async(blocking)
     with (
         app_connection(path) as plain,
         pytest.raises(streamq.UnsupportedConnectionError, match=r"streamq\.save_position\("),

@@ -71,6 +71,7 @@ The logic is written once, as generators of statements (``Steps``): ``append`` a
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 import uuid
@@ -194,9 +195,13 @@ _SCHEMA = (
         END LOOP;
     END $$""",
 )
-META_QUERY = "SELECT json_object_agg(key, value) FROM streamq_meta"  # one row: {key: value}
+META_QUERY = "SELECT key, value FROM streamq_meta"
 SET_META = (
     "INSERT INTO streamq_meta (key, value) VALUES (%s, %s) "
+    "ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value"
+)
+SET_META_DOLLAR = (
+    "INSERT INTO streamq_meta (key, value) VALUES ($1, $2) "
     "ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value"
 )
 
@@ -207,28 +212,36 @@ CHANNEL = "streamq"
 DOORBELL = "1937011313, 2"
 # A publish, in one statement: the records, unnumbered, with their transaction's id; the
 # first row's id and how many; and whether the doorbell is unarmed (taken shared until
-# the transaction ends: the numberer cannot arm it meanwhile).
-PUBLISH = f"""
+# the transaction ends: the numberer cannot arm it meanwhile). Each statement a writer
+# runs is written twice, in psycopg's placeholders and in asyncpg's ($n, ``_DOLLAR``),
+# with the same positional parameters: binary arrays on both.
+_PUBLISH = f"""
 WITH added AS (
     INSERT INTO streamq_pending (stream, ts, record, key)
-    SELECT %(stream)s, * FROM unnest(%(ts)b::bigint[], %(records)b::bytea[], %(keys)b::bytea[])
+    SELECT {{}}::text, * FROM unnest({{}}::bigint[], {{}}::bytea[], {{}}::bytea[])
     RETURNING id)
 SELECT pg_current_xact_id()::text::bigint, min(id), count(*),
     pg_try_advisory_xact_lock_shared({DOORBELL})
 FROM added"""
+PUBLISH = _PUBLISH.format("%s", "%b", "%b", "%b")
+PUBLISH_DOLLAR = _PUBLISH.format("$1", "$2", "$3", "$4")
 # ``PUBLISH`` of one record: no arrays to build and send.
-PUBLISH_ONE = f"""
-INSERT INTO streamq_pending (stream, ts, record, key) VALUES (%s, %s, %s, %s)
+_PUBLISH_ONE = f"""
+INSERT INTO streamq_pending (stream, ts, record, key) VALUES ({{}}, {{}}, {{}}, {{}})
 RETURNING xid::text::bigint, id, 1, pg_try_advisory_xact_lock_shared({DOORBELL})"""
+PUBLISH_ONE = _PUBLISH_ONE.format("%s", "%s", "%s", "%s")
+PUBLISH_ONE_DOLLAR = _PUBLISH_ONE.format("$1", "$2", "$3", "$4")
 RING = f"SELECT pg_notify('{CHANNEL}', '')"  # delivered at the commit
 # The WAL path: the records in a transactional logical message (``wal_message``), and
 # the transaction's id and the message's LSN for the receipt. Nothing to wake: logical
 # decoding pushes the transaction to the serving producer once committed.
 PREFIX = "streamq"
-PUBLISH_WAL = (
+_PUBLISH_WAL = (
     "SELECT pg_current_xact_id()::text::bigint, "
-    f"(pg_logical_emit_message(true, '{PREFIX}', %b::bytea) - '0/0')::bigint"
+    f"(pg_logical_emit_message(true, '{PREFIX}', {{}}::bytea) - '0/0')::bigint"
 )
+PUBLISH_WAL = _PUBLISH_WAL.format("%b")
+PUBLISH_WAL_DOLLAR = _PUBLISH_WAL.format("$1")
 # Whether to publish through the WAL: the slot the serving producer reads is there and
 # has not lost WAL it needed (``walpath.py``).
 PATH_QUERY = """
@@ -267,6 +280,10 @@ class Statement:
     params: Sequence[Any] | dict[str, Any] | None = None
     fetch: bool = False  # the step wants the statement's first row back (None: no row)
     fetch_all: bool = False  # the step wants every row back
+    # The same statement with asyncpg's placeholders ($1, $2, ...: positional ``params``),
+    # for the steps an application's asyncpg connection runs (``run_asyncpg``). A statement
+    # without parameters is the same in both.
+    dollar: str | None = None
 
 
 # A generator of the statements one operation runs: each yield is sent its row(s).
@@ -306,7 +323,9 @@ _paths: weakref.WeakKeyDictionary[Any, PublishPath] = weakref.WeakKeyDictionary(
 
 
 def path_of(conn: Any) -> PublishPath:
-    """The application connection's ``PublishPath``, kept as long as the connection."""
+    """The application connection's ``PublishPath``, kept as long as the connection (the
+    driver's, under SQLAlchemy's adapter of an asyncpg one)."""
+    conn = getattr(conn, "driver_connection", conn)
     path = _paths.get(conn)
     if path is None:
         path = _paths[conn] = PublishPath()
@@ -341,7 +360,7 @@ def append_steps(
             path.found(wal)
         if path.wal:
             payload = wal_message(stream, records, encoded)
-            xid, lsn = yield Statement(PUBLISH_WAL, (payload,), fetch=True)
+            xid, lsn = yield Statement(PUBLISH_WAL, (payload,), True, dollar=PUBLISH_WAL_DOLLAR)
             return Receipt(stream, int(xid), int(lsn), len(records))
     except Exception as exc:
         if getattr(exc, "sqlstate", None) == UNDEFINED_TABLE:
@@ -350,15 +369,11 @@ def append_steps(
     statement: Statement
     if len(records) == 1:
         (_, key, _, ts), (record,) = records[0], encoded
-        statement = Statement(PUBLISH_ONE, (stream, ts, record, key), fetch=True)
+        params: tuple[Any, ...] = (stream, ts, record, key)
+        statement = Statement(PUBLISH_ONE, params, True, dollar=PUBLISH_ONE_DOLLAR)
     else:
-        params = {
-            "stream": stream,
-            "ts": [ts for _, _, _, ts in records],
-            "records": encoded,
-            "keys": [key for _, key, _, _ in records],
-        }
-        statement = Statement(PUBLISH, params, fetch=True)
+        params = (stream, [r[3] for r in records], encoded, [r[1] for r in records])
+        statement = Statement(PUBLISH, params, True, dollar=PUBLISH_DOLLAR)
     try:
         xid, first_id, count, unarmed = yield statement
     except Exception as exc:
@@ -417,8 +432,8 @@ def create_schema_steps() -> Steps:
     yield Statement(_SCHEMA_LOCK)
     for statement in _SCHEMA:
         yield Statement(statement)
-    (rows,) = yield Statement(META_QUERY, fetch=True)
-    meta: dict[str, Any] = dict(rows or {})
+    rows = yield Statement(META_QUERY, fetch_all=True)
+    meta: dict[str, Any] = {key: value for key, value in rows}
     created = "producer_id" not in meta
     if created:
         meta = {
@@ -428,10 +443,11 @@ def create_schema_steps() -> Steps:
             "epoch": "0",
         }
         for item in meta.items():
-            yield Statement(SET_META, item)
+            yield Statement(SET_META, item, dollar=SET_META_DOLLAR)
     elif meta.get("schema_version") == "1":  # the pending table is all it lacked
         meta["schema_version"] = str(SCHEMA_VERSION)
-        yield Statement(SET_META, ("schema_version", meta["schema_version"]))
+        version = ("schema_version", meta["schema_version"])
+        yield Statement(SET_META, version, dollar=SET_META_DOLLAR)
     elif int(meta.get("schema_version", -1)) != SCHEMA_VERSION:
         raise SchemaMissingError(
             f"database has streamq schema version {meta.get('schema_version')!r}, "
@@ -444,13 +460,16 @@ def create_schema_steps() -> Steps:
 
 
 def run(conn: Any, steps: Steps) -> Any:
-    """Run ``steps`` on a psycopg ``Connection``, in its transaction; their result."""
-    with conn.cursor() as cursor:
+    """Run ``steps`` on a psycopg ``Connection``, in its transaction; their result. Also
+    on SQLAlchemy's blocking face of an asyncpg connection (``AsyncConnection.run_sync``,
+    Alembic's async template), which takes asyncpg's placeholders."""
+    dollar = is_asyncpg(conn)
+    with contextlib.closing(conn.cursor()) as cursor:  # SQLAlchemy's is no context manager
         try:
             step = next(steps)
             while True:
                 try:
-                    cursor.execute(step.sql, step.params)
+                    cursor.execute(*_in_style(step, dollar))
                     if step.fetch_all:
                         row = cursor.fetchall()
                     else:
@@ -464,7 +483,10 @@ def run(conn: Any, steps: Steps) -> Any:
 
 
 async def run_async(conn: Any, steps: Steps) -> Any:
-    """``run`` on a psycopg ``AsyncConnection``: the same statements, awaited."""
+    """``run`` on a psycopg ``AsyncConnection`` or an asyncpg connection: the same
+    statements, awaited."""
+    if is_asyncpg(conn):
+        return await run_asyncpg(conn, steps)
     async with conn.cursor() as cursor:
         try:
             step = next(steps)
@@ -483,6 +505,46 @@ async def run_async(conn: Any, steps: Steps) -> Any:
             return done.value
 
 
+async def run_asyncpg(conn: Any, steps: Steps) -> Any:
+    """``run`` on an asyncpg ``Connection`` (or a pool's): each statement in asyncpg's
+    placeholders, with asyncpg's own binary codecs (arrays as lists, bytea as bytes)."""
+    try:
+        step = next(steps)
+        while True:
+            sql, params = _in_style(step, dollar=True)
+            try:
+                if step.fetch_all:
+                    row: Any = await conn.fetch(sql, *params)
+                elif step.fetch:
+                    row = await conn.fetchrow(sql, *params)
+                else:
+                    row = await conn.execute(sql, *params)
+            except Exception as exc:
+                step = steps.throw(exc)
+                continue
+            step = steps.send(row)
+    except StopIteration as done:
+        return done.value
+
+
+def _in_style(step: Statement, dollar: bool) -> tuple[str, Any]:
+    """The statement's SQL and parameters for a driver: asyncpg's ($n) or psycopg's."""
+    if not dollar:
+        return step.sql, step.params
+    if step.dollar is None and step.params:
+        raise AssertionError(f"no asyncpg form of {step.sql!r}")  # a statement to write
+    return step.dollar or step.sql, tuple(step.params or ())
+
+
+def is_asyncpg(conn: Any) -> bool:
+    """``conn`` speaks asyncpg's placeholders: an asyncpg connection, a pool's, or
+    SQLAlchemy's DB-API adapter of one."""
+    return type(conn).__module__.startswith(_ASYNCPG_MODULES)
+
+
+_ASYNCPG_MODULES = ("asyncpg.", "sqlalchemy.dialects.postgresql.asyncpg")
+
+
 def append(
     conn: Any, stream: str, records: Sequence[CheckedRecord], *, max_record_size: int
 ) -> Receipt:
@@ -499,7 +561,7 @@ def append(
 async def append_async(
     conn: Any, stream: str, records: Sequence[CheckedRecord], *, max_record_size: int
 ) -> Receipt:
-    """``append`` on a psycopg ``AsyncConnection``."""
+    """``append`` on a psycopg ``AsyncConnection`` or an asyncpg connection."""
     where = functools.partial(describe, conn)
     steps = append_steps(
         stream, records, max_record_size=max_record_size, where=where, path=path_of(conn)
@@ -564,8 +626,22 @@ def create_schema(conn: Any) -> tuple[dict[str, Any], bool]:
     return result
 
 
+async def create_schema_async(conn: Any) -> tuple[dict[str, Any], bool]:
+    """``create_schema`` on a psycopg ``AsyncConnection`` or an asyncpg connection."""
+    result: tuple[dict[str, Any], bool] = await run_async(conn, create_schema_steps())
+    return result
+
+
 def describe(conn: Any) -> str:
-    """The database ``conn`` is connected to, for error messages."""
+    """The database ``conn`` (psycopg's, asyncpg's) is connected to, for error messages."""
+    if is_asyncpg(conn):
+        # asyncpg says where it connected only in private fields: the message names what
+        # it finds. (Under SQLAlchemy's adapter: its ``driver_connection``.)
+        conn = getattr(conn, "driver_connection", conn)
+        dbname = getattr(getattr(conn, "_params", None), "database", "?")
+        addr = getattr(conn, "_addr", "?")  # (host, port), or a Unix socket's path
+        host = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else addr
+        return f"PostgreSQL database {dbname!r} on {host}"
     info = conn.info
     host = info.host if info.host.startswith("/") else f"{info.host}:{info.port}"
     return f"PostgreSQL database {info.dbname!r} on {host}"

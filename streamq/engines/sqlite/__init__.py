@@ -5,6 +5,6 @@
 """
 
 from .append import append, append_async
-from .storage import SQLiteStorage, create_schema
+from .storage import SQLiteStorage, create_schema, create_schema_async
 
-__all__ = ["SQLiteStorage", "append", "append_async", "create_schema"]
+__all__ = ["SQLiteStorage", "append", "append_async", "create_schema", "create_schema_async"]

@@ -533,6 +533,11 @@ def next_epoch(current: int) -> int:
     return max(current + 1, time.time_ns() // 1_000_000)
 
 
+async def create_schema_async(conn: aiosqlite.Connection) -> tuple[dict[str, Any], bool]:
+    """``create_schema`` on an aiosqlite connection, on its thread."""
+    return await run_on_thread(conn, create_schema, conn._conn)
+
+
 async def initialize(conn: aiosqlite.Connection, durability: Durability) -> Identity:
     """Create the tables if needed and bump the epoch, committed with a full sync.
 
@@ -542,7 +547,7 @@ async def initialize(conn: aiosqlite.Connection, durability: Durability) -> Iden
     await conn.execute("PRAGMA synchronous=FULL")  # cannot change inside a transaction
     await conn.execute("BEGIN IMMEDIATE")
     try:
-        meta, created = await run_on_thread(conn, create_schema, conn._conn)
+        meta, created = await create_schema_async(conn)
         meta["epoch"] = next_epoch(int(meta["epoch"]))
         meta["boot_id"] = boot_id()
         await conn.executemany(SET_META, meta.items())
