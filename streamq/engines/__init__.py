@@ -50,6 +50,12 @@ def for_target(target: str) -> Engine:
 
         return POSTGRES
     url = _URL.match(target)
+    if url and url.group().startswith(("postgresql+", "postgres+")):
+        driver = url.group()[: -len("://")].partition("+")[2]
+        raise DatabaseOpenError(
+            f"{url.group()} is SQLAlchemy's form of the URL: streamq opens PostgreSQL through "
+            f"its own driver, so give the same URL without '+{driver}' (postgresql://...)"
+        )
     if url:
         raise DatabaseOpenError(
             f"cannot open a {url.group()} database: streamq's databases are SQLite or "

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import psycopg
 import pytest
 from sqlalchemy import create_engine, text
@@ -732,6 +733,45 @@ async def test_save_position_async_through_psycopg_and_sqlalchemy(
             await publish(producer, 1)
             assert (await anext(consumer)).after == 8 and consumer.applied == 8
     finally:
+        await engine.dispose()
+    assert Target("postgres", ledger).credits() == list(range(1, 9))
+
+
+async def test_save_position_async_through_asyncpg(producer_db: str, ledger: str) -> None:
+    """A raw asyncpg connection and SQLAlchemy's postgresql+asyncpg: the position commits
+    with the rows, a batch applied twice is refused, and outside a transaction nothing
+    is written."""
+    engine = create_async_engine(alchemy(ledger).replace("+psycopg", "+asyncpg"))
+    conn = await asyncpg.connect(ledger)
+    try:
+        async with (
+            serving(producer_db) as producer,
+            Consumer(producer.address, "orders", db=ledger, name="c") as consumer,
+        ):
+            await publish(producer, 4)
+            batch = await anext(consumer)
+            with pytest.raises(streamq.NotInTransactionError):
+                await streamq.save_position_async(conn, batch)
+            async with conn.transaction():
+                await conn.executemany(
+                    "INSERT INTO credits VALUES ($1, $2)", [(r.seq, r.value) for r in batch]
+                )
+                await streamq.save_position_async(conn, batch)
+            with pytest.raises(OutOfOrderBatchError, match="applied up to seq 4"):
+                async with conn.transaction():
+                    await streamq.save_position_async(conn, batch)
+            await publish(producer, 4)
+            batch = await anext(consumer)
+            async with AsyncSession(engine) as session, session.begin():
+                await streamq.save_position_async(session, batch)  # first: begun lazily
+                await session.execute(
+                    text("INSERT INTO credits VALUES (:seq, :value)"),
+                    [{"seq": r.seq, "value": r.value} for r in batch],
+                )
+            await publish(producer, 1)
+            assert (await anext(consumer)).after == 8 and consumer.applied == 8
+    finally:
+        await conn.close()
         await engine.dispose()
     assert Target("postgres", ledger).credits() == list(range(1, 9))
 

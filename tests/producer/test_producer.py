@@ -175,6 +175,18 @@ def test_unsupported_database_urls_name_the_supported_forms(
     assert list(tmp_path.iterdir()) == []
 
 
+def test_sqlalchemy_style_urls_say_to_drop_the_driver() -> None:
+    """The URL an application gives SQLAlchemy (``postgresql+asyncpg://``) is refused
+    with how to write it for streamq, not as an unknown database."""
+    for driver in ("asyncpg", "psycopg"):
+        url = f"postgresql+{driver}://shop:secret@db.example/shop"
+        with pytest.raises(streamq.DatabaseOpenError) as refused:
+            streamq.Consumer("127.0.0.1:1", "orders", db=url, name="billing")
+        message = str(refused.value)
+        assert f"without '+{driver}' (postgresql://...)" in message
+        assert "secret" not in message
+
+
 async def test_create_stream_and_truncate(producer_db: str) -> None:
     async with Producer(producer_db) as producer:
         await producer.create_stream("orders")

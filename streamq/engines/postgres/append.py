@@ -92,6 +92,16 @@ from .driver import connect, database, in_transaction
 SCHEMA_VERSION = 2
 UNDEFINED_TABLE = "42P01"  # SQLSTATE
 
+
+def in_both(template: str, *binary: int) -> tuple[str, str]:
+    """A statement in psycopg's placeholders (``%s``; ``%b``, binary, for the parameters
+    numbered in ``binary``, from 1) and in asyncpg's (``$1``, ``$2``, ...), from one
+    template with ``{}`` for each positional parameter."""
+    count = template.count("{}")
+    psycopg = ["%b" if n in binary else "%s" for n in range(1, count + 1)]
+    return template.format(*psycopg), template.format(*(f"${n}" for n in range(1, count + 1)))
+
+
 # Of the numberer's window (``numbering.Window``) below its frontier, the transactions
 # that have committed (format with the xid8[] of ``open``): those whose rows can be seen.
 COMMITTED = "ARRAY(SELECT x FROM unnest({open}) AS x WHERE pg_xact_status(x) = 'committed')"
@@ -196,12 +206,8 @@ _SCHEMA = (
     END $$""",
 )
 META_QUERY = "SELECT key, value FROM streamq_meta"
-SET_META = (
-    "INSERT INTO streamq_meta (key, value) VALUES (%s, %s) "
-    "ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value"
-)
-SET_META_DOLLAR = (
-    "INSERT INTO streamq_meta (key, value) VALUES ($1, $2) "
+SET_META, SET_META_DOLLAR = in_both(
+    "INSERT INTO streamq_meta (key, value) VALUES ({}, {}) "
     "ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value"
 )
 
@@ -213,35 +219,36 @@ DOORBELL = "1937011313, 2"
 # A publish, in one statement: the records, unnumbered, with their transaction's id; the
 # first row's id and how many; and whether the doorbell is unarmed (taken shared until
 # the transaction ends: the numberer cannot arm it meanwhile). Each statement a writer
-# runs is written twice, in psycopg's placeholders and in asyncpg's ($n, ``_DOLLAR``),
-# with the same positional parameters: binary arrays on both.
-_PUBLISH = f"""
+# runs is in psycopg's placeholders and in asyncpg's (``_DOLLAR``: ``in_both``).
+PUBLISH, PUBLISH_DOLLAR = in_both(
+    f"""
 WITH added AS (
     INSERT INTO streamq_pending (stream, ts, record, key)
     SELECT {{}}::text, * FROM unnest({{}}::bigint[], {{}}::bytea[], {{}}::bytea[])
     RETURNING id)
 SELECT pg_current_xact_id()::text::bigint, min(id), count(*),
     pg_try_advisory_xact_lock_shared({DOORBELL})
-FROM added"""
-PUBLISH = _PUBLISH.format("%s", "%b", "%b", "%b")
-PUBLISH_DOLLAR = _PUBLISH.format("$1", "$2", "$3", "$4")
+FROM added""",
+    2,
+    3,
+    4,
+)
 # ``PUBLISH`` of one record: no arrays to build and send.
-_PUBLISH_ONE = f"""
+PUBLISH_ONE, PUBLISH_ONE_DOLLAR = in_both(
+    f"""
 INSERT INTO streamq_pending (stream, ts, record, key) VALUES ({{}}, {{}}, {{}}, {{}})
 RETURNING xid::text::bigint, id, 1, pg_try_advisory_xact_lock_shared({DOORBELL})"""
-PUBLISH_ONE = _PUBLISH_ONE.format("%s", "%s", "%s", "%s")
-PUBLISH_ONE_DOLLAR = _PUBLISH_ONE.format("$1", "$2", "$3", "$4")
+)
 RING = f"SELECT pg_notify('{CHANNEL}', '')"  # delivered at the commit
 # The WAL path: the records in a transactional logical message (``wal_message``), and
 # the transaction's id and the message's LSN for the receipt. Nothing to wake: logical
 # decoding pushes the transaction to the serving producer once committed.
 PREFIX = "streamq"
-_PUBLISH_WAL = (
+PUBLISH_WAL, PUBLISH_WAL_DOLLAR = in_both(
     "SELECT pg_current_xact_id()::text::bigint, "
-    f"(pg_logical_emit_message(true, '{PREFIX}', {{}}::bytea) - '0/0')::bigint"
+    f"(pg_logical_emit_message(true, '{PREFIX}', {{}}::bytea) - '0/0')::bigint",
+    1,
 )
-PUBLISH_WAL = _PUBLISH_WAL.format("%b")
-PUBLISH_WAL_DOLLAR = _PUBLISH_WAL.format("$1")
 # Whether to publish through the WAL: the slot the serving producer reads is there and
 # has not lost WAL it needed (``walpath.py``).
 PATH_QUERY = """

@@ -25,8 +25,9 @@ before running the application's SQL, and moves it to the batch's last seq befor
 ``save_position`` is ``streamq.save_position`` on the application's psycopg connection.
 
 The logic is written once, as generators of statements run by ``append.run`` (psycopg
-``Connection``) and ``append.run_async`` (``AsyncConnection``). psycopg is imported only
-when a PostgreSQL database is opened: it is an optional extra.
+``Connection``) and ``append.run_async`` (``AsyncConnection``, and the application's
+asyncpg connection in ``save_position_async``). psycopg is imported only when a
+PostgreSQL database is opened: it is an optional extra.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from ...consumer.position_store import DeadLetterSQL, ParkedRecord, lease_lost, 
 from ...consumer.resharing import Move, StoredPosition, plan
 from ...errors import SchemaMissingError
 from ...sql import BlockingSQL, Scoped, to_the_end
-from .append import UNDEFINED_TABLE, Statement, Steps, describe, run, run_async
+from .append import UNDEFINED_TABLE, Statement, Steps, describe, in_both, run, run_async
 from .driver import connect, connect_async, database, in_transaction, psycopg_module
 
 if TYPE_CHECKING:
@@ -109,21 +110,24 @@ ALL_SHARES = (
     "FROM streamq_positions WHERE consumer = %s OR starts_with(consumer, %s) FOR UPDATE"
 )
 FORGET = "DELETE FROM streamq_positions WHERE consumer = %s AND producer_id = %s AND stream = %s"
-_KEY = "consumer = %(consumer)s AND producer_id = %(producer_id)s AND stream = %(stream)s"
-STORED = f"SELECT seq FROM streamq_positions WHERE {_KEY}"
+# Moving a position: run on the application's connection too (``save_position``), so
+# each in psycopg's placeholders and asyncpg's (``in_both``), with positional parameters.
+STORED, STORED_DOLLAR = in_both(
+    "SELECT seq FROM streamq_positions WHERE consumer = {} AND producer_id = {} AND stream = {}"
+)
 # A group member's lease is still its own (``Batch.fence``); held until COMMIT.
-FENCE = (
-    "SELECT 1 FROM streamq_leases WHERE name = %s AND stream = %s AND share = %s AND token = %s "
+FENCE, FENCE_DOLLAR = in_both(
+    "SELECT 1 FROM streamq_leases WHERE name = {} AND stream = {} AND share = {} AND token = {} "
     "FOR SHARE"
 )
-ADVANCE = (
-    "UPDATE streamq_positions SET seq = %(seq)s, epoch = %(epoch)s, endpoint = %(endpoint)s, "
-    f"updated_at = %(now)s WHERE {_KEY} AND seq = %(after)s RETURNING seq"
+ADVANCE, ADVANCE_DOLLAR = in_both(
+    "UPDATE streamq_positions SET seq = {}, epoch = {}, endpoint = {}, updated_at = {} "
+    "WHERE consumer = {} AND producer_id = {} AND stream = {} AND seq = {} RETURNING seq"
 )
-FIRST = (
+FIRST, FIRST_DOLLAR = in_both(
     "INSERT INTO streamq_positions "
-    "(consumer, producer_id, stream, seq, epoch, endpoint, updated_at) VALUES "
-    "(%(consumer)s, %(producer_id)s, %(stream)s, %(seq)s, %(epoch)s, %(endpoint)s, %(now)s) "
+    "(consumer, producer_id, stream, seq, epoch, endpoint, updated_at) "
+    "VALUES ({}, {}, {}, {}, {}, {}, {}) "
     "ON CONFLICT (consumer, producer_id, stream) DO NOTHING RETURNING seq"
 )
 
@@ -149,23 +153,20 @@ def advance_steps(batch: Batch, seq: int, where: str) -> Steps:
     """Move ``batch``'s consumer position from ``batch.after`` to ``seq`` in the open
     transaction; ``OutOfOrderBatchError`` if it is not at ``batch.after`` (or, for the
     consumer's first batch, absent). ``seq == batch.after`` claims the turn only."""
-    params = {
-        "consumer": batch.consumer,
-        "producer_id": batch.producer_id,
-        "stream": batch.stream,
-        "seq": seq,
-        "epoch": batch.epoch,
-        "endpoint": batch.endpoint,
-        "now": int(time.time() * 1000),
-        "after": batch.after,
-    }
+    key = (batch.consumer, batch.producer_id, batch.stream)
+    now = int(time.time() * 1000)
     if batch.fence is not None:
         # Locked until COMMIT: a take of the share waits for this transaction to end.
         fence = (batch.fence.group, batch.stream, batch.fence.share, batch.fence.token)
-        if (yield Statement(FENCE, fence, fetch=True)) is None:
+        if (yield Statement(FENCE, fence, True, dollar=FENCE_DOLLAR)) is None:
             raise lease_lost(batch)
     try:
-        moved = yield Statement(ADVANCE, params, fetch=True)
+        moved = yield Statement(
+            ADVANCE,
+            (seq, batch.epoch, batch.endpoint, now, *key, batch.after),
+            True,
+            dollar=ADVANCE_DOLLAR,
+        )
     except Exception as exc:
         if getattr(exc, "sqlstate", None) == UNDEFINED_TABLE:
             raise SchemaMissingError(
@@ -176,10 +177,11 @@ def advance_steps(batch: Batch, seq: int, where: str) -> Steps:
     if moved is not None:
         return
     first = batch.after == batch.origin  # the consumer's first batch: no row yet
-    if first and (yield Statement(FIRST, params, fetch=True)) is not None:
+    row = (*key, seq, batch.epoch, batch.endpoint, now)
+    if first and (yield Statement(FIRST, row, True, dollar=FIRST_DOLLAR)) is not None:
         return
     # A new statement: under READ COMMITTED it sees what the winner committed.
-    stored = yield Statement(STORED, params, fetch=True)
+    stored = yield Statement(STORED, key, True, dollar=STORED_DOLLAR)
     raise out_of_turn(batch, None if stored is None else int(stored[0]))
 
 
@@ -210,7 +212,7 @@ def save_position(conn: Any, batch: Batch) -> None:
 
 
 async def save_position_async(conn: Any, batch: Batch) -> None:
-    """``save_position`` on a psycopg ``AsyncConnection``."""
+    """``save_position`` on a psycopg ``AsyncConnection`` or an asyncpg connection."""
     await run_async(conn, advance_steps(batch, batch.last_seq, describe(conn)))
 
 
@@ -260,13 +262,10 @@ def reshare(url: str, consumer: str, shares: int) -> list[Move]:
                 cursor.executemany(
                     FIRST,
                     [
-                        {
-                            "consumer": name, "producer_id": m.producer_id, "stream": m.stream,
-                            "seq": m.seq, "epoch": m.epoch, "endpoint": m.endpoint, "now": now,
-                        }
+                        (name, m.producer_id, m.stream, m.seq, m.epoch, m.endpoint, now)
                         for name in m.new
                     ],
-                )  # fmt: skip
+                )
         return moves
 
 
@@ -419,9 +418,8 @@ class PostgresPositionStore:
 
     async def stored(self, consumer: str, producer_id: str, stream: str) -> int | None:
         conn = await self._usable()
-        key = {"consumer": consumer, "producer_id": producer_id, "stream": stream}
         try:
-            row = await (await conn.execute(STORED, key)).fetchone()
+            row = await (await conn.execute(STORED, (consumer, producer_id, stream))).fetchone()
         finally:
             await _rollback(conn)
         return None if row is None else int(row[0])
