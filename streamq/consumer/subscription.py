@@ -55,6 +55,7 @@ from ..wire.transport import (
     open_connection,
     producer_errors,
     read_message,
+    silent_peer,
 )
 from .batch import Batch
 from .resharing import Floors
@@ -299,8 +300,9 @@ class Subscription:
         while True:
             if delay:
                 if deadline is not None and time.monotonic() + delay > deadline:
+                    last = "" if error is None else f": {error}"
                     raise ConnectionLostError(
-                        f"no connection to {self.address} within {timeout:g} s"
+                        f"no connection to {self.address} within {timeout:g} s{last}"
                     ) from error
                 await asyncio.sleep(delay)
             try:
@@ -323,17 +325,23 @@ class Subscription:
         def send(message: Message) -> None:
             writer.write(conn.send(message))
 
+        hello: ServerHello | None = None
         try:
             with producer_errors(self.address, "handshake with"):
-                async with asyncio.timeout(settings.connect_timeout):
-                    steps = client_handshake(
-                        self.address, f"consumer {self.name}", settings.token, settings.tls
-                    )
-                    hello, _ = await handshake(steps, send, receive)
-                    self.heartbeat_timeout = heartbeat_timeout(
-                        settings.heartbeat_timeout, hello.heartbeat_interval_ms
-                    )
-                    start, subscribed = await self._subscribe(send, receive, hello)
+                try:
+                    async with asyncio.timeout(settings.connect_timeout):
+                        steps = client_handshake(
+                            self.address, f"consumer {self.name}", settings.token, settings.tls
+                        )
+                        hello, _ = await handshake(steps, send, receive)
+                        self.heartbeat_timeout = heartbeat_timeout(
+                            settings.heartbeat_timeout, hello.heartbeat_interval_ms
+                        )
+                        start, subscribed = await self._subscribe(send, receive, hello)
+                except TimeoutError:
+                    if hello is None:
+                        raise silent_peer(self.address, settings.connect_timeout) from None
+                    raise
         except BaseException:
             writer.close()
             raise

@@ -18,7 +18,7 @@ from types import TracebackType
 from typing import Any, NamedTuple, TypeVar
 
 from ..errors import (
-    RemoteProtocolError,
+    ConnectionLostError,
     SeqsReusedError,
     StreamQError,
     error_from_frame,
@@ -55,6 +55,7 @@ from .transport import (
     parse_address,
     producer_errors,
     read_message_blocking,
+    silent_peer,
     start_handshake,
 )
 
@@ -196,7 +197,7 @@ class Client:
         token: str | None = None,
     ) -> None:
         self._start(address, None, timeout, name, max_frame_size, tls, token)
-        self._finish()
+        self._finish(timeout)
 
     def _start(
         self,
@@ -232,17 +233,17 @@ class Client:
             self._sock.close()
             raise
 
-    def _finish(self) -> None:
+    def _finish(self, timeout: float | None) -> None:
+        """Read the producer's answer to the handshake; ``timeout``: what it was given,
+        said if it gives none."""
         try:
             steps, send, receive = self._handshake, self._send, self._receive
             server_hello, self.consumer = handshake_blocking(steps, send, receive, started=True)
-        except RemoteProtocolError as exc:  # no producer answers so: another service's port
+        except ConnectionLostError as exc:
             self._sock.close()
-            raise RemoteProtocolError(
-                f"the peer at {self.address} is not a streamq producer: it answered with no "
-                f"SERVER_HELLO ({exc})",
-                exc.code,
-            ) from exc
+            if isinstance(exc.__cause__, TimeoutError):
+                raise silent_peer(self.address, timeout or 0) from exc
+            raise
         except BaseException:
             self._sock.close()
             raise
@@ -293,7 +294,7 @@ class Client:
                 if deadline is not None:
                     one.timeout = max(deadline - time.monotonic(), _AT_ONCE)
                 try:
-                    one._finish()
+                    one._finish(timeout)
                 except StreamQError as exc:
                     clients[i] = exc
                     continue

@@ -19,7 +19,7 @@ import ssl
 import threading
 from collections.abc import Awaitable, Callable, Generator, Iterator
 
-from ..errors import ConnectionLostError
+from ..errors import ConnectionLostError, RemoteProtocolError
 from ..protocol import (
     PROTOCOL_VERSION,
     Authenticated,
@@ -173,21 +173,43 @@ def client_handshake(
     yields, and sends in the producer's next message when it yields None, or throws in
     the failure to read it."""
     hello = ClientHello(PROTOCOL_VERSION, name, token)
-    if tls is None:
-        yield hello
-        server_hello = yield None
-    else:
-        try:
+    try:
+        if tls is None:
+            yield hello
             server_hello = yield None
-        except (ConnectionLostError, ConnectionError) as exc:
-            raise tls_refused(address, tls) from exc
-        yield hello
+        else:
+            try:
+                server_hello = yield None
+            except (ConnectionLostError, ConnectionError) as exc:
+                raise tls_refused(address, tls) from exc
+            yield hello
+    except RemoteProtocolError as exc:  # no producer answers so: another service's port
+        raise not_a_producer(address, exc) from exc
     assert isinstance(server_hello, ServerHello)
     if token is None:
         return server_hello, None
     authenticated = yield None
     assert isinstance(authenticated, Authenticated)
     return server_hello, authenticated.consumer
+
+
+def not_a_producer(address: str, exc: RemoteProtocolError) -> RemoteProtocolError:
+    """The error for a peer whose first answer is no streamq frame: a database's port, a
+    web server's (one that answers bytes it cannot parse at once)."""
+    return RemoteProtocolError(
+        f"the peer at {address} is not a streamq producer: it answered with no "
+        f"SERVER_HELLO ({exc})",
+        exc.code,
+    )
+
+
+def silent_peer(address: str, seconds: float) -> ConnectionLostError:
+    """The error for a peer that accepted the connection and said nothing: a producer
+    too busy to answer, or another service's port that waits for more."""
+    return ConnectionLostError(
+        f"no SERVER_HELLO from {address} within {seconds:g} s: is a streamq producer "
+        "listening there, or another service (a web server, a database)?"
+    )
 
 
 def _resume(
