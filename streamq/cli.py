@@ -273,7 +273,13 @@ def _add_serve(commands: argparse._SubParsersAction[_Parser]) -> None:
         "(default): survives process crashes, a power loss may roll back the last commits "
         "(consumers that applied them stop with an error naming the seqs)",
     )
-    serve.add_argument("--create", action="store_true", help="create the database if missing")
+    serve.add_argument(
+        "--init",
+        "--create",
+        dest="create",
+        action="store_true",
+        help="create the database or its log tables if missing (else: refused)",
+    )
     serve.add_argument("--capture", **CAPTURE_OPTION)
     serve.add_argument(
         "--snapshot",
@@ -566,15 +572,18 @@ def _existing(command: str, db: str, makes_it: str) -> Engine:
     return engine
 
 
-def _producer_database(command: str, db: str) -> None:
+def _producer_database(command: str, db: str, flag: str | None = None) -> None:
     """Refuse ``db`` unless it holds a producer's log: opening it as a producer would
-    otherwise create the log tables in whatever database was given."""
-    tables = _existing(command, db, f"`streamq init {db}` creates a producer database").tables(db)
+    otherwise create the log tables in whatever database was given. ``flag``: the
+    command's own option that creates them."""
+    makes = f"`streamq init {db}`" + (f" (or {flag})" if flag else "")
+    tables = _existing(command, db, f"{makes} creates a producer database").tables(db)
     if not tables.log:
         whose = " (it is a consumer's database)" if tables.positions else ""
         raise SchemaMissingError(
             f"{tables.where} has no streamq log tables{whose}: give the producer's "
-            "database, or create them there with `streamq init DB`"
+            f"database, or create them there with `streamq init DB`"
+            + (f" (or {command} {flag})" if flag else "")
         )
 
 
@@ -597,8 +606,8 @@ def _address(command: str, text: str) -> str:
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    if not args.create:
-        _existing("serve", args.db, f"use --create to make it, or `streamq init {args.db}`")
+    if not args.create:  # a wrong database would otherwise get log tables, and serve nothing
+        _producer_database("serve", args.db, "--init")
     settings = _server_settings(args)
     async with Producer(
         args.db,

@@ -45,7 +45,7 @@ def served(tmp_path: Path) -> Iterator[tuple[str, str]]:
     """``streamq serve`` on a free port: (database path, address)."""
     db = str(tmp_path / "orders.db")
     process = subprocess.Popen(
-        [*STREAMQ, "serve", db, "--create", "--port", "0"],
+        [*STREAMQ, "serve", db, "--init", "--port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -150,7 +150,7 @@ def test_tail_follows_new_commits(served: tuple[str, str]) -> None:
 def test_errors_are_reported_not_raised(tmp_path: Path) -> None:
     missing = run("serve", str(tmp_path / "missing.db"))
     assert missing.returncode != 0
-    assert "does not exist (use --create" in missing.stderr
+    assert "does not exist (`streamq init" in missing.stderr and "(or --init)" in missing.stderr
     unreachable = run("status", "127.0.0.1:1")
     assert unreachable.returncode == 1
     assert "cannot connect to producer at 127.0.0.1:1" in unreachable.stderr
@@ -190,8 +190,9 @@ def table_names(path: Path) -> list[str]:
 
 
 def test_commands_refuse_a_database_they_would_create(tmp_path: Path) -> None:
-    """Only ``init`` and ``serve --create`` make a producer database: the other commands
-    neither create a missing file nor add the log tables to the wrong database."""
+    """Only ``init`` and ``serve --init`` make a producer database: the other commands
+    (``serve`` without ``--init`` too) neither create a missing file nor add the log
+    tables to the wrong database, which would then be served while the real one waits."""
     missing = tmp_path / "nosuch.db"
     for args in (
         ("publish", str(missing), "orders", "x"),
@@ -201,7 +202,7 @@ def test_commands_refuse_a_database_they_would_create(tmp_path: Path) -> None:
         line = refused(run(*args))
         assert f"{missing} does not exist (`streamq init {missing}` creates" in line
     line = refused(run("serve", str(missing)))
-    assert "does not exist (use --create to make it, or `streamq init" in line
+    assert f"does not exist (`streamq init {missing}` (or --init) creates" in line
     for args in (
         ("dead-letters", "list", str(missing)),
         ("reshare", str(missing), "c", "--shares", "2"),
@@ -216,9 +217,11 @@ def test_commands_refuse_a_database_they_would_create(tmp_path: Path) -> None:
         ("publish", str(app), "orders", "x"),
         ("consumers", "list", str(app)),
         ("history", str(app), "orders", "k"),
+        ("serve", str(app), "--port", "0"),
     ):
         line = refused(run(*args))
         assert f"SQLite database '{app}' has no streamq log tables: give the producer's" in line
+    assert "create them there with `streamq init DB` (or serve --init)" in line
     assert table_names(app) == ["orders"]
 
     assert run("init", str(missing), "--stream", "orders").returncode == 0  # init creates
@@ -315,7 +318,7 @@ def test_serve_names_the_address_it_cannot_listen_on(tmp_path: Path) -> None:
     """A host that does not resolve, or a port another process holds: one line naming
     the address asked for."""
     db = str(tmp_path / "shop.db")
-    line = refused(run("serve", db, "--create", "--host", "nosuchhost.invalid", "--port", "0"))
+    line = refused(run("serve", db, "--init", "--host", "nosuchhost.invalid", "--port", "0"))
     assert "cannot listen on nosuchhost.invalid:0" in line
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -376,7 +376,7 @@ def served(tmp_path: Path) -> Iterator[tuple[str, str]]:
     """``streamq serve`` on a free port: (producer database, address)."""
     producer_db = str(tmp_path / "producer.db")
     process = subprocess.Popen(
-        [*STREAMQ, "serve", producer_db, "--create", "--port", "0"],
+        [*STREAMQ, "serve", producer_db, "--init", "--port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -254,7 +254,7 @@ def test_serve_exports_metrics_and_status_shows_lag(tmp_path: Path) -> None:
     db = str(tmp_path / "orders.db")
     command = [sys.executable, "-m", "streamq"]
     serving = subprocess.Popen(
-        [*command, "serve", db, "--create", "--port", "0", "--metrics-port", "0"],
+        [*command, "serve", db, "--init", "--port", "0", "--metrics-port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
