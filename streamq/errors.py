@@ -207,6 +207,17 @@ class ProducerChangedError(ConsumerPositionError):
     its records too would mix two logs. ``Consumer(allow_new_producer=True)`` opts in."""
 
 
+class NewConsumerNameError(ConsumerPositionError):
+    """A consumer name with no position yet for a producer's stream, on a database that
+    holds other names' positions for it: a misspelt name would apply the stream a second
+    time from the start. Giving ``start_seq`` (or ``start_time``) starts it on purpose.
+    ``stored`` maps each other name to its seq."""
+
+    def __init__(self, message: str, stored: dict[str, int]) -> None:
+        super().__init__(message)
+        self.stored = stored
+
+
 class SharesChangedError(ConsumerPositionError):
     """A consumer asks for its stream in a different number of shares (``share=(i, n)``)
     than its stored positions were applied in. Each share's position counts only its own

@@ -23,7 +23,7 @@ from dataclasses import replace
 from types import TracebackType
 from typing import Any, TypeVar, Unpack
 
-from ..errors import ProducerChangedError, SharesChangedError
+from ..errors import NewConsumerNameError, ProducerChangedError, SharesChangedError
 from ..filters import share_name, shared_as
 from ..metrics import ConsumerCollector, MetricsEndpoint
 from ..wire.client import Client
@@ -94,6 +94,9 @@ class Consumer:
     none from the one it reached, raises ``ProducerChangedError``, at another address or
     at the same one (a replaced database), rather than mix two logs in one projection.
     ``allow_new_producer=True`` applies this producer's records too, from ``start_seq``.
+    A name with no position for the stream, on a database where other names applied it
+    (a misspelt name, most often), raises ``NewConsumerNameError`` unless ``start_seq``
+    or ``start_time`` says where it starts.
 
     ``metrics_port`` serves Prometheus metrics of this consumer's own on ``metrics_host``
     (loopback by default; 0 picks a free port, ``metrics_address``), read from its live
@@ -336,7 +339,7 @@ class Consumer:
         if stored is not None:
             turn.position, epoch = stored
             return Resume(turn.position, stored=True, epoch=epoch)
-        start = settings.start_seq
+        start = settings.first_seq
         if settings.start_time is not None:
             start = await seek(settings.start_time)
         turn.position = turn.origin = start - 1
@@ -350,8 +353,9 @@ class Consumer:
             return None
         async with self.turn.lock:
             rows = await store.load(self.name, self.stream)
-            splits = await store.shares_of(self.base_name, self.stream, producer_id, self.address)
-        self._check_split(dict(splits))
+            names = await store.names_on(self.stream, producer_id, self.address)
+        own = {name for name, _, _ in names if self._is_own(name)}
+        self._check_split({name: seq for name, _, seq in names if name in own})
         positions = {p: (seq, epoch, endpoint) for p, seq, epoch, endpoint in rows}
         if producer_id in positions:
             seq, epoch, _ = positions[producer_id]
@@ -359,7 +363,27 @@ class Consumer:
         others = [(p, seq, at) for p, (seq, _, at) in positions.items() if at not in self.siblings]
         if others and not self.settings.allow_new_producer:
             raise self._not_bound(producer_id, sorted(others, key=lambda row: row[2]))
+        strangers = {name: seq for name, p, seq in names if p == producer_id and name not in own}
+        if strangers and not self.settings.start_given:
+            raise self._new_name(strangers)
         return None
+
+    def _is_own(self, name: str) -> bool:
+        """``name`` is this consumer's: its base name, one of its shares, a group's member."""
+        return name == self.base_name or name.startswith(self.base_name + "[")
+
+    def _new_name(self, strangers: dict[str, int]) -> NewConsumerNameError:
+        """The error for a name new to this producer's stream, where others applied it."""
+        found = ", ".join(f"{name!r} (up to seq {seq})" for name, seq in sorted(strangers.items()))
+        name, seq = max(strangers.items(), key=lambda item: item[1])
+        return NewConsumerNameError(
+            f"consumer {self.base_name!r} has no position for stream {self.stream!r} of the "
+            f"producer at {self.address}, and this database holds {found}: a misspelt name "
+            f"would apply the stream again from seq 1. Give the name it applied under "
+            f"({name!r}), or say where a new consumer starts: start_seq=1 for the whole "
+            f"stream, start_seq={seq + 1} from where {name!r} is.",
+            strangers,
+        )
 
     def _not_bound(self, found: str, others: list[tuple[str, int, str]]) -> ProducerChangedError:
         """The error for a producer this consumer name has not applied from, when it has

@@ -112,11 +112,12 @@ class PositionStore(Protocol):
     async def stored(self, consumer: str, producer_id: str, stream: str) -> int | None:
         """The position as committed, by the consumer or through ``save_position``."""
 
-    async def shares_of(
-        self, consumer: str, stream: str, producer_id: str, endpoint: str
-    ) -> list[tuple[str, int]]:
-        """(name, seq) of the positions stored under ``consumer`` and under names that
-        start with ``consumer[`` (its shares), as ``load`` selects them."""
+    async def names_on(
+        self, stream: str, producer_id: str, endpoint: str
+    ) -> list[tuple[str, str, int]]:
+        """(consumer name, producer id, seq) of every position stored for ``stream`` of
+        the producer ``producer_id``, or of any producer last reached at ``endpoint``:
+        a consumer's shares, and the names of others applying the same stream here."""
 
     def transaction(
         self, batch: Batch, committed: Callable[[], None]

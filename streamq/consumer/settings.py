@@ -26,7 +26,7 @@ class ConsumerSettings:
     """A consumer's keyword options (``Consumer`` describes each), checked when made:
     ``ConsumerSettings(reconnect_timeout=30, on_failure=streamq.DeadLetter())``."""
 
-    start_seq: int = 1
+    start_seq: int | None = None  # None: 1, unless another name's position is found
     start_time: int | None = None
     queue_batches: int = 16
     max_batch_records: int = 65536
@@ -63,6 +63,16 @@ class ConsumerSettings:
             raise ValueError(f"durability must be 'normal' or 'full', not {self.durability!r}")
 
     @property
+    def start_given(self) -> bool:
+        """The application chose where a new consumer starts (``start_seq``, ``start_time``)."""
+        return self.start_seq is not None or self.start_time is not None
+
+    @property
+    def first_seq(self) -> int:
+        """``start_seq``, 1 when not given."""
+        return 1 if self.start_seq is None else self.start_seq
+
+    @property
     def policy(self) -> FailurePolicy:
         """``on_failure``, ``Stop()`` when not given."""
         return Stop() if self.on_failure is None else self.on_failure
@@ -79,7 +89,7 @@ class ConsumerSettings:
 class ConsumerOptions(TypedDict, total=False):
     """``Consumer``'s keyword options, as ``ConsumerSettings`` takes them."""
 
-    start_seq: int
+    start_seq: int | None
     start_time: int | None
     queue_batches: int
     max_batch_records: int

@@ -100,10 +100,10 @@ LOAD = (
     "SELECT producer_id, seq, epoch, endpoint FROM streamq_positions "
     "WHERE consumer = %s AND stream = %s"
 )
-# A consumer's positions under its own name and as shares of it (``name[i/n]``).
-SHARES = (
-    "SELECT consumer, seq FROM streamq_positions WHERE stream = %s "
-    "AND (producer_id = %s OR endpoint = %s) AND (consumer = %s OR starts_with(consumer, %s))"
+# Every name's position for a producer's stream (``PositionStore.names_on``).
+NAMES_ON = (
+    "SELECT consumer, producer_id, seq FROM streamq_positions WHERE stream = %s "
+    "AND (producer_id = %s OR endpoint = %s)"
 )
 ALL_SHARES = (
     "SELECT consumer, producer_id, stream, seq, coalesce(epoch, 0), endpoint "
@@ -403,18 +403,16 @@ class PostgresPositionStore:
             await _rollback(conn)  # a read only: end its transaction
         return [(str(p), int(seq), int(epoch or 0), str(at)) for p, seq, epoch, at in rows]
 
-    async def shares_of(
-        self, consumer: str, stream: str, producer_id: str, endpoint: str
-    ) -> list[tuple[str, int]]:
+    async def names_on(
+        self, stream: str, producer_id: str, endpoint: str
+    ) -> list[tuple[str, str, int]]:
         conn = await self._usable()
         try:
-            cursor = await conn.execute(
-                SHARES, (stream, producer_id, endpoint, consumer, consumer + "[")
-            )
+            cursor = await conn.execute(NAMES_ON, (stream, producer_id, endpoint))
             rows = await cursor.fetchall()
         finally:
             await _rollback(conn)
-        return [(str(name), int(seq)) for name, seq in rows]
+        return [(str(name), str(producer), int(seq)) for name, producer, seq in rows]
 
     async def stored(self, consumer: str, producer_id: str, stream: str) -> int | None:
         conn = await self._usable()

@@ -62,9 +62,9 @@ LOAD = (
     "WHERE consumer = ? AND stream = ?"
 )
 # A consumer's positions under its own name and as shares of it (``name[i/n]``).
-SHARES = (
-    "SELECT consumer, seq FROM streamq_positions WHERE stream = ? "
-    "AND (producer_id = ? OR endpoint = ?) AND (consumer = ? OR substr(consumer, 1, ?) = ?)"
+NAMES_ON = (
+    "SELECT consumer, producer_id, seq FROM streamq_positions WHERE stream = ? "
+    "AND (producer_id = ? OR endpoint = ?)"
 )
 ALL_SHARES = (
     "SELECT consumer, producer_id, stream, seq, coalesce(epoch, 0), endpoint "
@@ -318,14 +318,11 @@ class SQLitePositionStore:
         rows = await self.connection.execute_fetchall(LOAD, (consumer, stream))
         return [(str(p), int(seq), int(epoch or 0), str(at)) for p, seq, epoch, at in rows]
 
-    async def shares_of(
-        self, consumer: str, stream: str, producer_id: str, endpoint: str
-    ) -> list[tuple[str, int]]:
-        prefix = consumer + "["
-        rows = await self.connection.execute_fetchall(
-            SHARES, (stream, producer_id, endpoint, consumer, len(prefix), prefix)
-        )
-        return [(str(name), int(seq)) for name, seq in rows]
+    async def names_on(
+        self, stream: str, producer_id: str, endpoint: str
+    ) -> list[tuple[str, str, int]]:
+        rows = await self.connection.execute_fetchall(NAMES_ON, (stream, producer_id, endpoint))
+        return [(str(name), str(producer), int(seq)) for name, producer, seq in rows]
 
     async def stored(self, consumer: str, producer_id: str, stream: str) -> int | None:
         rows = list(await self.connection.execute_fetchall(STORED, (consumer, producer_id, stream)))
