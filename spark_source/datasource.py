@@ -7,7 +7,8 @@ query reads (``schema``). Nothing is buffered between producer and Spark: the pr
 own log is the durable, re-readable source, so a restarted query re-reads the
 same seqs from its checkpointed offsets and sinks get every record once.
 
-Options (names follow Spark's Kafka source where the meaning is the same):
+Options (names follow Spark's Kafka source where the meaning is the same; any other is
+refused, naming the nearest of these: ``check_option_names``):
 
 =======================  =============================================================
 endpoints                comma-separated ``host:port`` of the producers
@@ -81,6 +82,7 @@ token, tokenFile         the token naming this query's consumer; tokenFile is re
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import time
@@ -149,6 +151,32 @@ _ROWS_PER_BATCH = 8192
 # 2 minutes): a query idle at the head stays "heard of" (producers forget positions not
 # reported for days) at no write of its own.
 _REPORT_AGAIN = 30.0
+
+
+# Every option the table above names. Spark hands a source its options with their names
+# in lower case (``CaseInsensitiveDict``): each is known by that.
+OPTIONS = (
+    "endpoints", "endpointsFile", "endpointsProvider", "stream", "startingOffsets",
+    "startingTimestamp", "filterPushdown", "filterKeyPrefix", "filterHeaders",
+    "endingOffsets", "maxRecordsPerTrigger", "minPartitions", "maxRecordsPerPartition",
+    "failOnDataLoss", "consumerName", "includeHeaders", "changeColumns", "readOnDriver",
+    "timeoutMs", "unreachableTimeoutMs", "slowProducerMs", "ssl.enabled", "ssl.ca",
+    "ssl.cert", "ssl.key", "ssl.serverName", "token", "tokenFile",
+)  # fmt: skip
+_KNOWN = {name.lower(): name for name in OPTIONS}
+
+
+def check_option_names(options: Mapping[str, str]) -> None:
+    """Refuse an option the source does not know, naming the nearest it does: a misspelt
+    option would otherwise be ignored, and the query read something else than asked."""
+    for given in options:
+        if given.lower() in _KNOWN:
+            continue
+        near = difflib.get_close_matches(given.lower(), list(_KNOWN), n=1, cutoff=0.6)
+        hint = f": did you mean {_KNOWN[near[0]]!r}?" if near else ""
+        raise StreamQSourceError(
+            f"unknown option {given!r}{hint} (the options: docs/guides/spark.md)"
+        )
 
 
 def _flag(options: Mapping[str, str], name: str, default: bool) -> bool:
@@ -272,11 +300,21 @@ def _connect(options: Mapping[str, str]) -> Connect:
 
 def _columns(options: Mapping[str, str], schema: StructType) -> Columns:
     """The columns to build: the schema Spark hands the reader, ours or one given with
-    ``.schema(...)``."""
+    ``.schema(...)``. Ours, with ``changeColumns``, holds the captured table's columns as
+    they were: changes with others then stop the query (``TableChangedError``); a schema
+    given names the columns it wants, and others are left out."""
     if not _flag(options, "includeHeaders", True) and "headers" in schema.fieldNames():
         raise StreamQSourceError("includeHeaders=false, but the schema given has headers")
+    table_columns = None
+    if _flag(options, "changeColumns", False) and "new" in schema.fieldNames():
+        try:  # a schema given needs no catalog: without an admin token, there is none
+            row = change_schema(_captured_columns(options), True)["new"].dataType
+        except StreamQSourceError:
+            row = None
+        if isinstance(row, StructType) and row == schema["new"].dataType:
+            table_columns = row.fieldNames()
     try:
-        return Columns(schema)
+        return Columns(schema, table_columns)
     except ValueError as exc:
         raise StreamQSourceError(f"schema: {exc}") from None
 
@@ -285,6 +323,7 @@ class _Settings:
     """The options, parsed and checked once."""
 
     def __init__(self, options: Mapping[str, str], schema: StructType | None = None) -> None:
+        check_option_names(options)
         self.columns = _columns(options, _default_schema(options) if schema is None else schema)
         self._endpoint_options = _endpoint_options(options)
         self.endpoints()  # fail early on a missing or bad option
@@ -1138,6 +1177,7 @@ class StreamQDataSource(DataSource):
         return "streamq"
 
     def schema(self) -> StructType:
+        check_option_names(self.options)
         return _default_schema(self.options)
 
     def reader(self, schema: StructType) -> DataSourceReader:

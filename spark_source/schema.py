@@ -163,13 +163,23 @@ def _check_schema(schema: StructType) -> None:
             raise ValueError(f"column {field.name!r} is nullable")
 
 
+class TableChangedError(ValueError):
+    """A captured table has columns the query's schema, typed from its catalog when the
+    query started, does not: the query must start again to read them."""
+
+
 class Columns:
     """Builds Arrow record batches of one schema's columns, and no others, from rows
     [seq, timestamp, key, value, headers] as the client decodes them: one list per column
-    read, then one Arrow array each, which checks every field's type as it is built."""
+    read, then one Arrow array each, which checks every field's type as it is built.
 
-    def __init__(self, schema: StructType) -> None:
+    ``table_columns``: a captured table's columns as the schema was typed from them
+    (``change_schema``); a change with another column raises ``TableChangedError``
+    rather than drop it."""
+
+    def __init__(self, schema: StructType, table_columns: Sequence[str] | None = None) -> None:
         _check_schema(schema)
+        self.table_columns = None if table_columns is None else frozenset(table_columns)
         self.names = tuple(schema.fieldNames())
         self.arrow_schema: pa.Schema = to_arrow_schema(schema, timezone="UTC")
         # A given schema may declare nested fields nullable where ours are not.
@@ -198,6 +208,8 @@ class Columns:
             fields = _fields(rows) if count else [()] * 5
             seqs = pa.array(fields[0], pa.int64())
             changes = [_change(v) for v in fields[3]] if self._changes else []
+            if self.table_columns is not None:
+                self._check_columns(changes)
             columns = []
             for name in self.names:
                 if name in self._changes:
@@ -212,11 +224,26 @@ class Columns:
                     column = _build(name, fields[_ROW_INDEX[name]])
                 cast = self._casts.get(name)
                 columns.append(column if cast is None else column.cast(cast))
+        except TableChangedError:
+            raise
         except (pa.ArrowException, TypeError, ValueError, LookupError, ArithmeticError) as exc:
             raise ValueError(f"malformed records from producer {producer}: {exc}") from None
         if count > 1 and not pc.all(pc.less(seqs[:-1], seqs[1:])).as_py():
             raise ValueError(f"records from producer {producer} are not in increasing seq order")
         return pa.RecordBatch.from_arrays(columns, schema=self.arrow_schema)
+
+    def _check_columns(self, changes: Sequence[dict[str, Any]]) -> None:
+        known = self.table_columns
+        assert known is not None
+        for change in changes:
+            for row in ROWS:
+                values = change.get(row)
+                if isinstance(values, dict) and not known.issuperset(values):
+                    added = sorted(set(values) - known)
+                    raise TableChangedError(
+                        f"table {change.get('table')} gained column {', '.join(added)}; "
+                        "restart the query to read it"
+                    )
 
 
 EVERY_COLUMN = Columns(SCHEMA)

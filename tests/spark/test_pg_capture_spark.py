@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import datetime
 import decimal
+from pathlib import Path
+from typing import Any
 
 import pytest
+from pyspark.errors import StreamingQueryException
 from pyspark.sql import SparkSession
 from pyspark.sql.utils import AnalysisException, PythonException
 
@@ -112,3 +115,66 @@ def streamq_wait(client: streamq.Client, head: int) -> None:
         return info.head >= head
 
     wait_until(served, f"{head} changes served", timeout=60)
+
+
+def test_a_table_that_gains_a_column_stops_the_query_until_it_restarts(
+    spark: SparkSession, capture_url: str, tmp_path: Path
+) -> None:
+    """The producer's status follows the table's columns; a streaming query typed from the
+    old ones stops in one line at the first change with the new column, and started again
+    from its checkpoint reads it, nothing lost or doubled. A schema given with
+    ``.schema(...)`` names its columns: a new one is left out, and the query goes on."""
+    from ..waiting import wait_until
+
+    sql(capture_url, "CREATE TABLE customers (id integer PRIMARY KEY, name text)")
+    sql(capture_url, "INSERT INTO customers VALUES (1, 'a')")
+    seen: list[dict[str, Any]] = []
+    given: list[dict[str, Any]] = []
+
+    def start(schema: str | None, into: list[dict[str, Any]], checkpoint: str) -> Any:
+        reader = spark.readStream.format("streamq").options(
+            endpoints=producer.address,
+            stream="public.customers",
+            changeColumns="true",
+            startingOffsets="earliest",
+        )
+        if schema is not None:
+            reader = reader.schema(schema)
+        return (
+            reader.load()
+            .writeStream.foreachBatch(
+                lambda frame, _: into.extend(r.new.asDict() for r in frame.orderBy("seq").collect())
+            )
+            .option("checkpointLocation", str(tmp_path / checkpoint))
+            .start()
+        )
+
+    def columns() -> list[str]:
+        with streamq.Client(producer.address) as client:
+            found = client.status()["capture"]["columns"]["public.customers"]
+        return [column["name"] for column in found]
+
+    with streamq.SyncProducer(capture_url, capture=["customers"], snapshot=True) as producer:
+        assert columns() == ["id", "name"]
+        query = start(None, seen, "ours")
+        subset = start("seq long, new struct<id:int>", given, "given")
+        query.processAllAvailable()
+        subset.processAllAvailable()
+        assert seen == [{"id": 1, "name": "a"}] and given == [{"id": 1}]
+
+        sql(capture_url, "ALTER TABLE customers ADD COLUMN city text")
+        sql(capture_url, "INSERT INTO customers VALUES (2, 'b', 'Paris')")
+        wait_until(lambda: columns() == ["id", "name", "city"], "the status to follow", 60)
+        with pytest.raises(StreamingQueryException) as stopped:
+            query.processAllAvailable()
+        assert "table public.customers gained column city; restart the query to read it" in (
+            str(stopped.value)
+        )
+        subset.processAllAvailable()
+        subset.stop()
+        assert given == [{"id": 1}, {"id": 2}]
+
+        query = start(None, seen, "ours")  # again, from its checkpoint
+        query.processAllAvailable()
+        query.stop()
+    assert seen == [{"id": 1, "name": "a"}, {"id": 2, "name": "b", "city": "Paris"}]

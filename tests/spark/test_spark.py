@@ -258,6 +258,14 @@ def test_wrong_endpoints_fail_the_first_plan_naming_the_address(
         with pytest.raises(PySparkException, match="endpoints: address must be HOST:PORT, not"):
             read(spark, f"{a.address},localhost").count()
 
+        # A misspelt option is refused, naming the option it resembles (any case).
+        misspelt = "unknown option 'changecolumn': did you mean 'changeColumns'?"
+        with pytest.raises(PySparkException, match=misspelt):
+            read(spark, a.address, changeColumn="true").count()
+        with pytest.raises(PySparkException, match="unknown option 'startingoffset': did you"):
+            stream_query(spark, a.address, "orders", tmp_path / "ck2", seen, startingOffset="x")
+        assert read(spark, a.address, CHANGECOLUMNS="false").count() == 1  # names: any case
+
 
 def test_replaced_producer_fails_a_running_query(spark: SparkSession, tmp_path: Path) -> None:
     with socket.socket() as sock:

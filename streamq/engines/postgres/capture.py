@@ -45,7 +45,7 @@ from .append import CAPTURE_TABLE, SYNC_COMMIT, run_async
 from .changes import Captured, ChangeDecoder, snapshot_records, table_of
 from .driver import connect_async, psycopg_module
 from .numbering import FLUSH, StreamState
-from .pgoutput import Column, Relation, format_lsn, parse_lsn
+from .pgoutput import Column, Relation, decode, format_lsn, parse_lsn
 from .replication import ExportedSnapshot, SlotReader
 from .walpath import (
     FLUSH_PATIENCE_MS,
@@ -379,6 +379,10 @@ class Capture:
                 messages, drained = reader.read(LIMIT)
                 new = []
                 for data in messages:
+                    # A table's RELATION (before its first change, or after the table
+                    # changed): its columns may be new.
+                    if data[:1] == b"R" and isinstance(relation := decode(data), Relation):
+                        await self._follow(conn, relation)
                     captured = decoder.feed(data)
                     if captured is not None and captured.end_lsn > self.lsn:
                         new.append(captured)
@@ -398,6 +402,17 @@ class Capture:
         finally:
             loop.remove_reader(fd)
             reader.close()
+
+    async def _follow(self, conn: Any, relation: Relation) -> None:
+        """Keep a captured table's columns, as the status reports them (the Spark source
+        types its changes by them), as the table has them now, if a RELATION message shows
+        other columns than those known (a column added, dropped or renamed)."""
+        assert self._state is not None
+        known = self._state.columns.get(relation.table)
+        if known is None or [c["name"] for c in known] == [c.name for c in relation.columns]:
+            return
+        _, columns = await _catalog(conn, [relation.table])
+        self._state.columns[relation.table] = columns[relation.table]
 
     async def _take_snapshot(self, tables: list[str]) -> None:
         """The rows of ``tables`` as of a snapshot consistent with a point of the WAL, as
