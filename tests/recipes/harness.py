@@ -111,6 +111,11 @@ class Processes:
             )
         assert done.returncode == 0, f"{name} failed:\n{log.read_text(errors='replace')}"
 
+    def kill(self, process: Process) -> None:
+        """``kill -9`` one of them (its group), no longer expected alive."""
+        process.kill()
+        self.started.remove(process)
+
     def assert_alive(self) -> None:
         for process in self.started:
             assert process.popen.poll() is None, f"{process.name} died:\n{process.output()}"
@@ -169,6 +174,16 @@ def documented_steps(
                 steps.append(command)
     assert steps, f"{guide}: no steps for {recipe} under {heading}"
     return steps
+
+
+def guide_lines(heading: str, guide: Path = GUIDE) -> list[str]:
+    """The shell lines of the ```bash blocks of the guide's ``## heading`` section, as
+    written (comments and blank lines left out)."""
+    lines = []
+    section = guide_section(guide, heading)
+    for block in re.findall(r"^```bash\n(.*?)^```$", section, re.MULTILINE | re.DOTALL):
+        lines += [line for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+    return [line for line in lines if not line.startswith("#")]
 
 
 def guide_section(guide: Path, heading: str) -> str:

@@ -106,12 +106,12 @@ def test_change_columns_of_a_stream_no_table_is_captured_into_fail_saying_so(
             reader.option("stream", "events").schema(given).load().collect()
 
 
-def streamq_wait(client: streamq.Client, head: int) -> None:
+def streamq_wait(client: streamq.Client, head: int, stream: str = "public.orders") -> None:
     """Until the captured stream's head is ``head``."""
     from ..waiting import wait_until
 
     def served() -> bool:
-        (info,) = [s for s in client.streams() if s.stream == "public.orders"]
+        (info,) = [s for s in client.streams() if s.stream == stream]
         return info.head >= head
 
     wait_until(served, f"{head} changes served", timeout=60)
@@ -165,6 +165,8 @@ def test_a_table_that_gains_a_column_stops_the_query_until_it_restarts(
         sql(capture_url, "ALTER TABLE customers ADD COLUMN city text")
         sql(capture_url, "INSERT INTO customers VALUES (2, 'b', 'Paris')")
         wait_until(lambda: columns() == ["id", "name", "city"], "the status to follow", 60)
+        with streamq.Client(producer.address) as client:
+            streamq_wait(client, 2, "public.customers")  # the change served: the query sees it
         with pytest.raises(StreamingQueryException) as stopped:
             query.processAllAvailable()
         assert "table public.customers gained column city; restart the query to read it" in (

@@ -425,7 +425,7 @@ def test_a_known_producer_slow_to_answer_is_passed_over_until_it_answers(
                 states = planning.discover(endpoints, "orders", fresh, positions, known=states)
                 down = states[b_id].down
                 assert down is not None and "cannot connect" not in down, down
-                assert f"producer at {address}" in down and "timed out" in down, down
+                assert f"no SERVER_HELLO from {address} within" in down, down
                 assert fresh.retry[address][1] == planning.RETRY_FIRST
             finally:
                 fresh.close()
