@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from types import TracebackType
@@ -38,6 +39,10 @@ from .turn import Turn
 __all__ = ["Consumer", "ConsumerSettings", "heartbeat_timeout"]
 
 T = TypeVar("T")
+logger = logging.getLogger("streamq.consumer")
+# Seconds between looks, while a batch handed out is not known to be applied, for its
+# position saved through the application's own connection (``_next_item``).
+SAVED_POLL = 0.5
 
 
 class Consumer:
@@ -152,6 +157,7 @@ class Consumer:
         # positions from the producers found there are expected, not another producer's.
         self.siblings: frozenset[str] = frozenset()
         self._collector: ConsumerCollector | None = None  # the collector it reports to
+        self._handed = 0  # last seq of the last batch handed to the application
         self._closed = False
 
     # --- what it has done, as metrics and the application read it ------------
@@ -304,12 +310,15 @@ class Consumer:
     async def __anext__(self) -> Batch:
         if self._closed:
             raise StopAsyncIteration
-        item = await self.subscription.next(self.settings.max_batch_records)
         turn = self.turn
+        if turn.store is not None and turn.position < self._handed:
+            await turn.catch_up()  # the last batch, applied through the application's connection?
+        item = await self._next_item()
         if turn.store is None:
             turn.position = item.last_seq
         elif turn.position < item.after:
             await turn.catch_up()  # batches applied through the application's connection
+        self._handed = item.last_seq
         return Batch(
             item.stream,
             item.producer_id,
@@ -322,6 +331,35 @@ class Consumer:
             item.last_seq,
             turn.fence,
         )
+
+    async def _next_item(self) -> Batch:
+        """The subscription's next batch. Meanwhile, while the last batch handed out is
+        not known to be applied, look every ``SAVED_POLL`` seconds whether the application
+        committed it through its own connection (``save_position``: the consumer ran no
+        transaction to tell it), and acknowledge it: the producer's lag and
+        ``wait_applied`` see it then, not at the next batch (none, if the stream is idle)."""
+        if self.turn.store is None or self.turn.position >= self._handed:
+            return await self.subscription.next(self.settings.max_batch_records)
+        done = asyncio.Event()
+        watcher = asyncio.create_task(self._watch_saved(done))
+        try:
+            return await self.subscription.next(self.settings.max_batch_records)
+        finally:
+            done.set()
+            await watcher  # a look under way ends first: never cancelled inside a query
+
+    async def _watch_saved(self, done: asyncio.Event) -> None:
+        turn = self.turn
+        while turn.position < self._handed and not done.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(done.wait(), SAVED_POLL)
+            if done.is_set():
+                return
+            try:
+                await turn.catch_up()
+            except Exception as exc:  # the database's error reaches the next transaction
+                logger.warning("consumer %r: reading its position failed: %r", self.name, exc)
+                return
 
     def _durable(self) -> int:
         """The position to acknowledge to the producer: 0 without a database."""

@@ -17,7 +17,8 @@ The turn is checked in the database, under its locks (SQLite's write lock, Postg
 row lock: ``engines/*/positions.py``): the position stored must be the one the batch
 follows, so a batch applied twice, or one skipped, raises ``OutOfOrderBatchError`` and
 its transaction must roll back. The consumer learns the committed position when asked
-for its next batch, and acknowledges it to the producer.
+for its next batch, and while that is awaited (every ``consumer.SAVED_POLL`` seconds
+until it has), and acknowledges it to the producer.
 """
 
 from __future__ import annotations

@@ -112,3 +112,40 @@ async def test_an_asyncio_orm_consumer(producer_db: str, consumer_db: str) -> No
         seqs = (await session.scalars(select(Entry.seq))).all()
     await engine.dispose()
     assert sorted(seqs) == list(range(1, 13))
+
+
+@pytest.mark.parametrize("asked", ["after the commit", "before the commit"])
+async def test_a_position_saved_on_the_applications_connection_reaches_the_producer(
+    producer_db: str, consumer_db: str, asked: str
+) -> None:
+    """The consumer ran no transaction to learn the position from: it reads it when asked
+    for the next batch, and while it waits for one (the stream idle, or the next batch
+    asked for before the commit, as a fan-in asks), within ``SAVED_POLL``. The producer's
+    lag and ``wait_applied`` see it without another record."""
+    engine = create_async_engine(f"sqlite+aiosqlite:///{consumer_db}")
+    async with engine.begin() as conn:
+        await conn.run_sync(Base.metadata.create_all)
+    try:
+        async with Producer(producer_db) as producer:
+            await publish(producer, 5)
+            async with Consumer(producer.address, "orders", db=consumer_db, name="c") as consumer:
+                batch = await anext(consumer)
+                while batch.last_seq < 5:  # the records may come in more than one batch
+                    async with consumer.transaction(batch):
+                        pass
+                    batch = await anext(consumer)
+                waiting = None
+                if asked == "before the commit":
+                    waiting = asyncio.create_task(anext(consumer))
+                async with AsyncSession(engine) as session, session.begin():
+                    session.add_all(Entry(seq=r.seq, value=r.value) for r in batch)
+                    await streamq.save_position_async(session, batch)
+                if waiting is None:  # the stream is idle: this waits for a record
+                    waiting = asyncio.create_task(anext(consumer))
+                assert await producer.wait_applied("c", "orders", 5, timeout=10) == 5
+                (lag,) = [lag for lag in producer.consumer_lags() if lag.consumer == "c"]
+                assert (lag.applied, lag.lag) == (5, 0)
+                await producer.publish("orders", b"next")
+                assert [r.seq for r in await asyncio.wait_for(waiting, 10)] == [6]
+    finally:
+        await engine.dispose()
