@@ -792,7 +792,7 @@ def _status(args: argparse.Namespace) -> None:
     if args.json:
         print(json.dumps(status, indent=2))
         return
-    console = Console()
+    console = _console()
     console.print(
         f"producer [bold]{status['producer_id']}[/] epoch {status['epoch']} at {args.address}, "
         f"{status['connections']} connection(s)"
@@ -927,7 +927,19 @@ async def _consumers(args: argparse.Namespace) -> None:
                     _ago(p.updated_at),
                     *limits,
                 )
-            Console().print(table)
+            _console().print(table)
+
+
+def _console() -> Console:
+    """Where tables go. Not a terminal (a log, a pipe, ``watch``): as wide as they are,
+    never cut to 80 columns (``COLUMNS`` still sets a width); a terminal: its width."""
+    wide = not sys.stdout.isatty() and "COLUMNS" not in os.environ
+    return Console(width=NOT_A_TERMINAL_WIDTH if wide else None)
+
+
+# Columns a table may take when stdout is not a terminal: rich sizes a table to its
+# content within this, so no cell is cut ("127.0.0.…").
+NOT_A_TERMINAL_WIDTH = 10_000
 
 
 def _dead_letters(args: argparse.Namespace) -> None:
@@ -984,7 +996,7 @@ def _dead_letters(args: argparse.Namespace) -> None:
             "requested" if p.retry_requested_at is not None else "",
             p.error.splitlines()[-1] if p.error else "",
         )
-    Console().print(table)
+    _console().print(table)
 
 
 def _database_errors() -> tuple[type[Exception], ...]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import sqlite3
 import subprocess
@@ -34,9 +35,11 @@ def wait_for_head(address: str, stream: str, head: int, timeout: float = 10.0) -
         time.sleep(0.02)
 
 
-def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def run(
+    *args: str, timeout: float = 60, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [*STREAMQ, *args], capture_output=True, text=True, timeout=timeout, check=False
+        [*STREAMQ, *args], capture_output=True, text=True, timeout=timeout, check=False, env=env
     )
 
 
@@ -93,6 +96,18 @@ def test_publish_tail_status(served: tuple[str, str]) -> None:
     ]
     table = run("status", address)
     assert "orders" in table.stdout and "consumers" in table.stdout
+
+    # Piped (not a terminal), tables are as wide as they are: no cell cut to 80 columns
+    # (unless COLUMNS says how wide; pytest sets it for its children).
+    long_name = "billing-service-of-the-eu-west-region-replica[12/16]"
+    added = run("consumers", "add", db, long_name, "orders")
+    assert added.returncode == 0, added.stderr
+    piped = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    status_shown = run("status", address, env=piped).stdout
+    listed = run("consumers", "list", db, env=piped).stdout
+    assert address in status_shown
+    for shown in (status_shown, listed):
+        assert long_name in shown and "…" not in shown, shown
 
 
 def test_tail_prints_only_what_its_filter_matches(served: tuple[str, str]) -> None:
