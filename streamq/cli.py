@@ -211,6 +211,7 @@ beyond a broker:
                        streamq token
   poison records       Consumer(on_failure=DeadLetter());
                        streamq dead-letters list|retry DB
+  consumer groups      streamq groups DB: members, shares, positions
   only what you want   streamq tail ADDRESS STREAM --key-prefix P --header N=V;
                        Consumer(filter=)
   per-key workers      GroupConsumer(..., shares=n), Consumer(share=(i, n));
@@ -244,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_token(commands)
     _add_consumers(commands)
     _add_dead_letters(commands)
+    _add_groups(commands)
     _add_reshare(commands)
     _add_demo(commands)
     return parser
@@ -488,6 +490,22 @@ def _add_dead_letters(commands: argparse._SubParsersAction[_Parser]) -> None:
     letters_retry.add_argument("--consumer", metavar="NAME", help="only this consumer's")
     letters_retry.add_argument("--stream", metavar="NAME", help="only this stream's")
     letters_retry.add_argument("--seq", type=_positive, metavar="N", help="only this seq")
+
+
+def _add_groups(commands: argparse._SubParsersAction[_Parser]) -> None:
+    """``groups``: consumer groups as their rows in the consumer's database show them."""
+    groups = commands.add_parser(
+        "groups",
+        help="consumer groups: members, the shares each holds, positions, lag, parked records",
+        description="Each consumer group in a consumer database: its members (alive, when "
+        "each must renew), each share's holder and lease token, the positions its shares "
+        "stored per producer, how far behind each is (the producers' heads are asked: "
+        "head - applied, every share's records), and the records each share parked.",
+    )
+    groups.add_argument("db", help=CONSUMER_DATABASE_HELP)
+    groups.add_argument("--group", metavar="NAME", help="only this group")
+    groups.add_argument("--no-heads", action="store_true", help="do not ask the producers")
+    groups.add_argument("--json", action="store_true", help="one JSON object per group")
 
 
 def _add_reshare(commands: argparse._SubParsersAction[_Parser]) -> None:
@@ -930,6 +948,56 @@ async def _consumers(args: argparse.Namespace) -> None:
             _console().print(table)
 
 
+def _groups(args: argparse.Namespace) -> None:
+    from .groups.report import describe_groups
+
+    _existing("groups", args.db, _CONSUMER_MADE)
+    reports = describe_groups(args.db, args.group, heads=not args.no_heads)
+    if args.group and not reports:
+        raise SystemExit(f"streamq groups: no consumer group {args.group!r} in {args.db}")
+    if args.json:
+        for report in reports:
+            print(json.dumps(report.as_json()))
+        return
+    if not reports:
+        print(f"no consumer groups in {args.db}")
+        return
+    console = _console()
+    for report in reports:
+        alive = sum(m.alive for m in report.members)
+        console.print(
+            f"group [bold]{report.name}[/] on stream {report.stream!r}: {report.shares} "
+            f"shares, {alive} of {len(report.members)} member(s) alive"
+        )
+        members = Table("member", "alive", "renews within", "shares held", title="members")
+        for m in report.members:
+            members.add_row(
+                f"{m.member:016x}",
+                "yes" if m.alive else "no",
+                f"{m.expires_in_ms / 1000:.1f} s" if m.expires_in_ms > 0 else "expired",
+                ", ".join(map(str, m.shares)),
+            )
+        console.print(members)
+        shares = Table(
+            "share", "holder", "token", "producer", "applied", "head", "head - applied",
+            "parked", title="shares",
+        )  # fmt: skip
+        for r in report.rows:
+            shares.add_row(
+                str(r.share),
+                "" if r.holder is None else f"{r.holder:016x}",
+                str(r.token),
+                r.producer_id or "",
+                "" if r.applied is None else str(r.applied),
+                "" if r.head is None else str(r.head),
+                "" if r.behind is None else str(r.behind),
+                str(r.parked or ""),
+            )
+        console.print(shares)
+        for endpoint, why in report.unreachable.items():
+            console.print(f"no head from {endpoint}: {why}")
+
+
 def _console() -> Console:
     """Where tables go. Not a terminal (a log, a pipe, ``watch``): as wide as they are,
     never cut to 80 columns (``COLUMNS`` still sets a width); a terminal: its width."""
@@ -1032,6 +1100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             _loop.run(_consumers(args))
         elif args.command == "dead-letters":
             _dead_letters(args)
+        elif args.command == "groups":
+            _groups(args)
         elif args.command == "reshare":
             _reshare(args)
         elif args.command == "demo":

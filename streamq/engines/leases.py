@@ -207,6 +207,40 @@ class LeaseTable:
         )
         return View(shares, members, leases, now)
 
+    def inspect(self) -> tuple[View, list[tuple[Any, ...]], dict[str, int]]:
+        """The group's rows as an operator reads them (``streamq groups``), changing
+        nothing of theirs: its view, each member's liveness asked of its lock; the positions
+        stored under its shares' names (consumer, producer id, seq, endpoint, updated_at);
+        and how many records each share parked. Opens and closes a connection of its own."""
+        self._conn = self._connect()
+        try:
+            self._hold_liveness()  # a lock of its own, to ask for the members' locks
+            view = self.view()
+            prefix = (self.stream, f"{self.name}[", f"{self.name}[")
+            positions = self._execute(
+                "SELECT consumer, producer_id, seq, endpoint, updated_at FROM streamq_positions "
+                "WHERE stream = ? AND substr(consumer, 1, length(?)) = ? "
+                "ORDER BY consumer, producer_id",
+                prefix,
+            ).fetchall()
+            parked = self._execute(
+                "SELECT consumer, count(*) FROM streamq_dead_letters "
+                "WHERE stream = ? AND substr(consumer, 1, length(?)) = ? GROUP BY consumer",
+                prefix,
+            ).fetchall()
+        finally:
+            self.close()
+        return view, [tuple(row) for row in positions], {str(c): int(n) for c, n in parked}
+
+    def groups(self) -> list[tuple[str, str]]:
+        """Every group in the database (name, stream), read only."""
+        self._conn = self._connect()
+        try:
+            rows = self._execute("SELECT name, stream FROM streamq_groups ORDER BY 1, 2").fetchall()
+        finally:
+            self.close()
+        return [(str(name), str(stream)) for name, stream in rows]
+
     def take(self, lease: Lease) -> int | None:
         """Take the free share ``lease`` as read; its new token, or None if the row moved
         since, its holder is alive after all, or this member itself is no longer one."""

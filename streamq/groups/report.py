@@ -1,0 +1,165 @@
+"""A consumer group as an operator reads it (``streamq groups``), from the consumer's
+database: its split, its members (alive, when each must renew), each share's holder and
+lease token, the positions its shares stored (per producer) and the records they parked;
+with each producer's head where it answers, how far behind each position is.
+
+What a "kafka-consumer-groups --describe" shows, read from the rows the members write
+(``engines/leases.py``) and their positions, so it answers with every member stopped too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ..consumer.database import consumer_database
+from ..errors import StreamQError
+from ..wire.client import Client
+
+
+@dataclass(frozen=True, slots=True)
+class MemberRow:
+    member: int  # its random id
+    alive: bool  # its process holds its liveness lock, and its row has not expired
+    expires_in_ms: int  # until its row expires unless renewed (negative: expired)
+    shares: list[int]  # the shares it holds
+
+
+@dataclass(frozen=True, slots=True)
+class ShareRow:
+    share: int
+    holder: int | None  # the member holding its lease (None: free)
+    token: int  # the lease's take counter: new at every take
+    producer_id: str | None  # the producer a position is stored for (None: none yet)
+    applied: int | None  # the position stored for that producer
+    endpoint: str | None  # where that producer was last reached
+    head: int | None  # the stream's head there now (None: not asked, or no answer)
+    parked: int  # records of this share in the dead letters
+
+    @property
+    def behind(self) -> int | None:
+        """Head minus applied: records after the position, every share's (an upper bound
+        of the share's own: docs/guides/operations.md, "What lag counts")."""
+        if self.head is None or self.applied is None:
+            return None
+        return max(0, self.head - self.applied)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupReport:
+    name: str
+    stream: str
+    shares: int
+    members: list[MemberRow]
+    rows: list[ShareRow]  # one per share and producer it stored a position for
+    unreachable: dict[str, str] = field(default_factory=dict)  # endpoint -> why no head
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "group": self.name,
+            "stream": self.stream,
+            "shares": self.shares,
+            "members": [
+                {
+                    "member": f"{m.member:016x}",
+                    "alive": m.alive,
+                    "expires_in_ms": m.expires_in_ms,
+                    "shares": m.shares,
+                }
+                for m in self.members
+            ],
+            "positions": [
+                {
+                    "share": r.share,
+                    "holder": None if r.holder is None else f"{r.holder:016x}",
+                    "token": r.token,
+                    "producer_id": r.producer_id,
+                    "applied": r.applied,
+                    "endpoint": r.endpoint,
+                    "head": r.head,
+                    "behind": r.behind,
+                    "parked": r.parked,
+                }
+                for r in self.rows
+            ],
+            "unreachable": self.unreachable,
+        }
+
+
+def describe_groups(
+    db: str, name: str | None = None, *, heads: bool = True, timeout: float = 2.0
+) -> list[GroupReport]:
+    """Every consumer group in the consumer database ``db`` (or the one named ``name``),
+    with the producers' heads asked of them (``heads``, within ``timeout`` each)."""
+    engine = consumer_database(db)
+    if "streamq_groups" not in engine.tables(db).names:
+        return []
+    found = [g for g in engine.open_leases(db, "", "").groups() if name in (None, g[0])]
+    reports = [_report(engine.open_leases(db, group, stream)) for group, stream in found]
+    if heads:
+        _ask_heads(reports, timeout)
+    return reports
+
+
+def _report(table: Any) -> GroupReport:
+    view, positions, parked = table.inspect()
+    held: dict[int, list[int]] = {}
+    for lease in view.leases:
+        if lease.member is not None:
+            held.setdefault(lease.member, []).append(lease.share)
+    members = [
+        MemberRow(m.id, m.alive(view.now), m.expires_at - view.now, sorted(held.get(m.id, [])))
+        for m in sorted(view.members, key=lambda m: m.id)
+    ]
+    leases = {lease.share: lease for lease in view.leases}
+    stored: dict[int, list[tuple[Any, ...]]] = {}
+    for consumer, producer_id, seq, endpoint, _ in positions:
+        share = _share_of(table.name, view.shares, consumer)
+        if share is not None:
+            stored.setdefault(share, []).append((producer_id, int(seq), endpoint))
+    rows = []
+    for share in range(view.shares):
+        lease = leases.get(share)
+        holder, token = (None, 0) if lease is None else (lease.member, lease.token)
+        count = parked.get(f"{table.name}[{share}/{view.shares}]", 0)
+        for producer_id, seq, endpoint in stored.get(share) or [(None, None, None)]:
+            rows.append(ShareRow(share, holder, token, producer_id, seq, endpoint, None, count))
+    return GroupReport(table.name, table.stream, view.shares, members, rows)
+
+
+def _share_of(name: str, shares: int, consumer: str) -> int | None:
+    """The share of this split a position's consumer name is (``name[i/n]``), or None (an
+    earlier split's, kept until every producer's records pass it)."""
+    suffix = consumer[len(name) :]
+    index, _, count = suffix.strip("[]").partition("/")
+    if not (suffix.startswith("[") and index.isdigit() and count == str(shares)):
+        return None
+    return int(index)
+
+
+def _ask_heads(reports: list[GroupReport], timeout: float) -> None:
+    """Each position's producer's head, asked of it: one connection per endpoint."""
+    wanted = sorted({(r.endpoint, g.stream) for g in reports for r in g.rows if r.endpoint})
+    endpoints = sorted({endpoint for endpoint, _ in wanted})
+    heads: dict[tuple[str, str], int] = {}
+    unreachable: dict[str, str] = {}
+    clients = Client.connect_all(endpoints, timeout=timeout, name="streamq groups")
+    for endpoint, client in zip(endpoints, clients, strict=True):
+        if isinstance(client, StreamQError):
+            unreachable[endpoint] = str(client)
+            continue
+        with client:
+            for asked, stream in wanted:
+                if asked == endpoint:
+                    try:
+                        heads[(endpoint, stream)] = client.head(stream).head
+                    except StreamQError as exc:
+                        unreachable[endpoint] = str(exc)
+    for report in reports:
+        report.unreachable.update(
+            {e: why for e, why in unreachable.items() if any(r.endpoint == e for r in report.rows)}
+        )
+        report.rows[:] = [
+            replace(r, head=heads.get((r.endpoint, report.stream))) if r.endpoint else r
+            for r in report.rows
+        ]

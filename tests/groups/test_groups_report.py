@@ -1,0 +1,112 @@
+"""``streamq groups DB``: a consumer group as its rows in the consumer's database show it
+(members, shares, holders, positions, how far behind, parked records), on either engine,
+from the API and the command line, running and after its members stopped."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import streamq
+from streamq.groups.group_consumer import GroupConsumer
+from streamq.groups.report import describe_groups
+
+KEYS = [f"account-{n}".encode() for n in range(24)]
+STREAMQ = [sys.executable, "-m", "streamq"]
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def group_db(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return str(tmp_path / "consumer.db")
+    url: str = request.getfixturevalue("pg_url")
+    return url
+
+
+async def apply_until(db: str, head: int, members: list[GroupConsumer]) -> None:
+    """Apply batches with ``members`` until every share of the group stands at ``head``."""
+
+    async def caught_up() -> bool:
+        reports = await asyncio.to_thread(describe_groups, db, "billing", heads=False)
+        rows = reports[0].rows if reports else []
+        return len(rows) == 4 and all(r.applied == head for r in rows)
+
+    async def run(member: GroupConsumer) -> None:
+        async for batch in member:
+            async with member.transaction(batch):
+                pass
+
+    tasks = [asyncio.create_task(run(member)) for member in members]
+    try:
+        async with asyncio.timeout(30):
+            while not await caught_up():
+                await asyncio.sleep(0.05)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*STREAMQ, *args], capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+async def test_the_group_view_shows_members_shares_and_positions(
+    producer_db: str, group_db: str
+) -> None:
+    async with streamq.Producer(producer_db, port=0) as producer:
+        async with producer.transaction() as tx:
+            for key in KEYS:
+                await tx.publish("orders", b"x", key=key)
+        options = {"db": group_db, "name": "billing", "shares": 4}
+        async with (
+            GroupConsumer(producer.address, "orders", **options) as first,
+            GroupConsumer(producer.address, "orders", **options) as second,
+        ):
+            await apply_until(group_db, len(KEYS), [first, second])
+            await producer.publish("orders", b"late", key=KEYS[0])  # one share behind
+            (report,) = await asyncio.to_thread(describe_groups, group_db)
+            listed = await asyncio.to_thread(cli, "groups", group_db, "--json")
+        (group,) = [json.loads(line) for line in listed.stdout.splitlines()]
+    members = {first.member, second.member}
+    assert (report.name, report.stream, report.shares) == ("billing", "orders", 4)
+    assert {m.member for m in report.members} == members and all(m.alive for m in report.members)
+    assert sorted(s for m in report.members for s in m.shares) == [0, 1, 2, 3]
+    assert [r.share for r in report.rows] == [0, 1, 2, 3]
+    assert all(r.holder in members and r.token > 0 for r in report.rows)
+    assert all(r.producer_id == producer.producer_id for r in report.rows)
+    assert all(r.endpoint == producer.address and r.parked == 0 for r in report.rows)
+    assert [r.head for r in report.rows] == [len(KEYS) + 1] * 4
+    assert sorted(r.behind or 0 for r in report.rows) == [1, 1, 1, 1]  # head - applied
+    # The command line says the same, as JSON.
+    assert listed.returncode == 0, listed.stderr
+    assert group["group"] == "billing" and group["shares"] == 4
+    assert {m["member"] for m in group["members"]} == {f"{m:016x}" for m in members}
+    assert [p["applied"] for p in group["positions"]] == [len(KEYS)] * 4
+
+    # Stopped: the members left (their shares free), the positions stay; no producer.
+    (report,) = describe_groups(group_db)
+    assert report.members == [] and all(r.holder is None for r in report.rows)
+    assert [r.applied for r in report.rows] == [len(KEYS)] * 4
+    assert all(r.head is None for r in report.rows) and report.unreachable
+    table = cli("groups", group_db, "--no-heads")
+    assert table.returncode == 0, table.stderr
+    assert "group billing on stream 'orders': 4 shares, 0 of 0 member(s) alive" in table.stdout
+
+
+def test_no_group_or_the_wrong_database_is_one_line(tmp_path: Path, producer_db: str) -> None:
+    missing = cli("groups", str(tmp_path / "nosuch.db"))
+    assert missing.returncode == 1 and "does not exist" in missing.stderr
+    assert "Traceback" not in missing.stderr
+    with streamq.SyncProducer(producer_db) as producer:
+        producer.publish("orders", b"x")
+    wrong = cli("groups", producer_db)  # the producer's database, not a consumer's
+    assert wrong.returncode == 1 and "Traceback" not in wrong.stderr, wrong.stderr
+    assert wrong.stderr.count("\n") == 1
