@@ -76,7 +76,7 @@ import functools
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -495,37 +495,40 @@ async def run_async(conn: Any, steps: Steps) -> Any:
     if is_asyncpg(conn):
         return await run_asyncpg(conn, steps)
     async with conn.cursor() as cursor:
-        try:
-            step = next(steps)
-            while True:
-                try:
-                    await cursor.execute(step.sql, step.params)
-                    if step.fetch_all:
-                        row = await cursor.fetchall()
-                    else:
-                        row = await cursor.fetchone() if step.fetch else None
-                except Exception as exc:
-                    step = steps.throw(exc)
-                    continue
-                step = steps.send(row)
-        except StopIteration as done:
-            return done.value
+
+        async def execute(step: Statement) -> Any:
+            await cursor.execute(step.sql, step.params)
+            if step.fetch_all:
+                return await cursor.fetchall()
+            return await cursor.fetchone() if step.fetch else None
+
+        return await _drive(steps, execute)
 
 
 async def run_asyncpg(conn: Any, steps: Steps) -> Any:
     """``run`` on an asyncpg ``Connection`` (or a pool's): each statement in asyncpg's
     placeholders, with asyncpg's own binary codecs (arrays as lists, bytea as bytes)."""
+
+    async def execute(step: Statement) -> Any:
+        sql, params = _in_style(step, dollar=True)
+        if step.fetch_all:
+            return await conn.fetch(sql, *params)
+        if step.fetch:
+            return await conn.fetchrow(sql, *params)
+        await conn.execute(sql, *params)
+        return None
+
+    return await _drive(steps, execute)
+
+
+async def _drive(steps: Steps, execute: Callable[[Statement], Awaitable[Any]]) -> Any:
+    """Run ``steps``, each statement by ``execute``: its row(s) sent back to the steps,
+    its failure thrown into them (they turn it into streamq's error, or not)."""
     try:
         step = next(steps)
         while True:
-            sql, params = _in_style(step, dollar=True)
             try:
-                if step.fetch_all:
-                    row: Any = await conn.fetch(sql, *params)
-                elif step.fetch:
-                    row = await conn.fetchrow(sql, *params)
-                else:
-                    row = await conn.execute(sql, *params)
+                row = await execute(step)
             except Exception as exc:
                 step = steps.throw(exc)
                 continue
