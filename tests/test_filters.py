@@ -28,7 +28,7 @@ from streamq import (
     SharesChangedError,
     share_of,
 )
-from streamq.errors import OutOfOrderBatchError
+from streamq.errors import NewConsumerNameError, OutOfOrderBatchError
 from streamq.filters import FilterError
 from tests.conftest import wait_for
 
@@ -197,11 +197,15 @@ async def test_changing_the_number_of_shares_is_refused(producer_db: str, consum
                     pass
             assert info.value.stored == {"billing[0/2]": 100, "billing[1/2]": 100}
             assert "would skip or re-apply records" in str(info.value)
-        # Another consumer's names are not this one's.
-        async with Consumer(producer.address, "s", db=consumer_db, name="billing[x]"):
-            pass
-        async with Consumer(producer.address, "s", db=consumer_db, name="bill", share=(0, 5)):
-            pass
+        # Another consumer's names are not this one's shares: new names, started on purpose.
+        for name, options in (("billing[x]", {}), ("bill", {"share": (0, 5)})):
+            with pytest.raises(NewConsumerNameError):
+                async with Consumer(producer.address, "s", db=consumer_db, name=name, **options):
+                    pass
+            async with Consumer(
+                producer.address, "s", db=consumer_db, name=name, start_seq=1, **options
+            ):
+                pass
 
 
 async def test_reshare_moves_a_split_where_all_shares_stand_at_one_seq(

@@ -216,7 +216,7 @@ def _reader(
         # The WAL path's slot too, if it made one (walpath.py).
         stack.callback(drop_slot, url, publish_slot(_producer_id(url)))
         serving = source = stack.enter_context(
-            Child("streamq", "serve", url, "--port", 0, *capture)
+            Child("streamq", "serve", url, "--init", "--port", 0, *capture)
         )
         address = serving.expect("serving", STARTUP_TIMEOUT)[-1]
         stream = CAPTURED if system == "capture" else STREAM
@@ -383,7 +383,7 @@ def measure_idle(server: Any, seconds: float) -> dict[str, float]:
     records stays open (it keeps the doorbell from being armed), then with none open."""
     with _database(server) as url, contextlib.ExitStack() as stack:
         stack.callback(drop_slot, url, publish_slot(_producer_id(url)))  # once it stopped
-        serving = stack.enter_context(Child("streamq", "serve", url, "--port", 0))
+        serving = stack.enter_context(Child("streamq", "serve", url, "--init", "--port", 0))
         serving.expect("serving", STARTUP_TIMEOUT)
         publishing_path(url)  # its sessions as they stay
         with psycopg.connect(url) as conn, psycopg.connect(url) as held:

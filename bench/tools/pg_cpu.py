@@ -76,7 +76,7 @@ def measure(url: str, system: str, writers: int, seconds: float) -> dict[str, fl
     with contextlib.ExitStack() as stack:
         readers: list[Child] = []
         if system != "outbox":
-            serve = stack.enter_context(Child("streamq", "serve", url, "--port", 0))
+            serve = stack.enter_context(Child("streamq", "serve", url, "--init", "--port", 0))
             address = serve.expect("serving", 60)[-1]
             consumer = stack.enter_context(
                 Child("bench.pg_load.procs", "consumer", address, os.devnull, "orders")

@@ -247,7 +247,7 @@ def _start_source(
     serve`` or the relay (Kafka's, or Debezium's into Kafka). Returns where the ledger
     reads them: the address, or the broker and topic."""
     if system == "streamq":
-        serving = stack.enter_context(Child("streamq", "serve", payments, "--port", 0))
+        serving = stack.enter_context(Child("streamq", "serve", payments, "--init", "--port", 0))
         watched["streamq serve"] = serving
         address = _expect(serving, "serving", STARTUP_TIMEOUT, watched)[-1]
         return [address]

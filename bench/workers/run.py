@@ -126,7 +126,7 @@ def run_once(
     limit = STARTUP_TIMEOUT + (2 * orders / rate if rate > 0 else 300.0)
     with contextlib.ExitStack() as stack:
         if system == "streamq":
-            server = stack.enter_context(Child("streamq", "serve", db, "--port", 0))
+            server = stack.enter_context(Child("streamq", "serve", db, "--init", "--port", 0))
             address = server.expect("serving", STARTUP_TIMEOUT)[-1]
             consumer_args: list[object] = ["consumer", address]
         else:

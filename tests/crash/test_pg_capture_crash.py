@@ -94,6 +94,7 @@ class Serving:
                         *STREAMQ,
                         "serve",
                         self.url,
+                        "--init",  # the log tables, in a database that may not have them yet
                         "--port",
                         "0",
                         "--capture",
