@@ -66,7 +66,9 @@ would not do: it is the client machine's, and clients on two machines would take
 epoch at every turn.)
 
 The logic is written once, as generators of statements (``Steps``): ``append`` and
-``append_async`` only run them on a psycopg ``Connection`` or ``AsyncConnection``.
+``append_async`` only run them on a psycopg ``Connection`` or ``AsyncConnection``, or on
+the application's asyncpg connection (``run_asyncpg``), where each statement a writer
+runs has its asyncpg form (``in_both``: ``$n`` placeholders, asyncpg's own codecs).
 """
 
 from __future__ import annotations
