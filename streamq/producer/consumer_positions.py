@@ -10,6 +10,11 @@ and every reported position through its storage (at most about once a second), s
 consumer that is down when the producer restarts still shows, with its lag, until it is
 forgotten: removed (``Producer.forget_consumer``), not heard of for
 ``ServerSettings.position_expiry``, or under a split into shares it left (``resplit``).
+
+A share of a split (a position named ``billing[2/6]``) owes only its keys' records: its
+lag counts those, from the records held in memory (``share_lags``), where they are all
+there and at most ``SHARE_LAG_LIMIT``; beyond, it is head - applied, an upper bound, and
+``ConsumerLag.exact`` says so.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
-from ..filters import shared_as
+from ..filters import share_of, shared_as
+from ..protocol import record_key
 from .storage import NO_LIMITS, ConsumerRow, KnownPosition, Limits
 
 if TYPE_CHECKING:
@@ -61,6 +67,44 @@ class ConsumerLag(NamedTuple):
     max_idle_ms: int | None  # its registration's limits (None: none)
     max_bytes: int | None
     dropped: str  # why a limit dropped its registration ("": none did)
+    # False: ``lag`` is head - applied, more than a share owes (its keys' records were
+    # not all in memory, or too many to count: ``share_lags``).
+    exact: bool = True
+
+
+# Records a share's lag is counted over at most, one pass per stream and split each time
+# lags are read: beyond, head - applied stands in (``ConsumerLag.exact`` False).
+SHARE_LAG_LIMIT = 10_000
+
+
+def split_of(name: str) -> tuple[int, int] | None:
+    """(index, count) if ``name`` is a share's position name (``billing[2/6]``)."""
+    base, bracket, _ = name.rpartition("[")
+    return shared_as(base, name) if bracket else None
+
+
+def share_lags(positions: Sequence[Position], streams: Mapping[str, Stream]) -> dict[Key, int]:
+    """The exact lag of each share among ``positions`` whose records after its position
+    are all held in memory, at most ``SHARE_LAG_LIMIT``: how many of them are its keys'
+    (the records the producer sends it)."""
+    asked: dict[tuple[str, int], list[tuple[Key, int, int]]] = {}
+    for p in positions:
+        split, stream = split_of(p.consumer), streams.get(p.stream)
+        if split is None or stream is None or not 0 < stream.head - p.applied <= SHARE_LAG_LIMIT:
+            continue
+        ask = ((p.consumer, p.stream), split[0], p.applied)
+        asked.setdefault((p.stream, split[1]), []).append(ask)
+    lags: dict[Key, int] = {}
+    for (name, count), shares in asked.items():
+        stream = streams[name]
+        start = min(applied for _, _, applied in shares) + 1
+        held = stream.tail.get(start, stream.head + 1, SHARE_LAG_LIMIT, 1 << 62)
+        if held is None or len(held) != stream.head + 1 - start:
+            continue  # some are on disk only: not counted here
+        owner = [share_of(record_key(record), count) for record in held]
+        for key, index, applied in shares:
+            lags[key] = owner[applied + 1 - start :].count(index)
+    return lags
 
 
 class Positions:
@@ -257,24 +301,32 @@ class Positions:
         self._forgotten.difference_update(deleted)
 
     def lags(self, streams: Mapping[str, Stream]) -> list[ConsumerLag]:
-        """Every position with the lag behind its stream's head (0 for an unknown stream)."""
+        """Every position with the lag behind its stream's head (0 for an unknown stream):
+        the records after it, or for a share, those of its keys (``share_lags``)."""
+        positions = self.all()
+        counted = share_lags(positions, streams)
         result = []
-        for p in self.all():
+        for p in positions:
             stream = streams.get(p.stream)
             head = stream.head if stream is not None else 0
+            lag = max(0, head - p.applied)
+            exact = not lag or split_of(p.consumer) is None
+            if (p.consumer, p.stream) in counted:
+                lag, exact = counted[(p.consumer, p.stream)], True
             result.append(
                 ConsumerLag(
                     p.consumer,
                     p.stream,
                     p.applied,
                     head,
-                    max(0, head - p.applied),
+                    lag,
                     p.registered,
                     p.lost,
                     p.updated_at,
                     p.limits.max_idle_ms,
                     p.limits.max_bytes,
                     p.dropped,
+                    exact,
                 )
             )
         return result

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import streamq
 from streamq import Consumer, Producer
-from streamq.producer.consumer_positions import Positions
+from streamq.producer.consumer_positions import SHARE_LAG_LIMIT, Positions
 
 from ..conftest import wait_for
 from ..test_cli import wait_for_head
@@ -333,3 +333,48 @@ def test_positions_move_forward_and_wake_exactly_the_reached_waits(
         assert positions.waiting() == 0  # resolved and cancelled waits leave nothing behind
 
     asyncio.run(scenario())
+
+
+async def test_a_shares_lag_counts_its_keys_records(producer_db: str, consumer_db: str) -> None:
+    """Six shares caught up, then 120 new records: each share's lag is the number of
+    those records of its keys (what the producer will send it), and they sum to 120, not
+    720. Beyond what the producer holds in memory or counts, the lag is head - applied,
+    flagged inexact."""
+    keys = [b"account-%d" % n for n in range(40)]
+
+    async def publish(count: int) -> list[bytes]:
+        published = [keys[n % len(keys)] for n in range(count)]
+        async with producer.transaction() as tx:
+            for key in published:
+                await tx.publish("orders", b"x", key=key)
+        return published
+
+    async with Producer(producer_db) as producer:
+        await publish(60)
+        shares = [
+            Consumer(producer.address, "orders", db=consumer_db, name="billing", share=(i, 6))
+            for i in range(6)
+        ]
+        try:
+            for share in shares:
+                await share.start()
+                while share.applied < 60:
+                    async with share.transaction(await anext(share)):
+                        pass
+            await wait_for(
+                lambda: sum(lag.applied == 60 for lag in producer.consumer_lags()) == 6,
+                what="every share's report",
+            )
+            new = await publish(120)
+            lags = {lag.consumer: lag for lag in producer.consumer_lags()}
+            owed = [sum(streamq.share_of(key, 6) == i for key in new) for i in range(6)]
+            assert [lags[f"billing[{i}/6]"].lag for i in range(6)] == owed
+            assert sum(owed) == 120 and all(lag.exact for lag in lags.values())
+            # More than it counts: head - applied, said to be an upper bound.
+            await publish(SHARE_LAG_LIMIT)
+            lags = {lag.consumer: lag for lag in producer.consumer_lags()}
+            assert [lags[f"billing[{i}/6]"].lag for i in range(6)] == [SHARE_LAG_LIMIT + 120] * 6
+            assert not any(lag.exact for lag in lags.values())
+        finally:
+            for share in shares:
+                await share.close()
