@@ -499,8 +499,8 @@ def _add_groups(commands: argparse._SubParsersAction[_Parser]) -> None:
         help="consumer groups: members, the shares each holds, positions, lag, parked records",
         description="Each consumer group in a consumer database: its members (alive, when "
         "each must renew), each share's holder and lease token, the positions its shares "
-        "stored per producer, how far behind each is (the producers' heads are asked: "
-        "head - applied, every share's records), and the records each share parked.",
+        "stored per producer, what each still owes (asked of the producers: its keys' "
+        "records, or '≤ head - applied' where not counted), and the records each parked.",
     )
     groups.add_argument("db", help=CONSUMER_DATABASE_HELP)
     groups.add_argument("--group", metavar="NAME", help="only this group")
@@ -979,8 +979,8 @@ def _groups(args: argparse.Namespace) -> None:
             )
         console.print(members)
         shares = Table(
-            "share", "holder", "token", "producer", "applied", "head", "head - applied",
-            "parked", title="shares",
+            "share", "holder", "token", "producer", "applied", "head", "lag", "parked",
+            title="shares",
         )  # fmt: skip
         for r in report.rows:
             shares.add_row(
@@ -990,7 +990,7 @@ def _groups(args: argparse.Namespace) -> None:
                 r.producer_id or "",
                 "" if r.applied is None else str(r.applied),
                 "" if r.head is None else str(r.head),
-                "" if r.behind is None else str(r.behind),
+                "" if r.behind is None else f"{'' if r.exact else '≤ '}{r.behind}",
                 str(r.parked or ""),
             )
         console.print(shares)

@@ -9,6 +9,7 @@ What a "kafka-consumer-groups --describe" shows, read from the rows the members 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -35,11 +36,16 @@ class ShareRow:
     endpoint: str | None  # where that producer was last reached
     head: int | None  # the stream's head there now (None: not asked, or no answer)
     parked: int  # records of this share in the dead letters
+    lag: int | None = None  # its keys' records it owes, as the producer counts them
+    exact: bool = False  # ``lag`` is that count, not head - applied (its upper bound)
 
     @property
     def behind(self) -> int | None:
-        """Head minus applied: records after the position, every share's (an upper bound
-        of the share's own: docs/guides/operations.md, "What lag counts")."""
+        """What the share still owes: the producer's count of its keys' records after its
+        position (its status report, where it gives it), else head minus applied, every
+        key's, an upper bound (docs/guides/operations.md, "What lag counts")."""
+        if self.lag is not None:
+            return self.lag
         if self.head is None or self.applied is None:
             return None
         return max(0, self.head - self.applied)
@@ -78,6 +84,7 @@ class GroupReport:
                     "endpoint": r.endpoint,
                     "head": r.head,
                     "behind": r.behind,
+                    "exact": r.exact,
                     "parked": r.parked,
                 }
                 for r in self.rows
@@ -138,10 +145,14 @@ def _share_of(name: str, shares: int, consumer: str) -> int | None:
 
 
 def _ask_heads(reports: list[GroupReport], timeout: float) -> None:
-    """Each position's producer's head, asked of it: one connection per endpoint."""
+    """Each position's producer's head, and each share's lag as the producer counts it
+    (its status report, which a producer checking tokens gives an admin token only:
+    without it, heads alone), asked of it: one connection per endpoint."""
     wanted = sorted({(r.endpoint, g.stream) for g in reports for r in g.rows if r.endpoint})
     endpoints = sorted({endpoint for endpoint, _ in wanted})
     heads: dict[tuple[str, str], int] = {}
+    # (endpoint, name, stream) -> (applied, lag, exact), as the producer knows them
+    lags: dict[tuple[str, str, str], tuple[int, int, bool]] = {}
     unreachable: dict[str, str] = {}
     clients = Client.connect_all(endpoints, timeout=timeout, name="streamq groups")
     for endpoint, client in zip(endpoints, clients, strict=True):
@@ -149,17 +160,38 @@ def _ask_heads(reports: list[GroupReport], timeout: float) -> None:
             unreachable[endpoint] = str(client)
             continue
         with client:
-            for asked, stream in wanted:
-                if asked == endpoint:
-                    try:
+            try:
+                for asked, stream in wanted:
+                    if asked == endpoint:
                         heads[(endpoint, stream)] = client.head(stream).head
-                    except StreamQError as exc:
-                        unreachable[endpoint] = str(exc)
+            except StreamQError as exc:
+                unreachable[endpoint] = str(exc)
+                continue
+            with contextlib.suppress(StreamQError):  # last: an ERROR ends the connection
+                for p in client.status().get("positions", []):
+                    key = (endpoint, p["consumer"], p["stream"])
+                    lags[key] = (int(p["applied"]), int(p["lag"]), bool(p.get("exact", True)))
     for report in reports:
         report.unreachable.update(
             {e: why for e, why in unreachable.items() if any(r.endpoint == e for r in report.rows)}
         )
         report.rows[:] = [
-            replace(r, head=heads.get((r.endpoint, report.stream))) if r.endpoint else r
-            for r in report.rows
+            _answered(r, report, heads, lags) if r.endpoint else r for r in report.rows
         ]
+
+
+def _answered(
+    row: ShareRow,
+    report: GroupReport,
+    heads: dict[tuple[str, str], int],
+    lags: dict[tuple[str, str, str], tuple[int, int, bool]],
+) -> ShareRow:
+    """``row`` with what its producer answered: the head, and the share's lag where the
+    producer counted it for the position this row shows (the database's)."""
+    assert row.endpoint is not None
+    head = heads.get((row.endpoint, report.stream))
+    name = f"{report.name}[{row.share}/{report.shares}]"
+    known = lags.get((row.endpoint, name, report.stream))
+    if known is None or known[0] != row.applied or not known[2]:
+        return replace(row, head=head)
+    return replace(row, head=head, lag=known[1], exact=True)
