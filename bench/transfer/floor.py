@@ -11,9 +11,11 @@ streamq's own cost; the floor bounds what any producer and consumer of this desi
 written in Python could do on this machine.
 
 ``python -m bench --only transfer`` measures it beside streamq and Kafka + outbox;
-``python -m bench.transfer.floor [--repeats N] [--transfers N] [--floor-only]`` prints
-transfers/s end to end for it and streamq alone, and the floor's CPU per transfer, and
-saves nothing.
+``python -m bench.transfer.floor [--repeats N] [--transfers N] [--floor-only]
+[--streamq-sql]`` prints transfers/s end to end for it and streamq alone, and the floor's
+CPU per transfer, and saves nothing. ``--streamq-sql`` runs the floor again with the
+statements streamq's SQLite engine adds around the same ones, on its tables
+(``STREAMQ_TABLES``): what streamq's SQL costs, apart from its Python.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from .deployment import FULL, flow
 
 FRAME = struct.Struct("<I")  # a log row's length, before its bytes
 TITLE = "transfer, one writer: streamq against the floor (the same SQL, no framework)"
+FLOOR, STREAMQ_SQL = "floor", "floor, streamq's SQL"
 TIMEOUT = 600.0  # s for one run, at most
 
 
@@ -59,12 +62,25 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def producer(path: str, total: int, port: int) -> None:
-    """``producer DB TOTAL PORT``: READY once connected to the ledger, then, told GO,
-    commits and sends ``total`` transfers; DONE with its CPU seconds."""
+# ``streamq_sql``: the statements streamq's SQLite engine runs around the same ones in a
+# transaction, on its tables (``engines/sqlite/storage.py``): BEGIN without waiting for the
+# write lock and the data version read under it, the check that nobody else appended, the
+# log row with its timestamp and key, the time-index row.
+STREAMQ_TABLES = (
+    "CREATE TABLE log (pos INTEGER PRIMARY KEY, ts INTEGER NOT NULL, record BLOB NOT NULL, "
+    "key BLOB, count INTEGER NOT NULL DEFAULT 1)",
+    "CREATE TABLE times (stream_id INTEGER NOT NULL, ts INTEGER NOT NULL, seq INTEGER NOT NULL, "
+    "PRIMARY KEY (stream_id, ts)) WITHOUT ROWID",
+)
+
+
+def producer(path: str, total: int, port: int, streamq_sql: bool = False) -> None:
+    """``producer DB TOTAL PORT [streamq-sql]``: READY once connected to the ledger, then,
+    told GO, commits and sends ``total`` transfers; DONE with its CPU seconds."""
     conn = open_db(path)
     setup_producer_db(conn, outbox=False)
-    conn.execute("CREATE TABLE log (pos INTEGER PRIMARY KEY, count INTEGER, record BLOB)")
+    for table in STREAMQ_TABLES if streamq_sql else (_LOG,):
+        conn.execute(table)
     sock = socket.create_connection(("127.0.0.1", port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     rng = random.Random(1)
@@ -73,16 +89,34 @@ def producer(path: str, total: int, port: int) -> None:
     cpu, last = _cpu_seconds(), 0
     while last < total:
         transfers = make_transfers(rng, last + 1, min(total - last, rng.randint(1, MAX_BATCH)))
-        last += len(transfers)
-        conn.execute("BEGIN IMMEDIATE")
+        first, last = last + 1, last + len(transfers)
+        if streamq_sql:
+            conn.execute("PRAGMA busy_timeout=0")
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute("PRAGMA data_version").fetchone()
+            conn.execute("PRAGMA busy_timeout=10000")
+        else:
+            conn.execute("BEGIN IMMEDIATE")
         conn.executemany(DEBIT, debits(transfers))
         conn.executemany(JOURNAL, transfers)
         row = b"".join(payloads(transfers, None))
-        conn.execute("INSERT INTO log VALUES (?, ?, ?)", (last, len(transfers), row))
+        if streamq_sql:
+            ts = int(time.time() * 1000)
+            conn.execute(_ANY_FROM, (first, 1 << 40)).fetchone()
+            conn.executemany(_INSERT_LOG, [(last, ts, row, None, len(transfers))])
+            conn.executemany(_INSERT_TIME, [(1, ts, first)])
+        else:
+            conn.execute("INSERT INTO log VALUES (?, ?, ?)", (last, len(transfers), row))
         conn.execute("COMMIT")
         sock.sendall(FRAME.pack(len(row)) + row)
     say("DONE", _cpu_seconds() - cpu)
     wait_line("STOP")
+
+
+_LOG = "CREATE TABLE log (pos INTEGER PRIMARY KEY, count INTEGER, record BLOB)"
+_ANY_FROM = "SELECT 1 FROM log WHERE pos >= ? AND pos < ? LIMIT 1"
+_INSERT_LOG = "INSERT INTO log VALUES (?, ?, ?, ?, ?)"
+_INSERT_TIME = "INSERT OR IGNORE INTO times VALUES (?, ?, ?)"
 
 
 def ledger(path: str, total: int) -> None:
@@ -123,13 +157,14 @@ def ledger(path: str, total: int) -> None:
     sock.close()
 
 
-def floor_flow(folder: Path, total: int) -> tuple[float, float, float]:
-    """One run of the floor: (transfers/s end to end, producer's and ledger's CPU
-    microseconds per transfer)."""
+def floor_flow(folder: Path, total: int, streamq_sql: bool = False) -> tuple[float, float, float]:
+    """One run of the floor (``streamq_sql``: with streamq's statements and tables):
+    (transfers/s end to end, producer's and ledger's CPU microseconds per transfer)."""
     module = "bench.transfer.floor"
+    extra = ["streamq-sql"] if streamq_sql else []
     with Child(module, "ledger", folder / "ledger.db", total) as credits:
         (port,) = credits.expect("READY")
-        with Child(module, "producer", folder / "payments.db", total, port) as payments:
+        with Child(module, "producer", folder / "payments.db", total, port, *extra) as payments:
             payments.expect("READY")
             started = time.time()
             payments.send("GO")
@@ -144,21 +179,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="runs per system (3)")
     parser.add_argument("--transfers", type=int, default=FULL.transfers, help="transfers per run")
     parser.add_argument("--floor-only", action="store_true", help="the floor alone")
+    parser.add_argument(
+        "--streamq-sql",
+        action="store_true",
+        help="the floor again with streamq's statements and tables: what they cost",
+    )
     args = parser.parse_args(argv)
-    systems = ["floor"] + ([] if args.floor_only else ["streamq"])
+    floors = {FLOOR: False, **({STREAMQ_SQL: True} if args.streamq_sql else {})}
+    systems = [*floors, *([] if args.floor_only else ["streamq"])]
     case = f"{args.transfers:,} transfers"
     series = {s: Series(s, case, "tr/s") for s in systems}
     cpu = {
-        role: Series("floor", f"{role}'s CPU a transfer", "µs") for role in ("producer", "ledger")
+        (floor, role): Series(floor, f"{role}'s CPU a transfer", "µs")
+        for floor in floors
+        for role in ("producer", "ledger")
     }
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("transfer: the floor", total=args.repeats * len(systems))
         for system in alternating(systems, args.repeats):
             with tempfile.TemporaryDirectory(prefix="streamq-floor-") as folder:
-                if system == "floor":
-                    rate, producer_us, ledger_us = floor_flow(Path(folder), args.transfers)
-                    cpu["producer"].values.append(producer_us)
-                    cpu["ledger"].values.append(ledger_us)
+                if system in floors:
+                    rate, producer_us, ledger_us = floor_flow(
+                        Path(folder), args.transfers, floors[system]
+                    )
+                    cpu[(system, "producer")].values.append(producer_us)
+                    cpu[(system, "ledger")].values.append(ledger_us)
                 else:
                     measured = flow("streamq", None, Path(folder), args.transfers, 0)
                     rate = args.transfers / measured.seconds
@@ -167,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     table = Table(title=TITLE)
     for column in ("case", "system", "median", "spread", "runs", "of the floor"):
         table.add_column(column, justify="left" if column == "system" else "right")
-    floor = series["floor"].median
+    floor = series[FLOOR].median
     for s in [*series.values(), *cpu.values()]:
         share = f"{s.median / floor:.0%}" if s.unit == "tr/s" else ""
         table.add_row(
@@ -185,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     role, *args = sys.argv[1:] or [""]
     if role == "producer":
-        producer(args[0], int(args[1]), int(args[2]))
+        producer(args[0], int(args[1]), int(args[2]), args[3:] == ["streamq-sql"])
     elif role == "ledger":
         ledger(args[0], int(args[1]))
     else:

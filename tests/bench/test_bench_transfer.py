@@ -163,6 +163,24 @@ def test_the_floor_runs_beside_streamq(capsys: pytest.CaptureFixture[str]) -> No
     assert our_programs() == []
 
 
+def test_the_floor_with_streamqs_sql(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--streamq-sql``: the floor again on streamq's tables and statements; its ledger
+    still credits each transfer once, and the table shows both floors' CPU."""
+    rate, producer_us, _ = floor.floor_flow(tmp_path, 3000, streamq_sql=True)
+    assert rate > 0 and producer_us > 0
+    with contextlib.closing(sqlite3.connect(tmp_path / "payments.db")) as payments:
+        (rows, last) = payments.execute("SELECT count(*), max(pos) FROM log").fetchone()
+        (indexed,) = payments.execute("SELECT count(*) FROM times").fetchone()
+    with contextlib.closing(sqlite3.connect(tmp_path / "ledger.db")) as ledger:
+        (position,) = ledger.execute("SELECT seq FROM position").fetchone()
+    assert last == position == 3000 and rows >= 3000 // 50 and indexed >= 1
+    assert (
+        floor.main(["--repeats", "1", "--transfers", "2000", "--floor-only", "--streamq-sql"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "streamq's" in out and "│ streamq │" not in out  # the column may wrap
+
+
 def test_where_the_transfers_time_goes(capsys: pytest.CaptureFixture[str]) -> None:
     """``python -m bench.tools.transfer_profile``: the one-writer transfer under py-spy,
     each process's CPU, and the producer's event-loop thread split into parts that add up
