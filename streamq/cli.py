@@ -414,6 +414,11 @@ def _add_readers(commands: argparse._SubParsersAction[_Parser]) -> None:
     status = commands.add_parser("status", help="streams, heads, consumers and their lag")
     status.add_argument("address", help="producer HOST:PORT")
     status.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    status.add_argument(
+        "--group",
+        metavar="NAME",
+        help="one consumer group's (or consumer's) positions, each share's lag and their sum",
+    )
     _add_client_security(status)
 
 
@@ -807,6 +812,9 @@ def _history(args: argparse.Namespace) -> None:
 def _status(args: argparse.Namespace) -> None:
     with Client(_address("status", args.address), **_client_security(args)) as client:
         status = client.status()
+    if args.group:
+        _group_status(args, status)
+        return
     if args.json:
         print(json.dumps(status, indent=2))
         return
@@ -884,6 +892,41 @@ def _status(args: argparse.Namespace) -> None:
         lag = heads.get(stream, 0)
         consumers.add_row(consumer, stream, "", str(lag), "", "", "", ", ".join(connected))
     console.print(consumers)
+
+
+def _group_status(args: argparse.Namespace, status: dict[str, Any]) -> None:
+    """``status --group NAME``: the positions of NAME and its shares (``NAME[i/n]``), as
+    the producer knows them, and per stream the sum of their lags: what the group owes."""
+    name = args.group
+    rows = [
+        p
+        for p in status.get("positions", [])
+        if p["consumer"] == name or p["consumer"].startswith(name + "[")
+    ]
+    if not rows:
+        raise SystemExit(
+            f"streamq status: the producer at {args.address} knows no consumer {name!r} "
+            "and no share of it"
+        )
+    streams: dict[str, dict[str, Any]] = {}
+    for p in rows:
+        total = streams.setdefault(p["stream"], {"lag": 0, "exact": True})
+        total["lag"] += p["lag"]
+        total["exact"] = total["exact"] and p.get("exact", True)
+    if args.json:
+        print(json.dumps({"group": name, "streams": streams, "positions": rows}))
+        return
+    console = _console()
+    for stream, total in streams.items():
+        lag = total["lag"] if total["exact"] else f"≤ {total['lag']}"
+        console.print(f"group [bold]{name}[/] on stream {stream!r}: lag {lag}")
+    table = Table("consumer", "stream", "applied", "lag", "last report", title=name)
+    for p in rows:
+        lag = str(p["lag"]) if p.get("exact", True) else f"≤ {p['lag']}"
+        table.add_row(
+            p["consumer"], p["stream"], str(p["applied"]), lag, _ago(p["updated_at"] / 1000)
+        )
+    console.print(table)
 
 
 def _ago(when: float) -> str:

@@ -79,6 +79,10 @@ async def test_the_group_view_shows_members_shares_and_positions(
             await producer.publish("orders", b"late", key=KEYS[0])  # one share behind
             (report,) = await asyncio.to_thread(describe_groups, group_db)
             listed = await asyncio.to_thread(cli, "groups", group_db, "--json")
+            # The producer's side: the group's positions, and their lags' sum.
+            address = producer.address
+            owed = await asyncio.to_thread(cli, "status", address, "--group", "billing", "--json")
+            unknown = await asyncio.to_thread(cli, "status", address, "--group", "biling")
         (group,) = [json.loads(line) for line in listed.stdout.splitlines()]
     members = {first.member, second.member}
     assert (report.name, report.stream, report.shares) == ("billing", "orders", 4)
@@ -92,6 +96,10 @@ async def test_the_group_view_shows_members_shares_and_positions(
     late = streamq.share_of(KEYS[0], 4)  # the share that owes the late record
     assert [r.behind for r in report.rows] == [int(i == late) for i in range(4)]
     assert all(r.exact for r in report.rows)  # counted by the producer, its keys' only
+    assert owed.returncode == 0, owed.stderr
+    assert json.loads(owed.stdout)["streams"] == {"orders": {"lag": 1, "exact": True}}
+    assert unknown.returncode == 1 and unknown.stderr.count("\n") == 1
+    assert "knows no consumer 'biling' and no share of it" in unknown.stderr
     # The command line says the same, as JSON.
     assert listed.returncode == 0, listed.stderr
     assert group["group"] == "billing" and group["shares"] == 4
