@@ -393,8 +393,12 @@ class Server:
                 self.errors_sent += 1
                 await self._close_with_error(conn, reader, writer, error)
             writer.close()
-            with contextlib.suppress(Exception):
+            try:
                 await asyncio.wait_for(writer.wait_closed(), 1)
+            except Exception:
+                # A peer that reads nothing keeps what is unsent, and with it the transport
+                # (and uvloop's ``loop.close()``, which waits for every transport) for ever.
+                writer.transport.abort()
 
     async def _close_with_error(
         self,

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import threading
+from pathlib import Path
 
-from streamq import Consumer, Producer, ServerSettings
+from streamq import Client, Consumer, Producer, ServerSettings, SyncProducer
 from streamq.protocol import (
     PROTOCOL_VERSION,
     ClientConnection,
@@ -16,6 +18,7 @@ from streamq.protocol import (
 )
 
 from ..conftest import wait_for
+from ..waiting import wait_until
 
 RECORD = b"r" * 1000
 TRANSACTIONS = 100
@@ -90,3 +93,42 @@ async def test_stalled_consumer_is_held_back_by_tcp_alone(producer_db: str) -> N
                         next_seq = message.records[-1].seq + 1
         stalled.close()
         assert next_seq == total + 1
+
+
+def test_a_stalled_consumer_does_not_hold_the_producers_close(tmp_path: Path) -> None:
+    """A consumer that reads nothing: closing the producer writes SHUTTING_DOWN into a
+    socket that takes nothing more, and must not wait for it to be read (uvloop's loop
+    close waits for every transport to flush): the connection is aborted after a grace
+    second, and close returns."""
+    producer = SyncProducer(str(tmp_path / "p.db"))
+    stalled = socket.socket()
+    try:
+        with producer.transaction() as tx:
+            tx.publish_many("orders", [RECORD] * 20_000)  # 20 MB: more than any buffer here
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+        host, port = producer.address.rsplit(":", 1)
+        stalled.connect((host, int(port)))
+        protocol = ClientConnection()
+        stalled.sendall(protocol.send(ClientHello(PROTOCOL_VERSION, "stalled")))
+        stalled.sendall(protocol.send(Subscribe("orders", 1, "stalled", None)))
+
+        # The socket's buffers full: what the producer sent it stops growing. Closing then
+        # writes SHUTTING_DOWN into a socket that takes nothing more.
+        last = [-1]
+
+        def full() -> bool:
+            with Client(producer.address) as client:
+                (subscription,) = client.status()["consumers"]
+            sent, before, last[0] = subscription["sent"], last[0], subscription["sent"]
+            return sent > 0 and sent == before
+
+        wait_until(full, "the stalled consumer's socket buffers to fill", timeout=30)
+        closing = threading.Thread(target=producer.close)
+        closing.start()
+        closing.join(60)
+        assert not closing.is_alive(), (
+            "the producer's close waited for a consumer that reads nothing"
+        )
+    finally:
+        stalled.close()
+        producer.close()
