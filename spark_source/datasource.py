@@ -298,25 +298,39 @@ def _connect(options: Mapping[str, str]) -> Connect:
     return Connect(timeout, _tls(options), _token(options), patience, unreachable)
 
 
-def _columns(options: Mapping[str, str], schema: StructType) -> Columns:
-    """The columns to build: the schema Spark hands the reader, ours or one given with
-    ``.schema(...)``. Ours, with ``changeColumns``, holds the captured table's columns as
-    they were: changes with others then stop the query (``TableChangedError``); a schema
-    given names the columns it wants, and others are left out."""
-    if not _flag(options, "includeHeaders", True) and "headers" in schema.fieldNames():
-        raise StreamQSourceError("includeHeaders=false, but the schema given has headers")
+def _columns(options: Mapping[str, str], schema: StructType | None) -> Columns:
+    """The columns to build: the schema Spark hands the reader (ours, or one given with
+    ``.schema(...)``), or ours (None). Ours, with ``changeColumns``, holds the captured
+    table's columns as they were: changes with others then stop the query
+    (``TableChangedError``); a schema given names the columns it wants, and others are
+    left out. The catalog is asked once."""
+    include_headers = _flag(options, "includeHeaders", True)
     table_columns = None
-    if _flag(options, "changeColumns", False) and "new" in schema.fieldNames():
+    if schema is None and _flag(options, "changeColumns", False):
+        schema = change_schema(_captured_columns(options), include_headers)
+        table_columns = _row_columns(schema)
+    elif schema is None:
+        schema = default_schema(include_headers)
+    elif _flag(options, "changeColumns", False) and "new" in schema.fieldNames():
         try:  # a schema given needs no catalog: without an admin token, there is none
-            row = change_schema(_captured_columns(options), True)["new"].dataType
+            ours = change_schema(_captured_columns(options), include_headers)
         except StreamQSourceError:
-            row = None
-        if isinstance(row, StructType) and row == schema["new"].dataType:
-            table_columns = row.fieldNames()
+            ours = None
+        if ours is not None and ours["new"].dataType == schema["new"].dataType:
+            table_columns = _row_columns(ours)
+    if not include_headers and "headers" in schema.fieldNames():
+        raise StreamQSourceError("includeHeaders=false, but the schema given has headers")
     try:
         return Columns(schema, table_columns)
     except ValueError as exc:
         raise StreamQSourceError(f"schema: {exc}") from None
+
+
+def _row_columns(schema: StructType) -> list[str]:
+    """The table's columns in a change schema: the fields of ``new``."""
+    row = schema["new"].dataType
+    assert isinstance(row, StructType)
+    return row.fieldNames()
 
 
 class _Settings:
@@ -324,7 +338,7 @@ class _Settings:
 
     def __init__(self, options: Mapping[str, str], schema: StructType | None = None) -> None:
         check_option_names(options)
-        self.columns = _columns(options, _default_schema(options) if schema is None else schema)
+        self.columns = _columns(options, schema)
         self._endpoint_options = _endpoint_options(options)
         self.endpoints()  # fail early on a missing or bad option
         stream = options.get("stream")

@@ -153,6 +153,16 @@ def either_producer_db(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return url
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def either_consumer_db(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A consumer database of either engine (made by the consumer): a SQLite file's path,
+    or a fresh PostgreSQL database on the session's server."""
+    if request.param == "sqlite":
+        return str(tmp_path / "consumer.db")
+    url: str = request.getfixturevalue("pg_url")
+    return url
+
+
 @pytest.fixture
 def consumer_db(tmp_path: Path) -> str:
     return str(tmp_path / "consumer.db")

@@ -15,6 +15,7 @@ from typing import Any
 
 from ..consumer.database import consumer_database
 from ..errors import StreamQError
+from ..filters import share_name, shared_as
 from ..wire.client import Client
 
 
@@ -103,9 +104,7 @@ def describe_groups(
         return []
     found = [g for g in engine.open_leases(db, "", "").groups() if name in (None, g[0])]
     reports = [_report(engine.open_leases(db, group, stream)) for group, stream in found]
-    if heads:
-        _ask_heads(reports, timeout)
-    return reports
+    return _with_heads(reports, timeout) if heads else reports
 
 
 def _report(table: Any) -> GroupReport:
@@ -121,31 +120,22 @@ def _report(table: Any) -> GroupReport:
     leases = {lease.share: lease for lease in view.leases}
     stored: dict[int, list[tuple[Any, ...]]] = {}
     for consumer, producer_id, seq, endpoint, _ in positions:
-        share = _share_of(table.name, view.shares, consumer)
-        if share is not None:
-            stored.setdefault(share, []).append((producer_id, int(seq), endpoint))
+        # Only this split's shares: an earlier split's stay until every producer passes them.
+        split = shared_as(table.name, consumer)
+        if split is not None and split[1] == view.shares:
+            stored.setdefault(split[0], []).append((producer_id, int(seq), endpoint))
     rows = []
     for share in range(view.shares):
         lease = leases.get(share)
         holder, token = (None, 0) if lease is None else (lease.member, lease.token)
-        count = parked.get(f"{table.name}[{share}/{view.shares}]", 0)
+        count = parked.get(share_name(table.name, (share, view.shares)), 0)
         for producer_id, seq, endpoint in stored.get(share) or [(None, None, None)]:
             rows.append(ShareRow(share, holder, token, producer_id, seq, endpoint, None, count))
     return GroupReport(table.name, table.stream, view.shares, members, rows)
 
 
-def _share_of(name: str, shares: int, consumer: str) -> int | None:
-    """The share of this split a position's consumer name is (``name[i/n]``), or None (an
-    earlier split's, kept until every producer's records pass it)."""
-    suffix = consumer[len(name) :]
-    index, _, count = suffix.strip("[]").partition("/")
-    if not (suffix.startswith("[") and index.isdigit() and count == str(shares)):
-        return None
-    return int(index)
-
-
-def _ask_heads(reports: list[GroupReport], timeout: float) -> None:
-    """Each position's producer's head, and each share's lag as the producer counts it
+def _with_heads(reports: list[GroupReport], timeout: float) -> list[GroupReport]:
+    """``reports`` with each position's producer's head, and each share's lag as it counts it
     (its status report, which a producer checking tokens gives an admin token only:
     without it, heads alone), asked of it: one connection per endpoint."""
     wanted = sorted({(r.endpoint, g.stream) for g in reports for r in g.rows if r.endpoint})
@@ -171,13 +161,13 @@ def _ask_heads(reports: list[GroupReport], timeout: float) -> None:
                 for p in client.status().get("positions", []):
                     key = (endpoint, p["consumer"], p["stream"])
                     lags[key] = (int(p["applied"]), int(p["lag"]), bool(p.get("exact", True)))
+    answered = []
     for report in reports:
-        report.unreachable.update(
-            {e: why for e, why in unreachable.items() if any(r.endpoint == e for r in report.rows)}
-        )
-        report.rows[:] = [
-            _answered(r, report, heads, lags) if r.endpoint else r for r in report.rows
-        ]
+        rows = [_answered(r, report, heads, lags) if r.endpoint else r for r in report.rows]
+        reached = {r.endpoint for r in rows}
+        missing = {e: why for e, why in unreachable.items() if e in reached}
+        answered.append(replace(report, rows=rows, unreachable=missing))
+    return answered
 
 
 def _answered(
@@ -190,7 +180,7 @@ def _answered(
     producer counted it for the position this row shows (the database's)."""
     assert row.endpoint is not None
     head = heads.get((row.endpoint, report.stream))
-    name = f"{report.name}[{row.share}/{report.shares}]"
+    name = share_name(report.name, (row.share, report.shares))
     known = lags.get((row.endpoint, name, report.stream))
     if known is None or known[0] != row.applied or not known[2]:
         return replace(row, head=head)

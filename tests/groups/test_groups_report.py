@@ -10,8 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import streamq
 from streamq.groups.group_consumer import GroupConsumer
 from streamq.groups.report import describe_groups
@@ -19,14 +17,6 @@ from tests.conftest import wait_for
 
 KEYS = [f"account-{n}".encode() for n in range(24)]
 STREAMQ = [sys.executable, "-m", "streamq"]
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def group_db(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return str(tmp_path / "consumer.db")
-    url: str = request.getfixturevalue("pg_url")
-    return url
 
 
 async def apply_until(db: str, head: int, members: list[GroupConsumer]) -> None:
@@ -60,25 +50,25 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 async def test_the_group_view_shows_members_shares_and_positions(
-    producer_db: str, group_db: str
+    producer_db: str, either_consumer_db: str
 ) -> None:
     async with streamq.Producer(producer_db, port=0) as producer:
         async with producer.transaction() as tx:
             for key in KEYS:
                 await tx.publish("orders", b"x", key=key)
-        options = {"db": group_db, "name": "billing", "shares": 4}
+        options = {"db": either_consumer_db, "name": "billing", "shares": 4}
         async with (
             GroupConsumer(producer.address, "orders", **options) as first,
             GroupConsumer(producer.address, "orders", **options) as second,
         ):
-            await apply_until(group_db, len(KEYS), [first, second])
+            await apply_until(either_consumer_db, len(KEYS), [first, second])
             await wait_for(
                 lambda: sum(lag.applied == len(KEYS) for lag in producer.consumer_lags()) == 4,
                 what="the shares' reports",
             )
             await producer.publish("orders", b"late", key=KEYS[0])  # one share behind
-            (report,) = await asyncio.to_thread(describe_groups, group_db)
-            listed = await asyncio.to_thread(cli, "groups", group_db, "--json")
+            (report,) = await asyncio.to_thread(describe_groups, either_consumer_db)
+            listed = await asyncio.to_thread(cli, "groups", either_consumer_db, "--json")
             # The producer's side: the group's positions, and their lags' sum.
             address = producer.address
             owed = await asyncio.to_thread(cli, "status", address, "--group", "billing", "--json")
@@ -107,11 +97,11 @@ async def test_the_group_view_shows_members_shares_and_positions(
     assert [p["applied"] for p in group["positions"]] == [len(KEYS)] * 4
 
     # Stopped: the members left (their shares free), the positions stay; no producer.
-    (report,) = describe_groups(group_db)
+    (report,) = describe_groups(either_consumer_db)
     assert report.members == [] and all(r.holder is None for r in report.rows)
     assert [r.applied for r in report.rows] == [len(KEYS)] * 4
     assert all(r.head is None for r in report.rows) and report.unreachable
-    table = cli("groups", group_db, "--no-heads")
+    table = cli("groups", either_consumer_db, "--no-heads")
     assert table.returncode == 0, table.stderr
     assert "group billing on stream 'orders': 4 shares, 0 of 0 member(s) alive" in table.stdout
 
