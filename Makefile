@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck bench bench-quick bench-smoke nats-server soak soak-spark soak-spark-many fuzz powerloss simulate clean docs docs-fit native test-pure wheel
+.PHONY: demo test lint typecheck bench bench-quick bench-smoke nats-server soak soak-spark soak-spark-many fuzz powerloss simulate clean docs docs-fit docs-console native test-pure wheel chromium
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,9 +25,21 @@ $(DOCS_STAMP): $(STAMP) pyproject.toml
 docs: $(DOCS_STAMP)  # the site: guides, API and CLI reference, protocol, benchmarks
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
-docs-fit: docs  # no code block scrolls sideways at 1280 px, in headless Chromium
-	$(BIN)/pip install --quiet -e '.[browser]'
-	$(BIN)/python tests/docs/fit.py
+docs-fit: docs chromium  # no code block scrolls sideways at 1280 px, in headless Chromium
+	$(BIN)/python -m tests.docs.fit
+
+# Debian's Chromium for the browser tests (the console's, docs-fit), from Debian's packages
+# when missing: as root (CI), or through sudo.
+CHROMIUM := /usr/bin/chromium
+$(CHROMIUM):
+	$(if $(filter 0,$(shell id -u)),,sudo) sh -c 'apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium > /dev/null'
+
+chromium: $(CHROMIUM)
+
+docs-console: $(STAMP) chromium  # the console's screenshots in docs/guides/operations.md
+	STREAMQ_CONSOLE_SCREENSHOTS=docs/images $(BIN)/python -m pytest -q -p no:randomly \
+		tests/console/test_console.py -k the_page
 
 # The compiled path (setup.py, streamq/native.py): the listed modules built by mypyc, in
 # place, again whenever one of them changes. Without a C compiler it says so, and the
@@ -51,7 +63,7 @@ demo: $(STAMP)
 # minutes on a fresh machine; a test that finds the build under way waits for it.
 # The suite runs on the compiled build (STREAMQ_TEST_BUILD: the run fails if another
 # path would run); `make test-pure` runs the core suites again on pure Python.
-test: $(STAMP) $(NATIVE)
+test: $(STAMP) $(NATIVE) $(CHROMIUM)
 	$(BIN)/python -m bench.nats.server --build > $(VENV)/nats-build.log 2>&1 & \
 	$(BIN)/ruff check streamq spark_source bench tests setup.py && \
 	$(BIN)/ruff format --check streamq spark_source bench tests setup.py && \

@@ -14,9 +14,7 @@ only the producers whose head moved.
 from __future__ import annotations
 
 import contextlib
-import functools
 import heapq
-import importlib
 import itertools
 import json
 import logging
@@ -27,14 +25,13 @@ from collections.abc import (
     Callable,
     Collection,
     Generator,
-    Iterable,
     Iterator,
     Mapping,
     Sequence,
 )
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 from streamq import (
     Client,
@@ -68,7 +65,7 @@ from streamq.wire.client import (
     vouch_request,
     watch_request,
 )
-from streamq.wire.transport import parse_address
+from streamq.wire.endpoints import ProviderError, listed_endpoints
 
 Offsets = dict[str, int]
 
@@ -224,57 +221,24 @@ class Range:
 def parse_endpoints(
     endpoints: str | None, endpoints_file: str | None, provider: str | None = None
 ) -> list[str]:
-    """Endpoints from a comma-separated list, a file with one per line (# comments), and a
-    provider: ``module:function`` returning host:port strings (e.g. from a service registry).
+    """Endpoints from the options ``endpoints`` (comma-separated), ``endpointsFile`` (one
+    per line, # comments) and ``endpointsProvider`` (``module:function`` returning
+    host:port strings, e.g. from a service registry): ``streamq.wire.endpoints``.
 
     The source calls this at every trigger, so producers added to the file or the registry
     join a running query.
     """
-    found: list[str] = []
-    if endpoints:
-        found += _listed(endpoints, lines=False)
-    if endpoints_file:
-        with open(endpoints_file) as file:
-            found += _listed(file.read(), lines=True)
-    if provider:
-        found += _checked(tuple(str(e).strip() for e in _load_provider(provider)()))
+    try:
+        found = listed_endpoints(endpoints, endpoints_file, provider)
+    except ProviderError as exc:
+        raise StreamQSourceError(f"endpointsProvider {exc}") from exc
+    except ValueError as exc:
+        raise StreamQSourceError(f"endpoints: {exc}") from None
     if not found:
         raise StreamQSourceError(
             "set option 'endpoints' (host:port,...), 'endpointsFile' or 'endpointsProvider'"
         )
-    return list(dict.fromkeys(found))
-
-
-@functools.lru_cache(maxsize=8)
-def _listed(text: str, lines: bool) -> tuple[str, ...]:
-    """The endpoints ``text`` lists, comma-separated or (``lines``, a file's) one per line
-    with # comments, checked. Parsed once per text: read at every trigger, a thousand
-    endpoints checked each time cost an idle trigger milliseconds."""
-    parts = [line.split("#", 1)[0] for line in text.splitlines()] if lines else text.split(",")
-    return _checked(tuple(part.strip() for part in parts if part.strip()))
-
-
-def _checked(endpoints: tuple[str, ...]) -> tuple[str, ...]:
-    """``endpoints``, once each parses as host:port; else one line naming the bad one."""
-    for endpoint in endpoints:  # here, not in a thread of discover, as one line
-        try:
-            parse_address(endpoint)
-        except ValueError as exc:
-            raise StreamQSourceError(f"endpoints: {exc}") from None
-    return endpoints
-
-
-def _load_provider(spec: str) -> Callable[[], Iterable[str]]:
-    module_name, sep, function = spec.partition(":")
-    if not sep:
-        raise StreamQSourceError(f"endpointsProvider must be module:function, not {spec!r}")
-    try:
-        provider = getattr(importlib.import_module(module_name), function)
-    except (ImportError, AttributeError) as exc:
-        raise StreamQSourceError(f"endpointsProvider {spec!r}: {exc}") from exc
-    if not callable(provider):
-        raise StreamQSourceError(f"endpointsProvider {spec!r} is not callable")
-    return cast(Callable[[], Iterable[str]], provider)
+    return found
 
 
 # How a kept connection may have ended between triggers: the producer stopped (it says so on

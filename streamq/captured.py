@@ -12,6 +12,8 @@ from typing import Any
 
 import msgpack
 
+from .protocol import Record
+
 # A change record's one header: what its value is.
 HEADER, HEADER_VALUE = "streamq-change", b"msgpack/1"
 
@@ -49,6 +51,24 @@ def decode_change(value: bytes) -> dict[str, Any]:
 def change_json(value: bytes) -> str:
     """A captured change record's value as one line of JSON (bytes as hex strings)."""
     return json.dumps(decode_change(value), separators=(",", ":"), default=json_default)
+
+
+def text(data: bytes | None) -> str | None:
+    """Bytes a person reads: UTF-8, anything else escaped (``\\xff``)."""
+    return None if data is None else data.decode("utf-8", "backslashreplace")
+
+
+def record_json(record: Record) -> dict[str, Any]:
+    """A record as JSON takes it (``streamq tail --json``, the console): a captured
+    change's value as its dict, other bytes as text (``json_default`` for what is left)."""
+    captured = record.headers.get(HEADER) == HEADER_VALUE
+    return {
+        "seq": record.seq,
+        "timestamp": record.timestamp,
+        "key": text(record.key),
+        "value": decode_change(record.value) if captured else text(record.value),
+        "headers": {k: text(v) for k, v in record.headers.items()},
+    }
 
 
 def json_default(value: Any) -> Any:

@@ -21,9 +21,9 @@ from rich.table import Table
 from . import __version__, _loop, native
 from .captured import HEADER as CHANGE_HEADER
 from .captured import HEADER_VALUE as CHANGE_HEADER_VALUE
-from .captured import capture_streams, change_json, decode_change, json_default
+from .captured import capture_streams, change_json, json_default, record_json, text
 from .consumer.consumer import Consumer
-from .consumer.database import list_dead_letters, mark_for_retry, reshare
+from .consumer.database import consumer_database, list_dead_letters, mark_for_retry, reshare
 from .consumer.resharing import OnlineMove
 from .engines import Engine, for_target, is_postgres_url, open_storage
 from .errors import SchemaMissingError, StreamQError
@@ -34,6 +34,7 @@ from .producer.server import ServerSettings
 from .protocol import Record, decode_record
 from .records import check_stream_name
 from .wire.client import Client
+from .wire.endpoints import ProviderError, listed_endpoints
 from .wire.security import (
     MIN_SECRET_BYTES,
     ClientTLS,
@@ -42,6 +43,7 @@ from .wire.security import (
     make_token,
     read_secret,
 )
+from .wire.status_report import consumer_rows
 from .wire.transport import parse_address
 
 DEFAULT_PORT = 7400
@@ -212,6 +214,8 @@ beyond a broker:
   poison records       Consumer(on_failure=DeadLetter());
                        streamq dead-letters list|retry DB
   consumer groups      streamq groups DB: members, shares, positions
+  web console          streamq console ADDRESS DB: streams, lag charts, groups,
+                       dead letters, newest records
   only what you want   streamq tail ADDRESS STREAM --key-prefix P --header N=V;
                        Consumer(filter=)
   per-key workers      GroupConsumer(..., shares=n), Consumer(share=(i, n));
@@ -247,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_dead_letters(commands)
     _add_groups(commands)
     _add_reshare(commands)
+    _add_console(commands)
     _add_demo(commands)
     return parser
 
@@ -442,11 +447,11 @@ def _add_consumers(commands: argparse._SubParsersAction[_Parser]) -> None:
         "registered or not, until it is removed or not heard of for a week.",
     )
     actions = consumers.add_subparsers(dest="action", required=True, metavar="ACTION")
-    for action, text in (
+    for action, what in (
         ("add", "register a consumer"),
         ("remove", "forget a consumer: its registration and its last known position"),
     ):
-        parser_for = actions.add_parser(action, help=text)
+        parser_for = actions.add_parser(action, help=what)
         parser_for.add_argument("db", help=DATABASE_HELP)
         parser_for.add_argument(
             "consumer", type=_name, help="the consumer's name (Spark: consumerName)"
@@ -527,6 +532,65 @@ def _add_reshare(commands: argparse._SubParsersAction[_Parser]) -> None:
     reshare.add_argument("consumer", type=_name, help="the consumer's name, without its [i/n]")
     reshare.add_argument(
         "--shares", type=int, required=True, metavar="N", help="the new number of shares"
+    )
+
+
+def _add_console(commands: argparse._SubParsersAction[_Parser]) -> None:
+    """``console``: the web page over producers and consumer databases."""
+    console = commands.add_parser(
+        "console",
+        help="a web page: streams, consumers and their lag, groups, dead letters, records",
+        description="Serve one web page over the producers and consumer databases given: "
+        "streams (head, rate, retention), consumers with a lag chart each, groups' members "
+        "and shares, dead letters (an admin token retries them), capture progress, and a "
+        "stream's newest records. Read-only without --token-secret-file and --admin.",
+    )
+    console.add_argument(
+        "targets",
+        nargs="*",
+        metavar="ADDRESS_OR_DB",
+        help="producers (HOST:PORT) and consumer databases (a SQLite file, a postgresql:// URL)",
+    )
+    console.add_argument(
+        "--endpoints-file",
+        metavar="FILE",
+        help="producers, one HOST:PORT a line (# comments), read at every poll "
+        "(as the Spark source's endpointsFile)",
+    )
+    console.add_argument(
+        "--endpoints-provider",
+        metavar="MODULE:FUNCTION",
+        help="a function returning producers' HOST:PORT, called at every poll",
+    )
+    console.add_argument("--host", type=_host, default="127.0.0.1", help="bind address")
+    console.add_argument("--port", type=_port, default=8490, help="port (0: any free one)")
+    console.add_argument(
+        "--interval", type=_seconds, default=1.0, help="seconds between polls (default 1)"
+    )
+    serving = console.add_argument_group(
+        "security of the page", "TLS and admin tokens, as the producer's (default: plain HTTP, "
+        "read-only)",
+    )  # fmt: skip
+    serving.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this chain")
+    serving.add_argument("--tls-key", metavar="PEM", help="its private key")
+    serving.add_argument(
+        "--token-secret-file",
+        metavar="FILE",
+        help=f"actions need a token made with this secret (or set ${SECRET_ENV}), by "
+        "`streamq token`, naming an --admin",
+    )
+    serving.add_argument(
+        "--admin", action="append", default=[], metavar="NAME", help="may act (repeatable)"
+    )
+    producers = console.add_argument_group(
+        "security of the producers", "for producers serving TLS or requiring tokens"
+    )
+    producers.add_argument("--producer-tls", action="store_true", help="TLS, the system's CAs")
+    producers.add_argument("--producer-tls-ca", metavar="PEM", help="TLS, trusting this CA")
+    producers.add_argument(
+        "--producer-token-file",
+        metavar="FILE",
+        help=f"an admin token for the producers' status (or set ${TOKEN_ENV})",
     )
 
 
@@ -616,7 +680,7 @@ _DATABASE_SUFFIXES = (".db", ".sqlite", ".sqlite3", ".db3")
 def _address(command: str, text: str) -> str:
     """``text``, checked to be a producer's HOST:PORT before anything connects; else one
     line saying what it is instead (a database, a URL) or what form is expected."""
-    if is_postgres_url(text) or os.path.exists(text) or text.endswith(_DATABASE_SUFFIXES):
+    if _is_database(text):
         raise SystemExit(
             f"streamq {command}: {text} is a database; {command} asks a running producer: "
             f"give its HOST:PORT (`streamq serve` prints it)"
@@ -682,23 +746,10 @@ async def _publish(args: argparse.Namespace) -> None:
 
 def _format(record: Record, as_json: bool) -> str:
     """A record as a line: a captured change's value (msgpack) as its JSON."""
-
-    def text(data: bytes | None) -> str | None:
-        return None if data is None else data.decode("utf-8", "backslashreplace")
-
-    captured = record.headers.get(CHANGE_HEADER) == CHANGE_HEADER_VALUE
     if as_json:
-        return json.dumps(
-            {
-                "seq": record.seq,
-                "timestamp": record.timestamp,
-                "key": text(record.key),
-                "value": decode_change(record.value) if captured else text(record.value),
-                "headers": {k: text(v) for k, v in record.headers.items()},
-            },
-            default=json_default,
-        )
+        return json.dumps(record_json(record), default=json_default)
     key = "" if record.key is None else f" key={text(record.key)}"
+    captured = record.headers.get(CHANGE_HEADER) == CHANGE_HEADER_VALUE
     value = change_json(record.value) if captured else text(record.value)
     return f"{record.seq}\t{record.timestamp}{key}\t{value}"
 
@@ -855,16 +906,10 @@ def _status(args: argparse.Namespace) -> None:
                 f"taking a snapshot of {', '.join(snapshot['tables'])} at LSN "
                 f"{snapshot['lsn']}: {snapshot['rows']} of {snapshot['of']} rows read"
             )
-    heads = {s["stream"]: s["head"] for s in status["streams"]}
     streams = Table("stream", "head", "first held", title="streams")
     for s in status["streams"]:
         streams.add_row(s["stream"], str(s["head"]), str(s["low"]))
     console.print(streams)
-    peers: dict[tuple[str, str], list[str]] = {}
-    for c in status["consumers"]:
-        # With tokens, positions count under the name the token proved ("principal").
-        name = c.get("principal") or c["consumer"]
-        peers.setdefault((name, c["stream"]), []).append(c["peer"])
     consumers = Table(
         "consumer",
         "stream",
@@ -876,21 +921,17 @@ def _status(args: argparse.Namespace) -> None:
         "connected",
         title="consumers",
     )
-    for p in status.get("positions", []):
-        connected = peers.pop((p["consumer"], p["stream"]), [])
+    for c in consumer_rows(status):
         consumers.add_row(
-            p["consumer"],
-            p["stream"],
-            str(p["applied"]),
-            str(p["lag"]) if p.get("exact", True) else f"≤ {p['lag']}",
-            "yes" if p["registered"] else ("dropped" if p.get("dropped") else ""),
-            str(p["lost"] or ""),
-            _ago(p.get("updated_at", 0) / 1000),
-            ", ".join(connected),
+            c["consumer"],
+            c["stream"],
+            "" if c["applied"] is None else str(c["applied"]),
+            str(c["lag"]) if c["exact"] else f"≤ {c['lag']}",
+            "yes" if c["registered"] else ("dropped" if c.get("dropped") else ""),
+            str(c["lost"] or ""),
+            _ago(c["updated_at"] / 1000),
+            ", ".join(c["connected"]),
         )
-    for (consumer, stream), connected in peers.items():  # connected, nothing applied yet
-        lag = heads.get(stream, 0)
-        consumers.add_row(consumer, stream, "", str(lag), "", "", "", ", ".join(connected))
     console.print(consumers)
 
 
@@ -1041,6 +1082,68 @@ def _groups(args: argparse.Namespace) -> None:
             console.print(f"no head from {endpoint}: {why}")
 
 
+def _is_database(text: str) -> bool:
+    return is_postgres_url(text) or os.path.exists(text) or text.endswith(_DATABASE_SUFFIXES)
+
+
+def _web_console(args: argparse.Namespace) -> None:
+    """``streamq console``: every target checked first, each mistake one line."""
+    try:
+        from .console import app, watch
+    except ImportError as exc:
+        raise SystemExit(
+            f"streamq console: {exc.name} is missing: pip install 'streamq[console]'"
+        ) from None
+    databases = [t for t in args.targets if _is_database(t)]
+    listed = [_address("console", t) for t in args.targets if t not in databases]
+    for db in databases:
+        _existing("console", db, _CONSUMER_MADE)
+        consumer_database(db)
+    if not args.targets and not args.endpoints_file and not args.endpoints_provider:
+        raise SystemExit(
+            "streamq console: give producers (HOST:PORT), consumer databases, "
+            "--endpoints-file or --endpoints-provider"
+        )
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise SystemExit("streamq console: --tls-cert and --tls-key go together")
+    auth = None
+    secret = read_secret(path=args.token_secret_file, env=SECRET_ENV)
+    if secret is not None:
+        if not args.admin:
+            raise SystemExit("streamq console: a token secret needs --admin NAME: who may act")
+        auth = TokenAuth(secret, {}, args.admin)
+    elif args.admin:
+        raise SystemExit(f"streamq console: --admin needs --token-secret-file (or ${SECRET_ENV})")
+    tls = None
+    if args.producer_tls or args.producer_tls_ca:
+        tls = ClientTLS(args.producer_tls_ca)
+    token = read_secret(path=args.producer_token_file, env=TOKEN_ENV)
+
+    def addresses() -> list[str]:
+        found = listed_endpoints(None, args.endpoints_file, args.endpoints_provider)
+        return list(dict.fromkeys(listed + found))
+
+    try:
+        first = addresses()
+    except ProviderError as exc:
+        raise SystemExit(f"streamq console: --endpoints-provider {exc}") from None
+    except ValueError as exc:
+        raise SystemExit(f"streamq console: {exc}") from None
+    watched = watch.Watch(
+        addresses, databases, tls=tls, token=None if token is None else token.decode()
+    )
+    for address, why in watched.check(first):  # not a producer, or no status for us
+        raise SystemExit(f"streamq console: {address}: {why}")
+    sock = app.bind(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    scheme = "https" if args.tls_cert else "http"
+    shown = f"[{host}]" if ":" in host else host
+    mode = f"actions by {', '.join(args.admin)}" if auth else "read-only"
+    print(f"console: {scheme}://{shown}:{port}/ ({mode})", flush=True)
+    page = app.Console(watched, interval=args.interval, auth=auth)
+    _loop.run(app.serve(page, sock, tls_cert=args.tls_cert, tls_key=args.tls_key))
+
+
 def _console() -> Console:
     """Where tables go. Not a terminal (a log, a pipe, ``watch``): as wide as they are,
     never cut to 80 columns (``COLUMNS`` still sets a width); a terminal: its width."""
@@ -1065,31 +1168,10 @@ def _dead_letters(args: argparse.Namespace) -> None:
         )
         return
 
-    def text(data: bytes | None) -> str | None:
-        return None if data is None else data.decode("utf-8", "backslashreplace")
-
     parked = list_dead_letters(args.db, args.consumer)
     if args.json:
         for p in parked:
-            r = p.record
-            print(
-                json.dumps(
-                    {
-                        "consumer": p.consumer,
-                        "producer_id": p.producer_id,
-                        "stream": p.stream,
-                        "seq": r.seq,
-                        "timestamp": r.timestamp,
-                        "key": text(r.key),
-                        "value": text(r.value),
-                        "headers": {k: text(v) for k, v in r.headers.items()},
-                        "error": p.error,
-                        "attempts": p.attempts,
-                        "parked_at": p.parked_at,
-                        "retry_requested_at": p.retry_requested_at,
-                    }
-                )
-            )
+            print(json.dumps(p.as_json(), default=json_default))
         return
     table = Table(
         "consumer", "stream", "seq", "key", "attempts", "parked at", "retry", "error",
@@ -1147,6 +1229,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             _groups(args)
         elif args.command == "reshare":
             _reshare(args)
+        elif args.command == "console":
+            _web_console(args)
         elif args.command == "demo":
             from .demo import run_demo
 

@@ -1,8 +1,8 @@
 """A consumer group member process for tests/groups/test_groups.py.
 
-    python -m tests.group_worker ADDRESS DB [--shares N] [--die-in-apply K]
+    python -m tests.group_worker ADDRESS DB [--shares N] [--die-in-apply K] [--name NAME]
 
-Member of group ``billing`` on stream ``orders``: applies each batch as rows of
+Member of group ``billing`` (or NAME) on stream ``orders``: applies each batch as rows of
 ``credits`` (seq unique, key, pid), under its lease. Prints ``JOINED <member>`` once
 it is a member and ``HELD <shares>`` whenever the shares it holds change.
 ``--die-in-apply K``: SIGKILL itself inside the K-th transaction, the batch's rows
@@ -29,6 +29,7 @@ def main() -> None:
     parser.add_argument("--shares", type=int, default=None)
     parser.add_argument("--die-in-apply", type=int, default=0)
     parser.add_argument("--lease-timeout", type=float, default=10.0)
+    parser.add_argument("--name", default="billing")
     args = parser.parse_args()
     run(work(args))
 
@@ -49,7 +50,7 @@ async def work(args: argparse.Namespace) -> None:
         args.address,
         "orders",
         db=args.db,
-        name="billing",
+        name=args.name,
         shares=args.shares,
         lease_timeout=args.lease_timeout,
         reconnect_timeout=30,

@@ -92,6 +92,8 @@ def test_publish_tail_status(served: tuple[str, str]) -> None:
             "key_index": False,
             "compact": False,
             "compacted": 0,
+            "retention_ms": None,
+            "retention_bytes": None,
         }
     ]
     table = run("status", address)

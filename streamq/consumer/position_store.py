@@ -16,6 +16,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar, cast
 
 import msgpack
 
+from ..captured import record_json
 from ..errors import LeaseLostError, OutOfOrderBatchError
 from ..protocol import Record
 from .batch import Batch
@@ -53,6 +54,19 @@ class ParkedRecord(NamedTuple):
         error, attempts, parked_at, requested = rest
         requested = None if requested is None else int(requested)
         return cls(consumer, producer_id, stream, record, error, attempts, parked_at, requested)
+
+    def as_json(self) -> dict[str, Any]:
+        """As ``streamq dead-letters list --json`` and the console show it."""
+        return {
+            "consumer": self.consumer,
+            "producer_id": self.producer_id,
+            "stream": self.stream,
+            **record_json(self.record),
+            "error": self.error,
+            "attempts": self.attempts,
+            "parked_at": self.parked_at,
+            "retry_requested_at": self.retry_requested_at,
+        }
 
 
 def stored_record(seq: Any, timestamp: Any, key: Any, value: Any, headers: Any) -> Record:

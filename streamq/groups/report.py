@@ -161,6 +161,18 @@ def _with_heads(reports: list[GroupReport], timeout: float) -> list[GroupReport]
                 for p in client.status().get("positions", []):
                     key = (endpoint, p["consumer"], p["stream"])
                     lags[key] = (int(p["applied"]), int(p["lag"]), bool(p.get("exact", True)))
+    return with_answers(reports, heads, lags, unreachable)
+
+
+def with_answers(
+    reports: list[GroupReport],
+    heads: dict[tuple[str, str], int],
+    lags: dict[tuple[str, str, str], tuple[int, int, bool]],
+    unreachable: dict[str, str],
+) -> list[GroupReport]:
+    """``reports`` with what producers answered: ``heads`` by (endpoint, stream), ``lags``
+    by (endpoint, consumer, stream) as (applied, lag, exact) from their status reports,
+    and the endpoints that did not answer (why)."""
     answered = []
     for report in reports:
         rows = [_answered(r, report, heads, lags) if r.endpoint else r for r in report.rows]

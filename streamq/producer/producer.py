@@ -201,6 +201,7 @@ class Producer:
                 )
                 self._server.refresh = self.writing.before_request
                 self._server.resplit = self._resplit
+                self._server.retention = self._retention_caps
                 await self._server.start(self._host, self._port)
                 await self.storage.serving(self._server.address)
             if self._metrics_port is not None:
@@ -736,6 +737,10 @@ class Producer:
     ) -> None:
         """Caps for ``stream`` (age in milliseconds, stored bytes) instead of the producer's."""
         self.retention.per_stream[check_stream_name(stream)] = RetentionPolicy(ms, bytes)
+
+    def _retention_caps(self, stream: str) -> tuple[int | None, int | None]:
+        policy = self.retention.policy(stream)
+        return policy.ms, policy.bytes
 
     async def apply_retention(self) -> list[Truncation]:
         """Delete what retention allows now, and save consumers' reported positions.

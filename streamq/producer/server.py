@@ -295,6 +295,8 @@ class Server:
         self.publishing: Callable[[], dict[str, Any]] | None = None
         # Where tables are captured (PostgreSQL): what status reports of it.
         self.capture_status: Callable[[], dict[str, Any]] | None = None
+        # A stream's retention caps (ms, bytes; None: none), for the status.
+        self.retention: Callable[[str], tuple[int | None, int | None]] | None = None
         # Called as a consumer subscribes, with its name, stream and number of shares: the
         # producer forgets its positions under another split (``Producer._resplit``).
         self.resplit: Callable[[str, str, int], Awaitable[None]] | None = None
@@ -564,6 +566,7 @@ class Server:
                     "key_index": s.settings.key_index,
                     "compact": s.settings.compact,
                     "compacted": s.compacted,
+                    **self._retention(s.name),
                 }
                 for s in self.log.streams.values()
             ],
@@ -582,6 +585,12 @@ class Server:
             **({} if self.publishing is None else {"publishing": self.publishing()}),
             **({} if self.capture_status is None else {"capture": self.capture_status()}),
         }
+
+    def _retention(self, stream: str) -> dict[str, int | None]:
+        if self.retention is None:
+            return {}
+        ms, size = self.retention(stream)
+        return {"retention_ms": ms, "retention_bytes": size}
 
     def _open_transactions(self) -> dict[str, Any]:
         if self.open_transactions is None:

@@ -20,19 +20,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from tests.browser import CHROMIUM, MISSING, chromium
+
 ROOT = Path(__file__).resolve().parents[2]
 SITE = ROOT / "build" / "site"
-CHROMIUM = "/usr/bin/chromium"
-# Chromium's own traffic (updates, sync, Google's hosts) stays off: loopback only.
-FLAGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 # Each code block wider than its box: its width, its box's, and its first line.
 WIDE_BLOCKS = """
 () => [...document.querySelectorAll("article pre > code")]
@@ -80,13 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no site in {SITE}: run make docs first", file=sys.stderr)
         return 2
     if shutil.which(CHROMIUM) is None:
-        print(f"no {CHROMIUM}: install Debian's chromium (apt-get install chromium)")
+        print(MISSING)
         return 2
-    from playwright.sync_api import sync_playwright
-
     wide: dict[str, list[list[object]]] = {}
-    with served(SITE) as base, sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+    with served(SITE) as base, chromium() as browser:
         page = browser.new_page(viewport={"width": args.width, "height": 800})
         listed = pages(SITE)
         for path in listed:
@@ -100,7 +88,6 @@ def main(argv: list[str] | None = None) -> int:
             target.scroll_into_view_if_needed()
         args.screenshot.parent.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(args.screenshot))
-        browser.close()
     for path, blocks in wide.items():
         for width, box, first in blocks:
             print(f"{path or 'index'}: {width} px in a {box} px box: {first}")

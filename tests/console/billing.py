@@ -1,0 +1,34 @@
+"""The consumer the console's tests watch: it applies ``orders`` into its own SQLite
+database (table ``credits``), and parks a value that is not a number until the file
+FIXED exists (the fix, deployed). ``python -m tests.console.billing ADDRESS DB FIXED``."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+import sys
+
+import streamq
+
+
+async def main(address: str, db: str, fixed: str) -> None:
+    with sqlite3.connect(db) as conn:
+        conn.execute("CREATE TABLE IF NOT EXISTS credits (seq INTEGER PRIMARY KEY, value TEXT)")
+
+    def credit(tx: streamq.BlockingSQL, batch: streamq.Batch) -> None:
+        for rec in batch:
+            if not rec.value.isdigit() and not os.path.exists(fixed):
+                raise ValueError(f"not a number: {rec.value!r}")
+            tx.execute("INSERT INTO credits VALUES (?, ?)", (rec.seq, rec.value.decode()))
+
+    async with streamq.Consumer(
+        address, "orders", db=db, name="billing", on_failure=streamq.DeadLetter()
+    ) as consumer:
+        print("consuming", flush=True)
+        async for batch in consumer:
+            await consumer.apply(batch, credit)
+
+
+if __name__ == "__main__":
+    asyncio.run(main(*sys.argv[1:4]))
