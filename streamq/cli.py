@@ -974,11 +974,16 @@ def _ago(when: float) -> str:
     """How long ago a consumer last reported (Unix seconds; 0: never): ``42 s ago``."""
     if not when:
         return ""
-    seconds = max(0.0, datetime.now(UTC).timestamp() - when)
+    return f"{_duration(datetime.now(UTC).timestamp() - when)} ago"
+
+
+def _duration(seconds: float) -> str:
+    """``42 s``, ``3 min``, ``2 h``, ``5 d``: a lease's age, a report's."""
+    seconds = max(0.0, seconds)
     for unit, size in (("d", 86_400), ("h", 3_600), ("min", 60)):
         if seconds >= size:
-            return f"{int(seconds // size)} {unit} ago"
-    return f"{seconds:.0f} s ago"
+            return f"{int(seconds // size)} {unit}"
+    return f"{seconds:.0f} s"
 
 
 async def _consumers(args: argparse.Namespace) -> None:
@@ -1063,13 +1068,14 @@ def _groups(args: argparse.Namespace) -> None:
             )
         console.print(members)
         shares = Table(
-            "share", "holder", "token", "producer", "applied", "head", "lag", "parked",
-            title="shares",
+            "share", "holder", "held for", "token", "producer", "applied", "head", "lag",
+            "parked", title="shares",
         )  # fmt: skip
         for r in report.rows:
             shares.add_row(
                 str(r.share),
                 "" if r.holder is None else f"{r.holder:016x}",
+                "" if r.held_ms is None else _duration(r.held_ms / 1000),
                 str(r.token),
                 r.producer_id or "",
                 "" if r.applied is None else str(r.applied),

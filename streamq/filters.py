@@ -52,6 +52,14 @@ def names_for(consumer: str, shares: int) -> tuple[str, ...]:
     return tuple(share_name(consumer, (i, shares)) for i in range(shares))
 
 
+def split_share_name(name: str) -> tuple[str, tuple[int, int]] | None:
+    """``share_name`` backwards, whoever the consumer: (consumer, (index, count)), or None
+    if ``name`` is no share's."""
+    consumer, bracket, _ = name.rpartition("[")
+    share = shared_as(consumer, name) if bracket else None
+    return None if share is None else (consumer, share)
+
+
 def shared_as(consumer: str, name: str) -> tuple[int, int] | None:
     """``share_name`` backwards: (index, count) if ``name`` is a share of ``consumer``'s
     (``consumer[i/n]``, a valid share), else None."""

@@ -54,6 +54,8 @@ class GroupState(Protocol):
     def takes(self) -> int: ...
     @property
     def losses(self) -> int: ...
+    @property
+    def taken_at(self) -> dict[int, float]: ...
 
 
 @runtime_checkable
@@ -173,6 +175,16 @@ class ConsumerCollector(Collector):
             for g, numbers in values:
                 family.add_metric([g.name, g.stream, str(g.member)], numbers[i])
             yield family
+        taken = GaugeMetricFamily(
+            "streamq_group_share_taken_seconds",
+            "When this member took the share's lease (Unix time): its age, as streamq "
+            "groups shows it",
+            labels=[*labels, "share"],
+        )
+        for g in groups:
+            for share, at in sorted(g.taken_at.items()):
+                taken.add_metric([g.name, g.stream, str(g.member), str(share)], at)
+        yield taken
 
 
 class MetricsServer:

@@ -46,6 +46,7 @@ SCHEMA = (
         share INTEGER NOT NULL,
         member BIGINT,                 -- its holder (NULL: given back)
         token BIGINT NOT NULL,         -- new at every take (even across splits): the fence
+        taken_at BIGINT,               -- ms since the Unix epoch: its holder's take
         PRIMARY KEY (name, stream, share)
     )""",
     """CREATE TABLE IF NOT EXISTS streamq_floors (
@@ -97,6 +98,26 @@ class LeaseTable:
     def _create_tables(self) -> None:
         for statement in SCHEMA:
             self._execute(statement)
+        self._add_taken_at()
+
+    def _add_taken_at(self) -> None:
+        """The lease rows' ``taken_at``, added to tables made before it (until a member
+        takes a share, it shows no age; a streamq before it leaves it as it was)."""
+        if not self._has_taken_at():
+            try:
+                self._execute("ALTER TABLE streamq_leases ADD COLUMN taken_at BIGINT")
+            except Exception:
+                if not self._has_taken_at():  # else another member added it meanwhile
+                    raise
+
+    def _has_taken_at(self) -> bool:
+        """Whether the lease rows say when they were taken (autocommit: a failed read
+        leaves no transaction to roll back)."""
+        try:
+            self._execute("SELECT taken_at FROM streamq_leases WHERE 1 = 0").fetchall()
+        except Exception:
+            return False
+        return True
 
     def _sql(self, sql: str) -> str:
         return sql
@@ -207,15 +228,27 @@ class LeaseTable:
         )
         return View(shares, members, leases, now)
 
-    def inspect(self) -> tuple[View, list[tuple[Any, ...]], dict[str, int]]:
+    def inspect(self) -> tuple[View, list[tuple[Any, ...]], dict[str, int], dict[int, int]]:
         """The group's rows as an operator reads them (``streamq groups``), changing
         nothing of theirs: its view, each member's liveness asked of its lock; the positions
         stored under its shares' names (consumer, producer id, seq, endpoint, updated_at);
-        and how many records each share parked. Opens and closes a connection of its own."""
+        how many records each share parked; and when each held share was taken (ms, the
+        database's clock; tables older than that column: none). Opens and closes a
+        connection of its own."""
         self._conn = self._connect()
         try:
             self._hold_liveness()  # a lock of its own, to ask for the members' locks
             view = self.view()
+            taken: dict[int, int] = {}
+            if self._has_taken_at():
+                taken = {
+                    int(share): int(at)
+                    for share, at in self._execute(
+                        f"SELECT share, taken_at FROM streamq_leases WHERE {_GROUP} "
+                        "AND member IS NOT NULL AND taken_at IS NOT NULL",
+                        self._key,
+                    ).fetchall()
+                }
             prefix = (self.stream, f"{self.name}[", f"{self.name}[")
             positions = self._execute(
                 "SELECT consumer, producer_id, seq, endpoint, updated_at FROM streamq_positions "
@@ -230,7 +263,8 @@ class LeaseTable:
             ).fetchall()
         finally:
             self.close()
-        return view, [tuple(row) for row in positions], {str(c): int(n) for c, n in parked}
+        parked_by = {str(c): int(n) for c, n in parked}
+        return view, [tuple(row) for row in positions], parked_by, taken
 
     def groups(self) -> list[tuple[str, str]]:
         """Every group in the database (name, stream), read only."""
@@ -296,7 +330,8 @@ class LeaseTable:
             # lease on the same share number cannot match it.
             (new,) = self._one(f"SELECT tokens FROM streamq_groups WHERE {_GROUP}", self._key)
             self._execute(
-                f"UPDATE streamq_leases SET member = ?, token = ? WHERE {_GROUP} AND share = ?",
+                f"UPDATE streamq_leases SET member = ?, token = ?, taken_at = {self.NOW} "
+                f"WHERE {_GROUP} AND share = ?",
                 (self.member, new, *key),
             )
             return int(new)

@@ -19,9 +19,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -56,6 +57,7 @@ class _Held:
     handed: int = 0  # the last seq of the last batch handed to the application
     draining: bool = False  # being given back: no more batches handed out
     starting: asyncio.Task[None] | None = None
+    taken_at: float = field(default_factory=time.time)  # Unix time
 
 
 class GroupConsumer:
@@ -147,6 +149,11 @@ class GroupConsumer:
     def member(self) -> int:
         """This worker's member id in the group's tables."""
         return self._leases.member
+
+    @property
+    def taken_at(self) -> dict[int, float]:
+        """When each share held was taken (Unix time): its lease's age."""
+        return {share: held.taken_at for share, held in self._held.items()}
 
     @property
     def held(self) -> list[int]:

@@ -39,6 +39,7 @@ class ShareRow:
     parked: int  # records of this share in the dead letters
     lag: int | None = None  # its keys' records it owes, as the producer counts them
     exact: bool = False  # ``lag`` is that count, not head - applied (its upper bound)
+    held_ms: int | None = None  # since its holder took its lease (None: free, or not known)
 
     @property
     def behind(self) -> int | None:
@@ -80,6 +81,7 @@ class GroupReport:
                     "share": r.share,
                     "holder": None if r.holder is None else f"{r.holder:016x}",
                     "token": r.token,
+                    "held_ms": r.held_ms,
                     "producer_id": r.producer_id,
                     "applied": r.applied,
                     "endpoint": r.endpoint,
@@ -108,7 +110,7 @@ def describe_groups(
 
 
 def _report(table: Any) -> GroupReport:
-    view, positions, parked = table.inspect()
+    view, positions, parked, taken = table.inspect()
     held: dict[int, list[int]] = {}
     for lease in view.leases:
         if lease.member is not None:
@@ -129,8 +131,12 @@ def _report(table: Any) -> GroupReport:
         lease = leases.get(share)
         holder, token = (None, 0) if lease is None else (lease.member, lease.token)
         count = parked.get(share_name(table.name, (share, view.shares)), 0)
+        age = view.now - taken[share] if holder is not None and share in taken else None
         for producer_id, seq, endpoint in stored.get(share) or [(None, None, None)]:
-            rows.append(ShareRow(share, holder, token, producer_id, seq, endpoint, None, count))
+            rows.append(
+                ShareRow(share, holder, token, producer_id, seq, endpoint, None, count,
+                         held_ms=age)
+            )  # fmt: skip
     return GroupReport(table.name, table.stream, view.shares, members, rows)
 
 

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Protocol
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from ..filters import split_share_name
+
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
@@ -107,6 +109,7 @@ def _positions(producer: ProducerState, streams: Mapping[str, Stream]) -> Iterat
         "When the consumer last reported its position (Unix time; 0: never)",
         labels=labels,
     )
+    groups: dict[tuple[str, str], int] = {}
     for position in producer.positions.lags(streams):
         key = [position.consumer, position.stream]
         applied.add_metric(key, position.applied)
@@ -114,7 +117,18 @@ def _positions(producer: ProducerState, streams: Mapping[str, Stream]) -> Iterat
         registered.add_metric(key, int(position.registered))
         lost.add_metric(key, position.lost)
         reported.add_metric(key, position.updated_at)
-    yield from (applied, lag, registered, lost, reported)
+        if (shared := split_share_name(position.consumer)) is not None:
+            group = (shared[0], position.stream)
+            groups[group] = groups.get(group, 0) + position.lag
+    owed = GaugeMetricFamily(
+        "streamq_group_lag",
+        "Records a group (or workers split into shares) has not yet applied: the sum of "
+        "its shares' lags, as streamq status --group sums them",
+        labels=["group", "stream"],
+    )
+    for (group_name, stream), total in sorted(groups.items()):
+        owed.add_metric([group_name, stream], total)
+    yield from (applied, lag, registered, lost, reported, owed)
 
 
 def _open_transactions(producer: ProducerState) -> Iterator[Metric]:

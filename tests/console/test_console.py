@@ -7,6 +7,7 @@ browser test saves the page as it goes into DIR (docs/guides/operations.md shows
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sqlite3
@@ -16,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import psycopg
 import pytest
 
 import streamq
@@ -276,3 +278,35 @@ def test_producers_from_a_file_join_and_an_unreachable_one_is_shown(
         listing.write_text(f"{address}\n")
         wait_until(lambda: set(producers()) == {address}, 30, "the listed producer")
         wait_until(lambda: producers()[address].get("streams") == [], 30, "its status")
+
+
+def test_capture_progress_and_decoded_changes_on_the_page(
+    capture_url: str, processes: Processes
+) -> None:
+    """A capturing producer: the page shows the tables, the LSN and the slot's lag in
+    bytes, and a captured change decoded (bytea as hex), as ``streamq tail --json``."""
+    with psycopg.connect(capture_url, autocommit=True) as conn:
+        conn.execute("CREATE TABLE orders (id integer PRIMARY KEY, blob bytea)")
+    processes.run("init", *STREAMQ, "init", capture_url, "--capture", "orders")
+    served = processes.start(
+        "producer", *STREAMQ, "serve", capture_url, "--port", "0", "--capture", "orders"
+    )
+    address = served.wait_for_line(r"serving producer \S+ \(epoch \d+\) on (\S+)", 30)[1]
+    with psycopg.connect(capture_url, autocommit=True) as conn:
+        conn.execute("INSERT INTO orders VALUES (1, '\\xff')")
+    url = console(processes, address)
+    with chromium() as browser:
+        page = browser.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda error: errors.append(str(error)))
+        page.goto(url)
+        capture = page.locator("#producers p.capture")
+        capture.wait_for()
+        assert "capturing public.orders (slot streamq_" in capture.inner_text()
+        assert re.fullmatch(r"[\d.]+ (B|KiB|MiB)", capture.locator(".slot-lag").inner_text())
+        page.select_option("#tail-stream", label=f"public.orders at {address}")
+        change = page.locator('#tail tr[data-seq="1"] td.value')
+        change.wait_for()
+        decoded = json.loads(change.inner_text())
+        assert decoded["op"] == "insert" and decoded["new"] == {"id": 1, "blob": "ff"}
+        assert errors == []

@@ -11,6 +11,7 @@ import re
 import signal
 import sqlite3
 import sys
+import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -22,6 +23,7 @@ import pytest
 import streamq
 from streamq.consumer.database import reshare
 from streamq.groups.group_consumer import GroupConsumer
+from streamq.groups.report import describe_groups
 from tests.conftest import wait_for
 from tests.faultproxy import FaultProxy, Stall
 
@@ -400,8 +402,16 @@ async def test_a_member_serves_its_shares_and_membership_as_metrics(
                 await asyncio.gather(task, return_exceptions=True)
             url = f"http://{group.metrics_address}/metrics"
             text = await asyncio.to_thread(lambda: urllib.request.urlopen(url).read().decode())
+            (report,) = await asyncio.to_thread(describe_groups, consumer_db, heads=False)
     member = f'group="billing",member="{group.member}",stream="orders"'
     assert f"streamq_group_shares{{{member}}} 2.0" in text
+    # Each share's lease: when it was taken, as streamq groups shows its age.
+    held = rf'group="billing",member="{group.member}",share="(\d)",stream="orders"'
+    taken = dict(re.findall(rf"streamq_group_share_taken_seconds\{{{held}\}} (\S+)", text))
+    assert sorted(taken) == ["0", "1"]
+    for row in report.rows:
+        assert row.held_ms is not None
+        assert abs(float(taken[str(row.share)]) - (time.time() - row.held_ms / 1000)) < 30
     assert f"streamq_group_shares_held{{{member}}} 2.0" in text
     assert f"streamq_group_takes_total{{{member}}} 2.0" in text
     applied = re.findall(

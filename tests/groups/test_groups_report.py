@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
+from urllib.request import urlopen
 
 import streamq
+from streamq.engines.leases import SCHEMA
 from streamq.groups.group_consumer import GroupConsumer
 from streamq.groups.report import describe_groups
 from tests.conftest import wait_for
@@ -52,7 +56,7 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
 async def test_the_group_view_shows_members_shares_and_positions(
     producer_db: str, either_consumer_db: str
 ) -> None:
-    async with streamq.Producer(producer_db, port=0) as producer:
+    async with streamq.Producer(producer_db, port=0, metrics_port=0) as producer:
         async with producer.transaction() as tx:
             for key in KEYS:
                 await tx.publish("orders", b"x", key=key)
@@ -73,6 +77,8 @@ async def test_the_group_view_shows_members_shares_and_positions(
             address = producer.address
             owed = await asyncio.to_thread(cli, "status", address, "--group", "billing", "--json")
             unknown = await asyncio.to_thread(cli, "status", address, "--group", "biling")
+            url = f"http://{producer.metrics_address}/metrics"
+            metrics = await asyncio.to_thread(lambda: urlopen(url).read().decode())
         (group,) = [json.loads(line) for line in listed.stdout.splitlines()]
     members = {first.member, second.member}
     assert (report.name, report.stream, report.shares) == ("billing", "orders", 4)
@@ -80,6 +86,7 @@ async def test_the_group_view_shows_members_shares_and_positions(
     assert sorted(s for m in report.members for s in m.shares) == [0, 1, 2, 3]
     assert [r.share for r in report.rows] == [0, 1, 2, 3]
     assert all(r.holder in members and r.token > 0 for r in report.rows)
+    assert all(r.held_ms is not None and 0 <= r.held_ms < 60_000 for r in report.rows)
     assert all(r.producer_id == producer.producer_id for r in report.rows)
     assert all(r.endpoint == producer.address and r.parked == 0 for r in report.rows)
     assert [r.head for r in report.rows] == [len(KEYS) + 1] * 4
@@ -88,6 +95,7 @@ async def test_the_group_view_shows_members_shares_and_positions(
     assert all(r.exact for r in report.rows)  # counted by the producer, its keys' only
     assert owed.returncode == 0, owed.stderr
     assert json.loads(owed.stdout)["streams"] == {"orders": {"lag": 1, "exact": True}}
+    assert 'streamq_group_lag{group="billing",stream="orders"} 1.0' in metrics
     assert unknown.returncode == 1 and unknown.stderr.count("\n") == 1
     assert "knows no consumer 'biling' and no share of it" in unknown.stderr
     # The command line says the same, as JSON.
@@ -95,10 +103,12 @@ async def test_the_group_view_shows_members_shares_and_positions(
     assert group["group"] == "billing" and group["shares"] == 4
     assert {m["member"] for m in group["members"]} == {f"{m:016x}" for m in members}
     assert [p["applied"] for p in group["positions"]] == [len(KEYS)] * 4
+    assert all(isinstance(p["held_ms"], int) == bool(p["holder"]) for p in group["positions"])
 
     # Stopped: the members left (their shares free), the positions stay; no producer.
     (report,) = describe_groups(either_consumer_db)
     assert report.members == [] and all(r.holder is None for r in report.rows)
+    assert all(r.held_ms is None for r in report.rows)  # free shares have no lease age
     assert [r.applied for r in report.rows] == [len(KEYS)] * 4
     assert all(r.head is None for r in report.rows) and report.unreachable
     table = cli("groups", either_consumer_db, "--no-heads")
@@ -115,3 +125,30 @@ def test_no_group_or_the_wrong_database_is_one_line(tmp_path: Path, producer_db:
     wrong = cli("groups", producer_db)  # the producer's database, not a consumer's
     assert wrong.returncode == 1 and "Traceback" not in wrong.stderr, wrong.stderr
     assert wrong.stderr.count("\n") == 1
+
+
+async def test_lease_tables_made_before_lease_ages_gain_them(
+    producer_db: str, either_consumer_db: str
+) -> None:
+    """A group's tables from before ``taken_at``: the first member to join adds the column
+    (older members go on without it); a share taken then shows its lease's age."""
+    column = re.compile(r"^\s*taken_at .*\n", re.MULTILINE)
+    old = [column.sub("", statement) for statement in SCHEMA]
+    assert all("taken_at" not in statement for statement in old)
+    if either_consumer_db.startswith("postgresql"):
+        import psycopg
+
+        with psycopg.connect(either_consumer_db, autocommit=True) as conn:
+            for statement in old:
+                conn.execute(statement)  # type: ignore[arg-type]
+    else:
+        with sqlite3.connect(either_consumer_db) as conn:
+            for statement in old:
+                conn.execute(statement)
+    async with streamq.Producer(producer_db, port=0) as producer:
+        await producer.publish("orders", b"x", key=KEYS[0])
+        options = {"db": either_consumer_db, "name": "billing", "shares": 4}
+        async with GroupConsumer(producer.address, "orders", **options) as member:
+            await apply_until(either_consumer_db, 1, [member])
+            (report,) = await asyncio.to_thread(describe_groups, either_consumer_db)
+    assert all(r.held_ms is not None and r.held_ms >= 0 for r in report.rows)

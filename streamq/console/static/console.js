@@ -86,12 +86,15 @@ function publishing(p) {
     open ${(open.oldest_age_ms / 1000).toFixed(1)} s</p>`;
 }
 
+// A status's table names: a list, or a map of table -> stream.
+const names = (tables) => (Array.isArray(tables) ? tables : Object.keys(tables || {})).join(", ");
+
 function capture(c) {
   if (!c) return "";
   const snapshot = c.snapshot
-    ? ` · snapshot of ${escape(c.snapshot.tables.join(", "))}: ${number(c.snapshot.rows)} of ${number(c.snapshot.of)} rows`
+    ? ` · snapshot of ${escape(names(c.snapshot.tables))}: ${number(c.snapshot.rows)} of ${number(c.snapshot.of)} rows`
     : "";
-  return `<p class="capture">capturing ${escape(c.tables.join(", "))} (slot ${escape(c.slot)}):
+  return `<p class="capture">capturing ${escape(names(c.tables))} (slot ${escape(c.slot)}):
     published up to LSN ${escape(c.lsn)}, ${number(c.changes)} change(s) since start;
     slot lag <span class="slot-lag">${bytes(c.retained_wal_bytes)}</span> of WAL${snapshot}</p>`;
 }
@@ -200,10 +203,11 @@ function renderGroups(groups, databases) {
       ]),
     );
     const shares = table(
-      [["share"], ["holder"], ["producer"], ["applied", "num"], ["head", "num"], ["lag", "num"], ["parked", "num"]],
+      [["share"], ["holder"], ["held for"], ["producer"], ["applied", "num"], ["head", "num"], ["lag", "num"], ["parked", "num"]],
       g.positions.map((r) => [
         cell(r.share),
         cell(r.holder ?? "free", r.holder ? "" : "muted"),
+        cell(r.held_ms === null || r.held_ms === undefined ? "" : duration(r.held_ms), "held"),
         cell(r.endpoint || r.producer_id || ""),
         cell(number(r.applied), "num"),
         cell(number(r.head), "num"),
