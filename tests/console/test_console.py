@@ -11,6 +11,7 @@ import json
 import os
 import re
 import sqlite3
+import ssl
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ import pytest
 import streamq
 from streamq.wire.security import make_token
 from tests.browser import chromium
+from tests.certs import make_certs
 from tests.recipes import harness
 from tests.recipes.harness import Processes, wait_until
 
@@ -310,3 +312,37 @@ def test_capture_progress_and_decoded_changes_on_the_page(
         decoded = json.loads(change.inner_text())
         assert decoded["op"] == "insert" and decoded["new"] == {"id": 1, "blob": "ff"}
         assert errors == []
+
+
+def test_tls_and_tokens_on_both_sides(tmp_path: Path, processes: Processes) -> None:
+    """A producer serving TLS and checking tokens: the console reads its status with an
+    admin token over TLS, and serves its page over HTTPS; without the token it says so in
+    one line."""
+    certs = make_certs(tmp_path)
+    (tmp_path / "producer-secret").write_bytes(SECRET)
+    (tmp_path / "ops-token").write_text(make_token(SECRET, "ops"))
+    address = serve(
+        processes, tmp_path / "shop.db", "--tls-cert", certs.server.cert,
+        "--tls-key", certs.server.key, "--token-secret-file", str(tmp_path / "producer-secret"),
+        "--grant", "billing=orders", "--admin", "ops",
+    )  # fmt: skip
+    refused = run_console(address, "--producer-tls-ca", certs.ca)
+    assert refused.returncode == 1 and len(refused.stderr.strip().splitlines()) == 1
+    assert "requires a token" in refused.stderr and "--producer-token-file" in refused.stderr
+    started = processes.start(
+        "console", *STREAMQ, "console", address, "--port", "0", "--producer-tls-ca", certs.ca,
+        "--producer-token-file", str(tmp_path / "ops-token"),
+        "--tls-cert", certs.server.cert, "--tls-key", certs.server.key,
+    )  # fmt: skip
+    url = started.wait_for_line(r"console: (https://\S+/)", 30)[1]
+    trusted = ssl.create_default_context(cafile=certs.ca)
+    with httpx.Client(verify=trusted, timeout=10) as https:
+        wait_until(
+            lambda: (
+                [p.get("streams") for p in https.get(f"{url}api/state").json()["producers"]] == [[]]
+            ),
+            30,
+            "the producer's status, read over TLS with the admin token",
+        )
+    with pytest.raises(httpx.HTTPError):  # no plain HTTP beside it
+        httpx.get(url.replace("https://", "http://") + "api/state", timeout=5)
