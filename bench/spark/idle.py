@@ -42,7 +42,7 @@ import streamq
 from spark_source import planning
 
 from ..common import alternating, proc_cpu_seconds, wait_until
-from . import footprint
+from . import footprint, kafka
 from .common import RECORD, noop_query
 from .kafka import _fill_topic, _produce
 from .run import spark_session
@@ -197,12 +197,7 @@ def kafka_idle(
 ) -> dict[str, float]:
     topic = f"idle-{uuid.uuid4().hex[:8]}"
     _fill_topic(broker, topic, partitions, partitions * PER_SOURCE)
-    reader = (
-        spark.readStream.format("kafka")
-        .option("kafka.bootstrap.servers", broker.bootstrap)
-        .option("subscribe", topic)
-        .option("startingOffsets", "earliest")
-    )
+    read = kafka.reader(spark, broker, topic, startingOffsets="earliest")
 
     def add() -> int:
         _produce(broker, topic, partitions, partitions)
@@ -211,7 +206,7 @@ def kafka_idle(
     held = functools.partial(footprint.kafka_source, broker.bootstrap)
     serving = functools.partial(proc_cpu_seconds, broker.pid)
     rows = partitions * PER_SOURCE
-    return idle_triggers(reader, folder / "ck", rows, seconds, rounds, add, held, serving)
+    return idle_triggers(read, folder / "ck", rows, seconds, rounds, add, held, serving)
 
 
 @contextlib.contextmanager

@@ -31,28 +31,43 @@ def _produce(broker: Any, topic: str, partitions: int, total: int) -> None:
     producer.flush(300)
 
 
+# The Kafka source as its users tune it: a consumer's fetch waits up to fetch.max.wait.ms
+# (500 ms by default) for fetch.min.bytes to arrive, and each of a micro-batch's partition
+# tasks ends on such a fetch at the end of its offset range, so by default a partition
+# costs its task about 0.5 s even when its records are all there (64 partitions of one
+# record each: addBatch 17.4 s by default, 1.4 s with 5 ms). Spark passes kafka.* options
+# to its consumers (docs: "Structured Streaming + Kafka Integration Guide", Kafka
+# specific configurations).
+TUNED = {"kafka.fetch.max.wait.ms": "5"}
+
+
+def reader(spark: Any, broker: Any, topic: str, **options: str) -> Any:
+    """``spark.readStream.format("kafka")`` on ``topic``, tuned (``TUNED``)."""
+    read = spark.readStream.format("kafka")
+    for name, value in {
+        "kafka.bootstrap.servers": broker.bootstrap,
+        "subscribe": topic,
+        **TUNED,
+        **options,
+    }.items():
+        read = read.option(name, value)
+    return read
+
+
 def ingest(spark: Any, broker: Any, folder: Path, partitions: int, total: int) -> float:
     topic = f"ingest-{uuid.uuid4().hex[:8]}"
     _fill_topic(broker, topic, partitions, total)
-    reader = (
-        spark.readStream.format("kafka")
-        .option("kafka.bootstrap.servers", broker.bootstrap)
-        .option("subscribe", topic)
-        .option("startingOffsets", "earliest")
+    return time_query(
+        spark, reader(spark, broker, topic, startingOffsets="earliest"), folder / "ck"
     )
-    return time_query(spark, reader, folder / "ck")
 
 
 def latency(spark: Any, broker: Any, folder: Path, rate: float, seconds: float) -> Latency:
     """The latency workload's Kafka producer (configured for latency) in its own process."""
     topic = f"latency-{uuid.uuid4().hex[:8]}"
     broker.create_topic(topic, 1)
-    reader = (
-        spark.readStream.format("kafka")
-        .option("kafka.bootstrap.servers", broker.bootstrap)
-        .option("subscribe", topic)
-    )
     args = ("producer", broker.bootstrap, topic, rate, seconds)
     with Child("bench.latency.kafka", *args) as publisher:
         publisher.expect("READY")
-        return measure(spark, reader, folder / "ck", publisher, rate, seconds)
+        read = reader(spark, broker, topic)
+        return measure(spark, read, folder / "ck", publisher, rate, seconds)
