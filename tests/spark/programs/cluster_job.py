@@ -1,0 +1,62 @@
+"""The application the standalone cluster's tests submit (tests/spark/test_spark_cluster.py),
+as a user's would be: ``spark-submit ... cluster_job.py MODE ENDPOINTS OUT [CHECKPOINT]``.
+
+- ``batch``: the stream ``orders`` of every producer read once, into parquet at OUT.
+- ``stream``: a streaming query into a parquet sink at OUT with its checkpoint, every
+  record available now, ``maxRecordsPerTrigger`` 20,000 a micro-batch: started again
+  from the checkpoint it goes on where the last committed batch ended.
+
+Prints ``STARTED`` once the query runs, ``BATCH n`` as each micro-batch commits, ``DONE``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from pyspark.sql import SparkSession
+from pyspark.sql.streaming import StreamingQueryListener
+
+from spark_source import StreamQDataSource
+
+
+class Progress(StreamingQueryListener):
+    def onQueryStarted(self, event: object) -> None:
+        pass
+
+    def onQueryProgress(self, event: object) -> None:
+        print(f"BATCH {event.progress.batchId}", flush=True)  # type: ignore[attr-defined]
+
+    def onQueryIdle(self, event: object) -> None:
+        pass
+
+    def onQueryTerminated(self, event: object) -> None:
+        pass
+
+
+def main(mode: str, endpoints: str, out: str, checkpoint: str = "") -> None:
+    spark = SparkSession.builder.appName(f"streamq cluster {mode}").getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    spark.dataSource.register(StreamQDataSource)
+    options = {"endpoints": endpoints, "stream": "orders", "startingOffsets": "earliest"}
+    if mode == "batch":
+        spark.read.format("streamq").options(**options).load().write.parquet(out)
+        print("DONE", flush=True)
+        return
+    spark.streams.addListener(Progress())
+    query = (
+        spark.readStream.format("streamq")
+        .options(**options, maxRecordsPerTrigger="20000", minPartitions="4")
+        .load()
+        .writeStream.format("parquet")
+        .option("path", out)
+        .option("checkpointLocation", checkpoint)
+        .trigger(availableNow=True)
+        .start()
+    )
+    print("STARTED", flush=True)
+    query.awaitTermination()
+    print("DONE", flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,169 @@
+"""The source on a Spark standalone cluster, as users deploy it: a master and two workers,
+each its own JVM on loopback (``tests/spark/cluster.py``), applications submitted with
+``spark-submit`` in client mode, the executors on the machine's Python, which has no
+streamq: it reaches them in a virtual environment packed with venv-pack and passed with
+``--archives`` (docs/guides/spark.md, "Running on a cluster").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+import streamq
+from tests.spark.cluster import ROOT, Cluster, packed_environment, submit
+from tests.spark.test_spark_exactly_once import committed_files
+
+FLEET = Path(__file__).resolve().parent / "programs" / "fleet.py"
+JOB = Path(__file__).resolve().parent / "programs" / "cluster_job.py"
+PACKED = ROOT / "build" / "spark-env"  # kept across runs, named by the sources' digest
+
+pytestmark = pytest.mark.xdist_group("spark-cluster")
+
+
+@pytest.fixture(scope="module")
+def packed() -> Path:
+    return packed_environment(PACKED)
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    started = Cluster(tmp_path / "cluster", workers=2)
+    try:
+        yield started
+    finally:
+        started.close()
+
+
+class Fleet:
+    """Producers, each with its count of records of ``orders``, served by ``FLEET``:
+    ``endpoints`` and, by producer id, ``records``."""
+
+    def __init__(self, folder: Path, records: list[int]) -> None:
+        self.records: dict[str, int] = {}
+        for i, count in enumerate(records):
+            with (
+                streamq.SyncProducer(str(folder / f"p{i}.db"), serve=False) as producer,
+                producer.transaction() as tx,
+            ):
+                tx.publish_many("orders", [b"%d-%d" % (i, n) for n in range(count)])
+            self.records[producer.producer_id] = count
+        self.process = subprocess.Popen(
+            [sys.executable, str(FLEET), *(str(folder / f"p{i}.db") for i in range(len(records)))],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        assert self.process.stdout is not None
+        self.endpoints: list[str] = []
+        while len(self.endpoints) < len(records):
+            line = self.process.stdout.readline()  # "serving producer ID (epoch N) on H:P"
+            assert line and not line.startswith("exited"), line
+            if line.startswith("serving producer"):
+                self.endpoints.append(line.rsplit(" on ", 1)[1].strip())
+
+    def every_record(self) -> set[tuple[str, int]]:
+        return {(pid, seq) for pid, count in self.records.items() for seq in range(1, count + 1)}
+
+    def close(self) -> None:
+        self.process.terminate()  # it passes SIGTERM on to every server
+        self.process.communicate(timeout=30)
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    served = Fleet(tmp_path, [300, 500, 700, 900])
+    try:
+        yield served
+    finally:
+        served.close()
+
+
+def read_parquet(out: Path) -> Counter[tuple[str, int]]:
+    table = pq.read_table(out, columns=["producer", "seq"])
+    return Counter(zip(table["producer"].to_pylist(), table["seq"].to_pylist(), strict=True))
+
+
+def read_committed(out: Path) -> Counter[tuple[str, int]]:
+    """(producer, seq) of every row the parquet sink committed (its ``_spark_metadata``:
+    a killed batch's files are not among them)."""
+    read: Counter[tuple[str, int]] = Counter()
+    for path in committed_files(out):
+        table = pq.read_table(path, columns=["producer", "seq"])
+        read.update(zip(table["producer"].to_pylist(), table["seq"].to_pylist(), strict=True))
+    return read
+
+
+def wait_for_line(log: Path, line: str, process: subprocess.Popen[bytes], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while line not in log.read_text(errors="replace").splitlines():
+        assert process.poll() is None, f"the driver exited:\n{log.read_text(errors='replace')}"
+        assert time.monotonic() < deadline, f"no {line!r} in {timeout} s:\n{log.read_text()}"
+        time.sleep(0.1)
+
+
+def kill_group(process: subprocess.Popen[bytes]) -> None:
+    """``kill -9`` of a driver and everything it started (its Python, its JVM's workers)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout=30)
+
+
+@pytest.mark.timeout(300)
+def test_a_batch_read_through_spark_submit_with_a_packed_environment(
+    tmp_path: Path, cluster: Cluster, packed: Path, fleet: Fleet
+) -> None:
+    out, log = tmp_path / "out", tmp_path / "batch.log"
+    endpoints = ",".join(fleet.endpoints)
+    driver = submit(cluster, JOB, "batch", endpoints, str(out), archive=packed, log=log)
+    assert driver.wait(timeout=240) == 0, log.read_text(errors="replace")
+    read = read_parquet(out)
+    assert max(read.values()) == 1  # nothing twice
+    assert set(read) == fleet.every_record()
+
+
+@pytest.mark.timeout(400)
+def test_a_streaming_query_goes_on_through_a_worker_and_its_driver_killed(
+    tmp_path: Path, cluster: Cluster, packed: Path
+) -> None:
+    """A streaming query into parquet, 5 micro-batches over both workers: worker 1 (its
+    executor and that executor's Python workers) ``kill -9``ed while the query reads,
+    Spark runs its tasks again on worker 0; then the driver ``kill -9``ed and submitted
+    again from the checkpoint. Every record is in the sink once."""
+    fleet = Fleet(tmp_path, [25_000] * 4)
+    try:
+        out, checkpoint = tmp_path / "out", tmp_path / "checkpoint"
+        args = ("stream", ",".join(fleet.endpoints), str(out), str(checkpoint))
+        first = tmp_path / "first.log"
+        driver = submit(cluster, JOB, *args, archive=packed, log=first)
+        try:
+            wait_for_line(first, "BATCH 0", driver, 180)
+            cluster.kill_worker(1)  # while batch 1's tasks read, on both workers
+            wait_for_line(first, "BATCH 2", driver, 180)
+        finally:
+            kill_group(driver)
+        assert "DONE" not in first.read_text(errors="replace")
+        cluster.start_worker(1)
+        again = tmp_path / "again.log"
+        driver = submit(cluster, JOB, *args, archive=packed, log=again)
+        assert driver.wait(timeout=240) == 0, again.read_text(errors="replace")
+    finally:
+        fleet.close()
+    read = read_committed(out)
+    assert max(read.values()) == 1, [k for k, n in read.items() if n > 1][:5]
+    assert set(read) == fleet.every_record()
+    # Spark lost worker 1's executor while the query read, and went on without it.
+    assert "Lost executor" in first.read_text(errors="replace")
+    # The executors ran on the cluster's workers, from the archive's Python.
+    apps = cluster.state()["completedapps"]
+    assert apps, cluster.state()
