@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import socket
 from collections.abc import AsyncIterator
 from importlib import resources
@@ -28,6 +29,8 @@ from ..captured import json_default
 from ..errors import AuthenticationFailedError, StreamQError
 from ..wire.security import TokenAuth
 from .watch import Watch
+
+logger = logging.getLogger("streamq.console")
 
 
 def _json(data: Any, status: int = 200) -> Response:
@@ -73,7 +76,10 @@ class Console:
 
     async def _poll_forever(self) -> None:
         while True:
-            await asyncio.to_thread(self.watch.poll)
+            try:
+                await asyncio.to_thread(self.watch.poll)
+            except Exception:  # a bug here must not freeze the page: say it, poll again
+                logger.exception("streamq console: a poll failed")
             async with self._polled:
                 self._polls += 1
                 self._polled.notify_all()

@@ -103,7 +103,11 @@ class Watch:
     def poll(self) -> dict[str, Any]:
         """Ask every producer and database once; the new snapshot."""
         now = self._clock()
-        addresses = list(dict.fromkeys(self._addresses()))
+        listing = None
+        try:
+            addresses = list(dict.fromkeys(self._addresses()))
+        except (OSError, ValueError) as exc:  # a file gone, a line mistyped: the last list
+            addresses, listing = list(self._producers), f"endpoints: {exc}"
         for gone in set(self._producers) - set(addresses):
             self._forget(gone)
         watched = [self._producers.setdefault(a, _Producer(a)) for a in addresses]
@@ -111,6 +115,7 @@ class Watch:
         databases = list(self._pool.map(self._read_database, self.databases))
         self.latest = {
             "time": int(now * 1000),
+            "listing_error": listing,
             "producers": [self._producer_view(p, now) for p in watched],
             "databases": [d["view"] for d in databases],
             "groups": with_statuses(

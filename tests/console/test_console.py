@@ -39,6 +39,11 @@ def processes(tmp_path: Path) -> Iterator[Processes]:
         yield started
 
 
+def paths(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """The producer's database, billing's, and the file whose presence is billing's fix."""
+    return tmp_path / "shop.db", tmp_path / "billing.db", tmp_path / "fixed"
+
+
 def serve(processes: Processes, db: Path, *options: str) -> str:
     """A producer serving ``db`` (created) on a free port: its address."""
     served = processes.start(
@@ -87,11 +92,7 @@ def shoot(page: object, name: str) -> None:
 def test_the_page_shows_streams_the_tail_a_killed_consumers_lag_and_retries_a_dead_letter(
     tmp_path: Path, processes: Processes
 ) -> None:
-    producer_db, billing_db, fixed = (
-        tmp_path / "shop.db",
-        tmp_path / "billing.db",
-        tmp_path / "fixed",
-    )
+    producer_db, billing_db, fixed = paths(tmp_path)
     address = serve(processes, producer_db, "--retention-ms", str(3 * 86_400_000))
     publish(producer_db, "100", "250")
     billing = start_billing(processes, address, billing_db, fixed)
@@ -182,11 +183,7 @@ def test_the_page_shows_streams_the_tail_a_killed_consumers_lag_and_retries_a_de
 def test_an_action_without_an_admin_token_is_refused_and_changes_nothing(
     tmp_path: Path, processes: Processes
 ) -> None:
-    producer_db, billing_db, fixed = (
-        tmp_path / "shop.db",
-        tmp_path / "billing.db",
-        tmp_path / "fixed",
-    )
+    producer_db, billing_db, fixed = paths(tmp_path)
     address = serve(processes, producer_db)
     publish(producer_db, "oops")
     start_billing(processes, address, billing_db, fixed)
@@ -280,6 +277,14 @@ def test_producers_from_a_file_join_and_an_unreachable_one_is_shown(
         listing.write_text(f"{address}\n")
         wait_until(lambda: set(producers()) == {address}, 30, "the listed producer")
         wait_until(lambda: producers()[address].get("streams") == [], 30, "its status")
+        # The file gone: the page says so and keeps the last list.
+        listing.unlink()
+        wait_until(
+            lambda: "No such file" in (http.get(f"{url}api/state").json()["listing_error"] or ""),
+            30,
+            "the listing's error",
+        )
+        assert set(producers()) == {address}
 
 
 def test_capture_progress_and_decoded_changes_on_the_page(

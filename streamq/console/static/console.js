@@ -362,8 +362,10 @@ function render(state) {
   renderParked(state.parked);
   renderTailChoices(state.producers);
   const when = new Date(state.time).toLocaleTimeString();
-  $("#updated").textContent = `updated ${when}`;
-  $("#updated").className = "muted";
+  $("#updated").textContent = state.listing_error
+    ? `updated ${when}; ${state.listing_error} (the last list is shown)`
+    : `updated ${when}`;
+  $("#updated").className = state.listing_error ? "error" : "muted";
   document.body.dataset.updated = state.time;
 }
 
