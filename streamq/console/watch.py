@@ -67,7 +67,14 @@ class Watch:
         self._clock = clock
         self._producers: dict[str, _Producer] = {}
         self._pool = ThreadPoolExecutor(8, thread_name_prefix="streamq-console")
-        self.latest: dict[str, Any] = {"time": 0, "producers": [], "groups": [], "parked": []}
+        self.latest: dict[str, Any] = {
+            "time": 0,
+            "listing_error": None,
+            "producers": [],
+            "databases": [],
+            "groups": [],
+            "parked": [],
+        }
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -116,7 +123,7 @@ class Watch:
         self.latest = {
             "time": int(now * 1000),
             "listing_error": listing,
-            "producers": [self._producer_view(p, now) for p in watched],
+            "producers": [self._producer_view(p) for p in watched],
             "databases": [d["view"] for d in databases],
             "groups": with_statuses(
                 [g for d in databases for g in d["groups"]],
@@ -159,7 +166,7 @@ class Watch:
             address, timeout=self._timeout, name="streamq console", tls=self._tls, token=self._token
         )
 
-    def _producer_view(self, producer: _Producer, now: float) -> dict[str, Any]:
+    def _producer_view(self, producer: _Producer) -> dict[str, Any]:
         view: dict[str, Any] = {"address": producer.address, "error": producer.error}
         status = producer.status
         if status is None:
