@@ -1117,7 +1117,10 @@ def _web_console(args: argparse.Namespace) -> None:
     if secret is not None:
         if not args.admin:
             raise SystemExit("streamq console: a token secret needs --admin NAME: who may act")
-        auth = TokenAuth(secret, {}, args.admin)
+        try:
+            auth = TokenAuth(secret, {}, args.admin)
+        except ValueError as exc:  # a secret too short
+            raise SystemExit(f"streamq console: {exc}") from None
     elif args.admin:
         raise SystemExit(f"streamq console: --admin needs --token-secret-file (or ${SECRET_ENV})")
     tls = None

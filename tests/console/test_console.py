@@ -240,6 +240,8 @@ def test_a_console_pointed_at_something_else_says_so_in_one_line(
     address = serve(processes, producer_db)
     web = console(processes, address)
     web_port = re.search(r":(\d+)/", web)[1]  # type: ignore[index]
+    short = tmp_path / "short-secret"
+    short.write_bytes(b"too short")
     cases = [
         ((str(producer_db),), "is a producer's database"),
         ((str(tmp_path / "typo.db"),), "does not exist"),
@@ -247,6 +249,7 @@ def test_a_console_pointed_at_something_else_says_so_in_one_line(
         (("localhost",), "HOST:PORT"),
         ((), "give producers"),
         ((address, "--admin", "ops"), "--admin needs --token-secret-file"),
+        ((address, "--token-secret-file", str(short), "--admin", "ops"), "at least 16 bytes"),
         ((address, "--endpoints-provider", "nothing_here"), "must be module:function"),
     ]
     for argv, said in cases:
