@@ -85,12 +85,14 @@ from __future__ import annotations
 import difflib
 import json
 import logging
+import socket
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import pyarrow as pa
+from pyspark import cloudpickle
 from pyspark.errors import PySparkNotImplementedError
 from pyspark.sql.datasource import (
     DataSource,
@@ -126,7 +128,7 @@ from streamq import Filter as RecordFilter
 from streamq.protocol import collector_paused
 from streamq.wire.client import RangeRead
 
-from . import planning
+from . import planning, shipping
 from .planning import (
     BatchEpochs,
     Connect,
@@ -139,7 +141,10 @@ from .planning import (
     StreamQSourceError,
 )
 from .schema import EVERY_COLUMN, Columns, change_schema, default_schema
+from .shipping import Shipped
 
+# Its code travels inside the pickles executors receive: see ``shipping``.
+cloudpickle.register_pickle_by_value(shipping)  # type: ignore[no-untyped-call]
 logger = logging.getLogger("spark_source")
 T = TypeVar("T")
 
@@ -380,7 +385,7 @@ class _Settings:
         return planning.resolve(self.starting or default, states, "startingOffsets")
 
 
-class StreamQPartition(InputPartition):
+class StreamQPartition(Shipped, InputPartition):
     """One producer's seqs ``[start, end)``: all an executor needs to read them."""
 
     def __init__(
@@ -403,7 +408,7 @@ class StreamQPartition(InputPartition):
         self.filter = record_filter  # only the records it matches, chosen by the producer
 
 
-class StreamQTask(InputPartition):
+class StreamQTask(Shipped, InputPartition):
     """One Spark partition: several producers' ranges (``planning.pack``), read one after
     another, each on a connection of its own, each asked for ahead (``read_task``)."""
 
@@ -646,7 +651,8 @@ class _Unreachable:
             )
         if now >= self.deadline:
             raise StreamQSourceError(
-                f"{state.where}: unreachable for {limit:g} s (unreachableTimeoutMs) while "
+                f"{state.where}: unreachable from {socket.gethostname()} (this executor's "
+                f"host) for {limit:g} s (unreachableTimeoutMs) while "
                 f"reading seqs {state.start}..{state.end - 1}, planned for this micro-batch: "
                 f"{exc}"
             ) from exc
@@ -774,7 +780,7 @@ class _Idle:
     endpoints: list[str]
 
 
-class StreamQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+class StreamQStreamReader(Shipped, DataSourceStreamReader, SupportsTriggerAvailableNow):
     """Micro-batches of every producer's new records. Offsets ``{producer id: next seq}``,
     with ``"epochs": {producer id: epoch}`` beside them ("Epochs" in docs/protocol.md): the
     epoch that wrote the producer's head when the offset was planned, at least the highest
@@ -797,7 +803,7 @@ class StreamQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._down: set[str] = set()  # producers down at the last trigger (logged)
         self._idle: _Idle | None = None  # the last trigger's, if it found nothing moved
 
-    def __getstate__(self) -> dict[str, Any]:
+    def _shipped_state(self) -> dict[str, Any]:
         """Pickled to the executors: the driver's connections stay behind."""
         return {**self.__dict__, "_connections": None}
 
@@ -1092,7 +1098,7 @@ class StreamQDriverStreamReader(SimpleDataSourceStreamReader, SupportsTriggerAva
         self.planner.commit(end)
 
 
-class StreamQBatchReader(DataSourceReader):
+class StreamQBatchReader(Shipped, DataSourceReader):
     """A one-off read of ``[startingOffsets, endingOffsets)`` from every producer."""
 
     def __init__(self, settings: _Settings) -> None:
@@ -1183,7 +1189,7 @@ class StreamQFilteringBatchReader(StreamQBatchReader):
         return _partitions(self.settings, self._ranges(self.first, self.stop), self.keys)
 
 
-class StreamQDataSource(DataSource):
+class StreamQDataSource(Shipped, DataSource):
     """Registered as ``streamq``: ``spark.dataSource.register(StreamQDataSource)``."""
 
     @classmethod

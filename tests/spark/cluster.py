@@ -20,15 +20,20 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pyspark
 
+import streamq
 from spark_source.session import LOOPBACK, log4j2_file
 from tests.pgserver import free_port
+from tests.spark.test_spark_exactly_once import committed_files
 
 ROOT = Path(__file__).resolve().parents[2]
+FLEET = Path(__file__).resolve().parent / "programs" / "fleet.py"
 SPARK_HOME = Path(pyspark.__file__).resolve().parent
 BASE_PYTHON = Path(sys.base_prefix) / "bin" / "python3"  # the machine's: no streamq
 # What the executors' environment holds besides streamq (its wheel brings its own
@@ -138,15 +143,62 @@ class Cluster:
         self.processes.clear()
 
 
-def packed_environment(directory: Path) -> Path:
+class Fleet:
+    """Producers, each with its count of records of ``orders``, served by ``FLEET``:
+    ``endpoints`` and, by producer id, ``records``."""
+
+    def __init__(self, folder: Path, records: list[int]) -> None:
+        self.records: dict[str, int] = {}
+        for i, count in enumerate(records):
+            with (
+                streamq.SyncProducer(str(folder / f"p{i}.db"), serve=False) as producer,
+                producer.transaction() as tx,
+            ):
+                tx.publish_many("orders", [b"%d-%d" % (i, n) for n in range(count)])
+            self.records[producer.producer_id] = count
+        self.process = subprocess.Popen(
+            [sys.executable, str(FLEET), *(str(folder / f"p{i}.db") for i in range(len(records)))],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        assert self.process.stdout is not None
+        self.endpoints: list[str] = []
+        while len(self.endpoints) < len(records):
+            line = self.process.stdout.readline()  # "serving producer ID (epoch N) on H:P"
+            assert line and not line.startswith("exited"), line
+            if line.startswith("serving producer"):
+                self.endpoints.append(line.rsplit(" on ", 1)[1].strip())
+
+    def every_record(self) -> set[tuple[str, int]]:
+        return {(pid, seq) for pid, count in self.records.items() for seq in range(1, count + 1)}
+
+    def close(self) -> None:
+        self.process.terminate()  # it passes SIGTERM on to every server
+        self.process.communicate(timeout=30)
+
+
+def read_committed(out: Path) -> Counter[tuple[str, int]]:
+    """(producer, seq) of every row the parquet sink committed (its ``_spark_metadata``:
+    a killed batch's files are not among them)."""
+    read: Counter[tuple[str, int]] = Counter()
+    for path in committed_files(out):
+        table = pq.read_table(path, columns=["producer", "seq"])
+        read.update(zip(table["producer"].to_pylist(), table["seq"].to_pylist(), strict=True))
+    return read
+
+
+def packed_environment(directory: Path, with_streamq: bool = True) -> Path:
     """streamq's wheel and what executors need, in a virtual environment of the machine's
     Python, packed by venv-pack (``--archives env.tar.gz#environment``). Built once per
-    version of the sources: kept in ``directory`` under their digest."""
+    version of the sources: kept in ``directory`` under their digest. ``with_streamq``
+    False: the same without streamq (a user's mistake, for the error it gets)."""
     digest = hashlib.sha256()
     for path in sorted([*ROOT.glob("streamq/**/*.py"), *ROOT.glob("spark_source/*.py")]):
         digest.update(path.read_bytes())
     digest.update(repr(EXECUTOR_PACKAGES).encode())
-    packed = directory / f"streamq-env-{digest.hexdigest()[:12]}.tar.gz"
+    name = "streamq-env" if with_streamq else "env-without-streamq"
+    packed = directory / f"{name}-{digest.hexdigest()[:12]}.tar.gz"
     if packed.exists():
         return packed
     directory.mkdir(parents=True, exist_ok=True)
@@ -154,14 +206,16 @@ def packed_environment(directory: Path) -> Path:
     venv = build / "env"
     run = {"check": True, "capture_output": True, "timeout": 600}
     subprocess.run([str(BASE_PYTHON), "-m", "venv", str(venv)], **run)  # type: ignore[call-overload]
-    env = {**os.environ, "STREAMQ_PURE": "1"}  # pure Python: one wheel for any executor
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(build), str(ROOT)],
-        env=env, **run,
-    )  # type: ignore[call-overload]  # fmt: skip
-    (wheel,) = build.glob("streamq-*.whl")
+    wheels: list[str] = []
+    if with_streamq:
+        env = {**os.environ, "STREAMQ_PURE": "1"}  # pure Python: one wheel for any executor
+        subprocess.run(
+            [sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(build), str(ROOT)],
+            env=env, **run,
+        )  # type: ignore[call-overload]  # fmt: skip
+        wheels = [str(wheel) for wheel in build.glob("streamq-*.whl")]
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet"]
-    subprocess.run([*pip, str(wheel), *EXECUTOR_PACKAGES], **run)  # type: ignore[call-overload]
+    subprocess.run([*pip, *wheels, *EXECUTOR_PACKAGES], **run)  # type: ignore[call-overload]
     partial = build / "env.tar.gz"
     subprocess.run(
         [str(Path(sys.executable).parent / "venv-pack"), "-p", str(venv), "-o", str(partial),

@@ -11,7 +11,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -20,11 +19,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-import streamq
-from tests.spark.cluster import ROOT, Cluster, packed_environment, submit
-from tests.spark.test_spark_exactly_once import committed_files
+from tests.spark.cluster import ROOT, Cluster, Fleet, packed_environment, read_committed, submit
 
-FLEET = Path(__file__).resolve().parent / "programs" / "fleet.py"
 JOB = Path(__file__).resolve().parent / "programs" / "cluster_job.py"
 PACKED = ROOT / "build" / "spark-env"  # kept across runs, named by the sources' digest
 
@@ -45,41 +41,6 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
         started.close()
 
 
-class Fleet:
-    """Producers, each with its count of records of ``orders``, served by ``FLEET``:
-    ``endpoints`` and, by producer id, ``records``."""
-
-    def __init__(self, folder: Path, records: list[int]) -> None:
-        self.records: dict[str, int] = {}
-        for i, count in enumerate(records):
-            with (
-                streamq.SyncProducer(str(folder / f"p{i}.db"), serve=False) as producer,
-                producer.transaction() as tx,
-            ):
-                tx.publish_many("orders", [b"%d-%d" % (i, n) for n in range(count)])
-            self.records[producer.producer_id] = count
-        self.process = subprocess.Popen(
-            [sys.executable, str(FLEET), *(str(folder / f"p{i}.db") for i in range(len(records)))],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        assert self.process.stdout is not None
-        self.endpoints: list[str] = []
-        while len(self.endpoints) < len(records):
-            line = self.process.stdout.readline()  # "serving producer ID (epoch N) on H:P"
-            assert line and not line.startswith("exited"), line
-            if line.startswith("serving producer"):
-                self.endpoints.append(line.rsplit(" on ", 1)[1].strip())
-
-    def every_record(self) -> set[tuple[str, int]]:
-        return {(pid, seq) for pid, count in self.records.items() for seq in range(1, count + 1)}
-
-    def close(self) -> None:
-        self.process.terminate()  # it passes SIGTERM on to every server
-        self.process.communicate(timeout=30)
-
-
 @pytest.fixture
 def fleet(tmp_path: Path) -> Iterator[Fleet]:
     served = Fleet(tmp_path, [300, 500, 700, 900])
@@ -92,16 +53,6 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
 def read_parquet(out: Path) -> Counter[tuple[str, int]]:
     table = pq.read_table(out, columns=["producer", "seq"])
     return Counter(zip(table["producer"].to_pylist(), table["seq"].to_pylist(), strict=True))
-
-
-def read_committed(out: Path) -> Counter[tuple[str, int]]:
-    """(producer, seq) of every row the parquet sink committed (its ``_spark_metadata``:
-    a killed batch's files are not among them)."""
-    read: Counter[tuple[str, int]] = Counter()
-    for path in committed_files(out):
-        table = pq.read_table(path, columns=["producer", "seq"])
-        read.update(zip(table["producer"].to_pylist(), table["seq"].to_pylist(), strict=True))
-    return read
 
 
 def wait_for_line(log: Path, line: str, process: subprocess.Popen[bytes], timeout: float) -> None:
@@ -130,6 +81,26 @@ def test_a_batch_read_through_spark_submit_with_a_packed_environment(
     read = read_parquet(out)
     assert max(read.values()) == 1  # nothing twice
     assert set(read) == fleet.every_record()
+
+
+@pytest.mark.timeout(300)
+def test_executors_without_streamq_fail_the_query_at_once_saying_how_to_ship_it(
+    tmp_path: Path, cluster: Cluster, fleet: Fleet
+) -> None:
+    """The executors' Python has PySpark's needs (pyarrow) and not streamq: the first task
+    fails in one line naming the executor's host and how to ship streamq, not with a
+    worker's ModuleNotFoundError, and the query ends within its task retries."""
+    without = packed_environment(PACKED, with_streamq=False)
+    out, log = tmp_path / "out", tmp_path / "batch.log"
+    started = time.monotonic()
+    endpoints = ",".join(fleet.endpoints)
+    driver = submit(cluster, JOB, "batch", endpoints, str(out), archive=without, log=log)
+    assert driver.wait(timeout=240) != 0
+    said = log.read_text(errors="replace")
+    line = "cannot import streamq's Spark source (No module named 'spark_source'): ship it"
+    assert line in said and "--archives env.tar.gz#environment" in said, said[-3000:]
+    assert "ModuleNotFoundError" not in said, said[-3000:]
+    assert time.monotonic() - started < 120
 
 
 @pytest.mark.timeout(400)

@@ -6,6 +6,7 @@ import contextlib
 import gc
 import json
 import os
+import re
 import signal
 import socket
 import socketserver
@@ -980,7 +981,11 @@ def test_a_planned_read_waits_for_its_producer_to_restart_and_reads_each_record_
     assert f"producer {producer_id} at {address}" in caplog.text
 
     gone = StreamQPartition(rng, "orders", True, Connect(timeout=10, unreachable=0.3))
-    with pytest.raises(StreamQSourceError, match=r"unreachable for 0.3 s \(unreachableTimeoutMs\)"):
+    host = re.escape(socket.gethostname())  # the executor's, named with the producer
+    unreachable = (
+        rf"unreachable from {host} \(this executor's host\) for 0.3 s \(unreachableTimeoutMs\)"
+    )
+    with pytest.raises(StreamQSourceError, match=unreachable):
         list(read_partition(gone))
 
 
