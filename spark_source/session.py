@@ -45,9 +45,14 @@ def log4j2_file() -> Path:
 
 
 def local_spark(
-    app: str, *, driver_memory: str = "1g", jars: list[str] | None = None
+    app: str,
+    *,
+    driver_memory: str = "1g",
+    jars: list[str] | None = None,
+    master: str = "local[2]",
 ) -> SparkSession:
-    """``local[2]`` Spark with the ``streamq`` source registered, quiet, on 127.0.0.1."""
+    """``local[2]`` Spark (or ``master``'s: a standalone cluster on this machine) with the
+    ``streamq`` source registered, quiet, on 127.0.0.1."""
     from pyspark.sql import SparkSession
 
     from .datasource import StreamQDataSource
@@ -57,7 +62,7 @@ def local_spark(
     # finds loopback and warns that it picked another interface.
     os.environ["SPARK_LOCAL_IP"] = LOOPBACK
     builder = (
-        SparkSession.builder.master("local[2]")
+        SparkSession.builder.master(master)
         .appName(app)
         .config("spark.driver.host", LOOPBACK)  # loopback only
         .config("spark.driver.bindAddress", LOOPBACK)

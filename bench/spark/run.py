@@ -106,7 +106,7 @@ def _phase_table(title: str, phases: list[Series]) -> Table:
     return table
 
 
-def spark_session(with_kafka: bool) -> Any:
+def spark_session(with_kafka: bool, master: str = "local[2]") -> Any:
     from spark_source.session import local_spark
 
     jars = None
@@ -114,7 +114,7 @@ def spark_session(with_kafka: bool) -> Any:
         from ..kafka.broker import spark_kafka_jars
 
         jars = [str(p) for p in spark_kafka_jars()]
-    return local_spark("streamq bench", driver_memory="2g", jars=jars)
+    return local_spark("streamq bench", driver_memory="2g", jars=jars, master=master)
 
 
 def run(
@@ -128,11 +128,12 @@ def run(
     latency: bool = True,
     saved: bool = True,
     name: str = "spark",
+    master: str = "local[2]",
 ) -> dict[str, Any]:
     sweep = SWEEP if sweep is None else sweep
     total = total or (200_000 if quick else 2_000_000)
     systems = ["streamq"] + (["kafka"] if broker is not None else [])
-    spark = spark_session(broker is not None)
+    spark = spark_session(broker is not None, master)
     series: list[Series] = []
     percentiles: list[Series] = []
     phases: list[Series] = []
@@ -196,10 +197,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--save-as", metavar="NAME", help="save a partial run as bench/results/NAME.json"
     )
+    parser.add_argument(
+        "--cluster",
+        type=int,
+        metavar="WORKERS",
+        help="on a standalone cluster of WORKERS workers of one core each, started for the "
+        "run (2: as many cores as local[2]), both sources on it",
+    )
+    parser.add_argument("--master", help="on this Spark master (spark://HOST:PORT)")
     args = parser.parse_args(argv)
     sweep = [int(n) for n in args.producers.split(",")] if args.producers else None
     partial = sweep is not None or args.rows or args.no_ingest or args.no_latency
+    partial = partial or args.cluster or args.master
     with contextlib.ExitStack() as stack:
+        master = args.master or "local[2]"
+        if args.cluster:
+            from .cluster import Cluster
+
+            folder = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+            cluster = Cluster(folder, workers=args.cluster)
+            stack.callback(cluster.close)
+            master = cluster.master
         broker: Any = None
         if not args.no_kafka:
             from ..kafka.broker import KafkaBroker
@@ -215,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             latency=not args.no_latency,
             saved=not partial or args.save_as is not None,
             name=args.save_as or "spark",
+            master=master,
         )
     return 0
 

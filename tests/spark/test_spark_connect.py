@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from bench.spark.cluster import SPARK_HOME, spark_env
 from tests.pgserver import free_port
-from tests.spark.cluster import SPARK_HOME, Fleet, read_committed, spark_env
+from tests.spark.cluster import Fleet, read_committed
 
 CLIENT = Path(__file__).resolve().parent / "programs" / "connect_client.py"
 SERVER = "org.apache.spark.sql.connect.service.SparkConnectServer"

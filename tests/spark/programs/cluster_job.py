@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 
+import to_parquet  # beside this file
 from pyspark.sql import SparkSession
 from pyspark.sql.streaming import StreamingQueryListener
 
@@ -43,16 +44,8 @@ def main(mode: str, endpoints: str, out: str, checkpoint: str = "") -> None:
         print("DONE", flush=True)
         return
     spark.streams.addListener(Progress())
-    query = (
-        spark.readStream.format("streamq")
-        .options(**options, maxRecordsPerTrigger="20000", minPartitions="4")
-        .load()
-        .writeStream.format("parquet")
-        .option("path", out)
-        .option("checkpointLocation", checkpoint)
-        .trigger(availableNow=True)
-        .start()
-    )
+    batches = {"maxRecordsPerTrigger": "20000", "minPartitions": "4"}
+    query = to_parquet.start(spark, {**options, **batches}, out, checkpoint)
     print("STARTED", flush=True)
     query.awaitTermination()
     print("DONE", flush=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 
+import to_parquet  # beside this file
 from pyspark.sql import SparkSession
 
 from spark_source import StreamQDataSource
@@ -23,17 +24,7 @@ def main(remote: str, endpoints: str, out: str, checkpoint: str) -> int:
         spark.dataSource.register(StreamQDataSource)
         rows = spark.read.format("streamq").options(**options).load().count()
         print(f"BATCH {rows}", flush=True)
-        query = (
-            spark.readStream.format("streamq")
-            .options(**options)
-            .load()
-            .writeStream.format("parquet")
-            .option("path", out)
-            .option("checkpointLocation", checkpoint)
-            .trigger(availableNow=True)
-            .start()
-        )
-        query.awaitTermination()
+        to_parquet.start(spark, options, out, checkpoint).awaitTermination()
         print(f"STREAM {spark.read.parquet(out).count()}", flush=True)
     except Exception as exc:  # what a Connect client is told, as its user sees it
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
