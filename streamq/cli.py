@@ -27,7 +27,7 @@ from .consumer.database import consumer_database, list_dead_letters, mark_for_re
 from .consumer.resharing import OnlineMove
 from .engines import Engine, for_target, is_postgres_url, open_storage
 from .errors import SchemaMissingError, StreamQError
-from .filters import Filter
+from .filters import Filter, split_share_name
 from .producer.committed_log import Log
 from .producer.producer import Producer
 from .producer.server import ServerSettings
@@ -926,7 +926,7 @@ def _status(args: argparse.Namespace) -> None:
             c["consumer"],
             c["stream"],
             "" if c["applied"] is None else str(c["applied"]),
-            str(c["lag"]) if c["exact"] else f"≤ {c['lag']}",
+            _lag(c["lag"], c["exact"]),
             "yes" if c["registered"] else ("dropped" if c.get("dropped") else ""),
             str(c["lost"] or ""),
             _ago(c["updated_at"] / 1000),
@@ -942,7 +942,7 @@ def _group_status(args: argparse.Namespace, status: dict[str, Any]) -> None:
     rows = [
         p
         for p in status.get("positions", [])
-        if p["consumer"] == name or p["consumer"].startswith(name + "[")
+        if p["consumer"] == name or (split_share_name(p["consumer"]) or ("",))[0] == name
     ]
     if not rows:
         raise SystemExit(
@@ -959,15 +959,21 @@ def _group_status(args: argparse.Namespace, status: dict[str, Any]) -> None:
         return
     console = _console()
     for stream, total in streams.items():
-        lag = total["lag"] if total["exact"] else f"≤ {total['lag']}"
+        lag = _lag(total["lag"], total["exact"])
         console.print(f"group [bold]{name}[/] on stream {stream!r}: lag {lag}")
     table = Table("consumer", "stream", "applied", "lag", "last report", title=name)
     for p in rows:
-        lag = str(p["lag"]) if p.get("exact", True) else f"≤ {p['lag']}"
+        lag = _lag(p["lag"], p.get("exact", True))
         table.add_row(
             p["consumer"], p["stream"], str(p["applied"]), lag, _ago(p["updated_at"] / 1000)
         )
     console.print(table)
+
+
+def _lag(lag: int, exact: bool) -> str:
+    """A lag as the tables show it: ``≤ N`` where it is head - applied, an upper bound
+    (docs/guides/operations.md, "What lag counts")."""
+    return str(lag) if exact else f"≤ {lag}"
 
 
 def _ago(when: float) -> str:
@@ -1029,7 +1035,7 @@ async def _consumers(args: argparse.Namespace) -> None:
                     p.stream,
                     str(p.applied),
                     str(p.head),
-                    str(p.lag) if p.exact else f"≤ {p.lag}",
+                    _lag(p.lag, p.exact),
                     "yes" if p.registered else "",
                     _ago(p.updated_at),
                     *limits,
@@ -1080,7 +1086,7 @@ def _groups(args: argparse.Namespace) -> None:
                 r.producer_id or "",
                 "" if r.applied is None else str(r.applied),
                 "" if r.head is None else str(r.head),
-                "" if r.behind is None else f"{'' if r.exact else '≤ '}{r.behind}",
+                "" if r.behind is None else _lag(r.behind, r.exact),
                 str(r.parked or ""),
             )
         console.print(shares)

@@ -25,7 +25,7 @@ from ..errors import (
     RemoteProtocolError,
     StreamQError,
 )
-from ..groups.report import describe_groups, with_answers
+from ..groups.report import describe_groups, status_lags, with_answers
 from ..wire.client import Client
 from ..wire.security import ClientTLS
 from ..wire.status_report import consumer_rows
@@ -233,15 +233,9 @@ def with_statuses(
         for address, status in statuses.items()
         for s in status["streams"]
     }
-    lags = {
-        (address, p["consumer"], p["stream"]): (
-            int(p["applied"]),
-            int(p["lag"]),
-            bool(p.get("exact", True)),
-        )
-        for address, status in statuses.items()
-        for p in status.get("positions", [])
-    }
+    lags = {}
+    for address, status in statuses.items():
+        lags.update(status_lags(address, status))
     reports = with_answers([g["report"] for g in groups], heads, lags, {})
     return [
         {"database": g["database"], **report.as_json()}

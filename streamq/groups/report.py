@@ -164,10 +164,23 @@ def _with_heads(reports: list[GroupReport], timeout: float) -> list[GroupReport]
                 unreachable[endpoint] = str(exc)
                 continue
             with contextlib.suppress(StreamQError):  # last: an ERROR ends the connection
-                for p in client.status().get("positions", []):
-                    key = (endpoint, p["consumer"], p["stream"])
-                    lags[key] = (int(p["applied"]), int(p["lag"]), bool(p.get("exact", True)))
+                lags.update(status_lags(endpoint, client.status()))
     return with_answers(reports, heads, lags, unreachable)
+
+
+def status_lags(
+    endpoint: str, status: dict[str, Any]
+) -> dict[tuple[str, str, str], tuple[int, int, bool]]:
+    """A producer's status report as ``with_answers`` takes its lags: by (endpoint,
+    consumer, stream), (applied, lag, exact)."""
+    return {
+        (endpoint, p["consumer"], p["stream"]): (
+            int(p["applied"]),
+            int(p["lag"]),
+            bool(p.get("exact", True)),
+        )
+        for p in status.get("positions", [])
+    }
 
 
 def with_answers(
