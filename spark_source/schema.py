@@ -100,7 +100,10 @@ ARROW_SCHEMA: pa.Schema = to_arrow_schema(SCHEMA, timezone="UTC")
 _HEADERS_TYPE = ARROW_SCHEMA.field("headers").type
 _TIMESTAMP = ARROW_SCHEMA.field("timestamp").type
 _MILLISECONDS = pa.timestamp("ms", tz="UTC")  # records carry milliseconds since the epoch
-_NO_HEADER_VALUES = pa.array([], _HEADERS_TYPE.value_type)
+# Not pa.array([]): its first call imports pandas (pyarrow looks for pandas arrays), which
+# the driver, planning a micro-batch, never needs: Spark starts a new Python process for
+# each streaming query, and pandas would add about 0.15 s to its start.
+_NO_HEADER_VALUES = pa.nulls(0, _HEADERS_TYPE.value_type)
 
 
 def default_schema(include_headers: bool) -> StructType:

@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 
 import streamq
 from bench.spark.cluster import BASE_PYTHON, SPARK_HOME, Cluster
-from spark_source.session import LOOPBACK
+from spark_source.session import LOOPBACK, PYTHON_WORKER_SOCKETS
 from tests.spark.test_spark_exactly_once import committed_files
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -132,6 +132,7 @@ def submit(
     options += ["--conf", f"spark.pyspark.driver.python={sys.executable}"]
     options += ["--conf", f"spark.driver.host={LOOPBACK}"]
     options += ["--conf", "spark.executor.memory=768m", "--conf", "spark.ui.enabled=false"]
+    options += ["--conf", f"{PYTHON_WORKER_SOCKETS}=true"]  # as the guide says
     if archive is not None:
         options += ["--archives", f"{archive}#environment"]
         options += ["--conf", "spark.pyspark.python=./environment/bin/python"]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import datetime
 import decimal
+import subprocess
+import sys
 from typing import Any
 
 import msgpack
@@ -146,3 +148,12 @@ def test_change_columns_are_read_from_the_value_as_the_schema_types_them() -> No
         Columns(schema).batch("p1", "h:1", "events", [[1, 0, None, b"plain", {}]])
     with pytest.raises(ValueError, match="struct of the table's columns"):
         Columns(StructType([StructField("new", StringType())]))
+
+
+def test_importing_the_source_leaves_pandas_out() -> None:
+    """Spark starts a new Python process to plan each streaming query: importing the source
+    there must not pull in pandas (pyarrow imports it on its first array built from a list)."""
+    program = "import sys, spark_source.datasource; print('pandas' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
