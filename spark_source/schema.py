@@ -22,7 +22,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.types import (
     ArrayType,
@@ -231,6 +230,10 @@ class Columns:
             raise
         except (pa.ArrowException, TypeError, ValueError, LookupError, ArithmeticError) as exc:
             raise ValueError(f"malformed records from producer {producer}: {exc}") from None
+        # Imported here: pyarrow.compute takes 38 ms to import, and the driver's process,
+        # new for each streaming query, never builds a batch.
+        import pyarrow.compute as pc
+
         if count > 1 and not pc.all(pc.less(seqs[:-1], seqs[1:])).as_py():
             raise ValueError(f"records from producer {producer} are not in increasing seq order")
         return pa.RecordBatch.from_arrays(columns, schema=self.arrow_schema)

@@ -18,7 +18,9 @@ LOOPBACK = "127.0.0.1"
 # task's input (the partition to read) follows its command in a second small write, which
 # Nagle's algorithm holds until the worker's delayed ACK, 40 ms, in every task that reads
 # a Python source. Measured on a micro-batch: the worker had the partition 41 to 57 ms
-# after the command over TCP, 1 ms over a Unix socket (docs/guides/spark.md, "Latency").
+# after the command over TCP, 1 ms over a Unix socket (docs/guides/spark.md, "Latency",
+# also for the one cost: PySpark's daemon prints a BrokenPipeError as Spark reaps an idle
+# worker).
 PYTHON_WORKER_SOCKETS = "spark.python.unix.domain.socket.enabled"
 
 # Read by the JVM as it starts (-Dlog4j2.configurationFile): Spark's own default profile

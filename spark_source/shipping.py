@@ -17,7 +17,8 @@ from typing import Any
 SHIP_IT = (
     "ship it to the executors: a virtual environment packed with venv-pack, given with "
     "--archives env.tar.gz#environment and spark.pyspark.python=./environment/bin/python, "
-    "or streamq's wheel with --py-files (docs/guides/spark.md, 'Running on a cluster')"
+    "or streamq's wheel as a .zip with --py-files (docs/guides/spark.md, 'Running on a "
+    "cluster')"
 )
 
 

@@ -78,39 +78,58 @@ def read_committed(out: Path) -> Counter[tuple[str, int]]:
     return read
 
 
-def packed_environment(directory: Path, with_streamq: bool = True) -> Path:
-    """streamq's wheel and what executors need, in a virtual environment of the machine's
-    Python, packed by venv-pack (``--archives env.tar.gz#environment``). Built once per
-    version of the sources: kept in ``directory`` under their digest. ``with_streamq``
-    False: the same without streamq (a user's mistake, for the error it gets)."""
+def _sources_digest() -> str:
     digest = hashlib.sha256()
     for path in sorted([*ROOT.glob("streamq/**/*.py"), *ROOT.glob("spark_source/*.py")]):
         digest.update(path.read_bytes())
     digest.update(repr(EXECUTOR_PACKAGES).encode())
-    name = "streamq-env" if with_streamq else "env-without-streamq"
-    packed = directory / f"{name}-{digest.hexdigest()[:12]}.tar.gz"
+    return digest.hexdigest()[:12]
+
+
+_RUN = {"check": True, "capture_output": True, "timeout": 600}
+
+
+def pure_wheel(directory: Path) -> Path:
+    """streamq's pure-Python wheel (``STREAMQ_PURE=1``: one wheel for any executor, and
+    importable from a zip, as ``--py-files`` needs), kept in ``directory`` under the
+    sources' digest."""
+    kept = directory / f"wheel-{_sources_digest()}"
+    if kept.exists():
+        return next(kept.glob("streamq-*.whl"))
+    directory.mkdir(parents=True, exist_ok=True)
+    build = directory / f"wheel-build-{os.getpid()}"
+    env = {**os.environ, "STREAMQ_PURE": "1"}
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(build), str(ROOT)],
+        env=env, **_RUN,
+    )  # type: ignore[call-overload]  # fmt: skip
+    os.replace(build, kept)
+    return next(kept.glob("streamq-*.whl"))
+
+
+def packed_environment(directory: Path, with_streamq: bool = True) -> Path:
+    """streamq's wheel and what executors need, in a virtual environment of the machine's
+    Python, packed by venv-pack (``--archives env.tar.gz#environment``). Built once per
+    version of the sources: kept in ``directory`` under their digest. ``with_streamq``
+    False: streamq's dependencies without streamq itself, as an image that has them and
+    gets streamq by ``--py-files`` would be (or a user's mistake, for the error it gets)."""
+    name = "streamq-env" if with_streamq else "env-streamq-deps-only"
+    packed = directory / f"{name}-{_sources_digest()}.tar.gz"
     if packed.exists():
         return packed
-    directory.mkdir(parents=True, exist_ok=True)
+    wheel = pure_wheel(directory)
     build = directory / f"build-{os.getpid()}"
     venv = build / "env"
-    run = {"check": True, "capture_output": True, "timeout": 600}
-    subprocess.run([str(BASE_PYTHON), "-m", "venv", str(venv)], **run)  # type: ignore[call-overload]
-    wheels: list[str] = []
-    if with_streamq:
-        env = {**os.environ, "STREAMQ_PURE": "1"}  # pure Python: one wheel for any executor
-        subprocess.run(
-            [sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(build), str(ROOT)],
-            env=env, **run,
-        )  # type: ignore[call-overload]  # fmt: skip
-        wheels = [str(wheel) for wheel in build.glob("streamq-*.whl")]
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet"]
-    subprocess.run([*pip, *wheels, *EXECUTOR_PACKAGES], **run)  # type: ignore[call-overload]
+    subprocess.run([str(BASE_PYTHON), "-m", "venv", str(venv)], **_RUN)  # type: ignore[call-overload]
+    pip = [str(venv / "bin" / "python"), "-m", "pip"]
+    subprocess.run([*pip, "install", "--quiet", str(wheel), *EXECUTOR_PACKAGES], **_RUN)  # type: ignore[call-overload]
+    if not with_streamq:
+        subprocess.run([*pip, "uninstall", "--quiet", "--yes", "streamq"], **_RUN)  # type: ignore[call-overload]
     partial = build / "env.tar.gz"
     subprocess.run(
         [str(Path(sys.executable).parent / "venv-pack"), "-p", str(venv), "-o", str(partial),
          "--quiet"],
-        **run,
+        **_RUN,
     )  # type: ignore[call-overload]  # fmt: skip
     os.replace(partial, packed)
     subprocess.run(["rm", "-rf", str(build)], check=True)
@@ -124,10 +143,11 @@ def submit(
     archive: Path | None,
     log: Path,
     conf: Sequence[str] = (),
+    py_files: Sequence[Path] = (),
 ) -> subprocess.Popen[bytes]:
     """``spark-submit --master spark://... --deploy-mode client program args``: the driver
     runs here, in the test's environment (streamq installed); the executors run
-    ``archive``'s Python (or the machine's, without one)."""
+    ``archive``'s Python (or the machine's, without one), ``py_files`` on their path."""
     options = ["--master", cluster.master, "--deploy-mode", "client"]
     options += ["--conf", f"spark.pyspark.driver.python={sys.executable}"]
     options += ["--conf", f"spark.driver.host={LOOPBACK}"]
@@ -143,6 +163,8 @@ def submit(
             link.symlink_to(sys.prefix)
     for setting in conf:
         options += ["--conf", setting]
+    if py_files:
+        options += ["--py-files", ",".join(map(str, py_files))]
     with log.open("wb") as out:
         return subprocess.Popen(
             [str(SPARK_HOME / "bin" / "spark-submit"), *options, str(program), *args],

@@ -2,13 +2,15 @@
 each its own JVM on loopback (``tests/spark/cluster.py``), applications submitted with
 ``spark-submit`` in client mode, the executors on the machine's Python, which has no
 streamq: it reaches them in a virtual environment packed with venv-pack and passed with
-``--archives`` (docs/guides/spark.md, "Running on a cluster").
+``--archives``, or as its wheel with ``--py-files`` (docs/guides/spark.md, "Running on a
+cluster").
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -19,7 +21,15 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from tests.spark.cluster import ROOT, Cluster, Fleet, packed_environment, read_committed, submit
+from tests.spark.cluster import (
+    ROOT,
+    Cluster,
+    Fleet,
+    packed_environment,
+    pure_wheel,
+    read_committed,
+    submit,
+)
 
 JOB = Path(__file__).resolve().parent / "programs" / "cluster_job.py"
 PACKED = ROOT / "build" / "spark-env"  # kept across runs, named by the sources' digest
@@ -84,10 +94,33 @@ def test_a_batch_read_through_spark_submit_with_a_packed_environment(
 
 
 @pytest.mark.timeout(300)
+def test_a_batch_read_with_streamq_shipped_as_a_wheel_by_py_files(
+    tmp_path: Path, cluster: Cluster, fleet: Fleet
+) -> None:
+    """The guide's other way: the executors' Python has streamq's dependencies, not streamq
+    (the archive the next test fails with), and streamq's pure wheel comes with
+    ``--py-files``, named ``.zip``: PySpark puts only ``.zip``, ``.egg`` and ``.jar``
+    files of ``--py-files`` on the executors' path, not ``.whl``."""
+    deps_only = packed_environment(PACKED, with_streamq=False)
+    shipped = tmp_path / "streamq.zip"
+    shutil.copyfile(pure_wheel(PACKED), shipped)
+    out, log = tmp_path / "out", tmp_path / "batch.log"
+    endpoints = ",".join(fleet.endpoints)
+    driver = submit(
+        cluster, JOB, "batch", endpoints, str(out), archive=deps_only, log=log,
+        py_files=[shipped],
+    )  # fmt: skip
+    assert driver.wait(timeout=240) == 0, log.read_text(errors="replace")
+    read = read_parquet(out)
+    assert max(read.values()) == 1  # nothing twice
+    assert set(read) == fleet.every_record()
+
+
+@pytest.mark.timeout(300)
 def test_executors_without_streamq_fail_the_query_at_once_saying_how_to_ship_it(
     tmp_path: Path, cluster: Cluster, fleet: Fleet
 ) -> None:
-    """The executors' Python has PySpark's needs (pyarrow) and not streamq: the first task
+    """The executors' Python has PySpark's needs and streamq's, not streamq: the first task
     fails in one line naming the executor's host and how to ship streamq, not with a
     worker's ModuleNotFoundError, and the query ends within its task retries."""
     without = packed_environment(PACKED, with_streamq=False)
