@@ -80,17 +80,27 @@ def kill_group(process: subprocess.Popen[bytes]) -> None:
     process.wait(timeout=30)
 
 
-@pytest.mark.timeout(300)
-def test_a_batch_read_through_spark_submit_with_a_packed_environment(
-    tmp_path: Path, cluster: Cluster, packed: Path, fleet: Fleet
+def read_every_record_once(
+    tmp_path: Path, cluster: Cluster, fleet: Fleet, archive: Path, py_files: list[Path]
 ) -> None:
+    """The batch job through ``spark-submit``: it succeeds, and its parquet holds every
+    record of the fleet once."""
     out, log = tmp_path / "out", tmp_path / "batch.log"
     endpoints = ",".join(fleet.endpoints)
-    driver = submit(cluster, JOB, "batch", endpoints, str(out), archive=packed, log=log)
+    driver = submit(
+        cluster, JOB, "batch", endpoints, str(out), archive=archive, log=log, py_files=py_files
+    )
     assert driver.wait(timeout=240) == 0, log.read_text(errors="replace")
     read = read_parquet(out)
     assert max(read.values()) == 1  # nothing twice
     assert set(read) == fleet.every_record()
+
+
+@pytest.mark.timeout(300)
+def test_a_batch_read_through_spark_submit_with_a_packed_environment(
+    tmp_path: Path, cluster: Cluster, packed: Path, fleet: Fleet
+) -> None:
+    read_every_record_once(tmp_path, cluster, fleet, packed, py_files=[])
 
 
 @pytest.mark.timeout(300)
@@ -104,16 +114,7 @@ def test_a_batch_read_with_streamq_shipped_as_a_wheel_by_py_files(
     deps_only = packed_environment(PACKED, with_streamq=False)
     shipped = tmp_path / "streamq.zip"
     shutil.copyfile(pure_wheel(PACKED), shipped)
-    out, log = tmp_path / "out", tmp_path / "batch.log"
-    endpoints = ",".join(fleet.endpoints)
-    driver = submit(
-        cluster, JOB, "batch", endpoints, str(out), archive=deps_only, log=log,
-        py_files=[shipped],
-    )  # fmt: skip
-    assert driver.wait(timeout=240) == 0, log.read_text(errors="replace")
-    read = read_parquet(out)
-    assert max(read.values()) == 1  # nothing twice
-    assert set(read) == fleet.every_record()
+    read_every_record_once(tmp_path, cluster, fleet, deps_only, py_files=[shipped])
 
 
 @pytest.mark.timeout(300)
