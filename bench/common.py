@@ -9,6 +9,7 @@ import json
 import os
 import platform
 import select
+import socket
 import statistics
 import subprocess
 import sys
@@ -240,6 +241,13 @@ def proc_cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as stat:
         fields = stat.read().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    """A port on loopback free now, for a server told to listen on it."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def wait_until(

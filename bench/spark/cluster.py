@@ -12,36 +12,20 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 
 import pyspark
 
 from spark_source.session import LOOPBACK, log4j2_file
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((LOOPBACK, 0))
-        port: int = sock.getsockname()[1]
-        return port
-
+from ..common import free_port, wait_until
 
 SPARK_HOME = Path(pyspark.__file__).resolve().parent
 BASE_PYTHON = Path(sys.base_prefix) / "bin" / "python3"  # the machine's: no streamq
 STARTED = 60.0  # s: a JVM's start, on a loaded machine
-
-
-def _wait(condition: Callable[[], bool], what: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
-        time.sleep(0.1)
 
 
 def spark_env(directory: Path) -> dict[str, str]:
@@ -76,10 +60,15 @@ class Cluster:
                 "master", "org.apache.spark.deploy.master.Master",
                 "--host", LOOPBACK, "--port", str(port), "--webui-port", str(ui),
             )  # fmt: skip
-            _wait(self._answers, "the master's web UI", STARTED)
+            wait_until("answer from the master's web UI", self._answers, STARTED, every=0.1)
             for i in range(workers):
                 self.start_worker(i, cores)
-            _wait(lambda: self.alive_workers() == workers, f"{workers} workers", STARTED)
+            wait_until(
+                f"{workers} workers alive",
+                lambda: self.alive_workers() == workers,
+                STARTED,
+                every=0.1,
+            )
         except BaseException:
             self.close()
             raise

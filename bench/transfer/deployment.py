@@ -10,7 +10,6 @@ import contextlib
 import os
 import random
 import signal
-import socket
 import sqlite3
 import subprocess
 import time
@@ -61,12 +60,6 @@ class Sizes:
 
 FULL = Sizes(200_000, 2_000, 10.0, 20_000, 1_000, 10, 60_000)
 QUICK = Sizes(20_000, 1_000, 2.0, 5_000, 1_000, 3, 2_000)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _scalar(path: Path, sql: str, default: int = 0) -> int:

@@ -49,13 +49,14 @@ from ..common import (
     alternating,
     comparison_table,
     console,
+    free_port,
     latency_table,
     percentile_series,
     save,
     workload_main,
 )
 from .common import ACCOUNTS, OPENING_BALANCE, STREAM
-from .deployment import FULL, QUICK, ROLES, STARTUP_TIMEOUT, Deployment, Sizes, flow, free_port
+from .deployment import FULL, QUICK, ROLES, STARTUP_TIMEOUT, Deployment, Sizes, flow
 from .floor import floor_flow
 from .kafka import KAFKA_CONSUMER, KAFKA_PRODUCER, RELAY_POLL, warm_up
 
