@@ -41,13 +41,13 @@ docs-console: $(STAMP) chromium  # the console's screenshots in docs/guides/oper
 	STREAMQ_CONSOLE_SCREENSHOTS=docs/images $(BIN)/python -m pytest -q -p no:randomly \
 		tests/console/test_console.py -k the_page
 
-# The compiled path (setup.py, streamq/native.py): the listed modules built by mypyc, in
-# place, again whenever one of them changes. Without a C compiler it says so, and the
-# pure-Python path runs.
+# The compiled path (setup.py, streamq/native.py): the listed modules built by mypyc and
+# the C extensions, in place, again whenever one of them changes. Without a C compiler it
+# says so, and the pure-Python path runs.
 NATIVE_SOURCES := $(shell sed -n '/^COMPILED = (/,/^)/s/^ *"streamq\.\([a-z_.]*\)",/streamq.\1/p' streamq/native.py | tr . / | sed 's/$$/.py/')
 NATIVE := streamq/native.json
 
-$(NATIVE): $(STAMP) setup.py streamq/native.py $(NATIVE_SOURCES)
+$(NATIVE): $(STAMP) setup.py streamq/native.py $(NATIVE_SOURCES) $(wildcard streamq/*/*.c)
 	$(BIN)/python setup.py --quiet build_ext --inplace
 
 native: $(NATIVE)

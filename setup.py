@@ -1,5 +1,5 @@
 """Builds streamq with its hot modules compiled by mypyc (``streamq/native.py`` lists
-them), from the same typed sources the pure-Python path runs.
+them), from the same typed sources the pure-Python path runs, and its C extensions.
 
 Where no C compiler is found, or mypyc cannot build them, or ``STREAMQ_PURE=1`` is set
 at build time, the package installs as pure Python and says why in one line. A
@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
@@ -28,7 +28,7 @@ def _native() -> dict[str, Any]:
 
 
 NATIVE = _native()
-SOURCES = {m: NATIVE["source_of"](m, ROOT / "streamq") for m in NATIVE["COMPILED"]}
+SOURCES = {m: NATIVE["source_of"](m, ROOT / "streamq") for m in NATIVE["NATIVE_MODULES"]}
 
 
 def _say(why: str) -> None:
@@ -44,12 +44,17 @@ def _extensions() -> list[Any]:
     except ImportError:
         _say("mypyc (part of mypy) is not installed")
         return []
-    sources = [str(path.relative_to(ROOT)) for path in SOURCES.values()]
+    sources = [str(SOURCES[m].relative_to(ROOT)) for m in NATIVE["COMPILED"]]
+    c_extensions = [
+        Extension(m, [str(SOURCES[m].relative_to(ROOT))], extra_compile_args=["-O3"])
+        for m in NATIVE["C_EXTENSIONS"]
+    ]
     try:
         # Types of what is not installed at build time (msgpack, aiosqlite, psycopg in an
         # isolated build) are taken as Any: the code compiles all the same.
         options = ["--ignore-missing-imports", *sources]
-        return list(mypycify(options, opt_level="3", group_name="streamq._compiled"))
+        compiled = mypycify(options, opt_level="3", group_name="streamq._compiled")
+        return [*compiled, *c_extensions]
     except (Exception, SystemExit) as exc:  # mypyc exits on a type error
         _say(f"mypyc could not compile {', '.join(sources)}: {exc}")
         return []

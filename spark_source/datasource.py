@@ -125,7 +125,7 @@ from streamq import (
     StreamQError,
 )
 from streamq import Filter as RecordFilter
-from streamq.protocol import collector_paused
+from streamq.protocol import RecordColumns, RecordRows, collector_paused, first_and_last_seq
 from streamq.wire.client import RangeRead
 
 from . import planning, shipping
@@ -140,7 +140,7 @@ from .planning import (
     Reports,
     StreamQSourceError,
 )
-from .schema import EVERY_COLUMN, Columns, change_schema, default_schema
+from .schema import EVERY_COLUMN, Columns, Part, change_schema, default_schema
 from .shipping import Shipped
 
 # Its code travels inside the pickles executors receive: see ``shipping``.
@@ -473,9 +473,9 @@ def read_task(
         asked: list[_Asked | None] = [None] * len(group)
         try:
             for i, part in enumerate(group):
-                asked[i] = asked[i] or _Asked.ask(part, clients[i])
+                asked[i] = asked[i] or _Asked.ask(part, clients[i], columns)
                 if i + 1 < len(group):
-                    asked[i + 1] = _Asked.ask(group[i + 1], clients[i + 1])
+                    asked[i + 1] = _Asked.ask(group[i + 1], clients[i + 1], columns)
                 yield from read_partition(part, columns, asked=asked[i])
         finally:
             for client in clients:
@@ -489,17 +489,19 @@ class _Asked:
     the read stands."""
 
     client: Client
-    reader: RangeRead[list[list[Any]]]
+    reader: RangeRead[RecordRows | RecordColumns]
     state: _PartitionRead
 
     @classmethod
-    def ask(cls, partition: StreamQPartition, client: Client | StreamQError) -> _Asked | None:
+    def ask(
+        cls, partition: StreamQPartition, client: Client | StreamQError, columns: Columns
+    ) -> _Asked | None:
         """None if the connection failed or is not the planned producer's: the read then
         makes its own and fails, or tries again, as any read would."""
         if not isinstance(client, Client) or client.producer_id != partition.range.producer_id:
             return None
         state = _PartitionRead(partition)
-        reader = _request(client, state)
+        reader = _request(client, state, columns)
         try:
             reader.send()
         except StreamQError:
@@ -508,9 +510,9 @@ class _Asked:
         return cls(client, reader, state)
 
 
-def _batch(columns: Columns, rng: Range, stream: str, rows: list[list[Any]]) -> pa.RecordBatch:
+def _batch(columns: Columns, rng: Range, stream: str, parts: Sequence[Part]) -> pa.RecordBatch:
     try:
-        return columns.batch(rng.producer_id, rng.endpoint, stream, rows)
+        return columns.batch_of(rng.producer_id, rng.endpoint, stream, parts)
     except ValueError as exc:
         raise StreamQSourceError(f"producer at {rng.endpoint}: {exc}") from exc
 
@@ -546,7 +548,7 @@ def _read_keys(
     except StreamQError as exc:
         raise StreamQSourceError(f"producer at {rng.endpoint}: {exc}") from exc
     records.sort(key=lambda record: record.seq)
-    yield _batch(columns, rng, stream, [list(record) for record in records])
+    yield _batch(columns, rng, stream, [[list(record) for record in records]])
 
 
 class _PartitionRead:
@@ -698,15 +700,18 @@ def read_partition(
             raise StreamQSourceError(f"producer at {rng.endpoint}: {exc}") from exc
 
 
-def _request(client: Client, state: _PartitionRead) -> RangeRead[list[list[Any]]]:
+def _request(
+    client: Client, state: _PartitionRead, columns: Columns
+) -> RangeRead[RecordRows | RecordColumns]:
     """The range request from where ``state`` stands."""
     partition = state.partition
-    return client.read_range_rows(
+    return client.read_range_columns(
         partition.stream,
         state.start,
         state.end,
         seen_epoch=state.seen_epoch,
         filter=partition.filter,
+        columnar=columns.columnar,
     )
 
 
@@ -714,13 +719,13 @@ def _read_range(
     client: Client,
     state: _PartitionRead,
     columns: Columns,
-    reader: RangeRead[list[list[Any]]] | None = None,
+    reader: RangeRead[RecordRows | RecordColumns] | None = None,
 ) -> Iterator[pa.RecordBatch]:
     """One range request from where ``state`` stands (``reader``: already made, perhaps
     sent); it moves on as batches are taken."""
     _check_producer(client, state.partition.range)
     if reader is None:
-        reader = _request(client, state)
+        reader = _request(client, state, columns)
     while True:
         # Rows live only while one batch is built: the collector need not scan them at all.
         with collector_paused():
@@ -735,21 +740,29 @@ def _read_range(
 
 
 def _next_batch(
-    reader: RangeRead[list[list[Any]]], state: _PartitionRead, columns: Columns
+    reader: RangeRead[RecordRows | RecordColumns], state: _PartitionRead, columns: Columns
 ) -> tuple[pa.RecordBatch, int] | None:
-    """The next frames' rows, at least ``_ROWS_PER_BATCH`` unless the range ends first, as
-    one batch and its last seq; None at the end of the range."""
-    pending: list[list[Any]] = []
-    for rows in reader:
-        if rows:
-            state.check_epoch(reader.epoch, rows[0][0])
-            pending += rows
-            if len(pending) >= _ROWS_PER_BATCH:
+    """The next frames' records, at least ``_ROWS_PER_BATCH`` unless the range ends first,
+    as one batch and its last seq; None at the end of the range."""
+    pending: list[Part] = []
+    count = last = 0
+    for frame in reader:
+        seqs = first_and_last_seq(frame)
+        if seqs is not None:
+            state.check_epoch(reader.epoch, seqs[0])
+            last = seqs[1]
+            if isinstance(frame, RecordColumns):
+                pending.append(frame.columns)
+                count += frame.columns.length
+            else:
+                pending.append(frame.rows)
+                count += len(frame.rows)
+            if count >= _ROWS_PER_BATCH:
                 break
     if not pending:
         return None
     partition = state.partition
-    return _batch(columns, partition.range, partition.stream, pending), pending[-1][0]
+    return _batch(columns, partition.range, partition.stream, pending), last
 
 
 def _read_kept(

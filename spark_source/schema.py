@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import decimal
 import json
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,6 +44,11 @@ from pyspark.sql.types import (
 )
 
 from streamq.captured import decode_change
+from streamq.protocol import ColumnBuffers
+
+# A batch's records as they come: rows [seq, timestamp, key, value, headers] as the
+# client decodes them, or a frame's column buffers where the compiled decoder reads it.
+Part = Sequence[Sequence[Any]] | ColumnBuffers
 
 HEADER_TYPE = StructType(
     [StructField("key", StringType(), False), StructField("value", BinaryType(), True)]
@@ -198,18 +204,34 @@ class Columns:
             if field.name in CHANGE_FIELDS or field.name in ROWS
         }
 
+    @property
+    def columnar(self) -> bool:
+        """Whether records may come as column buffers (``ColumnBuffers``): not for a
+        change's fields, which are read from each record's value as Python objects."""
+        return not self._changes
+
     def batch(
         self, producer: str, endpoint: str, stream: str, rows: Sequence[Sequence[Any]]
     ) -> pa.RecordBatch:
         """One RecordBatch of ``rows``; raises ``ValueError`` for malformed rows or rows out
         of seq order."""
-        count = len(rows)
+        return self.batch_of(producer, endpoint, stream, [rows])
+
+    def batch_of(
+        self, producer: str, endpoint: str, stream: str, parts: Sequence[Part]
+    ) -> pa.RecordBatch:
+        """One RecordBatch of the records of ``parts`` in turn, each rows as the client
+        decodes them or a frame's column buffers as the compiled decoder reads them (the
+        same batch either way); raises ``ValueError`` as ``batch``."""
         constants = {"producer": producer, "endpoint": endpoint, "stream": stream}
         try:
-            # Rows to fields in one pass in C (a tuple per field), not a list per column.
-            fields = _fields(rows) if count else [()] * 5
-            seqs = pa.array(fields[0], pa.int64())
-            changes = [_change(v) for v in fields[3]] if self._changes else []
+            built = [self._part_columns(part) for part in parts]
+            record_columns = {
+                name: _joined([columns[name] for columns, _ in built]) for name in built[0][0]
+            }
+            seqs = record_columns["seq"]
+            count = len(seqs)
+            changes = [_change(v) for _, values in built for v in values]
             if self.table_columns is not None:
                 self._check_columns(changes)
             columns = []
@@ -220,10 +242,8 @@ class Columns:
                     column = pa.array(values, self.arrow_schema.field(name).type)
                 elif name in _CONSTANTS:
                     column = pa.repeat(pa.scalar(constants[name], pa.string()), count)
-                elif name == "seq":
-                    column = seqs
                 else:
-                    column = _build(name, fields[_ROW_INDEX[name]])
+                    column = record_columns[name]
                 cast = self._casts.get(name)
                 columns.append(column if cast is None else column.cast(cast))
         except TableChangedError:
@@ -237,6 +257,19 @@ class Columns:
         if count > 1 and not pc.all(pc.less(seqs[:-1], seqs[1:])).as_py():
             raise ValueError(f"records from producer {producer} are not in increasing seq order")
         return pa.RecordBatch.from_arrays(columns, schema=self.arrow_schema)
+
+    def _part_columns(self, part: Part) -> tuple[dict[str, pa.Array], Sequence[Any]]:
+        """The record columns the schema has (and ``seq``) of one part, and its records'
+        values if a change's fields are read from them."""
+        names = ("seq", *(name for name in self.names if name in _ROW_INDEX and name != "seq"))
+        if isinstance(part, ColumnBuffers):
+            columns = {name: _from_buffers(name, part) for name in names}
+            values = _from_buffers("value", part).to_pylist() if self._changes else ()
+            return columns, values
+        # Rows to fields in one pass in C (a tuple per field), not a list per column.
+        fields = _fields(part) if part else [()] * 5
+        columns = {name: _build(name, fields[_ROW_INDEX[name]]) for name in names}
+        return columns, fields[3] if self._changes else ()
 
     def _check_columns(self, changes: Sequence[dict[str, Any]]) -> None:
         known = self.table_columns
@@ -267,6 +300,8 @@ def _fields(rows: Sequence[Sequence[Any]]) -> list[tuple[Any, ...]]:
 
 
 def _build(name: str, values: Sequence[Any]) -> pa.Array:
+    if name == "seq":
+        return pa.array(values, pa.int64())
     if name == "timestamp":
         return pa.array(values, pa.int64()).cast(_MILLISECONDS).cast(_TIMESTAMP)
     if name == "headers":
@@ -274,10 +309,52 @@ def _build(name: str, values: Sequence[Any]) -> pa.Array:
     return pa.array(values, pa.binary())  # key, value
 
 
+def _joined(arrays: Sequence[pa.Array]) -> pa.Array:
+    return arrays[0] if len(arrays) == 1 else pa.concat_arrays(arrays)
+
+
+def _from_buffers(name: str, columns: ColumnBuffers) -> pa.Array:
+    """Column ``name`` of a frame's records on the buffers the compiled decoder wrote, no
+    copy made."""
+    count = columns.length
+    if name == "seq":
+        return pa.Array.from_buffers(pa.int64(), count, [None, pa.py_buffer(columns.seqs)])
+    if name == "timestamp":
+        return pa.Array.from_buffers(_TIMESTAMP, count, [None, pa.py_buffer(columns.timestamps)])
+    if name == "key":
+        return _binary(count, columns.key_validity, columns.key_offsets, columns.key_data)
+    if name == "value":
+        return _binary(count, None, columns.value_offsets, columns.value_data)
+    if columns.headers is None:
+        return _no_headers(count)
+    offsets, key_offsets, key_data, value_offsets, value_data, value_validity = columns.headers
+    entries = int.from_bytes(offsets[-4:], sys.byteorder)
+    keys = pa.Array.from_buffers(
+        pa.string(), entries, [None, pa.py_buffer(key_offsets), pa.py_buffer(key_data)]
+    )
+    values = _binary(entries, value_validity, value_offsets, value_data)
+    header = _HEADERS_TYPE.value_type
+    entry = pa.StructArray.from_arrays([keys, values], fields=[header.field(0), header.field(1)])
+    offsets_array = pa.Array.from_buffers(pa.int32(), count + 1, [None, pa.py_buffer(offsets)])
+    return pa.ListArray.from_arrays(offsets_array, entry, type=_HEADERS_TYPE)
+
+
+def _binary(count: int, validity: bytes | None, offsets: bytes, data: bytes) -> pa.Array:
+    buffers = [None if validity is None else pa.py_buffer(validity)]
+    return pa.Array.from_buffers(
+        pa.binary(), count, [*buffers, pa.py_buffer(offsets), pa.py_buffer(data)]
+    )
+
+
+def _no_headers(count: int) -> pa.Array:
+    """``count`` records' headers when none has any: one shared empty list."""
+    offsets = pa.repeat(pa.scalar(0, pa.int32()), count + 1)
+    return pa.ListArray.from_arrays(offsets, _NO_HEADER_VALUES, type=_HEADERS_TYPE)
+
+
 def _headers(headers: Sequence[Any]) -> pa.Array:
-    if not any(headers):  # the common case: no headers at all, one shared empty list
-        offsets = pa.repeat(pa.scalar(0, pa.int32()), len(headers) + 1)
-        return pa.ListArray.from_arrays(offsets, _NO_HEADER_VALUES, type=_HEADERS_TYPE)
+    if not any(headers):  # the common case: no headers at all
+        return _no_headers(len(headers))
     if not all(type(h) is dict for h in headers):
         raise TypeError("headers must be maps")
     rows = [[{"key": k, "value": v} for k, v in h.items()] for h in headers]

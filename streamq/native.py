@@ -40,6 +40,13 @@ COMPILED = (
     "streamq.engines.postgres.pgoutput",
     "streamq.engines.postgres.changes",
 )
+# Written in C, where no Python compiled by mypyc comes near (docs/reference/design.md):
+# each module and its source, built beside the modules above, all or none with them.
+C_EXTENSIONS = {
+    # RECORDS into Arrow's column buffers for the Spark source's executors (20x msgpack
+    # and pyarrow's builders; streamq.protocol.columnar).
+    "streamq.protocol._columnar": "protocol/_columnar.c",
+}
 MANIFEST = "native.json"  # beside this file: {"compiler": ..., "modules": {name: sha256}}
 PACKAGE_DIR = Path(__file__).resolve().parent
 
@@ -57,8 +64,14 @@ class Build:
 
 
 def source_of(module: str, package_dir: Path = PACKAGE_DIR) -> Path:
-    """The ``.py`` file of ``module`` (``streamq.protocol.codec``)."""
+    """The source of ``module`` (``streamq.protocol.codec``): its ``.py`` file, or its C
+    file for one of ``C_EXTENSIONS``."""
+    if module in C_EXTENSIONS:
+        return package_dir / C_EXTENSIONS[module]
     return package_dir.joinpath(*module.split(".")[1:]).with_suffix(".py")
+
+
+NATIVE_MODULES = (*COMPILED, *C_EXTENSIONS)  # every module a compiled build has
 
 
 def digest(path: Path) -> str:
@@ -79,7 +92,7 @@ def check(environ: Mapping[str, str], package_dir: Path = PACKAGE_DIR) -> Build:
     if environ.get("STREAMQ_PURE", "") not in ("", "0"):
         return Build(False, "STREAMQ_PURE is set")
     manifest = package_dir / MANIFEST
-    if not manifest.is_file() or not all(built(m, package_dir) for m in COMPILED):
+    if not manifest.is_file() or not all(built(m, package_dir) for m in NATIVE_MODULES):
         return Build(False, "no compiled build: installed without a C compiler, or not built")
     try:
         recorded: dict[str, Any] = json.loads(manifest.read_text())
@@ -87,7 +100,7 @@ def check(environ: Mapping[str, str], package_dir: Path = PACKAGE_DIR) -> Build:
         compiler = str(recorded["compiler"])
     except (OSError, ValueError, KeyError, TypeError):
         return Build(False, f"{manifest.name} is unreadable: rebuild (make, or pip install)")
-    for module in COMPILED:
+    for module in NATIVE_MODULES:
         if hashes.get(module) != digest(source_of(module, package_dir)):
             return Build(
                 False,
@@ -95,7 +108,7 @@ def check(environ: Mapping[str, str], package_dir: Path = PACKAGE_DIR) -> Build:
                 "pip install) to run the compiled path",
                 stale=True,
             )
-    return Build(True, f"{compiler}, {len(COMPILED)} modules")
+    return Build(True, f"{compiler}, {len(COMPILED)} modules, and {len(C_EXTENSIONS)} in C")
 
 
 class _SourceFinder:
@@ -135,7 +148,8 @@ def build() -> Build:
     if _chosen is None:
         _chosen = check(os.environ)
         if not any(isinstance(f, _SourceFinder) for f in sys.meta_path):
-            sys.meta_path.insert(0, _SourceFinder(frozenset(COMPILED if _chosen.compiled else ())))
+            compiled = frozenset(NATIVE_MODULES if _chosen.compiled else ())
+            sys.meta_path.insert(0, _SourceFinder(compiled))
         if _chosen.stale:
             logging.getLogger("streamq").warning("streamq runs pure Python: %s", _chosen.why)
     return _chosen

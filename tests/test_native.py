@@ -24,10 +24,10 @@ SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]
 
 
 def fake_build(package: Path, *, sources: bool = True, extensions: bool = True) -> None:
-    """A package folder with ``native.COMPILED``'s sources, extension files beside them
+    """A package folder with ``native.NATIVE_MODULES``' sources, extension files beside them
     (empty: ``check`` never loads them) and the manifest of a build of those sources."""
     hashes = {}
-    for module in native.COMPILED:
+    for module in native.NATIVE_MODULES:
         source = native.source_of(module, package)
         source.parent.mkdir(parents=True, exist_ok=True)
         if sources:
@@ -42,7 +42,9 @@ def test_a_current_build_runs_compiled(tmp_path: Path) -> None:
     fake_build(tmp_path)
     build = native.check({}, tmp_path)
     assert build.compiled
-    assert build.describe() == f"compiled (mypyc 9, {len(native.COMPILED)} modules)"
+    assert build.describe() == (
+        f"compiled (mypyc 9, {len(native.COMPILED)} modules, and {len(native.C_EXTENSIONS)} in C)"
+    )
 
 
 def test_streamq_pure_runs_pure_python_over_a_build(tmp_path: Path) -> None:
@@ -90,19 +92,23 @@ def _run(code: str, **env: str) -> str:
 
 
 LOADED_FROM = """
-import streamq, streamq.native as n, importlib
+import streamq, streamq.native as n, importlib, sys
+import streamq.protocol.columnar  # loads the C decoder on the compiled path only
 files = {m: importlib.import_module(m).__file__ for m in n.COMPILED}
-print(n.build().compiled, sorted({f.rsplit(".", 1)[-1] for f in files.values()}))
+c = all(m in sys.modules for m in n.C_EXTENSIONS)
+print(n.build().compiled, c, sorted({f.rsplit(".", 1)[-1] for f in files.values()}))
 """
 
 
 def test_streamq_pure_loads_every_module_from_its_source() -> None:
-    assert _run(LOADED_FROM, STREAMQ_PURE="1") == "False ['py']"
+    assert _run(LOADED_FROM, STREAMQ_PURE="1") == "False False ['py']"
 
 
 def test_the_modules_load_as_the_build_says() -> None:
-    """Compiled: every listed module from its extension; else each from its source."""
-    compiled, suffixes = _run(LOADED_FROM, STREAMQ_PURE="").split(" ", 1)
+    """Compiled: every listed module from its extension, and the C extensions; else each
+    from its source, and no C extension."""
+    compiled, c_extensions, suffixes = _run(LOADED_FROM, STREAMQ_PURE="").split(" ", 2)
+    assert c_extensions == compiled
     assert suffixes == ("['so']" if compiled == "True" else "['py']")
 
 

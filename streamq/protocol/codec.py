@@ -20,6 +20,7 @@ import msgpack
 
 from ..errors import ErrorCode, RemoteProtocolError
 from ..filters import Filter, FilterError
+from .columnar import decode_columns
 from .events import (
     FIELD_CHECKS,
     FIELD_NAMES,
@@ -28,12 +29,15 @@ from .events import (
     OPTIONAL_FIELDS,
     PROTOCOL_VERSION,
     ClientHello,
+    ColumnBuffers,
     GetRange,
     Message,
     MessageType,
     Record,
+    RecordColumns,
     RecordRows,
     Records,
+    RecordsMessage,
     ServerHello,
     StreamInfo,
     StreamList,
@@ -296,11 +300,17 @@ def _decode_record_rows(items: Any) -> RecordRows:
 _LARGE_BODY = 16 * 1024  # decoding this many bytes makes hundreds of Python objects or more
 
 
-def decode_message(body: bytes, *, raw_records: bool = False) -> Message:
+def decode_message(body: bytes, *, raw_records: bool = False, columnar: bool = False) -> Message:
     """Parse and validate one frame body; raises ``RemoteProtocolError``.
 
-    With ``raw_records``, RECORDS decode to ``RecordRows`` instead of ``Records``.
+    With ``raw_records``, RECORDS decode to ``RecordRows`` instead of ``Records``; with
+    ``columnar`` too, to ``RecordColumns`` where the compiled decoder takes them.
     """
+    if columnar and raw_records:
+        decoded = decode_columns(body)
+        if decoded is not None:
+            columns, rest = decoded
+            return _decode_records_message([columns, *rest], raw_records)
     try:
         if len(body) < _LARGE_BODY:
             return _decode_message(body, raw_records)
@@ -373,7 +383,7 @@ def _decode_message(body: bytes, raw_records: bool) -> Message:
     return message
 
 
-def _decode_records_message(args: list[Any], raw_records: bool) -> Records | RecordRows:
+def _decode_records_message(args: list[Any], raw_records: bool) -> RecordsMessage:
     """[records, epoch?, through?]: ``epoch`` may be nil only when ``through`` follows."""
     if not 1 <= len(args) <= 3:
         raise malformed(f"RECORDS takes 1 to 3 fields, got {len(args)}")
@@ -383,8 +393,10 @@ def _decode_records_message(args: list[Any], raw_records: bool) -> Records | Rec
         raise malformed(f"RECORDS.epoch has an invalid value: {_short(epoch)}")
     if len(args) == 3 and not is_uint(through):
         raise malformed(f"RECORDS.through has an invalid value: {_short(through)}")
-    message: Records | RecordRows
-    if raw_records:
+    message: RecordsMessage
+    if isinstance(args[0], ColumnBuffers):
+        message = RecordColumns(args[0], epoch, through)
+    elif raw_records:
         message = RecordRows(_decode_record_rows(args[0]).rows, epoch, through)
     else:
         message = Records(_decode_records(args[0]).records, epoch, through)

@@ -9,6 +9,7 @@ bytes are made here and no order is checked; nothing here does I/O.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from enum import IntEnum
@@ -238,6 +239,45 @@ class RecordRows(Message):
     TYPE: ClassVar[MessageType] = MessageType.RECORDS
 
 
+class ColumnBuffers(NamedTuple):
+    """A frame's records as Arrow lays out their columns, each buffer in the machine's byte
+    order: int64 ``seqs``; ``timestamps`` in int64 microseconds; ``key`` and ``value`` as
+    int32 offsets and their data, with a validity bitmap (LSB first) or None if no key is
+    nil; ``headers`` None if no record has any, else (each record's int32 offsets into the
+    entries, then the entries' keys' offsets and data, values' offsets, data and
+    validity)."""
+
+    length: int  # records
+    seqs: bytes
+    timestamps: bytes
+    key_offsets: bytes
+    key_data: bytes
+    key_validity: bytes | None
+    value_offsets: bytes
+    value_data: bytes
+    headers: tuple[bytes, bytes, bytes, bytes, bytes, bytes | None] | None
+
+    def seq(self, index: int) -> int:
+        """The seq of record ``index`` (from 0)."""
+        return int.from_bytes(self.seqs[8 * index : 8 * index + 8], sys.byteorder, signed=True)
+
+
+@_message(decoded_by=False)
+@dataclass(frozen=True, slots=True)
+class RecordColumns(Message):
+    """RECORDS as the compiled decoder reads them for columnar readers: straight into
+    Arrow's buffers (``columns``), every record's shape, types and seq order checked as it
+    is read. A connection yields these instead of ``RecordRows`` when ``columnar_records``
+    is set too and the compiled path runs (``streamq.protocol.columnar``); a frame it does
+    not take (any shape but the protocol's exact one) still comes as ``RecordRows``.
+    """
+
+    columns: ColumnBuffers
+    epoch: int | None = None
+    through: int | None = None
+    TYPE: ClassVar[MessageType] = MessageType.RECORDS
+
+
 @_message(is_uint)
 @dataclass(frozen=True, slots=True)
 class Heartbeat(Message):
@@ -435,7 +475,15 @@ Request = (
 )
 
 
-def first_and_last_seq(message: Records | RecordRows) -> tuple[int, int] | None:
+# RECORDS as each kind of reader decodes them.
+RecordsMessage = Records | RecordRows | RecordColumns
+RECORDS_MESSAGES = (Records, RecordRows, RecordColumns)
+
+
+def first_and_last_seq(message: RecordsMessage) -> tuple[int, int] | None:
+    if isinstance(message, RecordColumns):
+        columns = message.columns
+        return (columns.seq(0), columns.seq(columns.length - 1)) if columns.length else None
     if isinstance(message, Records):
         records = message.records
         return (records[0].seq, records[-1].seq) if records else None

@@ -26,6 +26,7 @@ from .codec import (
     records_frame,
 )
 from .events import (
+    RECORDS_MESSAGES,
     Ack,
     Authenticated,
     ClientHello,
@@ -38,8 +39,7 @@ from .events import (
     ListStreams,
     Message,
     RangeEnd,
-    RecordRows,
-    Records,
+    RecordsMessage,
     ReportPosition,
     Request,
     SeekTime,
@@ -88,11 +88,11 @@ class Role(Enum):
 _RESPONSES: dict[type[Any], tuple[type[Any], ...]] = {
     Subscribe: (Subscribed,),
     GetHead: (StreamInfo,),
-    GetRange: (Records, RecordRows, RangeEnd),
+    GetRange: (*RECORDS_MESSAGES, RangeEnd),
     ListStreams: (StreamList,),
     GetStatus: (StatusReport,),
     ReportPosition: (StreamInfo,),
-    GetHistory: (Records, RecordRows, RangeEnd),
+    GetHistory: (*RECORDS_MESSAGES, RangeEnd),
     SeekTime: (TimePosition,),
     WatchHead: (StreamInfo,),
 }
@@ -113,13 +113,13 @@ _TRANSITIONS: dict[Role, dict[State, dict[type[Any], State]]] = {
         State.AUTHENTICATING: {Authenticated: State.READY},
         State.READY: {
             **dict.fromkeys(
-                (StreamInfo, Records, RecordRows, RangeEnd, StreamList, StatusReport),
+                (StreamInfo, *RECORDS_MESSAGES, RangeEnd, StreamList, StatusReport),
                 State.READY,
             ),
             TimePosition: State.READY,
             Subscribed: State.STREAMING,
         },
-        State.STREAMING: dict.fromkeys((Records, RecordRows, Heartbeat), State.STREAMING),
+        State.STREAMING: dict.fromkeys((*RECORDS_MESSAGES, Heartbeat), State.STREAMING),
     },
 }
 # Why a message is out of order, where the list of legal ones would not say it.
@@ -179,6 +179,7 @@ class Connection:
     def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
         self._decoder = FrameDecoder(max_frame_size)
         self.raw_records = False  # RECORDS as RecordRows (see there), e.g. for Arrow
+        self.columnar_records = False  # and as RecordColumns where the compiled path runs
         self._states = _States()
         self.received = 0  # bytes fed to receive_data so far
 
@@ -205,7 +206,7 @@ class Connection:
         body = self._decoder.next_frame()
         if body is None:
             return None
-        message = decode_message(body, raw_records=self.raw_records)
+        message = decode_message(body, raw_records=self.raw_records, columnar=self.columnar_records)
         if isinstance(message, Error):
             # "Errors": the last frame on a connection, for both directions.
             self._states.close(Role.CLIENT, Role.SERVER)
@@ -308,7 +309,7 @@ class ClientConnection(Connection):
                 decoder.max_frame_size, min(message.max_frame_size, MAX_ACCEPTED_FRAME_SIZE)
             )
         elif self.their_state is State.STREAMING:
-            if isinstance(message, Records | RecordRows):
+            if isinstance(message, RECORDS_MESSAGES):
                 self._check_pushed(message)
         elif not isinstance(message, Authenticated):
             self._check_answer(message)
@@ -327,7 +328,7 @@ class ClientConnection(Connection):
                 + " or ".join(c.TYPE.name for c in allowed),
                 ErrorCode.UNEXPECTED_MESSAGE,
             )
-        if isinstance(message, Records | RecordRows):
+        if isinstance(message, RECORDS_MESSAGES):
             assert isinstance(request, GetRange | GetHistory)
             self._check_range_records(message, request)
         elif isinstance(message, RangeEnd):
@@ -338,9 +339,7 @@ class ClientConnection(Connection):
             if not isinstance(message, Subscribed):  # a subscription counts from its start
                 self.last_seq = 0
 
-    def _check_range_records(
-        self, message: Records | RecordRows, request: GetRange | GetHistory
-    ) -> None:
+    def _check_range_records(self, message: RecordsMessage, request: GetRange | GetHistory) -> None:
         # "Epochs": a frame carries an epoch if and only if its range asked for epochs.
         if (message.epoch is not None) != _with_epochs(request):
             raise malformed(
@@ -374,7 +373,7 @@ class ClientConnection(Connection):
                 )
             self.last_seq = message.through
 
-    def _check_pushed(self, message: Records | RecordRows) -> None:
+    def _check_pushed(self, message: RecordsMessage) -> None:
         """A subscription's records only move forward, ``through`` with its filter."""
         through = message.through
         filtered = self._subscription is not None and self._subscription.filter is not None

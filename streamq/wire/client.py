@@ -27,6 +27,7 @@ from ..filters import Filter
 from ..protocol import (
     DEFAULT_MAX_FRAME_SIZE,
     MAX_SEQ,
+    RECORDS_MESSAGES,
     ClientConnection,
     Error,
     GetHead,
@@ -37,8 +38,10 @@ from ..protocol import (
     Message,
     RangeEnd,
     Record,
+    RecordColumns,
     RecordRows,
     Records,
+    RecordsMessage,
     ReportPosition,
     SeekTime,
     StatusReport,
@@ -110,12 +113,17 @@ class RangeRead(Iterator[T]):
     """
 
     def __init__(
-        self, client: Client, request: GetRange, unpack: Callable[[Records | RecordRows], T]
+        self,
+        client: Client,
+        request: GetRange,
+        unpack: Callable[[RecordsMessage], T],
+        columnar: bool = False,
     ) -> None:
         self._client = client
         self._request: GetRange | None = request
         self._unpack = unpack
-        self._raw = unpack is _rows
+        self._raw = unpack is not _records
+        self._columnar = columnar
         self._done = False
         self.stream, self.start, self.end = request.stream, request.start, request.end
         self.seen_epoch = request.seen_epoch
@@ -136,21 +144,21 @@ class RangeRead(Iterator[T]):
         client = self._client
         self.send()
         conn = client._conn
-        conn.raw_records = self._raw
+        conn.raw_records, conn.columnar_records = self._raw, self._columnar
         try:
             message = client._receive()
         except BaseException:
             self._done = True
             raise
         finally:
-            conn.raw_records = False
+            conn.raw_records = conn.columnar_records = False
         if isinstance(message, RangeEnd):
             self._done = True
             self.after_epoch, self.rewritten_from = message.after_epoch, message.rewritten_from
             if message.rewritten_from:
                 raise _seqs_reused(client, self.stream, message.rewritten_from, self.start - 1)
             raise StopIteration
-        assert isinstance(message, Records | RecordRows)
+        assert isinstance(message, RECORDS_MESSAGES)
         self.epoch = message.epoch
         return self._unpack(message)
 
@@ -167,14 +175,19 @@ def _seqs_reused(client: Client, stream: str, first: int, position: int) -> Seqs
     )
 
 
-def _records(message: Records | RecordRows) -> tuple[Record, ...]:
+def _records(message: RecordsMessage) -> tuple[Record, ...]:
     assert isinstance(message, Records)
     return message.records
 
 
-def _rows(message: Records | RecordRows) -> list[list[Any]]:
+def _rows(message: RecordsMessage) -> list[list[Any]]:
     assert isinstance(message, RecordRows)
     return message.rows
+
+
+def _frames(message: RecordsMessage) -> RecordRows | RecordColumns:
+    assert isinstance(message, RecordRows | RecordColumns)
+    return message
 
 
 class Client:
@@ -548,6 +561,22 @@ class Client:
         """Like ``read_range``, as raw rows [seq, timestamp, key, value, headers] for columnar
         readers: no object per record; field types and order are the caller's to check."""
         return RangeRead(self, GetRange(stream, start, end, seen_epoch, filter), _rows)
+
+    def read_range_columns(
+        self,
+        stream: str,
+        start: int,
+        end: int,
+        *,
+        seen_epoch: int | None = None,
+        filter: Filter | None = None,
+        columnar: bool = True,
+    ) -> RangeRead[RecordRows | RecordColumns]:
+        """Like ``read_range_rows``, frame by frame: as ``RecordColumns`` (Arrow's buffers,
+        every record checked) where the compiled decoder takes it, else (and always if not
+        ``columnar``) as ``RecordRows``."""
+        request = GetRange(stream, start, end, seen_epoch, filter)
+        return RangeRead(self, request, _frames, columnar)
 
 
 def answers_ready(clients: Sequence[Client], until: float) -> list[Client]:

@@ -1,0 +1,58 @@
+"""RECORDS frame bodies decoded straight into Arrow's column buffers, where the compiled
+path runs.
+
+A columnar reader (the Spark source's executors) otherwise has msgpack make Python
+objects of every record's fields and pyarrow walk them again: measured on a frame of
+8,192 records of 100-byte values, about 0.7 µs a record in Python against 0.03 in the
+compiled decoder (``_columnar.c``), which writes each column as Arrow lays it out for
+pyarrow to wrap without a copy.
+
+The decoder takes only the protocol's exact shapes; a body of any other shape, and every
+body on the pure-Python path, decodes as ``RecordRows`` as before, whose reader checks
+and builds them with the same result or the same error. No pyarrow here: this is the
+sans-IO protocol; the Spark source builds its arrays from the buffers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+
+from .. import native
+from .events import ColumnBuffers
+
+
+def _compiled_decoder() -> Callable[[bytes], Any] | None:
+    """The C decoder when the compiled path runs (``streamq.native``), else None."""
+    if not native.build().compiled:
+        return None
+    from . import _columnar  # built by setup.py
+
+    return _columnar.decode
+
+
+_DECODE = _compiled_decoder()
+AVAILABLE = _DECODE is not None
+
+
+def decode_columns(body: bytes) -> tuple[ColumnBuffers, list[Any]] | None:
+    """A RECORDS body's records as column buffers, and the message's fields after them
+    (epoch, through: unchecked); None if the compiled decoder does not run or does not
+    take this body."""
+    if _DECODE is None:
+        return None
+    decoded = _DECODE(body)
+    if decoded is None:
+        return None
+    fields, tail, *buffers = decoded
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max(len(body) - tail, 1))
+    unpacker.feed(body[tail:])
+    try:
+        rest = [unpacker.unpack() for _ in range(fields - 2)]
+    except (ValueError, msgpack.OutOfData):  # left to the pure-Python decoder to name
+        return None
+    if tail + unpacker.tell() != len(body):
+        return None
+    return ColumnBuffers(*buffers), rest
