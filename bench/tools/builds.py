@@ -3,9 +3,10 @@ bench.tools.builds [--transfers N] [--repeats N]``.
 
 Each case runs under both builds, alternating, ``repeats`` times (medians reported): the
 one-writer transfer end to end (``bench/transfer``: payments process, ledger consumer)
-with the floor (the same SQL, no framework) in the same rounds, and the codec alone (a
-frame of 100-byte records encoded, then decoded, in one process). A build is chosen for
-every process of a case by ``STREAMQ_PURE`` (``streamq/native.py``). Results go to
+with the floor (the same SQL, no framework) in the same rounds, the codec alone (a frame
+of 100-byte records encoded, then decoded, in one process), capture's decoding, and a
+Spark executor's (frames of records into Arrow batches). A build is chosen for every
+process of a case by ``STREAMQ_PURE`` (``streamq/native.py``). Results go to
 ``bench/results/builds.json``.
 """
 
@@ -83,6 +84,22 @@ while time.perf_counter() - start < 2:
 print(n / (time.perf_counter() - start), streamq.native.build().compiled)
 """
 
+# A Spark executor's reading: RECORDS frames of 8,192 records of 100-byte values decoded
+# into Arrow batches of every column (on the compiled path by the C decoder, ``columnar``).
+ARROW = """
+import time, streamq, streamq.native
+from spark_source.schema import EVERY_COLUMN
+from streamq.protocol import RecordColumns, decode_message, encode_values, records_frame
+body = records_frame(encode_values(1, 1_700_000_000_000, [b"x" * 100] * 8192))[4:]
+start, n = time.perf_counter(), 0
+while time.perf_counter() - start < 2:
+    frame = decode_message(body, raw_records=True, columnar=True)
+    part = frame.columns if isinstance(frame, RecordColumns) else frame.rows
+    assert EVERY_COLUMN.batch_of("p", "h:1", "s", [part]).num_rows == 8192
+    n += 8192
+print(n / (time.perf_counter() - start), streamq.native.build().compiled)
+"""
+
 
 def rate(build: str, code: str = CODEC) -> float:
     """Records (or messages) a second through ``code``, in a process of ``build``."""
@@ -125,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             runs.setdefault(f"codec {build}", []).append(rate(build))
             runs.setdefault(f"pgoutput {build}", []).append(rate(build, PGOUTPUT))
             runs.setdefault(f"capture {build}", []).append(rate(build, CAPTURE))
+            runs.setdefault(f"arrow {build}", []).append(rate(build, ARROW))
         with tempfile.TemporaryDirectory() as folder:
             floor_rate, floor_us, _ = floor_flow(Path(folder), args.transfers)
             runs.setdefault("transfer floor", []).append(floor_rate)
@@ -138,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         "codec compiled / pure": medians["codec compiled"] / medians["codec pure"],
         "pgoutput compiled / pure": medians["pgoutput compiled"] / medians["pgoutput pure"],
         "capture compiled / pure": medians["capture compiled"] / medians["capture pure"],
+        "arrow compiled / pure": medians["arrow compiled"] / medians["arrow pure"],
     }
     for name, value in {**medians, **ratios}.items():
         print(f"{name}: {value:,.2f}")
