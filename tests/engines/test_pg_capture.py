@@ -20,9 +20,18 @@ from hypothesis import strategies as st
 
 import streamq
 from streamq import CaptureError, Consumer, Producer
-from streamq.captured import HEADER, HEADER_VALUE, capture_streams, change_json, decode_change
+from streamq.captured import (
+    HEADER,
+    HEADER_VALUE,
+    capture_streams,
+    change_json,
+    decode_change,
+    json_default,
+)
+from streamq.engines.postgres import changes as changes_module
 from streamq.engines.postgres import pgoutput
 from streamq.engines.postgres.capture import slot_name
+from streamq.engines.postgres.changes import table_of
 
 from ..conftest import wait_for
 
@@ -146,6 +155,31 @@ def test_unknown_messages_are_decode_errors() -> None:
     with pytest.raises(pgoutput.DecodeError, match="kind 'b'"):  # binary: never asked for
         pgoutput.decode(b"I" + struct.pack("!I", 1) + b"N" + struct.pack("!h", 1) + b"b")
     assert pgoutput.format_lsn(pgoutput.parse_lsn("16/B374D848")) == "16/B374D848"
+
+
+# A key column's PostgreSQL type (OID), and a value of it with its text form.
+key_values = st.one_of(
+    st.integers(-(2**63), 2**63 - 1).map(lambda v: (20, v, str(v).encode())),  # int8
+    st.text().map(lambda v: (25, v, v.encode())),  # text: quotes, controls, any script
+    st.booleans().map(lambda v: (16, v, b"t" if v else b"f")),
+    st.floats(allow_nan=False).map(lambda v: (701, v, repr(v).encode())),  # float8
+    st.binary(max_size=4).map(lambda v: (17, v, b"\\x" + v.hex().encode())),  # bytea
+)
+
+
+@given(st.lists(st.tuples(st.text(min_size=1), key_values), min_size=1, max_size=3))
+def test_a_rows_key_is_the_json_the_encoder_writes(key: list[tuple[str, Any]]) -> None:
+    """Keys of integers and text are written by ``_key`` itself, others by the encoder:
+    the same bytes as ``json.dumps`` either way."""
+    key = list(dict(key).items())  # each name once
+    relation = pgoutput.Relation(
+        1, "public", "t", "d", tuple(pgoutput.Column(n, oid, -1, True) for n, (oid, _, _) in key)
+    )
+    table = table_of(relation, {"public.t": "t"}, {})
+    written = changes_module._key(table, tuple(text for _, (_, _, text) in key))
+    expected = {name: value for name, (_, value, _) in key}
+    dumped = json.dumps(expected, separators=(",", ":"), ensure_ascii=False, default=json_default)
+    assert written == dumped.encode()
 
 
 def test_captured_tables_are_named_as_postgresql_names_them() -> None:
