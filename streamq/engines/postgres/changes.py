@@ -72,6 +72,7 @@ def _oids() -> tuple[frozenset[int], frozenset[int], frozenset[int]]:
 # half of a change's cost.
 _AS_THEY_ARE = (bool, int, float, str, bytes)
 _ISO_8601 = (datetime.date, datetime.time)
+_PASSED_OVER = (pgoutput.Origin, pgoutput.Type)  # messages no change comes from
 
 
 def plain(value: Any) -> Any:
@@ -191,7 +192,7 @@ class ChangeDecoder:
         if isinstance(message, pgoutput.Relation):
             self._relation(message)
             return None
-        if isinstance(message, pgoutput.Origin | pgoutput.Type):
+        if isinstance(message, _PASSED_OVER):
             return None
         tx = self._open
         if tx is None:
