@@ -705,7 +705,7 @@ def _request(
 ) -> RangeRead[RecordRows | RecordColumns]:
     """The range request from where ``state`` stands."""
     partition = state.partition
-    return client.read_range_columns(
+    return client.read_range_frames(
         partition.stream,
         state.start,
         state.end,

@@ -139,8 +139,8 @@ def read_filtered_ranges(address: str) -> None:
         read = client.read_range("s", 100, 400, filter=flt)
         seqs = [r.seq for batch in read for r in batch]
         assert seqs == [n for n in range(100, 400) if wanted(n, flt)]
-        rows = client.read_range_rows("s", 1, 501, seen_epoch=0, filter=flt)
-        assert [row[0] for batch in rows for row in batch] == [
+        frames = client.read_range_frames("s", 1, 501, seen_epoch=0, filter=flt, columnar=False)
+        assert [row[0] for frame in frames for row in frame.rows] == [
             n for n in range(1, 501) if wanted(n, flt)
         ]
         everything = client.read_range("s", 1, 501, filter=Filter())

@@ -180,11 +180,6 @@ def _records(message: RecordsMessage) -> tuple[Record, ...]:
     return message.records
 
 
-def _rows(message: RecordsMessage) -> list[list[Any]]:
-    assert isinstance(message, RecordRows)
-    return message.rows
-
-
 def _frames(message: RecordsMessage) -> RecordRows | RecordColumns:
     assert isinstance(message, RecordRows | RecordColumns)
     return message
@@ -549,20 +544,7 @@ class Client:
         assert isinstance(position, TimePosition)
         return position
 
-    def read_range_rows(
-        self,
-        stream: str,
-        start: int,
-        end: int,
-        *,
-        seen_epoch: int | None = None,
-        filter: Filter | None = None,
-    ) -> RangeRead[list[list[Any]]]:
-        """Like ``read_range``, as raw rows [seq, timestamp, key, value, headers] for columnar
-        readers: no object per record; field types and order are the caller's to check."""
-        return RangeRead(self, GetRange(stream, start, end, seen_epoch, filter), _rows)
-
-    def read_range_columns(
+    def read_range_frames(
         self,
         stream: str,
         start: int,
@@ -572,9 +554,10 @@ class Client:
         filter: Filter | None = None,
         columnar: bool = True,
     ) -> RangeRead[RecordRows | RecordColumns]:
-        """Like ``read_range_rows``, frame by frame: as ``RecordColumns`` (Arrow's buffers,
-        every record checked) where the compiled decoder takes it, else (and always if not
-        ``columnar``) as ``RecordRows``."""
+        """Like ``read_range``, frame by frame for columnar readers, no object made per
+        record: each frame as ``RecordColumns`` (Arrow's buffers, every record checked)
+        where the compiled decoder takes it, else (and always if not ``columnar``) as
+        ``RecordRows``, whose field types and order are the caller's to check."""
         request = GetRange(stream, start, end, seen_epoch, filter)
         return RangeRead(self, request, _frames, columnar)
 

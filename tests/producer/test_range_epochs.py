@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from streamq import Client, OffsetOutOfRangeError, SeqsReusedError, ServerSettings, SyncProducer
+from streamq.protocol import RecordColumns, RecordRows
 from streamq.wire.client import RangeRead, Vouch
 
 from .test_epochs import image_at, restore
@@ -22,10 +23,16 @@ def epoch(producer: SyncProducer) -> int:
 
 
 def frames(reader: RangeRead[Any]) -> list[tuple[list[int], int | None]]:
-    """(seqs, epoch) of each frame of a range answer, read to its end."""
+    """(seqs, epoch) of each frame of a range answer, read to its end: records, or a
+    columnar reader's frames (``read_range_frames``)."""
     found = []
     for batch in reader:
-        seqs = [row[0] if isinstance(row, list) else row.seq for row in batch]
+        if isinstance(batch, RecordColumns):
+            seqs = [batch.columns.seq(i) for i in range(batch.columns.length)]
+        elif isinstance(batch, RecordRows):
+            seqs = [row[0] for row in batch.rows]
+        else:
+            seqs = [record.seq for record in batch]
         found.append((seqs, reader.epoch))
     return found
 
@@ -42,7 +49,7 @@ def test_frames_carry_their_epoch_and_never_span_two(tmp_path: Path) -> None:
         producer.publish("orders", b"7")
         e1, e2, e3 = *epochs, epoch(producer)
         with Client(producer.address) as client:
-            reader = client.read_range_rows("orders", 2, 8, seen_epoch=e1)
+            reader = client.read_range_frames("orders", 2, 8, seen_epoch=e1)
             assert frames(reader) == [([2, 3], e1), ([4, 5], e2), ([6, 7], e3)]
             assert (reader.after_epoch, reader.rewritten_from) == (e1, 0)
             # 0: epochs without a position to vouch for.
@@ -70,7 +77,7 @@ def test_split_frames_of_a_range_keep_their_epoch(tmp_path: Path) -> None:
     settings = ServerSettings(max_batch_records=2)
     with SyncProducer(db, settings=settings) as producer, Client(producer.address) as client:
         producer.publish("orders", b"y")
-        reader = client.read_range_rows("orders", 1, 7, seen_epoch=0)
+        reader = client.read_range_frames("orders", 1, 7, seen_epoch=0, columnar=False)
         e2 = epoch(producer)
         assert frames(reader) == [([1, 2], e1), ([3, 4], e1), ([5], e1), ([6], e2)]
 
@@ -95,7 +102,7 @@ def test_seqs_reused_after_lost_commits_are_refused(tmp_path: Path) -> None:
         later = epoch(restarted)
         assert client.vouch("orders", 3, seen) == Vouch(seen, 0)  # 1..3 are intact
         assert client.vouch("orders", 6, seen) == Vouch(later, 4)
-        reader = client.read_range_rows("orders", 7, 11, seen_epoch=seen)
+        reader = client.read_range_frames("orders", 7, 11, seen_epoch=seen)
         with pytest.raises(SeqsReusedError, match=r"seqs 4\.\.6") as info:
             next(reader)  # no records come: the reader's position is gone
         assert info.value.lost == range(4, 7)

@@ -199,8 +199,9 @@ def test_a_range_read_from_a_producer_comes_as_columns(tmp_path: Path) -> None:
             for value in values[9_000:]:
                 tx.publish("orders", value, key=b"k", headers={"h": b"1"})
         with Client(producer.address) as client:
-            frames = list(client.read_range_columns("orders", 1, 10_001))
-            rows = [row for frame in client.read_range_rows("orders", 1, 10_001) for row in frame]
+            frames = list(client.read_range_frames("orders", 1, 10_001))
+            as_rows = client.read_range_frames("orders", 1, 10_001, columnar=False)
+            rows = [row for frame in as_rows for row in frame.rows]
     assert len(frames) > 1
     assert {type(frame) for frame in frames} == {COLUMNS}
     parts = [f.columns if isinstance(f, RecordColumns) else f.rows for f in frames]
