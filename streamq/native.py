@@ -43,8 +43,8 @@ COMPILED = (
 # Written in C, where no Python compiled by mypyc comes near (docs/reference/design.md):
 # each module and its source, built beside the modules above, all or none with them.
 C_EXTENSIONS = {
-    # RECORDS into Arrow's column buffers for the Spark source's executors (20x msgpack
-    # and pyarrow's builders; streamq.protocol.columnar).
+    # RECORDS into Arrow's column buffers for the Spark source's executors (about 10x
+    # msgpack and pyarrow's builders; streamq.protocol.columnar).
     "streamq.protocol._columnar": "protocol/_columnar.c",
 }
 MANIFEST = "native.json"  # beside this file: {"compiler": ..., "modules": {name: sha256}}
