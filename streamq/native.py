@@ -45,7 +45,7 @@ COMPILED = (
 C_EXTENSIONS = {
     # RECORDS into Arrow's column buffers for the Spark source's executors (about 10x
     # msgpack and pyarrow's builders; streamq.protocol.columnar).
-    "streamq.protocol._columnar": "protocol/_columnar.c",
+    "streamq.protocol.columnar_c": "protocol/columnar_c.c",
 }
 MANIFEST = "native.json"  # beside this file: {"compiler": ..., "modules": {name: sha256}}
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -114,7 +114,8 @@ def check(environ: Mapping[str, str], package_dir: Path = PACKAGE_DIR) -> Build:
 class _SourceFinder:
     """Finds streamq's modules as ``.py`` files, but those of ``compiled`` (left to the
     default finders, which take an extension module first): an extension module left
-    from another build, of a module no longer compiled, is never loaded."""
+    from another build, of a module no longer compiled, is never loaded, nor a C
+    extension on pure Python (its importer falls back: ``protocol.columnar``)."""
 
     def __init__(self, compiled: frozenset[str]) -> None:
         self.compiled = compiled
@@ -123,6 +124,8 @@ class _SourceFinder:
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> ModuleSpec | None:
         if not fullname.startswith("streamq.") or not path or fullname in self.compiled:
             return None
+        if fullname in C_EXTENSIONS:  # compiled code with no Python of its own: not loaded
+            raise ModuleNotFoundError(f"{fullname}: this process runs pure Python", name=fullname)
         for entry in path:
             finder = self._finders.get(entry)
             if finder is None:

@@ -33,6 +33,7 @@ PROTOCOL_MODULES = {
     "streamq.protocol.events",
     "streamq.protocol.codec",
     "streamq.protocol.state",
+    "streamq.protocol.columnar",  # and its C decoder, columnar_c, which imports nothing
 }
 
 

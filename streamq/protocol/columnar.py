@@ -4,7 +4,7 @@ path runs.
 A columnar reader (the Spark source's executors) otherwise has msgpack make Python
 objects of every record's fields and pyarrow walk them again: frames of 8,192 records
 of 100-byte values into Arrow batches took 1.3 µs a record that way, 0.13 with the
-compiled decoder (``_columnar.c``, ``python -m bench.tools.builds``), which writes each
+compiled decoder (``columnar_c.c``, ``python -m bench.tools.builds``), which writes each
 column as Arrow lays it out for pyarrow to wrap without a copy.
 
 The decoder takes only the protocol's exact shapes; a body of any other shape, and every
@@ -20,20 +20,13 @@ from typing import Any
 
 import msgpack
 
-from .. import native
 from .events import ColumnBuffers
 
-
-def _compiled_decoder() -> Callable[[bytes], Any] | None:
-    """The C decoder when the compiled path runs (``streamq.native``), else None."""
-    if not native.build().compiled:
-        return None
-    from . import _columnar  # built by setup.py
-
-    return _columnar.decode
-
-
-_DECODE = _compiled_decoder()
+_DECODE: Callable[[bytes], Any] | None
+try:  # not on the pure-Python path: ``streamq.native``'s finder refuses it there
+    from .columnar_c import decode as _DECODE
+except ImportError:  # pure Python, or a build without it
+    _DECODE = None
 AVAILABLE = _DECODE is not None
 
 

@@ -353,9 +353,9 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_columnar",
+    PyModuleDef_HEAD_INIT, "columnar_c",
     "RECORDS frame bodies decoded into Arrow column buffers (see streamq.protocol.columnar).",
     -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__columnar(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit_columnar_c(void) { return PyModule_Create(&module); }
