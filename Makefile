@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-cluster lint typecheck bench bench-quick bench-smoke nats-server soak soak-spark soak-spark-many fuzz powerloss simulate clean docs docs-fit docs-console native test-pure wheel chromium
+.PHONY: demo test lint typecheck bench bench-quick bench-smoke nats-server soak soak-spark soak-spark-many fuzz powerloss simulate clean docs docs-fit docs-console native test-pure wheel chromium
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -62,22 +62,14 @@ demo: $(STAMP)
 # nats-server (the NATS baseline's tests need it) builds meanwhile: `go install` takes
 # minutes on a fresh machine; a test that finds the build under way waits for it.
 # The suite runs on the compiled build (STREAMQ_TEST_BUILD: the run fails if another
-# path would run); `make test-pure` runs the core suites again on pure Python, and
-# `make test-cluster` the Spark cluster's (a standalone cluster of three JVMs, a Spark
-# Connect server: about 7 minutes on one core, kept out of `make test`'s 15).
-CLUSTER_SUITES := tests/spark/test_spark_cluster.py tests/spark/test_spark_connect.py
-
+# path would run); `make test-pure` runs the core suites again on pure Python.
 test: $(STAMP) $(NATIVE) $(CHROMIUM)
 	$(BIN)/python -m bench.nats.server --build > $(VENV)/nats-build.log 2>&1 & \
 	$(BIN)/ruff check streamq spark_source bench tests setup.py && \
 	$(BIN)/ruff format --check streamq spark_source bench tests setup.py && \
 	$(BIN)/mypy && \
-	STREAMQ_TEST_BUILD=compiled $(BIN)/python -m pytest -q -n 2 --dist loadgroup \
-		$(addprefix --ignore=,$(CLUSTER_SUITES)); \
+	STREAMQ_TEST_BUILD=compiled $(BIN)/python -m pytest -q -n 2 --dist loadgroup; \
 	status=$$?; wait; exit $$status
-
-test-cluster: $(STAMP) $(NATIVE)  # Spark on a standalone cluster and through Spark Connect
-	STREAMQ_TEST_BUILD=compiled $(BIN)/python -m pytest -q $(CLUSTER_SUITES)
 
 PURE_SUITES := tests/protocol tests/crash tests/docs tests/test_sql.py \
 	tests/producer/test_producer.py tests/producer/test_group_commit.py \
