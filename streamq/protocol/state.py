@@ -325,7 +325,7 @@ class ClientConnection(Connection):
         if not isinstance(message, allowed):
             raise RemoteProtocolError(
                 f"unexpected {message.TYPE.name} while {self.their_state.value}: expected "
-                + " or ".join(c.TYPE.name for c in allowed),
+                + " or ".join(dict.fromkeys(c.TYPE.name for c in allowed)),  # RECORDS once
                 ErrorCode.UNEXPECTED_MESSAGE,
             )
         if isinstance(message, RECORDS_MESSAGES):
