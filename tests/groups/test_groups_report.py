@@ -24,9 +24,15 @@ STREAMQ = [sys.executable, "-m", "streamq"]
 
 
 async def apply_until(db: str, head: int, members: list[GroupConsumer]) -> None:
-    """Apply batches with ``members`` until every share of the group stands at ``head``."""
+    """Apply batches with ``members`` until every share of the group stands at ``head``
+    and the shares are spread evenly: a member that took them all at first gives some back
+    (frees them, then another takes them) after its records are applied, so being at
+    ``head`` alone leaves the report racing that hand-over."""
 
     async def caught_up() -> bool:
+        held = sorted(share for member in members for share in member.held)
+        if held != [0, 1, 2, 3] or any(len(m.held) != 4 // len(members) for m in members):
+            return False
         reports = await asyncio.to_thread(describe_groups, db, "billing", heads=False)
         rows = reports[0].rows if reports else []
         return len(rows) == 4 and all(r.applied == head for r in rows)
