@@ -3,9 +3,12 @@ bench.tools.builds [--transfers N] [--repeats N]``.
 
 Each case runs under both builds, alternating, ``repeats`` times (medians reported): the
 one-writer transfer end to end (``bench/transfer``: payments process, ledger consumer)
-with the floor (the same SQL, no framework) in the same rounds, the codec alone (a frame
-of 100-byte records encoded, then decoded, in one process), capture's decoding, and a
-Spark executor's (frames of records into Arrow batches). A build is chosen for every
+with the floor (the same SQL, no framework) in the same rounds, the synchronous path
+(one thread's orders through ``SyncProducer``, ``SyncProducer(serve=False)``,
+``streamq.publish`` on a ``sqlite3`` connection, and plain ``sqlite3`` with an outbox row:
+``bench/workers``), the codec alone (a frame of 100-byte records encoded, then decoded,
+in one process), capture's decoding, and a Spark executor's (frames of records into
+Arrow batches). A build is chosen for every
 process of a case by ``STREAMQ_PURE`` (``streamq/native.py``). Results go to
 ``bench/results/builds.json``.
 """
@@ -13,18 +16,22 @@ process of a case by ``STREAMQ_PURE`` (``streamq/native.py``). Results go to
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from ..common import RESULTS, say
 from ..transfer.deployment import flow
 from ..transfer.floor import floor_flow
+from ..workers.common import SYNC_VARIANTS
+from ..workers.run import sync_once
 
 BUILDS = {"compiled": "", "pure": "1"}
 CODEC = """
@@ -116,21 +123,38 @@ def rate(build: str, code: str = CODEC) -> float:
     return float(rate)
 
 
-def transfer_rate(build: str, transfers: int) -> tuple[float, float]:
-    """Transfers a second end to end, one writer, every process of ``build``, and the
-    producer process's CPU a transfer (µs, all its threads)."""
+@contextlib.contextmanager
+def processes_of(build: str) -> Iterator[Path]:
+    """A folder for a case whose processes, started meanwhile, all run ``build``."""
     os.environ["STREAMQ_PURE"] = BUILDS[build]
     try:
         with tempfile.TemporaryDirectory() as folder:
-            measured = flow("streamq", None, Path(folder), transfers, 0)
+            yield Path(folder)
     finally:
         os.environ.pop("STREAMQ_PURE", None)
+
+
+def transfer_rate(build: str, transfers: int) -> tuple[float, float]:
+    """Transfers a second end to end, one writer, every process of ``build``, and the
+    producer process's CPU a transfer (µs, all its threads)."""
+    with processes_of(build) as folder:
+        measured = flow("streamq", None, folder, transfers, 0)
     return transfers / measured.seconds, measured.cpu["producer"] / transfers * 1e6
+
+
+def sync_rate(build: str, variant: str, orders: int) -> float:
+    """Orders a second of the synchronous path's ``variant`` from one thread, in a process
+    of ``build`` (plain ``sqlite3`` imports streamq too: the same process either way)."""
+    with processes_of(build) as folder:
+        rate, refused, _ = sync_once(variant, folder, 1, orders)
+    assert refused == 0, f"{variant} refused {refused} orders"
+    return rate
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--transfers", type=int, default=50_000)
+    parser.add_argument("--orders", type=int, default=40_000, help="per sync path run")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     runs: dict[str, list[float]] = {}
@@ -143,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
             runs.setdefault(f"pgoutput {build}", []).append(rate(build, PGOUTPUT))
             runs.setdefault(f"capture {build}", []).append(rate(build, CAPTURE))
             runs.setdefault(f"arrow {build}", []).append(rate(build, ARROW))
+            for variant in SYNC_VARIANTS:
+                orders = sync_rate(build, variant, args.orders)
+                runs.setdefault(f"sync {variant} {build}", []).append(orders)
         with tempfile.TemporaryDirectory() as folder:
             floor_rate, floor_us, _ = floor_flow(Path(folder), args.transfers)
             runs.setdefault("transfer floor", []).append(floor_rate)
@@ -158,9 +185,19 @@ def main(argv: list[str] | None = None) -> int:
         "capture compiled / pure": medians["capture compiled"] / medians["capture pure"],
         "arrow compiled / pure": medians["arrow compiled"] / medians["arrow pure"],
     }
+    for variant in SYNC_VARIANTS[:-1]:  # each against plain sqlite3, the same build's
+        for build in BUILDS:
+            ratios[f"sync {variant} {build} / sqlite3"] = (
+                medians[f"sync {variant} {build}"] / medians[f"sync sqlite3 {build}"]
+            )
     for name, value in {**medians, **ratios}.items():
         print(f"{name}: {value:,.2f}")
-    result: dict[str, Any] = {"transfers": args.transfers, "runs": runs, "ratios": ratios}
+    result: dict[str, Any] = {
+        "transfers": args.transfers,
+        "orders": args.orders,
+        "runs": runs,
+        "ratios": ratios,
+    }
     (RESULTS / "builds.json").write_text(json.dumps(result, indent=1) + "\n")
     return 0
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from bench.kafka.broker import KafkaBroker
-from bench.tools import transfer_profile
+from bench.tools import transfer_profile, tx_cost
 from bench.transfer import floor, handlers
 from bench.transfer import run as transfer
 from bench.transfer.common import (
@@ -194,6 +194,21 @@ def test_where_the_transfers_time_goes(capsys: pytest.CaptureFixture[str]) -> No
     assert len(shares) >= 5 and abs(sum(shares) - 100) < 0.5
     assert "COMMIT  (the floor runs it too)" in out
     assert our_programs() == []
+
+
+def test_what_streamq_adds_to_a_transaction(capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m bench.tools.tx_cost``: each build and the floor in processes of their
+    own, the writer's statements timed where they run (so they ran: every part above
+    zero), and the rest of streamq's CPU a transaction beside them."""
+    assert tx_cost.main(["--repeats", "1", "--transactions", "500", "--records", "4"]) == 0
+    rows = {
+        line.split()[0]: [float(n.replace(",", "")) for n in line.split()[1:7]]
+        for line in capsys.readouterr().out.splitlines()
+        if line.split()[:1] in (["compiled"], ["pure"], ["floor"])
+    }
+    assert list(rows) == ["compiled", "pure", "floor"]
+    assert all(len(row) >= 5 and min(row[:5]) > 0 for row in rows.values())
+    assert len(rows["pure"]) == 6 and len(rows["floor"]) == 5  # the rest: streamq's only
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,182 @@
+"""What streamq adds to each transaction, SQL and Python apart: ``python -m
+bench.tools.tx_cost [--transactions N] [--records N] [--repeats N]``.
+
+One producer with no subscriber and no application SQL: each transaction publishes
+``records`` values of 100 bytes (``Producer.run_in_transaction``, one writer, so each is
+a group of one, committed inline on the event loop's thread). Against it the floor: on
+plain ``sqlite3`` with the same pragmas, BEGIN IMMEDIATE, one INSERT of the same bytes
+as one row, COMMIT. In the producer's process the writer's BEGIN (with its data-version
+read), the log's insert (with its check and the time index) and COMMIT are timed where
+they run; the rest of the process's CPU a transaction is streamq's Python around them
+(the group commit and its futures, numbering and encoding, the hand-over to the log, the
+WAL watch). Each build, and the floor, runs in a process of its own, alternating; medians.
+
+This is the cost the application's own SQL does not dilute: the transfer workload's
+transactions run about 26 transfers' statements besides (``bench.tools.transfer_profile``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..common import say
+
+BUILDS = {"compiled": "", "pure": "1"}
+VALUE = b"v" * 100
+PARTS = ("BEGIN", "insert", "COMMIT")
+
+
+def timed(parts: dict[str, float], part: str, method: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*args: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return method(*args)
+        finally:
+            parts[part] += time.perf_counter() - started
+
+    return run
+
+
+def streamq_run(transactions: int, records: int) -> dict[str, Any]:
+    """In this process: streamq's transactions, with the writer's statements timed."""
+    import streamq
+    import streamq.native
+    from streamq import _loop
+    from streamq.engines.sqlite.storage import SQLiteBlockingWriter as Writer
+
+    parts = dict.fromkeys(PARTS, 0.0)
+    Writer.begin = timed(parts, "BEGIN", Writer.begin)  # type: ignore[method-assign]
+    Writer.insert = timed(parts, "insert", Writer.insert)  # type: ignore[method-assign]
+    Writer.commit = timed(parts, "COMMIT", Writer.commit)  # type: ignore[method-assign]
+    values = [VALUE] * records
+
+    def publish(tx: streamq.BlockingTransaction) -> None:
+        tx.publish_many("s", values)
+
+    async def run(folder: str) -> tuple[float, float]:
+        async with streamq.Producer(os.path.join(folder, "p.db"), port=0) as producer:
+            await producer.create_stream("s")
+            for _ in range(transactions // 10):  # warm: SQL prepared, pages in the cache
+                await producer.run_in_transaction(publish)
+            for part in parts:
+                parts[part] = 0.0
+            cpu, started = time.process_time(), time.perf_counter()
+            for _ in range(transactions):
+                await producer.run_in_transaction(publish)
+            return time.perf_counter() - started, time.process_time() - cpu
+
+    with tempfile.TemporaryDirectory() as folder:
+        seconds, cpu = _loop.run(run(folder))
+    return {
+        "compiled": streamq.native.build().compiled,
+        "per_second": transactions / seconds,
+        "cpu_us": cpu / transactions * 1e6,
+        **{part: spent / transactions * 1e6 for part, spent in parts.items()},
+    }
+
+
+def floor_run(transactions: int, records: int) -> dict[str, Any]:
+    """In this process: the floor's transactions, each statement timed."""
+    row = VALUE * records
+    parts = dict.fromkeys(PARTS, 0.0)
+    with tempfile.TemporaryDirectory() as folder:
+        conn = sqlite3.connect(os.path.join(folder, "f.db"), isolation_level=None)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute("CREATE TABLE log (pos INTEGER PRIMARY KEY, count INTEGER, record BLOB)")
+        last, cpu, started = 0, 0.0, 0.0
+        for n in range(-(transactions // 10), transactions):  # warm first, as streamq's
+            if n == 0:
+                parts = dict.fromkeys(PARTS, 0.0)
+                cpu, started = time.process_time(), time.perf_counter()
+            at = time.perf_counter()
+            conn.execute("BEGIN IMMEDIATE")
+            begun = time.perf_counter()
+            last += records
+            conn.execute("INSERT INTO log VALUES (?, ?, ?)", (last, records, row))
+            inserted = time.perf_counter()
+            conn.execute("COMMIT")
+            committed = time.perf_counter()
+            parts["BEGIN"] += begun - at
+            parts["insert"] += inserted - begun
+            parts["COMMIT"] += committed - inserted
+        seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
+        conn.close()
+    return {
+        "per_second": transactions / seconds,
+        "cpu_us": cpu / transactions * 1e6,
+        **{part: spent / transactions * 1e6 for part, spent in parts.items()},
+    }
+
+
+def in_process(side: str, transactions: int, records: int) -> dict[str, Any]:
+    """``side`` (a build's name, or "floor") run in a fresh process."""
+    counts = ("--transactions", str(transactions), "--records", str(records))
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.tools.tx_cost", "--side", side, *counts],
+        env={**os.environ, "STREAMQ_PURE": BUILDS.get(side, "")},
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    result: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
+    if side in BUILDS:
+        assert result.pop("compiled") == (side == "compiled"), f"{side} ran another build"
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--transactions", type=int, default=20_000)
+    parser.add_argument("--records", type=int, default=26, help="published a transaction")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--side", choices=[*BUILDS, "floor"], help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.side == "floor":
+        print(json.dumps(floor_run(args.transactions, args.records)))
+        return 0
+    if args.side is not None:
+        print(json.dumps(streamq_run(args.transactions, args.records)))
+        return 0
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for round_ in range(args.repeats):
+        for side in [*BUILDS, "floor"]:
+            runs.setdefault(side, []).append(in_process(side, args.transactions, args.records))
+        say(f"round {round_ + 1} of {args.repeats}")
+    print(
+        f"{args.transactions:,} transactions of {args.records} records of {len(VALUE)} B, "
+        "one writer, no subscriber; medians of "
+        f"{args.repeats} (µs a transaction, the parts' wall time where they run)"
+    )
+    # "the rest": the process's CPU less the statements' time, streamq's Python about them
+    # (the floor's statements wait on the disk too: their time exceeds its CPU).
+    heading = ("tx/s", "CPU", *PARTS)
+    print(f"{'':10} {heading[0]:>9} " + " ".join(f"{h:>7}" for h in heading[1:]) + "  the rest")
+    floor_rate = statistics.median(r["per_second"] for r in runs["floor"])
+    for side, results in runs.items():
+        median = {k: statistics.median(r[k] for r in results) for k in results[0]}
+        rest = median["cpu_us"] - sum(median[part] for part in PARTS)
+        print(
+            f"{side:10} {median['per_second']:9,.0f} {median['cpu_us']:7.1f} "
+            + " ".join(f"{median[part]:7.1f}" for part in PARTS)
+            + ("" if side == "floor" else f" {rest:9.1f}")
+            + ("" if side == "floor" else f"  ({median['per_second'] / floor_rate:.2f}x the floor)")
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
