@@ -4,12 +4,21 @@ bench.tools.tx_cost [--transactions N] [--records N] [--repeats N]``.
 One producer with no subscriber and no application SQL: each transaction publishes
 ``records`` values of 100 bytes (``Producer.run_in_transaction``, one writer, so each is
 a group of one, committed inline on the event loop's thread). Against it the floor: on
-plain ``sqlite3`` with the same pragmas, BEGIN IMMEDIATE, one INSERT of the same bytes
-as one row, COMMIT. In the producer's process the writer's BEGIN (with its data-version
-read), the log's insert (with its check and the time index) and COMMIT are timed where
-they run; the rest of the process's CPU a transaction is streamq's Python around them
-(the group commit and its futures, numbering and encoding, the hand-over to the log, the
-WAL watch). Each build, and the floor, runs in a process of its own, alternating; medians.
+plain ``sqlite3`` with the same pragmas, BEGIN IMMEDIATE, the values joined, one INSERT
+of them as one row, COMMIT. Timed where they run, in µs a transaction (wall time):
+
+- BEGIN: the writer's, with its data-version read (the floor's: BEGIN IMMEDIATE);
+- publish: ``publish_many``, numbering and encoding the records into rows (the floor's:
+  joining the values);
+- insert: the log's rows, with the check that nobody else appended and the time index;
+- COMMIT;
+- hand-over: the committed records handed to the log, for subscribers;
+- around: the rest of the call (``run_in_transaction``'s future, the committer task, the
+  writer's lock, the loop's turns);
+- elsewhere: the process's CPU beyond the calls (the WAL watch, the checkpoints' thread,
+  the loop between calls); negative where the statements waited on the disk.
+
+Each build, and the floor, runs in a process of its own, alternating; medians.
 
 This is the cost the application's own SQL does not dilute: the transfer workload's
 transactions run about 26 transfers' statements besides (``bench.tools.transfer_profile``).
@@ -34,7 +43,7 @@ from ..common import say
 
 BUILDS = {"compiled": "", "pure": "1"}
 VALUE = b"v" * 100
-PARTS = ("BEGIN", "insert", "COMMIT")
+PARTS = ("BEGIN", "publish", "insert", "COMMIT", "hand-over")
 
 
 def timed(parts: dict[str, float], part: str, method: Callable[..., Any]) -> Callable[..., Any]:
@@ -54,15 +63,18 @@ def streamq_run(transactions: int, records: int) -> dict[str, Any]:
     import streamq.native
     from streamq import _loop
     from streamq.engines.sqlite.storage import SQLiteBlockingWriter as Writer
+    from streamq.producer.group_commit import GroupCommit
 
-    parts = dict.fromkeys(PARTS, 0.0)
+    parts = dict.fromkeys((*PARTS, "call"), 0.0)
     Writer.begin = timed(parts, "BEGIN", Writer.begin)  # type: ignore[method-assign]
     Writer.insert = timed(parts, "insert", Writer.insert)  # type: ignore[method-assign]
     Writer.commit = timed(parts, "COMMIT", Writer.commit)  # type: ignore[method-assign]
+    GroupCommit._committed = timed(parts, "hand-over", GroupCommit._committed)  # type: ignore[method-assign]
     values = [VALUE] * records
+    publish_many = timed(parts, "publish", streamq.BlockingTransaction.publish_many)
 
     def publish(tx: streamq.BlockingTransaction) -> None:
-        tx.publish_many("s", values)
+        publish_many(tx, "s", values)
 
     async def run(folder: str) -> tuple[float, float]:
         async with streamq.Producer(os.path.join(folder, "p.db"), port=0) as producer:
@@ -73,7 +85,9 @@ def streamq_run(transactions: int, records: int) -> dict[str, Any]:
                 parts[part] = 0.0
             cpu, started = time.process_time(), time.perf_counter()
             for _ in range(transactions):
+                called = time.perf_counter()
                 await producer.run_in_transaction(publish)
+                parts["call"] += time.perf_counter() - called
             return time.perf_counter() - started, time.process_time() - cpu
 
     with tempfile.TemporaryDirectory() as folder:
@@ -88,7 +102,7 @@ def streamq_run(transactions: int, records: int) -> dict[str, Any]:
 
 def floor_run(transactions: int, records: int) -> dict[str, Any]:
     """In this process: the floor's transactions, each statement timed."""
-    row = VALUE * records
+    values = [VALUE] * records
     parts = dict.fromkeys(PARTS, 0.0)
     with tempfile.TemporaryDirectory() as folder:
         conn = sqlite3.connect(os.path.join(folder, "f.db"), isolation_level=None)
@@ -103,13 +117,16 @@ def floor_run(transactions: int, records: int) -> dict[str, Any]:
             at = time.perf_counter()
             conn.execute("BEGIN IMMEDIATE")
             begun = time.perf_counter()
+            row = b"".join(values)
+            joined = time.perf_counter()
             last += records
             conn.execute("INSERT INTO log VALUES (?, ?, ?)", (last, records, row))
             inserted = time.perf_counter()
             conn.execute("COMMIT")
             committed = time.perf_counter()
             parts["BEGIN"] += begun - at
-            parts["insert"] += inserted - begun
+            parts["publish"] += joined - begun
+            parts["insert"] += inserted - joined
             parts["COMMIT"] += committed - inserted
         seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
         conn.close()
@@ -161,20 +178,21 @@ def main(argv: list[str] | None = None) -> int:
         "one writer, no subscriber; medians of "
         f"{args.repeats} (µs a transaction, the parts' wall time where they run)"
     )
-    # "the rest": the process's CPU less the statements' time, streamq's Python about them
-    # (the floor's statements wait on the disk too: their time exceeds its CPU).
-    heading = ("tx/s", "CPU", *PARTS)
-    print(f"{'':10} {heading[0]:>9} " + " ".join(f"{h:>7}" for h in heading[1:]) + "  the rest")
+    heading = ("tx/s", "CPU", *PARTS, "around", "elsewhere")
+    print(f"{'':8} {heading[0]:>7} " + " ".join(f"{h:>9}" for h in heading[1:]))
     floor_rate = statistics.median(r["per_second"] for r in runs["floor"])
     for side, results in runs.items():
         median = {k: statistics.median(r[k] for r in results) for k in results[0]}
-        rest = median["cpu_us"] - sum(median[part] for part in PARTS)
-        print(
-            f"{side:10} {median['per_second']:9,.0f} {median['cpu_us']:7.1f} "
-            + " ".join(f"{median[part]:7.1f}" for part in PARTS)
-            + ("" if side == "floor" else f" {rest:9.1f}")
-            + ("" if side == "floor" else f"  ({median['per_second'] / floor_rate:.2f}x the floor)")
-        )
+        figures = [median["cpu_us"], *(median.get(part, 0.0) for part in PARTS)]
+        ratio = ""
+        if side != "floor":
+            figures += [
+                median["call"] - sum(median[part] for part in PARTS),
+                median["cpu_us"] - median["call"],
+            ]
+            ratio = f"  ({median['per_second'] / floor_rate:.2f}x the floor)"
+        line = " ".join(f"{figure:9.1f}" for figure in figures)
+        print(f"{side:8} {median['per_second']:7,.0f} {line}{ratio}")
     return 0
 
 
