@@ -32,8 +32,8 @@ from ..transfer.deployment import flow
 from ..transfer.floor import floor_flow
 from ..workers.common import SYNC_VARIANTS
 from ..workers.run import sync_once
+from . import BUILDS
 
-BUILDS = {"compiled": "", "pure": "1"}
 CODEC = """
 import time, streamq, streamq.native
 from streamq.protocol import decode_record, encode_values, split_records

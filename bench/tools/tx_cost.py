@@ -40,8 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from ..common import say
+from . import BUILDS
 
-BUILDS = {"compiled": "", "pure": "1"}
 VALUE = b"v" * 100
 PARTS = ("BEGIN", "publish", "insert", "COMMIT", "hand-over")
 
