@@ -7,10 +7,10 @@ with the floor (the same SQL, no framework) in the same rounds, the synchronous 
 (one thread's orders through ``SyncProducer``, ``SyncProducer(serve=False)``,
 ``streamq.publish`` on a ``sqlite3`` connection, and plain ``sqlite3`` with an outbox row:
 ``bench/workers``), the codec alone (a frame of 100-byte records encoded, then decoded,
-in one process), capture's decoding, and a Spark executor's (frames of records into
-Arrow batches). A build is chosen for every
-process of a case by ``STREAMQ_PURE`` (``streamq/native.py``). Results go to
-``bench/results/builds.json``.
+in one process), a bulk publish's encoding (26 records of 100 bytes), capture's
+decoding, and a Spark executor's (frames of records into Arrow batches). A build is
+chosen for every process of a case by ``STREAMQ_PURE`` (``streamq/native.py``). Results
+go to ``bench/results/builds.json``.
 """
 
 from __future__ import annotations
@@ -44,6 +44,17 @@ while time.perf_counter() - start < 2:
     records = [decode_record(r) for r in split_records(stored, len(values))]
     assert len(records) == len(values)
     n += len(values)
+print(n / (time.perf_counter() - start), streamq.native.build().compiled)
+"""  # A bulk publish's records encoded, as a transaction of the transfer numbers them.
+ENCODE = """
+import time, streamq, streamq.native
+from streamq.protocol import encode_values
+values = [b"x" * 100] * 26
+start, n = time.perf_counter(), 0
+while time.perf_counter() - start < 2:
+    for _ in range(1000):
+        encode_values(1, 1_700_000_000_000, values)
+    n += 26_000
 print(n / (time.perf_counter() - start), streamq.native.build().compiled)
 """  # pgoutput INSERT messages of a 4-column row, decoded: capture's per-change parse.
 PGOUTPUT = """
@@ -164,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             runs.setdefault(f"transfer {build}", []).append(per_second)
             runs.setdefault(f"transfer {build}: producer CPU µs a transfer", []).append(producer_us)
             runs.setdefault(f"codec {build}", []).append(rate(build))
+            runs.setdefault(f"encode {build}", []).append(rate(build, ENCODE))
             runs.setdefault(f"pgoutput {build}", []).append(rate(build, PGOUTPUT))
             runs.setdefault(f"capture {build}", []).append(rate(build, CAPTURE))
             runs.setdefault(f"arrow {build}", []).append(rate(build, ARROW))
@@ -181,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         "transfer compiled / floor": medians["transfer compiled"] / medians["transfer floor"],
         "transfer pure / floor": medians["transfer pure"] / medians["transfer floor"],
         "codec compiled / pure": medians["codec compiled"] / medians["codec pure"],
+        "encode compiled / pure": medians["encode compiled"] / medians["encode pure"],
         "pgoutput compiled / pure": medians["pgoutput compiled"] / medians["pgoutput pure"],
         "capture compiled / pure": medians["capture compiled"] / medians["capture pure"],
         "arrow compiled / pure": medians["arrow compiled"] / medians["arrow pure"],

@@ -74,10 +74,23 @@ def encode_record(
 
 _packb: Callable[[Any], bytes] = msgpack.Packer(use_bin_type=True).pack
 
+_ENCODE_VALUES: Callable[[int, int, Sequence[bytes]], list[bytes] | None] | None
+try:  # not on the pure-Python path: ``streamq.native``'s finder refuses it there
+    from .records_c import encode_values as _ENCODE_VALUES
+except ImportError:  # pure Python, or a build without it
+    _ENCODE_VALUES = None
+ENCODES_IN_C = _ENCODE_VALUES is not None
+
 
 def encode_values(first_seq: int, timestamp: int, values: Sequence[bytes]) -> list[bytes]:
     """``encode_record`` of each value, with no key and no headers, under consecutive seqs
-    from ``first_seq``: a batch's records in one pass."""
+    from ``first_seq``: a batch's records in one pass. Where the compiled path runs, in C
+    (``records_c.c``) for the common shape (bytes values, seqs and timestamp from 0 to
+    2**64 - 1; the same bytes), else here."""
+    if _ENCODE_VALUES is not None:
+        encoded = _ENCODE_VALUES(first_seq, timestamp, values)
+        if encoded is not None:
+            return encoded
     pack = _packb
     return [pack([seq, timestamp, None, value, {}]) for seq, value in enumerate(values, first_seq)]
 
