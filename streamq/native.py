@@ -46,7 +46,7 @@ C_EXTENSIONS = {
     # RECORDS into Arrow's column buffers for the Spark source's executors (about 10x
     # msgpack and pyarrow's builders; streamq.protocol.columnar).
     "streamq.protocol.columnar_c": "protocol/columnar_c.c",
-    # A bulk publish's records encoded as stored (about 12x msgpack's packer per record;
+    # A bulk publish's records encoded as stored (about 10x msgpack's packer per record;
     # streamq.protocol.codec.encode_values).
     "streamq.protocol.records_c": "protocol/records_c.c",
 }
