@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -24,7 +25,10 @@ UINTS = st.sampled_from([0, 127, 128, 255, 256, 65_535, 65_536, 2**32 - 1, 2**32
 
 def packed(first: int, timestamp: Any, values: Any) -> list[bytes]:
     """The pure-Python way: msgpack's packer, one record at a time."""
-    return [codec._packb([seq, timestamp, None, v, {}]) for seq, v in enumerate(values, first)]
+    return [
+        msgpack.packb([seq, timestamp, None, value, {}], use_bin_type=True)
+        for seq, value in enumerate(values, first)
+    ]
 
 
 def _c_encoder() -> Any:
