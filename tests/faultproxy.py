@@ -186,6 +186,22 @@ class ResetPeer(_AfterBytes):
         connection.reset()
 
 
+class ResetAfterChunk(Toxic):
+    """Passes each chunk, then resets the connection: on a new connection the producer's
+    first chunk is its SERVER_HELLO, so the client learns of the reset between the
+    handshake and its next request (a producer killed just after it answered)."""
+
+    name = "reset after a chunk"
+
+    def __init__(self, direction: Direction | None = "downstream") -> None:
+        super().__init__(direction)
+
+    async def forward(self, link: Link, data: bytes) -> None:
+        await link.send(data)
+        link.connection.proxy.stats["resets after a chunk"] += 1
+        link.connection.reset()
+
+
 class LimitData(_AfterBytes):
     """Closes a connection (a clean FIN) once ``after`` bytes went by."""
 

@@ -323,6 +323,8 @@ class Subscription:
             return await self._read_message(conn, reader)
 
         def send(message: Message) -> None:
+            if writer.is_closing():  # the producer went (uvloop's write would raise)
+                raise ConnectionResetError("the connection closed")
             writer.write(conn.send(message))
 
         hello: ServerHello | None = None

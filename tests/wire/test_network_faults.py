@@ -25,6 +25,7 @@ from ..faultproxy import (
     FaultProxy,
     Latency,
     LimitData,
+    ResetAfterChunk,
     ResetPeer,
     Slicer,
     SlowClose,
@@ -107,3 +108,46 @@ async def test_consumer_recovers_from_network_fault(
         f"records checked {report.records}, anomalies {report.anomalies}; "
         f"{consumer.reconnects} reconnects, caught up {recovery:.2f} s after the fault cleared"
     )
+
+
+async def test_a_first_connection_reset_between_hello_and_subscribe_is_retried(
+    tmp_path: Path,
+) -> None:
+    """A producer gone just after its SERVER_HELLO, while a starting consumer reads its
+    stored position: the consumer's SUBSCRIBE finds the connection closed (uvloop's
+    transport raises there, asyncio's drops the write), and it connects again, as after
+    any lost connection, instead of failing."""
+    pipeline = Pipeline(tmp_path, seed=7)
+    producer = await pipeline.start_producer()
+    try:
+        await pipeline.publish(3)
+        async with FaultProxy("127.0.0.1", pipeline.port) as proxy:
+            proxy.toxic = ResetAfterChunk()
+            consumer = Consumer(
+                proxy.address,
+                STREAM,
+                db=pipeline.consumer_db,
+                name=NAME,
+                connect_timeout=CONNECT_TIMEOUT,
+                reconnect_timeout=30,
+            )
+            starting = asyncio.create_task(consumer.start())
+            try:
+                await wait_for(
+                    lambda: proxy.stats["resets after a chunk"] >= 3 or starting.done(),
+                    10,
+                    "three connections reset after the hello",
+                )
+                assert not starting.done(), starting  # not failed, not connected: retrying
+                proxy.toxic = None
+                async with asyncio.timeout(10):
+                    await starting
+                applier = asyncio.create_task(pipeline.apply(consumer))
+                await wait_for(lambda: consumer.applied == producer.head(STREAM), 10)
+                applier.cancel()
+                await asyncio.gather(applier, return_exceptions=True)
+            finally:
+                await consumer.close()
+    finally:
+        await producer.close()
+    assert pipeline.check().anomalies == 0
