@@ -186,7 +186,7 @@ class ResetPeer(_AfterBytes):
         connection.reset()
 
 
-class ResetAfterChunk(Toxic):
+class ResetAfterChunk(ResetPeer):
     """Passes each chunk, then resets the connection: on a new connection the producer's
     first chunk is its SERVER_HELLO, so the client learns of the reset between the
     handshake and its next request (a producer killed just after it answered)."""
@@ -194,12 +194,11 @@ class ResetAfterChunk(Toxic):
     name = "reset after a chunk"
 
     def __init__(self, direction: Direction | None = "downstream") -> None:
-        super().__init__(direction)
+        super().__init__(0, direction)
 
     async def forward(self, link: Link, data: bytes) -> None:
         await link.send(data)
-        link.connection.proxy.stats["resets after a chunk"] += 1
-        link.connection.reset()
+        self.strike(link.connection)
 
 
 class LimitData(_AfterBytes):

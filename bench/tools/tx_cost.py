@@ -96,9 +96,7 @@ def streamq_run(transactions: int, records: int) -> dict[str, Any]:
         seconds, cpu = _loop.run(run(folder))
     return {
         "compiled": streamq.native.build().compiled,
-        "per_second": transactions / seconds,
-        "cpu_us": cpu / transactions * 1e6,
-        **{part: spent / transactions * 1e6 for part, spent in parts.items()},
+        **per_transaction(transactions, seconds, cpu, parts),
     }
 
 
@@ -132,6 +130,14 @@ def floor_run(transactions: int, records: int) -> dict[str, Any]:
             parts["COMMIT"] += committed - inserted
         seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
         conn.close()
+    return per_transaction(transactions, seconds, cpu, parts)
+
+
+def per_transaction(
+    transactions: int, seconds: float, cpu: float, parts: dict[str, float]
+) -> dict[str, float]:
+    """A side's figures: transactions a second, and its CPU and each part in µs a
+    transaction."""
     return {
         "per_second": transactions / seconds,
         "cpu_us": cpu / transactions * 1e6,

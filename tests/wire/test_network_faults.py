@@ -134,7 +134,7 @@ async def test_a_first_connection_reset_between_hello_and_subscribe_is_retried(
             starting = asyncio.create_task(consumer.start())
             try:
                 await wait_for(
-                    lambda: proxy.stats["resets after a chunk"] >= 3 or starting.done(),
+                    lambda: proxy.stats["resets"] >= 3 or starting.done(),
                     10,
                     "three connections reset after the hello",
                 )
