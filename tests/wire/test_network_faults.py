@@ -53,6 +53,21 @@ TOXICS: dict[str, tuple[Callable[[], Toxic], float, str, bool]] = {
 }
 
 
+def proxied_consumer(proxy: FaultProxy, pipeline: Pipeline) -> Consumer:
+    """The pipeline's consumer, through ``proxy``: quick to see a connection lost, and
+    connecting again (its first connection too) for as long as a recovery may take, so
+    that a loaded machine's slow first SERVER_HELLO is waited for, not a failure."""
+    return Consumer(
+        proxy.address,
+        STREAM,
+        db=pipeline.consumer_db,
+        name=NAME,
+        heartbeat_timeout=HEARTBEAT_TIMEOUT,
+        connect_timeout=CONNECT_TIMEOUT,
+        reconnect_timeout=RECOVERY_BOUND,
+    )
+
+
 @pytest.mark.parametrize("name", list(TOXICS))
 async def test_consumer_recovers_from_network_fault(
     tmp_path: Path, name: str, figures: Callable[[str], None]
@@ -62,14 +77,7 @@ async def test_consumer_recovers_from_network_fault(
     producer = await pipeline.start_producer()
     try:
         async with FaultProxy("127.0.0.1", pipeline.port) as proxy:
-            consumer = Consumer(
-                proxy.address,
-                STREAM,
-                db=pipeline.consumer_db,
-                name=NAME,
-                heartbeat_timeout=HEARTBEAT_TIMEOUT,
-                connect_timeout=CONNECT_TIMEOUT,
-            )
+            consumer = proxied_consumer(proxy, pipeline)
             async with consumer:
                 applier = asyncio.create_task(pipeline.apply(consumer))
                 try:
@@ -123,14 +131,7 @@ async def test_a_first_connection_reset_between_hello_and_subscribe_is_retried(
         await pipeline.publish(3)
         async with FaultProxy("127.0.0.1", pipeline.port) as proxy:
             proxy.toxic = ResetAfterChunk()
-            consumer = Consumer(
-                proxy.address,
-                STREAM,
-                db=pipeline.consumer_db,
-                name=NAME,
-                connect_timeout=CONNECT_TIMEOUT,
-                reconnect_timeout=30,
-            )
+            consumer = proxied_consumer(proxy, pipeline)
             starting = asyncio.create_task(consumer.start())
             try:
                 await wait_for(
