@@ -52,7 +52,7 @@ $(NATIVE): $(STAMP) setup.py streamq/native.py $(NATIVE_SOURCES) $(wildcard stre
 
 native: $(NATIVE)
 
-wheel: $(STAMP)  # this machine's wheel, compiled, installed and run in a clean venv
+wheel: $(STAMP)  # built as users build it (python -m build, pip install .) in clean venvs: runs compiled
 	$(BIN)/python -m pytest -q -p no:randomly tests/packaging/check_wheel.py
 
 demo: $(STAMP)

@@ -2,12 +2,13 @@
 
 ``setup.py`` compiles the modules of ``COMPILED`` with mypyc where a C compiler is found
 (``pip install``, ``make``), from the same typed sources, and writes ``native.json``
-beside this file: the hash of each compiled module's source. Without a compiler the
-package installs and runs as pure Python. ``build`` decides once per process, at
-``import streamq``:
+beside this file: the hash of each compiled module's source. Without a compiler, or
+where the build fails, the package installs and runs as pure Python, and its
+``native.json`` says why. ``build`` decides once per process, at ``import streamq``:
 
 - ``STREAMQ_PURE=1``: pure Python, as asked;
-- no compiled build (none installed, or a checkout never built): pure Python;
+- a pure-Python build: pure Python, and the build's reason;
+- no compiled build (a checkout never built): pure Python;
 - a build older than its sources (a checkout edited since ``make``): pure Python, said
   once, so that an edit is never shadowed by a stale build;
 - otherwise the compiled modules.
@@ -50,7 +51,8 @@ C_EXTENSIONS = {
     # streamq.protocol.codec.encode_values).
     "streamq.protocol.records_c": "protocol/records_c.c",
 }
-MANIFEST = "native.json"  # beside this file: {"compiler": ..., "modules": {name: sha256}}
+# beside this file: {"compiler": ..., "modules": {name: sha256}}, or {"pure": why}
+MANIFEST = "native.json"
 PACKAGE_DIR = Path(__file__).resolve().parent
 
 
@@ -95,14 +97,18 @@ def check(environ: Mapping[str, str], package_dir: Path = PACKAGE_DIR) -> Build:
     if environ.get("STREAMQ_PURE", "") not in ("", "0"):
         return Build(False, "STREAMQ_PURE is set")
     manifest = package_dir / MANIFEST
-    if not manifest.is_file() or not all(built(m, package_dir) for m in NATIVE_MODULES):
-        return Build(False, "no compiled build: installed without a C compiler, or not built")
+    if not manifest.is_file():
+        return Build(False, "no compiled build: not built (make native, or pip install)")
     try:
         recorded: dict[str, Any] = json.loads(manifest.read_text())
+        if "pure" in recorded:  # setup.py's reason, as it said it
+            return Build(False, f"built without the compiled path: {recorded['pure']}")
         hashes: dict[str, str] = recorded["modules"]
         compiler = str(recorded["compiler"])
     except (OSError, ValueError, KeyError, TypeError):
         return Build(False, f"{manifest.name} is unreadable: rebuild (make, or pip install)")
+    if not all(built(m, package_dir) for m in NATIVE_MODULES):
+        return Build(False, "no compiled build: its extension modules are missing (rebuild)")
     for module in NATIVE_MODULES:
         if hashes.get(module) != digest(source_of(module, package_dir)):
             return Build(

@@ -62,6 +62,15 @@ def test_no_build_runs_pure_python(tmp_path: Path) -> None:
     assert "no compiled build" in native.check({}, tmp_path).why
 
 
+def test_a_build_that_did_not_compile_says_why(tmp_path: Path) -> None:
+    """setup.py's reason, never a guess: a build fails for more than a missing compiler."""
+    fake_build(tmp_path, extensions=False)
+    why = "mypyc could not compile streamq/x.py: streamq/x.py:1: error: Name 'y' is not defined"
+    (tmp_path / native.MANIFEST).write_text(json.dumps({"pure": why}))
+    build = native.check({}, tmp_path)
+    assert build.describe() == f"pure Python (built without the compiled path: {why})"
+
+
 def test_an_edited_source_runs_pure_python_and_names_it(tmp_path: Path) -> None:
     """A checkout edited after its build: the edit runs, never the stale build."""
     fake_build(tmp_path)

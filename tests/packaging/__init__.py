@@ -1,1 +1,2 @@
-"""Packaging checks, run by ``make wheel`` (not by ``make test``): the wheel built here."""
+"""Packaging checks, run by ``make wheel`` (not by ``make test``): streamq built as its
+users and CI build it."""
