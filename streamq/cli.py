@@ -921,7 +921,8 @@ def _status(args: argparse.Namespace) -> None:
         "connected",
         title="consumers",
     )
-    for c in consumer_rows(status):
+    rows = consumer_rows(status)
+    for c in rows:
         consumers.add_row(
             c["consumer"],
             c["stream"],
@@ -930,9 +931,11 @@ def _status(args: argparse.Namespace) -> None:
             "yes" if c["registered"] else ("dropped" if c.get("dropped") else ""),
             str(c["lost"] or ""),
             _ago(c["updated_at"] / 1000),
-            ", ".join(c["connected"]),
+            (", ".join(c["peers"]) or "yes") if c["connected"] else "no",
         )
     console.print(consumers)
+    if not all(c["exact"] for c in rows):
+        console.print(UPPER_BOUND)
 
 
 def _group_status(args: argparse.Namespace, status: dict[str, Any]) -> None:
@@ -961,19 +964,31 @@ def _group_status(args: argparse.Namespace, status: dict[str, Any]) -> None:
     for stream, total in streams.items():
         lag = _lag(total["lag"], total["exact"])
         console.print(f"group [bold]{name}[/] on stream {stream!r}: lag {lag}")
-    table = Table("consumer", "stream", "applied", "lag", "last report", title=name)
+    table = Table("consumer", "stream", "applied", "lag", "last report", "connected", title=name)
     for p in rows:
         lag = _lag(p["lag"], p.get("exact", True))
+        connected = "yes" if p.get("connected", True) else "no"
         table.add_row(
-            p["consumer"], p["stream"], str(p["applied"]), lag, _ago(p["updated_at"] / 1000)
-        )
+            p["consumer"], p["stream"], str(p["applied"]), lag, _ago(p["updated_at"] / 1000),
+            connected,
+        )  # fmt: skip
     console.print(table)
+    if not all(total["exact"] for total in streams.values()):
+        console.print(UPPER_BOUND)
 
 
 def _lag(lag: int, exact: bool) -> str:
-    """A lag as the tables show it: ``≤ N`` where it is head - applied, an upper bound
-    (docs/guides/operations.md, "What lag counts")."""
+    """A lag as the tables show it: ``≤ N`` where it is an upper bound: head - applied,
+    or as of a consumer's last report (docs/guides/operations.md, "What lag counts")."""
     return str(lag) if exact else f"≤ {lag}"
+
+
+# Under a table with a lag that is an upper bound: why.
+UPPER_BOUND = (
+    "≤ N: at most N. A consumer not connected is shown as of its last report: it may "
+    "have applied more since. A filtered consumer's lag, or a share's not counted, is "
+    "head - applied."
+)
 
 
 def _ago(when: float) -> str:
@@ -1011,7 +1026,7 @@ async def _consumers(args: argparse.Namespace) -> None:
                 )
             print(f"removed {args.consumer!r} from {args.stream!r}: registration and position")
         else:
-            known = producer.consumer_lags()
+            known = producer.consumer_lags()  # not serving: each as of its last report
             if args.json:
                 for p in known:
                     print(json.dumps(p._asdict()))
@@ -1027,6 +1042,7 @@ async def _consumers(args: argparse.Namespace) -> None:
                 "max idle ms",
                 "max bytes",
                 title="consumers",
+                caption="as the database holds them: each as of the consumer's last report",
             )
             for p in known:
                 limits = ["" if v is None else str(v) for v in (p.max_idle_ms, p.max_bytes)]
@@ -1040,7 +1056,10 @@ async def _consumers(args: argparse.Namespace) -> None:
                     _ago(p.updated_at),
                     *limits,
                 )
-            _console().print(table)
+            console = _console()
+            console.print(table)
+            if not all(p.exact for p in known):
+                console.print(UPPER_BOUND)
 
 
 def _groups(args: argparse.Namespace) -> None:

@@ -120,7 +120,9 @@ function renderConsumers(producers) {
           cell(lagText(c.lag, c.exact), `num lag ${c.lag > 0 ? "lagging" : ""}`),
           cell(c.registered ? "yes" : c.dropped ? "dropped" : ""),
           cell(ago(c.updated_at)),
-          cell((c.connected || []).join(", ") || "not connected", c.connected?.length ? "" : "muted"),
+          c.connected
+            ? cell((c.peers || []).join(", ") || "yes")
+            : cell(`not connected: as of last report${c.updated_at ? `, ${ago(c.updated_at)}` : ""}`, "muted"),
         ]),
         (i) => `${data("producer", rows[i][0].address)} ${data("consumer", rows[i][1].consumer)} ${data("stream", rows[i][1].stream)}`,
       )
