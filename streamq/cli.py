@@ -13,7 +13,7 @@ import sqlite3
 import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from rich.console import Console
 from rich.table import Table
@@ -45,6 +45,9 @@ from .wire.security import (
 )
 from .wire.status_report import consumer_rows
 from .wire.transport import parse_address
+
+if TYPE_CHECKING:
+    from .groups.report import MemberRow, ShareRow
 
 DEFAULT_PORT = 7400
 TOKEN_ENV = "STREAMQ_TOKEN"
@@ -1083,12 +1086,16 @@ def _groups(args: argparse.Namespace) -> None:
             f"group [bold]{report.name}[/] on stream {report.stream!r}: {report.shares} "
             f"shares, {alive} of {len(report.members)} member(s) alive"
         )
-        members = Table("member", "alive", "renews within", "shares held", title="members")
+        members = Table(
+            "member", "host", "pid", "alive", "renews within", "shares held", title="members"
+        )
         for m in report.members:
             members.add_row(
                 f"{m.member:016x}",
+                m.host or "",
+                "" if m.pid is None else str(m.pid),
                 "yes" if m.alive else "no",
-                f"{m.expires_in_ms / 1000:.1f} s" if m.expires_in_ms > 0 else "expired",
+                _renews(m),
                 ", ".join(map(str, m.shares)),
             )
         console.print(members)
@@ -1100,7 +1107,7 @@ def _groups(args: argparse.Namespace) -> None:
             shares.add_row(
                 str(r.share),
                 "" if r.holder is None else f"{r.holder:016x}",
-                "" if r.held_ms is None else _duration(r.held_ms / 1000),
+                _held(r),
                 str(r.token),
                 r.producer_id or "",
                 "" if r.applied is None else str(r.applied),
@@ -1111,6 +1118,24 @@ def _groups(args: argparse.Namespace) -> None:
         console.print(shares)
         for endpoint, why in report.unreachable.items():
             console.print(f"no head from {endpoint}: {why}")
+
+
+def _renews(member: MemberRow) -> str:
+    """When a member must renew its row: within N s, or since when it has expired (a
+    member whose process ended before: never)."""
+    if member.expires_in_ms <= 0:
+        return f"expired {_duration(-member.expires_in_ms / 1000)} ago"
+    if not member.alive:
+        return "never: its process ended"
+    return f"{member.expires_in_ms / 1000:.1f} s"
+
+
+def _held(row: ShareRow) -> str:
+    """How long a share's lease has been held, or since when it has expired."""
+    if row.lease == "expired":
+        since = "" if row.expired_ms is None else f" {_duration(row.expired_ms / 1000)} ago"
+        return f"expired{since}"
+    return "" if row.held_ms is None else _duration(row.held_ms / 1000)
 
 
 def _is_database(text: str) -> bool:
