@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import json
 import os
+import select
 import signal
 import sqlite3
 import sys
@@ -1207,7 +1209,13 @@ def _console() -> Console:
     """Where tables go. Not a terminal (a log, a pipe, ``watch``): as wide as they are,
     never cut to 80 columns (``COLUMNS`` still sets a width); a terminal: its width."""
     wide = not sys.stdout.isatty() and "COLUMNS" not in os.environ
-    return Console(width=NOT_A_TERMINAL_WIDTH if wide else None)
+    return _Console(width=NOT_A_TERMINAL_WIDTH if wide else None)
+
+
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        """Rich's own exits with status 1: ``main`` ends this command as every other."""
+        raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
 
 
 # Columns a table may take when stdout is not a terminal: rich sizes a table to its
@@ -1260,6 +1268,38 @@ def _database_errors() -> tuple[type[Exception], ...]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; its exit status. Whoever reads its output may stop reading (``streamq
+    status --json | head``): it then exits quietly, as Unix tools do (``_output_unread``)."""
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()  # here, not at exit: a reader gone is caught below
+    except BrokenPipeError:  # stdout's (``_main`` lets no other through)
+        return _output_unread()
+
+
+def _output_unread() -> int:
+    """stdout's reader is gone: nothing more to say, and nowhere to say it. No message and
+    no traceback; the status a tool killed by SIGPIPE has (``yes | head``: 141)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())  # what is left to flush at exit goes nowhere
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
+
+
+def _stdout_gone() -> bool:
+    """Whether stdout's reader has gone: a pipe without one reports an error to ``poll``
+    (a socket, a hang-up). Another broken pipe (a socket) is an error like any other."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+    except (AttributeError, OSError, ValueError):  # no descriptor (replaced), no poll
+        return False
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "snapshot", False) and not args.capture:
@@ -1299,6 +1339,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             _loop.run(consumer_main(args.address, args.db))
     except Exception as exc:
+        if isinstance(exc, BrokenPipeError) and _stdout_gone():
+            raise  # main's to handle: nothing to say
         if not isinstance(exc, (StreamQError, OSError, *_database_errors())):
             raise
         print(f"streamq {args.command}: {exc}", file=sys.stderr)
