@@ -6,14 +6,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import json
 import os
+import select
 import signal
 import sqlite3
 import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from rich.console import Console
 from rich.table import Table
@@ -45,6 +47,9 @@ from .wire.security import (
 )
 from .wire.status_report import consumer_rows
 from .wire.transport import parse_address
+
+if TYPE_CHECKING:
+    from .groups.report import MemberRow, ShareRow
 
 DEFAULT_PORT = 7400
 TOKEN_ENV = "STREAMQ_TOKEN"
@@ -921,7 +926,8 @@ def _status(args: argparse.Namespace) -> None:
         "connected",
         title="consumers",
     )
-    for c in consumer_rows(status):
+    rows = consumer_rows(status)
+    for c in rows:
         consumers.add_row(
             c["consumer"],
             c["stream"],
@@ -930,9 +936,11 @@ def _status(args: argparse.Namespace) -> None:
             "yes" if c["registered"] else ("dropped" if c.get("dropped") else ""),
             str(c["lost"] or ""),
             _ago(c["updated_at"] / 1000),
-            ", ".join(c["connected"]),
+            (", ".join(c["peers"]) or "yes") if c["connected"] else "no",
         )
     console.print(consumers)
+    if not all(c["exact"] for c in rows):
+        console.print(UPPER_BOUND)
 
 
 def _group_status(args: argparse.Namespace, status: dict[str, Any]) -> None:
@@ -961,19 +969,31 @@ def _group_status(args: argparse.Namespace, status: dict[str, Any]) -> None:
     for stream, total in streams.items():
         lag = _lag(total["lag"], total["exact"])
         console.print(f"group [bold]{name}[/] on stream {stream!r}: lag {lag}")
-    table = Table("consumer", "stream", "applied", "lag", "last report", title=name)
+    table = Table("consumer", "stream", "applied", "lag", "last report", "connected", title=name)
     for p in rows:
         lag = _lag(p["lag"], p.get("exact", True))
+        connected = "yes" if p.get("connected", True) else "no"
         table.add_row(
-            p["consumer"], p["stream"], str(p["applied"]), lag, _ago(p["updated_at"] / 1000)
-        )
+            p["consumer"], p["stream"], str(p["applied"]), lag, _ago(p["updated_at"] / 1000),
+            connected,
+        )  # fmt: skip
     console.print(table)
+    if not all(total["exact"] for total in streams.values()):
+        console.print(UPPER_BOUND)
 
 
 def _lag(lag: int, exact: bool) -> str:
-    """A lag as the tables show it: ``≤ N`` where it is head - applied, an upper bound
-    (docs/guides/operations.md, "What lag counts")."""
+    """A lag as the tables show it: ``≤ N`` where it is an upper bound: head - applied,
+    or as of a consumer's last report (docs/guides/operations.md, "What lag counts")."""
     return str(lag) if exact else f"≤ {lag}"
+
+
+# Under a table with a lag that is an upper bound: why.
+UPPER_BOUND = (
+    "≤ N: at most N. A consumer not connected is shown as of its last report: it may "
+    "have applied more since. A filtered consumer's lag, or a share's not counted, is "
+    "head - applied."
+)
 
 
 def _ago(when: float) -> str:
@@ -1011,7 +1031,7 @@ async def _consumers(args: argparse.Namespace) -> None:
                 )
             print(f"removed {args.consumer!r} from {args.stream!r}: registration and position")
         else:
-            known = producer.consumer_lags()
+            known = producer.consumer_lags()  # not serving: each as of its last report
             if args.json:
                 for p in known:
                     print(json.dumps(p._asdict()))
@@ -1027,6 +1047,7 @@ async def _consumers(args: argparse.Namespace) -> None:
                 "max idle ms",
                 "max bytes",
                 title="consumers",
+                caption="as the database holds them: each as of the consumer's last report",
             )
             for p in known:
                 limits = ["" if v is None else str(v) for v in (p.max_idle_ms, p.max_bytes)]
@@ -1040,7 +1061,10 @@ async def _consumers(args: argparse.Namespace) -> None:
                     _ago(p.updated_at),
                     *limits,
                 )
-            _console().print(table)
+            console = _console()
+            console.print(table)
+            if not all(p.exact for p in known):
+                console.print(UPPER_BOUND)
 
 
 def _groups(args: argparse.Namespace) -> None:
@@ -1064,12 +1088,16 @@ def _groups(args: argparse.Namespace) -> None:
             f"group [bold]{report.name}[/] on stream {report.stream!r}: {report.shares} "
             f"shares, {alive} of {len(report.members)} member(s) alive"
         )
-        members = Table("member", "alive", "renews within", "shares held", title="members")
+        members = Table(
+            "member", "host", "pid", "alive", "renews within", "shares held", title="members"
+        )
         for m in report.members:
             members.add_row(
                 f"{m.member:016x}",
+                m.host or "",
+                "" if m.pid is None else str(m.pid),
                 "yes" if m.alive else "no",
-                f"{m.expires_in_ms / 1000:.1f} s" if m.expires_in_ms > 0 else "expired",
+                _renews(m),
                 ", ".join(map(str, m.shares)),
             )
         console.print(members)
@@ -1081,7 +1109,7 @@ def _groups(args: argparse.Namespace) -> None:
             shares.add_row(
                 str(r.share),
                 "" if r.holder is None else f"{r.holder:016x}",
-                "" if r.held_ms is None else _duration(r.held_ms / 1000),
+                _held(r),
                 str(r.token),
                 r.producer_id or "",
                 "" if r.applied is None else str(r.applied),
@@ -1092,6 +1120,24 @@ def _groups(args: argparse.Namespace) -> None:
         console.print(shares)
         for endpoint, why in report.unreachable.items():
             console.print(f"no head from {endpoint}: {why}")
+
+
+def _renews(member: MemberRow) -> str:
+    """When a member must renew its row: within N s, or since when it has expired (a
+    member whose process ended before: never)."""
+    if member.expires_in_ms <= 0:
+        return f"expired {_duration(-member.expires_in_ms / 1000)} ago"
+    if not member.alive:
+        return "never: its process ended"
+    return f"{member.expires_in_ms / 1000:.1f} s"
+
+
+def _held(row: ShareRow) -> str:
+    """How long a share's lease has been held, or since when it has expired."""
+    if row.lease == "expired":
+        since = "" if row.expired_ms is None else f" {_duration(row.expired_ms / 1000)} ago"
+        return f"expired{since}"
+    return "" if row.held_ms is None else _duration(row.held_ms / 1000)
 
 
 def _is_database(text: str) -> bool:
@@ -1163,7 +1209,13 @@ def _console() -> Console:
     """Where tables go. Not a terminal (a log, a pipe, ``watch``): as wide as they are,
     never cut to 80 columns (``COLUMNS`` still sets a width); a terminal: its width."""
     wide = not sys.stdout.isatty() and "COLUMNS" not in os.environ
-    return Console(width=NOT_A_TERMINAL_WIDTH if wide else None)
+    return _Console(width=NOT_A_TERMINAL_WIDTH if wide else None)
+
+
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        """Rich's own exits with status 1: ``main`` ends this command as every other."""
+        raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
 
 
 # Columns a table may take when stdout is not a terminal: rich sizes a table to its
@@ -1216,6 +1268,38 @@ def _database_errors() -> tuple[type[Exception], ...]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; its exit status. Whoever reads its output may stop reading (``streamq
+    status --json | head``): it then exits quietly, as Unix tools do (``_output_unread``)."""
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()  # here, not at exit: a reader gone is caught below
+    except BrokenPipeError:  # stdout's (``_main`` lets no other through)
+        return _output_unread()
+
+
+def _output_unread() -> int:
+    """stdout's reader is gone: nothing more to say, and nowhere to say it. No message and
+    no traceback; the status a tool killed by SIGPIPE has (``yes | head``: 141)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())  # what is left to flush at exit goes nowhere
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
+
+
+def _stdout_gone() -> bool:
+    """Whether stdout's reader has gone: a pipe without one reports an error to ``poll``
+    (a socket, a hang-up). Another broken pipe (a socket) is an error like any other."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+    except (AttributeError, OSError, ValueError):  # no descriptor (replaced), no poll
+        return False
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "snapshot", False) and not args.capture:
@@ -1255,6 +1339,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             _loop.run(consumer_main(args.address, args.db))
     except Exception as exc:
+        if isinstance(exc, BrokenPipeError) and _stdout_gone():
+            raise  # main's to handle: nothing to say
         if not isinstance(exc, (StreamQError, OSError, *_database_errors())):
             raise
         print(f"streamq {args.command}: {exc}", file=sys.stderr)

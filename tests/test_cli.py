@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
 import sqlite3
 import subprocess
@@ -110,6 +111,31 @@ def test_publish_tail_status(served: tuple[str, str]) -> None:
     assert address in status_shown
     for shown in (status_shown, listed):
         assert long_name in shown and "…" not in shown, shown
+
+
+def test_a_reader_gone_ends_a_command_quietly(served: tuple[str, str]) -> None:
+    """``streamq status --json | head``: once whoever reads its output is gone, a command
+    exits as Unix tools do, with nothing on stderr and the status of SIGPIPE (141)."""
+    db, address = served
+    assert run("publish", db, "orders", "a", "b").returncode == 0
+    assert run("consumers", "add", db, "billing", "orders").returncode == 0
+    wait_for_head(address, "orders", 2)
+    commands = [
+        ("status", address, "--json"),
+        ("status", address),  # a table
+        ("tail", address, "orders", "--from", "1"),  # in the event loop, following
+        ("consumers", "list", db, "--json"),
+    ]
+    for command in commands:
+        read, write = os.pipe()
+        os.close(read)  # gone before the first line: no race with the command's output
+        try:
+            done = subprocess.run(
+                [*STREAMQ, *command], stdout=write, stderr=subprocess.PIPE, text=True, timeout=60
+            )
+        finally:
+            os.close(write)
+        assert (done.returncode, done.stderr) == (128 + signal.SIGPIPE, ""), command
 
 
 def test_tail_prints_only_what_its_filter_matches(served: tuple[str, str]) -> None:

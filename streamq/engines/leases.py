@@ -16,9 +16,11 @@ tables), ``streamq_members`` (one row per member, renewed while it runs),
 from __future__ import annotations
 
 import json
+import os
 import secrets
+import socket
 import time
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from ..consumer.resharing import Floors, OnlineMove, StoredPosition, plan_online
 from ..errors import GroupSpecError
@@ -38,6 +40,8 @@ SCHEMA = (
         stream TEXT NOT NULL,
         member BIGINT NOT NULL,        -- random, also the key of its liveness lock
         expires_at BIGINT NOT NULL,    -- ms since the Unix epoch, by the database's clock
+        host TEXT,                     -- where its process runs (for people: streamq groups)
+        pid BIGINT,                    -- its process id there
         PRIMARY KEY (name, stream, member)
     )""",
     """CREATE TABLE IF NOT EXISTS streamq_leases (
@@ -58,6 +62,23 @@ SCHEMA = (
     )""",
 )
 _GROUP = "name = ? AND stream = ?"
+# Columns added after the first release, added to tables made before them (by the first
+# member to join; a streamq before them leaves them NULL): (table, column, type).
+_ADDED = (
+    ("streamq_leases", "taken_at", "BIGINT"),
+    ("streamq_members", "host", "TEXT"),
+    ("streamq_members", "pid", "BIGINT"),
+)
+
+
+class Inspection(NamedTuple):
+    """A group's rows as an operator reads them (``LeaseTable.inspect``)."""
+
+    view: View
+    positions: list[tuple[Any, ...]]  # (consumer, producer id, seq, endpoint, updated_at)
+    parked: dict[str, int]  # records parked, by share name
+    taken: dict[int, int]  # when each held share was taken (ms, the database's clock)
+    processes: dict[int, tuple[str | None, int | None]]  # member -> (host, pid)
 
 
 class LeaseTable:
@@ -98,23 +119,24 @@ class LeaseTable:
     def _create_tables(self) -> None:
         for statement in SCHEMA:
             self._execute(statement)
-        self._add_taken_at()
+        self._add_columns()
 
-    def _add_taken_at(self) -> None:
-        """The lease rows' ``taken_at``, added to tables made before it (until a member
-        takes a share, it shows no age; a streamq before it leaves it as it was)."""
-        if not self._has_taken_at():
-            try:
-                self._execute("ALTER TABLE streamq_leases ADD COLUMN taken_at BIGINT")
-            except Exception:
-                if not self._has_taken_at():  # else another member added it meanwhile
-                    raise
+    def _add_columns(self) -> None:
+        """The columns of ``_ADDED`` a table made before them lacks (until then a lease
+        shows no age, a member no host or pid)."""
+        for table, column, kind in _ADDED:
+            if not self._has(table, column):
+                try:
+                    self._execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+                except Exception:
+                    if not self._has(table, column):  # else another member added it meanwhile
+                        raise
 
-    def _has_taken_at(self) -> bool:
-        """Whether the lease rows say when they were taken (autocommit: a failed read
-        leaves no transaction to roll back)."""
+    def _has(self, table: str, column: str) -> bool:
+        """Whether ``table`` has ``column`` (autocommit: a failed read leaves no transaction
+        to roll back)."""
         try:
-            self._execute("SELECT taken_at FROM streamq_leases WHERE 1 = 0").fetchall()
+            self._execute(f"SELECT {column} FROM {table} WHERE 1 = 0").fetchall()
         except Exception:
             return False
         return True
@@ -181,9 +203,9 @@ class LeaseTable:
                     "the split with `streamq reshare`"
                 )
             self._execute(
-                "INSERT INTO streamq_members (name, stream, member, expires_at) "
-                f"VALUES (?, ?, ?, {self.NOW} + ?)",
-                (*self._key, self.member, ttl_ms),
+                "INSERT INTO streamq_members (name, stream, member, expires_at, host, pid) "
+                f"VALUES (?, ?, ?, {self.NOW} + ?, ?, ?)",
+                (*self._key, self.member, ttl_ms, socket.gethostname(), os.getpid()),
             )
             return stored
 
@@ -228,24 +250,32 @@ class LeaseTable:
         )
         return View(shares, members, leases, now)
 
-    def inspect(self) -> tuple[View, list[tuple[Any, ...]], dict[str, int], dict[int, int]]:
+    def inspect(self) -> Inspection:
         """The group's rows as an operator reads them (``streamq groups``), changing
         nothing of theirs: its view, each member's liveness asked of its lock; the positions
-        stored under its shares' names (consumer, producer id, seq, endpoint, updated_at);
-        how many records each share parked; and when each held share was taken (ms, the
-        database's clock; tables older than that column: none). Opens and closes a
-        connection of its own."""
+        stored under its shares' names; how many records each share parked; when each held
+        share was taken and where each member runs (tables older than those columns: none).
+        Opens and closes a connection of its own."""
         self._conn = self._connect()
         try:
             self._hold_liveness()  # a lock of its own, to ask for the members' locks
             view = self.view()
             taken: dict[int, int] = {}
-            if self._has_taken_at():
+            if self._has("streamq_leases", "taken_at"):
                 taken = {
                     int(share): int(at)
                     for share, at in self._execute(
                         f"SELECT share, taken_at FROM streamq_leases WHERE {_GROUP} "
                         "AND member IS NOT NULL AND taken_at IS NOT NULL",
+                        self._key,
+                    ).fetchall()
+                }
+            processes: dict[int, tuple[str | None, int | None]] = {}
+            if self._has("streamq_members", "pid"):
+                processes = {
+                    int(member): (host, None if pid is None else int(pid))
+                    for member, host, pid in self._execute(
+                        f"SELECT member, host, pid FROM streamq_members WHERE {_GROUP}",
                         self._key,
                     ).fetchall()
                 }
@@ -264,7 +294,7 @@ class LeaseTable:
         finally:
             self.close()
         parked_by = {str(c): int(n) for c, n in parked}
-        return view, [tuple(row) for row in positions], parked_by, taken
+        return Inspection(view, [tuple(row) for row in positions], parked_by, taken, processes)
 
     def groups(self) -> list[tuple[str, str]]:
         """Every group in the database (name, stream), read only."""

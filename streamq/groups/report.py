@@ -17,6 +17,7 @@ from ..consumer.database import consumer_database
 from ..errors import StreamQError
 from ..filters import share_name, shared_as
 from ..wire.client import Client
+from .membership import Member
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +26,8 @@ class MemberRow:
     alive: bool  # its process holds its liveness lock, and its row has not expired
     expires_in_ms: int  # until its row expires unless renewed (negative: expired)
     shares: list[int]  # the shares it holds
+    host: str | None = None  # where its process runs (None: a member of an older streamq)
+    pid: int | None = None  # its process id there
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +42,11 @@ class ShareRow:
     parked: int  # records of this share in the dead letters
     lag: int | None = None  # its keys' records it owes, as the producer counts them
     exact: bool = False  # ``lag`` is that count, not head - applied (its upper bound)
-    held_ms: int | None = None  # since its holder took its lease (None: free, or not known)
+    held_ms: int | None = None  # since its holder took its lease, while it holds it
+    lease: str = "free"  # "held" (by a live member), "expired" (its holder is not alive:
+    # any member may take it) or "free" (given back, or never taken)
+    expired_ms: int | None = None  # since an expired lease's holder's row expired (None:
+    # not known: its process ended before its row expired, or its row is gone)
 
     @property
     def behind(self) -> int | None:
@@ -70,6 +77,8 @@ class GroupReport:
             "members": [
                 {
                     "member": f"{m.member:016x}",
+                    "host": m.host,
+                    "pid": m.pid,
                     "alive": m.alive,
                     "expires_in_ms": m.expires_in_ms,
                     "shares": m.shares,
@@ -81,7 +90,9 @@ class GroupReport:
                     "share": r.share,
                     "holder": None if r.holder is None else f"{r.holder:016x}",
                     "token": r.token,
+                    "lease": r.lease,
                     "held_ms": r.held_ms,
+                    "expired_ms": r.expired_ms,
                     "producer_id": r.producer_id,
                     "applied": r.applied,
                     "endpoint": r.endpoint,
@@ -110,18 +121,23 @@ def describe_groups(
 
 
 def _report(table: Any) -> GroupReport:
-    view, positions, parked, taken = table.inspect()
+    found = table.inspect()
+    view = found.view
     held: dict[int, list[int]] = {}
     for lease in view.leases:
         if lease.member is not None:
             held.setdefault(lease.member, []).append(lease.share)
     members = [
-        MemberRow(m.id, m.alive(view.now), m.expires_at - view.now, sorted(held.get(m.id, [])))
+        MemberRow(
+            m.id, m.alive(view.now), m.expires_at - view.now, sorted(held.get(m.id, [])),
+            *found.processes.get(m.id, (None, None)),
+        )
         for m in sorted(view.members, key=lambda m: m.id)
-    ]
+    ]  # fmt: skip
+    by_id = {m.id: m for m in view.members}
     leases = {lease.share: lease for lease in view.leases}
     stored: dict[int, list[tuple[Any, ...]]] = {}
-    for consumer, producer_id, seq, endpoint, _ in positions:
+    for consumer, producer_id, seq, endpoint, _ in found.positions:
         # Only this split's shares: an earlier split's stay until every producer passes them.
         split = shared_as(table.name, consumer)
         if split is not None and split[1] == view.shares:
@@ -130,14 +146,30 @@ def _report(table: Any) -> GroupReport:
     for share in range(view.shares):
         lease = leases.get(share)
         holder, token = (None, 0) if lease is None else (lease.member, lease.token)
-        count = parked.get(share_name(table.name, (share, view.shares)), 0)
-        age = view.now - taken[share] if holder is not None and share in taken else None
+        count = found.parked.get(share_name(table.name, (share, view.shares)), 0)
+        holding = None if holder is None else by_id.get(holder)
+        state, held_ms, expired_ms = _lease(holder, holding, found.taken.get(share), view.now)
         for producer_id, seq, endpoint in stored.get(share) or [(None, None, None)]:
             rows.append(
                 ShareRow(share, holder, token, producer_id, seq, endpoint, None, count,
-                         held_ms=age)
+                         held_ms=held_ms, lease=state, expired_ms=expired_ms)
             )  # fmt: skip
     return GroupReport(table.name, table.stream, view.shares, members, rows)
+
+
+def _lease(
+    holder: int | None, member: Member | None, taken: int | None, now: int
+) -> tuple[str, int | None, int | None]:
+    """A share's lease as ``ShareRow`` shows it (lease, held_ms, expired_ms): held, for how
+    long, while its holder is alive; expired once it is not, whoever it names (any member
+    may take it), since its holder's row expired where it did."""
+    if holder is None:
+        return "free", None, None
+    if member is not None and member.alive(now):
+        return "held", None if taken is None else now - taken, None
+    if member is not None and member.expires_at <= now:
+        return "expired", None, now - member.expires_at
+    return "expired", None, None  # its process ended before its row expired, or it is gone
 
 
 def _with_heads(reports: list[GroupReport], timeout: float) -> list[GroupReport]:

@@ -14,7 +14,10 @@ forgotten: removed (``Producer.forget_consumer``), not heard of for
 A share of a split (a position named ``billing[2/6]``) owes only its keys' records: its
 lag counts those, from the records held in memory (``share_lags``), where they are all
 there and at most ``SHARE_LAG_LIMIT``; beyond, it is head - applied, an upper bound, and
-``ConsumerLag.exact`` says so.
+``ConsumerLag.exact`` says so. So it does for a consumer whose filter has a key prefix or
+headers (the producer does not count what they pass), and for one not subscribed now
+(``Connected``): it may have committed more since its last report (a consumer killed
+between its commit and its ACK), so its figures are as of that report.
 """
 
 from __future__ import annotations
@@ -67,14 +70,30 @@ class ConsumerLag(NamedTuple):
     max_idle_ms: int | None  # its registration's limits (None: none)
     max_bytes: int | None
     dropped: str  # why a limit dropped its registration ("": none did)
-    # False: ``lag`` is head - applied, more than a share owes (its keys' records were
-    # not all in memory, or too many to count: ``share_lags``).
+    # False: ``lag`` is an upper bound: head - applied, more than a share or a filtered
+    # consumer owes (``share_lags``), or as of its last report (not ``connected``).
     exact: bool = True
+    # Subscribed now: ``applied`` is current (an ACK follows each commit). False:
+    # ``applied`` and ``lag`` are as of its last report (``updated_at``).
+    connected: bool = False
 
 
 # Records a share's lag is counted over at most, one pass per stream and split each time
 # lags are read: beyond, head - applied stands in (``ConsumerLag.exact`` False).
 SHARE_LAG_LIMIT = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class Connected:
+    """The consumers subscribed now (consumer, stream), as lag reads them: their positions
+    are current. ``narrowed``: those of them whose filter has a key prefix or headers,
+    whose records the producer does not count (their lag is head - applied)."""
+
+    keys: frozenset[Key] = frozenset()
+    narrowed: frozenset[Key] = frozenset()
+
+
+NOBODY = Connected()
 
 
 def split_of(name: str) -> tuple[int, int] | None:
@@ -300,19 +319,21 @@ class Positions:
                 position.stored = True
         self._forgotten.difference_update(deleted)
 
-    def lags(self, streams: Mapping[str, Stream]) -> list[ConsumerLag]:
+    def lags(self, streams: Mapping[str, Stream], now: Connected = NOBODY) -> list[ConsumerLag]:
         """Every position with the lag behind its stream's head (0 for an unknown stream):
-        the records after it, or for a share, those of its keys (``share_lags``)."""
+        the records after it, or for a share, those of its keys (``share_lags``); exact
+        only where it is 0, or counted for a consumer connected ``now``."""
         positions = self.all()
         counted = share_lags(positions, streams)
         result = []
         for p in positions:
+            key = (p.consumer, p.stream)
             stream = streams.get(p.stream)
             head = stream.head if stream is not None else 0
-            lag = max(0, head - p.applied)
-            exact = not lag or split_of(p.consumer) is None
-            if (p.consumer, p.stream) in counted:
-                lag, exact = counted[(p.consumer, p.stream)], True
+            lag = counted.get(key, max(0, head - p.applied))
+            connected = key in now.keys
+            whole = key in counted or split_of(p.consumer) is None
+            exact = not lag or (connected and whole and key not in now.narrowed)
             result.append(
                 ConsumerLag(
                     p.consumer,
@@ -327,6 +348,7 @@ class Positions:
                     p.limits.max_bytes,
                     p.dropped,
                     exact,
+                    connected,
                 )
             )
         return result

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
     from .committed_log import Stream
-    from .consumer_positions import Positions
+    from .consumer_positions import ConsumerLag
     from .server import Server
     from .storage import Capturing, Numbering
 
@@ -29,8 +29,7 @@ class ProducerState(Protocol):
     def producer_id(self) -> str: ...
     @property
     def epoch(self) -> int: ...
-    @property
-    def positions(self) -> Positions: ...
+    def consumer_lags(self) -> list[ConsumerLag]: ...
     @property
     def numberer(self) -> Numbering | None: ...
     @property
@@ -68,7 +67,7 @@ class ProducerCollector(Collector):
         yield head
         yield low
 
-        yield from _positions(producer, streams)
+        yield from _positions(producer)
         yield from _open_transactions(producer)
         yield from _capture(producer)
         yield CounterMetricFamily(
@@ -87,14 +86,31 @@ class ProducerCollector(Collector):
             yield from _traffic(server)
 
 
-def _positions(producer: ProducerState, streams: Mapping[str, Stream]) -> Iterator[Metric]:
-    """Each consumer's position and lag per stream, as the producer knows them."""
+def _positions(producer: ProducerState) -> Iterator[Metric]:
+    """Each consumer's position and lag per stream, as the producer knows them, and
+    whether they are current (``ConsumerLag.connected``, ``exact``)."""
     labels = ["consumer", "stream"]
     applied = GaugeMetricFamily(
-        "streamq_consumer_applied", "Last seq the consumer reported applied", labels=labels
+        "streamq_consumer_applied",
+        "Last seq the consumer reported applied (as of its last report unless connected)",
+        labels=labels,
     )
     lag = GaugeMetricFamily(
-        "streamq_consumer_lag", "Records committed and not yet applied", labels=labels
+        "streamq_consumer_lag",
+        "Records committed and not yet applied (an upper bound where lag_exact is 0)",
+        labels=labels,
+    )
+    exact = GaugeMetricFamily(
+        "streamq_consumer_lag_exact",
+        "1 if streamq_consumer_lag is what the consumer owes now; 0: an upper bound (not "
+        "connected: as of its last report; a filter or share the producer did not count)",
+        labels=labels,
+    )
+    connected = GaugeMetricFamily(
+        "streamq_consumer_connected",
+        "1 if the consumer is subscribed now; 0: its figures are as of its last report "
+        "(streamq_consumer_last_report_seconds), and it may have applied more since",
+        labels=labels,
     )
     registered = GaugeMetricFamily(
         "streamq_consumer_registered", "1 if retention keeps records for it", labels=labels
@@ -109,26 +125,36 @@ def _positions(producer: ProducerState, streams: Mapping[str, Stream]) -> Iterat
         "When the consumer last reported its position (Unix time; 0: never)",
         labels=labels,
     )
-    groups: dict[tuple[str, str], int] = {}
-    for position in producer.positions.lags(streams):
+    groups: dict[tuple[str, str], tuple[int, bool]] = {}
+    for position in producer.consumer_lags():
         key = [position.consumer, position.stream]
         applied.add_metric(key, position.applied)
         lag.add_metric(key, position.lag)
+        exact.add_metric(key, int(position.exact))
+        connected.add_metric(key, int(position.connected))
         registered.add_metric(key, int(position.registered))
         lost.add_metric(key, position.lost)
         reported.add_metric(key, position.updated_at)
         if (shared := split_share_name(position.consumer)) is not None:
             group = (shared[0], position.stream)
-            groups[group] = groups.get(group, 0) + position.lag
+            total, known = groups.get(group, (0, True))
+            groups[group] = (total + position.lag, known and position.exact)
+    labels = ["group", "stream"]
     owed = GaugeMetricFamily(
         "streamq_group_lag",
         "Records a group (or workers split into shares) has not yet applied: the sum of "
         "its shares' lags, as streamq status --group sums them",
-        labels=["group", "stream"],
+        labels=labels,
     )
-    for (group_name, stream), total in sorted(groups.items()):
+    owed_exact = GaugeMetricFamily(
+        "streamq_group_lag_exact",
+        "1 if every share's streamq_consumer_lag is exact; 0: streamq_group_lag is an upper bound",
+        labels=labels,
+    )
+    for (group_name, stream), (total, known) in sorted(groups.items()):
         owed.add_metric([group_name, stream], total)
-    yield from (applied, lag, registered, lost, reported, owed)
+        owed_exact.add_metric([group_name, stream], int(known))
+    yield from (applied, lag, exact, connected, registered, lost, reported, owed, owed_exact)
 
 
 def _open_transactions(producer: ProducerState) -> Iterator[Metric]:

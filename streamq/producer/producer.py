@@ -46,7 +46,7 @@ from ..sql import Durability, to_the_end
 from .commit_watcher import watch_commits
 from .committed_log import Log, Stream
 from .compaction import Compacted, Compactor, OnCompacted
-from .consumer_positions import ConsumerLag, Position, Positions
+from .consumer_positions import NOBODY, Connected, ConsumerLag, Position, Positions
 from .group_commit import GroupCommit
 from .metrics import ProducerCollector
 from .retention import Retention, RetentionPasses, RetentionPolicy, Truncation
@@ -544,8 +544,14 @@ class Producer:
     def consumer_lags(self) -> list[ConsumerLag]:
         """Every consumer that reported a position or is registered, with its lag. Positions
         are stored: one reported before a restart shows after it (``updated_at`` says when),
-        until ``forget_consumer`` or ``ServerSettings.position_expiry``."""
-        return self.positions.lags(self.log.streams)
+        until ``forget_consumer`` or ``ServerSettings.position_expiry``. Only a consumer
+        subscribed now has a current position (``connected``); the others' figures are as of
+        their last report."""
+        return self.positions.lags(self.log.streams, self._connected_now())
+
+    def _connected_now(self) -> Connected:
+        server = self._server
+        return NOBODY if server is None else server.connected()
 
     async def wait_applied(
         self, consumer: str, stream: str, seq: int, *, timeout: float | None = None
@@ -641,10 +647,7 @@ class Producer:
     def _expire_positions(self) -> None:
         """Forget unregistered consumers not heard of for ``position_expiry``: a consumer
         gone for good must not alert for ever. A connected one is not gone."""
-        server = self._server
-        connected = (
-            set() if server is None else {(s.reporter, s.stream) for s in server.subscriptions}
-        )
+        connected = self._connected_now().keys
         before = time.time() - self.settings.position_expiry
         for position in self.positions.expire(
             before, lambda p: (p.consumer, p.stream) in connected
@@ -659,10 +662,7 @@ class Producer:
 
     def _connected(self, consumer: str, stream: str) -> bool:
         """``consumer`` has a subscription to ``stream`` open now."""
-        server = self._server
-        return server is not None and any(
-            sub.reporter == consumer and sub.stream == stream for sub in server.subscriptions
-        )
+        return (consumer, stream) in self._connected_now().keys
 
     async def _resplit(self, consumer: str, stream: str, shares: int) -> None:
         """``consumer`` subscribed to ``stream`` split into ``shares`` (1: unshared). Its

@@ -65,7 +65,7 @@ from ..protocol import (
 from ..wire.security import Principal, ServerTLS, TokenAuth, check_admin, check_stream
 from ..wire.transport import discard_input, read_message
 from .committed_log import NOTHING, Beyond, Log, Packed, Stream
-from .consumer_positions import Positions
+from .consumer_positions import Connected, Positions
 from .storage import OpenTransactions
 
 logger = logging.getLogger("streamq.server")
@@ -206,6 +206,13 @@ class Subscription:
             return reporter, 1
         suffix = f"[{share[0]}/{share[1]}]"
         return (reporter[: -len(suffix)], share[1]) if reporter.endswith(suffix) else None
+
+    @property
+    def narrowed(self) -> bool:
+        """Its filter has a key prefix or headers: the producer does not count what it
+        passes, so its lag is head - applied, an upper bound."""
+        f = self.filter
+        return f is not None and (f.key_prefix is not None or bool(f.headers))
 
     def reports_for(self, consumer: str) -> bool:
         """It reports for ``consumer``, split or not."""
@@ -554,6 +561,14 @@ class Server:
                 {"stream": name},
             )
 
+    def connected(self) -> Connected:
+        """The consumers subscribed now, by the name their ACKs move (``reporter``)."""
+        subs = list(self.subscriptions)
+        return Connected(
+            frozenset((s.reporter, s.stream) for s in subs),
+            frozenset((s.reporter, s.stream) for s in subs if s.narrowed),
+        )
+
     def status(self) -> dict[str, Any]:
         return {
             "producer_id": self.producer_id,
@@ -573,7 +588,7 @@ class Server:
             "consumers": [sub.describe() for sub in self.subscriptions],
             "positions": [
                 {**p._asdict(), "updated_at": int(p.updated_at * 1000)}
-                for p in self.positions.lags(self.log.streams)
+                for p in self.positions.lags(self.log.streams, self.connected())
             ],
             "sent": {
                 name: {"records": t.records, "bytes": t.bytes} for name, t in self.traffic.items()

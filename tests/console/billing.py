@@ -1,18 +1,23 @@
 """The consumer the console's tests watch: it applies ``orders`` into its own SQLite
 database (table ``credits``), and parks a value that is not a number until the file
-FIXED exists (the fix, deployed). ``python -m tests.console.billing ADDRESS DB FIXED``."""
+FIXED exists (the fix, deployed).
+
+    python -m tests.console.billing ADDRESS DB FIXED [--ack-interval S]
+
+``--ack-interval``: at most one ``ACK`` per S seconds (one hour: only the first commit
+is reported, so a kill leaves the producer a position older than the database's)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import sqlite3
-import sys
 
 import streamq
 
 
-async def main(address: str, db: str, fixed: str) -> None:
+async def main(address: str, db: str, fixed: str, ack_interval: float) -> None:
     with sqlite3.connect(db) as conn:
         conn.execute("CREATE TABLE IF NOT EXISTS credits (seq INTEGER PRIMARY KEY, value TEXT)")
 
@@ -23,7 +28,12 @@ async def main(address: str, db: str, fixed: str) -> None:
             tx.execute("INSERT INTO credits VALUES (?, ?)", (rec.seq, rec.value.decode()))
 
     async with streamq.Consumer(
-        address, "orders", db=db, name="billing", on_failure=streamq.DeadLetter()
+        address,
+        "orders",
+        db=db,
+        name="billing",
+        on_failure=streamq.DeadLetter(),
+        ack_interval=ack_interval,
     ) as consumer:
         print("consuming", flush=True)
         async for batch in consumer:
@@ -31,4 +41,12 @@ async def main(address: str, db: str, fixed: str) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(*sys.argv[1:4]))
+    parser = argparse.ArgumentParser()
+    parser.add_argument("address")
+    parser.add_argument("db")
+    parser.add_argument("fixed")
+    parser.add_argument(
+        "--ack-interval", type=float, default=streamq.ConsumerSettings().ack_interval
+    )
+    args = parser.parse_args()
+    asyncio.run(main(args.address, args.db, args.fixed, args.ack_interval))

@@ -100,12 +100,14 @@ def test_the_page_shows_streams_the_tail_a_killed_consumers_lag_and_retries_a_de
     ledger_db = tmp_path / "ledger.db"
     with sqlite3.connect(ledger_db) as conn:
         conn.execute("CREATE TABLE credits (seq INTEGER PRIMARY KEY, key BLOB, pid INTEGER)")
+    members = []
     for i in range(2):  # a group of two members over 4 shares
         member = processes.start(
             f"ledger{i}", sys.executable, "-m", "tests.group_worker", address, str(ledger_db),
-            "--shares", "4", "--name", "ledger",
+            "--shares", "4", "--name", "ledger", "--lease-timeout", "3",
         )  # fmt: skip
         member.wait_for_line("JOINED", 30)
+        members.append(member)
     (tmp_path / "secret").write_bytes(SECRET)
     url = console(processes, address, str(billing_db), str(ledger_db), secret=tmp_path / "secret")
 
@@ -130,6 +132,8 @@ def test_the_page_shows_streams_the_tail_a_killed_consumers_lag_and_retries_a_de
             timeout=30_000,
         )
         assert "2 of 2 member(s) alive" in group.inner_text()
+        pids = group.locator("tr[data-member] td.pid").all_inner_texts()
+        assert sorted(map(int, pids)) == sorted(member.pid for member in members)
 
         # A record published shows up in the tail.
         page.select_option("#tail-stream", label=f"orders at {address}")
@@ -138,7 +142,8 @@ def test_the_page_shows_streams_the_tail_a_killed_consumers_lag_and_retries_a_de
         page.locator('#tail tr[data-seq="3"]').wait_for()
         assert "4242" in page.locator('#tail tr[data-seq="3"]').inner_text()
 
-        # A consumer killed: its lag grows on the page, and it is what its database lacks.
+        # A consumer killed: its lag grows on the page, and it is what its database lacks,
+        # at most: its figures are as of its last report, and the page says so.
         row = page.locator(f'#consumers tr[data-consumer="billing"][data-producer="{address}"]')
         page.wait_for_function(
             """() => document.querySelector('#consumers tr[data-consumer="billing"] td.lag')
@@ -150,11 +155,11 @@ def test_the_page_shows_streams_the_tail_a_killed_consumers_lag_and_retries_a_de
         publish(producer_db, *[str(n) for n in range(1, 21)])
         page.wait_for_function(
             """() => document.querySelector('#consumers tr[data-consumer="billing"] td.lag')
-                 ?.innerText === '20'""",
+                 ?.innerText === '≤ 20'""",
             timeout=30_000,
         )
         assert row.locator("td.applied").inner_text() == str(max(credits(billing_db)))
-        assert "not connected" in row.inner_text()
+        assert re.search(r"not connected: as of last report, \d+ s ago", row.inner_text())
         chart = page.locator('#charts .chart[data-consumer="billing"]')
         assert int(chart.get_attribute("data-points") or 0) >= 2
         shoot(page, "console-lag.png")
@@ -177,6 +182,17 @@ def test_the_page_shows_streams_the_tail_a_killed_consumers_lag_and_retries_a_de
         wait_until(lambda: credits(billing_db).get(24) == "oops", 30, "the retried record applied")
         page.locator('#parked tr[data-seq="24"]').wait_for(state="detached", timeout=30_000)
         assert page.locator("#admin-state").inner_text() == "marked 1 for retry"
+
+        # The group's members killed: their leases expire (since when), no longer held.
+        for member in members:
+            processes.kill(member)
+        page.wait_for_function(
+            """() => [...document.querySelectorAll('#groups tr[data-share] td.held')]
+                 .every((cell) => /^expired [\\d.]+ s ago$/.test(cell.innerText))""",
+            timeout=30_000,
+        )
+        renews = group.locator("tr[data-member]").all_inner_texts()
+        assert len(renews) == 2 and all(re.search(r"expired [\d.]+ s ago", r) for r in renews)
         assert errors == []
 
 

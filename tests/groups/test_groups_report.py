@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -14,9 +16,10 @@ from pathlib import Path
 from urllib.request import urlopen
 
 import streamq
+from streamq.consumer.database import open_position_store
 from streamq.engines.leases import SCHEMA
 from streamq.groups.group_consumer import GroupConsumer
-from streamq.groups.report import describe_groups
+from streamq.groups.report import GroupReport, describe_groups
 from tests.conftest import wait_for
 
 KEYS = [f"account-{n}".encode() for n in range(24)]
@@ -54,8 +57,10 @@ async def apply_until(db: str, head: int, members: list[GroupConsumer]) -> None:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """``streamq ARGS`` piped, its tables as wide as their cells (pytest sets COLUMNS)."""
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
     return subprocess.run(
-        [*STREAMQ, *args], capture_output=True, text=True, timeout=60, check=False
+        [*STREAMQ, *args], capture_output=True, text=True, timeout=60, check=False, env=env
     )
 
 
@@ -133,24 +138,35 @@ def test_no_group_or_the_wrong_database_is_one_line(tmp_path: Path, producer_db:
     assert wrong.stderr.count("\n") == 1
 
 
-async def test_lease_tables_made_before_lease_ages_gain_them(
+async def test_group_tables_made_before_lease_ages_and_hosts_gain_them(
     producer_db: str, either_consumer_db: str
 ) -> None:
-    """A group's tables from before ``taken_at``: the first member to join adds the column
-    (older members go on without it); a share taken then shows its lease's age."""
-    column = re.compile(r"^\s*taken_at .*\n", re.MULTILINE)
+    """A group's tables from before ``taken_at``, ``host`` and ``pid``: read as they are
+    (an older member's row shows no host), then the first member to join adds the columns
+    (older members go on without them); a share taken then shows its lease's age, the
+    member where it runs."""
+    column = re.compile(r"^\s*(taken_at|host|pid) .*\n", re.MULTILINE)
     old = [column.sub("", statement) for statement in SCHEMA]
-    assert all("taken_at" not in statement for statement in old)
+    assert all(not re.search(r"taken_at|host|pid ", statement) for statement in old)
+    older_member = (
+        "INSERT INTO streamq_groups VALUES ('billing', 'orders', 4, 1, 0)",
+        "INSERT INTO streamq_members VALUES ('billing', 'orders', 7, 0)",
+    )
     if either_consumer_db.startswith("postgresql"):
         import psycopg
 
         with psycopg.connect(either_consumer_db, autocommit=True) as conn:
-            for statement in old:
+            for statement in (*old, *older_member):
                 conn.execute(statement)  # type: ignore[arg-type]
     else:
         with sqlite3.connect(either_consumer_db) as conn:
-            for statement in old:
+            for statement in (*old, *older_member):
                 conn.execute(statement)
+    store = open_position_store(either_consumer_db)  # the consumer's tables, as they were
+    await store.open()
+    await store.close()
+    (before,) = await asyncio.to_thread(describe_groups, either_consumer_db, heads=False)
+    assert [(m.member, m.host, m.pid, m.alive) for m in before.members] == [(7, None, None, False)]
     async with streamq.Producer(producer_db, port=0) as producer:
         await producer.publish("orders", b"x", key=KEYS[0])
         options = {"db": either_consumer_db, "name": "billing", "shares": 4}
@@ -158,3 +174,66 @@ async def test_lease_tables_made_before_lease_ages_gain_them(
             await apply_until(either_consumer_db, 1, [member])
             (report,) = await asyncio.to_thread(describe_groups, either_consumer_db)
     assert all(r.held_ms is not None and r.held_ms >= 0 for r in report.rows)
+    found = {m.member: (m.host, m.pid) for m in report.members}
+    assert found == {7: (None, None), member.member: (socket.gethostname(), os.getpid())}
+
+
+async def test_members_show_host_and_pid_and_a_dead_members_leases_expire(
+    producer_db: str, either_consumer_db: str
+) -> None:
+    """Beside its opaque id, a member shows where it runs (host, pid). Killed, its leases
+    show as expired, since its row expired, no longer as held for ever longer."""
+    db = either_consumer_db
+    async with streamq.Producer(producer_db, port=0) as producer:
+        await producer.create_stream("orders")
+        worker = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "tests.group_worker", producer.address, db,
+            "--shares", "2", "--lease-timeout", "1", stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            assert worker.stdout is not None
+            async with asyncio.timeout(30):
+                while not (await worker.stdout.readline()).startswith(b"HELD 0,1"):
+                    pass
+            (running,) = await asyncio.to_thread(describe_groups, db, heads=False)
+        finally:
+            worker.kill()
+            await worker.wait()
+
+        def report() -> GroupReport:
+            (found,) = describe_groups(db, heads=False)
+            return found
+
+        async def expired() -> bool:
+            rows = (await asyncio.to_thread(report)).rows
+            return all(r.expired_ms is not None and r.expired_ms > 100 for r in rows)
+
+        await wait_for(expired, what="the dead member's row to expire")
+        first = await asyncio.to_thread(report)
+        since = first.rows[0].expired_ms
+        await wait_for(
+            lambda: asyncio.to_thread(lambda: report().rows[0].expired_ms > since),
+            what="the expiry to age",
+        )
+    (member,) = running.members
+    assert (member.host, member.pid) == (socket.gethostname(), worker.pid)
+    assert [(r.lease, r.held_ms is not None) for r in running.rows] == [("held", True)] * 2
+    # Killed: expired since its row's expiry (its age grows), whoever the leases still name.
+    (dead,) = first.members
+    assert (dead.alive, dead.pid) == (False, worker.pid)
+    assert all(r.lease == "expired" and r.held_ms is None for r in first.rows)
+    assert all(r.holder == member.member for r in first.rows)
+    table = cli("groups", db, "--no-heads")
+    assert table.returncode == 0, table.stderr
+    assert re.search(
+        rf"│ {member.member:016x} │ \S+ +│ {worker.pid} │ no +│ expired \d+ s ago", table.stdout
+    ), table.stdout
+    assert len(re.findall(r"│ expired \d+ s ago", table.stdout)) == 3  # the member, 2 leases
+    (listed,) = [
+        json.loads(line) for line in cli("groups", db, "--json", "--no-heads").stdout.splitlines()
+    ]
+    assert [(m["host"], m["pid"]) for m in listed["members"]] == [
+        (socket.gethostname(), worker.pid)
+    ]
+    assert [p["lease"] for p in listed["positions"]] == ["expired"] * 2
+    assert all(p["held_ms"] is None and p["expired_ms"] > 0 for p in listed["positions"])

@@ -146,6 +146,37 @@ async def test_without_an_interval_every_batch_is_acknowledged(
                 assert await producer.wait_applied("billing", "orders", seq, timeout=10) == seq
 
 
+async def test_only_a_connected_unfiltered_consumers_lag_is_exact(
+    producer_db: str, consumer_db: str
+) -> None:
+    """The producer knows what a consumer owes now only while it is subscribed (its ACKs
+    follow its commits), and counts it only without a key prefix or headers. Otherwise
+    the lag is head - applied, or as of its last report: an upper bound."""
+    async with Producer(producer_db) as producer:
+        await producer.publish("orders", b"x", key=b"order-1")
+        paid = streamq.Filter(key_prefix=b"order-")
+        consumers = [
+            Consumer(producer.address, "orders", db=consumer_db, name="billing"),
+            Consumer(producer.address, "orders", db=consumer_db, name="paid", filter=paid),
+        ]
+        async with consumers[0], consumers[1]:
+            for consumer in consumers:
+                await apply_until(consumer, 1)
+                await producer.wait_applied(consumer.name, "orders", 1, timeout=10)
+            await producer.publish("orders", b"y", key=b"order-2")
+            lags = {lag.consumer: lag for lag in producer.consumer_lags()}
+            positions = (await asyncio.to_thread(status, producer.address))["positions"]
+            shown = {p["consumer"]: (p["lag"], p["exact"], p["connected"]) for p in positions}
+        assert {n: (lag.lag, lag.exact, lag.connected) for n, lag in lags.items()} == shown
+        assert shown == {"billing": (1, True, True), "paid": (1, False, True)}
+
+        await wait_for(
+            lambda: not any(lag.connected for lag in producer.consumer_lags()), what="closes"
+        )
+        # Gone: as of their last reports, whatever they committed since.
+        assert [(lag.lag, lag.exact) for lag in producer.consumer_lags()] == [(1, False)] * 2
+
+
 def test_a_negative_ack_interval_is_refused() -> None:
     with pytest.raises(ValueError, match="ack_interval"):
         Consumer("127.0.0.1:1", "orders", ack_interval=-1)
@@ -282,7 +313,10 @@ def test_serve_exports_metrics_and_status_shows_lag(tmp_path: Path) -> None:
         )
         assert table.returncode == 0, table.stderr
         (row,) = [line for line in table.stdout.splitlines() if "spark" in line]
-        assert [cell.strip() for cell in row.split("│")[1:5]] == ["spark", "orders", "1", "2"]
+        # A Spark query holds no subscription: its figures are as of its last report.
+        cells = [cell.strip() for cell in row.split("│")[1:-1]]
+        assert cells[:4] == ["spark", "orders", "1", "≤ 2"] and cells[-1] == "no"
+        assert "A consumer not connected is shown as of its last report" in table.stdout
     finally:
         serving.terminate()
         serving.communicate(timeout=30)

@@ -120,7 +120,9 @@ function renderConsumers(producers) {
           cell(lagText(c.lag, c.exact), `num lag ${c.lag > 0 ? "lagging" : ""}`),
           cell(c.registered ? "yes" : c.dropped ? "dropped" : ""),
           cell(ago(c.updated_at)),
-          cell((c.connected || []).join(", ") || "not connected", c.connected?.length ? "" : "muted"),
+          c.connected
+            ? cell((c.peers || []).join(", ") || "yes")
+            : cell(`not connected: as of last report${c.updated_at ? `, ${ago(c.updated_at)}` : ""}`, "muted"),
         ]),
         (i) => `${data("producer", rows[i][0].address)} ${data("consumer", rows[i][1].consumer)} ${data("stream", rows[i][1].stream)}`,
       )
@@ -194,20 +196,23 @@ function renderGroups(groups, databases) {
   const parts = groups.map((g) => {
     const alive = g.members.filter((m) => m.alive).length;
     const members = table(
-      [["member"], ["alive"], ["renews within"], ["shares held"]],
+      [["member"], ["host"], ["pid", "num"], ["alive"], ["renews within"], ["shares held"]],
       g.members.map((m) => [
         cell(m.member),
+        cell(m.host ?? "", "host"),
+        cell(m.pid ?? "", "num pid"),
         cell(m.alive ? "yes" : "no", m.alive ? "ok" : "error"),
-        cell(m.expires_in_ms > 0 ? `${(m.expires_in_ms / 1000).toFixed(1)} s` : "expired"),
+        cell(renews(m)),
         cell(m.shares.join(", ")),
       ]),
+      (i) => data("member", g.members[i].member),
     );
     const shares = table(
       [["share"], ["holder"], ["held for"], ["producer"], ["applied", "num"], ["head", "num"], ["lag", "num"], ["parked", "num"]],
       g.positions.map((r) => [
         cell(r.share),
         cell(r.holder ?? "free", r.holder ? "" : "muted"),
-        cell(r.held_ms === null || r.held_ms === undefined ? "" : duration(r.held_ms), "held"),
+        cell(held(r), r.lease === "expired" ? "held error" : "held"),
         cell(r.endpoint || r.producer_id || ""),
         cell(number(r.applied), "num"),
         cell(number(r.head), "num"),
@@ -224,6 +229,19 @@ function renderGroups(groups, databases) {
   });
   $("#groups .body").innerHTML =
     failed.join("") + (parts.join("") || '<p class="muted">no consumer groups in the databases given</p>');
+}
+
+// When a member must renew its row, or since when it has expired (as streamq groups says).
+function renews(m) {
+  if (m.expires_in_ms <= 0) return `expired ${duration(-m.expires_in_ms)} ago`;
+  if (!m.alive) return "never: its process ended";
+  return `${(m.expires_in_ms / 1000).toFixed(1)} s`;
+}
+
+// How long a share's lease has been held, or since when it has expired.
+function held(r) {
+  if (r.lease === "expired") return r.expired_ms == null ? "expired" : `expired ${duration(r.expired_ms)} ago`;
+  return r.held_ms == null ? "" : duration(r.held_ms);
 }
 
 // --- dead letters ------------------------------------------------------------------

@@ -40,7 +40,7 @@ class PostgresLeases(LeaseTable):
     def _create_tables(self) -> None:
         exists = self._one("SELECT to_regclass('streamq_leases') IS NOT NULL")
         if exists[0]:
-            self._add_taken_at()
+            self._add_columns()
             return
         self._begin()  # two members making the tables at once would race on the catalog
         try:
