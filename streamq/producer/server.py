@@ -1,11 +1,13 @@
 """The server embedded in a producer: asyncio I/O around ``protocol.ServerConnection``.
 
 One TCP connection carries either one subscription, pushed until either side
-closes, or a sequence of requests (head, range, streams, status). Pushing
-awaits the transport's drain after every frame: a consumer that stops reading
-fills its TCP window and the pusher waits, holding at most one frame and the
-transport's buffer. Nothing a peer sends can stop the producer or its other
-connections: every error ends that one connection with an ERROR frame.
+closes, or a sequence of requests (head, range, streams, status). A subscriber
+behind the head is pushed by its own task, which awaits the transport's drain after
+every frame; at the head, the stream's ``fanout.Fanout`` writes each round's frame to
+every subscriber there, and hands back one whose buffer fills: a consumer that stops
+reading fills its TCP window and holds at most one frame and the transport's buffer.
+Nothing a peer sends can stop the producer or its other connections: every error ends
+that one connection with an ERROR frame.
 """
 
 from __future__ import annotations
