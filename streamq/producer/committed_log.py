@@ -216,6 +216,8 @@ class Stream:
     _waiters: dict[asyncio.Future[bool], None] = field(default_factory=dict)
     _loop: asyncio.AbstractEventLoop | None = None  # asked once: each ask is a system call
     waits: Waits | None = None  # its log's count of waits (``Log.add``)
+    # Called after each commit, with the waits woken: its fan-out (``fanout.Fanout``).
+    listeners: list[Callable[[], None]] = field(default_factory=list)
 
     def info(self) -> StreamInfo:
         """Its head and low, as the protocol answers them (STREAM_INFO)."""
@@ -227,6 +229,8 @@ class Stream:
         for waiter in waiters:
             if not waiter.done():
                 waiter.set_result(True)
+        for listener in self.listeners:
+            listener()
 
     async def wait_beyond(self, seq: int, timeout: float) -> bool:
         """Wait until head > ``seq``; False if ``timeout`` passed first.

@@ -1,11 +1,13 @@
 """The server embedded in a producer: asyncio I/O around ``protocol.ServerConnection``.
 
 One TCP connection carries either one subscription, pushed until either side
-closes, or a sequence of requests (head, range, streams, status). Pushing
-awaits the transport's drain after every frame: a consumer that stops reading
-fills its TCP window and the pusher waits, holding at most one frame and the
-transport's buffer. Nothing a peer sends can stop the producer or its other
-connections: every error ends that one connection with an ERROR frame.
+closes, or a sequence of requests (head, range, streams, status). A subscriber
+behind the head is pushed by its own task, which awaits the transport's drain after
+every frame; at the head, the stream's ``fanout.Fanout`` writes each round's frame to
+every subscriber there, and hands back one whose buffer fills: a consumer that stops
+reading fills its TCP window and holds at most one frame and the transport's buffer.
+Nothing a peer sends can stop the producer or its other connections: every error ends
+that one connection with an ERROR frame.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import random
 import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, cast
 
 from ..errors import (
@@ -33,7 +35,6 @@ from ..errors import (
     TooManyConnectionsError,
     UnknownStreamError,
 )
-from ..filters import Filter, share_name
 from ..native import build as native_build
 from ..protocol import (
     DEFAULT_MAX_FRAME_SIZE,
@@ -66,6 +67,7 @@ from ..wire.security import Principal, ServerTLS, TokenAuth, check_admin, check_
 from ..wire.transport import discard_input, read_message
 from .committed_log import NOTHING, Beyond, Log, Packed, Stream
 from .consumer_positions import Connected, Positions
+from .fanout import Fanout, Subscription, Traffic
 from .storage import OpenTransactions
 
 logger = logging.getLogger("streamq.server")
@@ -169,77 +171,6 @@ class _HeadWatch:
             self._beyond = None
 
 
-@dataclass(eq=False)
-class Subscription:
-    """What the status report shows of one connected consumer."""
-
-    consumer: str
-    stream: str
-    peer: str
-    sent: int  # last seq written to the socket
-    acked: int  # last seq the consumer reported as applied and committed
-    transport: asyncio.BaseTransport | None = None
-    since: float = field(default_factory=time.time)
-    principal: str | None = None  # the consumer its token named, when the producer checks tokens
-    filter: Filter | None = None  # "Filters": what it asked for
-
-    @property
-    def reporter(self) -> str:
-        """Whose position its ACKs move: with tokens, the consumer the token proved, never a
-        name the peer chose (it could move a registered consumer's position and retention).
-        Each share of a consumer has a position of its own."""
-        if self.principal is None:
-            return self.consumer
-        share = None if self.filter is None else self.filter.share
-        if share is None or share[1] == 1:  # one share of one: the whole stream, as Consumer
-            return self.principal
-        return share_name(self.principal, share)
-
-    @property
-    def split(self) -> tuple[str, int] | None:
-        """The consumer whose position it reports, and into how many shares it is split
-        (1: unshared): ``billing[1/4]`` is ``("billing", 4)``. None for a share reported
-        under a name not of the form ``name[i/n]`` (a client of its own)."""
-        share = None if self.filter is None else self.filter.share
-        reporter = self.reporter
-        if share is None or share[1] == 1:
-            return reporter, 1
-        suffix = f"[{share[0]}/{share[1]}]"
-        return (reporter[: -len(suffix)], share[1]) if reporter.endswith(suffix) else None
-
-    @property
-    def narrowed(self) -> bool:
-        """Its filter has a key prefix or headers: the producer does not count what it
-        passes, so its lag is head - applied, an upper bound."""
-        f = self.filter
-        return f is not None and (f.key_prefix is not None or bool(f.headers))
-
-    def reports_for(self, consumer: str) -> bool:
-        """It reports for ``consumer``, split or not."""
-        split = self.split
-        return split is not None and split[0] == consumer
-
-    @property
-    def buffered(self) -> int:
-        """Bytes written for this consumer and not yet taken by the kernel."""
-        if isinstance(self.transport, asyncio.WriteTransport):
-            return self.transport.get_write_buffer_size()
-        return 0
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "consumer": self.consumer,
-            "stream": self.stream,
-            "peer": self.peer,
-            "sent": self.sent,
-            "acked": self.acked,
-            "buffered": self.buffered,
-            "connected_at": int(self.since * 1000),
-            "principal": self.principal,
-            "filter": None if self.filter is None else self.filter.describe(),
-        }
-
-
 def _peer_name(writer: asyncio.StreamWriter) -> str:
     peer = writer.get_extra_info("peername")
     if isinstance(peer, tuple) and len(peer) >= 2:
@@ -256,14 +187,6 @@ def _check_consumer_name(name: str) -> None:
             f"consumer name of {len(name)} characters: at most {MAX_CONSUMER_NAME} characters",
             {"length": len(name)},
         )
-
-
-@dataclass
-class Traffic:
-    """Records sent from one stream and the bytes of their RECORDS frames, counted per frame."""
-
-    records: int = 0
-    bytes: int = 0
 
 
 class Server:
@@ -285,6 +208,7 @@ class Server:
         self.positions = positions or Positions()
         self.traffic: dict[str, Traffic] = {}  # stream name -> what was sent from it
         self.subscriptions: set[Subscription] = set()
+        self.fanouts: dict[Stream, Fanout] = {}  # the streams someone subscribed to
         self.connections = 0
         self.errors_sent = 0
         self._server: asyncio.Server | None = None
@@ -345,6 +269,8 @@ class Server:
             self._server.close()
         for task in list(self._handlers):
             task.cancel()
+        for fanout in self.fanouts.values():
+            fanout.close()
         if self._handlers:
             await asyncio.wait(self._handlers, timeout=5)
         if self._server is not None:
@@ -750,10 +676,11 @@ class Server:
             writer.transport,
             principal=None if principal is None else principal.name,
             filter=request.filter,
+            epochs=with_epochs,
         )
         await self._forget_other_splits(sub)
         self.subscriptions.add(sub)
-        push = asyncio.create_task(self._push(conn, stream, sub, writer, with_epochs))
+        push = asyncio.create_task(self._push(conn, stream, sub, writer))
         acks = asyncio.create_task(self._read_acks(conn, reader, sub))
         try:
             done, _ = await asyncio.wait({push, acks}, return_when=asyncio.FIRST_COMPLETED)
@@ -816,15 +743,30 @@ class Server:
                 sub.acked = max(sub.acked, seq)
                 self.positions.report(sub.reporter, sub.stream, seq)
 
+    def _fanout(self, stream: Stream) -> Fanout:
+        fanout = self.fanouts.get(stream)
+        if fanout is None:
+            settings = self.settings
+            fanout = self.fanouts[stream] = Fanout(
+                self.log,
+                stream,
+                self.traffic.setdefault(stream.name, Traffic()),
+                max_records=settings.max_batch_records,
+                max_bytes=settings.max_batch_bytes,
+                high_water=settings.write_buffer_high,
+            )
+        return fanout
+
     async def _push(
         self,
         conn: ServerConnection,
         stream: Stream,
         sub: Subscription,
         writer: asyncio.StreamWriter,
-        with_epochs: bool = False,
     ) -> None:
-        """Catch up from the database or memory, then follow commits as they happen.
+        """Catch up from the database or memory up to the stream's fan-out position, then
+        let the fan-out serve it (``fanout.Fanout``) until its buffer fills; meanwhile,
+        its heartbeats, and with a filter its progress.
 
         With epochs, a frame never spans two epochs' segments: it carries its writer's epoch.
         With a filter ("Filters"), frames carry only the matching records and ``through``,
@@ -833,51 +775,54 @@ class Server:
         """
         settings = self.settings
         traffic = self.traffic.setdefault(stream.name, Traffic())
-        seq = sub.sent + 1
+        fanout = self._fanout(stream)
         epochs = stream.epochs
         wanted = sub.filter
         loop = asyncio.get_running_loop()
-        progress_due = loop.time() + settings.progress_interval
-        examined = sub.sent  # with a filter: the last seq read, matching or not
+        sub.sent_at = loop.time()
 
-        async def send(packed: Packed, through: int) -> None:
-            nonlocal progress_due
+        def frame(packed: Packed, through: int) -> bytes:
             # A read never spans two segments, so ``through``'s epoch is every record's.
-            epoch = epochs.epoch_of(through) if with_epochs else None
+            epoch = epochs.epoch_of(through) if sub.epochs else None
             frame = conn.send_records(
                 packed.parts, epoch, None if wanted is None else through, packed.count
             )
-            writer.write(frame)
             traffic.records += packed.count
             traffic.bytes += len(frame)
-            sub.sent = through
-            progress_due = loop.time() + settings.progress_interval
-            await writer.drain()
+            sub.sent, sub.sent_at = through, loop.time()
+            return frame
 
-        while True:
-            end = seq + settings.max_batch_records
-            if with_epochs:
-                end = min(end, epochs.segment_end(seq))
-            packed, last = await self.log.read(
-                stream, seq, end, settings.max_batch_records, settings.max_batch_bytes
-            )
-            if wanted is not None and last >= seq:
-                selected, examined, seq = Packed.of(wanted.select(packed.records())), last, last + 1
-                if selected.count or loop.time() >= progress_due:
-                    await send(selected, examined)
-            elif packed.count:
-                await send(packed, last)
-                seq = last + 1
-            elif last >= seq:  # a compacted stream's gap: nothing to send, nothing lost
-                seq = last + 1
-            else:
-                timeout = settings.heartbeat_interval
-                progress = examined > sub.sent  # to report once the interval is up
-                if progress:
-                    timeout = max(0.0, min(timeout, progress_due - loop.time()))
-                if not await stream.wait_beyond(seq - 1, timeout):
+        try:
+            while True:
+                seq = sub.examined + 1
+                if seq > fanout.position:  # caught up: served by the fan-out from here
+                    progress = wanted is not None and sub.examined > sub.sent
+                    due = sub.sent_at + settings.heartbeat_interval
                     if progress:
-                        await send(NOTHING, examined)
-                    else:
-                        writer.write(conn.send(Heartbeat(stream.head)))
+                        due = min(due, sub.sent_at + settings.progress_interval)
+                    if await fanout.follow(sub, max(0.0, due - loop.time())):
+                        await writer.drain()  # handed back: a full buffer
+                    elif loop.time() >= due:
+                        if progress:
+                            writer.write(frame(NOTHING, sub.examined))
+                        else:
+                            writer.write(conn.send(Heartbeat(stream.head)))
+                            sub.sent_at = loop.time()
+                    continue
+                end = min(seq + settings.max_batch_records, fanout.position + 1)
+                if sub.epochs:
+                    end = min(end, epochs.segment_end(seq))
+                packed, last = await self.log.read(
+                    stream, seq, end, settings.max_batch_records, settings.max_batch_bytes
+                )
+                sub.examined = last  # past a compacted stream's gap too: nothing lost
+                if wanted is not None:
+                    selected = Packed.of(wanted.select(packed.records()))
+                    if selected.count or loop.time() >= sub.sent_at + settings.progress_interval:
+                        writer.write(frame(selected, last))
                         await writer.drain()
+                elif packed.count:
+                    writer.write(frame(packed, last))
+                    await writer.drain()
+        finally:
+            fanout.leave(sub)
