@@ -20,6 +20,7 @@ from streamq import (
     TokenAuth,
     make_token,
 )
+from streamq.errors import ErrorCode
 from streamq.protocol import (
     PROTOCOL_VERSION,
     Authenticated,
@@ -65,6 +66,20 @@ def test_a_silent_peer_is_probed_and_the_answer_dropped(token: str | None) -> No
     with pytest.raises(StopIteration) as done:
         steps.send(StreamList(()))
     assert done.value.value == (HELLO, None if token is None else "billing")
+
+
+def test_a_hello_of_another_version_is_named_a_producer() -> None:
+    """Not "not a streamq producer": the reason, which the other answers leave out, is the
+    one thing to say."""
+    steps = client_handshake("127.0.0.1:7400", "consumer billing", None, None)
+    next(steps), next(steps)
+    message = "peer speaks protocol version 2, this side speaks 1"
+    other = RemoteProtocolError(message, ErrorCode.VERSION_MISMATCH)
+    with pytest.raises(RemoteProtocolError) as refused:
+        steps.throw(other)
+    assert str(refused.value) == (
+        "producer at 127.0.0.1:7400: peer speaks protocol version 2, this side speaks 1"
+    )
 
 
 def test_a_client_names_a_web_server_without_waiting_for_its_timeout(http_server: str) -> None:
