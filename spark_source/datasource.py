@@ -129,6 +129,7 @@ from streamq.protocol import RecordColumns, RecordRows, collector_paused, first_
 from streamq.wire.client import RangeRead
 
 from . import planning, shipping
+from .first_line import errors_said_first
 from .planning import (
     BatchEpochs,
     Connect,
@@ -173,15 +174,15 @@ _KNOWN = {name.lower(): name for name in OPTIONS}
 
 def check_option_names(options: Mapping[str, str]) -> None:
     """Refuse an option the source does not know, naming the nearest it does: a misspelt
-    option would otherwise be ignored, and the query read something else than asked."""
+    option would otherwise be ignored, and the query read something else than asked.
+    Spark hands the names over in lower case, the user's spelling lost on its side (its
+    ``CaseInsensitiveMap`` iterates over lowered keys), so the hint spells the known one."""
     for given in options:
         if given.lower() in _KNOWN:
             continue
         near = difflib.get_close_matches(given.lower(), list(_KNOWN), n=1, cutoff=0.6)
-        hint = f": did you mean {_KNOWN[near[0]]!r}?" if near else ""
-        raise StreamQSourceError(
-            f"unknown option {given!r}{hint} (the options: docs/guides/spark.md)"
-        )
+        hint = f"did you mean {_KNOWN[near[0]]!r}?" if near else "docs/guides/spark.md"
+        raise StreamQSourceError(f"unknown option {given!r} ({hint})")
 
 
 def _flag(options: Mapping[str, str], name: str, default: bool) -> bool:
@@ -793,6 +794,7 @@ class _Idle:
     endpoints: list[str]
 
 
+@errors_said_first
 class StreamQStreamReader(Shipped, DataSourceStreamReader, SupportsTriggerAvailableNow):
     """Micro-batches of every producer's new records. Offsets ``{producer id: next seq}``,
     with ``"epochs": {producer id: epoch}`` beside them ("Epochs" in docs/protocol.md): the
@@ -1070,6 +1072,7 @@ class StreamQStreamReader(Shipped, DataSourceStreamReader, SupportsTriggerAvaila
                 self._connections.close()
 
 
+@errors_said_first
 class StreamQDriverStreamReader(SimpleDataSourceStreamReader, SupportsTriggerAvailableNow):
     """``readOnDriver=true``: the driver reads each micro-batch itself, as it plans it, on the
     connections it keeps, and hands Spark the Arrow batches: no Python task on the executors
@@ -1111,6 +1114,7 @@ class StreamQDriverStreamReader(SimpleDataSourceStreamReader, SupportsTriggerAva
         self.planner.commit(end)
 
 
+@errors_said_first
 class StreamQBatchReader(Shipped, DataSourceReader):
     """A one-off read of ``[startingOffsets, endingOffsets)`` from every producer."""
 
@@ -1165,6 +1169,7 @@ def _seq_bounds(pushed: Filter) -> tuple[int, int | None] | None:
     return 1, value + 1
 
 
+@errors_said_first
 class StreamQFilteringBatchReader(StreamQBatchReader):
     """A batch read that hands Spark's filters on ``key`` and ``seq`` to the producers:
     a key's records are found by a history request (an index seek with ``key_index``),
@@ -1202,6 +1207,7 @@ class StreamQFilteringBatchReader(StreamQBatchReader):
         return _partitions(self.settings, self._ranges(self.first, self.stop), self.keys)
 
 
+@errors_said_first
 class StreamQDataSource(Shipped, DataSource):
     """Registered as ``streamq``: ``spark.dataSource.register(StreamQDataSource)``."""
 

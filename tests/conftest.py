@@ -7,8 +7,11 @@ Every async test runs twice, on asyncio's default loop and on uvloop.
 from __future__ import annotations
 
 import asyncio
+import functools
+import http.server
 import itertools
 import os
+import threading
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -166,6 +169,27 @@ def either_consumer_db(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 @pytest.fixture
 def consumer_db(tmp_path: Path) -> str:
     return str(tmp_path / "consumer.db")
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def http_server(tmp_path: Path) -> Iterator[str]:
+    """Python's http.server on loopback, serving an empty folder, as ``python -m
+    http.server`` does (in a thread): its address. It reads a request up to a line feed
+    before it answers anything."""
+    handler = functools.partial(_QuietHandler, directory=str(tmp_path))
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler) as server:
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            yield f"127.0.0.1:{server.server_address[1]}"
+        finally:
+            server.shutdown()
+            thread.join(10)
 
 
 async def wait_for(

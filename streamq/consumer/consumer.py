@@ -25,7 +25,7 @@ from types import TracebackType
 from typing import Any, TypeVar, Unpack
 
 from ..errors import NewConsumerNameError, ProducerChangedError, SharesChangedError
-from ..filters import share_name, shared_as
+from ..filters import share_name, shared_as, split_share_name
 from ..metrics import ConsumerCollector, MetricsEndpoint
 from ..wire.client import Client
 from ..wire.transport import parse_address
@@ -411,9 +411,19 @@ class Consumer:
         return name == self.base_name or name.startswith(self.base_name + "[")
 
     def _new_name(self, strangers: dict[str, int]) -> NewConsumerNameError:
-        """The error for a name new to this producer's stream, where others applied it."""
-        found = ", ".join(f"{name!r} (up to seq {seq})" for name, seq in sorted(strangers.items()))
-        name, seq = max(strangers.items(), key=lambda item: item[1])
+        """The error for a name new to this producer's stream, where others applied it,
+        each named as the application gives it: a group's (or a split consumer's) name,
+        not its shares' position names (``workers``, not ``workers[0/4]``)."""
+        given: dict[str, tuple[int, int]] = {}  # each name's split (1: none), highest seq
+        for stored, seq in strangers.items():
+            name, (_, split) = split_share_name(stored) or (stored, (0, 1))
+            was = given.get(name, (1, 0))
+            given[name] = max(was[0], split), max(was[1], seq)
+        found = ", ".join(
+            f"{name!r} ({f'{split} shares, ' if split > 1 else ''}up to seq {seq})"
+            for name, (split, seq) in sorted(given.items())
+        )
+        name, (_, seq) = max(given.items(), key=lambda item: item[1][1])
         return NewConsumerNameError(
             f"consumer {self.base_name!r} has no position for stream {self.stream!r} of the "
             f"producer at {self.address}, and this database holds {found}: a misspelt name "

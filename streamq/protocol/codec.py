@@ -31,6 +31,7 @@ from .events import (
     ClientHello,
     ColumnBuffers,
     GetRange,
+    ListStreams,
     Message,
     MessageType,
     Record,
@@ -211,8 +212,17 @@ def records_frame(
     return FRAME_HEADER.pack(size) + b"".join(body_parts)
 
 
+# LIST_STREAMS in a body of 10 bytes: an array 32 header and the type as a uint 32, formats
+# every decoder accepts ("Framing"). Its length prefix ends in 0x0a, a line feed, which is
+# what a service that reads lines (a web server) waits for before it answers: the probe a
+# client sends a peer still silent after the CLIENT_HELLO ("Handshake").
+_LIST_STREAMS = frame(b"\xdd\x00\x00\x00\x01\xce" + MessageType.LIST_STREAMS.to_bytes(4, "big"))
+
+
 def encode(message: Message) -> bytes:
     """One framed message."""
+    if type(message) is ListStreams:
+        return _LIST_STREAMS
     if isinstance(message, Records):
         return records_frame(
             [encode_record(*r) for r in message.records], message.epoch, message.through

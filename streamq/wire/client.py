@@ -236,7 +236,7 @@ class Client:
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if tls is not None:
                 self._sock = self._wrap(tls, parse_address(address)[0])
-            start_handshake(self._handshake, self._send)
+            self._handshake_step = start_handshake(self._handshake, self._send)
         except BaseException:
             self._sock.close()
             raise
@@ -245,8 +245,9 @@ class Client:
         """Read the producer's answer to the handshake; ``timeout``: what it was given,
         said if it gives none."""
         try:
-            steps, send, receive = self._handshake, self._send, self._receive
-            server_hello, self.consumer = handshake_blocking(steps, send, receive, started=True)
+            server_hello, self.consumer = handshake_blocking(
+                self._handshake, self._send, self._receive, self._readable, self._handshake_step
+            )
         except ConnectionLostError as exc:
             self._sock.close()
             if isinstance(exc.__cause__, TimeoutError):
@@ -370,6 +371,14 @@ class Client:
         except StreamQError:
             self.close()  # an ERROR ends the connection; so does a peer out of step
             raise
+
+    def _readable(self, seconds: float) -> bool:
+        """Whether the next answer (or the connection's end) came within ``seconds``, or
+        the read timeout if shorter (``connect_all``'s last handshakes have little left)."""
+        timeout = self.timeout
+        if timeout is not None:
+            seconds = min(seconds, timeout)
+        return bool(answers_ready([self], time.monotonic() + seconds))
 
     def _drop_answers(self, waiting: bool = True) -> None:
         """Read the answers nobody reads (``watch_head``), or without ``waiting`` those that

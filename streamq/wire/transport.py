@@ -7,7 +7,8 @@ after an ERROR, all in reads of one size, and one place where the socket layer's
 become streamq's (as httpcore's ``map_exceptions`` does), so callers never see
 ``ssl.SSLError`` or ``OSError``. The client's side of the handshake is written once, as
 steps (``client_handshake``) that the consumer drives over asyncio (``handshake``) and
-the blocking client over its socket (``handshake_blocking``).
+the blocking client over its socket (``handshake_blocking``), and so is what tells a
+producer from another service's port (``not_a_producer``, ``silent_peer``).
 """
 
 from __future__ import annotations
@@ -18,17 +19,20 @@ import socket
 import ssl
 import threading
 from collections.abc import Awaitable, Callable, Generator, Iterator
+from dataclasses import dataclass
 
-from ..errors import ConnectionLostError, RemoteProtocolError
+from ..errors import ConnectionLostError, ErrorCode, RemoteProtocolError
 from ..protocol import (
     PROTOCOL_VERSION,
     Authenticated,
     ClientConnection,
     ClientHello,
     Connection,
+    ListStreams,
     Message,
     ServerHello,
     State,
+    StreamList,
 )
 from .security import ClientTLS, tls_error, tls_refused
 
@@ -160,8 +164,26 @@ def _receive_buffer() -> bytearray:
 # What a handshake ends with: the producer's SERVER_HELLO, and the consumer its token
 # named (AUTHENTICATED), None without a token.
 Hello = tuple[ServerHello, str | None]
-# Its steps: each yields a message to send, or None to be sent the producer's next one.
-Handshake = Generator[Message | None, Message | None, Hello]
+
+# A producer sends SERVER_HELLO as it accepts ("Handshake"); a peer still silent this long
+# after the CLIENT_HELLO is sent a LIST_STREAMS, whose frame holds a line feed: a service
+# that waits for a line (Python's http.server, Go's net/http) answers it at once,
+# with bytes no producer sends. A producer merely slow answers it, and the answer is dropped.
+PROBE_AFTER = 0.25
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """A handshake step: read the producer's next message. ``within``: nothing read that
+    long throws ``TimeoutError`` into the steps (None: only the driver's own timeouts)."""
+
+    within: float | None = None
+
+
+_WAIT = Wait()
+# A handshake's steps: each yields a message to send, or a ``Wait`` for the producer's next
+# one (sent in), or the failure to read it (thrown in).
+Handshake = Generator[Message | Wait, Message | None, Hello]
 
 
 def client_handshake(
@@ -169,36 +191,49 @@ def client_handshake(
 ) -> Handshake:
     """The client's side of the handshake, without I/O: CLIENT_HELLO and SERVER_HELLO (over
     TLS the producer's first: one refusing this client's certificate closes at once, which
-    ``tls_refused`` says), then AUTHENTICATED if a token was sent. A driver sends what it
-    yields, and sends in the producer's next message when it yields None, or throws in
-    the failure to read it."""
+    ``tls_refused`` says), then AUTHENTICATED if a token was sent. A peer that answers
+    with anything but a streamq frame is another service (``not_a_producer``); one silent
+    after the CLIENT_HELLO is probed (``PROBE_AFTER``)."""
     hello = ClientHello(PROTOCOL_VERSION, name, token)
+    probed = False
     try:
         if tls is None:
             yield hello
-            server_hello = yield None
-        else:
             try:
-                server_hello = yield None
+                server_hello = yield Wait(PROBE_AFTER)
+            except TimeoutError:
+                yield ListStreams()
+                probed = True
+                server_hello = yield _WAIT
+        else:  # no probe: closing after a CLIENT_HELLO could hide a refused certificate
+            try:
+                server_hello = yield _WAIT
             except (ConnectionLostError, ConnectionError) as exc:
                 raise tls_refused(address, tls) from exc
             yield hello
     except RemoteProtocolError as exc:  # no producer answers so: another service's port
         raise not_a_producer(address, exc) from exc
     assert isinstance(server_hello, ServerHello)
-    if token is None:
-        return server_hello, None
-    authenticated = yield None
-    assert isinstance(authenticated, Authenticated)
-    return server_hello, authenticated.consumer
+    consumer = None
+    if token is not None:
+        authenticated = yield _WAIT
+        assert isinstance(authenticated, Authenticated)
+        consumer = authenticated.consumer
+    if probed:  # the probe's answer: nobody asked for it
+        listed = yield _WAIT
+        assert isinstance(listed, StreamList)
+    return server_hello, consumer
 
 
 def not_a_producer(address: str, exc: RemoteProtocolError) -> RemoteProtocolError:
-    """The error for a peer whose first answer is no streamq frame: a database's port, a
-    web server's (one that answers bytes it cannot parse at once)."""
+    """The error for a peer whose first answer is no streamq SERVER_HELLO: a database's
+    port, a web server's. The decoder's reason (a frame of a billion bytes, say) is only
+    noise here, left in the chained cause; a producer of another protocol version is
+    said to be one."""
+    if exc.code is ErrorCode.VERSION_MISMATCH:
+        return RemoteProtocolError(f"producer at {address}: {exc}", exc.code)
     return RemoteProtocolError(
-        f"the peer at {address} is not a streamq producer: it answered with no "
-        f"SERVER_HELLO ({exc})",
+        f"the peer at {address} is not a streamq producer: it answered with no SERVER_HELLO",
         exc.code,
     )
 
@@ -217,56 +252,64 @@ def _resume(
     send: Callable[[Message], None],
     reply: Message | None,
     failed: Exception | None = None,
-) -> Hello | None:
+) -> Hello | Wait:
     """Go on with the handshake given the producer's message (or the failure to read it),
-    sending what it yields until it waits for the next one (None), or its end."""
+    sending what it yields until it waits for the next one (the ``Wait``), or its end."""
     try:
         step = steps.send(reply) if failed is None else steps.throw(failed)
-        while step is not None:
+        while not isinstance(step, Wait):
             send(step)
             step = steps.send(None)
     except StopIteration as done:
         hello: Hello = done.value
         return hello
-    return None
+    return step
 
 
 async def handshake(
     steps: Handshake, send: Callable[[Message], None], receive: Callable[[], Awaitable[Message]]
 ) -> Hello:
     """Drive ``client_handshake``'s steps over an asyncio connection."""
-    hello = _resume(steps, send, None)
-    while hello is None:
+    step = _resume(steps, send, None)
+    while isinstance(step, Wait):
         try:
-            reply = await receive()
+            async with asyncio.timeout(step.within):
+                reply = await receive()
         except Exception as exc:
-            hello = _resume(steps, send, None, exc)
+            step = _resume(steps, send, None, exc)
         else:
-            hello = _resume(steps, send, reply)
-    return hello
+            step = _resume(steps, send, reply)
+    return step
 
 
-def start_handshake(steps: Handshake, send: Callable[[Message], None]) -> None:
+def start_handshake(steps: Handshake, send: Callable[[Message], None]) -> Wait:
     """Send the handshake's first messages, up to the producer's first answer: what
-    ``handshake_blocking(started=True)`` then goes on from. Started on many connections
-    before any is finished, n handshakes cost about one round trip, not n."""
-    hello = _resume(steps, send, None)
-    assert hello is None  # every handshake waits for the producer
+    ``handshake_blocking(waiting=)`` then goes on from, given the ``Wait`` returned.
+    Started on many connections before any is finished, n handshakes cost about one
+    round trip, not n."""
+    step = _resume(steps, send, None)
+    assert isinstance(step, Wait)  # every handshake waits for the producer
+    return step
 
 
 def handshake_blocking(
     steps: Handshake,
     send: Callable[[Message], None],
     receive: Callable[[], Message],
-    started: bool = False,
+    readable: Callable[[float], bool],
+    waiting: Wait | None = None,
 ) -> Hello:
-    """``handshake`` over a blocking socket; ``started``: by ``start_handshake``."""
-    hello = None if started else _resume(steps, send, None)
-    while hello is None:
+    """``handshake`` over a blocking socket: ``readable(seconds)`` says whether the
+    producer's next message (or its close) came within that long; ``waiting``: the step
+    ``start_handshake`` returned."""
+    step = _resume(steps, send, None) if waiting is None else waiting
+    while isinstance(step, Wait):
         try:
+            if step.within is not None and not readable(step.within):
+                raise TimeoutError(f"nothing read within {step.within:g} s")
             reply = receive()
         except Exception as exc:
-            hello = _resume(steps, send, None, exc)
+            step = _resume(steps, send, None, exc)
         else:
-            hello = _resume(steps, send, reply)
-    return hello
+            step = _resume(steps, send, reply)
+    return step

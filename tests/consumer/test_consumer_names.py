@@ -71,7 +71,8 @@ async def test_a_groups_own_shares_are_not_another_name(
     producer_db: str, either_consumer_db: str
 ) -> None:
     """A group's members store positions as name[i/n]: the group started again is not a
-    new name. Another group on the same database's stream is, until told where to start."""
+    new name. Another group on the same database's stream (or the group's name misspelt)
+    is, until told where to start, and the error names the group that applied it."""
     async with Producer(producer_db) as producer:
         await publish(producer, b"a", b"b")  # keyless: share 0
         options = {"db": either_consumer_db, "name": "billing", "shares": 2}
@@ -84,11 +85,16 @@ async def test_a_groups_own_shares_are_not_another_name(
             producer.address, "orders", db=either_consumer_db, name="audit", shares=2
         )
         try:
-            with pytest.raises(streamq.NewConsumerNameError, match=r"'billing\[0/2\]'"):
+            with pytest.raises(streamq.NewConsumerNameError) as refused:
                 await other.start()
                 await anext(other)
         finally:
             await other.close()
+        # Named as the application gives it, not by its shares' positions (billing[0/2]).
+        message = str(refused.value)
+        assert "this database holds 'billing' (2 shares, up to seq 3)" in message
+        assert "Give the name it applied under ('billing')" in message
+        assert "[" not in message
         told = GroupConsumer(
             producer.address, "orders", db=either_consumer_db, name="audit", shares=2, start_seq=3
         )

@@ -258,13 +258,45 @@ def test_wrong_endpoints_fail_the_first_plan_naming_the_address(
         with pytest.raises(PySparkException, match="endpoints: address must be HOST:PORT, not"):
             read(spark, f"{a.address},localhost").count()
 
-        # A misspelt option is refused, naming the option it resembles (any case).
-        misspelt = "unknown option 'changecolumn': did you mean 'changeColumns'?"
-        with pytest.raises(PySparkException, match=misspelt):
+
+def first_line(error: PySparkException) -> str:
+    return str(error).splitlines()[0]
+
+
+def test_an_option_error_comes_before_sparks_traceback_not_under_it(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """Spark puts a source's error under the traceback its Python worker formats (7 to 22
+    lines): the line opens the message instead, when Spark plans a batch read, creates a
+    streaming query's source, and asks that source for offsets."""
+    with streamq.SyncProducer(str(tmp_path / "a.db")) as a:
+        a.publish("orders", b"1")
+        # A misspelt option is refused, naming the option it resembles as it is spelt:
+        # Spark hands a source the names in lower case.
+        with pytest.raises(PySparkException) as misspelt:
             read(spark, a.address, changeColumn="true").count()
-        with pytest.raises(PySparkException, match="unknown option 'startingoffset': did you"):
-            stream_query(spark, a.address, "orders", tmp_path / "ck2", seen, startingOffset="x")
+        line = "unknown option 'changecolumn' (did you mean 'changeColumns'?)"
+        assert line in first_line(misspelt.value)
+        seen: list[int] = []
+        with pytest.raises(PySparkException) as misspelt:
+            stream_query(spark, a.address, "orders", tmp_path / "ck", seen, startingOffset="x")
+        line = "unknown option 'startingoffset' (did you mean 'startingOffsets'?)"
+        assert line in first_line(misspelt.value)
         assert read(spark, a.address, CHANGECOLUMNS="false").count() == 1  # names: any case
+        with pytest.raises(PySparkException) as invalid:
+            read(spark, a.address, startingOffsets="first").count()  # planning the read
+        assert "startingOffsets must be 'earliest', 'latest' or" in first_line(invalid.value)
+
+        query = stream_query(
+            spark, a.address, "orders", tmp_path / "ck2", seen, maxRecordsPerTrigger="x"
+        )
+        try:
+            with pytest.raises(PySparkException) as invalid:
+                query.awaitTermination(120)
+        finally:
+            query.stop()
+        assert "option maxRecordsPerTrigger must be an integer" in first_line(invalid.value)
+        assert seen == []
 
 
 def test_replaced_producer_fails_a_running_query(spark: SparkSession, tmp_path: Path) -> None:
