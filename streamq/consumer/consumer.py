@@ -67,6 +67,10 @@ class Consumer:
     every applied batch survive power loss as soon as it commits. On PostgreSQL,
     ``"normal"`` keeps the server's ``synchronous_commit`` and ``"full"`` sets it on.
 
+    ``max_batch_records``: a consumer that is behind merges the frames queued
+    (``queue_batches``) into one batch of up to this many records (65536): fewer commits,
+    but its position moves only as each commits (with a statement per record, seconds).
+
     ``ack_interval``: the consumer tells the producer its durable position (an ``ACK``:
     lag, ``Producer.wait_applied``, retention) after each batch it applies, but at most
     once per this many seconds: a batch applied sooner after the last ``ACK`` is
