@@ -29,6 +29,7 @@ which answered with an error frame (``ServerError`` and its subclasses)::
     ├── UnsupportedConnectionError    publish through an object it cannot write through
     ├── SchemaMissingError            a database without the log tables
     ├── DatabaseOpenError             a file that cannot be opened or is no database
+    ├── DatabaseUnavailableError      a consumer's database unusable past db_reconnect_timeout
     ├── AlreadyServedError            a second process serving one producer database
     ├── ConcurrentWriterError         the log written by something outside streamq
     └── RecordTooLargeError           a record that cannot fit in one frame
@@ -308,6 +309,13 @@ class ConcurrentWriterError(StreamQError):
 
 class DatabaseOpenError(StreamQError, OSError):
     """A database that cannot be opened, or is not a database: the message names the file."""
+
+
+class DatabaseUnavailableError(StreamQError):
+    """A consumer's own database could not be used for ``db_reconnect_timeout`` seconds:
+    its server stayed down (connections lost or refused), or another connection held its
+    write lock past the busy timeout. The message names the database; the last driver
+    error is chained."""
 
 
 class AlreadyServedError(StreamQError):

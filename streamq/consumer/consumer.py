@@ -8,6 +8,7 @@ The consumer is a facade over parts of one job each: ``subscription.Subscription
 connection: handshake, subscription, the bounded queue of pushed batches, reconnects,
 acknowledgements), ``turn.Turn`` (whose turn it is to apply, one transaction at a time),
 ``position_store.PositionStore`` (its database, one class per engine: SQLite or PostgreSQL),
+``kept_store.KeptStore`` (that database waited for while it cannot be used),
 ``failures.Policies`` (``on_failure``: what ``apply`` does when the application's
 function raises), ``settings.ConsumerSettings`` (its options) and ``batch.Batch`` (what
 it yields). What is its own: where it starts with a producer it has not read yet (its
@@ -32,6 +33,7 @@ from ..wire.transport import parse_address
 from .batch import Batch
 from .database import ConsumerTransaction, PositionStore, open_position_store
 from .failures import FailurePolicy, Policies
+from .kept_store import KeptStore
 from .settings import ConsumerOptions, ConsumerSettings
 from .subscription import Resume, Subscription, heartbeat_timeout
 from .turn import Turn
@@ -65,6 +67,10 @@ class Consumer:
     every applied batch survive power loss as soon as it commits. On PostgreSQL,
     ``"normal"`` keeps the server's ``synchronous_commit`` and ``"full"`` sets it on.
 
+    ``max_batch_records``: a consumer that is behind merges the frames queued
+    (``queue_batches``) into one batch of up to this many records (65536): fewer commits,
+    but its position moves only as each commits (with a statement per record, seconds).
+
     ``ack_interval``: the consumer tells the producer its durable position (an ``ACK``:
     lag, ``Producer.wait_applied``, retention) after each batch it applies, but at most
     once per this many seconds: a batch applied sooner after the last ``ACK`` is
@@ -75,6 +81,17 @@ class Consumer:
     ``heartbeat_timeout``: reconnect after this many seconds without a byte from the
     producer. Left out, it is six of the heartbeat intervals the producer announces
     (at least 2 s), or 30 s with a producer that announces none.
+
+    ``db_reconnect_timeout``: while its own database cannot be used (a PostgreSQL server
+    restarting, a connection lost; on SQLite, another connection holding the write lock
+    past the busy timeout), the consumer waits for it with backoff, connecting again,
+    for at most this many seconds (60 by default; None: for ever), and goes on from the
+    position stored there; past it, ``DatabaseUnavailableError``, one line naming the
+    database. ``apply`` runs its function again; a COMMIT the lost connection left in
+    doubt is resolved by reading the stored position again, never by applying twice.
+    ``transaction``'s block cannot be run again: a connection lost in it is raised, noted
+    (nothing committed; apply the batch again). ``start`` does not wait: a database it
+    cannot open fails at once.
 
     ``tls`` connects over TLS 1.3 (``ClientTLS``); ``token`` authenticates to a producer
     that requires tokens. A failed TLS handshake raises ``TLSError``, a refused token
@@ -142,7 +159,7 @@ class Consumer:
         # Where positions are stored and reported: each share is a consumer of its own.
         self.name = self.base_name if self.share is None else share_name(name or "", self.share)
         # The database it opened itself (``db``), and closes; a fan-in's or a group's
-        # consumers apply into their owner's instead (``turn.share``).
+        # consumers apply into their owner's instead (``apply_into``).
         self._store: PositionStore | None = None
         if db is not None:
             self._store = open_position_store(
@@ -151,7 +168,11 @@ class Consumer:
         self.subscription = Subscription(
             address, stream, self.name, settings, self._resume, self._durable
         )
-        self.turn = Turn(self.name, stream, address, self._store, self.subscription.acknowledge)
+        # Kept up: its calls made again while the database cannot be used (``kept_store``).
+        kept = None
+        if self._store is not None:
+            kept = KeptStore(self._store, settings.db_reconnect_timeout)
+        self.turn = Turn(self.name, stream, address, kept, self.subscription.acknowledge)
         self._policies = Policies(self.turn, settings.policy, self.subscription.fail)
         # Addresses of the other producers a ``FanInConsumer`` reads under the same name:
         # positions from the producers found there are expected, not another producer's.
@@ -159,6 +180,12 @@ class Consumer:
         self._collector: ConsumerCollector | None = None  # the collector it reports to
         self._handed = 0  # last seq of the last batch handed to the application
         self._closed = False
+
+    def apply_into(self, store: PositionStore, lock: asyncio.Lock) -> None:
+        """Apply into ``store``, opened by someone else (a ``FanInConsumer``, a
+        ``GroupConsumer``), one transaction at a time with the others by ``lock``; kept up
+        as a store of its own (``db_reconnect_timeout``)."""
+        self.turn.share(KeptStore(store, self.settings.db_reconnect_timeout), lock)
 
     # --- what it has done, as metrics and the application read it ------------
 

@@ -82,7 +82,7 @@ class FanInConsumer:
                 await self._store.open()
                 lock = asyncio.Lock()  # one transaction at a time on the shared connection
                 for consumer in self.consumers:
-                    consumer.turn.share(self._store, lock)
+                    consumer.apply_into(self._store, lock)
             await asyncio.gather(*(consumer.start() for consumer in self.consumers))
             for consumer in self.consumers:
                 assert consumer.producer_id is not None

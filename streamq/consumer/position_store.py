@@ -117,6 +117,12 @@ class PositionStore(Protocol):
     async def open(self) -> None:
         """Connect, and create the positions table if missing (``DatabaseOpenError``)."""
 
+    def unavailable(self, error: BaseException) -> bool:
+        """``error`` says the database could not be used for now, and trying again later
+        may succeed: the connection lost or refused (the server restarting), the write
+        lock held by another connection past the busy timeout. The next call connects
+        again where it must."""
+
     async def close(self) -> None: ...
 
     async def load(self, consumer: str, stream: str) -> list[tuple[str, int, int, str]]:

@@ -20,6 +20,10 @@ from .failures import DeadLetter, FailurePolicy, Retry, Stop
 if TYPE_CHECKING:
     from ..metrics import ConsumerCollector, ServesMetrics
 
+# Seconds a consumer waits for its own database to be usable again (a restart, a write
+# lock held past the busy timeout) before it stops with ``DatabaseUnavailableError``.
+DB_RECONNECT_TIMEOUT = 60.0
+
 
 @dataclass(frozen=True, slots=True)
 class ConsumerSettings:
@@ -32,6 +36,7 @@ class ConsumerSettings:
     max_batch_records: int = 65536
     reconnect: bool = True
     reconnect_timeout: float | None = None
+    db_reconnect_timeout: float | None = DB_RECONNECT_TIMEOUT
     connect_timeout: float = 10.0
     heartbeat_timeout: float | None = None
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
@@ -48,6 +53,11 @@ class ConsumerSettings:
     metrics: ServesMetrics | ConsumerCollector | None = None
 
     def __post_init__(self) -> None:
+        if self.db_reconnect_timeout is not None and not self.db_reconnect_timeout >= 0:
+            raise ValueError(
+                "db_reconnect_timeout must be 0 or more seconds (None: no bound), "
+                f"not {self.db_reconnect_timeout!r}"
+            )
         if self.ack_interval < 0:
             raise ValueError(f"ack_interval must be 0 or more seconds, not {self.ack_interval!r}")
         if self.share is not None:
@@ -95,6 +105,7 @@ class ConsumerOptions(TypedDict, total=False):
     max_batch_records: int
     reconnect: bool
     reconnect_timeout: float | None
+    db_reconnect_timeout: float | None
     connect_timeout: float
     heartbeat_timeout: float | None
     max_frame_size: int

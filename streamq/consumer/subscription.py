@@ -331,7 +331,7 @@ class Subscription:
         try:
             with producer_errors(self.address, "handshake with"):
                 try:
-                    async with asyncio.timeout(settings.connect_timeout):
+                    async with asyncio.timeout(settings.connect_timeout) as limit:
                         steps = client_handshake(
                             self.address, f"consumer {self.name}", settings.token, settings.tls
                         )
@@ -339,7 +339,7 @@ class Subscription:
                         self.heartbeat_timeout = heartbeat_timeout(
                             settings.heartbeat_timeout, hello.heartbeat_interval_ms
                         )
-                        start, subscribed = await self._subscribe(send, receive, hello)
+                        start, subscribed = await self._subscribe(send, receive, hello, limit)
                 except TimeoutError:
                     if hello is None:
                         raise silent_peer(self.address, settings.connect_timeout) from None
@@ -372,13 +372,18 @@ class Subscription:
         send: Callable[[Message], None],
         receive: Callable[[], Awaitable[Message]],
         hello: ServerHello,
+        limit: asyncio.Timeout,
     ) -> tuple[int, Subscribed]:
         """SUBSCRIBE from this consumer's position, and check that the producer still
-        holds what it applied ("Epochs"); the first seq asked for, and SUBSCRIBED."""
+        holds what it applied ("Epochs"); the first seq asked for, and SUBSCRIBED.
+        ``limit``, the connect timeout, does not run while the consumer reads its
+        database: that waits by its own bound (``db_reconnect_timeout``)."""
+        connect_timeout = self._settings.connect_timeout
 
         async def seek(timestamp: int) -> int:
-            send(SeekTime(self.stream, timestamp))
-            position = await receive()
+            async with asyncio.timeout(connect_timeout):
+                send(SeekTime(self.stream, timestamp))
+                position = await receive()
             assert isinstance(position, TimePosition)
             return position.seq
 
@@ -390,7 +395,9 @@ class Subscription:
                 )
             start = self.received + 1
         else:
+            limit.reschedule(None)
             resume = await self._resume(hello.producer_id, seek)
+            limit.reschedule(asyncio.get_running_loop().time() + connect_timeout)
             if resume.stored:
                 self.received, self.seen_epoch = resume.after, resume.epoch
             start = resume.after + 1

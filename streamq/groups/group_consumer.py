@@ -29,10 +29,12 @@ from typing import Any, TypeVar
 from ..consumer.batch import Batch, Fence
 from ..consumer.consumer import Consumer
 from ..consumer.database import ConsumerTransaction, open_position_store
+from ..consumer.kept_store import Outage
 from ..consumer.resharing import Floors
+from ..consumer.settings import DB_RECONNECT_TIMEOUT
 from ..consumer.subscription import FIRST_DELAY, MAX_DELAY, TRANSIENT
 from ..engines import for_target
-from ..errors import GroupSpecError, LeaseLostError, SharesChangedError
+from ..errors import DatabaseUnavailableError, GroupSpecError, LeaseLostError, SharesChangedError
 from ..metrics import ConsumerCollector, MetricsEndpoint
 from ..sql import Durability
 from .membership import Lease, plan, taken_from
@@ -76,10 +78,13 @@ class GroupConsumer:
     ``transaction``, as with a ``Consumer``. Applying a batch of a share this member no
     longer holds raises ``LeaseLostError`` (nothing commits; the new holder applies it):
     catch it and go on. Other keyword arguments (``on_failure``, ``reconnect_timeout``,
-    ``filter``, ``metrics``, ...) go to each share's ``Consumer``. ``metrics_port`` serves,
-    on one endpoint (``metrics_address``), every share's consumer metrics and the member's
-    own: ``streamq_group_shares``, ``streamq_group_shares_held``, ``streamq_group_takes_total``
-    and ``streamq_group_losses_total``, labelled by group, stream and member id.
+    ``db_reconnect_timeout``, ``filter``, ``metrics``, ...) go to each share's ``Consumer``;
+    ``db_reconnect_timeout`` also bounds how long the member goes on without reaching the
+    group's rows (the database restarting): past it, ``DatabaseUnavailableError``.
+    ``metrics_port`` serves, on one endpoint (``metrics_address``), every share's
+    consumer metrics and the member's own: ``streamq_group_shares``,
+    ``streamq_group_shares_held``, ``streamq_group_takes_total`` and
+    ``streamq_group_losses_total``, labelled by group, stream and member id.
     """
 
     def __init__(
@@ -120,6 +125,10 @@ class GroupConsumer:
         self.poll_interval = poll_interval
         self._durability = durability
         self._options = options
+        given = options.get("settings")
+        default = DB_RECONNECT_TIMEOUT if given is None else given.db_reconnect_timeout
+        self._db_reconnect_timeout: float | None = options.get("db_reconnect_timeout", default)
+        self._outage: Outage | None = None  # the database unusable since, for the group's rows
         self._store = open_position_store(db, durability)
         self._leases = for_target(db).open_leases(db, name, stream)
         self._tx_lock = asyncio.Lock()  # one transaction at a time on the shared connection
@@ -276,11 +285,20 @@ class GroupConsumer:
                 if self._stalled:
                     await self._rejoin()
                 await self._step(loop)
+                if self._outage is not None:
+                    self._outage.ended()
+                    self._outage = None
             except GroupSpecError as exc:
                 await self._stop_all(lost=True)
                 self._fail(exc)
                 return
             except Exception as exc:
+                try:
+                    self._unusable(exc)
+                except DatabaseUnavailableError as error:
+                    await self._stop_all(lost=True)
+                    self._fail(error)
+                    return
                 silent = loop.time() - self._renewed_at
                 if silent >= self.lease_timeout and self._held:
                     logger.error(
@@ -293,6 +311,16 @@ class GroupConsumer:
                 else:
                     logger.warning("group %r: membership step failed (%r)", self.name, exc)
             await asyncio.sleep(self.poll_interval)
+
+    def _unusable(self, error: Exception) -> None:
+        """Count a failed step against ``db_reconnect_timeout`` if the database could not
+        be used (a lost connection, a lock, a call that did not answer): past it,
+        ``DatabaseUnavailableError``, as a share's consumer ends."""
+        if not (isinstance(error, TimeoutError) or self._store.unavailable(error)):
+            return
+        if self._outage is None:
+            self._outage = Outage(self._store.where, self._db_reconnect_timeout, error)
+        self._outage.check(error)
 
     async def _step(self, loop: asyncio.AbstractEventLoop) -> None:
         started = loop.time()
@@ -360,7 +388,7 @@ class GroupConsumer:
             durability=self._durability,
             **self._options,
         )
-        consumer.turn.share(self._store, self._tx_lock)
+        consumer.apply_into(self._store, self._tx_lock)
         consumer.subscription.floors = self._floors
         return consumer
 

@@ -93,6 +93,25 @@ def connect(
         raise cannot_open(what, url, exc) from exc
 
 
+# SQLSTATEs of a session the server ended or would not start, where waiting may cure it:
+# connection exceptions (class 08), the server shutting down (administrator's or crash)
+# or starting up, and no connection slot free.
+_LOST = ("57P01", "57P02", "57P03", "53300")
+
+
+def connection_lost(error: BaseException) -> bool:
+    """``error`` is a connection to the server lost or refused (it restarted, crashed, is
+    starting up or unreachable), raised by psycopg or by ``connect`` (whose
+    ``DatabaseOpenError`` chains psycopg's); not a statement's own failure."""
+    if isinstance(error, DatabaseOpenError):
+        error = error.__cause__ or error
+    if not isinstance(error, psycopg_module().OperationalError):
+        return False
+    sqlstate = error.sqlstate
+    # No SQLSTATE: libpq's own (refused, closed unexpectedly, the connection is closed).
+    return sqlstate is None or sqlstate.startswith("08") or sqlstate in _LOST
+
+
 def in_transaction(conn: Any) -> bool:
     """A transaction is open (or failed and not yet rolled back) on ``conn``, sync or
     asyncio, and the connection is still there to end it."""

@@ -44,7 +44,14 @@ from ...consumer.resharing import Move, StoredPosition, plan
 from ...errors import SchemaMissingError
 from ...sql import BlockingSQL, Scoped, to_the_end
 from .append import UNDEFINED_TABLE, Statement, Steps, describe, in_both, run, run_async
-from .driver import connect, connect_async, database, in_transaction, psycopg_module
+from .driver import (
+    connect,
+    connect_async,
+    connection_lost,
+    database,
+    in_transaction,
+    psycopg_module,
+)
 
 if TYPE_CHECKING:
     import psycopg
@@ -376,6 +383,9 @@ class PostgresPositionStore:
             await conn.close()
             raise
         return conn
+
+    def unavailable(self, error: BaseException) -> bool:
+        return connection_lost(error)
 
     async def _usable(self) -> psycopg.AsyncConnection[Any]:
         """The asyncio connection, opened again if the last one broke (the server

@@ -39,7 +39,7 @@ from ...sql import (
     to_the_end,
 )
 from .checkpoints import Checkpointer, take_over
-from .storage import begin_at_once, connect, database_file, journal_mode_wal
+from .storage import begin_at_once, busy, connect, database_file, journal_mode_wal
 
 if TYPE_CHECKING:
     from ...sql import Durability
@@ -305,6 +305,9 @@ class SQLitePositionStore:
         if self._db is None:
             self._db = await open_database(self.path, self._durability)
             self._checkpointer = await take_over(self._db, self.path, self._durability)
+
+    def unavailable(self, error: BaseException) -> bool:
+        return busy(error)
 
     async def close(self) -> None:
         if self._checkpointer is not None:

@@ -686,6 +686,15 @@ def _check_unwritten(conn: sqlite3.Connection, stored: Sequence[StoredRow]) -> N
 BUSY_TIMEOUT_MS = 10_000  # how long a connection waits for another's write lock
 
 
+def busy(error: BaseException) -> bool:
+    """``error`` is SQLite's "database is locked": another connection held the lock this
+    one needed for longer than the busy timeout (any of SQLITE_BUSY's extended codes)."""
+    return (
+        isinstance(error, sqlite3.OperationalError)
+        and error.sqlite_errorcode & 0xFF == sqlite3.SQLITE_BUSY
+    )
+
+
 def begin_immediate(conn: sqlite3.Connection) -> int:
     """BEGIN IMMEDIATE on the connection's thread; returns ``PRAGMA data_version`` as seen
     holding the write lock."""
