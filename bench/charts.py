@@ -247,18 +247,47 @@ def spark(results: Results, folder: Path) -> list[Path]:
     ]
 
 
+def with_ratios(values: Values, baseline: str = "kafka") -> Values:
+    """``values`` with streamq / ``baseline`` (medians) in each case's name."""
+    renamed: Values = {}
+    for (system, case), runs in values.items():
+        mine, theirs = values.get(("streamq", case)), values.get((baseline, case))
+        if mine and theirs and statistics.median(theirs):
+            case = f"{case}: {statistics.median(mine) / statistics.median(theirs):.2f}x"
+        renamed[(system, case)] = runs
+    return renamed
+
+
 def workers(results: Results, folder: Path) -> list[Path]:
+    """Top: delivered/s, with streamq / Kafka + outbox in each case's name; bottom:
+    commits/s. Results stored before delivered/s have commits/s alone, so titled."""
     series = results["series"]
     paced = f"{results['sizes']['rate']:,}/s"
-    return [
-        bar_chart(
-            folder / "workers.png",
-            results,
-            "workers: commits/s, N worker processes on one database (higher is better)",
+    delivered = by_case(series, "delivered/s")
+    panels: list[tuple[Values, str, str]] = []
+    if delivered:
+        panels.append(
+            (
+                with_ratios(delivered),
+                "delivered/s",
+                "delivered/s: the first commit -> the consumer's last receipt (higher is "
+                "better)\nstreamq / Kafka + outbox after each case",
+            )
+        )
+    panels.append(
+        (
             by_case(series, "commits/s"),
             "commits/s",
-            OUTBOX,
-        ),
+            "commits/s: to the last worker's last COMMIT (higher is better)"
+            + ("" if delivered else "\nwhat the consumer received after it not counted"),
+        )
+    )
+    fig, axes = figure(len(panels), 1, 8, 4.2 * len(panels))
+    for ax, (values, unit, title) in zip(axes[:, 0], panels, strict=True):
+        grouped_bars(ax, values, unit, labels=OUTBOX)
+        ax.set_title(title, fontsize=9)
+    return [
+        finish(fig, folder / "workers.png", "workers: N worker processes on one database", results),
         percentile_chart(
             folder / "workers_latency.png",
             results,
@@ -332,20 +361,26 @@ PG_LOAD = {
 
 
 def pg_load(results: Results, folder: Path) -> list[Path]:
-    """Per fsync delay (a row each): transactions/s by writer count, the application's
-    transaction p99, and COMMIT -> received p50/p99 at the paced rate."""
+    """Per fsync delay (a row each): delivered/s by writer count (the outbox alone, which
+    nothing reads, at its commits/s: a ceiling; runs stored without delivered/s at their
+    transactions/s), with streamq / Kafka + outbox; the application's transaction p99;
+    COMMIT -> received p50/p99 at the paced rate."""
     runs = results["runs"]
     delays = sorted({r["delay_us"] for r in runs})
     fig, axes = figure(len(delays), 3, 16, 4.2 * len(delays))
     for row, delay in enumerate(delays):
         mine = [r for r in runs if r["delay_us"] == delay]
         unpaced = [r for r in mine if not r["rate"]]
+        systems = {r["system"] for r in unpaced}
         paced = [r for r in mine if r["rate"]]
         throughput: Values = {}
         p99: Values = {}
         for r in unpaced:
             case = f"{r['writers']} writer{'s' if r['writers'] > 1 else ''}"
-            throughput.setdefault((r["system"], case), []).append(r["tx_per_s"])
+            delivered = r.get("delivered_per_s")
+            throughput.setdefault((r["system"], case), []).append(
+                r["tx_per_s"] if delivered is None else delivered
+            )
             p99.setdefault((r["system"], case), []).append(r["tx_latency_us"][1])
         receipt: Values = {}
         for r in paced:
@@ -353,8 +388,15 @@ def pg_load(results: Results, folder: Path) -> list[Path]:
                 for label, value in zip(("p50", "p99"), r["receipt_latency_us"], strict=True):
                     receipt.setdefault((r["system"], label), []).append(value)
         disk = f"fsync +{delay} µs" if delay else "this VM's disk"
-        grouped_bars(axes[row][0], throughput, "transactions/s", labels=PG_LOAD)
-        axes[row][0].set_title(f"{disk}: transactions/s (higher is better)", fontsize=9)
+        grouped_bars(axes[row][0], with_ratios(throughput), "delivered/s", labels=PG_LOAD)
+        notes = [
+            *(["streamq / Kafka + outbox after each case"] if "kafka" in systems else []),
+            *(["the outbox alone: its commits, a ceiling"] if "outbox" in systems else []),
+        ]
+        title = f"{disk}: delivered/s (higher is better)"
+        axes[row][0].set_title(
+            "\n".join([title, "; ".join(notes)] if notes else [title]), fontsize=9
+        )
         grouped_bars(axes[row][1], p99, "ms", MS, PG_LOAD)
         axes[row][1].set_title(f"{disk}: transaction p99 (lower is better)", fontsize=9)
         if receipt:

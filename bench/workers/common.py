@@ -100,6 +100,7 @@ class Outcome:
     committed: int = 0
     refused: Counter[str] = field(default_factory=Counter)  # by exception type
     end_ns: int = 0
+    last_begun_ns: int = 0  # the last committed order's transaction began (its receipt follows)
     commit_latency: Latencies = field(default_factory=Latencies)  # due -> COMMIT returned
 
     def errors(self) -> str:
@@ -129,6 +130,7 @@ def commit_orders(
             break
         if due > now:
             time.sleep((due - now) / 1e9)
+        begun = time.monotonic_ns()
         try:
             place(worker, number, due)
         except Exception as error:
@@ -137,6 +139,7 @@ def commit_orders(
             outcome.refused[type(error).__name__] += 1
         else:
             outcome.committed += 1
+            outcome.last_begun_ns = begun
             outcome.commit_latency.record([due / 1e9], time.monotonic_ns() / 1e9)
     outcome.end_ns = time.monotonic_ns()
     return outcome
@@ -162,6 +165,7 @@ def worker(
         outcome.errors(),
         outcome.commit_latency.encode(),
         time.process_time() - cpu_at_go,
+        outcome.last_begun_ns,
     )
     conn.close()
 
@@ -198,7 +202,8 @@ class Expected:
 
 
 class Receipts:
-    """Each event's latency from its due time, and (position, order id) in arrival order."""
+    """Each event's latency from its due time, (position, order id) in arrival order, and
+    when the last one arrived (monotonic ns, as the workers' clocks: where delivery ends)."""
 
     def __init__(self) -> None:
         self.latencies = Latencies()

@@ -11,14 +11,22 @@ Two systems, side by side in one run:
 - **Kafka + outbox**: the event is an outbox row; the transfer workload's relay ships the
   outbox to the Kafka broker, a confluent-kafka consumer process reads the topic.
 
-Measured per worker count: commits/s with every worker as fast as it can, the refused
+Measured per worker count, with every worker as fast as it can: delivered/s, from the
+workers' common start (their first commit) to the consumer's receipt of the last order
+(the consumer's work here is its receipt, the same for both: it keeps each order's
+position and id), the figure the systems are compared by; beside it commits/s, to the
+last worker's last COMMIT, which stops before the relay and the consumer are done
+(Kafka's relay takes up to 5,000 rows, waits for their acknowledgements, then saves its
+position: its consumer trailed the last commit by tens to hundreds of milliseconds, so
+a clock stopped at the commit left most of Kafka's delivery out). Then the refused
 transactions (any exception in a worker; expected: 0), and the latency from each order's
-due time to its receipt by the consumer at a paced 2,000 orders/s spread over the workers
-(no coordinated omission). After every run the consumer's receipts are checked against
-the ``orders`` table: each committed order received once, positions dense, in commit
-order. Then the synchronous path alone, in one process with no server: orders/s of
-``SyncProducer`` transactions, of ``streamq.publish`` on a plain connection and of plain
-sqlite3 (an outbox row instead of the publish), from 1 and 8 threads.
+due time to its receipt by the consumer at a paced 2,000 orders/s spread over the
+workers (no coordinated omission). After every run the consumer's receipts are checked
+against the ``orders`` table: each committed order received once, positions dense, in
+commit order. Then the synchronous path alone, in one process with no server and
+nothing reading: orders/s of ``SyncProducer`` transactions, of ``streamq.publish`` on a
+plain connection and of plain sqlite3 (an outbox row instead of the publish: the outbox
+alone, a ceiling rather than a peer), from 1 and 8 threads.
 
 Every connection runs with ``PRAGMA synchronous=NORMAL`` (read back and printed).
 """
@@ -48,12 +56,12 @@ from ..common import (
     LatencyRuns,
     Series,
     alternating,
-    comparison_table,
     console,
     latency_table,
     percentile_series,
     proc_cpu_seconds,
     save,
+    workload_main,
 )
 from ..measure import Latencies
 from ..transfer.kafka import KAFKA_PRODUCER, RELAY_POLL, warm_up
@@ -90,6 +98,14 @@ class Run:
     workers: int
     rate: float
     commits_per_s: float  # from the common start to the last worker's last commit
+    # Timed orders received / from the common start to the consumer's last receipt: can
+    # exceed commits/s only by the moment between the last COMMIT reaching the log and its
+    # worker reading its clock (the consumer may receive it in between).
+    delivered_per_s: float
+    # s from the common start: the last committed order begun, the last COMMIT returned,
+    # the consumer's last receipt (always after the first: no order arrives before its
+    # transaction began).
+    clock: dict[str, float]
     committed: int
     refused: int
     errors: list[str]  # exception type:count, per worker that had any
@@ -156,14 +172,24 @@ def run_once(
         done = [w.expect("DONE", limit + STARTUP_TIMEOUT) for w in processes]
         committed = sum(int(fields[0]) for fields in done)
         consumer.send(f"EXPECT {_count_orders(db)}")  # the workers' warm-up orders too
-        *figures, consumer_cpu = consumer.expect("DONE", drain_timeout + STARTUP_TIMEOUT)
+        *figures, receipt_ns, consumer_cpu = consumer.expect(
+            "DONE", drain_timeout + STARTUP_TIMEOUT
+        )
         server_cpu = proc_cpu_seconds(server.process.pid) - server_cpu  # READY to the end
-    end_ns = max(int(fields[2]) for fields in done)
+    clock = {
+        "last_begun": max(int(fields[6]) for fields in done),
+        "last_commit": max(int(fields[2]) for fields in done),
+        "last_receipt": int(receipt_ns),
+    }
+    seconds = {moment: (ns - start_ns) / 1e9 for moment, ns in clock.items()}
+    delivered = int(figures[4])  # the timed orders received (warm-ups are not timed)
     return Run(
         system=system,
         workers=workers,
         rate=rate,
-        commits_per_s=committed / ((end_ns - start_ns) / 1e9),
+        commits_per_s=committed / seconds["last_commit"],
+        delivered_per_s=delivered / seconds["last_receipt"] if delivered else 0.0,
+        clock=seconds,
         committed=committed,
         refused=sum(int(fields[1]) for fields in done),
         errors=[fields[3] for fields in done if fields[3] != "-"],
@@ -286,6 +312,49 @@ def _refused_table(runs: list[Run]) -> Table:
     return table
 
 
+def _throughput_table(measured: _Measured, sizes: Sizes) -> Table:
+    """delivered/s (the comparison's figure, and its ratio) beside commits/s, and how long
+    the consumer trailed the last commit (medians of the runs)."""
+    table = Table(
+        title=f"workers: N worker processes on one database, each as fast as it can "
+        f"({sizes.orders:,} orders per run; one order = INSERT + event, one transaction; "
+        "kafka = outbox row + relay): delivered/s from the first commit to the consumer's "
+        "last receipt, commits/s to the last COMMIT; the ratio is of delivered/s"
+    )
+    systems = list(dict.fromkeys(system for system, _ in measured.delivered))
+    baselines = [s for s in systems if s != "streamq"]
+    columns = ["workers", "system", "delivered/s", "spread", "commits/s", "trail ms", "runs"]
+    for column in (*columns, *(f"streamq / {b}" for b in baselines)):
+        table.add_column(column, justify="right" if column != "system" else "left")
+    for workers in dict.fromkeys(w for _, w in measured.delivered):
+        mine = {system: measured.delivered[(system, workers)] for system in systems}
+        for system, delivered in mine.items():
+            if not delivered.values:
+                continue
+            trails = [
+                (r.clock["last_receipt"] - r.clock["last_commit"]) * 1e3
+                for r in measured.runs
+                if (r.system, r.workers, r.rate) == (system, workers, 0)
+            ]
+            ratios = [
+                f"{delivered.median / mine[b].median:.2f}x"
+                if system == "streamq" and mine[b].values and mine[b].median
+                else ""
+                for b in baselines
+            ]
+            table.add_row(
+                str(workers),
+                system,
+                f"{delivered.median:,.0f}",
+                f"{delivered.spread:.0%}",
+                f"{measured.commits[(system, workers)].median:,.0f}",
+                f"{statistics.median(trails):,.1f}",
+                str(len(delivered.values)),
+                *ratios,
+            )
+    return table
+
+
 def _cpu_table(runs: list[Run]) -> Table:
     table = Table(
         title="workers: CPU per order at max rate, microseconds (median of runs): all "
@@ -337,13 +406,16 @@ class _Measured:
     """What a whole run measured: per (system, workers), per latency case, per (variant,
     threads) of the synchronous path."""
 
+    delivered: dict[tuple[str, int], Series]
     commits: dict[tuple[str, int], Series]
     sync: dict[tuple[str, int], Series]
     latency: LatencyRuns = field(default_factory=dict)
     runs: list[Run] = field(default_factory=list)
 
 
-def run(broker: Any | None, quick: bool, repeats: int) -> dict[str, Any]:
+def run(broker: Any | None, quick: bool, repeats: int, seed: int | None = None) -> dict[str, Any]:
+    """Every case, side by side (the module docstring); ``seed`` is ignored (nothing here
+    is drawn at random)."""
     sizes = QUICK if quick else FULL
     systems = ["streamq"] + (["kafka"] if broker is not None else [])
     console.print(
@@ -354,6 +426,11 @@ def run(broker: Any | None, quick: bool, repeats: int) -> dict[str, Any]:
     if broker is not None:
         warm_up(broker)
     measured = _Measured(
+        delivered={
+            (system, w): Series(system, _case(w), "delivered/s")
+            for w in sizes.workers
+            for system in systems
+        },
         commits={
             (system, w): Series(system, _case(w), "commits/s")
             for w in sizes.workers
@@ -373,7 +450,7 @@ def run(broker: Any | None, quick: bool, repeats: int) -> dict[str, Any]:
     if settings != {NORMAL}:
         raise RuntimeError(f"the sync path ran with PRAGMA synchronous {settings}, not NORMAL")
     _report(measured, sizes)
-    commit_series = list(measured.commits.values())
+    rate_series = [*measured.delivered.values(), *measured.commits.values()]
     latency_series = percentile_series(measured.latency)
     sync_series = list(measured.sync.values())
     paced_case = f"{sizes.rate:,}/s"
@@ -382,7 +459,7 @@ def run(broker: Any | None, quick: bool, repeats: int) -> dict[str, Any]:
         "sizes": asdict(sizes),
         "synchronous": "NORMAL",
         "kafka_producer": KAFKA_PRODUCER,
-        "series": [asdict(s) for s in commit_series + latency_series + sync_series],
+        "series": [asdict(s) for s in rate_series + latency_series + sync_series],
         "runs": [asdict(r) for r in measured.runs],
         "goals": {
             "latency_p99_us_with_most_workers": statistics.median(f[1] for f in eight)
@@ -413,6 +490,7 @@ def _worker_runs(
             progress.update(task, description=f"workers: {workers}, {system}, max rate")
             with _folder() as folder:
                 one = run_once(system, folder, workers, sizes.orders, 0, broker)
+            measured.delivered[(system, workers)].values.append(one.delivered_per_s)
             measured.commits[(system, workers)].values.append(one.commits_per_s)
             measured.latency.setdefault((system, f"{_case(workers)}, max rate"), []).append(
                 one.latency
@@ -452,14 +530,7 @@ def _sync_runs(
 def _report(measured: _Measured, sizes: Sizes) -> None:
     """The run's tables."""
     paced_case = f"{sizes.rate:,}/s"
-    console.print(
-        comparison_table(
-            f"workers: commits/s, N worker processes on one database, each as fast as it "
-            f"can ({sizes.orders:,} orders per run; one order = INSERT + event, one "
-            "transaction); kafka = outbox row + relay",
-            list(measured.commits.values()),
-        )
-    )
+    console.print(_throughput_table(measured, sizes))
     console.print(_refused_table(measured.runs))
     console.print(_cpu_table(measured.runs))
     console.print(
@@ -471,3 +542,7 @@ def _report(measured: _Measured, sizes: Sizes) -> None:
         )
     )
     console.print(_sync_table(list(measured.sync.values())))
+
+
+if __name__ == "__main__":
+    raise SystemExit(workload_main("python -m bench.workers.run", __doc__, run, None))

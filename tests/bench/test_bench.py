@@ -1,15 +1,19 @@
-"""The benchmark harness cannot rot: bench-quick's pipe workload, both systems, small."""
+"""The benchmark harness cannot rot: bench-quick's pipe workload, both systems, small;
+each workload runs alone (``python -m bench.<workload>.run``)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from bench.__main__ import WORKLOADS
 from bench.kafka.broker import KafkaBroker
 from bench.pipe import run as pipe
 
@@ -34,6 +38,27 @@ def test_kafka_pipe(tmp_path: Path, kafka_broker: KafkaBroker) -> None:
     assert applied(tmp_path / "kafka.db", "off") == list(range(COUNT))
     with contextlib.closing(sqlite3.connect(tmp_path / "kafka.db")) as conn:
         assert conn.execute("SELECT next FROM offsets").fetchall() == [(COUNT,)]
+
+
+def test_each_workload_runs_alone() -> None:
+    """``python -m bench.<workload>.run --help`` answers with its options: a module with
+    no entry point would run nothing, silently, and exit 0."""
+    with contextlib.ExitStack() as stack:  # each waited for, whatever happens
+        helps = {
+            name: stack.enter_context(
+                subprocess.Popen(
+                    [sys.executable, "-m", f"bench.{name}.run", "--help"],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+            )
+            for name in WORKLOADS
+        }
+        for name, process in helps.items():
+            out, _ = process.communicate(timeout=120)
+            assert process.returncode == 0, out
+            assert out.startswith(f"usage: python -m bench.{name}.run "), out
 
 
 def test_spark_fleet_serves_many_producers_to_a_process(tmp_path: Path) -> None:

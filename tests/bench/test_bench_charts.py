@@ -40,3 +40,27 @@ def test_quick_and_partial_runs_save_where_git_ignores_them() -> None:
             check=False,
         )
         assert ignored.returncode == 0, f"{folder} is not ignored by git"
+
+
+def test_workers_and_pg_load_compare_delivered_per_second(tmp_path: Path) -> None:
+    """The ratio drawn after each case is of delivered/s; results stored before it, with
+    commits/s alone, still draw."""
+    values = {
+        ("streamq", "1 worker"): [300.0, 100.0, 200.0],
+        ("kafka", "1 worker"): [400.0],
+        ("streamq", "2 workers"): [100.0],
+    }
+    assert charts.with_ratios(values) == {
+        ("streamq", "1 worker: 0.50x"): [300.0, 100.0, 200.0],
+        ("kafka", "1 worker: 0.50x"): [400.0],
+        ("streamq", "2 workers"): [100.0],
+    }
+    stored = json.loads((charts.RESULTS / "workers.json").read_text())
+    delivered = [
+        {**s, "unit": "delivered/s", "values": [v / 2 for v in s["values"]]}
+        for s in stored["series"]
+        if s["unit"] == "commits/s"
+    ]
+    for results in (stored, {**stored, "series": stored["series"] + delivered}):
+        (chart, *_) = charts.workers(results, tmp_path)
+        assert chart.stat().st_size > 10_000

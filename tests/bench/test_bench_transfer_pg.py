@@ -111,6 +111,21 @@ def test_relay_waits_for_rows_that_commit_late(pg_url: str) -> None:
     restarted.close()
 
 
+def test_relay_saves_its_position_without_waiting_for_a_flush(pg_url: str) -> None:
+    """The relay's session commits as ``streamq serve``'s numbering rounds do, with
+    ``synchronous_commit=off``, where the writers' sessions keep the server's ``on``."""
+    setup_payments(pg_url, "outbox")
+    relay = PostgresOutbox(pg_url)
+    try:
+        assert relay.conn.execute("SHOW synchronous_commit").fetchone() == ("off",)
+        relay.record(("1", 1))
+        assert relay.conn.execute("SELECT last_id FROM relay_state").fetchone() == (1,)
+    finally:
+        relay.close()
+    with psycopg.connect(pg_url) as writer:
+        assert writer.execute("SHOW synchronous_commit").fetchone() == ("on",)
+
+
 def test_checker_matches_the_log_with_the_journal(pg_url: str) -> None:
     """streamq's log by content: a journalled transfer's deposit numbered or still pending
     (committed, with no serving process to number it) is there, once; a deposit twice, one

@@ -2,7 +2,8 @@
 database through their own sqlite3 connections while ``streamq serve`` pushes to a
 consumer process; every committed order arrives once, seqs dense and in commit order.
 The same through an outbox, the transfer workload's relay and a real Kafka broker; the
-synchronous path's three variants; and the checker against bad receipts.
+synchronous path's three variants; and the checker against bad receipts. Every run's
+delivered/s is measured to the consumer's last receipt, on the workers' clock.
 """
 
 from __future__ import annotations
@@ -26,6 +27,25 @@ DRAIN = 10.0  # s for the consumer to receive the last commit; then the check na
 def our_children() -> list[str]:
     """Command lines of this process's children still running."""
     return list(running_children().values())
+
+
+def assert_measured_to_delivery(run: workers.Run) -> None:
+    """delivered/s is every timed order over the common start -> the consumer's last
+    receipt, and commits/s over the start -> the last COMMIT returned.
+
+    What cannot fail: a record arrives after its transaction began, so the last receipt
+    comes after the last order began, and delivered/s is at most the rate the orders
+    were begun at. Not asserted: delivered/s <= commits/s. The consumer can receive the
+    last order between its COMMIT reaching the log and its worker reading the clock
+    after it returned (a worker descheduled there, on a loaded machine), so the last
+    receipt may come before the last COMMIT's measured return by that moment.
+    """
+    clock = run.clock
+    assert 0 < clock["last_begun"] <= clock["last_commit"], clock
+    assert clock["last_begun"] < clock["last_receipt"], clock
+    assert run.commits_per_s == pytest.approx(run.committed / clock["last_commit"])
+    assert run.delivered_per_s == pytest.approx(run.latency[4] / clock["last_receipt"])
+    assert 0 < run.delivered_per_s < run.committed / clock["last_begun"], run
 
 
 @pytest.mark.timeout(60)
@@ -53,6 +73,7 @@ def test_two_workers_every_order_received_once_in_commit_order(tmp_path: Path, r
     }
     assert run.latency[4] == ORDERS  # every timed order was timed once (warm-ups are not)
     assert run.commit_latency[4] == ORDERS
+    assert_measured_to_delivery(run)
 
 
 @pytest.mark.timeout(120)
@@ -68,6 +89,8 @@ def test_kafka_outbox_two_workers_every_order_received_once(
         offsets = [row[0] for row in conn.execute("SELECT position FROM received ORDER BY rowid")]
     assert offsets == list(range(ORDERS + 2))
     assert run.check["anomalies"] == 0 and run.check["logged"] == ORDERS + 2, run.check
+    assert run.latency[4] == ORDERS
+    assert_measured_to_delivery(run)
 
 
 @pytest.mark.timeout(60)
