@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .common import DURABILITY, console, machine
+from .fanout import run as fanout
 from .groups import run as groups
 from .latency import run as latency
 from .pg_load import run as pg_load
@@ -35,8 +36,9 @@ WORKLOADS: dict[str, Callable[..., Any]] = {
     "pg_load": pg_load.run,
     "shares": shares.run,
     "groups": groups.run,
+    "fanout": fanout.run,
 }
-WITH_NATS = {"pipe", "latency"}  # the workloads that take run(..., nats=...)
+WITH_NATS = {"pipe", "latency", "fanout"}  # the workloads that take run(..., nats=...)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default=",".join(WORKLOADS), help="comma-separated workloads")
     parser.add_argument("--repeats", type=int, default=None, help="runs per case (3; quick: 1)")
     parser.add_argument("--no-kafka", action="store_true", help="no Kafka broker")
-    parser.add_argument("--no-nats", action="store_true", help="no NATS JetStream (pipe, latency)")
+    no_nats = f"no NATS JetStream ({', '.join(sorted(WITH_NATS))})"
+    parser.add_argument("--no-nats", action="store_true", help=no_nats)
     args = parser.parse_args(argv)
     selected = [w.strip() for w in args.only.split(",") if w.strip()]
     unknown = sorted(set(selected) - set(WORKLOADS))

@@ -26,6 +26,7 @@ COLORS = {
     "debezium": "tab:green",
     "nats": "tab:purple",
     "SyncProducer serving": "tab:purple",
+    "streamq serve": "tab:cyan",
     "SyncProducer": "tab:blue",
     "publish": "tab:cyan",
     "sqlite3": "tab:gray",
@@ -518,6 +519,58 @@ def groups(results: Results, folder: Path) -> list[Path]:
     return [finish(fig, folder / "groups.png", title, results)]
 
 
+FANOUT = {
+    "streamq": "streamq (embedded server)",
+    "streamq serve": "streamq serve",
+    "kafka": "Kafka",
+    "nats": "NATS JetStream",
+}
+RATE_LINES = ("-", "--", ":", "-.")  # line style per rate, in the order the rates ran
+
+
+def fanout(results: Results, folder: Path) -> list[Path]:
+    """Against N consumers (log axis): the serving process's CPU per record published and
+    the p99 from due time to receipt; a line per system and rate (medians of the runs)."""
+    runs = results["runs"]
+    rates = list(dict.fromkeys(r["rate"] for r in runs))
+    fig, axes = figure(1, 2, 12, 4.4)
+    panels = (
+        ("serving_us_per_record", 1.0, "serving process CPU, µs per record published"),
+        ("p99_us", MS, "p99, due time -> receipt, ms"),
+    )
+    for ax, (name, scale, ylabel) in zip(axes[0], panels, strict=True):
+        shown: list[float] = []
+        for system in FANOUT:
+            for rate, style in zip(rates, RATE_LINES, strict=False):
+                mine = [r for r in runs if r["system"] == system and r["rate"] == rate]
+                counts = sorted({r["consumers"] for r in mine})
+                if not counts:
+                    continue
+                values = [
+                    statistics.median(r[name] * scale for r in mine if r["consumers"] == n)
+                    for n in counts
+                ]
+                shown += values
+                ax.plot(counts, values, style, marker="o", color=COLORS.get(system, "tab:gray"),
+                        label=f"{FANOUT[system]}, {rate:,}/s")  # fmt: skip
+        ax.set_xscale("log")
+        positive = [v for v in shown if v > 0]
+        if positive and max(positive) / min(positive) > LOG_SPAN:
+            log_y(ax)
+            ylabel += " (log scale)"
+        counts = sorted({r["consumers"] for r in runs})
+        ax.set_xticks(counts, [f"{n:,}" for n in counts])
+        ax.set_xlabel("consumers (N)", fontsize=8)
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.tick_params(labelsize=8)
+        ax.legend(fontsize=7)
+    axes[0][0].set_title("what serving N consumers costs (lower is better)", fontsize=9)
+    axes[0][1].set_title("latency to every consumer (lower is better)", fontsize=9)
+    seconds = results["seconds_per_run"]
+    title = f"fan-out: one producer, N consumers of 100 B records ({seconds:g} s runs)"
+    return [finish(fig, folder / "fanout.png", title, results)]
+
+
 CHARTS: dict[str, Callable[[Results, Path], list[Path]]] = {
     "pipe": pipe,
     "latency": latency,
@@ -529,6 +582,7 @@ CHARTS: dict[str, Callable[[Results, Path], list[Path]]] = {
     "pg_load_capture": pg_load,
     "shares": shares,
     "groups": groups,
+    "fanout": fanout,
 }
 
 

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self, TypeVar
@@ -243,6 +243,15 @@ def proc_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def pin(pid: int, cpus: Iterable[int]) -> None:
+    """Every thread of process ``pid`` (a JVM's, a Go runtime's, librdkafka's) on ``cpus``
+    only; threads it starts later inherit their parent thread's."""
+    wanted = set(cpus)
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(task), wanted)
+
+
 def free_port() -> int:
     """A port on loopback free now, for a server told to listen on it."""
     with socket.socket() as sock:
@@ -412,14 +421,31 @@ def comparison_table(title: str, series: Sequence[Series], better: str = "higher
     return table
 
 
+def int_list(text: str) -> list[int]:
+    """``1,10,100`` (an option's value) as ``[1, 10, 100]``."""
+    try:
+        return [int(word) for word in text.split(",") if word.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give whole numbers, e.g. 1,10,100") from None
+
+
 def workload_main(
-    prog: str, doc: str | None, run: Callable[..., Any], argv: Any, *, nats: bool = False
+    prog: str,
+    doc: str | None,
+    run: Callable[..., Any],
+    argv: Any,
+    *,
+    nats: bool = False,
+    lists: Mapping[str, str] | None = None,
 ) -> int:
     """``python -m bench.<workload>.run``: its options, a Kafka broker unless ``--no-kafka``,
     then ``run(broker, quick, repeats, seed)``; with ``nats`` (the workloads with NATS as a
     second baseline, which start its servers themselves) ``run(broker, quick, repeats,
-    nats=...)``, NATS unless ``--no-nats``."""
+    nats=...)``, NATS unless ``--no-nats``. ``lists``: options of comma-separated whole
+    numbers (name: help), passed to ``run`` as keywords when given."""
     parser = argparse.ArgumentParser(prog=prog, description=doc)
+    for name, text in (lists or {}).items():
+        parser.add_argument(f"--{name}", type=int_list, default=None, help=text)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int, default=None, help="runs per case (3; quick: 1)")
     parser.add_argument("--no-kafka", action="store_true", help="no Kafka broker")
@@ -435,8 +461,9 @@ def workload_main(
             from .kafka.broker import KafkaBroker  # confluent_kafka: only with a broker
 
             broker = stack.enter_context(KafkaBroker())
+        chosen = {n: getattr(args, n) for n in lists or {} if getattr(args, n) is not None}
         if nats:
-            run(broker, args.quick, repeats, nats=not args.no_nats)
+            run(broker, args.quick, repeats, nats=not args.no_nats, **chosen)
         else:
-            run(broker, args.quick, repeats, args.seed)
+            run(broker, args.quick, repeats, args.seed, **chosen)
     return 0

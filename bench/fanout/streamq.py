@@ -1,75 +1,92 @@
-"""streamq's side of the fan-out workload: ``producer DB RATE SECONDS`` and
-``consumers ADDRESS COUNT TOTAL``."""
+"""streamq's side of the fan-out workload: ``producer DB RATE SECONDS`` (serving, its
+address on READY), ``publisher DB RATE SECONDS`` (``serve=False``, beside ``streamq serve
+DB``) and ``consumers ADDRESS COUNT TOTAL``."""
 
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 import time
+from typing import Any
 
 import streamq
 from streamq import _loop
 
 from ..common import say, wait_line
-from ..latency import record_receipt, schedule_start
+from ..latency import schedule_start
 from ..latency.streamq import STREAM, publish_paced
 from ..measure import Latencies, Pacer
+from . import Tally, on_stop
 
 
-def pin(cpu: int) -> None:
-    """This process on ``cpu`` only (the producer alone on its core)."""
-    if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1:
-        os.sched_setaffinity(0, {cpu})
+async def publish(producer: streamq.Producer, rate: float, seconds: float) -> None:
+    """From GO: the records on schedule, then PUBLISHED with the rate reached and each
+    record's publish latency (its transaction's, from the call to the commit)."""
+    await asyncio.to_thread(wait_line, "GO")
+    start = schedule_start()
+    pacer, total = Pacer(rate, start), int(rate * seconds)
+    publishes = Latencies()
+
+    def on_commit(dues: list[float], late: float, took: float) -> None:
+        publishes.record_micros([int(took * 1e6)] * len(dues))
+
+    say("START", total)
+    await publish_paced(producer, pacer, total, on_commit)
+    elapsed = time.time() - start
+    p50, p99, *_ = publishes.figures()
+    say("PUBLISHED", total / elapsed, p50, p99)
+    await asyncio.to_thread(wait_line, "STOP")
 
 
 async def producer(db: str, rate: float, seconds: float) -> None:
-    pin(0)
     async with streamq.Producer(db, port=0) as served:
         await served.create_stream(STREAM)
         say("READY", served.address)
-        await asyncio.to_thread(wait_line, "GO")
-        start = schedule_start()
-        pacer, total = Pacer(rate, start), int(rate * seconds)
-        publishes = Latencies()
+        await publish(served, rate, seconds)
 
-        def on_commit(dues: list[float], late: float, took: float) -> None:
-            publishes.record_micros([int(took * 1e6)])
 
-        say("START", total)
-        cpu = time.process_time()
-        await publish_paced(served, pacer, total, on_commit)
-        elapsed, cpu = time.time() - start, time.process_time() - cpu
-        p50, p99, *_ = publishes.figures()
-        say("PUBLISHED", total / elapsed, cpu, publishes.count, p50, p99)
-        await asyncio.to_thread(wait_line, "STOP")
+async def publisher(db: str, rate: float, seconds: float) -> None:
+    async with streamq.Producer(db, serve=False) as unserved:
+        await unserved.create_stream(STREAM)
+        say("READY")
+        await publish(unserved, rate, seconds)
 
 
 async def consumers(address: str, count: int, total: int) -> None:
-    pin(1)
-    latencies = Latencies()
+    tally = Tally(count, total)
+    stopped = asyncio.Event()
+    loop = asyncio.get_running_loop()
 
-    async def consume(c: streamq.Consumer) -> None:
+    async def consume(index: int, c: streamq.Consumer) -> None:
         async for batch in c:
-            record_receipt(latencies, [r.value for r in batch], time.time())
-            if batch.last_seq >= total:
+            if tally.receive(index, [r.value for r in batch], time.time()):
                 return
 
     started = [streamq.Consumer(address, STREAM, start_seq=1) for _ in range(count)]
     for c in started:
         await c.start()
     say("READY")
+    on_stop(lambda: loop.call_soon_threadsafe(stopped.set))
+    receiving = asyncio.gather(*(consume(i, c) for i, c in enumerate(started)))
+    stop = asyncio.ensure_future(stopped.wait())
     try:
-        await asyncio.gather(*(consume(c) for c in started))
+        either: list[asyncio.Future[Any]] = [receiving, stop]
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        if receiving.done():
+            receiving.result()  # a consumer's failure ends the run with its traceback
+        tally.say_done()
     finally:
+        receiving.cancel()
+        stop.cancel()
         for c in started:
             await c.close()
-    say("DONE", latencies.count, latencies.encode())
 
 
 if __name__ == "__main__":
     role, *args = sys.argv[1:]
-    if role == "producer":
-        _loop.run(producer(args[0], float(args[1]), float(args[2])))
-    else:
+    if role == "consumers":
         _loop.run(consumers(args[0], int(args[1]), int(args[2])))
+    elif role == "publisher":
+        _loop.run(publisher(args[0], float(args[1]), float(args[2])))
+    else:
+        _loop.run(producer(args[0], float(args[1]), float(args[2])))

@@ -6,13 +6,39 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
 
 from ..common import say, wait_line
 from ..kafka.clients import CONSUMER_LATENCY, PRODUCER_LATENCY, receive
 from ..measure import Latencies, Pacer
 from . import record_receipt, record_value, schedule_start
+
+# Called with the time (``time.perf_counter``) a record was produced, then librdkafka's
+# delivery report: its error (None: acknowledged) and the message.
+OnDelivery = Callable[[float, KafkaError | None, Message], None]
+
+
+def produce_paced(
+    kafka: Producer, topic: str, pacer: Pacer, total: int, on_delivery: OnDelivery | None = None
+) -> None:
+    """``total`` records on ``pacer``'s schedule, each produced once it is due, then every
+    delivery awaited (``flush``)."""
+    while pacer.taken < total:
+        first = pacer.taken
+        for number, due in enumerate(pacer.take(max(0, min(total - first, pacer.owed()))), first):
+            value = record_value(due, number)
+            report = None if on_delivery is None else partial(on_delivery, time.perf_counter())
+            while True:
+                try:
+                    kafka.produce(topic, value, on_delivery=report)
+                    break
+                except BufferError:  # its queue is full: it is behind, and the latency shows it
+                    kafka.poll(0.001)
+        kafka.poll(min(0.001, pacer.wait()))
+    kafka.flush(60)
 
 
 def producer(bootstrap: str, topic: str, rate: float, seconds: float) -> None:
@@ -22,18 +48,7 @@ def producer(bootstrap: str, topic: str, rate: float, seconds: float) -> None:
     wait_line("GO")
     pacer, total = Pacer(rate, schedule_start()), int(rate * seconds)
     say("START", total)
-    while pacer.taken < total:
-        first = pacer.taken
-        for number, due in enumerate(pacer.take(max(0, min(total - first, pacer.owed()))), first):
-            value = record_value(due, number)
-            while True:
-                try:
-                    kafka.produce(topic, value)
-                    break
-                except BufferError:  # its queue is full: it is behind, and the latency shows it
-                    kafka.poll(0.001)
-        kafka.poll(min(0.001, pacer.wait()))
-    kafka.flush(60)
+    produce_paced(kafka, topic, pacer, total)
     wait_line("STOP")
 
 

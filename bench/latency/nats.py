@@ -11,9 +11,12 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 
+from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.js import api
+from nats.js import JetStreamContext, api
 
 from streamq import _loop
 
@@ -25,37 +28,52 @@ from . import record_receipt, record_value, schedule_start
 DEADLINE = 600.0  # s: the parent gives up on a run after as long
 
 
+# Called with the time (``time.perf_counter``) a record was published, then its ack.
+OnAck = Callable[[float, asyncio.Future[api.PubAck]], None]
+
+
+async def publish_paced(
+    js: JetStreamContext, stream: str, pacer: Pacer, total: int, on_ack: OnAck
+) -> None:
+    """``total`` records on ``pacer``'s schedule, each published once it is due without
+    waiting for its ack; then every ack awaited, within ``DEADLINE`` in all."""
+
+    async def paced() -> None:
+        while pacer.taken < total:
+            count = min(total - pacer.taken, pacer.owed())
+            if count > 0:
+                first = pacer.taken
+                for number, due in enumerate(pacer.take(count), first):
+                    ack = await js.publish_async(stream, record_value(due, number))
+                    ack.add_done_callback(partial(on_ack, time.perf_counter()))
+                await asyncio.sleep(0)  # nats-py's flusher writes them now
+            else:
+                # As streamq's producer: sleep to just before the next record is due
+                # (loop timers tick in ms), then yield until it is.
+                delay = pacer.wait()
+                await asyncio.sleep(delay - 0.001 if delay > 0.002 else 0)
+        await js.publish_async_completed()
+
+    await asyncio.wait_for(paced(), DEADLINE)
+
+
+def publisher(client: Client) -> JetStreamContext:
+    """The JetStream context the producers publish with (``PUBLISH_LATENCY``)."""
+    return client.jetstream(publish_async_max_pending=PUBLISH_LATENCY["publish_async_max_pending"])
+
+
 async def producer(url: str, stream: str, rate: float, seconds: float) -> None:
     failed: list[BaseException] = []
     check = ack_checker(failed)
 
     async with connected(url) as client:
-        js = client.jetstream(
-            publish_async_max_pending=PUBLISH_LATENCY["publish_async_max_pending"]
-        )
+        js = publisher(client)
         await js.stream_info(stream)
         say("READY")
         await asyncio.to_thread(wait_line, "GO")
         pacer, total = Pacer(rate, schedule_start()), int(rate * seconds)
         say("START", total)
-
-        async def publish_paced() -> None:
-            while pacer.taken < total:
-                count = min(total - pacer.taken, pacer.owed())
-                if count > 0:
-                    first = pacer.taken
-                    for number, due in enumerate(pacer.take(count), first):
-                        ack = await js.publish_async(stream, record_value(due, number))
-                        ack.add_done_callback(check)
-                    await asyncio.sleep(0)  # nats-py's flusher writes them now
-                else:
-                    # As streamq's producer: sleep to just before the next record is due
-                    # (loop timers tick in ms), then yield until it is.
-                    delay = pacer.wait()
-                    await asyncio.sleep(delay - 0.001 if delay > 0.002 else 0)
-            await js.publish_async_completed()
-
-        await asyncio.wait_for(publish_paced(), DEADLINE)
+        await publish_paced(js, stream, pacer, total, lambda sent, ack: check(ack))
         if failed:
             raise RuntimeError(f"{len(failed)} publishes failed, the first: {failed[0]!r}")
         await asyncio.to_thread(wait_line, "STOP")
