@@ -22,19 +22,14 @@ from pathlib import Path
 from streamq import Producer, _loop
 from streamq.protocol import PROTOCOL_VERSION, ClientConnection, ClientHello, Subscribe
 
-from ..common import Child, say, wait_line
+from ..common import Child, pin, say, wait_line
 
 STREAM = "fanout"
 VALUE = b"v" * 100
 
 
-def _pin(cpu: int) -> None:
-    if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1:
-        os.sched_setaffinity(0, {cpu})
-
-
 async def producer(db: str, commits: int, rate: float) -> None:
-    _pin(0)
+    pin(os.getpid(), [0])
     async with Producer(db, port=0) as served:
         await served.create_stream(STREAM)
         say("READY", served.address)
@@ -50,7 +45,7 @@ async def producer(db: str, commits: int, rate: float) -> None:
 
 
 async def readers(address: str, count: int) -> None:
-    _pin(1)
+    pin(os.getpid(), [1 % (os.cpu_count() or 1)])
     host, port = address.rsplit(":", 1)
 
     async def read(i: int, ready: asyncio.Event) -> None:
