@@ -7,6 +7,7 @@ in the percentiles (no coordinated omission).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from array import array
 from collections import Counter
@@ -57,6 +58,16 @@ class Pacer:
     def wait(self) -> float:
         """Seconds until the next item is due (0: it is due)."""
         return max(0.0, self.due(self.taken) - self.clock())
+
+    async def until_due(self, spin: bool = True) -> None:
+        """In an event loop, toward the next item's due time. ``spin``: sleep to just
+        before it (loop timers tick in milliseconds), then yield until it is due, for
+        precise due times; else sleep until it is (up to a millisecond late: the next
+        call takes what came due meanwhile), so that the process's CPU is its work."""
+        delay = self.wait()
+        if spin:
+            delay = delay - 0.001 if delay > 0.002 else 0
+        await asyncio.sleep(delay)
 
     def worst_second(self, seconds: float) -> int:
         """The fewest items taken in one whole second of the first ``seconds``."""

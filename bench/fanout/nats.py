@@ -44,7 +44,7 @@ async def producer(url: str, stream: str, rate: float, seconds: float) -> None:
         start = schedule_start()
         pacer, total = Pacer(rate, start), int(rate * seconds)
         say("START", total)
-        await publish_paced(js, stream, pacer, total, on_ack)
+        await publish_paced(js, stream, pacer, total, on_ack, spin=False)  # as streamq's
         elapsed = time.time() - start
         if failed:
             raise RuntimeError(f"{len(failed)} publishes failed, the first: {failed[0]!r}")

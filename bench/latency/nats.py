@@ -33,10 +33,17 @@ OnAck = Callable[[float, asyncio.Future[api.PubAck]], None]
 
 
 async def publish_paced(
-    js: JetStreamContext, stream: str, pacer: Pacer, total: int, on_ack: OnAck
+    js: JetStreamContext,
+    stream: str,
+    pacer: Pacer,
+    total: int,
+    on_ack: OnAck,
+    *,
+    spin: bool = True,
 ) -> None:
     """``total`` records on ``pacer``'s schedule, each published once it is due without
-    waiting for its ack; then every ack awaited, within ``DEADLINE`` in all."""
+    waiting for its ack; then every ack awaited, within ``DEADLINE`` in all. ``spin`` as
+    ``Pacer.until_due``'s."""
 
     async def paced() -> None:
         while pacer.taken < total:
@@ -48,10 +55,7 @@ async def publish_paced(
                     ack.add_done_callback(partial(on_ack, time.perf_counter()))
                 await asyncio.sleep(0)  # nats-py's flusher writes them now
             else:
-                # As streamq's producer: sleep to just before the next record is due
-                # (loop timers tick in ms), then yield until it is.
-                delay = pacer.wait()
-                await asyncio.sleep(delay - 0.001 if delay > 0.002 else 0)
+                await pacer.until_due(spin)  # as streamq's producer
         await js.publish_async_completed()
 
     await asyncio.wait_for(paced(), DEADLINE)

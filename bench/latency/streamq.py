@@ -34,9 +34,15 @@ def _publish(tx: streamq.BlockingTransaction, values: list[bytes]) -> None:
 
 
 async def publish_paced(
-    producer: streamq.Producer, pacer: Pacer, total: int, on_commit: OnCommit | None = None
+    producer: streamq.Producer,
+    pacer: Pacer,
+    total: int,
+    on_commit: OnCommit | None = None,
+    *,
+    spin: bool = True,
 ) -> None:
-    """``total`` records on ``pacer``'s schedule, each commit taking every record due."""
+    """``total`` records on ``pacer``'s schedule, each commit taking every record due;
+    ``spin`` as ``Pacer.until_due``'s."""
     while pacer.taken < total:
         count = min(total - pacer.taken, pacer.owed())
         if count > 0:
@@ -48,10 +54,7 @@ async def publish_paced(
             if on_commit is not None:
                 on_commit(dues, late, time.perf_counter() - began)
         else:
-            # Event-loop timers tick in milliseconds: sleep to just before the next
-            # record is due, then yield until it is (as the Kafka loop's poll(0) does).
-            delay = pacer.wait()
-            await asyncio.sleep(delay - 0.001 if delay > 0.002 else 0)
+            await pacer.until_due(spin)
 
 
 async def producer(db: str, rate: float, seconds: float, durability: Durability) -> None:
