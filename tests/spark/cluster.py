@@ -136,6 +136,18 @@ def packed_environment(directory: Path, with_streamq: bool = True) -> Path:
     return packed
 
 
+def unpacked(archive: Path) -> Path:
+    """``archive`` (``packed_environment``'s) unpacked beside it, once: a Python
+    environment of a driver's own, as a driver machine would have it."""
+    folder = archive.with_name(archive.name.removesuffix(".tar.gz"))
+    if not folder.exists():
+        partial = folder.with_name(f"{folder.name}-{os.getpid()}")
+        partial.mkdir()
+        subprocess.run(["tar", "-xzf", str(archive), "-C", str(partial)], **_RUN)  # type: ignore[call-overload]
+        os.replace(partial, folder)
+    return folder
+
+
 def submit(
     cluster: Cluster,
     program: Path,
@@ -144,12 +156,14 @@ def submit(
     log: Path,
     conf: Sequence[str] = (),
     py_files: Sequence[Path] = (),
+    driver: Path = Path(sys.prefix),
 ) -> subprocess.Popen[bytes]:
     """``spark-submit --master spark://... --deploy-mode client program args``: the driver
-    runs here, in the test's environment (streamq installed); the executors run
-    ``archive``'s Python (or the machine's, without one), ``py_files`` on their path."""
+    runs here, in the Python environment ``driver`` (by default the test's: streamq
+    installed); the executors run ``archive``'s Python (or the machine's, without one),
+    ``py_files`` on their path."""
     options = ["--master", cluster.master, "--deploy-mode", "client"]
-    options += ["--conf", f"spark.pyspark.driver.python={sys.executable}"]
+    options += ["--conf", f"spark.pyspark.driver.python={driver / 'bin' / 'python'}"]
     options += ["--conf", f"spark.driver.host={LOOPBACK}"]
     options += ["--conf", "spark.executor.memory=768m", "--conf", "spark.ui.enabled=false"]
     options += ["--conf", f"{PYTHON_WORKER_SOCKETS}=true"]  # as the guide says
@@ -160,7 +174,7 @@ def submit(
         # same relative path, from its working directory: there, the driver's own venv.
         link = log.parent / "environment"
         if not link.exists():
-            link.symlink_to(sys.prefix)
+            link.symlink_to(driver)
     for setting in conf:
         options += ["--conf", setting]
     if py_files:

@@ -31,6 +31,7 @@ from tests.spark.cluster import (
     pure_wheel,
     read_committed,
     submit,
+    unpacked,
 )
 
 JOB = Path(__file__).resolve().parent / "programs" / "cluster_job.py"
@@ -117,6 +118,29 @@ def test_a_batch_read_with_streamq_shipped_as_a_wheel_by_py_files(
     shipped = tmp_path / "streamq.zip"
     shutil.copyfile(pure_wheel(PACKED), shipped)
     read_every_record_once(tmp_path, cluster, fleet, deps_only, py_files=[shipped])
+
+
+@pytest.mark.timeout(300)
+def test_a_streaming_query_with_streamq_by_py_files_and_a_driver_without_streamq(
+    tmp_path: Path, cluster: Cluster, fleet: Fleet
+) -> None:
+    """The wheel's way for a streaming query, on a driver whose Python lacks streamq as
+    the executors' does (the application imports it from the zip): Spark starts the
+    driver's streaming source process without ``--py-files`` on its path, and the source
+    imports streamq there from the zip the driver's planning imported it from. Every
+    record is in the sink once."""
+    deps_only = packed_environment(PACKED, with_streamq=False)
+    shipped = tmp_path / "streamq.zip"
+    shutil.copyfile(pure_wheel(PACKED), shipped)
+    out, checkpoint, log = tmp_path / "out", tmp_path / "checkpoint", tmp_path / "stream.log"
+    args = ("stream", ",".join(fleet.endpoints), str(out), str(checkpoint))
+    driver = submit(
+        cluster, JOB, *args, archive=deps_only, log=log, py_files=[shipped],
+        driver=unpacked(deps_only),
+    )  # fmt: skip
+    assert driver.wait(timeout=240) == 0, log.read_text(errors="replace")[-5000:]
+    read = read_committed(out)
+    assert max(read.values()) == 1 and set(read) == fleet.every_record()
 
 
 @contextlib.contextmanager
