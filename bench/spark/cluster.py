@@ -74,6 +74,13 @@ def bound_port(
     return wait_until(f"the port of {service} in {log}", written, timeout, every=0.1)
 
 
+def master_state(ui: str) -> dict[str, object]:
+    """A master's view (its web UI's ``/json/``, ``ui`` its URL): workers, applications."""
+    with urllib.request.urlopen(f"{ui}/json/", timeout=5) as answer:
+        state: dict[str, object] = json.load(answer)
+        return state
+
+
 class Cluster:
     """``Cluster(tmp_path, workers=2)``: ``master`` is its ``spark://`` URL, ``ui`` its
     web UI's. ``port``, ``ui_port``: the ports the master asks for, 0 (any free one) by
@@ -134,10 +141,7 @@ class Cluster:
         return False
 
     def state(self) -> dict[str, object]:
-        """The master's view (its web UI's ``/json/``): workers, applications."""
-        with urllib.request.urlopen(f"{self.ui}/json/", timeout=5) as answer:
-            state: dict[str, object] = json.load(answer)
-            return state
+        return master_state(self.ui)
 
     def alive_workers(self) -> int:
         alive = self.state().get("aliveworkers", 0)

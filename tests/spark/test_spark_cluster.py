@@ -11,18 +11,23 @@ from __future__ import annotations
 import contextlib
 import http.server
 import os
+import re
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
+from bench.spark.cluster import master_state, spark_env
+from spark_source.session import LOOPBACK
+from tests.recipes import harness
 from tests.spark.cluster import (
     ROOT,
     Cluster,
@@ -35,6 +40,8 @@ from tests.spark.cluster import (
 )
 
 JOB = Path(__file__).resolve().parent / "programs" / "cluster_job.py"
+CLIENT = Path(__file__).resolve().parent / "programs" / "connect_client.py"
+GUIDE = ROOT / "docs" / "guides" / "spark.md"
 PACKED = ROOT / "build" / "spark-env"  # kept across runs, named by the sources' digest
 
 pytestmark = pytest.mark.xdist_group("spark-cluster")
@@ -242,3 +249,74 @@ def test_a_streaming_query_goes_on_through_a_worker_and_its_driver_killed(
     # The executors ran on the cluster's workers, from the archive's Python.
     apps = cluster.state()["completedapps"]
     assert apps, cluster.state()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_guides_cluster_lines_run_as_written(
+    tmp_path: Path, reserve_port: Callable[[], int]
+) -> None:
+    """docs/guides/spark.md's "Running on a cluster", its lines run in a shell as a user
+    runs them (pip's ``spark-class`` and ``spark-submit`` on the PATH, no ``SPARK_HOME``),
+    but for the hosts and ports (loopback, the test's), the checkout for ``./streamq`` and
+    the cluster's job for ``app.py``: a master and a worker, the packed environment (of
+    the size the guide says) and a batch read through it, and a Spark Connect server on
+    the cluster, which a client reads every record through."""
+    daemons, packed, _, connect = harness.guide_blocks("Running on a cluster", GUIDE)
+    master, ui, grpc = reserve_port(), reserve_port(), reserve_port()
+    fleet = Fleet(tmp_path, [300, 500])
+    endpoints, out = ",".join(fleet.endpoints), tmp_path / "out"
+
+    def as_here(lines: list[str]) -> str:
+        here = {
+            "--host master": f"--host {LOOPBACK}",
+            "master:7077": f"{LOOPBACK}:{master}",
+            "--port 7077": f"--port {master}",
+            "--webui-port 8080": f"--webui-port {ui}",
+            "--webui-port 8081": "--webui-port 0",
+            "./streamq": str(ROOT),
+            "15002": str(grpc),
+            "app.py": f"{JOB} batch {endpoints} {out}",
+            "/opt/streamq-env": str(tmp_path / "opt" / "streamq-env"),
+        }
+        script = "\n".join(lines)
+        for written, run in here.items():
+            script = script.replace(written, run)
+        return script
+
+    env = spark_env(tmp_path)  # loopback only, quiet daemons; no SPARK_HOME, no PYSPARK_*
+    del env["SPARK_HOME"], env["PYSPARK_PYTHON"]
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]])
+    processes = harness.Processes(tmp_path, env, cwd=tmp_path)
+    try:
+        for i, line in enumerate(daemons):
+            processes.start(f"daemon{i}", "bash", "-c", f"exec {as_here([line])}")
+
+        def one_worker() -> bool:
+            with contextlib.suppress(OSError):
+                return master_state(f"http://{LOOPBACK}:{ui}").get("aliveworkers") == 1
+            return False
+
+        harness.wait_until(one_worker, 120, "the master and a worker")
+        processes.run("packed", "bash", "-ec", as_here(packed), timeout=600)
+        read = read_parquet(out)
+        assert max(read.values()) == 1 and set(read) == fleet.every_record()
+        documented = re.search(r"\((\d+) MiB\s+with pyarrow", GUIDE.read_text())
+        assert documented is not None
+        size = (tmp_path / "env.tar.gz").stat().st_size / 2**20
+        assert abs(size - int(documented[1])) < 0.2 * int(documented[1]), f"{size:.0f} MiB"
+
+        server = processes.start("connect", "bash", "-ec", as_here(connect))
+        bound = server.wait_for_line(r"started service '\S+SparkConnectService' on port (\d+)", 180)
+        assert int(bound[1]) == grpc
+        client = subprocess.run(
+            [sys.executable, str(CLIENT), f"sc://{LOOPBACK}:{grpc}", endpoints,
+             str(tmp_path / "connect-out"), str(tmp_path / "connect-checkpoint")],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert client.returncode == 0, client.stdout + client.stderr[-3000:]
+        assert "BATCH 800" in client.stdout and "STREAM 800" in client.stdout, client.stdout
+        assert set(read_committed(tmp_path / "connect-out")) == fleet.every_record()
+    finally:
+        processes.close()
+        fleet.close()
