@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import closing
 from pathlib import Path
 from typing import Any
@@ -279,14 +279,14 @@ def test_status_groups_metrics_and_console_equal_the_consumers_databases(
 
 
 def test_a_consumer_killed_between_its_commit_and_its_report_is_shown_as_of_that_report(
-    tmp_path: Path,
+    tmp_path: Path, reserve_port: Callable[[], int]
 ) -> None:
     """Billing reports its first commit only (one ACK an hour), commits five records more
     and is killed: the producer cannot know those commits. ``streamq status``, ``streamq
     consumers list``, the producer's metrics and the console show its figures as of its
     last report, saying so: not connected, the lag an upper bound, the report's time."""
     shop, billing_db, fixed = tmp_path / "shop.db", tmp_path / "billing.db", tmp_path / "fixed"
-    address = f"127.0.0.1:{free_port()}"
+    address = f"127.0.0.1:{reserve_port()}"
     with harness.deployed(tmp_path, harness.recipe_env()) as processes:
         processes.run("init", *STREAMQ, "init", str(shop), "--stream", "orders")
         served = processes.start(

@@ -9,14 +9,12 @@ cluster").
 from __future__ import annotations
 
 import contextlib
-import http.server
 import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -150,48 +148,25 @@ def test_a_streaming_query_with_streamq_by_py_files_and_a_driver_without_streamq
     assert max(read.values()) == 1 and set(read) == fleet.every_record()
 
 
-@contextlib.contextmanager
-def another_web_ui() -> Iterator[int]:
-    """A web server on loopback answering every page with HTML, as another Spark UI does:
-    its port."""
-
-    class Page(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            body = b"<html><title>another Spark UI</title></html>"
-            self.send_response(200)
-            self.send_header("Content-Type", "text/html")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: object) -> None:
-            pass
-
-    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page) as server:
-        serving = threading.Thread(target=server.serve_forever, daemon=True)
-        serving.start()
-        try:
-            yield server.server_address[1]
-        finally:
-            server.shutdown()
-            serving.join(10)
-
-
 @pytest.mark.timeout(180)
-def test_a_master_whose_ports_are_taken_is_read_where_it_bound(tmp_path: Path) -> None:
-    """The ports the master asks for are taken first by another web UI (as one took the
-    port once chosen for the master's UI, between its choice and the master's bind):
-    Spark binds next ones, the cluster reads from the master's log which, and its state
-    comes from the master's own UI."""
-    with another_web_ui() as taken:
-        cluster = Cluster(tmp_path / "cluster", workers=1, port=taken, ui_port=taken)
-        try:
-            assert cluster.state()["url"] == cluster.master  # the master's own UI
-            ports = {int(url.rsplit(":", 1)[1]) for url in (cluster.master, cluster.ui)}
-            assert taken not in ports and len(ports) == 2
-            assert cluster.alive_workers() == 1
-        finally:
-            cluster.close()
+def test_a_master_whose_ports_are_taken_is_read_where_it_bound(
+    tmp_path: Path, http_server: str
+) -> None:
+    """The ports the master asks for are taken first by another web server, whose
+    ``/json/`` is an HTML page (as another Spark UI took the port once chosen for the
+    master's UI, between its choice and the master's bind): Spark binds next ones, the
+    cluster reads from the master's log which, and its state comes from its own UI."""
+    (tmp_path / "json").mkdir()
+    (tmp_path / "json" / "index.html").write_text("<html><title>another Spark UI</title>")
+    taken = int(http_server.rsplit(":", 1)[1])
+    cluster = Cluster(tmp_path / "cluster", workers=1, port=taken, ui_port=taken)
+    try:
+        assert cluster.state()["url"] == cluster.master  # the master's own UI
+        ports = {int(url.rsplit(":", 1)[1]) for url in (cluster.master, cluster.ui)}
+        assert taken not in ports and len(ports) == 2
+        assert cluster.alive_workers() == 1
+    finally:
+        cluster.close()
 
 
 @pytest.mark.timeout(300)
