@@ -252,11 +252,22 @@ def pin(pid: int, cpus: Iterable[int]) -> None:
             os.sched_setaffinity(int(task), wanted)
 
 
-def free_port() -> int:
-    """A port on loopback free now, for a server told to listen on it."""
+@contextlib.contextmanager
+def reserved_port() -> Iterator[int]:
+    """A port on loopback that no other process can take while the block runs, for a
+    server told to listen on it, once or again after each restart.
+
+    A port found free and let go (bind to 0, close) can be taken by another process before
+    the server binds it: a Spark master then moved to the next port, and the test read
+    another Spark UI's page. This port stays bound, with SO_REUSEADDR, and never listens:
+    the kernel hands it to no one else (neither ``bind`` to port 0 nor an outgoing
+    connection's source port), a server binding it with SO_REUSEADDR (asyncio's, uvicorn,
+    PostgreSQL, the JVM's) shares it, and until one listens a connection to it is
+    refused. A process binding it without SO_REUSEADDR gets ``EADDRINUSE``."""
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+        sock.bind(("127.0.0.1", 0))  # before SO_REUSEADDR: a port no socket holds
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        yield int(sock.getsockname()[1])
 
 
 def wait_until(

@@ -40,15 +40,15 @@ appender.stderr.layout.pattern = %d{yy/MM/dd HH:mm:ss} %p %c{1}: %m%n%ex
 """
 
 
-def log4j2_file() -> Path:
-    """``LOG4J2`` in a file the JVM can read; named by its content, so it is written once
-    per version and concurrent sessions never see it half written."""
-    digest = hashlib.sha256(LOG4J2.encode()).hexdigest()[:12]
+def log4j2_file(text: str = LOG4J2) -> Path:
+    """``text`` (``LOG4J2``) in a file the JVM can read; named by its content, so it is
+    written once per version and concurrent sessions never see it half written."""
+    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
     path = Path(tempfile.gettempdir()) / f"streamq-spark-log4j2-{digest}.properties"
     if not path.exists():
         fd, partial = tempfile.mkstemp(dir=path.parent, suffix=".partial")
         with os.fdopen(fd, "w") as out:
-            out.write(LOG4J2)
+            out.write(text)
         os.replace(partial, path)
     return path
 

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import errno
 import json
+import logging
 import os
 import select
 import signal
@@ -697,7 +698,19 @@ def _address(command: str, text: str) -> str:
     return text
 
 
+def _log_to_stderr() -> None:
+    """A serving process's log: what streamq says at INFO and above, a line each on
+    stderr (the publishing path a PostgreSQL producer chose and why, slots it made,
+    consumers it forgot), where Python's default shows warnings only."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger = logging.getLogger("streamq")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+
+
 async def _serve(args: argparse.Namespace) -> None:
+    _log_to_stderr()
     if not args.create:  # a wrong database would otherwise get log tables, and serve nothing
         _producer_database("serve", args.db, "--init")
     settings = _server_settings(args)

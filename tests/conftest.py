@@ -7,6 +7,7 @@ Every async test runs twice, on asyncio's default loop and on uvloop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import http.server
 import itertools
@@ -19,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import uvloop
 from hypothesis import HealthCheck, settings
+
+from bench.common import reserved_port
 
 from .children import KEPT, running_children
 from .pgserver import PostgresMissingError, PostgresServer
@@ -190,6 +193,14 @@ def http_server(tmp_path: Path) -> Iterator[str]:
         finally:
             server.shutdown()
             thread.join(10)
+
+
+@pytest.fixture
+def reserve_port() -> Iterator[Callable[[], int]]:
+    """``reserve_port()``: a loopback port held for the test, for a server told to listen
+    on it (again after a restart) or for nothing to listen on (``reserved_port``)."""
+    with contextlib.ExitStack() as held:
+        yield lambda: held.enter_context(reserved_port())
 
 
 async def wait_for(

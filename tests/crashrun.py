@@ -45,7 +45,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -55,6 +54,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import streamq
+from bench.common import reserved_port
 from streamq.protocol import decode_record
 
 from .crash.producer_proc import COMMIT_UNNUMBERED
@@ -164,12 +164,6 @@ class Figures:
     @property
     def anomalies(self) -> int:
         return self.report.anomalies if self.report else 0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class Proc:
@@ -361,8 +355,9 @@ class CrashRun:
         self.plan = plan = plan.resolved(self.engine)
         self.figures = Figures(seed, engine=self.engine)
         self.rng = random.Random(seed)
-        self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
+        # The producer's port, held through every restart: set by ``run``.
+        self.port = 0
+        self.address = ""
         # PostgreSQL: URLs once the run's server is up (``open_databases``).
         self.server: PostgresServer | None = None
         self.producer_db = str(directory / "producer.db")
@@ -825,6 +820,11 @@ class CrashRun:
     # --- the whole run -------------------------------------------------------
 
     def run(self) -> Figures:
+        with reserved_port() as port:
+            self.port, self.address = port, f"127.0.0.1:{port}"
+            return self._run()
+
+    def _run(self) -> Figures:
         started = time.monotonic()
         plan = self.plan
         try:

@@ -22,13 +22,14 @@ import pwd
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from bench.common import reserved_port
 
 from .waiting import wait_until
 
@@ -80,13 +81,6 @@ def _has_server(bindir: Path) -> bool:
     return all(os.access(bindir / name, os.X_OK) for name in ("initdb", "pg_ctl", "postgres"))
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 # What a start prints while the processes of a killed server are still exiting: they hold
 # its shared memory, or (a zombie not yet reaped) its pid still answers.
 _OLD_SERVER_EXITING = ("pre-existing shared memory block", "already exists")
@@ -109,6 +103,7 @@ class PostgresServer:
         self.data = self.base / "data"
         self.logfile = self.base / "server.log"
         self.port = 0
+        self._port = contextlib.ExitStack()  # holds ``port`` from the first start to ``stop``
         self.running = False
         self.killed_pid = 0  # a postmaster ``kill`` ended, not started again since
         self._killed_shmid = ""  # its System V shared memory, which outlives it
@@ -162,20 +157,14 @@ class PostgresServer:
         # superuser, on loopback (initdb's default file may allow it too; this says so).
         with (self.data / "pg_hba.conf").open("a") as hba:
             hba.write(f"host replication {SUPERUSER} 127.0.0.1/32 trust\n")
-        self._start_on_a_free_port()
+        self._start_on_a_reserved_port()
 
-    def _start_on_a_free_port(self) -> None:
-        # A free port can be taken by someone else before the server binds it: try again.
-        for attempt in range(5):
-            self.port = free_port()
-            self._configure()
-            try:
-                self._pg_ctl_start()
-            except RuntimeError:
-                if attempt == 4 or "could not bind" not in self.log_tail(200):
-                    raise
-                continue
-            return
+    def _start_on_a_reserved_port(self) -> None:
+        """On a port held until ``stop`` (PostgreSQL binds with SO_REUSEADDR): no other
+        process takes it before the first start or between a kill and a restart."""
+        self.port = self._port.enter_context(reserved_port())
+        self._configure()
+        self._pg_ctl_start()
 
     def _pg_ctl_start(self) -> None:
         self._run(
@@ -220,6 +209,7 @@ class PostgresServer:
         finally:
             self._release_killed_memory()
             shutil.rmtree(self.base, ignore_errors=True)
+            self._port.close()
 
     def create_database(self, name: str) -> str:
         """A new, empty database; its URL."""
@@ -285,7 +275,7 @@ class PostgresServer:
                     replica._standby[name.strip()] = value.strip()
             if "primary_conninfo" not in replica._standby:
                 raise RuntimeError(f"pg_basebackup -R wrote no primary_conninfo:\n{auto}")
-            replica._start_on_a_free_port()
+            replica._start_on_a_reserved_port()
         except BaseException:
             replica.stop()
             raise

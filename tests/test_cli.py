@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import sqlite3
@@ -18,6 +19,8 @@ import pytest
 
 import streamq
 from streamq import cli
+
+from .waiting import wait_until
 
 STREAMQ = [sys.executable, "-m", "streamq"]
 
@@ -437,3 +440,35 @@ def test_names_and_token_secrets_are_checked(tmp_path: Path) -> None:
     short.write_text("too-short\n")
     line = refused(run("token", "billing", "--secret-file", str(short)))
     assert f"the secret in {short} has 9 bytes; producers refuse secrets under 16" in line
+
+
+@pytest.mark.parametrize(
+    ("server", "path"),
+    [
+        ("pg_url", r"through table streamq_pending: wal_level is 'replica', the WAL path needs"),
+        ("capture_url", r"through the WAL \(slot streamq_\w+_publish, from [0-9A-F]+/[0-9A-F]+\)"),
+    ],
+)
+def test_serve_logs_the_publishing_path_it_chose(
+    request: pytest.FixtureRequest, tmp_path: Path, server: str, path: str
+) -> None:
+    """A PostgreSQL producer's publishing path, chosen as it starts, is said once in the
+    log of ``streamq serve`` (docs/guides/postgresql.md, 'Two publishing paths')."""
+    url = request.getfixturevalue(server)  # wal_level replica, or logical
+    log = tmp_path / "serve.log"
+    said = re.compile(rf"INFO streamq\.postgres: publishing on .* {path}")
+    with (
+        log.open("w") as stderr,
+        subprocess.Popen(
+            [*STREAMQ, "serve", url, "--init", "--port", "0"],
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        ) as process,
+    ):
+        try:
+            wait_until(lambda: bool(said.search(log.read_text())), "the publishing path", 60)
+        finally:
+            process.terminate()
+            process.wait(30)
+    assert len(said.findall(log.read_text())) == 1, log.read_text()
+    assert "Traceback" not in log.read_text(), log.read_text()

@@ -22,7 +22,7 @@ import httpx
 import psycopg
 import pytest
 
-from .pgserver import PostgresServer, free_port
+from .pgserver import PostgresServer
 from .recipes import harness
 
 ORDERS = 600
@@ -112,7 +112,10 @@ CONSUMER_KILLS = 4
 
 @pytest.mark.timeout(180)
 def test_fastapi_on_postgresql_bills_each_order_once(
-    postgres: PostgresServer, tmp_path: Path, figures: Callable[[str], None]
+    postgres: PostgresServer,
+    tmp_path: Path,
+    figures: Callable[[str], None],
+    reserve_port: Callable[[], int],
 ) -> None:
     """The guide's FastAPI steps run as written (free ports, throwaway databases): uvicorn
     with 2 workers publishing through asyncpg, the sidecar, the consumer ``kill -9``ed
@@ -121,7 +124,7 @@ def test_fastapi_on_postgresql_bills_each_order_once(
     retry of a committed order is 409 and publishes nothing."""
     n = next(_FASTAPI_RUNS)
     shop, billing = (postgres.create_database(f"{name}_{n}") for name in ("shop", "billing"))
-    sidecar, web = free_port(), free_port()
+    sidecar, web = reserve_port(), reserve_port()
     env = {**harness.recipe_env(), "DATABASE_URL": shop, "BILLING_URL": billing}
     # The guide's shell, in this virtual environment as if activated: python, streamq, uvicorn.
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])

@@ -49,9 +49,9 @@ from ..common import (
     alternating,
     comparison_table,
     console,
-    free_port,
     latency_table,
     percentile_series,
+    reserved_port,
     save,
     workload_main,
 )
@@ -109,10 +109,12 @@ def crash_run(
     began = time.monotonic()
     delivered: Counter[str] = Counter()
     events: list[dict[str, Any]] = []
-    deployment = Deployment(
-        system, folder, total, rate, broker=broker, port=free_port(), dedupe=dedupe, seed=seed
-    )
-    with deployment:
+    with (
+        reserved_port() as port,  # the producer's, through its kills and restarts
+        Deployment(
+            system, folder, total, rate, broker=broker, port=port, dedupe=dedupe, seed=seed
+        ) as deployment,
+    ):
         deployment.start_all()
         deployment.go()
         for i, (role, how) in enumerate(kill_plan(system, kills)):

@@ -42,7 +42,8 @@ def save_position(conn: Any, batch: Batch) -> None:
 
 async def save_position_async(conn: Any, batch: Batch) -> None:
     """``save_position`` for asyncio connections: aiosqlite, psycopg's ``AsyncConnection``,
-    SQLAlchemy's ``AsyncConnection`` and ``AsyncSession``."""
+    asyncpg's ``Connection`` (or a pool's), SQLAlchemy's ``AsyncConnection`` and
+    ``AsyncSession``: what ``publish_async`` takes."""
     _check(batch)
     engine, dbapi = await for_connection_async(conn, SAVE_POSITION)
     await engine.save_position_async(dbapi, batch)

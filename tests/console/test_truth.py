@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import closing
 from pathlib import Path
 from typing import Any
@@ -25,9 +25,9 @@ import httpx
 import pytest
 
 import streamq
+from bench.common import reserved_port
 from streamq.filters import split_share_name
 from streamq.wire.client import Client
-from tests.pgserver import free_port
 from tests.recipes import harness
 from tests.recipes.harness import Process, Processes, wait_until
 
@@ -39,7 +39,7 @@ IDLE_SECONDS = 60  # the issue's idle minute: no record, no restart
 class Deployment:
     """The producer, the consumer ``billing``, the group ``ledger`` and the console."""
 
-    def __init__(self, processes: Processes, directory: Path) -> None:
+    def __init__(self, processes: Processes, directory: Path, port: int) -> None:
         self.processes = processes
         self.shop = directory / "shop.db"
         self.billing_db, self.ledger_db = directory / "billing.db", directory / "ledger.db"
@@ -47,7 +47,7 @@ class Deployment:
         self.fixed.touch()  # billing applies everything
         with sqlite3.connect(self.ledger_db) as conn:
             conn.execute("CREATE TABLE credits (seq INTEGER PRIMARY KEY, key BLOB, pid INTEGER)")
-        self.address = f"127.0.0.1:{free_port()}"
+        self.address = f"127.0.0.1:{port}"
         processes.run("init", *STREAMQ, "init", str(self.shop), "--stream", "orders")
         self.producer = self.serve()
         self.billing = self.start_billing()
@@ -226,8 +226,8 @@ class Deployment:
 
 @pytest.fixture
 def deployment(tmp_path: Path) -> Iterator[Deployment]:
-    with harness.deployed(tmp_path, harness.recipe_env()) as processes:
-        yield Deployment(processes, tmp_path)
+    with reserved_port() as port, harness.deployed(tmp_path, harness.recipe_env()) as processes:
+        yield Deployment(processes, tmp_path, port)
 
 
 @pytest.mark.slow
@@ -279,14 +279,14 @@ def test_status_groups_metrics_and_console_equal_the_consumers_databases(
 
 
 def test_a_consumer_killed_between_its_commit_and_its_report_is_shown_as_of_that_report(
-    tmp_path: Path,
+    tmp_path: Path, reserve_port: Callable[[], int]
 ) -> None:
     """Billing reports its first commit only (one ACK an hour), commits five records more
     and is killed: the producer cannot know those commits. ``streamq status``, ``streamq
     consumers list``, the producer's metrics and the console show its figures as of its
     last report, saying so: not connected, the lag an upper bound, the report's time."""
     shop, billing_db, fixed = tmp_path / "shop.db", tmp_path / "billing.db", tmp_path / "fixed"
-    address = f"127.0.0.1:{free_port()}"
+    address = f"127.0.0.1:{reserve_port()}"
     with harness.deployed(tmp_path, harness.recipe_env()) as processes:
         processes.run("init", *STREAMQ, "init", str(shop), "--stream", "orders")
         served = processes.start(

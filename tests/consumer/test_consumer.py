@@ -6,8 +6,8 @@ import asyncio
 import contextlib
 import os
 import shutil
-import socket
 import sqlite3
+from collections.abc import Callable
 
 import pytest
 
@@ -23,13 +23,6 @@ from streamq.errors import (
 
 from ..conftest import wait_for
 from ..producer.test_producer import commit_holder
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 async def apply(consumer: Consumer, until: int) -> list[int]:
@@ -118,8 +111,10 @@ async def test_batch_applied_twice_or_out_of_turn_is_refused(
     assert consumer.applied == 1
 
 
-async def test_replaced_producer_database_is_detected(producer_db: str, consumer_db: str) -> None:
-    port = free_port()
+async def test_replaced_producer_database_is_detected(
+    producer_db: str, consumer_db: str, reserve_port: Callable[[], int]
+) -> None:
+    port = reserve_port()
     async with Producer(producer_db, port=port) as producer:
         await producer.publish("orders", b"a")
         async with Consumer(producer.address, "orders", db=consumer_db, name="c") as consumer:
@@ -163,9 +158,9 @@ async def test_producer_restored_from_older_copy_is_detected(
 
 
 async def test_consumer_reconnects_when_the_producer_restarts(
-    producer_db: str, consumer_db: str
+    producer_db: str, consumer_db: str, reserve_port: Callable[[], int]
 ) -> None:
-    port = free_port()
+    port = reserve_port()
     producer = Producer(producer_db, port=port)
     await producer.start()
     async with producer.transaction() as tx:
@@ -187,7 +182,9 @@ async def test_consumer_reconnects_when_the_producer_restarts(
     assert [seq for seq, _ in credits(consumer_db)] == list(range(1, 201))
 
 
-async def test_subscribe_errors_reach_the_consumer(producer_db: str) -> None:
+async def test_subscribe_errors_reach_the_consumer(
+    producer_db: str, reserve_port: Callable[[], int]
+) -> None:
     async with Producer(producer_db) as producer:
         for n in range(10):
             await producer.publish("orders", b"%d" % n)
@@ -202,7 +199,7 @@ async def test_subscribe_errors_reach_the_consumer(producer_db: str) -> None:
             await producer.publish("orders", b"10")
             assert [r.seq for r in await anext(at_head)] == [11]
         with pytest.raises(streamq.ConnectionLostError, match="cannot connect"):
-            await Consumer(f"127.0.0.1:{free_port()}", "orders", connect_timeout=5).start()
+            await Consumer(f"127.0.0.1:{reserve_port()}", "orders", connect_timeout=5).start()
 
 
 def test_blocking_client_head_range_streams_status(producer_db: str) -> None:
@@ -228,8 +225,10 @@ def test_blocking_client_head_range_streams_status(producer_db: str) -> None:
                 client.head("missing")
 
 
-async def test_start_waits_for_a_producer_that_is_down(producer_db: str) -> None:
-    port = free_port()
+async def test_start_waits_for_a_producer_that_is_down(
+    producer_db: str, reserve_port: Callable[[], int]
+) -> None:
+    port = reserve_port()
     with pytest.raises(streamq.ConnectionLostError, match=r"within 0\.3 s"):
         await Consumer(f"127.0.0.1:{port}", "orders", reconnect_timeout=0.3).start()
     consumer = Consumer(f"127.0.0.1:{port}", "orders", reconnect_timeout=20)

@@ -22,7 +22,7 @@ from streamq import (
 from streamq.engines.sqlite.storage import HEAD_QUERY
 
 from ..conftest import wait_for
-from ..crashrun import Proc, free_port
+from ..crashrun import Proc
 
 STREAM = "orders"
 
@@ -163,8 +163,10 @@ TOTAL = 2_000  # records per producer process
 PACE = 2_000  # records per second each publishes, at most
 
 
-async def test_kill_9_one_producer_while_the_others_go_on(tmp_path: Path, consumer_db: str) -> None:
-    ports = [free_port() for _ in range(3)]
+async def test_kill_9_one_producer_while_the_others_go_on(
+    tmp_path: Path, consumer_db: str, reserve_port: Callable[[], int]
+) -> None:
+    ports = [reserve_port() for _ in range(3)]
     dbs = [str(tmp_path / f"producer{i}.db") for i in range(3)]
     allow = [tmp_path / f"allow{i}" for i in range(3)]  # how far each producer may publish
 

@@ -18,12 +18,13 @@ from pathlib import Path
 import pytest
 
 import streamq
+from bench.common import reserved_port
 from streamq import Consumer, FanInConsumer, GroupConsumer
 from streamq.wire.transport import parse_address
 
 from ..conftest import wait_for
 from ..faultproxy import FaultProxy
-from ..pgserver import PostgresServer, free_port
+from ..pgserver import PostgresServer
 
 # A consumer that retried would fail after its reconnect timeout, 30 s: this bound is only
 # generous, for a loaded machine.
@@ -67,26 +68,26 @@ async def refused_at_once(consumer: Consumer | FanInConsumer | GroupConsumer, ad
 async def web_server() -> AsyncIterator[int]:
     """A real uvicorn (h11: it waits for a request line's end) serving an ASGI app on
     loopback; its port, once it accepts connections."""
-    port = free_port()
     app = "async def app(scope, receive, send):\n    pass\n"
-    process = subprocess.Popen(
-        [sys.executable, "-c", app + f"import uvicorn; uvicorn.run(app, port={port})"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    with reserved_port() as port:
+        process = subprocess.Popen(
+            [sys.executable, "-c", app + f"import uvicorn; uvicorn.run(app, port={port})"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
 
-    def accepting() -> bool:
-        assert process.poll() is None, "uvicorn exited"
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port)):
-            return True
-        return False
+        def accepting() -> bool:
+            assert process.poll() is None, "uvicorn exited"
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port)):
+                return True
+            return False
 
-    try:
-        await wait_for(accepting, 30, "uvicorn to listen")
-        yield port
-    finally:
-        process.terminate()
-        process.wait(10)
+        try:
+            await wait_for(accepting, 30, "uvicorn to listen")
+            yield port
+        finally:
+            process.terminate()
+            process.wait(10)
 
 
 async def test_a_web_server_is_named_not_a_producer() -> None:

@@ -17,7 +17,7 @@ import sqlite3
 import subprocess
 import sys
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,7 +43,6 @@ from streamq.errors import (
 )
 
 from ..conftest import wait_for
-from ..pgserver import free_port
 from ..producer.test_epochs import image_at, restore
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -499,11 +498,13 @@ async def test_transaction_cancelled_during_commit_counts_the_commit(
     assert target.credits() == [1, 2]
 
 
-async def test_a_database_that_cannot_be_opened_is_named(producer_db: str, pg_url: str) -> None:
+async def test_a_database_that_cannot_be_opened_is_named(
+    producer_db: str, pg_url: str, reserve_port: Callable[[], int]
+) -> None:
     async with Producer(producer_db) as producer:
         server = pg_url.rpartition("/")[0]
         bad = {
-            f"postgresql://streamq:s3cret@127.0.0.1:{free_port()}/ledger": "refused",
+            f"postgresql://streamq:s3cret@127.0.0.1:{reserve_port()}/ledger": "refused",
             f"{server}/no_such_database": 'database "no_such_database" does not exist',
             "postgresql://streamq:s3cret@[::1/ledger": "IPv6",
         }

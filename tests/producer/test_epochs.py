@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sqlite3
+from collections.abc import Callable
 
 import pytest
 
@@ -17,7 +18,7 @@ from streamq import Consumer, Producer, SeqsReusedError
 from streamq.producer.committed_log import Epochs
 
 from ..conftest import wait_for
-from ..consumer.test_consumer import apply, credits, free_port
+from ..consumer.test_consumer import apply, credits
 
 
 def epoch_rows(path: str) -> list[tuple[int, int]]:
@@ -66,12 +67,12 @@ def test_epochs_lookup() -> None:
 
 
 async def test_each_writer_process_is_recorded_and_no_false_alarm(
-    producer_db: str, consumer_db: str
+    producer_db: str, consumer_db: str, reserve_port: Callable[[], int]
 ) -> None:
     """Every writer stamps its records with the database's current epoch, and a producer
     starting in another process makes a new one: the serving producer's next commit
     carries it too. Consumers store the epochs, and a restart raises nothing."""
-    port = free_port()
+    port = reserve_port()
     async with Producer(producer_db, port=port, watch_interval=0.02) as server:
         await server.publish("orders", b"a1")
         await server.publish("orders", b"a2")
@@ -158,9 +159,11 @@ async def test_a_database_restored_from_an_older_copy_is_refused_even_past_its_h
     assert [seq for seq, _ in credits(consumer_db)] == [1, 2, 3, 4]  # nothing more applied
 
 
-async def test_a_consumer_without_database_catches_reuse_on_reconnect(producer_db: str) -> None:
+async def test_a_consumer_without_database_catches_reuse_on_reconnect(
+    producer_db: str, reserve_port: Callable[[], int]
+) -> None:
     image = str(producer_db) + ".image"
-    port = free_port()
+    port = reserve_port()
     producer = Producer(producer_db, port=port)
     await producer.start()
     for n in range(1, 4):

@@ -46,12 +46,14 @@ def wait_until(condition: Callable[[], object], timeout: float, what: str) -> No
 class Process:
     """A process started for a test in a process group of its own, its output in a file."""
 
-    def __init__(self, name: str, argv: Sequence[str], log: Path, env: dict[str, str]) -> None:
+    def __init__(
+        self, name: str, argv: Sequence[str], log: Path, env: dict[str, str], cwd: Path = ROOT
+    ) -> None:
         self.name, self.log = name, log
         with log.open("wb") as out:
             self.popen = subprocess.Popen(
                 argv,
-                cwd=ROOT,
+                cwd=cwd,
                 env=env,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -83,15 +85,17 @@ class Process:
 
 
 class Processes:
-    """The processes of one recipe run: ``close`` kills every one, whatever happened."""
+    """The processes of one recipe run, in ``cwd``: ``close`` kills every one, whatever
+    happened."""
 
-    def __init__(self, directory: Path, env: dict[str, str]) -> None:
-        self.directory, self.env = directory, env
+    def __init__(self, directory: Path, env: dict[str, str], cwd: Path = ROOT) -> None:
+        self.directory, self.env, self.cwd = directory, env, cwd
         self.started: list[Process] = []
 
     def start(self, name: str, *argv: str, env: dict[str, str] | None = None) -> Process:
         """``argv`` running until ``close``; ``env``: variables set for this one."""
-        process = Process(name, argv, self.directory / f"{name}.log", {**self.env, **(env or {})})
+        log = self.directory / f"{name}.log"
+        process = Process(name, argv, log, {**self.env, **(env or {})}, self.cwd)
         self.started.append(process)
         return process
 
@@ -103,7 +107,7 @@ class Processes:
         with log.open("wb") as out:
             done = subprocess.run(
                 argv,
-                cwd=ROOT,
+                cwd=self.cwd,
                 env={**self.env, **(env or {})},
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -179,11 +183,19 @@ def documented_steps(
 def guide_lines(heading: str, guide: Path = GUIDE) -> list[str]:
     """The shell lines of the ```bash blocks of the guide's ``## heading`` section, as
     written (comments and blank lines left out)."""
-    lines = []
+    return [line for block in guide_blocks(heading, guide) for line in block]
+
+
+def guide_blocks(heading: str, guide: Path = GUIDE) -> list[list[str]]:
+    """Each ```bash block of the guide's ``## heading`` section: its shell lines, as
+    written (a line continued with a backslash joined; comments and blank lines left
+    out)."""
+    blocks = []
     section = guide_section(guide, heading)
     for block in re.findall(r"^```bash\n(.*?)^```$", section, re.MULTILINE | re.DOTALL):
-        lines += [line for line in block.replace("\\\n", " ").splitlines() if line.strip()]
-    return [line for line in lines if not line.startswith("#")]
+        lines = block.replace("\\\n", " ").splitlines()
+        blocks.append([line for line in lines if line.strip() and not line.startswith("#")])
+    return blocks
 
 
 def guide_section(guide: Path, heading: str) -> str:

@@ -87,6 +87,14 @@ def _sources_digest() -> str:
 
 
 _RUN = {"check": True, "capture_output": True, "timeout": 600}
+# The environment's own commands, away from the checkout (neither the test's PYTHONPATH
+# nor the working directory): there pip would find the checkout's streamq.egg-info and
+# take streamq as installed already.
+_OWN = {
+    **_RUN,
+    "env": {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")},
+    "cwd": os.sep,
+}
 
 
 def pure_wheel(directory: Path) -> Path:
@@ -113,6 +121,7 @@ def packed_environment(directory: Path, with_streamq: bool = True) -> Path:
     version of the sources: kept in ``directory`` under their digest. ``with_streamq``
     False: streamq's dependencies without streamq itself, as an image that has them and
     gets streamq by ``--py-files`` would be (or a user's mistake, for the error it gets)."""
+    directory = directory.resolve()  # its commands run elsewhere (``_OWN``)
     name = "streamq-env" if with_streamq else "env-streamq-deps-only"
     packed = directory / f"{name}-{_sources_digest()}.tar.gz"
     if packed.exists():
@@ -120,11 +129,15 @@ def packed_environment(directory: Path, with_streamq: bool = True) -> Path:
     wheel = pure_wheel(directory)
     build = directory / f"build-{os.getpid()}"
     venv = build / "env"
-    subprocess.run([str(BASE_PYTHON), "-m", "venv", str(venv)], **_RUN)  # type: ignore[call-overload]
-    pip = [str(venv / "bin" / "python"), "-m", "pip"]
-    subprocess.run([*pip, "install", "--quiet", str(wheel), *EXECUTOR_PACKAGES], **_RUN)  # type: ignore[call-overload]
+    subprocess.run([str(BASE_PYTHON), "-m", "venv", str(venv)], **_OWN)  # type: ignore[call-overload]
+    python = str(venv / "bin" / "python")
+    pip = [python, "-m", "pip"]
+    subprocess.run([*pip, "install", "--quiet", str(wheel), *EXECUTOR_PACKAGES], **_OWN)  # type: ignore[call-overload]
     if not with_streamq:
-        subprocess.run([*pip, "uninstall", "--quiet", "--yes", "streamq"], **_RUN)  # type: ignore[call-overload]
+        subprocess.run([*pip, "uninstall", "--quiet", "--yes", "streamq"], **_OWN)  # type: ignore[call-overload]
+    where = "import importlib.util as u; print(getattr(u.find_spec('streamq'), 'origin', ''))"
+    found = subprocess.run([python, "-c", where], text=True, **_OWN).stdout.strip()  # type: ignore[call-overload]
+    assert found.startswith(str(venv)) if with_streamq else not found, f"streamq at {found!r}"
     partial = build / "env.tar.gz"
     subprocess.run(
         [str(Path(sys.executable).parent / "venv-pack"), "-p", str(venv), "-o", str(partial),
@@ -136,6 +149,18 @@ def packed_environment(directory: Path, with_streamq: bool = True) -> Path:
     return packed
 
 
+def unpacked(archive: Path) -> Path:
+    """``archive`` (``packed_environment``'s) unpacked beside it, once: a Python
+    environment of a driver's own, as a driver machine would have it."""
+    folder = archive.with_name(archive.name.removesuffix(".tar.gz"))
+    if not folder.exists():
+        partial = folder.with_name(f"{folder.name}-{os.getpid()}")
+        partial.mkdir()
+        subprocess.run(["tar", "-xzf", str(archive), "-C", str(partial)], **_RUN)  # type: ignore[call-overload]
+        os.replace(partial, folder)
+    return folder
+
+
 def submit(
     cluster: Cluster,
     program: Path,
@@ -144,12 +169,14 @@ def submit(
     log: Path,
     conf: Sequence[str] = (),
     py_files: Sequence[Path] = (),
+    driver: Path = Path(sys.prefix),
 ) -> subprocess.Popen[bytes]:
     """``spark-submit --master spark://... --deploy-mode client program args``: the driver
-    runs here, in the test's environment (streamq installed); the executors run
-    ``archive``'s Python (or the machine's, without one), ``py_files`` on their path."""
+    runs here, in the Python environment ``driver`` (by default the test's: streamq
+    installed); the executors run ``archive``'s Python (or the machine's, without one),
+    ``py_files`` on their path."""
     options = ["--master", cluster.master, "--deploy-mode", "client"]
-    options += ["--conf", f"spark.pyspark.driver.python={sys.executable}"]
+    options += ["--conf", f"spark.pyspark.driver.python={driver / 'bin' / 'python'}"]
     options += ["--conf", f"spark.driver.host={LOOPBACK}"]
     options += ["--conf", "spark.executor.memory=768m", "--conf", "spark.ui.enabled=false"]
     options += ["--conf", f"{PYTHON_WORKER_SOCKETS}=true"]  # as the guide says
@@ -160,7 +187,7 @@ def submit(
         # same relative path, from its working directory: there, the driver's own venv.
         link = log.parent / "environment"
         if not link.exists():
-            link.symlink_to(sys.prefix)
+            link.symlink_to(driver)
     for setting in conf:
         options += ["--conf", setting]
     if py_files:

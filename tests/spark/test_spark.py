@@ -10,7 +10,7 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -146,11 +146,12 @@ def test_available_now_with_admission_control(
 
 
 def test_failures_name_the_producer(
-    spark: SparkSession, producers: list[streamq.SyncProducer], tmp_path: Path
+    spark: SparkSession,
+    producers: list[streamq.SyncProducer],
+    tmp_path: Path,
+    reserve_port: Callable[[], int],
 ) -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        dead = f"127.0.0.1:{sock.getsockname()[1]}"
+    dead = f"127.0.0.1:{reserve_port()}"  # nothing listens there
     with pytest.raises(PySparkException, match=f"producer at {dead}: cannot connect"):
         read(spark, f"{producers[0].address},{dead}").count()
 
@@ -234,15 +235,13 @@ def test_an_unknown_stream_fails_the_first_plan_naming_each_producer_lacking_it(
 
 
 def test_wrong_endpoints_fail_the_first_plan_naming_the_address(
-    spark: SparkSession, tmp_path: Path
+    spark: SparkSession, tmp_path: Path, reserve_port: Callable[[], int]
 ) -> None:
     """Nothing listening, a port that never answers, an endpoint not of the form host:port:
     an error naming the address (within timeoutMs), not a hang or an empty answer."""
     with streamq.SyncProducer(str(tmp_path / "a.db")) as a:
         a.publish("orders", b"1")
-        with socket.socket() as closed:
-            closed.bind(("127.0.0.1", 0))
-            dead = f"127.0.0.1:{closed.getsockname()[1]}"
+        dead = f"127.0.0.1:{reserve_port()}"  # nothing listens there
         seen: list[int] = []
         query = stream_query(spark, f"{a.address},{dead}", "orders", tmp_path / "ck", seen)
         fails_at_first_trigger(query, f"producer at {dead}: cannot connect")
@@ -299,10 +298,10 @@ def test_an_option_error_comes_before_sparks_traceback_not_under_it(
         assert seen == []
 
 
-def test_replaced_producer_fails_a_running_query(spark: SparkSession, tmp_path: Path) -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+def test_replaced_producer_fails_a_running_query(
+    spark: SparkSession, tmp_path: Path, reserve_port: Callable[[], int]
+) -> None:
+    port = reserve_port()  # the original's, then its replacement's
     original = streamq.SyncProducer(str(tmp_path / "a.db"), port=port)
     original.publish("orders", b"1")
     run_available_now(spark, original.address, tmp_path / "ck", tmp_path / "out")

@@ -10,17 +10,22 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
+from bench.spark.cluster import master_state, spark_env
+from spark_source.session import LOOPBACK
+from tests.recipes import harness
 from tests.spark.cluster import (
     ROOT,
     Cluster,
@@ -29,9 +34,12 @@ from tests.spark.cluster import (
     pure_wheel,
     read_committed,
     submit,
+    unpacked,
 )
 
 JOB = Path(__file__).resolve().parent / "programs" / "cluster_job.py"
+CLIENT = Path(__file__).resolve().parent / "programs" / "connect_client.py"
+GUIDE = ROOT / "docs" / "guides" / "spark.md"
 PACKED = ROOT / "build" / "spark-env"  # kept across runs, named by the sources' digest
 
 pytestmark = pytest.mark.xdist_group("spark-cluster")
@@ -118,6 +126,50 @@ def test_a_batch_read_with_streamq_shipped_as_a_wheel_by_py_files(
 
 
 @pytest.mark.timeout(300)
+def test_a_streaming_query_with_streamq_by_py_files_and_a_driver_without_streamq(
+    tmp_path: Path, cluster: Cluster, fleet: Fleet
+) -> None:
+    """The wheel's way for a streaming query, on a driver whose Python lacks streamq as
+    the executors' does (the application imports it from the zip): Spark starts the
+    driver's streaming source process without ``--py-files`` on its path, and the source
+    imports streamq there from the zip the driver's planning imported it from. Every
+    record is in the sink once."""
+    deps_only = packed_environment(PACKED, with_streamq=False)
+    shipped = tmp_path / "streamq.zip"
+    shutil.copyfile(pure_wheel(PACKED), shipped)
+    out, checkpoint, log = tmp_path / "out", tmp_path / "checkpoint", tmp_path / "stream.log"
+    args = ("stream", ",".join(fleet.endpoints), str(out), str(checkpoint))
+    driver = submit(
+        cluster, JOB, *args, archive=deps_only, log=log, py_files=[shipped],
+        driver=unpacked(deps_only),
+    )  # fmt: skip
+    assert driver.wait(timeout=240) == 0, log.read_text(errors="replace")[-5000:]
+    read = read_committed(out)
+    assert max(read.values()) == 1 and set(read) == fleet.every_record()
+
+
+@pytest.mark.timeout(180)
+def test_a_master_whose_ports_are_taken_is_read_where_it_bound(
+    tmp_path: Path, http_server: str
+) -> None:
+    """The ports the master asks for are taken first by another web server, whose
+    ``/json/`` is an HTML page (as another Spark UI took the port once chosen for the
+    master's UI, between its choice and the master's bind): Spark binds next ones, the
+    cluster reads from the master's log which, and its state comes from its own UI."""
+    (tmp_path / "json").mkdir()
+    (tmp_path / "json" / "index.html").write_text("<html><title>another Spark UI</title>")
+    taken = int(http_server.rsplit(":", 1)[1])
+    cluster = Cluster(tmp_path / "cluster", workers=1, port=taken, ui_port=taken)
+    try:
+        assert cluster.state()["url"] == cluster.master  # the master's own UI
+        ports = {int(url.rsplit(":", 1)[1]) for url in (cluster.master, cluster.ui)}
+        assert taken not in ports and len(ports) == 2
+        assert cluster.alive_workers() == 1
+    finally:
+        cluster.close()
+
+
+@pytest.mark.timeout(300)
 def test_executors_without_streamq_fail_the_query_at_once_saying_how_to_ship_it(
     tmp_path: Path, cluster: Cluster, fleet: Fleet
 ) -> None:
@@ -172,3 +224,74 @@ def test_a_streaming_query_goes_on_through_a_worker_and_its_driver_killed(
     # The executors ran on the cluster's workers, from the archive's Python.
     apps = cluster.state()["completedapps"]
     assert apps, cluster.state()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_guides_cluster_lines_run_as_written(
+    tmp_path: Path, reserve_port: Callable[[], int]
+) -> None:
+    """docs/guides/spark.md's "Running on a cluster", its lines run in a shell as a user
+    runs them (pip's ``spark-class`` and ``spark-submit`` on the PATH, no ``SPARK_HOME``),
+    but for the hosts and ports (loopback, the test's), the checkout for ``./streamq`` and
+    the cluster's job for ``app.py``: a master and a worker, the packed environment (of
+    the size the guide says) and a batch read through it, and a Spark Connect server on
+    the cluster, which a client reads every record through."""
+    daemons, packed, _, connect = harness.guide_blocks("Running on a cluster", GUIDE)
+    master, ui, grpc = reserve_port(), reserve_port(), reserve_port()
+    fleet = Fleet(tmp_path, [300, 500])
+    endpoints, out = ",".join(fleet.endpoints), tmp_path / "out"
+
+    def as_here(lines: list[str]) -> str:
+        here = {
+            "--host master": f"--host {LOOPBACK}",
+            "master:7077": f"{LOOPBACK}:{master}",
+            "--port 7077": f"--port {master}",
+            "--webui-port 8080": f"--webui-port {ui}",
+            "--webui-port 8081": "--webui-port 0",
+            "./streamq": str(ROOT),
+            "15002": str(grpc),
+            "app.py": f"{JOB} batch {endpoints} {out}",
+            "/opt/streamq-env": str(tmp_path / "opt" / "streamq-env"),
+        }
+        script = "\n".join(lines)
+        for written, run in here.items():
+            script = script.replace(written, run)
+        return script
+
+    env = spark_env(tmp_path)  # loopback only, quiet daemons; no SPARK_HOME, no PYSPARK_*
+    del env["SPARK_HOME"], env["PYSPARK_PYTHON"]
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]])
+    processes = harness.Processes(tmp_path, env, cwd=tmp_path)
+    try:
+        for i, line in enumerate(daemons):
+            processes.start(f"daemon{i}", "bash", "-c", f"exec {as_here([line])}")
+
+        def one_worker() -> bool:
+            with contextlib.suppress(OSError):
+                return master_state(f"http://{LOOPBACK}:{ui}").get("aliveworkers") == 1
+            return False
+
+        harness.wait_until(one_worker, 120, "the master and a worker")
+        processes.run("packed", "bash", "-ec", as_here(packed), timeout=600)
+        read = read_parquet(out)
+        assert max(read.values()) == 1 and set(read) == fleet.every_record()
+        documented = re.search(r"\((\d+) MiB\s+with pyarrow", GUIDE.read_text())
+        assert documented is not None
+        size = (tmp_path / "env.tar.gz").stat().st_size / 2**20
+        assert abs(size - int(documented[1])) < 0.2 * int(documented[1]), f"{size:.0f} MiB"
+
+        server = processes.start("connect", "bash", "-ec", as_here(connect))
+        bound = server.wait_for_line(r"started service '\S+SparkConnectService' on port (\d+)", 180)
+        assert int(bound[1]) == grpc
+        client = subprocess.run(
+            [sys.executable, str(CLIENT), f"sc://{LOOPBACK}:{grpc}", endpoints,
+             str(tmp_path / "connect-out"), str(tmp_path / "connect-checkpoint")],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert client.returncode == 0, client.stdout + client.stderr[-3000:]
+        assert "BATCH 800" in client.stdout and "STREAM 800" in client.stdout, client.stdout
+        assert set(read_committed(tmp_path / "connect-out")) == fleet.every_record()
+    finally:
+        processes.close()
+        fleet.close()

@@ -6,21 +6,20 @@ and streamq, registering the source on the server's session over gRPC.
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from bench.spark.cluster import SPARK_HOME, spark_env
-from tests.pgserver import free_port
+from bench.spark.cluster import DAEMON_LOG4J2, SPARK_HOME, bound_port, spark_env
+from spark_source.session import log4j2_file
 from tests.spark.cluster import Fleet, read_committed
 
 CLIENT = Path(__file__).resolve().parent / "programs" / "connect_client.py"
 SERVER = "org.apache.spark.sql.connect.service.SparkConnectServer"
+SERVICE = "org.apache.spark.sql.connect.service.SparkConnectService"  # as its log names it
 
 pytestmark = pytest.mark.xdist_group("spark-cluster")
 
@@ -28,28 +27,23 @@ pytestmark = pytest.mark.xdist_group("spark-cluster")
 @pytest.fixture
 def connect_server(tmp_path: Path) -> Iterator[str]:
     """A Spark Connect server on loopback, ``local[2]``, its Python the test's (streamq
-    installed on the server's side): its ``sc://`` address."""
-    port = free_port()
+    installed on the server's side): its ``sc://`` address, on the port it bound (port 0:
+    any free one, read back from its log)."""
     env = {**spark_env(tmp_path), "PYSPARK_PYTHON": sys.executable}
-    log = (tmp_path / "connect-server.log").open("wb")
-    with log:
+    log4j = f"-Dlog4j2.configurationFile=file:{log4j2_file(DAEMON_LOG4J2)}"
+    log = tmp_path / "connect-server.log"
+    with log.open("wb") as out:
         server = subprocess.Popen(
             [str(SPARK_HOME / "bin" / "spark-submit"), "--class", SERVER,
              "--master", "local[2]", "--conf", "spark.driver.host=127.0.0.1",
+             "--driver-java-options", log4j,
              "--conf", "spark.connect.grpc.binding.address=127.0.0.1",
-             "--conf", f"spark.connect.grpc.binding.port={port}",
+             "--conf", "spark.connect.grpc.binding.port=0",
              "--conf", "spark.ui.enabled=false", "spark-internal"],
-            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            with socket.socket() as probe:
-                if probe.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            assert server.poll() is None, (tmp_path / "connect-server.log").read_text()
-            assert time.monotonic() < deadline, "the Connect server did not listen in 90 s"
-            time.sleep(0.2)
+        port = bound_port(log, SERVICE, server, timeout=90)
         yield f"sc://127.0.0.1:{port}"
     finally:
         server.kill()

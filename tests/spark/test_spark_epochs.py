@@ -15,6 +15,7 @@ import pyarrow as pa
 import pytest
 from pyspark.sql.streaming.datasource import ReadAllAvailable
 
+from bench.common import reserved_port
 from spark_source import planning
 from spark_source.datasource import (
     StreamQPartition,
@@ -26,7 +27,6 @@ from spark_source.datasource import (
 from spark_source.planning import BatchEpochs, Connect, Position, Range, StreamQSourceError
 from streamq import SyncProducer
 
-from ..consumer.test_consumer import free_port
 from ..producer.test_epochs import image_at, restore
 
 
@@ -50,19 +50,20 @@ class Lost:
 
 
 def lose_commits(tmp_path: Path, rewritten: int) -> Iterator[Lost]:
-    db, image, port = str(tmp_path / "p.db"), str(tmp_path / "image.db"), free_port()
-    with SyncProducer(db, durability="normal", port=port) as producer:
-        with producer.transaction() as tx:
-            tx.publish_many("orders", [b"kept %d" % n for n in range(1, 11)])
-        image_at(db, image)  # the power goes out here: seqs 11.. are not synced
-        with producer.transaction() as tx:
-            tx.publish_many("orders", [b"lost %d" % n for n in range(11, 21)])
-        before = producer._producer.epoch
-    restore(image, db)
-    with SyncProducer(db, port=port) as restarted:
-        with restarted.transaction() as tx:
-            tx.publish_many("orders", [b"new %d" % n for n in range(11, 11 + rewritten)])
-        yield Lost(restarted, before, restarted._producer.epoch, 10 + rewritten)
+    db, image = str(tmp_path / "p.db"), str(tmp_path / "image.db")
+    with reserved_port() as port:  # the producer's, before and after the loss
+        with SyncProducer(db, durability="normal", port=port) as producer:
+            with producer.transaction() as tx:
+                tx.publish_many("orders", [b"kept %d" % n for n in range(1, 11)])
+            image_at(db, image)  # the power goes out here: seqs 11.. are not synced
+            with producer.transaction() as tx:
+                tx.publish_many("orders", [b"lost %d" % n for n in range(11, 21)])
+            before = producer._producer.epoch
+        restore(image, db)
+        with SyncProducer(db, port=port) as restarted:
+            with restarted.transaction() as tx:
+                tx.publish_many("orders", [b"new %d" % n for n in range(11, 11 + rewritten)])
+            yield Lost(restarted, before, restarted._producer.epoch, 10 + rewritten)
 
 
 @pytest.fixture

@@ -32,7 +32,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -46,6 +45,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import streamq
+from bench.common import reserved_port
 from bench.spark.footprint import processes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,12 +77,6 @@ LAST_RUN_TIMEOUT = 90.0
 PR_SET_CHILD_SUBREAPER = 36  # prctl option
 Row = tuple[str, str, str, int, bytes | None, bytes, int]  # as ROW_COLUMNS
 ROW_COLUMNS = ["producer", "endpoint", "stream", "seq", "key", "value", "ts"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def session_members(sid: int) -> list[tuple[int, str, int]]:
@@ -262,6 +256,7 @@ class SparkRun:
         self.allow_file = tmp_path / "allow"  # records each producer may have published
         self.producers: list[Proc] = []
         self.addresses: list[str] = []
+        self.ports = contextlib.ExitStack()  # the producers' ports, held until ``stop``
         self.query: Proc | None = None
         self.next_query: Proc | None = None  # started, its query waiting for its go
         self.runs = 0
@@ -294,7 +289,7 @@ class SparkRun:
             self.start_hosts()
             return
         for number in range(PRODUCERS):
-            port = free_port()
+            port = self.ports.enter_context(reserved_port())
             db = self.dir / f"producer-{number}.db"
             args = [str(PRODUCER_PROGRAM), str(db), str(port), str(TOTAL)]
             args += ["--allow", str(self.allow_file)]
@@ -449,6 +444,7 @@ class SparkRun:
         for proc in [self.query, self.next_query, *self.producers]:
             if proc is not None:
                 proc.kill_all()
+        self.ports.close()
 
 
 @pytest.mark.slow

@@ -734,12 +734,10 @@ def test_a_stream_missing_on_any_producer_is_an_error_naming_each(tmp_path: Path
         }
 
 
-def test_wrong_endpoints_are_errors_naming_the_address() -> None:
+def test_wrong_endpoints_are_errors_naming_the_address(reserve_port: Callable[[], int]) -> None:
     """Nothing listening, another service's port, a port that never answers, an endpoint
     not of the form host:port: each an error naming the address, within ``timeout``."""
-    with socket.socket() as closed:
-        closed.bind(("127.0.0.1", 0))
-        nothing = f"127.0.0.1:{closed.getsockname()[1]}"
+    nothing = f"127.0.0.1:{reserve_port()}"
     with pytest.raises(StreamQSourceError, match=f"producer at {nothing}: cannot connect"):
         planning.discover([nothing], "orders", Connect(timeout=10))
 

@@ -13,6 +13,7 @@ it goes on from the first seq lost, reading what the producer holds there now.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,6 @@ from pyspark.sql import SparkSession
 
 from streamq import SyncProducer
 
-from ..consumer.test_consumer import free_port
 from ..powerloss import WalTape
 from .test_spark import run_available_now
 
@@ -40,9 +40,9 @@ def sink(spark: SparkSession, out: Path) -> list[tuple[int, bytes]]:
 
 
 def test_a_query_fails_on_seqs_a_producer_reused_after_a_power_loss(
-    spark: SparkSession, tmp_path: Path
+    spark: SparkSession, tmp_path: Path, reserve_port: Callable[[], int]
 ) -> None:
-    db, port = tmp_path / "p.db", free_port()
+    db, port = tmp_path / "p.db", reserve_port()
     checkpoint, out = tmp_path / "ck", tmp_path / "out"
     tape = WalTape(db)
     producer = SyncProducer(str(db), durability="normal", port=port)

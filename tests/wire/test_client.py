@@ -8,7 +8,7 @@ import socket
 import socketserver
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import streamq
@@ -28,19 +28,15 @@ def silent_peers(count: int) -> Iterator[list[str]]:
         yield addresses
 
 
-def closed_port() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{sock.getsockname()[1]}"
-
-
-def test_connect_all_gives_each_address_its_client_or_its_error(tmp_path: Path) -> None:
+def test_connect_all_gives_each_address_its_client_or_its_error(
+    tmp_path: Path, reserve_port: Callable[[], int]
+) -> None:
     with (
         streamq.SyncProducer(str(tmp_path / "a.db")) as a,
         streamq.SyncProducer(str(tmp_path / "b.db")) as b,
         silent_peers(3) as mute,
     ):
-        nothing = closed_port()
+        nothing = f"127.0.0.1:{reserve_port()}"  # nothing listens there
         addresses = [a.address, nothing, *mute, b.address]
         started = time.monotonic()
         made = Client.connect_all(addresses, timeout=1.0, name="test")
