@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
     from bench.kafka.broker import KafkaBroker
+    from bench.nats.server import NatsServer
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -93,6 +94,20 @@ def kafka_broker() -> Iterator[KafkaBroker]:
     with KafkaBroker() as broker:
         KEPT.add(broker.pid)
         yield broker
+
+
+@pytest.fixture(scope="module")
+def nats_server() -> Iterator[NatsServer]:
+    """A real nats-server (default sync interval) for a module's tests; built first if
+    needed (``make test`` starts that build in the background)."""
+    from bench.nats import server
+
+    try:
+        server.ensure_binary()
+    except server.NatsServerError as error:
+        pytest.fail(str(error), pytrace=False)
+    with server.NatsServer() as started:
+        yield started
 
 
 def started_server(settings: dict[str, str] | None = None) -> Iterator[PostgresServer]:

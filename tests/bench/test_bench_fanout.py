@@ -5,7 +5,6 @@ reaching every consumer, with the figures the table and the chart are made of.""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,8 +15,7 @@ from bench.fanout import Tally
 from bench.fanout import run as fanout
 from bench.kafka.broker import KafkaBroker
 from bench.latency import record_value
-from bench.nats import server as nats_server
-from bench.nats.server import NatsServer, NatsServerError
+from bench.nats.server import NatsServer
 
 from ..children import running_children
 
@@ -26,14 +24,9 @@ pytestmark = pytest.mark.timeout(300)  # the broker's start, if no test started 
 CONSUMERS, RATE, SECONDS = 3, 200, 1.0
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[NatsServer]:
-    try:
-        nats_server.ensure_binary()
-    except NatsServerError as error:
-        pytest.fail(str(error), pytrace=False)
-    with NatsServer() as started:
-        yield started
+@pytest.fixture
+def server(nats_server: NatsServer) -> NatsServer:
+    return nats_server
 
 
 def test_every_system_delivers_every_record_to_every_consumer(

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import shutil
 import sqlite3
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,15 +21,9 @@ from bench.pipe import run as pipe
 pytestmark = pytest.mark.timeout(900)  # the first test may build nats-server
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[NatsServer]:
-    """One server (default sync interval) for the module's tests."""
-    try:
-        nats_server.ensure_binary()
-    except NatsServerError as error:
-        pytest.fail(str(error), pytrace=False)
-    with NatsServer() as started:
-        yield started
+@pytest.fixture
+def server(nats_server: NatsServer) -> NatsServer:
+    return nats_server
 
 
 def applied(db: Path) -> list[int]:
