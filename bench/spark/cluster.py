@@ -136,7 +136,10 @@ class Cluster:
         )  # fmt: skip
 
     def _answers(self) -> bool:
-        with contextlib.suppress(OSError):
+        # The port is the master's own (read from its log), but its UI may answer an HTML
+        # page at /json/ for a moment as it starts (seen once on a loaded machine): not
+        # ready yet. Later reads (``state``) take nothing but JSON.
+        with contextlib.suppress(OSError, ValueError):
             return bool(self.state())
         return False
 
