@@ -237,7 +237,11 @@ class Fanout:
             if gap > 0:
                 await asyncio.sleep(gap)
             began = loop.time()
-            await self._round(loop)
+            try:
+                await self._round(loop)
+            except Exception as exc:  # retention took the records, say: each one says so
+                for sub in list(self.following):
+                    self._hand_back(sub, exc)
             ended = loop.time()
             took = ended - began
 
@@ -250,14 +254,7 @@ class Fanout:
             if seq > stream.head or not self.following:
                 break
             end = min(seq + self.max_records, stream.epochs.segment_end(seq))
-            try:
-                packed, last = await self.log.read(
-                    stream, seq, end, self.max_records, self.max_bytes
-                )
-            except Exception as exc:  # retention took them: each subscriber says so
-                for sub in list(self.following):
-                    self._hand_back(sub, exc)
-                return
+            packed, last = await self.log.read(stream, seq, end, self.max_records, self.max_bytes)
             if last < seq:
                 break
             self.rounds += 1
