@@ -10,10 +10,12 @@ the high-water mark is handed back: it drains, then catches up on its own, so a 
 consumer costs the others nothing and holds at most its buffer and one round.
 
 Rounds: with nothing being served, a commit's round starts at the loop's next turn, and
-the commits of that turn share it; while rounds follow each other, the next starts no
-sooner than the last one took (``GAP_RATIO``) and at most ``MAX_GAP`` after the commit:
-serving takes at most about half of the loop, and commits that come faster than it
-serves share a round and its frames.
+the commits of that turn share it; while rounds follow each other, the next waits three
+times as long as the last one took (``GAP_RATIO``), at most ``MAX_GAP``: serving takes at
+most about a quarter of the loop, and commits that come faster than it serves share a
+round and its frames, so that each consumer, too, gets fewer and fuller frames (with 100
+consumers at 1,000 commits/s, a ratio of 1 left their process behind: p99 0.46 s against
+0.07 s with 3, in quick runs).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from .committed_log import Log, Packed, Stream
 
 # See the docstring: the pause before a round, as a multiple of the last round's time,
 # and its bound.
-GAP_RATIO = 1.0
+GAP_RATIO = 3.0
 MAX_GAP = 0.02
 # A round's records, in frames of the server's limits: at most this many, so that the loop
 # turns between rounds (the rest comes in the next round, at once). A subscriber is handed
