@@ -81,6 +81,15 @@ def master_state(ui: str) -> dict[str, object]:
         return state
 
 
+def starting_master_state(ui: str) -> dict[str, object] | None:
+    """``master_state`` while the master may still be starting: None until its UI answers
+    JSON (it refuses connections at first, and has answered an HTML page at ``/json/``
+    for a moment, twice on a loaded machine)."""
+    with contextlib.suppress(OSError, ValueError):
+        return master_state(ui)
+    return None
+
+
 class Cluster:
     """``Cluster(tmp_path, workers=2)``: ``master`` is its ``spark://`` URL, ``ui`` its
     web UI's. ``port``, ``ui_port``: the ports the master asks for, 0 (any free one) by
@@ -136,12 +145,7 @@ class Cluster:
         )  # fmt: skip
 
     def _answers(self) -> bool:
-        # The port is the master's own (read from its log), but its UI may answer an HTML
-        # page at /json/ for a moment as it starts (seen once on a loaded machine): not
-        # ready yet. Later reads (``state``) take nothing but JSON.
-        with contextlib.suppress(OSError, ValueError):
-            return bool(self.state())
-        return False
+        return bool(starting_master_state(self.ui))
 
     def state(self) -> dict[str, object]:
         return master_state(self.ui)

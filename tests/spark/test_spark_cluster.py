@@ -23,7 +23,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from bench.spark.cluster import master_state, spark_env
+from bench.spark.cluster import spark_env, starting_master_state
 from spark_source.session import LOOPBACK
 from tests.recipes import harness
 from tests.spark.cluster import (
@@ -268,9 +268,8 @@ def test_the_guides_cluster_lines_run_as_written(
             processes.start(f"daemon{i}", "bash", "-c", f"exec {as_here([line])}")
 
         def one_worker() -> bool:
-            with contextlib.suppress(OSError):
-                return master_state(f"http://{LOOPBACK}:{ui}").get("aliveworkers") == 1
-            return False
+            state = starting_master_state(f"http://{LOOPBACK}:{ui}")
+            return state is not None and state.get("aliveworkers") == 1
 
         harness.wait_until(one_worker, 120, "the master and a worker")
         processes.run("packed", "bash", "-ec", as_here(packed), timeout=600)
