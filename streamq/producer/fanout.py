@@ -183,7 +183,7 @@ class Fanout:
 
     async def follow(self, sub: Subscription, timeout: float) -> bool:
         """Serve ``sub`` from here until it is handed back (True: it must drain and read
-        for itself; an error of the round's read is raised) or ``timeout`` passes (False:
+        for itself; the error of a round that failed is raised) or ``timeout`` passes (False:
         time for its heartbeat or filter progress; it stays). ``sub`` has examined every
         seq up to ``position`` at least: beyond it if it came while a round was due."""
         waiter = sub._handed_back

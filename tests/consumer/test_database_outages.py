@@ -11,7 +11,7 @@ import contextlib
 import itertools
 import logging
 import sqlite3
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +137,22 @@ def assert_applied_once(producer_db: str, db: str, name: str = "billing") -> Non
     assert report.records > 0
 
 
+async def wind_down(
+    stop: asyncio.Event,
+    publishing: asyncio.Task[None],
+    applying: list[asyncio.Task[None]],
+    consumers: Sequence[Consumer | GroupConsumer],
+) -> None:
+    """The publisher stopped, the applying tasks cancelled, the consumers closed."""
+    stop.set()
+    await publishing
+    for task in applying:
+        task.cancel()
+    await asyncio.gather(*applying, return_exceptions=True)
+    for consumer in consumers:
+        await consumer.close()
+
+
 async def test_postgresql_killed_and_restarted_under_consumers_applying(
     tmp_path: Path, own_postgres: PostgresServer, new_database: Any
 ) -> None:
@@ -173,13 +189,7 @@ async def test_postgresql_killed_and_restarted_under_consumers_applying(
             head = producer.head(STREAM)
             await until(lambda: all(c.applied == head for c in consumers), applying, "the head")
         finally:
-            stop.set()
-            await publishing
-            for task in applying:
-                task.cancel()
-            await asyncio.gather(*applying, return_exceptions=True)
-            for consumer in consumers:
-                await consumer.close()
+            await wind_down(stop, publishing, applying, consumers)
     for db in (by_apply, by_transaction):
         assert_applied_once(producer_db, db)
 
@@ -251,13 +261,7 @@ async def test_a_group_goes_on_through_restarts_of_its_database(
             head = producer.head(STREAM)
             await until(lambda: len(rows(db)) >= head, applying, "the head")
         finally:
-            stop.set()
-            await publishing
-            for task in applying:
-                task.cancel()
-            await asyncio.gather(*applying, return_exceptions=True)
-            for group in groups:
-                await group.close()
+            await wind_down(stop, publishing, applying, groups)
         committed = read_log(producer_db, STREAM)
     applied = rows(db)
     assert sorted(seq for seq, _ in applied) == sorted(committed)  # once each
