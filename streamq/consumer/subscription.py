@@ -2,10 +2,11 @@
 
 ``Subscription`` connects (the handshake, ``transport.client_handshake``), subscribes from
 where the consumer stands and checks that the producer still holds what it read
-("Epochs"), reads the pushed frames into a bounded queue of batches (when it is full,
-reading stops, the socket's buffers fill, and TCP makes the producer wait), and
-reconnects after transient failures, with backoff. It also acknowledges the consumer's
-durable position to the producer (``ACK``), at most once per ``ack_interval``.
+("Epochs"), decodes the pushed frames as each read arrives (``PushReader``) into a
+bounded inbox of batches (when it is full, reading stops, the socket's buffers fill, and
+TCP makes the producer wait), and reconnects after transient failures, with backoff. It
+also acknowledges the consumer's durable position to the producer (``ACK``), at most
+once per ``ack_interval``.
 
 Where to start with a producer it has not read yet is the consumer's to say
 (``resume``): its stored position, or the configured start.
@@ -18,6 +19,7 @@ import contextlib
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import NamedTuple
 
@@ -49,6 +51,7 @@ from ..protocol import (
     lost_seqs,
 )
 from ..wire.transport import (
+    PushReader,
     client_handshake,
     closed_by_producer,
     handshake,
@@ -135,7 +138,12 @@ class Subscription:
         self._resume = resume
         self._durable = durable  # the position to acknowledge (0: none)
         self._ssl = None if settings.tls is None else settings.tls.context()
-        self._queue: asyncio.Queue[_Item] = asyncio.Queue(maxsize=settings.queue_batches)
+        # Batches received and not yet taken, and what ended the subscription; past
+        # ``queue_batches`` the connection stops reading until ``next`` takes some.
+        self._inbox: deque[_Item] = deque()
+        self._inbox_waiter: asyncio.Future[None] | None = None  # ``next`` waiting for one
+        self._reader: PushReader | None = None  # while streaming: paused when the inbox is full
+        self._paused = False
         # Until a producer announces its interval (and for one that does not): 30 s.
         self.heartbeat_timeout = heartbeat_timeout(settings.heartbeat_timeout, None)
         self.producer_id: str | None = None
@@ -194,29 +202,51 @@ class Subscription:
         if self._failed is not None:
             error, self._failed = self._failed, None
             raise error
-        item = await self._queue.get()
+        inbox = self._inbox
+        if not inbox:
+            waiter = self._inbox_waiter = asyncio.get_running_loop().create_future()
+            try:
+                await waiter
+            finally:
+                self._inbox_waiter = None
+        item = inbox.popleft()
         if isinstance(item, BaseException):
             raise item
         records, epoch, last = item.records, item.epoch, item.last_seq
-        while len(records) < max_records and not self._queue.empty():
-            more = self._queue.get_nowait()
+        while len(records) < max_records and inbox:
+            more = inbox.popleft()
             if isinstance(more, BaseException):
                 self._pending_error = more
                 break
             records += more.records
             epoch, last = more.epoch, more.last_seq
+        if self._paused and len(inbox) < self._settings.queue_batches:
+            self._paused = False
+            if self._reader is not None:
+                self._reader.resume()
         return Batch(item.stream, item.producer_id, item.after, records, epoch, through=last)
+
+    def _put(self, item: _Item) -> None:
+        """``item`` into the inbox; reading pauses once it holds ``queue_batches``."""
+        self._inbox.append(item)
+        waiter = self._inbox_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        if len(self._inbox) >= self._settings.queue_batches and not self._paused:
+            self._paused = True
+            if self._reader is not None:
+                self._reader.pause()
 
     def fail(self, error: BaseException) -> None:
         """Raise ``error`` from the next batch asked for: the failure of work the consumer
         did by itself, which no call of the application's saw. On a quiet stream, a wait
         for the next batch is woken with it."""
-        if self._queue.empty():
-            self._queue.put_nowait(error)
+        if not self._inbox:
+            self._put(error)
         elif self._failed is None:
             self._failed = error
 
-    async def _run(self, reader: asyncio.StreamReader, conn: ClientConnection) -> None:
+    async def _run(self, reader: PushReader, conn: ClientConnection) -> None:
         """Read batches into the queue; reconnect after transient failures.
 
         A connection lost soon after it was made (a link that resets every connection,
@@ -230,7 +260,7 @@ class Subscription:
             except TRANSIENT as exc:
                 self._drop_connection()
                 if not self._settings.reconnect:
-                    await self._queue.put(_lost(exc, self.address))
+                    self._put(_lost(exc, self.address))
                     return
                 logger.warning("connection to %s lost (%s); reconnecting", self.address, exc)
                 if time.monotonic() - connected_at >= STABLE_CONNECTION:
@@ -240,56 +270,102 @@ class Subscription:
                 try:
                     reader, conn = await self._connect_retrying(flap_delay)
                 except BaseException as error:
-                    await self._queue.put(error)
+                    self._put(error)
                     return
                 connected_at = time.monotonic()
                 self.reconnects += 1
             except StreamQError as exc:
                 self._drop_connection()
-                await self._queue.put(exc)
+                self._put(exc)
                 return
 
-    async def _pump(self, reader: asyncio.StreamReader, conn: ClientConnection) -> None:
-        """Receive the subscription's frames into the queue until the connection fails."""
-        while True:
+    async def _pump(self, reader: PushReader, conn: ClientConnection) -> None:
+        """Receive the subscription's frames into the inbox until the connection fails:
+        each read is decoded where it arrives (``PushReader``), and the silence of a
+        producer that stops sending (heartbeats included) is found by one timer, moved on
+        at most once per ``heartbeat_timeout`` rather than set for every read."""
+        loop = asyncio.get_running_loop()
+        ended: asyncio.Future[BaseException] = loop.create_future()
+        heard = loop.time()  # the last read, or the last resume: the silence starts there
+        timer: asyncio.TimerHandle | None = None
+
+        def end(error: BaseException) -> None:
+            reader.stop_pushing()
+            if not ended.done():
+                ended.set_result(error)
+
+        def receive(data: bytes) -> None:
+            nonlocal heard
+            heard = loop.time()
             try:
-                message = await read_message(conn, reader, read_timeout=self.heartbeat_timeout)
-            except TimeoutError:
-                raise ConnectionLostError(
-                    f"nothing from producer at {self.address} for {self.heartbeat_timeout:g} s"
-                ) from None
-            if message is None:
-                raise ConnectionLostError(f"producer at {self.address} closed the connection")
-            if isinstance(message, Records):
-                if message.records or message.through is not None:
-                    assert self.producer_id is not None
-                    self.seen_epoch = max(self.seen_epoch, message.epoch or 0)
-                    records, through = message.records, message.through or 0
-                    skip = self._skip
-                    if skip is not None and records and records[0].seq <= self._skip_through:
-                        through = through or records[-1].seq
-                        records = tuple(r for r in records if not skip.applied(r.key, r.seq))
-                    batch = Batch(
-                        self.stream,
-                        self.producer_id,
-                        self.received,
-                        records,
-                        self.seen_epoch,
-                        through=through,
+                conn.receive_data(data)
+                while (message := conn.next_event()) is not None:
+                    self._received(message)
+            except Exception as exc:  # a malformed frame, the producer's ERROR
+                end(exc)
+
+        def closed(exc: BaseException | None) -> None:
+            if exc is None:
+                exc = ConnectionLostError(f"producer at {self.address} closed the connection")
+            end(exc)
+
+        def check_silence() -> None:
+            nonlocal heard, timer
+            now = loop.time()
+            if self._paused:
+                heard = now  # not read while the inbox is full: no silence of the producer's
+            if now - heard >= self.heartbeat_timeout:
+                end(
+                    ConnectionLostError(
+                        f"nothing from producer at {self.address} for {self.heartbeat_timeout:g} s"
                     )
-                    self.received = batch.last_seq
-                    self.head = max(self.head, self.received)
-                    await self._queue.put(batch)
-            elif isinstance(message, Heartbeat):
-                self.head = message.head
-            elif isinstance(message, Error):
-                raise _server_error(message)
+                )
+            else:
+                timer = loop.call_at(heard + self.heartbeat_timeout, check_silence)
+
+        self._reader = reader
+        if self._paused:  # the inbox filled on an earlier connection, and is full still
+            reader.pause()
+        timer = loop.call_at(heard + self.heartbeat_timeout, check_silence)
+        try:
+            receive(reader.push_to(receive, closed))  # what came with the handshake first
+            raise await ended
+        finally:
+            if timer is not None:
+                timer.cancel()
+            reader.stop_pushing()
+            self._reader = None
+
+    def _received(self, message: Message) -> None:
+        """One message from the producer, while streaming."""
+        if isinstance(message, Records):
+            if message.records or message.through is not None:
+                assert self.producer_id is not None
+                self.seen_epoch = max(self.seen_epoch, message.epoch or 0)
+                records, through = message.records, message.through or 0
+                skip = self._skip
+                if skip is not None and records and records[0].seq <= self._skip_through:
+                    through = through or records[-1].seq
+                    records = tuple(r for r in records if not skip.applied(r.key, r.seq))
+                batch = Batch(
+                    self.stream,
+                    self.producer_id,
+                    self.received,
+                    records,
+                    self.seen_epoch,
+                    through=through,
+                )
+                self.received = batch.last_seq
+                self.head = max(self.head, self.received)
+                self._put(batch)
+        elif isinstance(message, Heartbeat):
+            self.head = message.head
+        elif isinstance(message, Error):
+            raise _server_error(message)
 
     # --- connecting ----------------------------------------------------------
 
-    async def _connect_retrying(
-        self, delay: float = 0.0
-    ) -> tuple[asyncio.StreamReader, ClientConnection]:
+    async def _connect_retrying(self, delay: float = 0.0) -> tuple[PushReader, ClientConnection]:
         """Connect, retrying transient failures with backoff until ``reconnect_timeout``.
 
         ``delay``: wait this long before the first attempt (0: try at once).
@@ -311,7 +387,7 @@ class Subscription:
                 error = exc
                 delay = min(max(delay * 2, FIRST_DELAY), MAX_DELAY)
 
-    async def _connect(self) -> tuple[asyncio.StreamReader, ClientConnection]:
+    async def _connect(self) -> tuple[PushReader, ClientConnection]:
         """Connect: the handshake, then the subscription and its position check."""
         settings = self._settings
         reader, writer = await open_connection(
