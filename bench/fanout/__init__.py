@@ -47,8 +47,11 @@ class Tally:
     apart, never as delivered) and every receipt's latency. Safe from several threads
     (the Kafka consumers run one each)."""
 
-    def __init__(self, consumers: int, total: int) -> None:
+    def __init__(self, consumers: int, total: int, by_second: bool = False) -> None:
         self.total = total
+        # With ``by_second``, the latencies also by the wall-clock second each record was
+        # due in: what happened to them while something else did (``stopped``).
+        self.by_second: dict[int, Latencies] | None = {} if by_second else None
         self.next = [0] * consumers  # per consumer, the record number it should get next
         self.delivered = self.skipped = self.repeated = 0
         self.complete = 0  # consumers that have their last record
@@ -69,6 +72,10 @@ class Tally:
                 self.delivered += 1
                 expected = number + 1
             self.latencies.record(dues, at)
+            if self.by_second is not None:
+                for second in {int(dues[0]), int(dues[-1])}:
+                    due = [d for d in dues if int(d) == second]
+                    self.by_second.setdefault(second, Latencies()).record(due, at)
             finished = self.next[consumer] < self.total <= expected
             self.next[consumer] = expected
             self.complete += finished
@@ -79,9 +86,14 @@ class Tally:
         return self.complete == len(self.next)
 
     def say_done(self) -> None:
-        """The DONE line: delivered, skipped, repeated and the latencies' histogram."""
+        """The DONE line: delivered, skipped, repeated and the latencies' histogram; with
+        ``by_second``, then each second's as SECOND:HISTOGRAM, comma-separated."""
         with self._lock:
-            say("DONE", self.delivered, self.skipped, self.repeated, self.latencies.encode())
+            fields = [self.delivered, self.skipped, self.repeated, self.latencies.encode()]
+            if self.by_second is not None:
+                seconds = sorted(self.by_second.items())
+                fields.append(",".join(f"{s}:{h.encode()}" for s, h in seconds))
+            say("DONE", *fields)
 
 
 def on_stop(callback: Callable[[], object]) -> None:

@@ -1,6 +1,6 @@
 """streamq's side of the fan-out workload: ``producer DB RATE SECONDS`` (serving, its
 address on READY), ``publisher DB RATE SECONDS`` (``serve=False``, beside ``streamq serve
-DB``) and ``consumers ADDRESS COUNT TOTAL``."""
+DB``) and ``consumers ADDRESS COUNT TOTAL [--by-second]`` (``Tally``'s)."""
 
 from __future__ import annotations
 
@@ -53,8 +53,8 @@ async def publisher(db: str, rate: float, seconds: float) -> None:
         await publish(unserved, rate, seconds)
 
 
-async def consumers(address: str, count: int, total: int) -> None:
-    tally = Tally(count, total)
+async def consumers(address: str, count: int, total: int, by_second: bool = False) -> None:
+    tally = Tally(count, total, by_second)
     stopped = asyncio.Event()
     loop = asyncio.get_running_loop()
 
@@ -86,7 +86,7 @@ async def consumers(address: str, count: int, total: int) -> None:
 if __name__ == "__main__":
     role, *args = sys.argv[1:]
     if role == "consumers":
-        _loop.run(consumers(args[0], int(args[1]), int(args[2])))
+        _loop.run(consumers(args[0], int(args[1]), int(args[2]), "--by-second" in args[3:]))
     elif role == "publisher":
         _loop.run(publisher(args[0], float(args[1]), float(args[2])))
     else:
