@@ -15,12 +15,16 @@ begins ends that pause at once, and requests catch up first anyway; what it dela
 only the in-memory heads (``Producer.head``, the metrics). Not where the producer numbers
 records itself (PostgreSQL): there the catch-up serves the publishers' receipts.
 
-While one waits, looks are at least ``BUSY_GAP`` apart: worker processes committing at
-full speed would otherwise get a catch-up (a few queries, ~100 µs of the serving
-process's CPU) per one or two commits; now each covers what came in half a millisecond.
-With worker processes committing 7,000-8,000 orders/s this took the serving process
-from 77-93 to 56-63 µs of CPU per order, and the consumer's p50 from 4-6 ms to about
-2 ms (the server no longer falls behind); it adds at most ``BUSY_GAP`` to a delivery.
+While one waits, a look follows the last one after a gap that adapts to the load, as
+the fan-out's rounds do: ``GAP_RATIO`` times as long as the last look's queries took, at
+least ``BUSY_GAP`` and at most ``MAX_BUSY_GAP``; none after a quiet spell (the gap runs
+from the last look's end). Worker processes committing at full speed would otherwise
+get a catch-up (a few queries, ~100 µs of the serving process's CPU) per one or two
+commits. A fixed half millisecond took the serving process from 77-93 to 56-63 µs of
+CPU per order at 7,000-8,000 orders/s and the consumer's p50 from 4-6 ms to about 2 ms;
+a gap of 2-5 ms under load halved its CPU per order again. Looks slow down as the
+machine gets busy (the queries wait for a core), so their gap widens with the load, and
+at 1,000 commits/s it stays near ``BUSY_GAP``.
 """
 
 from __future__ import annotations
@@ -43,9 +47,11 @@ FALLBACK_CHECK = 5.0
 RECHECK = 0.002
 RECHECK_LAST = 0.256
 IDLE_CHECK = 0.05
-# While subscribers wait: looks at least this far apart, so that commits coming faster
-# share a catch-up (see the docstring).
+# While subscribers wait: looks this many times their queries' time apart, from BUSY_GAP
+# to MAX_BUSY_GAP, so that commits coming faster share a catch-up (see the docstring).
+GAP_RATIO = 3.0
 BUSY_GAP = 0.0005
+MAX_BUSY_GAP = 0.005
 
 
 async def watch_commits(writing: Writing, watch: Watch, interval: float | None) -> None:
@@ -56,30 +62,40 @@ async def watch_commits(writing: Writing, watch: Watch, interval: float | None) 
     if interval is None:
         interval = FALLBACK_CHECK if watch.active else POLL_INTERVAL
     loop = asyncio.get_running_loop()
-    looked_at = 0.0
+    ended = took = 0.0  # when the last look ended, and its queries' time
     while True:
         event_at = await watch.wait(interval)
         if event_at is not None and writing.numberer is None:
             if not writing.log.waits.count:
                 await writing.log.waits.until_one_begins(IDLE_CHECK)  # see the docstring
             else:
-                gap = looked_at + BUSY_GAP - loop.time()
-                if gap > 0:
-                    await asyncio.sleep(gap)
-        looked_at = loop.time()
+                gap = min(MAX_BUSY_GAP, max(BUSY_GAP, took * GAP_RATIO))
+                pause = ended + gap - loop.time()
+                if pause > 0:
+                    await asyncio.sleep(pause)
         try:
-            await _look_for_commits(writing, watch, event_at)
+            took = await _look_for_commits(writing, watch, event_at)
         except Exception:  # the database away (a server restarting): look again later
             logger.exception("checking for other writers' commits failed")
+        ended = loop.time()
 
 
-async def _look_for_commits(writing: Writing, watch: Watch, event_at: float | None) -> None:
+async def _look_for_commits(writing: Writing, watch: Watch, event_at: float | None) -> float:
+    """Catch up, looking again a while for a write not yet visible as a commit; returns
+    the time the looks themselves took (the waits between them left out)."""
+    loop = asyncio.get_running_loop()
+    took = 0.0
     delay = RECHECK
-    while not await writing.check() and event_at is not None:
+    while True:
+        began = loop.time()
+        found = await writing.check()
+        took += loop.time() - began
+        if found or event_at is None:
+            return took
         # A write not yet visible as a commit (or this producer's own): look again,
         # later each time, sooner after another write; at most one look per RECHECK.
         if delay > RECHECK_LAST:
-            break
+            return took
         await asyncio.sleep(RECHECK)
         if await watch.wait(delay - RECHECK) is not None:
             delay = RECHECK
