@@ -26,14 +26,18 @@ driver's Python cannot read (``s3a://``, ``hdfs://``) names the query by its loc
 instead, which is as stable, until the checkpoint is moved.
 
 Why rows travel in commit messages rather than through a staging table in the producer's
-database: measured on a local session (``bench/spark/sink_staging.py``, 100-byte values),
-shipping published about 3x the rows per second of staging at 1 and 4 partitions, on
-SQLite: staging writes every row twice, once by the executors (into one SQLite file,
-whose writers queue) and once when the driver moves the committed attempts' rows into the
-log, which reads them back into Python to number and encode them. The cost of shipping
-is memory: a micro-batch's rows pass through the driver, so keep micro-batches to what
-the driver holds (``maxRecordsPerTrigger`` on streamq's source, ``maxOffsetsPerTrigger``
-on Kafka's, and Spark's ``spark.driver.maxResultSize``, 1 GiB by default).
+database: measured on a local[4] session (``python -m bench.spark.sink_staging``: 200,000
+rows, 100-byte values, SQLite, 2026-12-06 on a shared 2-core machine), shipping published
+115,000 to 144,000 rows/s at 1 partition and 107,000 to 171,000 at 4; staging 106,000 to
+112,000 and 104,000 to 109,000. Staging writes every row twice, once by the executors
+(into one SQLite file, whose writers queue) and once as the driver moves the committed
+attempts' rows into the log, which reads them back to number and encode them; its
+leftovers (a killed attempt's rows, an aborted batch's) need sweeping; and executors
+must reach the database, which a SQLite file on the driver's disk is not on a cluster.
+Shipping's cost is memory: a micro-batch's rows pass through the driver, so keep
+micro-batches to what the driver holds (``maxRecordsPerTrigger`` on streamq's source,
+``maxOffsetsPerTrigger`` on Kafka's; Spark's ``spark.driver.maxResultSize``, 1 GiB by
+default, bounds the messages).
 
 A batch write (``df.write``) is one transaction too, marked with an id drawn when Spark
 plans the write: the job commits everything or nothing, but running the same write again
