@@ -5,15 +5,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import sqlite3
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.streaming import StreamingQuery
 
 import streamq
+from spark_source.sink import MARKERS
 
 from ..waiting import wait_until
+from .programs.sink_hooks import PAUSE_AFTER_COMMIT
+from .test_spark_exactly_once import Proc, adopting_orphans
 
 STREAM = "scores"
 Copied = tuple[bytes | None, bytes, dict[str, bytes]]  # key, value, headers
@@ -148,3 +154,124 @@ def test_a_stream_column_routes_each_row_and_a_timestamp_column_stamps_it(
     with contextlib.closing(sqlite3.connect(tmp_path / "o.db")) as conn:
         stamps = [ts for (ts,) in conn.execute("SELECT ts FROM copy ORDER BY seq")]
     assert stamps == [1000, 3000, 5000, 7000, 9000]
+
+
+@pytest.fixture
+def orders(tmp_path: Path) -> Iterator[streamq.SyncProducer]:
+    """A producer serving stream ``orders``: 500 records ``source_rows(0, 500)``."""
+    with streamq.SyncProducer(str(tmp_path / "orders.db"), host="127.0.0.1", port=0) as producer:
+        publish_orders(producer, 0, 500)
+        yield producer
+
+
+def publish_orders(producer: streamq.SyncProducer, start: int, end: int) -> None:
+    with producer.transaction() as tx:
+        for i in range(start, end):
+            tx.publish("orders", b"v%d" % i, key=b"k%d" % (i % 5), headers={"n": b"%d" % i})
+
+
+def source_rows(start: int, end: int) -> list[Copied]:
+    return [(b"k%d" % (i % 5), b"v%d" % i, {"n": b"%d" % i}) for i in range(start, end)]
+
+
+def pipeline(spark: SparkSession, source: str, db: str, checkpoint: Path) -> StreamingQuery:
+    """streamq -> Spark -> streamq until the source's head: 100 records per micro-batch,
+    in 2 partitions."""
+    query = (
+        spark.readStream.format("streamq")
+        .option("endpoints", source)
+        .option("stream", "orders")
+        .option("startingOffsets", "earliest")
+        .option("maxRecordsPerTrigger", "100")
+        .option("minPartitions", "2")
+        .load()
+        .select("key", "value", "headers")
+        .writeStream.format("streamq")
+        .option("db", db)
+        .option("stream", STREAM)
+        .option("checkpointLocation", str(checkpoint))
+        .trigger(availableNow=True)
+        .start()
+    )
+    assert query.awaitTermination(120), "the query did not finish"
+    return query
+
+
+def markers(db: str) -> list[tuple[str, int, int]]:
+    """The sink's (query, batch, records) rows, on SQLite."""
+    with contextlib.closing(sqlite3.connect(db)) as conn:
+        return conn.execute(
+            f"SELECT query, batch, records FROM {MARKERS} ORDER BY batch"
+        ).fetchall()
+
+
+def test_a_streaming_query_publishes_each_micro_batch_once_and_a_replay_nothing(
+    spark: SparkSession, orders: streamq.SyncProducer, tmp_path: Path
+) -> None:
+    db, checkpoint = str(tmp_path / "out.db"), tmp_path / "ck"
+    make_db(db)
+    query = pipeline(spark, orders.address, db, checkpoint)
+    assert consumed(db, str(tmp_path / "c1.db"), least=500) == source_rows(0, 500)
+    # The query is known by the id Spark keeps in its checkpoint, every batch once.
+    assert markers(db) == [(f"query {query.id}", batch, 100) for batch in range(5)]
+
+    # Spark runs a batch again when its checkpoint has no commit for it (the driver died
+    # after the sink's commit, before its own): the sink publishes nothing the second time.
+    for name in ("4", ".4.crc"):
+        (checkpoint / "commits" / name).unlink(missing_ok=True)
+    again = pipeline(spark, orders.address, db, checkpoint)
+    assert again.id == query.id and again.runId != query.runId
+    assert (checkpoint / "commits" / "4").exists()  # it did run batch 4 again
+    publish_orders(orders, 500, 650)
+    pipeline(spark, orders.address, db, checkpoint)
+    assert consumed(db, str(tmp_path / "c2.db"), least=650) == source_rows(0, 650)
+    assert [batch for _, batch, _ in markers(db)] == list(range(7))
+
+
+QUERY_PROGRAM = Path(__file__).resolve().parent / "programs" / "sink_query.py"
+RUN_TIMEOUT = 150.0  # a program's run: its JVM's start (10 to 20 s) and 5 to 7 micro-batches
+
+
+def run_query(tmp_path: Path, name: str, source: str, db: str, *extra: str) -> Proc:
+    """``programs/sink_query.py`` in a process (session) of its own."""
+    checkpoint = str(tmp_path / "ck")
+    return Proc([str(QUERY_PROGRAM), source, db, checkpoint, *extra], tmp_path / f"{name}.log")
+
+
+def test_a_task_attempt_failed_on_purpose_publishes_its_rows_once(
+    orders: streamq.SyncProducer, tmp_path: Path
+) -> None:
+    db, failed = str(tmp_path / "out.db"), tmp_path / "failed"
+    make_db(db)
+    failed.mkdir()
+    run = run_query(tmp_path, "run", orders.address, db, "--fail-first-attempts", str(failed))
+    assert run.wait(RUN_TIMEOUT) == 0, run.tail()
+    assert "done" in run.lines()
+    assert len(list(failed.iterdir())) == 5  # each batch's partition 1 failed once
+    assert consumed(db, str(tmp_path / "c.db"), least=500) == source_rows(0, 500)
+
+
+def test_a_driver_killed_after_the_sinks_commit_restarts_with_no_duplicate(
+    orders: streamq.SyncProducer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kill -9 of the whole driver (Python, JVM, workers) once batch 2's transaction has
+    committed, before Spark's checkpoint has the batch; the restarted query runs batch 2
+    again, and the sink publishes nothing for it."""
+    db, flag = str(tmp_path / "out.db"), tmp_path / "committed"
+    make_db(db)
+    monkeypatch.setenv(PAUSE_AFTER_COMMIT, f"2:{flag}")
+    with adopting_orphans():
+        first = run_query(tmp_path, "first", orders.address, db)
+        try:
+            wait_until(lambda: flag.exists() or not first.alive(), "batch 2's commit", RUN_TIMEOUT)
+            assert flag.exists(), first.tail()
+            assert not (tmp_path / "ck" / "commits" / "2").exists()  # Spark's own: not yet
+            assert [batch for _, batch, _ in markers(db)] == [0, 1, 2]
+        finally:
+            assert first.kill_all() == -signal.SIGKILL
+        monkeypatch.delenv(PAUSE_AFTER_COMMIT)
+        second = run_query(tmp_path, "second", orders.address, db)
+        assert second.wait(RUN_TIMEOUT) == 0, second.tail()
+    assert (tmp_path / "ck" / "commits" / "2").exists()  # batch 2 ran again
+    assert consumed(db, str(tmp_path / "c.db"), least=500) == source_rows(0, 500)
+    assert [(batch, n) for _, batch, n in markers(db)] == [(b, 100) for b in range(5)]
