@@ -106,6 +106,8 @@ from .planning import StreamQSourceError
 from .shipping import Shipped
 
 SINK_OPTIONS = ("db", "stream", "checkpointLocation", "unreachableTimeoutMs", "path")
+# The Kafka sink's options a user moving from it may give, and this sink's for them.
+_KAFKAS = {"topic": "stream", "kafka.bootstrap.servers": "db"}
 COLUMNS = ("value", "key", "headers", "stream", "timestamp")
 MARKERS = "spark_streamq_batches"
 # Markers a query keeps: Spark replays only batches after the last one its checkpoint
@@ -151,6 +153,11 @@ class SinkSettings:
 
 def sink_settings(options: Mapping[str, str], schema: StructType) -> SinkSettings:
     """``options`` and ``schema`` checked, or one line naming the fix."""
+    for given in options:
+        if given.lower() in _KAFKAS:
+            raise StreamQSourceError(
+                f"option {given!r} is the Kafka sink's: this sink's is {_KAFKAS[given.lower()]!r}"
+            )
     check_option_names(options, SINK_OPTIONS)
     if options.get("path"):
         raise StreamQSourceError(
@@ -437,7 +444,8 @@ def query_identity(checkpoint: str | None) -> str:
     if not checkpoint:
         raise StreamQSourceError(
             "set option 'checkpointLocation' on the streaming query: the sink knows the query "
-            "by its checkpoint, to publish each micro-batch once"
+            "by its checkpoint, to publish each micro-batch once, and Spark does not show it "
+            "spark.sql.streaming.checkpointLocation"
         )
     url = urlparse(checkpoint)
     if url.scheme not in ("", "file"):

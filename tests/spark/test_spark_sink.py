@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from pyspark.errors import PySparkException
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming import StreamingQuery
 
@@ -275,3 +276,114 @@ def test_a_driver_killed_after_the_sinks_commit_restarts_with_no_duplicate(
     assert (tmp_path / "ck" / "commits" / "2").exists()  # batch 2 ran again
     assert consumed(db, str(tmp_path / "c.db"), least=500) == source_rows(0, 500)
     assert [(batch, n) for _, batch, n in markers(db)] == [(b, 100) for b in range(5)]
+
+
+def first_line(error: PySparkException) -> str:
+    return str(error).splitlines()[0]
+
+
+def test_each_wrong_option_or_column_is_refused_in_one_line_before_anything_is_written(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    db = str(tmp_path / "out.db")
+    make_db(db)
+    good = rows_frame(spark, 10, 2)
+    bare = str(tmp_path / "bare.db")
+    sqlite3.connect(bare).close()  # a database, without the log tables
+    named = {"db": db, "stream": STREAM}
+    refused: list[tuple[DataFrame, dict[str, str], str]] = [
+        (good, {**named, "strem": "x"}, "unknown option 'strem' (did you mean 'stream'?)"),
+        (
+            good,
+            {"db": db, "topic": "t"},
+            "option 'topic' is the Kafka sink's: this sink's is 'stream'",
+        ),
+        (good, {"stream": STREAM}, "set option 'db': the producer database to write into"),
+        (good, {**named, "db": str(tmp_path / "no.db")}, "option db: cannot open SQLite database"),
+        (
+            good,
+            {**named, "db": bare},
+            f"no streamq log tables: create them with 'streamq init {bare}'",
+        ),
+        (good, {"db": db}, "set option 'stream', or give the rows a 'stream' column"),
+        (good, {"db": db, "stream": ""}, "set option 'stream', or give the rows a 'stream' column"),
+        (good, {"db": db, "stream": "x" * 300}, "option 'stream': stream name must have 1 to"),
+        (
+            good.withColumnRenamed("value", "vaule"),
+            named,
+            "column 'vaule' is not one the sink writes: did you mean 'value'?",
+        ),
+        (
+            good.drop("value"),
+            named,
+            "the sink needs a 'value' column (binary or string); the DataFrame has key, headers",
+        ),
+        (
+            good.selectExpr("1 AS value"),
+            named,
+            "column 'value' is int: the sink takes binary or string (cast it)",
+        ),
+        (
+            good.selectExpr("value", "array('a') AS headers"),
+            named,
+            "column 'headers' is array<string>: the sink takes array<struct<key:string,value:bi",
+        ),
+        (
+            good.selectExpr("value", "1 AS stream"),
+            {"db": db},
+            "column 'stream' is int: the sink takes string",
+        ),
+        (
+            good.selectExpr("value", "'x' AS timestamp"),
+            named,
+            "column 'timestamp' is string: the sink takes timestamp or long (milliseconds)",
+        ),
+    ]
+    for df, options, line in refused:
+        writer = df.write.format("streamq").mode("append")
+        for name, value in options.items():
+            writer = writer.option(name, value)
+        with pytest.raises(PySparkException) as error:
+            writer.save()
+        assert line in first_line(error.value), (options, str(error.value)[:2000])
+    with pytest.raises(PySparkException) as error:
+        good.write.format("streamq").mode("overwrite").option("db", db).option(
+            "stream", STREAM
+        ).save()
+    assert "the sink appends to a stream: use .mode('append')" in first_line(error.value)
+    # A null value is found as the executors convert the rows: the job fails whole.
+    with pytest.raises(PySparkException, match="a row's value is null: streamq records always"):
+        write(good.selectExpr("IF(value = 'r5', NULL, value) AS value"), db, stream=STREAM)
+    with pytest.raises(PySparkException, match="a row's stream is null: fill the 'stream' column"):
+        write(good.selectExpr("value", "IF(value = 'r5', NULL, 's') AS stream"), db)
+
+    # Streaming queries: Spark refuses one without a checkpoint itself; one whose checkpoint
+    # is the session's default, which the sink is not shown, and a misspelt option.
+    rate = spark.readStream.format("rate").load().selectExpr("CAST(value AS STRING) AS value")
+    default = "spark.sql.streaming.checkpointLocation"
+    for options, line in [
+        ({"db": db, "stream": STREAM}, "checkpointLocation must be specified either through"),
+        ({"db": db, "stream": STREAM, default: str(tmp_path / "cks")},
+         "set option 'checkpointLocation' on the streaming query"),
+        ({"db": db, "stream": STREAM, "checkpointLocation": str(tmp_path / "ck"), "dbb": "x"},
+         "unknown option 'dbb' (did you mean 'db'?)"),
+    ]:  # fmt: skip
+        stream_writer = rate.writeStream.format("streamq")
+        if default in options:
+            spark.conf.set(default, options.pop(default))
+        for name, value in options.items():
+            stream_writer = stream_writer.option(name, value)
+        try:
+            with pytest.raises(PySparkException) as error:
+                query = stream_writer.start()
+                try:
+                    query.awaitTermination(60)
+                finally:
+                    query.stop()
+        finally:
+            spark.conf.unset(default)
+        assert line in first_line(error.value), str(error.value)[:2000]
+    with contextlib.closing(sqlite3.connect(db)) as conn:  # nothing written, not a marker
+        assert not conn.execute("SELECT 1 FROM sqlite_master WHERE name = ?", (MARKERS,)).fetchall()
+    with streamq.SyncProducer(db, serve=False) as producer:
+        assert _head(producer, STREAM) == 0
