@@ -248,10 +248,14 @@ def _check_stream(name: str, what: str) -> str:
 
 def _check_database(db: str) -> None:
     """The database exists and has the log tables: refused now, on the driver, rather
-    than in the first commit, after Spark ran the batch."""
+    than in the first commit, after Spark ran the batch. Spark plans each micro-batch's
+    write anew: a server that cannot be reached now (restarting) is left to the commit,
+    which tries again for ``unreachableTimeoutMs``."""
     try:
         tables = for_target(db).tables(db)
     except (DatabaseOpenError, ImportError) as exc:
+        if _Database(db).lost(exc):
+            return
         raise StreamQSourceError(f"option db: {exc}") from None
     if not tables.log:
         raise StreamQSourceError(

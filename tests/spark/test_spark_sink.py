@@ -18,6 +18,8 @@ from pyspark.sql.streaming import StreamingQuery
 import streamq
 from spark_source.sink import MARKERS
 
+from ..conftest import started_server
+from ..pgserver import PostgresServer
 from ..waiting import wait_until
 from .programs.sink_hooks import PAUSE_AFTER_COMMIT
 from .test_spark_exactly_once import Proc, adopting_orphans
@@ -175,9 +177,11 @@ def source_rows(start: int, end: int) -> list[Copied]:
     return [(b"k%d" % (i % 5), b"v%d" % i, {"n": b"%d" % i}) for i in range(start, end)]
 
 
-def pipeline(spark: SparkSession, source: str, db: str, checkpoint: Path) -> StreamingQuery:
+def pipeline(
+    spark: SparkSession, source: str, db: str, checkpoint: Path, *, wait: bool = True
+) -> StreamingQuery:
     """streamq -> Spark -> streamq until the source's head: 100 records per micro-batch,
-    in 2 partitions."""
+    in 2 partitions; returns once it is done (or at once, without ``wait``)."""
     query = (
         spark.readStream.format("streamq")
         .option("endpoints", source)
@@ -194,7 +198,8 @@ def pipeline(spark: SparkSession, source: str, db: str, checkpoint: Path) -> Str
         .trigger(availableNow=True)
         .start()
     )
-    assert query.awaitTermination(120), "the query did not finish"
+    if wait:
+        assert query.awaitTermination(120), "the query did not finish"
     return query
 
 
@@ -387,3 +392,45 @@ def test_each_wrong_option_or_column_is_refused_in_one_line_before_anything_is_w
         assert not conn.execute("SELECT 1 FROM sqlite_master WHERE name = ?", (MARKERS,)).fetchall()
     with streamq.SyncProducer(db, serve=False) as producer:
         assert _head(producer, STREAM) == 0
+
+
+@pytest.fixture
+def own_postgres() -> Iterator[PostgresServer]:
+    """A server of the test's own: it restarts it."""
+    yield from started_server()
+
+
+def test_postgresql_restarted_mid_query_leaves_an_exact_copy(
+    spark: SparkSession, orders: streamq.SyncProducer, own_postgres: PostgresServer, tmp_path: Path
+) -> None:
+    """``pg_ctl restart`` while micro-batches commit: a commit that meets the server gone
+    (its connection cut, or refused while it starts) is tried again, and the marker tells
+    one that landed before the cut; had the query failed, a restart from its checkpoint
+    would finish it. Either way the copy is exact."""
+    pg_url = own_postgres.create_database("sink")
+    make_db(pg_url)
+    publish_orders(orders, 500, 2000)  # 20 micro-batches
+    checkpoint = tmp_path / "ck"
+    query = pipeline(spark, orders.address, pg_url, checkpoint, wait=False)
+    try:
+        wait_until(lambda: len(pg_markers(pg_url)) >= 3, "3 micro-batches committed", 60)
+        committed = len(pg_markers(pg_url))
+        own_postgres.reconfigure()  # pg_ctl stop -m fast (sessions ended), then start
+        assert query.awaitTermination(120), "the query did not finish"
+    finally:
+        query.stop()
+    assert committed < 20  # the restart came while batches committed
+    assert query.exception() is None  # a commit meeting the server gone was tried again
+    assert consumed(pg_url, str(tmp_path / "c.db"), least=2000) == source_rows(0, 2000)
+    assert pg_markers(pg_url) == list(range(20))
+
+
+def pg_markers(url: str) -> list[int]:
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        try:
+            rows = conn.execute(f"SELECT batch FROM {MARKERS} ORDER BY batch").fetchall()
+        except psycopg.errors.UndefinedTable:
+            return []
+    return [batch for (batch,) in rows]
