@@ -46,7 +46,7 @@ is a second job, which publishes its rows again (as Kafka's sink would).
 Options, named as the Kafka sink's where they mean the same (``SINK_OPTIONS``):
 
 =======================  =============================================================
-db                       the producer database: a SQLite file's path (local mode: the
+db                       the producer database: a SQLite file's absolute path (local: the
                          driver writes it) or a ``postgresql://`` URL. Its log tables
                          must exist (``streamq init DB``, or a ``streamq serve`` once)
 stream                   the stream written to; without it, each row's ``stream`` column
