@@ -98,6 +98,8 @@ from pyspark.sql.datasource import (
     DataSource,
     DataSourceReader,
     DataSourceStreamReader,
+    DataSourceStreamWriter,
+    DataSourceWriter,
     EqualTo,
     Filter,
     GreaterThan,
@@ -172,16 +174,18 @@ OPTIONS = (
 _KNOWN = {name.lower(): name for name in OPTIONS}
 
 
-def check_option_names(options: Mapping[str, str]) -> None:
-    """Refuse an option the source does not know, naming the nearest it does: a misspelt
-    option would otherwise be ignored, and the query read something else than asked.
-    Spark hands the names over in lower case, the user's spelling lost on its side (its
-    ``CaseInsensitiveMap`` iterates over lowered keys), so the hint spells the known one."""
+def check_option_names(options: Mapping[str, str], known: Sequence[str] = OPTIONS) -> None:
+    """Refuse an option not in ``known`` (the source's, by default), naming the nearest
+    that is: a misspelt option would otherwise be ignored, and the query read (or write)
+    something else than asked. Spark hands the names over in lower case, the user's
+    spelling lost on its side (its ``CaseInsensitiveMap`` iterates over lowered keys), so
+    the hint spells the known one."""
+    by_lower = _KNOWN if known is OPTIONS else {name.lower(): name for name in known}
     for given in options:
-        if given.lower() in _KNOWN:
+        if given.lower() in by_lower:
             continue
-        near = difflib.get_close_matches(given.lower(), list(_KNOWN), n=1, cutoff=0.6)
-        hint = f"did you mean {_KNOWN[near[0]]!r}?" if near else "docs/guides/spark.md"
+        near = difflib.get_close_matches(given.lower(), list(by_lower), n=1, cutoff=0.6)
+        hint = f"did you mean {by_lower[near[0]]!r}?" if near else "docs/guides/spark.md"
         raise StreamQSourceError(f"unknown option {given!r} ({hint})")
 
 
@@ -1235,3 +1239,13 @@ class StreamQDataSource(Shipped, DataSource):
 
     def simpleStreamReader(self, schema: StructType) -> SimpleDataSourceStreamReader:
         return StreamQDriverStreamReader(_Settings(self.options, schema))
+
+    def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:
+        from .sink import batch_writer  # the sink: its own module
+
+        return batch_writer(self.options, schema, overwrite)
+
+    def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:
+        from .sink import stream_writer
+
+        return stream_writer(self.options, schema)

@@ -28,8 +28,12 @@ from typing import Any, TypeVar
 
 from pyspark.sql.datasource import (
     DataSource,
+    DataSourceArrowWriter,
     DataSourceReader,
+    DataSourceStreamArrowWriter,
     DataSourceStreamReader,
+    DataSourceStreamWriter,
+    DataSourceWriter,
     SimpleDataSourceStreamReader,
 )
 from pyspark.sql.streaming.datasource import SupportsTriggerAvailableNow
@@ -46,6 +50,10 @@ _API = (
     DataSourceStreamReader,
     SimpleDataSourceStreamReader,
     SupportsTriggerAvailableNow,
+    DataSourceWriter,
+    DataSourceArrowWriter,
+    DataSourceStreamWriter,
+    DataSourceStreamArrowWriter,
 )
 SPARK_CALLS = frozenset(
     name
