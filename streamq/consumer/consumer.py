@@ -35,7 +35,7 @@ from .database import ConsumerTransaction, PositionStore, open_position_store
 from .failures import FailurePolicy, Policies
 from .kept_store import KeptStore
 from .settings import ConsumerOptions, ConsumerSettings
-from .subscription import Resume, Subscription, heartbeat_timeout
+from .subscription import Received, Resume, Subscription, heartbeat_timeout
 from .turn import Turn
 
 __all__ = ["Consumer", "ConsumerSettings", "heartbeat_timeout"]
@@ -347,7 +347,7 @@ class Consumer:
             await turn.catch_up()  # batches applied through the application's connection
         self._handed = item.last_seq
         return Batch(
-            item.stream,
+            self.subscription.stream,
             item.producer_id,
             item.after,
             item.records,
@@ -359,7 +359,7 @@ class Consumer:
             turn.fence,
         )
 
-    async def _next_item(self) -> Batch:
+    async def _next_item(self) -> Received:
         """The subscription's next batch. Meanwhile, while the last batch handed out is
         not known to be applied, look every ``SAVED_POLL`` seconds whether the application
         committed it through its own connection (``save_position``: the consumer ran no

@@ -42,6 +42,7 @@ from ..protocol import (
     Error,
     Heartbeat,
     Message,
+    Record,
     Records,
     SeekTime,
     ServerHello,
@@ -60,7 +61,6 @@ from ..wire.transport import (
     read_message,
     silent_peer,
 )
-from .batch import Batch
 from .resharing import Floors
 from .settings import ConsumerSettings
 
@@ -115,7 +115,19 @@ class Resume(NamedTuple):
 # time on this connection (``start_time``).
 Resumer = Callable[[str, Callable[[int], Awaitable[int]]], Awaitable[Resume]]
 
-_Item = Batch | BaseException
+
+class Received(NamedTuple):
+    """Records received, and what they move the consumer's position to: the consumer
+    makes them its ``Batch`` (a tuple here: one frame, one light object)."""
+
+    producer_id: str
+    after: int  # the position before them
+    records: tuple[Record, ...]
+    epoch: int  # the highest epoch that wrote up to them (0: unknown)
+    last_seq: int  # the position after them (with a filter: the producer's ``through``)
+
+
+_Item = Received | BaseException
 
 
 class Subscription:
@@ -192,7 +204,7 @@ class Subscription:
 
     # --- receiving -----------------------------------------------------------
 
-    async def next(self, max_records: int) -> Batch:
+    async def next(self, max_records: int) -> Received:
         """The next batch received, merged with those already queued behind it (up to
         ``max_records`` records): fewer, larger transactions. Raises what stopped the
         subscription, or what ``fail`` reported."""
@@ -224,7 +236,7 @@ class Subscription:
             self._paused = False
             if self._reader is not None:
                 self._reader.resume()
-        return Batch(item.stream, item.producer_id, item.after, records, epoch, through=last)
+        return Received(item.producer_id, item.after, records, epoch, last)
 
     def _put(self, item: _Item) -> None:
         """``item`` into the inbox; reading pauses once it holds ``queue_batches``."""
@@ -347,17 +359,11 @@ class Subscription:
                 if skip is not None and records and records[0].seq <= self._skip_through:
                     through = through or records[-1].seq
                     records = tuple(r for r in records if not skip.applied(r.key, r.seq))
-                batch = Batch(
-                    self.stream,
-                    self.producer_id,
-                    self.received,
-                    records,
-                    self.seen_epoch,
-                    through=through,
-                )
-                self.received = batch.last_seq
-                self.head = max(self.head, self.received)
-                self._put(batch)
+                last = through or records[-1].seq
+                self._put(Received(self.producer_id, self.received, records, self.seen_epoch, last))
+                self.received = last
+                if last > self.head:
+                    self.head = last
         elif isinstance(message, Heartbeat):
             self.head = message.head
         elif isinstance(message, Error):

@@ -261,7 +261,7 @@ def malformed(reason: str) -> RemoteProtocolError:
     return RemoteProtocolError(reason, ErrorCode.MALFORMED_FRAME)
 
 
-def _decode_records(items: Any) -> Records:
+def _decode_records(items: Any) -> tuple[Record, ...]:
     """Validate every record, in one tight loop: this is the consumer's hot path."""
     if type(items) is not list:
         raise malformed("RECORDS must carry an array of records")
@@ -290,7 +290,7 @@ def _decode_records(items: Any) -> Records:
         append(make(item))
     if previous > MAX_SEQ:
         raise malformed(f"seq {previous} is beyond the largest seq")
-    return Records(tuple(records))
+    return tuple(records)
 
 
 def _decode_stream_list(items: Any) -> StreamList:
@@ -320,6 +320,7 @@ def _decode_record_rows(items: Any) -> RecordRows:
     return RecordRows(items)
 
 
+_RECORDS = MessageType.RECORDS.value
 _LARGE_BODY = 16 * 1024  # decoding this many bytes makes hundreds of Python objects or more
 
 
@@ -370,6 +371,8 @@ def _decode_message(body: bytes, raw_records: bool) -> Message:
         raise malformed(f"frame body is not valid msgpack: {exc}") from None
     if type(obj) is not list or not obj or type(obj[0]) is not int:
         raise malformed("frame body must be an array starting with a message type")
+    if obj[0] == _RECORDS:  # the consumer's hot path: no enum lookup on the way
+        return _decode_records_message(obj[1:], raw_records)
     try:
         cls = MESSAGE_CLASSES[MessageType(obj[0])]
     except ValueError:
@@ -379,8 +382,6 @@ def _decode_message(body: bytes, raw_records: bool) -> Message:
         if len(args) != 1:
             raise malformed(f"{cls.TYPE.name} takes 1 field, got {len(args)}")
         return _decode_stream_list(args[0])
-    if cls is Records:
-        return _decode_records_message(args, raw_records)
     if cls in (ClientHello, ServerHello) and args and not is_version(args[0]):
         # "Handshake", version check: anything but the integer 1 first (1.0 and true
         # too) is another version, whatever follows, since other fields may differ there.
@@ -422,7 +423,12 @@ def _decode_records_message(args: list[Any], raw_records: bool) -> RecordsMessag
     elif raw_records:
         message = RecordRows(_decode_record_rows(args[0]).rows, epoch, through)
     else:
-        message = Records(_decode_records(args[0]).records, epoch, through)
+        records = _decode_records(args[0])
+        if through is not None and records and through < records[-1].seq:
+            raise malformed(
+                f"RECORDS.through {through} is before the frame's last seq {records[-1].seq}"
+            )
+        return Records(records, epoch, through)
     seqs = first_and_last_seq(message)
     if through is not None and seqs is not None and through < seqs[1]:
         raise malformed(f"RECORDS.through {through} is before the frame's last seq {seqs[1]}")
