@@ -127,6 +127,7 @@ from streamq import (
     StreamQError,
 )
 from streamq import Filter as RecordFilter
+from streamq.errors import IdleTimeoutError
 from streamq.protocol import RecordColumns, RecordRows, collector_paused, first_and_last_seq
 from streamq.wire.client import RangeRead
 
@@ -699,10 +700,16 @@ def read_partition(
             state.reused(exc)
         except OffsetOutOfRangeError as exc:
             state.out_of_range(exc)
-        except planning.UNREACHABLE as exc:
+        except _READ_AGAIN as exc:
             unreachable.wait_or_fail(exc)
         except StreamQError as exc:
             raise StreamQSourceError(f"producer at {rng.endpoint}: {exc}") from exc
+
+
+# A planned read is tried again where its producer cannot be reached, and where it closed
+# the read's connection for idleness: one opened with its task's others, that waited for
+# its turn past the producer's ``idle_timeout`` (``read_task``).
+_READ_AGAIN = (*planning.UNREACHABLE, IdleTimeoutError)
 
 
 def _request(

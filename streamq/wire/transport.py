@@ -94,6 +94,11 @@ class PushReader(asyncio.StreamReader):
 
     _receive: Callable[[bytes], None] | None = None
     _ended: Callable[[BaseException | None], None] | None = None
+    _reading: Any = None  # the transport it reads from
+
+    def set_transport(self, transport: asyncio.BaseTransport) -> None:
+        super().set_transport(transport)
+        self._reading = transport
 
     def push_to(
         self, receive: Callable[[bytes], None], ended: Callable[[BaseException | None], None]
@@ -101,14 +106,13 @@ class PushReader(asyncio.StreamReader):
         """Reads go to ``receive`` from now on, and the connection's end (None: the peer
         closed it) to ``ended``, once; returns what was read and not yet taken."""
         self._receive, self._ended = receive, ended
-        # StreamReader's own buffer, pause flag and transport (asyncio's streams.py has
-        # kept them under these names since 3.4): what came before, and a pause taken
-        # for it, undone.
+        # StreamReader's own buffer and pause flag (asyncio's streams.py has kept them
+        # under these names since 3.4): what came before, and a pause taken for it, undone.
         own: Any = self
         early, own._buffer = bytes(own._buffer), bytearray()
-        if own._paused and own._transport is not None:
+        if own._paused:
             own._paused = False
-            own._transport.resume_reading()
+            self.resume()
         return early
 
     def stop_pushing(self) -> None:
@@ -116,14 +120,12 @@ class PushReader(asyncio.StreamReader):
         self._receive = self._ended = None
 
     def pause(self) -> None:
-        transport = cast(Any, self)._transport
-        if transport is not None:
-            transport.pause_reading()
+        if self._reading is not None:
+            self._reading.pause_reading()
 
     def resume(self) -> None:
-        transport = cast(Any, self)._transport
-        if transport is not None:
-            transport.resume_reading()
+        if self._reading is not None:
+            self._reading.resume_reading()
 
     def feed_data(self, data: Iterable[SupportsIndex]) -> None:
         if self._receive is None:

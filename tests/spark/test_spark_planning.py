@@ -987,6 +987,29 @@ def test_a_planned_read_waits_for_its_producer_to_restart_and_reads_each_record_
         list(read_partition(gone))
 
 
+def test_a_range_whose_connection_idled_out_waiting_its_turn_is_read_on_a_new_one(
+    tmp_path: Path,
+) -> None:
+    """A task's connections open together, and a range's request goes out only as the one
+    before it is read: a task slow over its first ranges (a busy executor) leaves the
+    later connections idle past the producer's ``idle_timeout``, which closes them. Such a
+    range is read on a new connection, every record once, in order."""
+    from spark_source.datasource import StreamQPartition, StreamQTask, read_task
+
+    settings = streamq.ServerSettings(idle_timeout=0.2)
+    with streamq.SyncProducer(str(tmp_path / "p.db"), settings=settings) as producer:
+        with producer.transaction() as tx:
+            tx.publish_many("orders", [b"%d" % n for n in range(1, 31)])
+        ranges = [Range(producer.producer_id, producer.address, n, n + 10) for n in (1, 11, 21)]
+        task = StreamQTask([StreamQPartition(r, "orders", True, Connect(10)) for r in ranges])
+        values: list[bytes] = []
+        for batch in read_task(task):
+            values += batch.column("value").to_pylist()
+            if len(values) == 10:
+                time.sleep(1.0)  # the task busy: the third range's connection idles out
+    assert values == [b"%d" % n for n in range(1, 31)]
+
+
 def test_a_task_reads_each_range_once_in_order_asked_ahead_in_groups(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
