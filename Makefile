@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck bench bench-quick bench-smoke nats-server soak soak-spark soak-spark-many fuzz powerloss simulate clean docs docs-fit docs-console native test-pure wheel chromium
+.PHONY: demo test lint typecheck bench bench-quick bench-smoke nats-server soak soak-spark soak-spark-many fuzz powerloss simulate clean docs docs-fit docs-console native test-pure test-cluster wheel chromium
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -68,8 +68,11 @@ test: $(STAMP) $(NATIVE) $(CHROMIUM)
 	$(BIN)/ruff check streamq spark_source bench tests setup.py && \
 	$(BIN)/ruff format --check streamq spark_source bench tests setup.py && \
 	$(BIN)/mypy && \
-	STREAMQ_TEST_BUILD=compiled $(BIN)/python -m pytest -q -n 2 --dist loadgroup; \
+	STREAMQ_TEST_BUILD=compiled $(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not cluster"; \
 	status=$$?; wait; exit $$status
+
+test-cluster: $(STAMP) $(NATIVE)  # the Spark standalone cluster and Spark Connect suites, ~10 min
+	STREAMQ_TEST_BUILD=compiled $(BIN)/python -m pytest -q -n 2 --dist loadgroup -m cluster
 
 PURE_SUITES := tests/protocol tests/crash tests/docs tests/test_sql.py \
 	tests/producer/test_producer.py tests/producer/test_group_commit.py \

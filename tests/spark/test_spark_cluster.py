@@ -42,7 +42,7 @@ CLIENT = Path(__file__).resolve().parent / "programs" / "connect_client.py"
 GUIDE = ROOT / "docs" / "guides" / "spark.md"
 PACKED = ROOT / "build" / "spark-env"  # kept across runs, named by the sources' digest
 
-pytestmark = pytest.mark.xdist_group("spark-cluster")
+pytestmark = [pytest.mark.xdist_group("spark-cluster"), pytest.mark.cluster]
 
 
 @pytest.fixture(scope="module")
@@ -228,6 +228,7 @@ def test_a_streaming_query_goes_on_through_a_worker_and_its_driver_killed(
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@pytest.mark.xdist_group("spark-guide")  # a cluster of its own: beside the shared one's tests
 def test_the_guides_cluster_lines_run_as_written(
     tmp_path: Path, reserve_port: Callable[[], int]
 ) -> None:

@@ -21,7 +21,7 @@ CLIENT = Path(__file__).resolve().parent / "programs" / "connect_client.py"
 SERVER = "org.apache.spark.sql.connect.service.SparkConnectServer"
 SERVICE = "org.apache.spark.sql.connect.service.SparkConnectService"  # as its log names it
 
-pytestmark = pytest.mark.xdist_group("spark-cluster")
+pytestmark = [pytest.mark.xdist_group("spark-cluster"), pytest.mark.cluster]
 
 
 @pytest.fixture
