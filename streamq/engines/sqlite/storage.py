@@ -801,7 +801,9 @@ class SQLiteWriter:
         return version
 
     async def commit(self) -> None:
-        await self.conn.execute("COMMIT")
+        """On the connection's thread, as ``SQLiteBlockingWriter.commit``: every COMMIT of
+        the writer's is that one call (``bench.tools.lock_hold`` times it)."""
+        await self.run(self.blocking.commit)
 
     async def rollback(self) -> None:
         if self.conn.in_transaction:
