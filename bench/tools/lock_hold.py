@@ -113,7 +113,7 @@ def _time_producer() -> None:
         _running[0].committed()
 
     storage.begin_immediate = timed_begin_immediate
-    append.SQLiteSession.begin = timed_session_begin  # type: ignore[method-assign]
+    append.SQLiteSession.begin = timed_session_begin
     storage.SQLiteBlockingWriter.commit = timed_commit  # type: ignore[method-assign]
 
 

@@ -18,6 +18,11 @@ Six tables, all prefixed ``streamq_`` so they sit beside the application's own:
   ``pos`` at or after it. ``record`` holds the records' wire encodings
   (``protocol.encode_record``) back to back, sent as they are once apart again
   (``protocol.split_records``); ``ts`` is the largest of their timestamps.
+  A row written by the one-statement append (``append.py``: ``streamq.publish``,
+  ``SyncProducer``) holds its records unnumbered (seq 0, ``protocol.UNNUMBERED_PREFIX``):
+  that statement takes the seq from ``max(pos)`` as it inserts, so nothing in the row
+  could know it before. Readers number them from ``pos`` (``protocol.numbered_run``), so
+  every reader gets the same bytes either way.
   ``key`` repeats the record's key for streams created with ``key_index`` (NULL
   otherwise), and a partial index on it finds one key's records (``history``)
   without a scan. Opt-in per stream: each keyed record dirties a random index
@@ -28,7 +33,8 @@ Six tables, all prefixed ``streamq_`` so they sit beside the application's own:
 - ``streamq_time``: a sparse time index. A row (stream, ts, pos) is written each
   time a record's timestamp exceeds every earlier one of its stream, so the
   first row with ``ts >= T`` names the first seq whose timestamp reaches T:
-  one b-tree seek (``seek_time``), a handful of rows per millisecond at most.
+  one b-tree seek (``seek_time``), a handful of rows per millisecond at most. A
+  trigger writes the rows of the one-statement append's rows, in its statement.
 - ``streamq_consumers``: registered consumers, whose unapplied records retention
   keeps, and the consumers that reported a position without a registration
   (``registered`` 0), each with the last position it reported (saved lazily, at most
@@ -78,7 +84,7 @@ from ...producer.storage import (
     WouldWait,
     consumer_rows,
 )
-from ...protocol import numbered_records, slice_records
+from ...protocol import numbered_records, numbered_run, slice_records
 from ...sql import Durability, raw_connection, run_on_thread
 from .checkpoints import Checkpointer, take_over
 from .engine import ENGINE
@@ -87,7 +93,7 @@ from .walwatch import WalWatch
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 SEQ_BITS = 40
 MAX_STORED_SEQ = (1 << SEQ_BITS) - 1
 # At most this many records, and bytes, share a log row: a read that starts inside a row
@@ -168,6 +174,15 @@ _INDEXES = (
         pos INTEGER NOT NULL,     -- the first record that reached it
         PRIMARY KEY (stream_id, ts)
     ) WITHOUT ROWID""",
+    # The time index of rows stored unnumbered (the one-statement append's), in the
+    # statement that inserts them; the other writers insert their time rows themselves.
+    f"""CREATE TRIGGER IF NOT EXISTS streamq_time_of_unnumbered AFTER INSERT ON streamq_log
+    WHEN substr(NEW.record, 1, 2) = x'9500' AND NEW.ts > coalesce(
+        (SELECT max(ts) FROM streamq_time WHERE stream_id = NEW.pos >> {SEQ_BITS}), -1)
+    BEGIN
+        INSERT INTO streamq_time (stream_id, ts, pos)
+        VALUES (NEW.pos >> {SEQ_BITS}, NEW.ts, NEW.pos - NEW.count + 1);
+    END""",
 )
 
 INSERT_RECORDS = "INSERT INTO streamq_log (pos, ts, record, key, count) VALUES (?, ?, ?, ?, ?)"
@@ -336,7 +351,15 @@ def unpack_rows(rows: Iterable[tuple[int, int, bytes]]) -> Iterator[tuple[int, b
     """(pos, count, record) rows of streamq_log, in pos order, as (pos, record) per record:
     what a tool reading a producer's file with sqlite3 needs."""
     for position, count, record in rows:
-        yield from numbered_records(position - count + 1, count, record)
+        first = position - count + 1
+        record = numbered_run(first & MAX_STORED_SEQ, count, record)
+        yield from numbered_records(first, count, record)
+
+
+def _numbered_row(position: int, record: bytes) -> tuple[int, bytes]:
+    """A one-record row (a keyed record's) as (seq, its encoding, numbered)."""
+    seq = position & MAX_STORED_SEQ
+    return seq, numbered_run(seq, 1, record)
 
 
 def rows_upper_bound(stream_id: int, end: int) -> int:
@@ -364,7 +387,7 @@ def read_runs(
                 skip, stop = max(start - first, 0), min(last, end - 1) - first + 1
                 record = slice_records(record, count, skip, stop - skip)
                 first, count = first + skip, stop - skip
-            runs.append((first, count, record))
+            runs.append((first, count, numbered_run(first, count, record)))
             taken += count
             if taken >= limit:
                 break
@@ -475,11 +498,15 @@ def create_schema(dbapi: Any) -> tuple[dict[str, Any], bool]:
             "created_at": int(time.time() * 1000),
             "epoch": 0,
         }
-    elif meta.get("schema_version") in (1, 2):
+    elif meta.get("schema_version") in (1, 2, 3):
         if meta["schema_version"] == 1:
             _migrate_from_1(cursor)
-        cursor.execute("ALTER TABLE streamq_log ADD COLUMN count INTEGER NOT NULL DEFAULT 1")
+        if meta["schema_version"] in (1, 2):
+            cursor.execute("ALTER TABLE streamq_log ADD COLUMN count INTEGER NOT NULL DEFAULT 1")
+        # 3 to 4: unnumbered rows and their trigger (``_INDEXES``). A new epoch: writers
+        # that checked the version before hold the old epoch (``append.py``) and read again.
         meta["schema_version"] = SCHEMA_VERSION
+        meta["epoch"] = next_epoch(int(meta["epoch"]))
     elif meta.get("schema_version") != SCHEMA_VERSION:
         raise SchemaMissingError(
             f"database has streamq schema version {meta.get('schema_version')!r}, "
@@ -614,7 +641,7 @@ class SQLiteReader:
         rows = await self.conn.execute_fetchall(
             KEY_RECORDS_QUERY, (key, pos(stream_id, start), pos(stream_id, end), limit)
         )
-        return [(p & MAX_STORED_SEQ, record) for p, record in rows]
+        return [_numbered_row(p, record) for p, record in rows]
 
     async def seek_time(self, stream_id: int, timestamp: int) -> int | None:
         """Timestamps are read as a running maximum, as Kafka's time index does: a record
@@ -893,7 +920,7 @@ class SQLiteWriter:
             COMPACTION_QUERY,
             (pos(stream_id, after), pos(stream_id, through), pos(stream_id, low)),
         )
-        return [(p & MAX_STORED_SEQ, key, record) for p, key, record in rows]
+        return [(*_numbered_row(p, record), key) for p, key, record in rows]
 
     async def delete_compacted(self, stream_id: int, seqs: list[int], through: int) -> None:
         await self.conn.executemany(
