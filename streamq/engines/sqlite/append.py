@@ -33,6 +33,7 @@ from typing import Any
 from ...errors import SchemaMissingError
 from ...producer.append_rule import append_rows, check_last_seq, segment_row
 from ...producer.storage import LogRow, TimeRow
+from ...protocol import SEQ_GROWTH, encode_record
 from ...records import (
     DEFAULT_MAX_RECORD_SIZE,
     MAX_SEQ,
@@ -97,28 +98,29 @@ def _append_at_once(
 ) -> list[int] | None:
     """``APPEND``: the seqs, or None where the full path must run (nothing written)."""
     count = len(records)
-    key = None
-    if count == 1:
-        key = records[0][1]
-    elif any(r[1] is not None for r in records) or count > storage.BATCH_RECORDS:
-        return None  # keyed records may need rows of their own; too many for one row
-    stamps = {ts for _, _, _, ts in records}
-    if len(stamps) != 1:  # the trigger indexes a row's first record (one time for all)
-        return None
-    encoded = encode_unnumbered(records, max_record_size)
-    record = encoded[0] if count == 1 else b"".join(encoded)
-    if len(record) > storage.BATCH_BYTES:
-        return None
+    if count == 1:  # a publish: the path to keep short
+        value, key, headers, ts = records[0]
+        record = encode_record(0, ts, key, value, headers)
+        if len(record) + SEQ_GROWTH > max_record_size:
+            return None  # the full path refuses it
+    else:
+        key, ts = None, records[0][3]
+        if count > storage.BATCH_RECORDS or any(r[1] is not None or r[3] != ts for r in records):
+            return None  # keyed records may need rows of their own; the trigger indexes a
+            # row's first record, for one timestamp
+        record = b"".join(encode_unnumbered(records, max_record_size))
+        if len(record) > storage.BATCH_BYTES:
+            return None
     try:
-        cursor = dbapi.execute(APPEND, (stream, count, storage.boot_id(), *stamps, record, key))
+        cursor = dbapi.execute(APPEND, (stream, count, storage.boot_id(), ts, record, key))
     except sqlite3.OperationalError as exc:
-        if "no such table: streamq_" in str(exc):
-            return None  # the full path says what to do
-        raise
+        if storage.busy(exc):
+            raise
+        return None  # no tables, or an older version's: the full path says what to do
     if cursor.rowcount != 1:
         return None
     last = cursor.lastrowid & _MASK
-    return list(range(last - count + 1, last + 1))
+    return [last] if count == 1 else list(range(last - count + 1, last + 1))
 
 
 def append_from(
@@ -169,18 +171,11 @@ def append_from(
     if rows and segment is not None:
         cursor.execute(storage.INSERT_EPOCHS, segment)
         last_epoch = epoch
-    _insert(cursor, storage.INSERT_RECORDS, storage.stored_rows(rows))
-    _insert(cursor, storage.INSERT_TIMES, [(s, ts, storage.pos(s, seq)) for s, ts, seq in times])
+    storage.insert(cursor, storage.INSERT_RECORDS, storage.stored_rows(rows))
+    times_rows = [(s, ts, storage.pos(s, seq)) for s, ts, seq in times]
+    storage.insert(cursor, storage.INSERT_TIMES, times_rows)
     left = (epoch, boot, version, stream_id, key_index, head + len(seqs), max_ts, last_epoch)
     return seqs, left
-
-
-def _insert(cursor: Any, sql: str, rows: Sequence[Sequence[Any]]) -> None:
-    """``rows`` inserted; one (a one-record transaction's) without ``executemany``'s setup."""
-    if len(rows) == 1:
-        cursor.execute(sql, rows[0])
-    elif rows:
-        cursor.executemany(sql, rows)
 
 
 class SQLiteSession(storage.SQLiteBlockingWriter):

@@ -186,6 +186,15 @@ _INDEXES = (
 )
 
 INSERT_RECORDS = "INSERT INTO streamq_log (pos, ts, record, key, count) VALUES (?, ?, ?, ?, ?)"
+# ``INSERT_RECORDS`` unless a row holds a seq at or after the row's first, in its stream:
+# then (another process appended: the writer's seqs were stale) it inserts nothing, as on
+# a clash of pos. One statement for the check and the insert. A row's timestamp NULL is
+# not inserted (OR IGNORE); rows of one stream go in ascending order, so a row's check
+# never finds the rows inserted before it.
+INSERT_RECORDS_CHECKED = f"""INSERT OR IGNORE INTO streamq_log (pos, ts, record, key, count)
+VALUES (?1, CASE WHEN NOT EXISTS (SELECT 1 FROM streamq_log
+    WHERE pos > ?1 - ?5 AND pos < ((?1 >> {SEQ_BITS}) + 1) << {SEQ_BITS}) THEN ?2 END,
+    ?3, ?4, ?5)"""
 INSERT_TIMES = "INSERT INTO streamq_time (stream_id, ts, pos) VALUES (?, ?, ?)"
 INSERT_EPOCHS = "INSERT INTO streamq_epochs (stream_id, first_seq, epoch) VALUES (?, ?, ?)"
 
@@ -683,31 +692,27 @@ def insert_blocking(
     try:
         if rows:
             stored = stored_rows(rows)
-            _check_unwritten(conn, stored)
-            conn.executemany(INSERT_RECORDS, stored)
+            if insert(conn, INSERT_RECORDS_CHECKED, stored) != len(stored):
+                raise ConcurrentWriterError(_CONCURRENT_WRITER)
         if times:
-            conn.executemany(INSERT_TIMES, [(s, ts, pos(s, seq)) for s, ts, seq in times])
+            insert(conn, INSERT_TIMES, [(s, ts, pos(s, seq)) for s, ts, seq in times])
         if epochs:
-            conn.executemany(INSERT_EPOCHS, epochs)
+            insert(conn, INSERT_EPOCHS, epochs)
     except sqlite3.IntegrityError as exc:
         raise ConcurrentWriterError(_CONCURRENT_WRITER) from exc
 
 
+def insert(conn: Any, sql: str, rows: Sequence[Sequence[Any]]) -> int:
+    """``rows`` inserted through a connection or cursor; how many were. One (a one-record
+    transaction's) without ``executemany``'s setup."""
+    if len(rows) == 1:
+        return int(conn.execute(sql, rows[0]).rowcount)
+    if rows:
+        return int(conn.executemany(sql, rows).rowcount)
+    return 0
+
+
 _CONCURRENT_WRITER = "another process appended to this producer's log during the transaction"
-_ANY_FROM = "SELECT 1 FROM streamq_log WHERE pos >= ? AND pos < ? LIMIT 1"
-
-
-def _check_unwritten(conn: sqlite3.Connection, stored: Sequence[StoredRow]) -> None:
-    """Nothing in the log at or after the first seq each stream has in ``stored``: a row's
-    pos is its last seq only, so the primary key alone would not catch a seq taken inside
-    it. One seek per stream per insert."""
-    checked = set()
-    for position, _, _, _, count in stored:  # each stream's rows together, ascending
-        stream_id = position >> SEQ_BITS
-        if stream_id not in checked:
-            checked.add(stream_id)
-            if conn.execute(_ANY_FROM, (position - count + 1, pos(stream_id + 1, 0))).fetchone():
-                raise ConcurrentWriterError(_CONCURRENT_WRITER)
 
 
 BUSY_TIMEOUT_MS = 10_000  # how long a connection waits for another's write lock
