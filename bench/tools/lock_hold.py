@@ -10,7 +10,8 @@ Every path commits the same transaction, one at a time from one thread: an order
   event (``tests/recipes/sqlalchemy_app.py``), ``exec_driver_sql`` for the row;
 - SyncProducer: ``with p.transaction() as tx`` (``serve=False``);
 - run_in_transaction, Producer.transaction(): a ``Producer`` (``serve=False``) on an
-  event loop, one transaction awaited at a time.
+  event loop, one transaction awaited at a time; "a side writer": another connection
+  commits a record before each (untimed), so each BEGIN finds it and catches up.
 
 How the lock is timed: from just before the call that runs BEGIN IMMEDIATE to the return
 of the call that ran COMMIT, on the thread that ran it: the tool's own calls on plain
@@ -55,6 +56,7 @@ from ..workers.common import AMOUNT, EVENT_SIZE, INSERT_ORDER, INSERT_OUTBOX, OR
 STREAM = "orders"
 EVENT = b"e" * EVENT_SIZE
 OUTBOX = "outbox"
+SIDE = "run_in_transaction, a side writer"
 PATHS = (
     OUTBOX,
     "publish sqlite3",
@@ -62,6 +64,7 @@ PATHS = (
     "publish SQLAlchemy",
     "SyncProducer",
     "run_in_transaction",
+    SIDE,
     "Producer.transaction()",
 )
 
@@ -253,7 +256,21 @@ class Async(WritePath):
         self.loop = loop
         self.producer = streamq.Producer(self.db, serve=False)
         loop.run_until_complete(self.producer.__aenter__())
-        self.close = lambda: loop.run_until_complete(self.producer.__aexit__(None, None, None))
+        self.side = open_db(self.db)  # another process's connection, say
+
+        def close() -> None:
+            self.side.close()
+            loop.run_until_complete(self.producer.__aexit__(None, None, None))
+
+        self.close = close
+
+    def _side(self) -> None:
+        """Another connection's commit: the producer's next BEGIN finds it."""
+        import streamq
+
+        self.side.execute("BEGIN IMMEDIATE")
+        streamq.publish(self.side, STREAM, EVENT)
+        self.side.execute("COMMIT")
 
     def run(self, n: int) -> None:
         self.loop.run_until_complete(self._run(n))
@@ -263,6 +280,11 @@ class Async(WritePath):
         if self.name == "run_in_transaction":
             for _ in range(n):
                 self.number += 1
+                await producer.run_in_transaction(_order, self.number)
+        elif self.name == SIDE:
+            for _ in range(n):
+                self.number += 1
+                self._side()
                 await producer.run_in_transaction(_order, self.number)
         else:
             for _ in range(n):

@@ -274,6 +274,31 @@ async def test_while_another_connection_writes_the_transaction_waits_on_the_thre
     assert log_seqs(producer_db) == list(range(1, seq + 1))
 
 
+async def test_another_connections_commit_is_caught_up_before_begin(producer_db: str) -> None:
+    """A commit by another connection, found before BEGIN, is caught up then, not holding
+    the write lock: the transaction still runs on the loop's thread, with no hop
+    (``bench.tools.lock_hold``), and its seq follows the other connection's. (Not serving:
+    a serving producer's watch may catch up first.)"""
+    async with Producer(producer_db, serve=False) as producer:
+        await producer.run_in_transaction(publish_one, b"first")
+        other = sqlite3.connect(producer_db, isolation_level=None)
+        inline_after_other = 0
+        seq = 1
+        try:
+            while inline_after_other < 3 and seq < 100:  # a loaded machine may go over budget
+                other.execute("BEGIN IMMEDIATE")
+                assert streamq.publish(other, "orders", b"other") == seq + 1
+                other.execute("COMMIT")
+                inline = producer.groups.inline
+                seq += 2
+                assert await producer.run_in_transaction(publish_one, b"mine") == seq
+                inline_after_other += producer.groups.inline - inline
+        finally:
+            other.close()
+        assert inline_after_other == 3
+    assert log_seqs(producer_db) == list(range(1, seq + 1))
+
+
 async def test_transactions_started_together_commit_together_on_the_loop(
     producer_db: str,
 ) -> None:
