@@ -299,6 +299,39 @@ async def test_another_connections_commit_is_caught_up_before_begin(producer_db:
     assert log_seqs(producer_db) == list(range(1, seq + 1))
 
 
+async def test_a_short_transaction_runs_its_statements_on_the_loop(producer_db: str) -> None:
+    """``Producer.transaction()`` too: BEGIN, the application's statements and COMMIT run
+    on the event loop's thread while they run short and nobody else holds the write lock
+    (each hop to the writer's thread would be paid holding it); where BEGIN would wait,
+    on the writer's thread."""
+    async with Producer(producer_db) as producer:
+        producer.storage.writer.raw.create_function(  # type: ignore[attr-defined]
+            "thread_name", 0, lambda: threading.current_thread().name
+        )
+
+        async def where_it_ran(value: bytes) -> str:
+            async with producer.transaction() as tx:
+                cursor = await tx.execute("SELECT thread_name()")
+                (name,) = await cursor.fetchone()
+                await tx.publish("orders", value)
+            return str(name)
+
+        loop_thread = threading.current_thread().name
+        assert await where_it_ran(b"a") == loop_thread
+        other = sqlite3.connect(producer_db, isolation_level=None)
+        try:
+            other.execute("BEGIN IMMEDIATE")
+            task = asyncio.create_task(where_it_ran(b"b"))
+            for _ in range(20):  # the loop is free while the transaction waits
+                await asyncio.sleep(0.01)
+            assert not task.done()
+            other.execute("COMMIT")
+            assert await task != loop_thread
+        finally:
+            other.close()
+    assert log_seqs(producer_db) == [1, 2]
+
+
 async def test_transactions_started_together_commit_together_on_the_loop(
     producer_db: str,
 ) -> None:

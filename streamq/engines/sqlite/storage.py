@@ -85,7 +85,7 @@ from ...producer.storage import (
     consumer_rows,
 )
 from ...protocol import numbered_records, numbered_run, slice_records
-from ...sql import Durability, raw_connection, run_on_thread
+from ...sql import Durability, InlineBudget, raw_connection, run_on_thread
 from .checkpoints import Checkpointer, take_over
 from .engine import ENGINE
 from .servelock import ServeLock
@@ -799,9 +799,15 @@ class SQLiteWriter:
     """The producer's writer connection (``storage.Writer``). Every write but the
     application's own runs on the connection's thread in one hop."""
 
-    def __init__(self, conn: aiosqlite.Connection) -> None:
+    def __init__(self, conn: aiosqlite.Connection, durability: Durability = "normal") -> None:
         self.conn = conn
         self.blocking = SQLiteBlockingWriter(raw_connection(conn))
+        # A transaction that began on the event loop's thread runs its statements there
+        # too while they run short (``begin``); never with durability="full", whose
+        # COMMIT waits for an fsync.
+        self._budget = InlineBudget()
+        self._full = durability == "full"
+        self._here = False
 
     @property
     def raw(self) -> sqlite3.Connection:
@@ -827,34 +833,78 @@ class SQLiteWriter:
     def inline(self) -> SQLiteBlockingWriter:
         return self.blocking
 
+    def _noted(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``, its time noted against the budget, wherever it runs."""
+        started = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self._budget.note(time.perf_counter() - started)
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` where this transaction's statements run: on the event loop's
+        thread while it began there and they run short (the caller holds the producer's
+        lock: nothing runs on the connection's own thread meanwhile), else on that one."""
+        if self._here and self._budget.fits:
+            return self._noted(fn, *args)
+        return await self.run(self._noted, fn, *args)
+
     async def begin(self) -> int:
-        """BEGIN IMMEDIATE: the database's write lock, held to COMMIT."""
-        version: int = await self.run(begin_immediate, self.raw)
+        """BEGIN IMMEDIATE: the database's write lock, held to COMMIT. On the event loop's
+        thread where that costs no wait (another connection holding the lock: on the
+        connection's own, ``begin_at_once``), while statements run short, as
+        ``group_commit`` does: a hop to the thread and back costs more than a short
+        statement, and each is paid holding the lock."""
+        if self._budget.fits and not self._full:
+            try:
+                version = self._noted(self.blocking.begin, False)
+            except WouldWait:
+                pass
+            else:
+                self._here = True
+                return version
+        version = await self.run(begin_immediate, self.raw)  # waiting for the lock: not noted
         return version
+
+    def commit_here(self) -> bool:
+        """COMMIT now, on this thread, if the transaction runs here (no await: no cancel
+        lands in it); False if it does not (``commit``)."""
+        if not self._here or self._full:
+            return False
+        self._here = False
+        self._noted(self.blocking.commit)
+        return True
 
     async def commit(self) -> None:
         """On the connection's thread, as ``SQLiteBlockingWriter.commit``: every COMMIT of
         the writer's is that one call (``bench.tools.lock_hold`` times it)."""
-        await self.run(self.blocking.commit)
+        if not self.commit_here():
+            self._here = False
+            await self.run(self._noted, self.blocking.commit)
 
     async def rollback(self) -> None:
-        if self.conn.in_transaction:
-            await self.conn.execute("ROLLBACK")
+        here, self._here = self._here, False
+        if not self.conn.in_transaction:
+            return
+        if here:
+            self.blocking.rollback()
+        else:
+            await self.run(self.blocking.rollback)
 
     async def execute(self, sql: str, parameters: Any = ()) -> aiosqlite.Cursor:
-        return await self.conn.execute(sql, parameters)
+        return aiosqlite.Cursor(self.conn, await self._call(self.raw.execute, sql, parameters))
 
     async def executemany(self, sql: str, parameters: Any) -> aiosqlite.Cursor:
-        return await self.conn.executemany(sql, parameters)
+        cursor = await self._call(self.raw.executemany, sql, parameters)
+        return aiosqlite.Cursor(self.conn, cursor)
 
     async def create_stream(self, name: str, settings: StreamSettings) -> int:
-        stream_id: int = await self.run(create_stream_blocking, self.raw, name, settings)
-        return stream_id
+        return await self._call(create_stream_blocking, self.raw, name, settings)
 
     async def insert(
         self, rows: Sequence[LogRow], times: Sequence[TimeRow], epochs: Sequence[EpochRow]
     ) -> None:
-        await self.run(insert_blocking, self.raw, rows, times, epochs)
+        await self._call(insert_blocking, self.raw, rows, times, epochs)
 
     async def truncate(self, stream_id: int, before: int) -> None:
         await self.conn.execute(
@@ -925,7 +975,8 @@ class SQLiteWriter:
             COMPACTION_QUERY,
             (pos(stream_id, after), pos(stream_id, through), pos(stream_id, low)),
         )
-        return [(*_numbered_row(p, record), key) for p, key, record in rows]
+        numbered = [(_numbered_row(p, record), key) for p, key, record in rows]
+        return [(seq, key, record) for (seq, record), key in numbered]
 
     async def delete_compacted(self, stream_id: int, seqs: list[int], through: int) -> None:
         await self.conn.executemany(
@@ -1002,7 +1053,7 @@ class SQLiteStorage:
 
     async def open(self, durability: Durability) -> Identity:
         conn = await open_writer(self.path, durability)
-        self._writer = SQLiteWriter(conn)
+        self._writer = SQLiteWriter(conn, durability)
         identity = await initialize(conn, durability)
         self.checkpointer = await take_over(conn, self.path, durability)
         return identity
