@@ -98,6 +98,14 @@ async def test_unnumbered_rows_read_numbered_everywhere(producer_db: str) -> Non
         ]
         [keyed] = await producer.history("orders", b"k1")
         assert (keyed.seq, keyed.value, keyed.key) == (6, b"keyed", b"k1")
+    with connection(producer_db) as conn:
+        conn.execute("BEGIN IMMEDIATE")
+        assert streamq.publish(conn, "orders", b"keyed again", key=b"k1") == 7
+        conn.execute("COMMIT")
+    async with Producer(producer_db, serve=False) as producer:
+        [removed] = await producer.compact("orders")
+        assert (removed.old_seq, removed.old_value) == (6, b"keyed")
+        assert (removed.new_seq, removed.new_value) == (7, b"keyed again")
 
 
 def test_numbered_run_numbers_only_unnumbered_records() -> None:
