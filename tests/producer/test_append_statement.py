@@ -186,3 +186,28 @@ async def test_a_version_3_database_is_migrated_with_a_new_epoch(producer_db: st
             if batch.last_seq == 3:
                 break
     assert values == [b"a", b"b", b"c"]
+
+
+def test_a_sync_producer_appends_in_one_statement_after_another_connection(
+    producer_db: str,
+) -> None:
+    """A ``SyncProducer`` keeps what its own commits left while nobody else commits (one
+    INSERT of rows numbered in memory); after another connection's commit, the one
+    statement, never a read of the state holding the lock."""
+    with streamq.SyncProducer(producer_db, serve=False) as producer:
+        for value in (b"a", b"b"):
+            producer.publish("orders", value)
+        with connection(producer_db) as other:
+            other.execute("BEGIN IMMEDIATE")
+            assert streamq.publish(other, "orders", b"other") == 3
+            other.execute("COMMIT")
+        session = producer._session()
+        ran: list[str] = []
+        session.conn.set_trace_callback(  # type: ignore[attr-defined]
+            lambda sql: None if ran and ran[-1] == sql else ran.append(sql)
+        )
+        assert producer.publish("orders", b"mine") == 4
+        session.conn.set_trace_callback(None)  # type: ignore[attr-defined]
+    statements = [sql.split()[0] for sql in ran]
+    assert statements == ["BEGIN", "PRAGMA", "INSERT", "COMMIT"], ran
+    assert ran[2].startswith("INSERT OR IGNORE INTO streamq_log")

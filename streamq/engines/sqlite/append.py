@@ -179,26 +179,63 @@ def append_from(
 
 
 class SQLiteSession(storage.SQLiteBlockingWriter):
-    """One thread's own connection to a producer database (``storage.Session``),
-    appending as ``streamq.publish`` does."""
+    """One thread's own connection to a producer database (``storage.Session``). It sees
+    its own COMMIT and ROLLBACK, so it keeps each stream's append state as its committed
+    appends left it, while ``PRAGMA data_version`` says no other connection committed:
+    then an append is one INSERT of rows numbered here. Once another connection has
+    committed, it appends as ``streamq.publish`` does (``APPEND``), and reads the state
+    again (the full path) in its next transaction that finds nobody else committed."""
 
     def __init__(self, path: str, durability: Durability) -> None:
         conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         conn.execute(f"PRAGMA synchronous={durability.upper()}")
         conn.execute(f"PRAGMA busy_timeout={storage.BUSY_TIMEOUT_MS}")
         super().__init__(conn)
+        self._committed: dict[str, AppendState] = {}  # as of ``_version``
+        self._appended: dict[str, AppendState] = {}  # by the open transaction
+        self._version: int | None = None  # PRAGMA data_version when last read
 
     @property
     def in_transaction(self) -> bool:
         return self.conn.in_transaction
 
-    def begin(self) -> None:  # type: ignore[override]  # no version: appends read the head
+    def begin(self) -> None:  # type: ignore[override]  # no version: data_version at append
         self._own.execute("BEGIN IMMEDIATE")  # the write lock, held to COMMIT
 
     def append(
         self, stream: str, records: Sequence[CheckedRecord], max_record_size: int
     ) -> list[int]:
-        return append(self.conn, stream, records, max_record_size=max_record_size)
+        state = self._appended.get(stream)
+        if state is None:
+            version = self._own.execute("PRAGMA data_version").fetchone()[0]
+            if version != self._version:  # another connection committed: what we kept is old
+                self._committed.clear()
+                self._version = version
+                seqs = _append_at_once(self.conn, stream, records, max_record_size)
+                if seqs is not None:
+                    return seqs
+            state = self._committed.get(stream)
+        seqs, self._appended[stream] = append_from(
+            self._own, stream, records, max_record_size, state
+        )
+        return seqs
+
+    def commit(self) -> None:
+        try:
+            super().commit()
+        except BaseException:
+            self._forget()
+            raise
+        self._committed.update(self._appended)
+        self._appended.clear()
+
+    def rollback(self) -> None:
+        self._forget()
+        super().rollback()
+
+    def _forget(self) -> None:
+        self._committed.clear()
+        self._appended.clear()
 
     def head(self, stream: str) -> int | None:
         row = self.conn.execute(storage.HEAD_QUERY, (stream,)).fetchone()
