@@ -92,10 +92,12 @@ class LockClock:
 _running: list[LockClock] = [LockClock()]
 
 
-def _time_producer() -> None:
+@contextlib.contextmanager
+def producer_timed() -> Iterator[None]:
     """Every producer-side BEGIN IMMEDIATE (``storage.begin_immediate``: the writer's on
     its thread or inline; ``SQLiteSession.begin``) and COMMIT
-    (``SQLiteBlockingWriter.commit``) reported to the running path's clock."""
+    (``SQLiteBlockingWriter.commit``) reported to the running path's clock, until the
+    block ends."""
     from streamq.engines.sqlite import storage
 
     append = importlib.import_module("streamq.engines.sqlite.append")  # not the function
@@ -118,6 +120,12 @@ def _time_producer() -> None:
     storage.begin_immediate = timed_begin_immediate
     append.SQLiteSession.begin = timed_session_begin
     storage.SQLiteBlockingWriter.commit = timed_commit  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        storage.begin_immediate = begin_immediate
+        append.SQLiteSession.begin = session_begin
+        storage.SQLiteBlockingWriter.commit = commit  # type: ignore[method-assign]
 
 
 def _schema(path: str, *, log: bool) -> None:
@@ -331,8 +339,11 @@ def percentile(sorted_ns: list[int], q: float) -> float:
 
 def measure(transactions: int, rounds: int, warm: int) -> dict[str, dict[str, float]]:
     """Each path's p50 and p99 lock hold (µs) over ``transactions``, in ``rounds`` turns."""
-    _time_producer()
-    with tempfile.TemporaryDirectory(prefix="streamq-lock-hold-") as folder, paths(folder) as all_:
+    with (
+        producer_timed(),
+        tempfile.TemporaryDirectory(prefix="streamq-lock-hold-") as folder,
+        paths(folder) as all_,
+    ):
         for path in all_:
             _running[0] = path.clock
             path.run(warm)  # statements prepared, pages cached
