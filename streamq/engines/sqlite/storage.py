@@ -795,6 +795,18 @@ class SQLiteBlockingWriter:
         insert_blocking(self.conn, rows, times, epochs)
 
 
+class _Cursor(aiosqlite.Cursor):
+    """aiosqlite's cursor over a statement of the writer's transaction: it fetches where
+    that transaction runs its statements (``SQLiteWriter._call``)."""
+
+    def __init__(self, writer: SQLiteWriter, cursor: sqlite3.Cursor) -> None:
+        super().__init__(writer.conn, cursor)
+        self._writer = writer
+
+    async def _execute(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        return await self._writer._call(functools.partial(fn, *args, **kwargs))
+
+
 class SQLiteWriter:
     """The producer's writer connection (``storage.Writer``). Every write but the
     application's own runs on the connection's thread in one hop."""
@@ -842,10 +854,11 @@ class SQLiteWriter:
             self._budget.note(time.perf_counter() - started)
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` where this transaction's statements run: on the event loop's
-        thread while it began there and they run short (the caller holds the producer's
-        lock: nothing runs on the connection's own thread meanwhile), else on that one."""
-        if self._here and self._budget.fits:
+        """``fn(*args)`` where this transaction's statements run: all on the event loop's
+        thread if it began there (the caller holds the producer's lock: nothing runs on
+        the connection's own thread meanwhile, and its cursors fetch here too, so no two
+        threads use the connection at once), else all on that one."""
+        if self._here:
             return self._noted(fn, *args)
         return await self.run(self._noted, fn, *args)
 
@@ -892,11 +905,10 @@ class SQLiteWriter:
             await self.run(self.blocking.rollback)
 
     async def execute(self, sql: str, parameters: Any = ()) -> aiosqlite.Cursor:
-        return aiosqlite.Cursor(self.conn, await self._call(self.raw.execute, sql, parameters))
+        return _Cursor(self, await self._call(self.raw.execute, sql, parameters))
 
     async def executemany(self, sql: str, parameters: Any) -> aiosqlite.Cursor:
-        cursor = await self._call(self.raw.executemany, sql, parameters)
-        return aiosqlite.Cursor(self.conn, cursor)
+        return _Cursor(self, await self._call(self.raw.executemany, sql, parameters))
 
     async def create_stream(self, name: str, settings: StreamSettings) -> int:
         return await self._call(create_stream_blocking, self.raw, name, settings)
