@@ -332,6 +332,34 @@ async def test_a_short_transaction_runs_its_statements_on_the_loop(producer_db: 
     assert log_seqs(producer_db) == [1, 2]
 
 
+async def test_a_long_transaction_on_the_loop_lets_it_serve(producer_db: str) -> None:
+    """A ``Producer.transaction()`` of many short statements, run on the event loop's
+    thread, still lets the loop's other tasks run between them (about every millisecond
+    of statements): the server is not held up for the whole transaction."""
+    async with Producer(producer_db) as producer:
+        await producer.publish("orders", b"first")  # the budget: short so far
+        turns = 0
+        done = asyncio.Event()
+
+        async def other_task() -> None:
+            nonlocal turns
+            while not done.is_set():
+                turns += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(other_task())
+        await asyncio.sleep(0)
+        async with producer.transaction() as tx:
+            started = turns
+            for n in range(3000):
+                await tx.execute("SELECT ?", (n,))
+            during = turns - started
+            await tx.publish("orders", b"last")
+        done.set()
+        await task
+    assert during > 0
+
+
 async def test_transactions_started_together_commit_together_on_the_loop(
     producer_db: str,
 ) -> None:

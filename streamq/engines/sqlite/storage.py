@@ -820,6 +820,7 @@ class SQLiteWriter:
         self._budget = InlineBudget()
         self._full = durability == "full"
         self._here = False
+        self._unyielded = 0.0  # seconds run here since the loop last ran its other tasks
 
     @property
     def raw(self) -> sqlite3.Connection:
@@ -858,9 +859,15 @@ class SQLiteWriter:
         thread if it began there (the caller holds the producer's lock: nothing runs on
         the connection's own thread meanwhile, and its cursors fetch here too, so no two
         threads use the connection at once), else all on that one."""
-        if self._here:
-            return self._noted(fn, *args)
-        return await self.run(self._noted, fn, *args)
+        if not self._here:
+            return await self.run(self._noted, fn, *args)
+        started = time.perf_counter()
+        result = self._noted(fn, *args)
+        self._unyielded += time.perf_counter() - started
+        if self._unyielded > self._budget.seconds:  # many short statements: the loop's
+            self._unyielded = 0.0  # other tasks run between them, about every budget
+            await asyncio.sleep(0)
+        return result
 
     async def begin(self) -> int:
         """BEGIN IMMEDIATE: the database's write lock, held to COMMIT. On the event loop's
@@ -874,7 +881,7 @@ class SQLiteWriter:
             except WouldWait:
                 pass
             else:
-                self._here = True
+                self._here, self._unyielded = True, 0.0
                 return version
         version = await self.run(begin_immediate, self.raw)  # waiting for the lock: not noted
         return version
