@@ -19,6 +19,7 @@ module, so none of them is a dependency.
 
 from __future__ import annotations
 
+import functools
 import sqlite3
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -225,11 +226,19 @@ def _is_sqlalchemy_async(conn: Any) -> bool:
     return type(conn).__module__.startswith("sqlalchemy.ext.asyncio")
 
 
-def _sqlalchemy(conn: Any, op: Operation) -> Resolved:
-    """A SQLAlchemy ``Session`` or ``Connection``: its DB-API connection, in a transaction."""
+@functools.cache
+def _sqlalchemy_types() -> tuple[type[Any], type[Any]]:
+    """SQLAlchemy's ``Connection`` and ``Session``, imported once one is passed (an import
+    statement costs a microsecond even then, on every publish: held under the write lock)."""
     from sqlalchemy.engine import Connection
     from sqlalchemy.orm import Session
 
+    return Connection, Session
+
+
+def _sqlalchemy(conn: Any, op: Operation) -> Resolved:
+    """A SQLAlchemy ``Session`` or ``Connection``: its DB-API connection, in a transaction."""
+    Connection, Session = _sqlalchemy_types()
     if isinstance(conn, Session):
         conn = conn.connection()  # begins the session's transaction if it has none
     if not isinstance(conn, Connection):

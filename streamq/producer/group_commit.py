@@ -20,7 +20,9 @@ transaction costs less than the hop to the writer's thread and back (two thread
 wake-ups), most of all on a loaded machine. It does while groups take under 1 ms on
 average (``sql.InlineBudget``) and no other connection holds the write lock (BEGIN
 would wait for it), never with ``durability="full"``: there each COMMIT waits for an fsync, and
-the next group gathers meanwhile.
+the next group gathers meanwhile. Other connections' commits are caught up before BEGIN
+where they can be (``bench.tools.lock_hold``: the write lock is held for the group, not for
+a catch-up and a hop).
 """
 
 from __future__ import annotations
@@ -132,20 +134,24 @@ class GroupCommit:
 
     async def _commit(self, members: list[_Member]) -> None:
         writing = self._writing
-        version: int | None = writing.version
         try:
             try:
                 if not self._budget.fits or self._full:
                     raise WouldWait
-                inline = self._writer.inline
-                self._budget.note(_run_group(inline, writing, members, version, wait=False))
-                self.inline += 1
-                self._committed(members)
+                # Other connections' commits are caught up before the write lock is taken,
+                # not holding it (the pragma is read on this thread: no hop); only those
+                # that land between this look and BEGIN are caught up under the lock.
+                seen = await writing.storage.version()
+                if seen != writing.version:
+                    await writing.catch_up(seen)
+                self._run_inline(members, writing.version, wait=False)
             except WouldWait:  # on the writer's thread then, where BEGIN may wait
-                await self._commit_on_thread(members, version)
+                await self._commit_on_thread(members, writing.version)
             except OthersCommitted as others:
+                # Begun on the loop's thread, holding the write lock: catch up there (the
+                # read runs inline) and run the group there too, with no hop meanwhile.
                 await writing.catch_up(others.version)
-                await self._commit_on_thread(members, None)
+                self._run_inline(members, None)
         except BaseException:
             await writing.writer.rollback()  # begun, then caught up or cancelled: not run
             raise
@@ -154,6 +160,12 @@ class GroupCommit:
                 member.future.set_exception(member.error)
             else:
                 member.future.set_result(member.result)
+
+    def _run_inline(self, members: list[_Member], version: int | None, wait: bool = True) -> None:
+        """The group on the event loop's thread (begun already if ``version`` is None)."""
+        self._budget.note(_run_group(self._writer.inline, self._writing, members, version, wait))
+        self.inline += 1
+        self._committed(members)
 
     async def _commit_on_thread(self, members: list[_Member], version: int | None) -> None:
         writing = self._writing
@@ -169,7 +181,12 @@ class GroupCommit:
                 self._budget.note(cost)
                 return
             except OthersCommitted as others:
+                # Holding the write lock now: caught up, a short group runs here, not
+                # after another hop (a COMMIT that waits for an fsync goes back there).
                 await writing.catch_up(others.version)
+                if self._budget.fits and not self._full:
+                    self._run_inline(members, None)
+                    return
                 version = None
 
     def _committed(self, members: list[_Member]) -> None:

@@ -323,6 +323,11 @@ class Writer(Protocol):
 
     async def commit(self) -> None: ...
 
+    def commit_here(self) -> bool:
+        """COMMIT at once, on the calling thread, where the transaction runs there (SQLite,
+        short transactions); False where it does not: ``await commit()`` then."""
+        ...
+
     async def rollback(self) -> None: ...
 
     async def execute(self, sql: str, parameters: Any = ()) -> Any:

@@ -174,7 +174,11 @@ class Transaction(AsyncSQL):
         # Heads need no write of their own (the last seq in the log); epoch rows are written
         # only by a transaction that starts a segment, and commit with its records.
         await self._flush(closing=True)
-        await to_the_end(self._writing.writer.commit(), self._mark_committed)
+        writer = self._writing.writer
+        if writer.commit_here():  # no task, no loop turn holding the lock
+            self._mark_committed()
+        else:
+            await to_the_end(writer.commit(), self._mark_committed)
 
     def _mark_committed(self) -> None:
         self.committed = True

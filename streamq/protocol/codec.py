@@ -110,6 +110,18 @@ def numbered(unnumbered: bytes, seq: int) -> bytes:
     return b"\x95" + _packb(seq) + unnumbered[2:]
 
 
+def numbered_run(first: int, count: int, encoded: bytes) -> bytes:
+    """``count`` records stored back to back, the first at seq ``first``, as sent:
+    numbered here if they were stored unnumbered (SQLite's one-statement append stores
+    them so), else as they are. A numbered record never starts as an unnumbered one: no
+    record has seq 0."""
+    if not encoded.startswith(UNNUMBERED_PREFIX):
+        return encoded
+    if count == 1:
+        return numbered(encoded, first)
+    return b"".join(numbered(r, seq) for seq, r in numbered_records(first, count, encoded))
+
+
 def decode_record(encoded: bytes) -> Record:
     """A stored record back as a ``Record`` (the producer's own bytes: trusted)."""
     return Record._make(msgpack.unpackb(encoded, raw=False))

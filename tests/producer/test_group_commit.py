@@ -274,6 +274,92 @@ async def test_while_another_connection_writes_the_transaction_waits_on_the_thre
     assert log_seqs(producer_db) == list(range(1, seq + 1))
 
 
+async def test_another_connections_commit_is_caught_up_before_begin(producer_db: str) -> None:
+    """A commit by another connection, found before BEGIN, is caught up then, not holding
+    the write lock: the transaction still runs on the loop's thread, with no hop
+    (``bench.tools.lock_hold``), and its seq follows the other connection's. (Not serving:
+    a serving producer's watch may catch up first.)"""
+    async with Producer(producer_db, serve=False) as producer:
+        await producer.run_in_transaction(publish_one, b"first")
+        other = sqlite3.connect(producer_db, isolation_level=None)
+        inline_after_other = 0
+        seq = 1
+        try:
+            while inline_after_other < 3 and seq < 100:  # a loaded machine may go over budget
+                other.execute("BEGIN IMMEDIATE")
+                assert streamq.publish(other, "orders", b"other") == seq + 1
+                other.execute("COMMIT")
+                inline = producer.groups.inline
+                seq += 2
+                assert await producer.run_in_transaction(publish_one, b"mine") == seq
+                inline_after_other += producer.groups.inline - inline
+        finally:
+            other.close()
+        assert inline_after_other == 3
+    assert log_seqs(producer_db) == list(range(1, seq + 1))
+
+
+async def test_a_short_transaction_runs_its_statements_on_the_loop(producer_db: str) -> None:
+    """``Producer.transaction()`` too: BEGIN, the application's statements and COMMIT run
+    on the event loop's thread while they run short and nobody else holds the write lock
+    (each hop to the writer's thread would be paid holding it); where BEGIN would wait,
+    on the writer's thread."""
+    async with Producer(producer_db) as producer:
+        producer.storage.writer.raw.create_function(  # type: ignore[attr-defined]
+            "thread_name", 0, lambda: threading.current_thread().name
+        )
+
+        async def where_it_ran(value: bytes) -> str:
+            async with producer.transaction() as tx:
+                cursor = await tx.execute("SELECT thread_name()")
+                (name,) = await cursor.fetchone()
+                await tx.publish("orders", value)
+            return str(name)
+
+        loop_thread = threading.current_thread().name
+        assert await where_it_ran(b"a") == loop_thread
+        other = sqlite3.connect(producer_db, isolation_level=None)
+        try:
+            other.execute("BEGIN IMMEDIATE")
+            task = asyncio.create_task(where_it_ran(b"b"))
+            for _ in range(20):  # the loop is free while the transaction waits
+                await asyncio.sleep(0.01)
+            assert not task.done()
+            other.execute("COMMIT")
+            assert await task != loop_thread
+        finally:
+            other.close()
+    assert log_seqs(producer_db) == [1, 2]
+
+
+async def test_a_long_transaction_on_the_loop_lets_it_serve(producer_db: str) -> None:
+    """A ``Producer.transaction()`` of many short statements, run on the event loop's
+    thread, still lets the loop's other tasks run between them (about every millisecond
+    of statements): the server is not held up for the whole transaction."""
+    async with Producer(producer_db) as producer:
+        await producer.publish("orders", b"first")  # the budget: short so far
+        turns = 0
+        done = asyncio.Event()
+
+        async def other_task() -> None:
+            nonlocal turns
+            while not done.is_set():
+                turns += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(other_task())
+        await asyncio.sleep(0)
+        async with producer.transaction() as tx:
+            started = turns
+            for n in range(3000):
+                await tx.execute("SELECT ?", (n,))
+            during = turns - started
+            await tx.publish("orders", b"last")
+        done.set()
+        await task
+    assert during > 0
+
+
 async def test_transactions_started_together_commit_together_on_the_loop(
     producer_db: str,
 ) -> None:

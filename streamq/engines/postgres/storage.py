@@ -229,6 +229,9 @@ class PostgresWriter:
     async def commit(self) -> None:
         await self.conn.execute("COMMIT")
 
+    def commit_here(self) -> bool:
+        return False  # a round trip to the server: awaited
+
     async def rollback(self) -> None:
         if self.in_transaction:
             await self.conn.execute("ROLLBACK")

@@ -1,14 +1,20 @@
 """The SQLite engine's append path: records appended through any connection to a SQLite
 producer database, in its open transaction.
 
-On the application's connection nothing is cached between calls: each append takes the
-database's write lock, then reads the stream's committed head under it
-(``storage.APPEND_STATE_QUERY``). That is what lets any number of processes and
+Nothing is cached between calls: each append numbers its records from what is committed,
+holding the database's write lock. That is what lets any number of processes and
 connections publish into one database at once: SQLite admits one writer at a time, so
-seqs are dense and in commit order, by construction. A ``SQLiteSession`` (a
-``SyncProducer``'s connection for one thread), which sees its own COMMIT and ROLLBACK,
-keeps what its committed appends left instead, and reads it again only when ``PRAGMA
-data_version`` says another connection committed since.
+seqs are dense and in commit order, by construction.
+
+One statement does it all (``APPEND``): an INSERT of the records, unnumbered, whose pos
+(hence seqs) comes from the stream's ``max(pos)``. A write statement takes the write lock
+before it reads, so the head it reads is never stale, whatever began the transaction. It
+inserts nothing unless the append needs nothing else: the stream exists, the database's
+epoch is the stream's last segment's, that epoch was made in this boot, and the schema is
+this version's. Then the full path runs (``append_from``): the lock, the state
+(``storage.APPEND_STATE_QUERY``), a new epoch or stream if needed, numbered records. The
+time index of unnumbered rows is written by a trigger, in the same statement
+(``storage``). Encoding needs no seq, so the lock is held for one statement.
 
 Epochs ("Epochs" in docs/protocol.md): records are stamped with the database's current
 epoch. A ``Producer`` starting makes a new one, synced to disk; the first writer of a
@@ -27,7 +33,14 @@ from typing import Any
 from ...errors import SchemaMissingError
 from ...producer.append_rule import append_rows, check_last_seq, segment_row
 from ...producer.storage import LogRow, TimeRow
-from ...records import DEFAULT_MAX_RECORD_SIZE, CheckedRecord, encode_checked
+from ...protocol import SEQ_GROWTH, encode_record
+from ...records import (
+    DEFAULT_MAX_RECORD_SIZE,
+    MAX_SEQ,
+    CheckedRecord,
+    encode_checked,
+    encode_unnumbered,
+)
 from ...sql import Durability, run_on_thread
 from . import storage
 
@@ -35,6 +48,30 @@ from . import storage
 # and the schema version; the stream's id, key_index, head, largest timestamp and the
 # epoch of its last segment.
 AppendState = tuple[Any, Any, Any, Any, Any, int, Any, Any]
+
+_BITS, _MASK = storage.SEQ_BITS, storage.MAX_STORED_SEQ
+_STREAM_ID = "(SELECT id FROM streamq_streams WHERE name = ?1)"
+_HEAD = f"""(SELECT max(low - 1, coalesce((SELECT max(pos) FROM streamq_log
+        WHERE pos > (id << {_BITS}) AND pos < ((id + 1) << {_BITS})), 0) & {_MASK})
+    FROM streamq_streams WHERE name = ?1)"""
+_META = "(SELECT value FROM streamq_meta WHERE key = '{}')"
+# The one-statement append (module docstring): ?1 the stream, ?2 the number of records,
+# ?3 this process's boot id, ?4 their largest timestamp, ?5 the records unnumbered, back
+# to back, ?6 the key of a lone record. A row whose timestamp is NULL is not inserted
+# (OR IGNORE): that is how it inserts nothing where the full path must run. VALUES, not
+# SELECT: an INSERT ... SELECT that reads its own table goes through a temporary table.
+APPEND = f"""INSERT OR IGNORE INTO streamq_log (pos, ts, record, key, count) VALUES (
+    ({_STREAM_ID} << {_BITS}) | ({_HEAD} + ?2),
+    CASE WHEN {_HEAD} <= {MAX_SEQ} - ?2
+        AND {_META.format("epoch")} = (SELECT epoch FROM streamq_epochs
+            WHERE stream_id = {_STREAM_ID} ORDER BY first_seq DESC LIMIT 1)
+        AND {_META.format("boot_id")} = ?3
+        AND {_META.format("schema_version")} = {storage.SCHEMA_VERSION}
+    THEN ?4 END,
+    ?5,
+    CASE WHEN ?6 IS NOT NULL AND (SELECT key_index FROM streamq_streams WHERE name = ?1)
+        THEN ?6 END,
+    ?2)"""
 
 
 def append(
@@ -46,11 +83,44 @@ def append(
 ) -> list[int]:
     """Append ``records`` to ``stream`` through a DB-API connection to a SQLite producer
     database, in its open transaction; returns their seqs."""
+    seqs = _append_at_once(dbapi, stream, records, max_record_size)
+    if seqs is not None:
+        return seqs
     cursor = dbapi.cursor()
     try:
         return append_from(cursor, stream, records, max_record_size, None)[0]
     finally:
         cursor.close()
+
+
+def _append_at_once(
+    dbapi: Any, stream: str, records: Sequence[CheckedRecord], max_record_size: int
+) -> list[int] | None:
+    """``APPEND``: the seqs, or None where the full path must run (nothing written)."""
+    count = len(records)
+    if count == 1:  # a publish: the path to keep short
+        value, key, headers, ts = records[0]
+        record = encode_record(0, ts, key, value, headers)
+        if len(record) + SEQ_GROWTH > max_record_size:
+            return None  # the full path refuses it
+    else:
+        key, ts = None, records[0][3]
+        if count > storage.BATCH_RECORDS or any(r[1] is not None or r[3] != ts for r in records):
+            return None  # keyed records may need rows of their own; the trigger indexes a
+            # row's first record, for one timestamp
+        record = b"".join(encode_unnumbered(records, max_record_size))
+        if len(record) > storage.BATCH_BYTES:
+            return None
+    try:
+        cursor = dbapi.execute(APPEND, (stream, count, storage.boot_id(), ts, record, key))
+    except sqlite3.OperationalError as exc:
+        if storage.busy(exc):
+            raise
+        return None  # no tables, or an older version's: the full path says what to do
+    if cursor.rowcount != 1:
+        return None
+    last = cursor.lastrowid & _MASK
+    return [last] if count == 1 else list(range(last - count + 1, last + 1))
 
 
 def append_from(
@@ -101,28 +171,25 @@ def append_from(
     if rows and segment is not None:
         cursor.execute(storage.INSERT_EPOCHS, segment)
         last_epoch = epoch
-    _insert(cursor, storage.INSERT_RECORDS, storage.stored_rows(rows))
-    _insert(cursor, storage.INSERT_TIMES, [(s, ts, storage.pos(s, seq)) for s, ts, seq in times])
+    storage.insert(cursor, storage.INSERT_RECORDS, storage.stored_rows(rows))
+    times_rows = [(s, ts, storage.pos(s, seq)) for s, ts, seq in times]
+    storage.insert(cursor, storage.INSERT_TIMES, times_rows)
     left = (epoch, boot, version, stream_id, key_index, head + len(seqs), max_ts, last_epoch)
     return seqs, left
 
 
-def _insert(cursor: Any, sql: str, rows: Sequence[Sequence[Any]]) -> None:
-    """``rows`` inserted; one (a one-record transaction's) without ``executemany``'s setup."""
-    if len(rows) == 1:
-        cursor.execute(sql, rows[0])
-    elif rows:
-        cursor.executemany(sql, rows)
-
-
 class SQLiteSession(storage.SQLiteBlockingWriter):
-    """One thread's own connection to a producer database (``storage.Session``). Keeps
-    each stream's append state as its committed appends left it (module docstring)."""
+    """One thread's own connection to a producer database (``storage.Session``). It sees
+    its own COMMIT and ROLLBACK, so it keeps each stream's append state as its committed
+    appends left it, while ``PRAGMA data_version`` says no other connection committed:
+    then an append is one INSERT of rows numbered here. Once another connection has
+    committed, it appends as ``streamq.publish`` does (``APPEND``), and reads the state
+    again (the full path) in its next transaction that finds nobody else committed."""
 
     def __init__(self, path: str, durability: Durability) -> None:
         conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         conn.execute(f"PRAGMA synchronous={durability.upper()}")
-        conn.execute("PRAGMA busy_timeout=10000")
+        conn.execute(f"PRAGMA busy_timeout={storage.BUSY_TIMEOUT_MS}")
         super().__init__(conn)
         self._committed: dict[str, AppendState] = {}  # as of ``_version``
         self._appended: dict[str, AppendState] = {}  # by the open transaction
@@ -141,9 +208,12 @@ class SQLiteSession(storage.SQLiteBlockingWriter):
         state = self._appended.get(stream)
         if state is None:
             version = self._own.execute("PRAGMA data_version").fetchone()[0]
-            if version != self._version:  # another connection committed: read again
+            if version != self._version:  # another connection committed: what we kept is old
                 self._committed.clear()
                 self._version = version
+                seqs = _append_at_once(self.conn, stream, records, max_record_size)
+                if seqs is not None:
+                    return seqs
             state = self._committed.get(stream)
         seqs, self._appended[stream] = append_from(
             self._own, stream, records, max_record_size, state

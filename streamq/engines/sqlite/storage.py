@@ -18,6 +18,11 @@ Six tables, all prefixed ``streamq_`` so they sit beside the application's own:
   ``pos`` at or after it. ``record`` holds the records' wire encodings
   (``protocol.encode_record``) back to back, sent as they are once apart again
   (``protocol.split_records``); ``ts`` is the largest of their timestamps.
+  A row written by the one-statement append (``append.py``: ``streamq.publish``,
+  ``SyncProducer``) holds its records unnumbered (seq 0, ``protocol.UNNUMBERED_PREFIX``):
+  that statement takes the seq from ``max(pos)`` as it inserts, so nothing in the row
+  could know it before. Readers number them from ``pos`` (``protocol.numbered_run``), so
+  every reader gets the same bytes either way.
   ``key`` repeats the record's key for streams created with ``key_index`` (NULL
   otherwise), and a partial index on it finds one key's records (``history``)
   without a scan. Opt-in per stream: each keyed record dirties a random index
@@ -28,7 +33,8 @@ Six tables, all prefixed ``streamq_`` so they sit beside the application's own:
 - ``streamq_time``: a sparse time index. A row (stream, ts, pos) is written each
   time a record's timestamp exceeds every earlier one of its stream, so the
   first row with ``ts >= T`` names the first seq whose timestamp reaches T:
-  one b-tree seek (``seek_time``), a handful of rows per millisecond at most.
+  one b-tree seek (``seek_time``), a handful of rows per millisecond at most. A
+  trigger writes the rows of the one-statement append's rows, in its statement.
 - ``streamq_consumers``: registered consumers, whose unapplied records retention
   keeps, and the consumers that reported a position without a registration
   (``registered`` 0), each with the last position it reported (saved lazily, at most
@@ -78,8 +84,8 @@ from ...producer.storage import (
     WouldWait,
     consumer_rows,
 )
-from ...protocol import numbered_records, slice_records
-from ...sql import Durability, raw_connection, run_on_thread
+from ...protocol import numbered_records, numbered_run, slice_records
+from ...sql import Durability, InlineBudget, raw_connection, run_on_thread
 from .checkpoints import Checkpointer, take_over
 from .engine import ENGINE
 from .servelock import ServeLock
@@ -87,7 +93,7 @@ from .walwatch import WalWatch
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 SEQ_BITS = 40
 MAX_STORED_SEQ = (1 << SEQ_BITS) - 1
 # At most this many records, and bytes, share a log row: a read that starts inside a row
@@ -168,9 +174,27 @@ _INDEXES = (
         pos INTEGER NOT NULL,     -- the first record that reached it
         PRIMARY KEY (stream_id, ts)
     ) WITHOUT ROWID""",
+    # The time index of rows stored unnumbered (the one-statement append's), in the
+    # statement that inserts them; the other writers insert their time rows themselves.
+    f"""CREATE TRIGGER IF NOT EXISTS streamq_time_of_unnumbered AFTER INSERT ON streamq_log
+    WHEN substr(NEW.record, 1, 2) = x'9500' AND NEW.ts > coalesce(
+        (SELECT max(ts) FROM streamq_time WHERE stream_id = NEW.pos >> {SEQ_BITS}), -1)
+    BEGIN
+        INSERT INTO streamq_time (stream_id, ts, pos)
+        VALUES (NEW.pos >> {SEQ_BITS}, NEW.ts, NEW.pos - NEW.count + 1);
+    END""",
 )
 
 INSERT_RECORDS = "INSERT INTO streamq_log (pos, ts, record, key, count) VALUES (?, ?, ?, ?, ?)"
+# ``INSERT_RECORDS`` unless a row holds a seq at or after the row's first, in its stream:
+# then (another process appended: the writer's seqs were stale) it inserts nothing, as on
+# a clash of pos. One statement for the check and the insert. A row's timestamp NULL is
+# not inserted (OR IGNORE); rows of one stream go in ascending order, so a row's check
+# never finds the rows inserted before it.
+INSERT_RECORDS_CHECKED = f"""INSERT OR IGNORE INTO streamq_log (pos, ts, record, key, count)
+VALUES (?1, CASE WHEN NOT EXISTS (SELECT 1 FROM streamq_log
+    WHERE pos > ?1 - ?5 AND pos < ((?1 >> {SEQ_BITS}) + 1) << {SEQ_BITS}) THEN ?2 END,
+    ?3, ?4, ?5)"""
 INSERT_TIMES = "INSERT INTO streamq_time (stream_id, ts, pos) VALUES (?, ?, ?)"
 INSERT_EPOCHS = "INSERT INTO streamq_epochs (stream_id, first_seq, epoch) VALUES (?, ?, ?)"
 
@@ -336,7 +360,15 @@ def unpack_rows(rows: Iterable[tuple[int, int, bytes]]) -> Iterator[tuple[int, b
     """(pos, count, record) rows of streamq_log, in pos order, as (pos, record) per record:
     what a tool reading a producer's file with sqlite3 needs."""
     for position, count, record in rows:
-        yield from numbered_records(position - count + 1, count, record)
+        first = position - count + 1
+        record = numbered_run(first & MAX_STORED_SEQ, count, record)
+        yield from numbered_records(first, count, record)
+
+
+def _numbered_row(position: int, record: bytes) -> tuple[int, bytes]:
+    """A one-record row (a keyed record's) as (seq, its encoding, numbered)."""
+    seq = position & MAX_STORED_SEQ
+    return seq, numbered_run(seq, 1, record)
 
 
 def rows_upper_bound(stream_id: int, end: int) -> int:
@@ -364,7 +396,7 @@ def read_runs(
                 skip, stop = max(start - first, 0), min(last, end - 1) - first + 1
                 record = slice_records(record, count, skip, stop - skip)
                 first, count = first + skip, stop - skip
-            runs.append((first, count, record))
+            runs.append((first, count, numbered_run(first, count, record)))
             taken += count
             if taken >= limit:
                 break
@@ -475,11 +507,15 @@ def create_schema(dbapi: Any) -> tuple[dict[str, Any], bool]:
             "created_at": int(time.time() * 1000),
             "epoch": 0,
         }
-    elif meta.get("schema_version") in (1, 2):
+    elif meta.get("schema_version") in (1, 2, 3):
         if meta["schema_version"] == 1:
             _migrate_from_1(cursor)
-        cursor.execute("ALTER TABLE streamq_log ADD COLUMN count INTEGER NOT NULL DEFAULT 1")
+        if meta["schema_version"] in (1, 2):
+            cursor.execute("ALTER TABLE streamq_log ADD COLUMN count INTEGER NOT NULL DEFAULT 1")
+        # 3 to 4: unnumbered rows and their trigger (``_INDEXES``). A new epoch: writers
+        # that checked the version before hold the old epoch (``append.py``) and read again.
         meta["schema_version"] = SCHEMA_VERSION
+        meta["epoch"] = next_epoch(int(meta["epoch"]))
     elif meta.get("schema_version") != SCHEMA_VERSION:
         raise SchemaMissingError(
             f"database has streamq schema version {meta.get('schema_version')!r}, "
@@ -614,7 +650,7 @@ class SQLiteReader:
         rows = await self.conn.execute_fetchall(
             KEY_RECORDS_QUERY, (key, pos(stream_id, start), pos(stream_id, end), limit)
         )
-        return [(p & MAX_STORED_SEQ, record) for p, record in rows]
+        return [_numbered_row(p, record) for p, record in rows]
 
     async def seek_time(self, stream_id: int, timestamp: int) -> int | None:
         """Timestamps are read as a running maximum, as Kafka's time index does: a record
@@ -656,31 +692,27 @@ def insert_blocking(
     try:
         if rows:
             stored = stored_rows(rows)
-            _check_unwritten(conn, stored)
-            conn.executemany(INSERT_RECORDS, stored)
+            if insert(conn, INSERT_RECORDS_CHECKED, stored) != len(stored):
+                raise ConcurrentWriterError(_CONCURRENT_WRITER)
         if times:
-            conn.executemany(INSERT_TIMES, [(s, ts, pos(s, seq)) for s, ts, seq in times])
+            insert(conn, INSERT_TIMES, [(s, ts, pos(s, seq)) for s, ts, seq in times])
         if epochs:
-            conn.executemany(INSERT_EPOCHS, epochs)
+            insert(conn, INSERT_EPOCHS, epochs)
     except sqlite3.IntegrityError as exc:
         raise ConcurrentWriterError(_CONCURRENT_WRITER) from exc
 
 
+def insert(conn: Any, sql: str, rows: Sequence[Sequence[Any]]) -> int:
+    """``rows`` inserted through a connection or cursor; how many were. One (a one-record
+    transaction's) without ``executemany``'s setup."""
+    if len(rows) == 1:
+        return int(conn.execute(sql, rows[0]).rowcount)
+    if rows:
+        return int(conn.executemany(sql, rows).rowcount)
+    return 0
+
+
 _CONCURRENT_WRITER = "another process appended to this producer's log during the transaction"
-_ANY_FROM = "SELECT 1 FROM streamq_log WHERE pos >= ? AND pos < ? LIMIT 1"
-
-
-def _check_unwritten(conn: sqlite3.Connection, stored: Sequence[StoredRow]) -> None:
-    """Nothing in the log at or after the first seq each stream has in ``stored``: a row's
-    pos is its last seq only, so the primary key alone would not catch a seq taken inside
-    it. One seek per stream per insert."""
-    checked = set()
-    for position, _, _, _, count in stored:  # each stream's rows together, ascending
-        stream_id = position >> SEQ_BITS
-        if stream_id not in checked:
-            checked.add(stream_id)
-            if conn.execute(_ANY_FROM, (position - count + 1, pos(stream_id + 1, 0))).fetchone():
-                raise ConcurrentWriterError(_CONCURRENT_WRITER)
 
 
 BUSY_TIMEOUT_MS = 10_000  # how long a connection waits for another's write lock
@@ -763,13 +795,32 @@ class SQLiteBlockingWriter:
         insert_blocking(self.conn, rows, times, epochs)
 
 
+class _Cursor(aiosqlite.Cursor):
+    """aiosqlite's cursor over a statement of the writer's transaction: it fetches where
+    that transaction runs its statements (``SQLiteWriter._call``)."""
+
+    def __init__(self, writer: SQLiteWriter, cursor: sqlite3.Cursor) -> None:
+        super().__init__(writer.conn, cursor)
+        self._writer = writer
+
+    async def _execute(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        return await self._writer._call(functools.partial(fn, *args, **kwargs))
+
+
 class SQLiteWriter:
     """The producer's writer connection (``storage.Writer``). Every write but the
     application's own runs on the connection's thread in one hop."""
 
-    def __init__(self, conn: aiosqlite.Connection) -> None:
+    def __init__(self, conn: aiosqlite.Connection, durability: Durability = "normal") -> None:
         self.conn = conn
         self.blocking = SQLiteBlockingWriter(raw_connection(conn))
+        # A transaction that began on the event loop's thread runs its statements there
+        # too while they run short (``begin``); never with durability="full", whose
+        # COMMIT waits for an fsync.
+        self._budget = InlineBudget()
+        self._full = durability == "full"
+        self._here = False
+        self._unyielded = 0.0  # seconds run here since the loop last ran its other tasks
 
     @property
     def raw(self) -> sqlite3.Connection:
@@ -795,32 +846,84 @@ class SQLiteWriter:
     def inline(self) -> SQLiteBlockingWriter:
         return self.blocking
 
+    def _noted(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``, its time noted against the budget, wherever it runs."""
+        started = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self._budget.note(time.perf_counter() - started)
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` where this transaction's statements run: all on the event loop's
+        thread if it began there (the caller holds the producer's lock: nothing runs on
+        the connection's own thread meanwhile, and its cursors fetch here too, so no two
+        threads use the connection at once), else all on that one."""
+        if not self._here:
+            return await self.run(self._noted, fn, *args)
+        started = time.perf_counter()
+        result = self._noted(fn, *args)
+        self._unyielded += time.perf_counter() - started
+        if self._unyielded > self._budget.seconds:  # many short statements: the loop's
+            self._unyielded = 0.0  # other tasks run between them, about every budget
+            await asyncio.sleep(0)
+        return result
+
     async def begin(self) -> int:
-        """BEGIN IMMEDIATE: the database's write lock, held to COMMIT."""
-        version: int = await self.run(begin_immediate, self.raw)
+        """BEGIN IMMEDIATE: the database's write lock, held to COMMIT. On the event loop's
+        thread where that costs no wait (another connection holding the lock: on the
+        connection's own, ``begin_at_once``), while statements run short, as
+        ``group_commit`` does: a hop to the thread and back costs more than a short
+        statement, and each is paid holding the lock."""
+        if self._budget.fits and not self._full:
+            try:
+                version = self._noted(self.blocking.begin, False)
+            except WouldWait:
+                pass
+            else:
+                self._here, self._unyielded = True, 0.0
+                return version
+        version = await self.run(begin_immediate, self.raw)  # waiting for the lock: not noted
         return version
 
+    def commit_here(self) -> bool:
+        """COMMIT now, on this thread, if the transaction runs here (no await: no cancel
+        lands in it); False if it does not (``commit``)."""
+        if not self._here or self._full:
+            return False
+        self._here = False
+        self._noted(self.blocking.commit)
+        return True
+
     async def commit(self) -> None:
-        await self.conn.execute("COMMIT")
+        """On the connection's thread, as ``SQLiteBlockingWriter.commit``: every COMMIT of
+        the writer's is that one call (``bench.tools.lock_hold`` times it)."""
+        if not self.commit_here():
+            self._here = False
+            await self.run(self._noted, self.blocking.commit)
 
     async def rollback(self) -> None:
-        if self.conn.in_transaction:
-            await self.conn.execute("ROLLBACK")
+        here, self._here = self._here, False
+        if not self.conn.in_transaction:
+            return
+        if here:
+            self.blocking.rollback()
+        else:
+            await self.run(self.blocking.rollback)
 
     async def execute(self, sql: str, parameters: Any = ()) -> aiosqlite.Cursor:
-        return await self.conn.execute(sql, parameters)
+        return _Cursor(self, await self._call(self.raw.execute, sql, parameters))
 
     async def executemany(self, sql: str, parameters: Any) -> aiosqlite.Cursor:
-        return await self.conn.executemany(sql, parameters)
+        return _Cursor(self, await self._call(self.raw.executemany, sql, parameters))
 
     async def create_stream(self, name: str, settings: StreamSettings) -> int:
-        stream_id: int = await self.run(create_stream_blocking, self.raw, name, settings)
-        return stream_id
+        return await self._call(create_stream_blocking, self.raw, name, settings)
 
     async def insert(
         self, rows: Sequence[LogRow], times: Sequence[TimeRow], epochs: Sequence[EpochRow]
     ) -> None:
-        await self.run(insert_blocking, self.raw, rows, times, epochs)
+        await self._call(insert_blocking, self.raw, rows, times, epochs)
 
     async def truncate(self, stream_id: int, before: int) -> None:
         await self.conn.execute(
@@ -891,7 +994,8 @@ class SQLiteWriter:
             COMPACTION_QUERY,
             (pos(stream_id, after), pos(stream_id, through), pos(stream_id, low)),
         )
-        return [(p & MAX_STORED_SEQ, key, record) for p, key, record in rows]
+        numbered = [(_numbered_row(p, record), key) for p, key, record in rows]
+        return [(seq, key, record) for (seq, record), key in numbered]
 
     async def delete_compacted(self, stream_id: int, seqs: list[int], through: int) -> None:
         await self.conn.executemany(
@@ -968,7 +1072,7 @@ class SQLiteStorage:
 
     async def open(self, durability: Durability) -> Identity:
         conn = await open_writer(self.path, durability)
-        self._writer = SQLiteWriter(conn)
+        self._writer = SQLiteWriter(conn, durability)
         identity = await initialize(conn, durability)
         self.checkpointer = await take_over(conn, self.path, durability)
         return identity
