@@ -58,7 +58,7 @@ SWEEP = (1, 4, 16)
 STREAM = "bench"
 ROWS = {True: 200_000, False: 500_000}  # rows per rows/s case (True: --quick)
 BATCH_ROWS = 50_000  # rows per micro-batch in the rows/s cases
-LATENCY_RATE = {True: 2_000, False: 2_000}  # rows/s
+LATENCY_RATE = 2_000  # rows/s
 LATENCY_SECONDS = {True: 6.0, False: 20.0}
 LATENCY_PARTITIONS = 2
 WARMUP = 3.0  # s of the latency run not counted (the query's first micro-batches)
@@ -80,17 +80,12 @@ class Target:
     system: str
     options: dict[str, str]  # the sink's: format and its options
     consumer_db: Path
-    consumer: Child
 
     def applied(self) -> tuple[int, int]:
         """Rows the consumer applied, and how many distinct ones."""
-        return applied(self.consumer_db)
-
-
-def applied(consumer_db: Path) -> tuple[int, int]:
-    with closing(sqlite3.connect(consumer_db, timeout=30)) as conn:
-        row = conn.execute("SELECT count(*), count(DISTINCT id) FROM applied").fetchone()
-    return int(row[0]), int(row[1])
+        with closing(sqlite3.connect(self.consumer_db, timeout=30)) as conn:
+            row = conn.execute("SELECT count(*), count(DISTINCT id) FROM applied").fetchone()
+        return int(row[0]), int(row[1])
 
 
 def producer_db(folder: Path) -> str:
@@ -116,7 +111,7 @@ def target(system: str, broker: Any, folder: Path, partitions: int) -> Iterator[
             with Child("bench.spark.sink_consumers", *args) as consumer:
                 consumer.expect("READY", timeout=60)
                 options = {"format": "streamq", "db": db, "stream": STREAM}
-                yield Target(system, options, consumer_db, consumer)
+                yield Target(system, options, consumer_db)
         return
     topic = f"sink-{uuid.uuid4().hex[:8]}"
     broker.create_topic(topic, partitions)
@@ -124,7 +119,7 @@ def target(system: str, broker: Any, folder: Path, partitions: int) -> Iterator[
     with Child("bench.spark.sink_consumers", *args) as consumer:
         consumer.expect("READY", timeout=60)
         options = {"format": "kafka", "kafka.bootstrap.servers": broker.bootstrap}
-        yield Target(system, {**options, **KAFKA_SINK, "topic": topic}, consumer_db, consumer)
+        yield Target(system, {**options, **KAFKA_SINK, "topic": topic}, consumer_db)
 
 
 def start_query(rows: Any, sink: dict[str, str], checkpoint: Path) -> Any:
@@ -242,7 +237,7 @@ def run(broker: Any, quick: bool, repeats: int, seed: int | None = None) -> dict
     if broker is None:
         raise SystemExit("the Spark sink workload compares with Kafka's sink: run it with Kafka")
     rows = ROWS[quick]
-    rate, seconds = LATENCY_RATE[quick], LATENCY_SECONDS[quick]
+    rate, seconds = LATENCY_RATE, LATENCY_SECONDS[quick]
     rates = {
         (system, n): Series(system, f"{n} partition{'s' * (n > 1)}", "rows/s")
         for n in SWEEP
