@@ -21,6 +21,7 @@ from .pipe import run as pipe
 from .shares import run as shares
 from .slow import run as slow
 from .spark import run as spark
+from .spark import sink as spark_sink
 from .transfer import run as transfer
 from .transfer_pg import run as transfer_pg
 from .workers import run as workers
@@ -31,6 +32,7 @@ WORKLOADS: dict[str, Callable[..., Any]] = {
     "transfer": transfer.run,
     "slow": slow.run,
     "spark": spark.run,
+    "spark_sink": spark_sink.run,
     "workers": workers.run,
     "transfer_pg": transfer_pg.run,
     "pg_load": pg_load.run,

@@ -248,6 +248,23 @@ def spark(results: Results, folder: Path) -> list[Path]:
     ]
 
 
+def spark_sink(results: Results, folder: Path) -> list[Path]:
+    return [
+        bar_chart(
+            folder / "spark_sink.png",
+            results,
+            "Spark sink: rows/s, Spark -> sink -> consumer DB, local[2] (higher is better)",
+            by_case(results["series"], "rows/s"),
+            "rows/s",
+        ),
+        percentile_chart(
+            folder / "spark_sink_latency.png",
+            results,
+            "Spark sink latency, row created -> applied by the consumer (lower is better)",
+        ),
+    ]
+
+
 def with_ratios(values: Values, baseline: str = "kafka") -> Values:
     """``values`` with streamq / ``baseline`` (medians) in each case's name."""
     renamed: Values = {}
@@ -576,6 +593,7 @@ CHARTS: dict[str, Callable[[Results, Path], list[Path]]] = {
     "latency": latency,
     "transfer": transfer,
     "spark": spark,
+    "spark_sink": spark_sink,
     "workers": workers,
     "transfer_pg": transfer_pg,
     "pg_load": pg_load,

@@ -100,7 +100,7 @@ def _latency(
     return list(series.values()), [s for s in phases.values() if s.values]
 
 
-def _phase_table(title: str, phases: list[Series]) -> Table:
+def phase_table(title: str, phases: list[Series]) -> Table:
     table = Table(title=title)
     systems = list(dict.fromkeys(s.system for s in phases))
     for column in ("phase", *systems):
@@ -176,7 +176,7 @@ def run(
             f"{seconds:.0f} s (first {WARMUP:.0f} s not counted)"
         )
         console.print(comparison_table(title, percentiles, better="lower"))
-        console.print(_phase_table("spark: median ms per micro-batch phase", phases))
+        console.print(phase_table("spark: median ms per micro-batch phase", phases))
     results = {
         "rows": total,
         "series": [asdict(s) for s in series],

@@ -1,9 +1,9 @@
-"""The source on a Spark standalone cluster, as users deploy it: a master and two workers,
-each its own JVM on loopback (``tests/spark/cluster.py``), applications submitted with
-``spark-submit`` in client mode, the executors on the machine's Python, which has no
-streamq: it reaches them in a virtual environment packed with venv-pack and passed with
-``--archives``, or as its wheel with ``--py-files`` (docs/guides/spark.md, "Running on a
-cluster").
+"""The source and the sink on a Spark standalone cluster, as users deploy it: a master and
+two workers, each its own JVM on loopback (``tests/spark/cluster.py``), applications
+submitted with ``spark-submit`` in client mode, the executors on the machine's Python,
+which has no streamq: it reaches them in a virtual environment packed with venv-pack and
+passed with ``--archives``, or as its wheel with ``--py-files`` (docs/guides/spark.md,
+"Running on a cluster").
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from tests.spark.cluster import (
     submit,
     unpacked,
 )
+from tests.spark.test_spark_sink import consumed, make_db
 
 JOB = Path(__file__).resolve().parent / "programs" / "cluster_job.py"
 CLIENT = Path(__file__).resolve().parent / "programs" / "connect_client.py"
@@ -224,6 +225,72 @@ def test_a_streaming_query_goes_on_through_a_worker_and_its_driver_killed(
     # The executors ran on the cluster's workers, from the archive's Python.
     apps = cluster.state()["completedapps"]
     assert apps, cluster.state()
+
+
+def sink_query(
+    tmp_path: Path, cluster: Cluster, packed: Path, fleet: Fleet, pg_url: str, name: str
+) -> tuple[subprocess.Popen[bytes], Path]:
+    """The cluster job's streaming query from ``fleet`` into streamq's sink, the producer
+    database ``pg_url`` (its log tables made first), submitted; and its log."""
+    make_db(pg_url)
+    log = tmp_path / f"{name}.log"
+    args = ("sink", ",".join(fleet.endpoints), pg_url, str(tmp_path / "checkpoint"))
+    return submit(cluster, JOB, *args, archive=packed, log=log), log
+
+
+def assert_copied_once_in_order(pg_url: str, tmp_path: Path, fleet: Fleet) -> None:
+    """A consumer's copy of stream ``copied``: every record of the fleet once, and each
+    producer's in its order (a micro-batch publishes its partitions in order, each a range
+    of one producer's seqs, and the batches follow each other)."""
+    total = sum(fleet.records.values())
+    copy = consumed(pg_url, str(tmp_path / "copy.db"), stream="copied", least=total)
+    values = [value for _, value, _ in copy]
+    counts = Counter(values)
+    assert max(counts.values()) == 1, [v for v, n in counts.items() if n > 1][:5]
+    expected = {b"%d-%d" % (i, n) for i, count in enumerate(fleet.records.values())
+                for n in range(count)}  # fmt: skip
+    assert set(values) == expected
+    by_producer: dict[bytes, list[int]] = {}
+    for value in values:
+        producer, _, n = value.partition(b"-")
+        by_producer.setdefault(producer, []).append(int(n))
+    assert all(ns == sorted(ns) for ns in by_producer.values())
+
+
+@pytest.mark.timeout(400)
+def test_the_sink_writes_from_a_cluster_into_postgresql_its_driver_alone_connecting(
+    tmp_path: Path, cluster: Cluster, packed: Path, fleet: Fleet, pg_url: str
+) -> None:
+    """streamq -> Spark on the cluster -> streamq's sink on PostgreSQL -> a consumer. The
+    executors' Python (the packed environment) has no PostgreSQL driver: they convert
+    their rows and hand them back, and the driver's commit alone connects and writes."""
+    driver, log = sink_query(tmp_path, cluster, packed, fleet, pg_url, "sink")
+    assert driver.wait(timeout=300) == 0, log.read_text(errors="replace")[-5000:]
+    assert_copied_once_in_order(pg_url, tmp_path, fleet)
+    assert cluster.state()["completedapps"], cluster.state()  # it ran on the cluster
+
+
+@pytest.mark.timeout(400)
+def test_a_worker_killed_while_the_sink_writes_leaves_an_exact_copy(
+    tmp_path: Path, cluster: Cluster, packed: Path, pg_url: str
+) -> None:
+    """Worker 1 (its executor and the executor's Python workers) ``kill -9``ed once the
+    first micro-batch committed, while the next batches' tasks convert rows on both
+    workers: Spark runs the lost tasks again on worker 0, and only the attempts whose
+    messages it commits are published. The copy holds every record once, in order."""
+    fleet = Fleet(tmp_path, [25_000] * 4)  # 5 micro-batches of 20,000
+    try:
+        driver, log = sink_query(tmp_path, cluster, packed, fleet, pg_url, "sink")
+        try:
+            wait_for_line(log, "BATCH 0", driver, 240)
+            cluster.kill_worker(1)
+            assert driver.wait(timeout=300) == 0, log.read_text(errors="replace")[-5000:]
+        finally:
+            kill_group(driver)
+        assert "Lost executor" in log.read_text(errors="replace")
+        assert_copied_once_in_order(pg_url, tmp_path, fleet)
+    finally:
+        fleet.close()
 
 
 @pytest.mark.slow

@@ -5,6 +5,8 @@ as a user's would be: ``spark-submit ... cluster_job.py MODE ENDPOINTS OUT [CHEC
 - ``stream``: a streaming query into a parquet sink at OUT with its checkpoint, every
   record available now, ``maxRecordsPerTrigger`` 20,000 a micro-batch: started again
   from the checkpoint it goes on where the last committed batch ended.
+- ``sink``: the same query into streamq's sink instead, OUT its producer database (a
+  ``postgresql://`` URL), each record's key and value into stream ``copied``.
 
 Prints ``STARTED`` once the query runs, ``BATCH n`` as each micro-batch commits, ``DONE``.
 """
@@ -45,7 +47,21 @@ def main(mode: str, endpoints: str, out: str, checkpoint: str = "") -> None:
         return
     spark.streams.addListener(Progress())
     batches = {"maxRecordsPerTrigger": "20000", "minPartitions": "4"}
-    query = to_parquet.start(spark, {**options, **batches}, out, checkpoint)
+    if mode == "sink":
+        query = (
+            spark.readStream.format("streamq")
+            .options(**options, **batches)
+            .load()
+            .select("key", "value")
+            .writeStream.format("streamq")
+            .option("db", out)
+            .option("stream", "copied")
+            .option("checkpointLocation", checkpoint)
+            .trigger(availableNow=True)
+            .start()
+        )
+    else:
+        query = to_parquet.start(spark, {**options, **batches}, out, checkpoint)
     print("STARTED", flush=True)
     query.awaitTermination()
     print("DONE", flush=True)
