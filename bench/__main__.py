@@ -21,7 +21,7 @@ from .pipe import run as pipe
 from .shares import run as shares
 from .slow import run as slow
 from .spark import run as spark
-from .spark import sink as spark_sink
+from .spark_sink import run as spark_sink
 from .transfer import run as transfer
 from .transfer_pg import run as transfer_pg
 from .workers import run as workers

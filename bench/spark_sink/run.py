@@ -6,7 +6,7 @@ consumer's database, through streamq's sink or through Kafka's.
 - Kafka: Spark -> ``format("kafka")`` (spark-sql-kafka-0-10) -> a Kafka broker -> a
   confluent-kafka consumer applying into its SQLite database, its offsets with the rows.
 
-The consumers (``sink_consumers``) store each row with its creation time and when they
+The consumers (``consumers``) store each row with its creation time and when they
 applied it; every figure is read from their databases afterwards:
 
 - rows/s: ``rows`` rows of 100 bytes from the ``rate-micro-batch`` source, ``BATCH_ROWS``
@@ -15,9 +15,9 @@ applied it; every figure is read from their databases afterwards:
 - latency: the ``rate`` source at ``LATENCY_RATE`` rows/s in 2 partitions, each row from
   its creation (the source's ``timestamp``: the time it was due) to its application;
 - duplicates after a fault: a driver killed with kill -9 mid-query, restarted from its
-  checkpoint (``sink_faults``): the rows the consumer applied more than once.
+  checkpoint (``faults``): the rows the consumer applied more than once.
 
-``python -m bench.spark.sink [--quick] [--repeats N]`` (or ``python -m bench --only
+``python -m bench.spark_sink.run [--quick] [--repeats N]`` (or ``python -m bench --only
 spark_sink``): a Kafka broker is started for the run. Spark is local[2].
 """
 
@@ -26,8 +26,7 @@ from __future__ import annotations
 import sqlite3
 import tempfile
 import uuid
-from collections.abc import Iterator
-from contextlib import closing, contextmanager
+from contextlib import closing
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
@@ -36,7 +35,6 @@ from typing import Any
 from rich.table import Table
 
 from ..common import (
-    Child,
     LatencyRuns,
     Series,
     alternating,
@@ -49,13 +47,13 @@ from ..common import (
     workload_main,
 )
 from ..measure import Latencies
-from .common import PHASES
-from .run import phase_table, spark_session
-from .sink_consumers import VALUE_SQL
+from ..spark.common import PHASES
+from ..spark.run import phase_table, spark_session
+from .consumers import VALUE_SQL
+from .targets import Target, start_query, target
 
 SYSTEMS = ("streamq", "kafka")
 SWEEP = (1, 4, 16)
-STREAM = "bench"
 ROWS = {True: 200_000, False: 500_000}  # rows per rows/s case (True: --quick)
 BATCH_ROWS = 50_000  # rows per micro-batch in the rows/s cases
 LATENCY_RATE = 2_000  # rows/s
@@ -63,72 +61,6 @@ LATENCY_SECONDS = {True: 6.0, False: 20.0}
 LATENCY_PARTITIONS = 2
 WARMUP = 3.0  # s of the latency run not counted (the query's first micro-batches)
 APPLY_TIMEOUT = 300.0  # s for the consumer to apply every row
-# Spark's Kafka sink as its users tune it for throughput (the Java producer's names, as
-# kafka.* options): acks=all as streamq's commit, batches of up to 1 MB, 5 ms linger.
-KAFKA_SINK = {
-    "kafka.acks": "all",
-    "kafka.linger.ms": "5",
-    "kafka.batch.size": "1000000",
-    "kafka.compression.type": "none",
-}
-
-
-@dataclass
-class Target:
-    """Where one sink's query writes, and the consumer database it ends in."""
-
-    system: str
-    options: dict[str, str]  # the sink's: format and its options
-    consumer_db: Path
-
-    def applied(self) -> tuple[int, int]:
-        """Rows the consumer applied, and how many distinct ones."""
-        with closing(sqlite3.connect(self.consumer_db, timeout=30)) as conn:
-            row = conn.execute("SELECT count(*), count(DISTINCT id) FROM applied").fetchone()
-        return int(row[0]), int(row[1])
-
-
-def producer_db(folder: Path) -> str:
-    """A fresh SQLite producer database with stream ``STREAM``, nobody serving it yet."""
-    import streamq
-
-    db = str(folder / f"producer-{uuid.uuid4().hex[:8]}.db")
-    with streamq.SyncProducer(db, serve=False) as producer:
-        producer.create_stream(STREAM)
-    return db
-
-
-@contextmanager
-def target(system: str, broker: Any, folder: Path, partitions: int) -> Iterator[Target]:
-    """A fresh place for ``system``'s sink to write (a producer database served by
-    ``streamq serve``, or a topic of ``partitions`` partitions), its consumer running."""
-    consumer_db = folder / f"consumer-{uuid.uuid4().hex[:8]}.db"
-    if system == "streamq":
-        db = producer_db(folder)
-        with Child("streamq", "serve", db, "--host", "127.0.0.1", "--port", "0") as server:
-            address = server.expect("serving", timeout=60)[-1]
-            args = ("streamq", address, STREAM, consumer_db)
-            with Child("bench.spark.sink_consumers", *args) as consumer:
-                consumer.expect("READY", timeout=60)
-                options = {"format": "streamq", "db": db, "stream": STREAM}
-                yield Target(system, options, consumer_db)
-        return
-    topic = f"sink-{uuid.uuid4().hex[:8]}"
-    broker.create_topic(topic, partitions)
-    args = ("kafka", broker.bootstrap, topic, consumer_db)
-    with Child("bench.spark.sink_consumers", *args) as consumer:
-        consumer.expect("READY", timeout=60)
-        options = {"format": "kafka", "kafka.bootstrap.servers": broker.bootstrap}
-        yield Target(system, {**options, **KAFKA_SINK, "topic": topic}, consumer_db)
-
-
-def start_query(rows: Any, sink: dict[str, str], checkpoint: Path) -> Any:
-    """``rows`` (a streaming DataFrame of ``value``) written by a sink (``Target.options``)."""
-    options = dict(sink)
-    writer = rows.writeStream.format(options.pop("format"))
-    for name, value in {**options, "checkpointLocation": str(checkpoint)}.items():
-        writer = writer.option(name, value)
-    return writer.start()
 
 
 def wait_applied(where: Target, rows: int, query: Any) -> None:
@@ -232,7 +164,7 @@ def _warm_up(spark: Any, broker: Any, folder: Path) -> None:
 
 def run(broker: Any, quick: bool, repeats: int, seed: int | None = None) -> dict[str, Any]:
     """Every case for both sinks, alternating which goes first; the faults last."""
-    from .sink_faults import FAULTS, fault_run
+    from .faults import FAULTS, fault_run
 
     if broker is None:
         raise SystemExit("the Spark sink workload compares with Kafka's sink: run it with Kafka")
@@ -302,7 +234,7 @@ def phase_series(batches: dict[str, list[dict[str, int]]]) -> list[Series]:
 
 
 def fault_table(faults: list[Any]) -> Table:
-    from .sink_faults import FAULT_BATCH, KILLED_BATCH
+    from .faults import FAULT_BATCH, KILLED_BATCH
 
     title = (
         f"spark sink: driver killed (kill -9) in micro-batch {KILLED_BATCH} "
@@ -320,7 +252,7 @@ def fault_table(faults: list[Any]) -> Table:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return workload_main("python -m bench.spark.sink", __doc__, run, argv)
+    return workload_main("python -m bench.spark_sink.run", __doc__, run, argv)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ then restarted from its checkpoint; then the rows the consumer applied more than
 - Kafka: killed as soon as the batch's first rows are in the topic (the broker's end
   offsets polled), while its tasks write: the batch is not committed, Spark runs it again.
 
-The query (``python -m bench.spark.sink_faults SYSTEM CHECKPOINT OPTIONS``, a process of
+The query (``python -m bench.spark_sink.faults SYSTEM CHECKPOINT OPTIONS``, a process of
 its own, local[2]) writes ``FAULT_ROWS`` rows from ``rate-micro-batch``, ``FAULT_BATCH``
 a micro-batch in ``FAULT_PARTITIONS`` partitions, and stops once they are written.
 """
@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from ..common import wait_until
-from .sink_consumers import VALUE_SQL
+from .consumers import VALUE_SQL
+from .targets import start_query, target
 
 FAULT_ROWS = 100_000
 FAULT_BATCH = 20_000
@@ -102,12 +103,10 @@ def fault_run(system: str, broker: Any, folder: Path) -> Fault:
     # The sink tests' process handling: a program in a session of its own, killed whole.
     from tests.spark.test_spark_exactly_once import Proc, adopting_orphans
 
-    from .sink import target
-
     checkpoint = folder / f"ck-fault-{system}"
     flag = folder / f"committed-{system}"
     with target(system, broker, folder, FAULT_PARTITIONS) as where, adopting_orphans():
-        args = ["-m", "bench.spark.sink_faults", system, str(checkpoint), json.dumps(where.options)]
+        args = ["-m", "bench.spark_sink.faults", system, str(checkpoint), json.dumps(where.options)]
         if system == "streamq":
             written: Any = lambda: _streamq_written(where.options["db"])  # noqa: E731
             pause = f"{KILLED_BATCH}:{flag}"
@@ -149,8 +148,7 @@ def fault_run(system: str, broker: Any, folder: Path) -> Fault:
 
 def query(system: str, checkpoint: str, options: dict[str, str]) -> None:
     """The query's process: ``FAULT_ROWS`` rows through ``system``'s sink, then stop."""
-    from .run import spark_session
-    from .sink import start_query
+    from ..spark.run import spark_session
 
     spark = spark_session(with_kafka=system == "kafka")
     if system == "streamq":
