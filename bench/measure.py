@@ -77,20 +77,22 @@ class Pacer:
 class Latencies:
     """Latencies in microseconds (HdrHistogram, 3 significant digits), with their count.
 
-    Recording keeps the raw figures (8 bytes each) and the histogram takes them in when
-    it is read: its ``record_value`` is pure Python (about 1.5 µs a value), a cost the
-    measured process would otherwise pay while it is measured.
+    Recording keeps the raw figures (8 bytes each, in one array) and the histogram takes
+    them in when it is read: its ``record_value`` is pure Python (about 1.5 µs a value), a
+    cost the measured process would otherwise pay while it is measured. Kept as one flat
+    array, not an object per arrival: millions of those made the process's garbage
+    collector scan them all, again and again, in pauses that grew with the run (a
+    fan-out consumer process's p99 went from 4 to 24 ms at 50 consumers).
     """
 
     def __init__(self) -> None:
         self._histogram = HdrHistogram(1, HIGHEST_US, 3)
-        self._waiting: list[tuple[float, array[float]]] = []  # (arrived at, due times)
         self._micros = array("q")  # latencies given in microseconds
         self.count = 0
 
     def record(self, dues: Sequence[float], at: float) -> None:
         """Items due at ``dues`` (seconds, the pacer's clock) that arrived at ``at``."""
-        self._waiting.append((at, array("d", dues)))
+        self._micros.extend([int((at - due) * 1e6) for due in dues])
         self.count += len(dues)
 
     def record_micros(self, micros: Iterable[int]) -> None:
@@ -102,9 +104,7 @@ class Latencies:
     def histogram(self) -> HdrHistogram:
         """Every latency recorded so far."""
         values: Counter[int] = Counter(self._micros)
-        for at, dues in self._waiting:
-            values.update([int((at - due) * 1e6) for due in dues])
-        self._waiting, self._micros = [], array("q")
+        self._micros = array("q")
         for value, times in values.items():
             self._histogram.record_value(min(HIGHEST_US, max(1, value)), times)
         return self._histogram
