@@ -15,6 +15,7 @@ import contextlib
 import os
 import signal
 import tempfile
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -56,8 +57,6 @@ def window(seconds: Iterable[dict[int, str]], begin: float, end: float) -> dict[
 def sampling_rss(pid: int) -> Iterator[list[tuple[float, int]]]:
     """(time, RSS in KiB) of process ``pid``, every ``SAMPLE_EVERY`` s while the block runs,
     on a thread."""
-    import threading
-
     samples: list[tuple[float, int]] = []
     done = threading.Event()
 

@@ -17,6 +17,7 @@ import sqlite3
 import sys
 import time
 from collections.abc import Iterable
+from typing import Any
 
 from ..common import say
 
@@ -27,6 +28,18 @@ VALUE_SQL = (
     "RPAD(CONCAT(CAST(value AS STRING), ',', CAST(unix_micros(timestamp) AS STRING), ','), "
     f"{ROW_BYTES}, '.') AS value"
 )
+
+
+def rows_from(spark: Any, source: str, rows: int, **options: object) -> Any:
+    """The first ``rows`` rows of Spark's ``source`` (``rate`` or ``rate-micro-batch``,
+    with ``options``) as a streaming DataFrame of ``value`` (``VALUE_SQL``); later
+    micro-batches are empty."""
+    reader = spark.readStream.format(source)
+    for name, value in options.items():
+        reader = reader.option(name, value)
+    return reader.load().where(f"value < {rows}").selectExpr(VALUE_SQL)
+
+
 APPLIED = (
     "CREATE TABLE IF NOT EXISTS applied "
     "(id INTEGER, created_us INTEGER, written_ms INTEGER, applied_us INTEGER)"

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ..common import wait_until
-from .consumers import VALUE_SQL
+from .consumers import rows_from
 from .targets import start_query, target
 
 FAULT_ROWS = 100_000
@@ -155,13 +155,12 @@ def query(system: str, checkpoint: str, options: dict[str, str]) -> None:
         from tests.spark.programs.sink_hooks import PausingSource
 
         spark.dataSource.register(PausingSource)  # format("streamq"), pausing after a commit
-    source = (
-        spark.readStream.format("rate-micro-batch")
-        .option("rowsPerBatch", FAULT_BATCH)
-        .option("numPartitions", FAULT_PARTITIONS)
-        .load()
-        .where(f"value < {FAULT_ROWS}")
-        .selectExpr(VALUE_SQL)
+    source = rows_from(
+        spark,
+        "rate-micro-batch",
+        FAULT_ROWS,
+        rowsPerBatch=FAULT_BATCH,
+        numPartitions=FAULT_PARTITIONS,
     )
     running = start_query(source, options, Path(checkpoint))
     print("started", flush=True)

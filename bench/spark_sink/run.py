@@ -49,7 +49,7 @@ from ..common import (
 from ..measure import Latencies
 from ..spark.common import PHASES
 from ..spark.run import phase_table, spark_session
-from .consumers import VALUE_SQL
+from .consumers import rows_from
 from .targets import Target, start_query, target
 
 SYSTEMS = ("streamq", "kafka")
@@ -97,13 +97,8 @@ def rows_per_second(
 ) -> Throughput:
     """``rows`` rows in ``partitions`` partitions: rows/s from micro-batch 0's start to the
     consumer's last apply."""
-    source = (
-        spark.readStream.format("rate-micro-batch")
-        .option("rowsPerBatch", BATCH_ROWS)
-        .option("numPartitions", partitions)
-        .load()
-        .where(f"value < {rows}")  # later micro-batches are empty
-        .selectExpr(VALUE_SQL)
+    source = rows_from(
+        spark, "rate-micro-batch", rows, rowsPerBatch=BATCH_ROWS, numPartitions=partitions
     )
     query = start_query(source, where.options, folder / f"ck-{uuid.uuid4().hex[:8]}")
     try:
@@ -122,14 +117,7 @@ def latency(spark: Any, where: Target, folder: Path, rate: int, seconds: float) 
     """``rate`` rows/s for ``seconds``: each row's creation to its application (µs), the
     first ``WARMUP`` seconds' rows not counted."""
     rows = int(rate * seconds)
-    source = (
-        spark.readStream.format("rate")
-        .option("rowsPerSecond", rate)
-        .option("numPartitions", LATENCY_PARTITIONS)
-        .load()
-        .where(f"value < {rows}")
-        .selectExpr(VALUE_SQL)
-    )
+    source = rows_from(spark, "rate", rows, rowsPerSecond=rate, numPartitions=LATENCY_PARTITIONS)
     query = start_query(source, where.options, folder / f"ck-{uuid.uuid4().hex[:8]}")
     try:
         wait_applied(where, rows, query)

@@ -50,10 +50,16 @@ from typing import Any
 from rich.table import Table
 
 from ..common import RESULTS, console, machine
-from ..transfer.common import OUTBOX_SCHEMA, open_db
-from ..workers.common import AMOUNT, EVENT_SIZE, INSERT_ORDER, INSERT_OUTBOX, ORDERS_SCHEMA
+from ..transfer.common import open_db
+from ..workers.common import (
+    AMOUNT,
+    EVENT_SIZE,
+    INSERT_ORDER,
+    INSERT_OUTBOX,
+    STREAM,
+    setup_database,
+)
 
-STREAM = "orders"
 EVENT = b"e" * EVENT_SIZE
 OUTBOX = "outbox"
 SIDE = "run_in_transaction, a side writer"
@@ -128,18 +134,6 @@ def producer_timed() -> Iterator[None]:
         storage.SQLiteBlockingWriter.commit = commit  # type: ignore[method-assign]
 
 
-def _schema(path: str, *, log: bool) -> None:
-    """The orders table (and the outbox, or streamq's tables and the stream)."""
-    import streamq
-
-    if log:
-        with streamq.SyncProducer(path, serve=False) as producer:
-            producer.create_stream(STREAM)
-    with contextlib.closing(open_db(path)) as conn:
-        conn.execute(ORDERS_SCHEMA)
-        conn.execute(OUTBOX_SCHEMA)
-
-
 class WritePath:
     """One write path: ``run(n)`` commits n transactions, each timed by ``clock``."""
 
@@ -159,7 +153,7 @@ class Sqlite3(WritePath):
 
     def __init__(self, name: str, folder: str) -> None:
         super().__init__(name, folder)
-        _schema(self.db, log=name != OUTBOX)
+        setup_database(self.db, log=name != OUTBOX)
         self.conn = open_db(self.db)
         self.close = self.conn.close
 
@@ -189,7 +183,7 @@ class Alchemy(WritePath):
         from sqlalchemy import create_engine, event
 
         self.publish = name.startswith("publish")
-        _schema(self.db, log=self.publish)
+        setup_database(self.db, log=self.publish)
         engine = create_engine(f"sqlite:///{self.db}", connect_args={"timeout": 30})
         clock = self.clock
 
@@ -240,7 +234,7 @@ class Sync(WritePath):
         super().__init__(name, folder)
         import streamq
 
-        _schema(self.db, log=True)
+        setup_database(self.db, log=True)
         self.producer = streamq.SyncProducer(self.db, serve=False)
         self.close = self.producer.close
 
@@ -260,7 +254,7 @@ class Async(WritePath):
         super().__init__(name, folder)
         import streamq
 
-        _schema(self.db, log=True)
+        setup_database(self.db, log=True)
         self.loop = loop
         self.producer = streamq.Producer(self.db, serve=False)
         loop.run_until_complete(self.producer.__aenter__())

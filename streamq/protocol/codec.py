@@ -435,12 +435,7 @@ def _decode_records_message(args: list[Any], raw_records: bool) -> RecordsMessag
     elif raw_records:
         message = RecordRows(_decode_record_rows(args[0]).rows, epoch, through)
     else:
-        records = _decode_records(args[0])
-        if through is not None and records and through < records[-1].seq:
-            raise malformed(
-                f"RECORDS.through {through} is before the frame's last seq {records[-1].seq}"
-            )
-        return Records(records, epoch, through)
+        message = Records(_decode_records(args[0]), epoch, through)
     seqs = first_and_last_seq(message)
     if through is not None and seqs is not None and through < seqs[1]:
         raise malformed(f"RECORDS.through {through} is before the frame's last seq {seqs[1]}")
