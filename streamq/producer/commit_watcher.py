@@ -16,9 +16,9 @@ only the in-memory heads (``Producer.head``, the metrics). Not where the produce
 records itself (PostgreSQL): there the catch-up serves the publishers' receipts.
 
 While one waits, a look follows the last one after a gap that adapts to the load, as
-the fan-out's rounds do: ``GAP_RATIO`` times as long as the last look's queries took, at
-least ``BUSY_GAP`` and at most ``MAX_BUSY_GAP``; none after a quiet spell (the gap runs
-from the last look's end). Worker processes committing at full speed would otherwise
+the fan-out's rounds do (``spacing``): three times as long as the last look's queries
+took, at least ``BUSY_GAP`` and at most ``MAX_BUSY_GAP``; none after a quiet spell (the
+gap runs from the last look's end). Worker processes committing at full speed would otherwise
 get a catch-up (a few queries, ~100 µs of the serving process's CPU) per one or two
 commits. A fixed half millisecond took the serving process from 77-93 to 56-63 µs of
 CPU per order at 7,000-8,000 orders/s and the consumer's p50 from 4-6 ms to about 2 ms;
@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from .spacing import Spacing
 from .storage import Watch
 from .writing import Writing
 
@@ -47,9 +48,8 @@ FALLBACK_CHECK = 5.0
 RECHECK = 0.002
 RECHECK_LAST = 0.256
 IDLE_CHECK = 0.05
-# While subscribers wait: looks this many times their queries' time apart, from BUSY_GAP
-# to MAX_BUSY_GAP, so that commits coming faster share a catch-up (see the docstring).
-GAP_RATIO = 3.0
+# While subscribers wait: the least and most time between looks (``spacing``), so that
+# commits coming faster share a catch-up (see the docstring).
 BUSY_GAP = 0.0005
 MAX_BUSY_GAP = 0.005
 
@@ -62,22 +62,22 @@ async def watch_commits(writing: Writing, watch: Watch, interval: float | None) 
     if interval is None:
         interval = FALLBACK_CHECK if watch.active else POLL_INTERVAL
     loop = asyncio.get_running_loop()
-    ended = took = 0.0  # when the last look ended, and its queries' time
+    spacing = Spacing(BUSY_GAP, MAX_BUSY_GAP)
     while True:
         event_at = await watch.wait(interval)
         if event_at is not None and writing.numberer is None:
             if not writing.log.waits.count:
                 await writing.log.waits.until_one_begins(IDLE_CHECK)  # see the docstring
             else:
-                gap = min(MAX_BUSY_GAP, max(BUSY_GAP, took * GAP_RATIO))
-                pause = ended + gap - loop.time()
+                pause = spacing.pause(loop.time())
                 if pause > 0:
                     await asyncio.sleep(pause)
+        took = spacing.took
         try:
             took = await _look_for_commits(writing, watch, event_at)
         except Exception:  # the database away (a server restarting): look again later
             logger.exception("checking for other writers' commits failed")
-        ended = loop.time()
+        spacing.done(took, loop.time())
 
 
 async def _look_for_commits(writing: Writing, watch: Watch, event_at: float | None) -> float:

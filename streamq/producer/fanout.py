@@ -11,7 +11,7 @@ consumer costs the others nothing and holds at most its buffer and one round.
 
 Rounds: with nothing being served, a commit's round starts at the loop's next turn, and
 the commits of that turn share it; while rounds follow each other, the next waits three
-times as long as the last one took (``GAP_RATIO``), at most ``MAX_GAP``: serving takes at
+times as long as the last one took (``spacing``), at most ``MAX_GAP``: serving takes at
 most about a quarter of the loop, and commits that come faster than it serves share a
 round and its frames, so that each consumer, too, gets fewer and fuller frames (with 100
 consumers at 1,000 commits/s, a ratio of 1 left their process behind: p99 0.46 s against
@@ -31,10 +31,9 @@ from typing import Any
 from ..filters import Filter, share_name
 from ..protocol import records_frame
 from .committed_log import Log, Packed, Stream
+from .spacing import Spacing
 
-# See the docstring: the pause before a round, as a multiple of the last round's time,
-# and its bound.
-GAP_RATIO = 3.0
+# See the docstring: the most a round waits after the last one (``spacing``).
 MAX_GAP = 0.02
 # A round's records, in frames of the server's limits: at most this many, so that the loop
 # turns between rounds (the rest comes in the next round, at once). A subscriber is handed
@@ -228,16 +227,15 @@ class Fanout:
     async def _serve(self) -> None:
         loop = asyncio.get_running_loop()
         stream = self.stream
-        took = 0.0  # the last round's time
-        ended = -1.0  # and when it ended
+        spacing = Spacing(0.0, MAX_GAP)
         while True:
             if stream.head <= self.position:
                 self._due = loop.create_future()
                 await self._due
                 self._due = None
-            gap = ended + min(MAX_GAP, took * GAP_RATIO) - loop.time()
-            if gap > 0:
-                await asyncio.sleep(gap)
+            pause = spacing.pause(loop.time())
+            if pause > 0:
+                await asyncio.sleep(pause)
             began = loop.time()
             try:
                 await self._round(loop)
@@ -245,7 +243,7 @@ class Fanout:
                 for sub in list(self.following):
                     self._hand_back(sub, exc)
             ended = loop.time()
-            took = ended - began
+            spacing.done(ended - began, ended)
 
     async def _round(self, loop: asyncio.AbstractEventLoop) -> None:
         """Up to ``ROUND_FRAMES`` frames' worth of what was committed beyond ``position``,
