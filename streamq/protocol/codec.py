@@ -20,7 +20,7 @@ import msgpack
 
 from ..errors import ErrorCode, RemoteProtocolError
 from ..filters import Filter, FilterError
-from .columnar import decode_columns
+from .columnar import decode_columns, decode_records
 from .events import (
     FIELD_CHECKS,
     FIELD_NAMES,
@@ -347,6 +347,10 @@ def decode_message(body: bytes, *, raw_records: bool = False, columnar: bool = F
         if decoded is not None:
             columns, rest = decoded
             return _decode_records_message([columns, *rest], raw_records)
+    elif not raw_records:
+        fields = decode_records(body)
+        if fields is not None:
+            return _decode_records_message(fields, raw_records)
     try:
         if len(body) < _LARGE_BODY:
             return _decode_message(body, raw_records)
@@ -432,6 +436,8 @@ def _decode_records_message(args: list[Any], raw_records: bool) -> RecordsMessag
     message: RecordsMessage
     if isinstance(args[0], ColumnBuffers):
         message = RecordColumns(args[0], epoch, through)
+    elif type(args[0]) is tuple:  # checked already, by the compiled decoder
+        message = Records(args[0], epoch, through)
     elif raw_records:
         message = RecordRows(_decode_record_rows(args[0]).rows, epoch, through)
     else:
