@@ -226,8 +226,10 @@ async def test_commits_of_others_are_served_while_the_producer_waits_for_the_wri
                 lambda: producer.beginning is not None, what="the producer waiting at BEGIN"
             )
             assert streamq.publish(other, "orders", b"theirs") == 1
-            other.execute("COMMIT")
-            other.execute("BEGIN IMMEDIATE")  # the producer waits on
+            # Committed (executescript commits first) and taken again in one call, with no
+            # Python between the two: a producer's retry of its BEGIN in that gap (a
+            # descheduled test thread, on a loaded machine) took the lock once.
+            other.executescript("BEGIN IMMEDIATE")  # the producer waits on
             assert await asyncio.to_thread(read, producer.address) == (1, [b"theirs"])
             async with asyncio.timeout(10):
                 pushed = await anext(subscriber)
