@@ -82,7 +82,9 @@ def append(
     max_record_size: int = DEFAULT_MAX_RECORD_SIZE,
 ) -> list[int]:
     """Append ``records`` to ``stream`` through a DB-API connection to a SQLite producer
-    database, in its open transaction; returns their seqs."""
+    database, in its open transaction; returns their seqs (none for no records)."""
+    if not records:
+        return []
     seqs = _append_at_once(dbapi, stream, records, max_record_size)
     if seqs is not None:
         return seqs
@@ -205,6 +207,8 @@ class SQLiteSession(storage.SQLiteBlockingWriter):
     def append(
         self, stream: str, records: Sequence[CheckedRecord], max_record_size: int
     ) -> list[int]:
+        if not records:
+            return []
         state = self._appended.get(stream)
         if state is None:
             version = self._own.execute("PRAGMA data_version").fetchone()[0]
