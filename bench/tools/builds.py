@@ -230,9 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sync-only", action="store_true", help="the sync path's cases alone")
     args = parser.parse_args(argv)
     if args.sync_only:
-        result = sync_rounds(args.builds, args.orders, args.repeats)
-        sync_table(result["medians"])
-        out = {"orders": args.orders, "builds": args.builds, **result}
+        synced = sync_rounds(args.builds, args.orders, args.repeats)
+        sync_table(synced["medians"])
+        out = {"orders": args.orders, "builds": args.builds, **synced}
         (RESULTS / "sync_path.json").write_text(json.dumps(out, indent=1) + "\n")
         return 0
     runs: dict[str, list[float]] = {}
