@@ -96,7 +96,10 @@ class Scoped:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise TransactionClosedError("this transaction has already committed or rolled back")
+            raise TransactionClosedError(self._why_closed())
+
+    def _why_closed(self) -> str:
+        return "this transaction has already committed or rolled back"
 
 
 class AsyncSQL(Scoped):

@@ -1,16 +1,23 @@
 """The compiled path against pure Python, side by side in one run: ``python -m
-bench.tools.builds [--transfers N] [--repeats N]``.
+bench.tools.builds [--transfers N] [--repeats N] [--builds B ...] [--sync-only]``.
 
 Each case runs under both builds, alternating, ``repeats`` times (medians reported): the
 one-writer transfer end to end (``bench/transfer``: payments process, ledger consumer)
 with the floor (the same SQL, no framework) in the same rounds, the synchronous path
 (one thread's orders through ``SyncProducer``, ``SyncProducer(serve=False)``,
 ``streamq.publish`` on a ``sqlite3`` connection, and plain ``sqlite3`` with an outbox row:
-``bench/workers``), the codec alone (a frame of 100-byte records encoded, then decoded,
-in one process), a bulk publish's encoding (26 records of 100 bytes), capture's
-decoding, and a Spark executor's (frames of records into Arrow batches). A build is
-chosen for every process of a case by ``STREAMQ_PURE`` (``streamq/native.py``). Results
-go to ``bench/results/builds.json``.
+``bench/workers``; the two that do not serve again beside ``streamq serve`` pushing each
+commit to a consumer, as workers run), the codec alone (a frame of 100-byte records
+encoded, then decoded, in one process), a bulk publish's encoding (26 records of 100
+bytes), capture's decoding, and a Spark executor's (frames of records into Arrow
+batches). A build is chosen for every process of a case by ``STREAMQ_PURE``
+(``streamq/native.py``). Results go to ``bench/results/builds.json``.
+
+``--sync-only`` runs the synchronous path's cases alone (``bench/results/sync_path.json``):
+each against plain ``sqlite3`` as the ratio of the medians and as the median of each
+round's ratio (the pair ran back to back, so a busy moment of a shared machine falls on
+both), with the writer's CPU and its wait for a CPU per order (``schedstat``), and what
+the serving process and its consumer spent beside it.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from ..common import RESULTS, say
 from ..transfer.deployment import flow
 from ..transfer.floor import floor_flow
 from ..workers.common import SYNC_VARIANTS
-from ..workers.run import sync_once
+from ..workers.run import SyncRun, sync_once
 from . import BUILDS
 
 CODEC = """
@@ -153,13 +160,65 @@ def transfer_rate(build: str, transfers: int) -> tuple[float, float]:
     return transfers / measured.seconds, measured.cpu["producer"] / transfers * 1e6
 
 
-def sync_rate(build: str, variant: str, orders: int) -> float:
-    """Orders a second of the synchronous path's ``variant`` from one thread, in a process
-    of ``build`` (plain ``sqlite3`` imports streamq too: the same process either way)."""
+# The synchronous path's cases: each variant, and beside ``streamq serve`` those that do not
+# serve themselves (``sync_once``).
+BESIDE = " beside streamq serve"
+SYNC_CASES = (
+    *SYNC_VARIANTS,
+    *(v + BESIDE for v in SYNC_VARIANTS if v not in ("sqlite3", "SyncProducer serving")),
+)
+
+
+SETTINGS = ("refused", "synchronous")  # a run's, checked, not measured
+
+
+def sync_run(build: str, case: str, orders: int) -> SyncRun:
+    """The synchronous path's ``case`` from one thread, in a process of ``build`` (plain
+    ``sqlite3`` imports streamq too: the same process either way)."""
+    variant = case.removesuffix(BESIDE)
     with processes_of(build) as folder:
-        rate, refused, _ = sync_once(variant, folder, 1, orders)
-    assert refused == 0, f"{variant} refused {refused} orders"
-    return rate
+        run = sync_once(variant, folder, 1, orders, beside=variant != case)
+    assert run.refused == 0, f"{case} refused {run.refused} orders"
+    return run
+
+
+def sync_rounds(builds: list[str], orders: int, repeats: int) -> dict[str, Any]:
+    """Every sync case under each build, alternating, ``repeats`` rounds: the runs, and
+    per case and build the medians and the ratios to plain ``sqlite3``."""
+    runs: dict[str, list[dict[str, float]]] = {}
+    for round_ in range(repeats):
+        for build in builds:
+            for case in SYNC_CASES:
+                run = sync_run(build, case, orders)
+                figures = {k: v for k, v in vars(run).items() if k not in SETTINGS}
+                runs.setdefault(f"{case} {build}", []).append(figures)
+        rates = (f"{name} {rounds[-1]['rate']:,.0f}" for name, rounds in runs.items())
+        say(f"round {round_ + 1}: " + ", ".join(rates))
+    medians = {
+        name: {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+        for name, rounds in runs.items()
+    }
+    for build in builds:
+        base = f"sqlite3 {build}"
+        for case in SYNC_CASES:
+            name = f"{case} {build}"
+            paired = [r["rate"] / b["rate"] for r, b in zip(runs[name], runs[base], strict=True)]
+            medians[name]["/ sqlite3"] = medians[name]["rate"] / medians[base]["rate"]
+            medians[name]["/ sqlite3, paired"] = statistics.median(paired)
+    return {"runs": runs, "medians": medians}
+
+
+def sync_table(medians: dict[str, dict[str, float]]) -> None:
+    """The sync cases' medians, one line each."""
+    print(
+        f"{'case':44} {'orders/s':>9} {'/ sqlite3':>9} {'paired':>7} "
+        f"{'CPU µs':>7} {'wait µs':>7} {'beside µs':>9}"
+    )
+    for name, m in medians.items():
+        print(
+            f"{name:44} {m['rate']:9,.0f} {m['/ sqlite3']:9.2f} {m['/ sqlite3, paired']:7.2f} "
+            f"{m['cpu_us']:7.1f} {m['waited_us']:7.1f} {m['beside_cpu_us']:9.1f}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,10 +226,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--transfers", type=int, default=50_000)
     parser.add_argument("--orders", type=int, default=40_000, help="per sync path run")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--builds", nargs="+", choices=list(BUILDS), default=list(BUILDS))
+    parser.add_argument("--sync-only", action="store_true", help="the sync path's cases alone")
     args = parser.parse_args(argv)
+    if args.sync_only:
+        synced = sync_rounds(args.builds, args.orders, args.repeats)
+        sync_table(synced["medians"])
+        out = {"orders": args.orders, "builds": args.builds, **synced}
+        (RESULTS / "sync_path.json").write_text(json.dumps(out, indent=1) + "\n")
+        return 0
     runs: dict[str, list[float]] = {}
     for round_ in range(args.repeats):
-        for build in BUILDS:
+        for build in args.builds:
             per_second, producer_us = transfer_rate(build, args.transfers)
             runs.setdefault(f"transfer {build}", []).append(per_second)
             runs.setdefault(f"transfer {build}: producer CPU µs a transfer", []).append(producer_us)
@@ -179,15 +246,17 @@ def main(argv: list[str] | None = None) -> int:
             runs.setdefault(f"pgoutput {build}", []).append(rate(build, PGOUTPUT))
             runs.setdefault(f"capture {build}", []).append(rate(build, CAPTURE))
             runs.setdefault(f"arrow {build}", []).append(rate(build, ARROW))
-            for variant in SYNC_VARIANTS:
-                orders = sync_rate(build, variant, args.orders)
-                runs.setdefault(f"sync {variant} {build}", []).append(orders)
+            for case in SYNC_CASES:
+                orders = sync_run(build, case, args.orders).rate
+                runs.setdefault(f"sync {case} {build}", []).append(orders)
         with tempfile.TemporaryDirectory() as folder:
             floor_rate, floor_us, _ = floor_flow(Path(folder), args.transfers)
             runs.setdefault("transfer floor", []).append(floor_rate)
             runs.setdefault("transfer floor: producer CPU µs a transfer", []).append(floor_us)
         say(f"round {round_ + 1}: " + ", ".join(f"{k} {v[-1]:,.1f}" for k, v in runs.items()))
     medians = {name: statistics.median(values) for name, values in runs.items()}
+    if args.builds != list(BUILDS):
+        raise SystemExit("the whole comparison needs both builds; --builds goes with --sync-only")
     ratios = {
         "transfer compiled / pure": medians["transfer compiled"] / medians["transfer pure"],
         "transfer compiled / floor": medians["transfer compiled"] / medians["transfer floor"],
@@ -198,10 +267,10 @@ def main(argv: list[str] | None = None) -> int:
         "capture compiled / pure": medians["capture compiled"] / medians["capture pure"],
         "arrow compiled / pure": medians["arrow compiled"] / medians["arrow pure"],
     }
-    for variant in SYNC_VARIANTS[:-1]:  # each against plain sqlite3, the same build's
+    for case in SYNC_CASES:  # each against plain sqlite3, the same build's
         for build in BUILDS:
-            ratios[f"sync {variant} {build} / sqlite3"] = (
-                medians[f"sync {variant} {build}"] / medians[f"sync sqlite3 {build}"]
+            ratios[f"sync {case} {build} / sqlite3"] = (
+                medians[f"sync {case} {build}"] / medians[f"sync sqlite3 {build}"]
             )
     for name, value in {**medians, **ratios}.items():
         print(f"{name}: {value:,.2f}")

@@ -1,5 +1,5 @@
 """What streamq adds to each transaction, SQL and Python apart: ``python -m
-bench.tools.tx_cost [--transactions N] [--records N] [--repeats N]``.
+bench.tools.tx_cost [--transactions N] [--records N] [--repeats N] [--sync]``.
 
 One producer with no subscriber and no application SQL: each transaction publishes
 ``records`` values of 100 bytes (``Producer.run_in_transaction``, one writer, so each is
@@ -22,6 +22,15 @@ Each build, and the floor, runs in a process of its own, alternating; medians.
 
 This is the cost the application's own SQL does not dilute: the transfer workload's
 transactions run about 26 transfers' statements besides (``bench.tools.transfer_profile``).
+
+``--sync``: the synchronous paths instead (``bench/workers``' order: its row and a
+100-byte event, one transaction, one thread), each in a process of its own, alternating:
+plain ``sqlite3`` with an outbox row, ``streamq.publish`` on that connection, a
+``SyncProducer(serve=False)``; and the statements of each with no Python of streamq's
+around them (publish's one INSERT, ``APPEND``; a session's ``PRAGMA data_version`` and
+INSERT of the record numbered in memory). The thread's CPU in µs a transaction, timed
+around each part: BEGIN (with ``SyncProducer.transaction()``), the order's INSERT, the
+event, COMMIT (with what follows it).
 """
 
 from __future__ import annotations
@@ -133,6 +142,117 @@ def floor_run(transactions: int, records: int) -> dict[str, Any]:
     return per_transaction(transactions, seconds, cpu, parts)
 
 
+SYNC_SIDES = ("sqlite3", "publish", "APPEND alone", "SyncProducer", "its statements alone")
+SYNC_PARTS = ("BEGIN", "order", "event", "COMMIT")
+
+
+def sync_run(side: str, transactions: int) -> dict[str, float]:
+    """In this process: ``side``'s transactions, each part's thread CPU (µs a transaction)."""
+    import importlib
+
+    import streamq
+    from streamq.engines.sqlite import storage
+    from streamq.protocol import encode_record
+
+    from ..transfer.common import open_db
+    from ..workers.common import AMOUNT, EVENT_SIZE, INSERT_ORDER, INSERT_OUTBOX, setup_database
+
+    append = importlib.import_module("streamq.engines.sqlite.append")  # not the function
+    event, clock = b"e" * EVENT_SIZE, time.thread_time_ns
+    spent = dict.fromkeys(SYNC_PARTS, 0)
+    with tempfile.TemporaryDirectory() as folder:
+        db = os.path.join(folder, "sync.db")
+        setup_database(db, log=side != "sqlite3")
+        conn = open_db(db)
+        producer = streamq.SyncProducer(db, serve=False) if side == "SyncProducer" else None
+        boot, seq = storage.boot_id(), [0]
+
+        def emit() -> None:  # the event, as the side writes it
+            if side == "sqlite3":
+                conn.execute(INSERT_OUTBOX, (event,))
+            elif side == "publish":
+                streamq.publish(conn, "orders", event)
+            elif side == "APPEND alone":
+                ts = int(time.time() * 1000)
+                record = encode_record(0, ts, None, event, {})
+                conn.execute(append.APPEND, ("orders", 1, boot, ts, record, None))
+            else:  # a session's statements, the stream's id 1
+                conn.execute("PRAGMA data_version").fetchone()
+                seq[0] += 1
+                ts = int(time.time() * 1000)
+                record = encode_record(seq[0], ts, None, event, {})
+                conn.execute(storage.INSERT_RECORDS, (storage.pos(1, seq[0]), ts, record, None, 1))
+
+        def order(number: int) -> None:
+            if producer is not None:
+                at = clock()
+                tx = producer.transaction()
+                tx.__enter__()
+                begun = clock()
+                tx.execute(INSERT_ORDER, (0, number, AMOUNT, 0))
+                ordered = clock()
+                tx.publish("orders", event)
+                emitted = clock()
+                tx.__exit__(None, None, None)
+            else:
+                at = clock()
+                conn.execute("BEGIN IMMEDIATE")
+                begun = clock()
+                conn.execute(INSERT_ORDER, (0, number, AMOUNT, 0))
+                ordered = clock()
+                emit()
+                emitted = clock()
+                conn.execute("COMMIT")
+            done = clock()
+            for part, took in zip(
+                SYNC_PARTS,
+                (begun - at, ordered - begun, emitted - ordered, done - emitted),
+                strict=True,
+            ):
+                spent[part] += took
+
+        if side != "sqlite3":  # the stream's first records: its segment (the full path)
+            conn.execute("BEGIN IMMEDIATE")
+            first = streamq.publish(conn, "orders", event)
+            assert isinstance(first, int)
+            seq[0] = first
+            conn.execute("COMMIT")
+        for number in range(transactions // 10):  # warm: statements prepared, pages cached
+            order(number)
+        spent = dict.fromkeys(SYNC_PARTS, 0)
+        started = time.perf_counter()
+        for number in range(transactions):
+            order(transactions + number)
+        seconds = time.perf_counter() - started
+        if producer is not None:
+            producer.close()
+        conn.close()
+    figures = {part: ns / transactions / 1000 for part, ns in spent.items()}
+    return {"per_second": transactions / seconds, **figures, "CPU": sum(figures.values())}
+
+
+def sync_main(transactions: int, repeats: int) -> None:
+    """The sync sides, alternating in processes of their own; a table of medians."""
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for round_ in range(repeats):
+        for side in SYNC_SIDES:
+            runs.setdefault(side, []).append(in_process(side, transactions, 0))
+        say(f"round {round_ + 1} of {repeats}")
+    print(
+        f"{transactions:,} orders (a row and a 100 B event, one transaction each), one thread; "
+        f"medians of {repeats}: the thread's CPU, µs a transaction"
+    )
+    print(f"{'':21} {'tx/s':>8} " + " ".join(f"{h:>7}" for h in (*SYNC_PARTS, "CPU", "/ sqlite3")))
+    medians = {
+        side: {k: statistics.median(r[k] for r in results) for k in results[0]}
+        for side, results in runs.items()
+    }
+    base = medians["sqlite3"]["CPU"]
+    for side, m in medians.items():
+        figures = " ".join(f"{m[part]:7.1f}" for part in (*SYNC_PARTS, "CPU"))
+        print(f"{side:21} {m['per_second']:8,.0f} {figures} {base / m['CPU']:8.2f}x")
+
+
 def per_transaction(
     transactions: int, seconds: float, cpu: float, parts: dict[str, float]
 ) -> dict[str, float]:
@@ -146,11 +266,11 @@ def per_transaction(
 
 
 def in_process(side: str, transactions: int, records: int) -> dict[str, Any]:
-    """``side`` (a build's name, or "floor") run in a fresh process."""
+    """``side`` (a build's name, "floor", or one of ``SYNC_SIDES``) run in a fresh process."""
     counts = ("--transactions", str(transactions), "--records", str(records))
     done = subprocess.run(
         [sys.executable, "-m", "bench.tools.tx_cost", "--side", side, *counts],
-        env={**os.environ, "STREAMQ_PURE": BUILDS.get(side, "")},
+        env={**os.environ, "STREAMQ_PURE": BUILDS[side]} if side in BUILDS else None,
         capture_output=True,
         text=True,
         check=True,
@@ -168,8 +288,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--transactions", type=int, default=20_000)
     parser.add_argument("--records", type=int, default=26, help="published a transaction")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--side", choices=[*BUILDS, "floor"], help=argparse.SUPPRESS)
+    parser.add_argument("--sync", action="store_true", help="the synchronous paths instead")
+    parser.add_argument("--side", choices=[*BUILDS, "floor", *SYNC_SIDES], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.side in SYNC_SIDES:
+        print(json.dumps(sync_run(args.side, args.transactions)))
+        return 0
+    if args.sync:
+        sync_main(args.transactions, args.repeats)
+        return 0
     if args.side == "floor":
         print(json.dumps(floor_run(args.transactions, args.records)))
         return 0

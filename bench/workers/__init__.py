@@ -37,5 +37,7 @@ COMMIT returning, which separates waiting for the write lock from delivery). Con
 seconds after EXPECT, SECONDS in all), write what they received to OUT
 (``received(position, order_id)``, in arrival order) and say ``DONE <p50> <p99> <p99.9>
 <max> <count> <last receipt ns> <CPU s since READY>`` (microseconds from each order's due
-time to its receipt). ``sync_path`` says ``DONE <orders/s> <committed> <refused> <synchronous>``.
+time to its receipt). ``sync_path`` says ``DONE <orders/s> <committed> <refused> <synchronous>
+<CPU s> <run-queue s>``: its threads' time on a CPU while timed, and runnable but waiting
+for one.
 """

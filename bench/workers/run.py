@@ -261,13 +261,57 @@ def check(service_db: Path, received_db: Path, first_position: int) -> dict[str,
     return result
 
 
-def sync_once(variant: str, folder: Path, threads: int, orders: int) -> tuple[float, int, int]:
-    """(orders/s, refused, PRAGMA synchronous) of the synchronous path, in a fresh process."""
-    db = folder / f"sync-{variant}-{threads}.db"
+@dataclass(frozen=True)
+class SyncRun:
+    """One run of the synchronous path: orders/s, and per order its threads' CPU and the
+    time they waited for a CPU (µs), with what a serving process beside it spent."""
+
+    rate: float
+    refused: int
+    synchronous: int  # PRAGMA synchronous
+    cpu_us: float
+    waited_us: float  # runnable, waiting for a CPU
+    beside_cpu_us: float = 0.0  # ``streamq serve`` and its consumer, if beside
+
+
+def sync_once(
+    variant: str, folder: Path, threads: int, orders: int, *, beside: bool = False
+) -> SyncRun:
+    """The synchronous path's ``variant`` in a fresh process; with ``beside``, while
+    ``streamq serve`` runs on the database in a process of its own, pushing each commit to
+    a consumer (a worker's case; not for a variant that serves itself), whose receipts
+    are then checked (``check``: each order once, dense, in commit order)."""
+    name = f"sync-{variant}-{threads}{'-beside' if beside else ''}"
+    db, received = folder / f"{name}.db", folder / f"{name}-received.db"
     setup_database(str(db), log=True)
-    with Child("bench.workers.sync_path", variant, db, threads, orders, 300) as child:
-        rate, _, refused, setting = child.expect("DONE", 420)
-    return float(rate), int(refused), int(setting)
+    with contextlib.ExitStack() as stack:
+        serving: list[Child] = []
+        if beside:
+            server = stack.enter_context(Child("streamq", "serve", db, "--port", 0))
+            address = server.expect("serving", STARTUP_TIMEOUT)[-1]
+            consumer = stack.enter_context(
+                Child(PROGRAMS["streamq"], "consumer", address, received, 600, DRAIN_TIMEOUT)
+            )
+            consumer.expect("READY", STARTUP_TIMEOUT)
+            serving = [server, consumer]
+        spent = [proc_cpu_seconds(child.process.pid) for child in serving]
+        with Child("bench.workers.sync_path", variant, db, threads, orders, 300) as child:
+            rate, committed, refused, setting, cpu, waited = child.expect("DONE", 420)
+        beside_cpu = sum(proc_cpu_seconds(c.process.pid) for c in serving) - sum(spent)
+        if beside:
+            serving[1].send(f"EXPECT {_count_orders(db)}")
+            serving[1].expect("DONE", DRAIN_TIMEOUT + STARTUP_TIMEOUT)
+    if beside and (checked := check(db, received, first_position=1))["anomalies"]:
+        raise RuntimeError(f"sync path {variant} beside streamq serve: {checked}")
+    per_order = 1e6 / int(committed)
+    return SyncRun(
+        float(rate),
+        int(refused),
+        int(setting),
+        float(cpu) * per_order,
+        float(waited) * per_order,
+        beside_cpu * per_order,
+    )
 
 
 # --- the workload -----------------------------------------------------------------
@@ -518,11 +562,11 @@ def _sync_runs(
         for variant in alternating(SYNC_VARIANTS, repeats):
             progress.update(task, description=f"workers: sync path, {variant}, {threads}")
             with _folder() as folder:
-                rate, refused, setting = sync_once(variant, folder, threads, sizes.sync_orders)
-            if refused:
-                raise RuntimeError(f"sync path {variant}: {refused} transactions refused")
-            settings.add(setting)
-            measured.sync[(variant, threads)].values.append(rate)
+                one = sync_once(variant, folder, threads, sizes.sync_orders)
+            if one.refused:
+                raise RuntimeError(f"sync path {variant}: {one.refused} transactions refused")
+            settings.add(one.synchronous)
+            measured.sync[(variant, threads)].values.append(one.rate)
             progress.advance(task)
     return settings
 

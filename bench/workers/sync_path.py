@@ -38,12 +38,25 @@ def place_order_sync(producer: streamq.SyncProducer, worker: int, number: int, d
         tx.publish(STREAM, order_event(due_ns, order_id, worker, number))
 
 
+def schedstat() -> tuple[float, float]:
+    """The calling thread's (seconds on a CPU, seconds runnable but waiting for one), from
+    ``/proc/thread-self/schedstat`` (Linux; zeros elsewhere): a writer's wall time is
+    those two and what it waited for otherwise (the disk, a lock)."""
+    try:
+        with open("/proc/thread-self/schedstat") as file:
+            on_cpu, waiting, _ = file.read().split()
+    except OSError:
+        return 0.0, 0.0
+    return int(on_cpu) / 1e9, int(waiting) / 1e9
+
+
 def sync_path(variant: str, db: str, threads: int, count: int, seconds: float) -> None:
     """``count`` orders from ``threads`` threads of this process, each on its own connection."""
     if variant not in SYNC_VARIANTS:
         raise SystemExit(f"unknown variant {variant!r}; choose from {SYNC_VARIANTS}")
     outcomes: list[Outcome] = []
     settings: list[int] = []
+    spent: list[tuple[float, float]] = []  # each thread's CPU and run-queue wait, timed
     start_ns = [0]  # set when every thread is warm and waiting
 
     def mark_start() -> None:
@@ -71,9 +84,12 @@ def sync_path(variant: str, db: str, threads: int, count: int, seconds: float) -
                 settings.append(setting)
                 started.wait(seconds)
                 deadline_ns = start_ns[0] + int(seconds * 1e9)
+                cpu, waited = schedstat()
                 outcome = commit_orders(
                     place, index, threads, count // threads, 0, start_ns[0], deadline_ns
                 )
+                cpu_end, waited_end = schedstat()
+                spent.append((cpu_end - cpu, waited_end - waited))
                 outcomes.append(outcome)
 
         workers = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(threads)]
@@ -86,7 +102,10 @@ def sync_path(variant: str, db: str, threads: int, count: int, seconds: float) -
     committed = sum(o.committed for o in outcomes)
     elapsed = (max(o.end_ns for o in outcomes) - start_ns[0]) / 1e9
     refused = sum(sum(o.refused.values()) for o in outcomes)
-    say("DONE", committed / elapsed, committed, refused, ",".join(map(str, sorted(set(settings)))))
+    cpu = sum(c for c, _ in spent)
+    waited = sum(w for _, w in spent)
+    setting = ",".join(map(str, sorted(set(settings))))
+    say("DONE", committed / elapsed, committed, refused, setting, cpu, waited)
 
 
 if __name__ == "__main__":

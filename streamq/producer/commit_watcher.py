@@ -8,12 +8,18 @@ itself (``Writing.check``) reads heads, lows, epochs and registrations in one ho
 hands new heads to the log, which wakes the subscribers. Requests and the producer's own
 transactions catch up first, without waiting for this loop.
 
-While no subscriber waits for a commit, a write looks at most once per ``IDLE_CHECK``:
+While nothing waits for a commit, a write looks at most once per ``IDLE_CHECK``:
 a service committing back to back in this process (a ``SyncProducer``'s threads) or
 beside it would otherwise pay a catch-up per commit that nobody reads. A wait that
 begins ends that pause at once, and requests catch up first anyway; what it delays is
 only the in-memory heads (``Producer.head``, the metrics). Not where the producer numbers
-records itself (PostgreSQL): there the catch-up serves the publishers' receipts.
+records itself (PostgreSQL): there the catch-up serves the publishers' receipts. A
+fan-out counts as waiting only once it has sent its subscribers everything
+(``fanout.Fanout._count_wait``): while it serves a round, and in the pause after one,
+a look would only move the head again before the next round reads it. So under load
+the looks follow the rounds, one each (measured beside a writer at full speed: 4,622
+looks for 825 rounds before, 1,116 for 903 after, and the serving process's CPU from
+9.5 to 6.8 µs an order).
 
 While one waits, a look follows the last one after a gap that adapts to the load, as
 the fan-out's rounds do (``spacing``): three times as long as the last look's queries

@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import Any, TypeVar, cast
 
-from ..errors import TransactionClosedError
 from ..records import (
     CheckedRecord,
     Receipt,
@@ -261,6 +260,8 @@ class SyncTransaction(BlockingSQL):
     ``committed(tx)``, if given. A class, not a generator: this is every sync
     transaction's path, and a generator's context manager costs microseconds here."""
 
+    _closed = True  # until the with block begins it: else it would run in autocommit
+
     def __init__(
         self,
         session: Session,
@@ -279,12 +280,13 @@ class SyncTransaction(BlockingSQL):
             raise RuntimeError("a SyncTransaction runs once: ask for a new one")
         self._begun = True
         self._session.begin()
+        self._closed = False
         return self
 
-    def _check_open(self) -> None:
-        if not self._begun:  # else it would run in autocommit, outside any transaction
-            raise TransactionClosedError("a transaction runs in a with block: with tx: ...")
-        super()._check_open()
+    def _why_closed(self) -> str:
+        if not self._begun:
+            return "a transaction runs in a with block: with tx: ..."
+        return super()._why_closed()
 
     def __exit__(
         self,

@@ -213,6 +213,25 @@ def test_what_streamq_adds_to_a_transaction(capsys: pytest.CaptureFixture[str]) 
     assert rows["pure"][6] > 0 and rows["pure"][7] > 0 and rows["floor"][6] == 0
 
 
+def test_what_the_sync_paths_add_to_a_transaction(capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m bench.tools.tx_cost --sync``: plain sqlite3, publish, SyncProducer and
+    the statements of the last two alone, each in a process of its own, every part timed
+    (so each ran: above zero), the CPU the parts' sum, each against plain sqlite3's."""
+    assert tx_cost.main(["--sync", "--repeats", "1", "--transactions", "300"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = {
+        side: [float(n.rstrip("x").replace(",", "")) for n in line[len(side) :].split()]
+        for line in out
+        for side in tx_cost.SYNC_SIDES
+        if line.startswith(side + " ")
+    }
+    assert list(rows) == list(tx_cost.SYNC_SIDES)
+    for side, (per_second, begin, order, event, commit, cpu, _) in rows.items():
+        assert min(per_second, begin, order, event, commit) > 0, side
+        assert cpu == pytest.approx(begin + order + event + commit, abs=0.2), side
+    assert rows["sqlite3"][-1] == 1.0
+
+
 @pytest.mark.parametrize(
     ("frames", "part"),
     [

@@ -96,9 +96,9 @@ def test_kafka_outbox_two_workers_every_order_received_once(
 @pytest.mark.timeout(60)
 def test_sync_path_variants(tmp_path: Path) -> None:
     for variant in SYNC_VARIANTS:
-        rate, refused, synchronous = workers.sync_once(variant, tmp_path, 2, 200)
-        assert rate > 0 and refused == 0, variant
-        assert synchronous == workers.NORMAL, variant
+        one = workers.sync_once(variant, tmp_path, 2, 200)
+        assert one.rate > 0 and one.refused == 0 and one.cpu_us > 0, variant
+        assert one.synchronous == workers.NORMAL, variant
         # streamq_log: a row per transaction and stream, holding ``count`` records.
         events = "COUNT(*) FROM outbox" if variant == "sqlite3" else "SUM(count) FROM streamq_log"
         with contextlib.closing(sqlite3.connect(tmp_path / f"sync-{variant}-2.db")) as conn:

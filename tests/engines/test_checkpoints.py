@@ -11,6 +11,7 @@ from streamq import Consumer, Producer
 from streamq.engines.sqlite.checkpoints import WRITER_AUTOCHECKPOINT, Checkpointer
 from streamq.engines.sqlite.positions import SQLitePositionStore
 from streamq.engines.sqlite.storage import SQLiteStorage
+from streamq.records import values_only
 
 from ..conftest import wait_for
 
@@ -66,6 +67,24 @@ async def test_commits_leave_the_wal_to_the_checkpointer(producer_db: str) -> No
         assert isinstance(storage, SQLiteStorage) and storage.checkpointer is not None
         await storage.checkpointer.close()  # stopped: nothing copies the WAL back now
         await publish(producer, 300)
+        assert os.path.getsize(producer_db + "-wal") > 1.5 * 1000 * PAGE
+
+
+async def test_sessions_leave_the_wal_to_the_checkpointer(producer_db: str) -> None:
+    """A ``SyncProducer``'s threads commit on sessions of their own: their COMMITs leave
+    the WAL to the producer's checkpointer too."""
+    async with Producer(producer_db, serve=False) as producer:
+        storage = producer.storage
+        assert isinstance(storage, SQLiteStorage) and storage.checkpointer is not None
+        await storage.checkpointer.close()  # stopped: nothing copies the WAL back now
+        session = storage.session("normal")
+        try:
+            for _ in range(300):
+                session.begin()
+                session.append("orders", values_only([b"v" * 1000] * 20), 1 << 20)
+                session.commit()
+        finally:
+            session.close()
         assert os.path.getsize(producer_db + "-wal") > 1.5 * 1000 * PAGE
 
 

@@ -211,3 +211,21 @@ def test_a_sync_producer_appends_in_one_statement_after_another_connection(
     statements = [sql.split()[0] for sql in ran]
     assert statements == ["BEGIN", "PRAGMA", "INSERT", "COMMIT"], ran
     assert ran[2].startswith("INSERT OR IGNORE INTO streamq_log")
+
+
+def test_publish_many_of_no_values_appends_nothing(producer_db: str) -> None:
+    """An empty ``publish_many`` is an empty range, on the application's connection and a
+    ``SyncProducer``'s alike, before and after another connection's commit."""
+    with streamq.SyncProducer(producer_db, serve=False) as producer:
+        producer.publish("orders", b"a")
+        with producer.transaction() as tx:
+            assert tx.publish_many("orders", []) == range(0)
+        with connection(producer_db) as other:
+            other.execute("BEGIN IMMEDIATE")
+            assert streamq.publish_many(other, "orders", []) == range(0)
+            assert streamq.publish(other, "orders", b"b") == 2
+            other.execute("COMMIT")
+        with producer.transaction() as tx:
+            assert tx.publish_many("orders", iter(())) == range(0)
+            assert tx.publish("orders", b"c") == 3
+    assert [(last, count) for last, count, _ in stored(producer_db)] == [(1, 1), (2, 1), (3, 1)]

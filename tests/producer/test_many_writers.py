@@ -36,10 +36,12 @@ class Worker:
         self.process = process
 
     @classmethod
-    async def ready(cls, db: str, name: str, via: str, transactions: int) -> Worker:
+    async def ready(
+        cls, db: str, name: str, via: str, transactions: int, pause: float = 0.001
+    ) -> Worker:
         process = await asyncio.create_subprocess_exec(
             *(sys.executable, "-m", "tests.writers.worker", db, name, "--via", via),
-            *("--transactions", str(transactions), "--pause", "0.001"),
+            *("--transactions", str(transactions), "--pause", str(pause)),
             cwd=ROOT,
             env=dict(os.environ, PYTHONPATH=str(ROOT)),
             stdin=asyncio.subprocess.PIPE,
@@ -278,3 +280,47 @@ async def test_with_nobody_waiting_commits_are_not_caught_up_one_by_one(producer
             async with asyncio.timeout(20):
                 assert [r.value for r in await anext(consumer)] == [b"%d" % commits]
             assert producer.writing.looks > before
+
+
+async def test_while_the_fanout_serves_other_writers_commits_it_is_looked_for_once_a_round(
+    producer_db: str,
+) -> None:
+    """A worker process commits back to back while a consumer follows at the head: the
+    serving producer looks for those commits about once per fan-out round, when the
+    fan-out has sent everything it knew of, not once per gap of its own. A look made during
+    a round, or in the pause after one, only moves the head again before anyone reads it,
+    and costs the serving process CPU beside the writer (issue #62, item 3)."""
+    commits = 3000
+    async with Producer(producer_db) as producer:
+        async with producer.transaction() as tx:
+            await tx.execute(ORDERS)
+        await producer.create_stream("orders")
+        server = producer.server
+        assert server is not None
+        stream = producer.log.streams["orders"]
+        worker = await Worker.ready(producer_db, "w", "publish", commits, pause=0)
+        async with Consumer(producer.address, "orders") as consumer:
+            await wait_for(
+                lambda: stream in server.fanouts and producer.writing.log.waits.count == 1,
+                what="the consumer waiting at the head",
+            )
+            fanout = server.fanouts[stream]
+            looks, rounds = producer.writing.looks, fanout.rounds
+            received: list[bytes] = []
+
+            async def receive() -> None:
+                while len(received) < commits:
+                    received.extend(r.value for r in await anext(consumer))
+
+            receiving = asyncio.create_task(receive())
+            try:
+                assert "committed=3000 refused=0" in await worker.run()
+                async with asyncio.timeout(60):
+                    await receiving
+            finally:
+                receiving.cancel()
+            looks, rounds = producer.writing.looks - looks, fanout.rounds - rounds
+    assert received == [b"w:%d" % n for n in range(commits)]
+    # A round follows each look that found commits; a look that found none looks again a
+    # few times (``commit_watcher.RECHECK``).
+    assert looks <= 1.5 * rounds + 20, f"{looks} looks for {rounds} rounds"

@@ -43,11 +43,15 @@ from ...records import (
 )
 from ...sql import Durability, run_on_thread
 from . import storage
+from .checkpoints import WRITER_AUTOCHECKPOINT
 
 # A row of ``storage.APPEND_STATE_QUERY``: the database's epoch, the boot it was made in
 # and the schema version; the stream's id, key_index, head, largest timestamp and the
 # epoch of its last segment.
 AppendState = tuple[Any, Any, Any, Any, Any, int, Any, Any]
+# What an append needs of a stream, checked holding the write lock: its id, key_index,
+# head and largest timestamp, the database's epoch and that of the stream's last segment.
+Known = tuple[int, bool, int, int | None, int, int | None]
 
 _BITS, _MASK = storage.SEQ_BITS, storage.MAX_STORED_SEQ
 _STREAM_ID = "(SELECT id FROM streamq_streams WHERE name = ?1)"
@@ -82,13 +86,15 @@ def append(
     max_record_size: int = DEFAULT_MAX_RECORD_SIZE,
 ) -> list[int]:
     """Append ``records`` to ``stream`` through a DB-API connection to a SQLite producer
-    database, in its open transaction; returns their seqs."""
+    database, in its open transaction; returns their seqs (none for no records)."""
+    if not records:
+        return []
     seqs = _append_at_once(dbapi, stream, records, max_record_size)
     if seqs is not None:
         return seqs
     cursor = dbapi.cursor()
     try:
-        return append_from(cursor, stream, records, max_record_size, None)[0]
+        return append_from(cursor, stream, records, max_record_size)[0]
     finally:
         cursor.close()
 
@@ -124,25 +130,18 @@ def _append_at_once(
 
 
 def append_from(
-    cursor: Any,
-    stream: str,
-    records: Sequence[CheckedRecord],
-    max_record_size: int,
-    state: AppendState | None,
-) -> tuple[list[int], AppendState]:
-    """``append`` on a cursor of the connection, from ``state`` when the caller knows it
-    holding the write lock (else read here); returns the seqs and the state the append
-    leaves."""
-    row: Any = state  # a plain row read here: None where a stream has no records yet
-    if row is None:
-        try:
-            cursor.execute(storage.TAKE_WRITE_LOCK)
-            cursor.execute(storage.APPEND_STATE_QUERY, (stream,))
-            row = cursor.fetchone()
-        except Exception as exc:
-            if "no such table: streamq_" in str(exc):
-                raise SchemaMissingError(_no_tables(cursor)) from exc
-            raise
+    cursor: Any, stream: str, records: Sequence[CheckedRecord], max_record_size: int
+) -> tuple[list[int], Known]:
+    """``append`` on a cursor of the connection, from the state read here holding the
+    write lock; returns the seqs and the state the append leaves (``append_known``)."""
+    try:
+        cursor.execute(storage.TAKE_WRITE_LOCK)
+        cursor.execute(storage.APPEND_STATE_QUERY, (stream,))
+        row: AppendState = cursor.fetchone()
+    except Exception as exc:
+        if "no such table: streamq_" in str(exc):
+            raise SchemaMissingError(_no_tables(cursor)) from exc
+        raise
     epoch, boot, version, stream_id, key_index, head, max_ts, last_epoch = row
     if version != storage.SCHEMA_VERSION:
         raise SchemaMissingError(_old_schema(cursor, version))
@@ -151,31 +150,43 @@ def append_from(
         # The first writer since the machine booted: a new epoch, committed with the
         # first records that use it (see the module docstring).
         epoch = storage.next_epoch(epoch)
-        boot = storage.boot_id()
-        cursor.executemany(storage.SET_META, [("epoch", epoch), ("boot_id", boot)])
+        cursor.executemany(storage.SET_META, [("epoch", epoch), ("boot_id", storage.boot_id())])
     if stream_id is None:
         cursor.execute(storage.CREATE_DEFAULT_STREAM, (stream,))
         stream_id, key_index, head = cursor.lastrowid, 0, 0
-    first = head + 1
-    check_last_seq(stream, first + len(records) - 1)
-    seqs = list(range(first, first + len(records)))
-    encoded = encode_checked(seqs, records, max_record_size)
+    known = (stream_id, bool(key_index), head, max_ts, epoch, last_epoch)
+    return append_known(cursor, stream, records, max_record_size, known)
+
+
+def append_known(
+    cursor: Any, stream: str, records: Sequence[CheckedRecord], max_record_size: int, known: Known
+) -> tuple[list[int], Known]:
+    """``records`` numbered from ``known`` (read holding the write lock, or left by this
+    connection's own appends since, while nobody else committed) and inserted; the seqs
+    and the state they leave. A session's every transaction runs this, so one record
+    takes no step that a run of them needs."""
+    stream_id, key_index, head, max_ts, epoch, last_epoch = known
+    first, last = head + 1, head + len(records)
+    check_last_seq(stream, last)
+    encoded = encode_checked(range(first, last + 1), records, max_record_size)
     rows: list[LogRow] = []
     times: list[TimeRow] = []
-    stamps = [ts for _, _, _, ts in records]
-    keys = [key for _, key, _, _ in records]
-    max_ts = append_rows(
-        rows, times, stream_id, first, max_ts, bool(key_index), encoded, stamps, keys
-    )
+    if len(records) == 1:
+        _, key, _, ts = records[0]
+        stamps: Sequence[int] = (ts,)
+        keys: Sequence[bytes | None] = (key,)
+    else:
+        stamps = [ts for _, _, _, ts in records]
+        keys = [key for _, key, _, _ in records]
+    max_ts = append_rows(rows, times, stream_id, first, max_ts, key_index, encoded, stamps, keys)
     segment = segment_row(stream_id, first, last_epoch, epoch)
-    if rows and segment is not None:
+    if segment is not None:
         cursor.execute(storage.INSERT_EPOCHS, segment)
-        last_epoch = epoch
     storage.insert(cursor, storage.INSERT_RECORDS, storage.stored_rows(rows))
-    times_rows = [(s, ts, storage.pos(s, seq)) for s, ts, seq in times]
-    storage.insert(cursor, storage.INSERT_TIMES, times_rows)
-    left = (epoch, boot, version, stream_id, key_index, head + len(seqs), max_ts, last_epoch)
-    return seqs, left
+    if times:
+        timed = [(s, ts, storage.pos(s, seq)) for s, ts, seq in times]
+        storage.insert(cursor, storage.INSERT_TIMES, timed)
+    return list(range(first, last + 1)), (stream_id, key_index, last, max_ts, epoch, epoch)
 
 
 class SQLiteSession(storage.SQLiteBlockingWriter):
@@ -184,15 +195,23 @@ class SQLiteSession(storage.SQLiteBlockingWriter):
     appends left it, while ``PRAGMA data_version`` says no other connection committed:
     then an append is one INSERT of rows numbered here. Once another connection has
     committed, it appends as ``streamq.publish`` does (``APPEND``), and reads the state
-    again (the full path) in its next transaction that finds nobody else committed."""
+    again (the full path) in its next transaction that finds nobody else committed.
 
-    def __init__(self, path: str, durability: Durability) -> None:
+    ``checkpointed``: the producer's ``Checkpointer`` copies the WAL back, so this
+    connection's COMMITs leave that to it, as the producer's writer does
+    (``checkpoints.take_over``): one COMMIT in a few hundred would otherwise wait for the
+    checkpoint's two fsyncs (measured: 5 µs an order of about 30, one thread at full
+    speed)."""
+
+    def __init__(self, path: str, durability: Durability, *, checkpointed: bool = False) -> None:
         conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         conn.execute(f"PRAGMA synchronous={durability.upper()}")
         conn.execute(f"PRAGMA busy_timeout={storage.BUSY_TIMEOUT_MS}")
+        if checkpointed:
+            conn.execute(f"PRAGMA wal_autocheckpoint={WRITER_AUTOCHECKPOINT}")
         super().__init__(conn)
-        self._committed: dict[str, AppendState] = {}  # as of ``_version``
-        self._appended: dict[str, AppendState] = {}  # by the open transaction
+        self._committed: dict[str, Known] = {}  # as of ``_version``
+        self._appended: dict[str, Known] = {}  # by the open transaction
         self._version: int | None = None  # PRAGMA data_version when last read
 
     @property
@@ -205,8 +224,10 @@ class SQLiteSession(storage.SQLiteBlockingWriter):
     def append(
         self, stream: str, records: Sequence[CheckedRecord], max_record_size: int
     ) -> list[int]:
-        state = self._appended.get(stream)
-        if state is None:
+        if not records:
+            return []
+        known = self._appended.get(stream)
+        if known is None:
             version = self._own.execute("PRAGMA data_version").fetchone()[0]
             if version != self._version:  # another connection committed: what we kept is old
                 self._committed.clear()
@@ -214,9 +235,14 @@ class SQLiteSession(storage.SQLiteBlockingWriter):
                 seqs = _append_at_once(self.conn, stream, records, max_record_size)
                 if seqs is not None:
                     return seqs
-            state = self._committed.get(stream)
-        seqs, self._appended[stream] = append_from(
-            self._own, stream, records, max_record_size, state
+            known = self._committed.get(stream)
+            if known is None:
+                seqs, self._appended[stream] = append_from(
+                    self._own, stream, records, max_record_size
+                )
+                return seqs
+        seqs, self._appended[stream] = append_known(
+            self._own, stream, records, max_record_size, known
         )
         return seqs
 

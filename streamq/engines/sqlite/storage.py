@@ -1118,7 +1118,7 @@ class SQLiteStorage:
     def session(self, durability: Durability) -> Any:
         from .append import SQLiteSession  # append.py builds on this module
 
-        return SQLiteSession(self.path, durability)
+        return SQLiteSession(self.path, durability, checkpointed=self.checkpointer is not None)
 
     async def claim_serving(self) -> None:
         self._serve_lock = ServeLock.claim(self.path)
