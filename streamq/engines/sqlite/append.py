@@ -38,6 +38,7 @@ from ...records import (
     DEFAULT_MAX_RECORD_SIZE,
     MAX_SEQ,
     CheckedRecord,
+    Unnumbered,
     encode_checked,
     encode_unnumbered,
 )
@@ -133,6 +134,55 @@ def append_from(
     """``append`` on a cursor of the connection, from ``state`` when the caller knows it
     holding the write lock (else read here); returns the seqs and the state the append
     leaves."""
+    epoch, boot, version, stream_id, key_index, head, max_ts, last_epoch = _ready(
+        cursor, stream, state
+    )
+    first = head + 1
+    check_last_seq(stream, first + len(records) - 1)
+    seqs = list(range(first, first + len(records)))
+    encoded = encode_checked(seqs, records, max_record_size)
+    rows: list[LogRow] = []
+    times: list[TimeRow] = []
+    stamps = [ts for _, _, _, ts in records]
+    keys = [key for _, key, _, _ in records]
+    max_ts = append_rows(
+        rows, times, stream_id, first, max_ts, bool(key_index), encoded, stamps, keys
+    )
+    segment = segment_row(stream_id, first, last_epoch, epoch)
+    if rows and segment is not None:
+        cursor.execute(storage.INSERT_EPOCHS, segment)
+        last_epoch = epoch
+    storage.insert(cursor, storage.INSERT_RECORDS, storage.stored_rows(rows))
+    times_rows = [(s, ts, storage.pos(s, seq)) for s, ts, seq in times]
+    storage.insert(cursor, storage.INSERT_TIMES, times_rows)
+    left = (epoch, boot, version, stream_id, key_index, head + len(seqs), max_ts, last_epoch)
+    return seqs, left
+
+
+def append_unnumbered(dbapi: Any, stream: str, records: Unnumbered) -> range:
+    """Append records encoded already (``records.Unnumbered``) to ``stream`` through a
+    DB-API connection to a SQLite producer database, in its open transaction; returns
+    their seqs. They are stored as they are, unnumbered (``storage.unnumbered_rows``):
+    no step a record here but cutting their runs into rows."""
+    cursor = dbapi.cursor()
+    try:
+        epoch, _, _, stream_id, key_index, head, _, last_epoch = _ready(cursor, stream, None)
+        first = head + 1
+        check_last_seq(stream, first + len(records) - 1)
+        segment = segment_row(stream_id, first, last_epoch, epoch)
+        if records and segment is not None:
+            cursor.execute(storage.INSERT_EPOCHS, segment)
+        rows = storage.unnumbered_rows(stream_id, first, records, bool(key_index))
+        storage.insert(cursor, storage.INSERT_RECORDS, rows)
+        return range(first, first + len(records))
+    finally:
+        cursor.close()
+
+
+def _ready(cursor: Any, stream: str, state: AppendState | None) -> AppendState:
+    """The stream's append state, holding the write lock, from ``state`` or read here;
+    with a new epoch where none was made in this boot, and the stream created where it
+    did not exist (both in the open transaction)."""
     row: Any = state  # a plain row read here: None where a stream has no records yet
     if row is None:
         try:
@@ -156,26 +206,7 @@ def append_from(
     if stream_id is None:
         cursor.execute(storage.CREATE_DEFAULT_STREAM, (stream,))
         stream_id, key_index, head = cursor.lastrowid, 0, 0
-    first = head + 1
-    check_last_seq(stream, first + len(records) - 1)
-    seqs = list(range(first, first + len(records)))
-    encoded = encode_checked(seqs, records, max_record_size)
-    rows: list[LogRow] = []
-    times: list[TimeRow] = []
-    stamps = [ts for _, _, _, ts in records]
-    keys = [key for _, key, _, _ in records]
-    max_ts = append_rows(
-        rows, times, stream_id, first, max_ts, bool(key_index), encoded, stamps, keys
-    )
-    segment = segment_row(stream_id, first, last_epoch, epoch)
-    if rows and segment is not None:
-        cursor.execute(storage.INSERT_EPOCHS, segment)
-        last_epoch = epoch
-    storage.insert(cursor, storage.INSERT_RECORDS, storage.stored_rows(rows))
-    times_rows = [(s, ts, storage.pos(s, seq)) for s, ts, seq in times]
-    storage.insert(cursor, storage.INSERT_TIMES, times_rows)
-    left = (epoch, boot, version, stream_id, key_index, head + len(seqs), max_ts, last_epoch)
-    return seqs, left
+    return epoch, boot, version, stream_id, key_index, head, max_ts, last_epoch
 
 
 class SQLiteSession(storage.SQLiteBlockingWriter):
