@@ -1,8 +1,8 @@
 """Where the streamq sink's micro-batch goes: ``python -m bench.spark_sink.breakdown
 [--partitions 1,4,16] [--batches N]``.
 
-Two measures, in one process, of micro-batches of ``run.BATCH_ROWS`` rows of the
-workload's 100 bytes (``consumers.VALUE_SQL``):
+Two measures, in one process, of micro-batches of ``--rows`` rows (``run.BATCH_ROWS``, as
+the rows/s cases) of the workload's 100 bytes (``consumers.VALUE_SQL``):
 
 - **the sink's own work**, outside Spark, on one micro-batch cut into the partitions:
   each task's (``sink.converted``: its rows encoded as the log stores them), the size of
@@ -69,25 +69,24 @@ class NullSink(DataSource):
         return NullWriter()
 
 
-def the_rows(partitions: int, batch: int) -> list[list[pa.RecordBatch]]:
-    """Micro-batch ``batch``'s rows as Spark hands them to each of ``partitions`` tasks."""
+def the_rows(rows: int, partitions: int, batch: int) -> list[list[pa.RecordBatch]]:
+    """Micro-batch ``batch``'s ``rows`` as Spark hands them to each of ``partitions`` tasks:
+    Arrow batches of their own (a slice of a larger one would pickle all of it)."""
     now_us = int(time.time() * 1e6)
-    first, per_task = batch * BATCH_ROWS, BATCH_ROWS // partitions
+    first, per_task = batch * rows, rows // partitions
     tasks = []
     for task in range(partitions):
-        ids = range(first + task * per_task, first + (task + 1) * per_task)
-        values = [f"{i},{now_us},".ljust(ROW_BYTES, ".") for i in ids]
-        column = pa.array(values, pa.string())
-        tasks.append(
-            [
-                pa.record_batch([column.slice(at, SPARK_ROWS)], names=["value"])
-                for at in range(0, len(values), SPARK_ROWS)
-            ]
-        )
+        start, end = first + task * per_task, first + (task + 1) * per_task
+        batches = []
+        for at in range(start, end, SPARK_ROWS):
+            ids = range(at, min(at + SPARK_ROWS, end))
+            values = pa.array([f"{i},{now_us},".ljust(ROW_BYTES, ".") for i in ids])
+            batches.append(pa.record_batch([values], names=["value"]))
+        tasks.append(batches)
     return tasks
 
 
-def sink_work(folder: Path, partitions: int, batches: int) -> dict[str, float]:
+def sink_work(folder: Path, rows: int, partitions: int, batches: int) -> dict[str, float]:
     """The sink's own work on ``batches`` micro-batches (see the module docstring)."""
     from spark_source.sink import converted, publish_once, sink_settings
 
@@ -96,9 +95,9 @@ def sink_work(folder: Path, partitions: int, batches: int) -> dict[str, float]:
     task_ms, sizes, commit_ms = [], [], []
     for batch in range(batches):
         parts = []
-        for rows in the_rows(partitions, batch):
+        for task in the_rows(rows, partitions, batch):
             started = time.perf_counter()
-            parts.append(converted(settings, iter(rows)))
+            parts.append(converted(settings, iter(task)))
             task_ms.append((time.perf_counter() - started) * 1000)
             sizes.append(len(pickle.dumps(parts[-1])))
         started = time.perf_counter()
@@ -112,12 +111,14 @@ def sink_work(folder: Path, partitions: int, batches: int) -> dict[str, float]:
 
 
 def add_batch_ms(
-    spark: Any, sink: dict[str, str], folder: Path, partitions: int, batches: int
+    spark: Any, sink: dict[str, str], folder: Path, batch: tuple[int, int], batches: int
 ) -> float:
-    """Spark's median ``addBatch`` over ``batches`` micro-batches written into ``sink``."""
-    rows = BATCH_ROWS * batches
+    """Spark's median ``addBatch`` over ``batches`` micro-batches of ``batch`` (rows,
+    partitions) written into ``sink``."""
+    per_batch, partitions = batch
+    rows = per_batch * batches
     source = rows_from(
-        spark, "rate-micro-batch", rows, rowsPerBatch=BATCH_ROWS, numPartitions=partitions
+        spark, "rate-micro-batch", rows, rowsPerBatch=per_batch, numPartitions=partitions
     )
     query = start_query(source, sink, folder / f"ck-{uuid.uuid4().hex[:8]}")
     try:
@@ -148,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__)
     parser.add_argument("--partitions", type=int_list, default=[1, 4, 16])
     parser.add_argument("--batches", type=int, default=10, help="micro-batches a case (10)")
+    parser.add_argument("--rows", type=int, default=BATCH_ROWS, help="rows a micro-batch")
     args = parser.parse_args(argv)
     from pyspark import cloudpickle
 
@@ -155,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
 
     shipped = sys.modules[__name__]  # the null sink, by value: bench is not installed
     cloudpickle.register_pickle_by_value(shipped)  # type: ignore[no-untyped-call]
-    table = Table(title=f"spark sink: a micro-batch of {BATCH_ROWS:,} rows, medians")
+    table = Table(title=f"spark sink: a micro-batch of {args.rows:,} rows, medians")
     for column in ("partitions", "task (encode)", "message", "commit", *sinks(Path("."))):
         table.add_column(column, justify="right")
     spark = spark_session(with_kafka=False)
@@ -165,11 +167,11 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as name:
             folder = Path(name)
             for sink in sinks(folder).values():  # warm-up: classes loaded, workers started
-                add_batch_ms(spark, sink, folder, 4, 2)
+                add_batch_ms(spark, sink, folder, (args.rows, 4), 2)
             for n in args.partitions:
-                work = sink_work(folder, n, args.batches)
+                work = sink_work(folder, args.rows, n, args.batches)
                 spark_ms = {
-                    label: add_batch_ms(spark, sink, folder, n, args.batches)
+                    label: add_batch_ms(spark, sink, folder, (args.rows, n), args.batches)
                     for label, sink in sinks(folder).items()
                 }
                 table.add_row(
