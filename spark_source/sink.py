@@ -1,21 +1,23 @@
 """``df.write.format("streamq")`` and ``df.writeStream.format("streamq")``: the sink.
 
-Spark writes rows into a producer database with streamq's own append path (the one
-``streamq.publish`` takes through an application's connection), so the stream they land
-in is an ordinary streamq stream: ``streamq serve DB`` serves it to consumers, groups,
-retention and the console like any other.
+Spark writes rows into a producer database with streamq's own append path (the engine's,
+which ``streamq.publish`` takes through an application's connection), so the stream they
+land in is an ordinary streamq stream: ``streamq serve DB`` serves it to consumers,
+groups, retention and the console like any other.
 
-Exactly once, per query and micro-batch. The executors only convert their partition's
-rows (``write``) and hand them to the driver in their commit message; the driver's
-``commit(messages, batchId)`` publishes the rows of every message, partition 0's first,
-in ONE transaction of the producer's database, together with a marker row (the query,
-the batch) in the sink's own table, ``spark_streamq_batches``. A batch that Spark runs
-again (a driver killed after that commit but before Spark's own commit log has it, a
-restart from the checkpoint) finds its marker and publishes nothing; a task retried, or
-run twice by speculation, only counts through the one message Spark commits; an aborted
-batch wrote nothing anywhere. A connection lost while committing (PostgreSQL restarting)
-is retried for ``unreachableTimeoutMs``: the marker makes a commit that did land before
-the loss publish nothing the second time.
+Exactly once, per query and micro-batch. The executors encode their partition's rows as
+the log stores them (``write``: ``records.Unnumbered``, each task beside the others) and
+hand them to the driver in their commit message, writing nothing; the driver's
+``commit(messages, batchId)`` appends the records of every message as they are, partition
+0's first, in ONE transaction of the producer's database (a few INSERTs, no step a record
+in Python), together with a marker row (the query, the batch) in the sink's own table,
+``spark_streamq_batches``. A batch that Spark runs again (a driver killed after that
+commit but before Spark's own commit log has it, a restart from the checkpoint) finds its
+marker and publishes nothing; a task retried, or run twice by speculation, only counts
+through the one message Spark commits; an aborted batch wrote nothing anywhere. A
+connection lost while committing (PostgreSQL restarting) is retried for
+``unreachableTimeoutMs``: the marker makes a commit that did land before the loss publish
+nothing the second time.
 
 The query's identity is the id Spark keeps in ``<checkpointLocation>/metadata`` (the
 same across restarts from one checkpoint, and never the same for two queries): Spark
@@ -58,9 +60,10 @@ unreachableTimeoutMs     a database lost while committing is tried again this lo
 
 Columns: ``value`` (binary or string, required, never null), ``key`` (binary or string),
 ``headers`` (``array<struct<key:string,value:binary>>``, Kafka's; string values too),
-``stream`` (string), ``timestamp`` (timestamp, or long milliseconds; default: the
-commit's time). Other columns are ignored, as Kafka's sink ignores them, unless a name
-looks like a misspelt one of these.
+``stream`` (string), ``timestamp`` (timestamp, or long milliseconds; default: when the
+task wrote the row, by its executor's clock, as a Kafka producer stamps a record it
+sends). Other columns are ignored, as Kafka's sink ignores them, unless a name looks like
+a misspelt one of these.
 """
 
 from __future__ import annotations
@@ -98,7 +101,7 @@ from pyspark.sql.types import (
 
 from streamq import DatabaseOpenError
 from streamq.engines import for_connection, for_target, is_postgres_url
-from streamq.records import DEFAULT_MAX_RECORD_SIZE, CheckedRecord, check_stream_name
+from streamq.records import DEFAULT_MAX_RECORD_SIZE, Unnumbered, check_stream_name
 
 from .datasource import _int, check_option_names
 from .first_line import errors_said_first
@@ -115,7 +118,7 @@ MARKERS = "spark_streamq_batches"
 MARKERS_KEPT = 1000
 _RETRY_PAUSE = (0.1, 2.0)  # seconds between tries to commit through a lost connection
 
-# The normalized rows a commit message carries: what a record is made of.
+# The normalized rows of a task: what a record is made of.
 PART_SCHEMA = pa.schema(
     [
         ("stream", pa.string()),
@@ -129,10 +132,11 @@ PART_SCHEMA = pa.schema(
 
 @dataclass
 class Part(WriterCommitMessage):
-    """A task attempt's rows, converted, for the driver to publish if Spark commits it."""
+    """A task attempt's rows, encoded as stored, by stream, for the driver to append if
+    Spark commits it."""
 
     partition: int
-    rows: pa.Table
+    streams: dict[str, Unnumbered]
 
 
 # --- the options and columns, checked where Spark plans the write --------------------
@@ -268,13 +272,32 @@ def _check_database(db: str) -> None:
 
 
 def converted(settings: SinkSettings, batches: Iterator[pa.RecordBatch]) -> Part:
-    """The task's rows as a ``Part``: the sink's columns only, as ``PART_SCHEMA``; a null
-    value or a row without a stream refused in one line."""
+    """The task's rows as a ``Part``: each stream's records encoded as the log stores
+    them, here, beside the other tasks, so that the driver's commit only inserts them; a
+    null value or a row without a stream refused in one line. Rows without a timestamp
+    are stamped now, as the task writes them."""
     context = TaskContext.get()
     partition = context.partitionId() if context is not None else 0
+    now = int(time.time() * 1000)
     tables = [_normalized(settings, batch) for batch in batches]
     rows = pa.concat_tables(tables) if tables else PART_SCHEMA.empty_table()
-    return Part(partition, rows)
+    if settings.stream is not None:
+        by_stream = {settings.stream: rows}
+    else:
+        streams = rows.column("stream")
+        by_stream = {s: rows.filter(pc.equal(streams, s)) for s in pc.unique(streams).to_pylist()}
+    return Part(partition, {s: _encoded(t, now) for s, t in by_stream.items() if t.num_rows})
+
+
+def _encoded(rows: pa.Table, now: int) -> Unnumbered:
+    values = rows.column("value").to_pylist()
+    keys, headers, stamps = (rows.column(name) for name in ("key", "headers", "timestamp"))
+    if keys.null_count == headers.null_count == stamps.null_count == rows.num_rows:
+        return Unnumbered.of_values(values, now, DEFAULT_MAX_RECORD_SIZE)  # the common shape
+    fields = [{h["key"]: h["value"] or b"" for h in hs or ()} for hs in headers.to_pylist()]
+    timestamps = pc.fill_null(stamps, now).to_pylist()
+    records = list(zip(values, keys.to_pylist(), fields, timestamps, strict=True))
+    return Unnumbered.of(records, DEFAULT_MAX_RECORD_SIZE)
 
 
 def _normalized(settings: SinkSettings, batch: pa.RecordBatch) -> pa.Table:
@@ -324,25 +347,14 @@ def _headers(column: pa.Array) -> pa.Array:
 # --- on the driver: one transaction per batch ----------------------------------------
 
 
-def records_of(parts: Sequence[Part | None], stream: str | None) -> dict[str, list[CheckedRecord]]:
-    """Each stream's records, in partition order then row order; timestamps missing
-    stamped now."""
-    now = int(time.time() * 1000)
-    by_stream: dict[str, list[CheckedRecord]] = {}
-    for part in sorted((p for p in parts if p is not None), key=lambda p: p.partition):
-        columns = {name: part.rows.column(name).to_pylist() for name in PART_SCHEMA.names}
-        for row_stream, key, value, headers, ts in zip(
-            columns["stream"],
-            columns["key"],
-            columns["value"],
-            columns["headers"],
-            columns["timestamp"],
-            strict=True,
-        ):
-            fields = {h["key"]: h["value"] or b"" for h in headers} if headers else {}
-            records = by_stream.setdefault(stream or row_stream, [])
-            records.append((value, key, fields, now if ts is None else ts))
-    return by_stream
+def records_of(parts: Sequence[Part | None]) -> dict[str, Unnumbered]:
+    """Each stream's records, in partition order then row order."""
+    ordered = sorted((p for p in parts if p is not None), key=lambda p: p.partition)
+    streams = dict.fromkeys(s for part in ordered for s in part.streams)
+    return {
+        s: Unnumbered.joined(part.streams[s] for part in ordered if s in part.streams)
+        for s in streams
+    }
 
 
 class _Database:
@@ -380,8 +392,8 @@ def publish_once(
 ) -> int | None:
     """Publish ``parts`` and the marker (``query``, ``batch``) in one transaction; returns
     the records published, or None where the marker was there already (a replay)."""
-    records = records_of(parts, settings.stream)
-    count = sum(len(r) for r in records.values())
+    records = records_of(parts)
+    count = sum(map(len, records.values()))
     database = _Database(settings.db)
     deadline = time.monotonic() + settings.unreachable_timeout
     pause = _RETRY_PAUSE[0]
@@ -405,7 +417,7 @@ def _transaction(
     conn: Any,
     query: str,
     batch: int,
-    records: Mapping[str, list[CheckedRecord]],
+    records: Mapping[str, Unnumbered],
     count: int,
 ) -> int | None:
     m = database.mark
@@ -432,7 +444,7 @@ def _transaction(
         )
         engine, dbapi = for_connection(conn)
         for stream, stream_records in records.items():
-            engine.append(dbapi, stream, stream_records, max_record_size=DEFAULT_MAX_RECORD_SIZE)
+            engine.append_unnumbered(dbapi, stream, stream_records)
         conn.commit()
         return count
     except BaseException:

@@ -135,7 +135,7 @@ def fault_run(system: str, broker: Any, folder: Path) -> Fault:
         total = written()
         wait_until(
             f"{total} rows applied through {system}",
-            lambda: where.applied()[0] >= total,
+            lambda: where.rows() >= total,
             RUN_TIMEOUT,
             every=0.05,
         )

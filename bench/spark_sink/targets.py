@@ -35,10 +35,17 @@ class Target:
     consumer_db: Path
 
     def applied(self) -> tuple[int, int]:
-        """Rows the consumer applied, and how many distinct ones."""
+        """Rows the consumer applied, and how many distinct ones (a scan of them all)."""
         with closing(sqlite3.connect(self.consumer_db, timeout=30)) as conn:
             row = conn.execute("SELECT count(*), count(DISTINCT id) FROM applied").fetchone()
         return int(row[0]), int(row[1])
+
+    def rows(self) -> int:
+        """Rows the consumer applied, from the last rowid (it only inserts): cheap enough to
+        poll, where ``applied`` scans every row (60 ms at 500,000 rows)."""
+        with closing(sqlite3.connect(self.consumer_db, timeout=30)) as conn:
+            (last,) = conn.execute("SELECT max(rowid) FROM applied").fetchone()
+        return int(last or 0)
 
 
 def producer_db(folder: Path) -> str:

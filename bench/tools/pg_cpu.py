@@ -28,7 +28,7 @@ import psycopg
 
 import streamq
 from streamq.engines.postgres.append import PUBLISH_WAL, wal_message
-from streamq.records import checked_record, encode_unnumbered
+from streamq.records import Unnumbered, checked_record
 
 from ..common import Child, proc_cpu_seconds
 from ..pg_load.run import busy_seconds, publishing_path
@@ -61,7 +61,7 @@ def _writer(url: str, system: str, index: int, seconds: float, out: Any, done: A
                 streamq.publish(conn, "orders", event)
             elif system == "statement":  # the WAL path's statement, with none of publish's
                 record = checked_record(event, None, None, None)  # dispatch and steps around
-                payload = wal_message("orders", [record], encode_unnumbered([record], 1 << 20))
+                payload = wal_message("orders", Unnumbered.of([record], 1 << 20))
                 conn.execute(PUBLISH_WAL, (payload,)).fetchone()
             else:
                 conn.execute("INSERT INTO outbox (payload) VALUES (%s)", (event,))

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from ..consumer.batch import Batch
     from ..consumer.position_store import ParkedRecord, PositionStore
     from ..consumer.resharing import Move
-    from ..records import CheckedRecord, Receipt
+    from ..records import CheckedRecord, Receipt, Unnumbered
     from .leases import LeaseTable
 
 
@@ -71,6 +71,10 @@ class Engine(Protocol):
         self, dbapi: Any, stream: str, records: Sequence[CheckedRecord], *, max_record_size: int
     ) -> list[int] | Receipt: ...
 
+    def append_unnumbered(self, dbapi: Any, stream: str, records: Unnumbered) -> range | Receipt:
+        """``append`` of records encoded already, elsewhere (``records.Unnumbered``)."""
+        ...
+
     def open_leases(self, db: str, name: str, stream: str) -> LeaseTable:
         """A consumer group member's rows (``engines.leases``), not connected yet."""
         ...
@@ -121,6 +125,9 @@ class ModuleEngine:
     ) -> Any:
         append_async = self._module("append").append_async
         return await append_async(dbapi, stream, records, max_record_size=max_record_size)
+
+    def append_unnumbered(self, dbapi: Any, stream: str, records: Unnumbered) -> Any:
+        return self._module("append").append_unnumbered(dbapi, stream, records)
 
     def create_schema(self, dbapi: Any) -> None:
         self._module("schema").create_schema(dbapi)

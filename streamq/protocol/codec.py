@@ -85,14 +85,17 @@ ENCODES_IN_C = _ENCODE_VALUES is not None
 
 def encode_values(first_seq: int, timestamp: int, values: Sequence[bytes]) -> list[bytes]:
     """``encode_record`` of each value, with no key and no headers, under consecutive seqs
-    from ``first_seq``: a batch's records in one pass. Where the compiled path runs, in C
-    (``records_c.c``) for the common shape (bytes values, seqs and timestamp from 0 to
-    2**64 - 1; the same bytes), else here."""
+    from ``first_seq``, or all unnumbered (seq 0, ``numbered`` later) for a first seq of 0:
+    a batch's records in one pass. Where the compiled path runs, in C (``records_c.c``)
+    for the common shape (bytes values, seqs and timestamp from 0 to 2**64 - 1; the same
+    bytes), else here."""
     if _ENCODE_VALUES is not None:
         encoded = _ENCODE_VALUES(first_seq, timestamp, values)
         if encoded is not None:
             return encoded
     pack = _packb
+    if not first_seq:
+        return [pack([0, timestamp, None, value, {}]) for value in values]
     return [pack([seq, timestamp, None, value, {}]) for seq, value in enumerate(values, first_seq)]
 
 

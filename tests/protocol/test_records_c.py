@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from streamq import native
-from streamq.protocol import codec, decode_record, encode_record
+from streamq.protocol import codec, decode_record, encode_record, numbered
+from streamq.records import encode_unnumbered
 
 EXAMPLES = settings(max_examples=400, deadline=None)
 # Each bin header's lengths at its bounds, and the ints' at theirs.
@@ -24,10 +25,11 @@ UINTS = st.sampled_from([0, 127, 128, 255, 256, 65_535, 65_536, 2**32 - 1, 2**32
 
 
 def packed(first: int, timestamp: Any, values: Any) -> list[bytes]:
-    """The pure-Python way: msgpack's packer, one record at a time."""
+    """The pure-Python way: msgpack's packer, one record at a time (a first seq of 0: all
+    unnumbered, seq 0)."""
     return [
-        msgpack.packb([seq, timestamp, None, value, {}], use_bin_type=True)
-        for seq, value in enumerate(values, first)
+        msgpack.packb([first + i if first else 0, timestamp, None, value, {}], use_bin_type=True)
+        for i, value in enumerate(values)
     ]
 
 
@@ -60,7 +62,7 @@ def test_the_common_shape_encodes_as_msgpack_does(
 ) -> None:
     values = [bytes([n % 251]) * n for n in lengths]
     taken = ENCODE(first, timestamp, tuple(values) if as_tuple else values)
-    if first + max(len(values) - 1, 0) > 2**64 - 1:
+    if first and first + max(len(values) - 1, 0) > 2**64 - 1:
         assert taken is None  # a seq past uint64: msgpack's own error, in Python
         return
     expected = packed(first, timestamp, values)
@@ -99,6 +101,16 @@ def test_an_iterator_is_declined_untouched() -> None:
     values = iter([b"x", b"y"])
     assert ENCODE(1, 5, values) is None
     assert list(values) == [b"x", b"y"]  # left whole for the pure-Python way
+
+
+def test_a_first_seq_of_0_encodes_them_unnumbered() -> None:
+    """As ``encode_unnumbered`` does, for a Spark executor's records: numbered when stored."""
+    values = [b"a", b"b" * 300]
+    encoded = codec.encode_values(0, 7, values)
+    assert encoded == encode_unnumbered([(v, None, {}, 7) for v in values], 1 << 20)
+    assert [numbered(r, seq) for seq, r in enumerate(encoded, 41)] == codec.encode_values(
+        41, 7, values
+    )
 
 
 def test_a_record_reads_back_as_published() -> None:

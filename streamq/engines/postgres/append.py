@@ -86,7 +86,7 @@ import msgpack
 
 from ...errors import SchemaMissingError
 from ...producer.storage import EpochRow, LogRow, TimeRow
-from ...records import CheckedRecord, Receipt, encode_unnumbered
+from ...records import CheckedRecord, Receipt, Unnumbered
 from .driver import connect, database, in_transaction
 
 # Of the PostgreSQL tables (SQLite's have their own, store.SCHEMA_VERSION). 2: unnumbered
@@ -344,31 +344,25 @@ def path_of(conn: Any) -> PublishPath:
 MESSAGE_VERSION = 1  # of ``wal_message``'s format
 
 
-def wal_message(stream: str, records: Sequence[CheckedRecord], encoded: list[bytes]) -> bytes:
+def wal_message(stream: str, records: Unnumbered) -> bytes:
     """The WAL path's message: the stream and its records (``walpath.read_message``)."""
-    ts = [record[3] for record in records]
-    keys = [record[1] for record in records]
-    payload: bytes = msgpack.packb((MESSAGE_VERSION, stream, ts, encoded, keys))
+    message = (MESSAGE_VERSION, stream, records.timestamps, records.encoded, records.keys)
+    payload: bytes = msgpack.packb(message)
     return payload
 
 
 def append_steps(
-    stream: str,
-    records: Sequence[CheckedRecord],
-    *,
-    max_record_size: int,
-    where: Callable[[], str],
-    path: PublishPath,
+    stream: str, records: Unnumbered, *, where: Callable[[], str], path: PublishPath
 ) -> Steps:
-    """Publish ``records`` to ``stream`` in the caller's transaction: a ``Receipt``.
-    ``where()`` names the database in errors. Takes no lock that others wait for."""
-    encoded = encode_unnumbered(records, max_record_size)
+    """Publish ``records``, encoded already, to ``stream`` in the caller's transaction: a
+    ``Receipt``. ``where()`` names the database in errors. Takes no lock that others wait
+    for."""
     try:
         if path.stale():
             (wal,) = yield Statement(PATH_QUERY, fetch=True)
             path.found(wal)
         if path.wal:
-            payload = wal_message(stream, records, encoded)
+            payload = wal_message(stream, records)
             xid, lsn = yield Statement(PUBLISH_WAL, (payload,), True, dollar=PUBLISH_WAL_DOLLAR)
             return Receipt(stream, int(xid), int(lsn), len(records))
     except Exception as exc:
@@ -377,11 +371,11 @@ def append_steps(
         raise
     statement: Statement
     if len(records) == 1:
-        (_, key, _, ts), (record,) = records[0], encoded
+        (record,), (ts,), (key,) = records.encoded, records.timestamps, records.keys
         params: tuple[Any, ...] = (stream, ts, record, key)
         statement = Statement(PUBLISH_ONE, params, True, dollar=PUBLISH_ONE_DOLLAR)
     else:
-        params = (stream, [r[3] for r in records], encoded, [r[1] for r in records])
+        params = (stream, records.timestamps, records.encoded, records.keys)
         statement = Statement(PUBLISH, params, True, dollar=PUBLISH_DOLLAR)
     try:
         xid, first_id, count, unarmed = yield statement
@@ -562,11 +556,13 @@ def append(
 ) -> Receipt:
     """Publish ``records`` to ``stream`` in ``conn``'s (a psycopg ``Connection``) open
     transaction."""
+    return append_unnumbered(conn, stream, Unnumbered.of(records, max_record_size))
+
+
+def append_unnumbered(conn: Any, stream: str, records: Unnumbered) -> Receipt:
+    """``append`` of records encoded already (``records.Unnumbered``)."""
     where = functools.partial(describe, conn)  # only for an error: it costs 25 µs
-    steps = append_steps(
-        stream, records, max_record_size=max_record_size, where=where, path=path_of(conn)
-    )
-    receipt: Receipt = run(conn, steps)
+    receipt: Receipt = run(conn, append_steps(stream, records, where=where, path=path_of(conn)))
     return receipt
 
 
@@ -575,9 +571,8 @@ async def append_async(
 ) -> Receipt:
     """``append`` on a psycopg ``AsyncConnection`` or an asyncpg connection."""
     where = functools.partial(describe, conn)
-    steps = append_steps(
-        stream, records, max_record_size=max_record_size, where=where, path=path_of(conn)
-    )
+    unnumbered = Unnumbered.of(records, max_record_size)
+    steps = append_steps(stream, unnumbered, where=where, path=path_of(conn))
     receipt: Receipt = await run_async(conn, steps)
     return receipt
 

@@ -44,7 +44,7 @@ from ...producer.storage import (
     TimeRow,
     consumer_rows,
 )
-from ...records import CheckedRecord, Receipt
+from ...records import CheckedRecord, Receipt, Unnumbered
 from ...sql import Durability
 from .append import (
     CHANNEL,
@@ -254,13 +254,8 @@ class PostgresWriter:
     ) -> Receipt:
         """Publish ``records`` unnumbered (``append.py``)."""
         where = self.where
-        steps = append_steps(
-            stream,
-            records,
-            max_record_size=max_record_size,
-            where=lambda: where,
-            path=path_of(self.conn),
-        )
+        unnumbered = Unnumbered.of(records, max_record_size)
+        steps = append_steps(stream, unnumbered, where=lambda: where, path=path_of(self.conn))
         receipt: Receipt = await self._steps(steps)
         return receipt
 

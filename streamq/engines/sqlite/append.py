@@ -38,6 +38,7 @@ from ...records import (
     DEFAULT_MAX_RECORD_SIZE,
     MAX_SEQ,
     CheckedRecord,
+    Unnumbered,
     encode_checked,
     encode_unnumbered,
 )
@@ -134,6 +135,33 @@ def append_from(
 ) -> tuple[list[int], Known]:
     """``append`` on a cursor of the connection, from the state read here holding the
     write lock; returns the seqs and the state the append leaves (``append_known``)."""
+    return append_known(cursor, stream, records, max_record_size, _known(cursor, stream))
+
+
+def append_unnumbered(dbapi: Any, stream: str, records: Unnumbered) -> range:
+    """Append records encoded already (``records.Unnumbered``) to ``stream`` through a
+    DB-API connection to a SQLite producer database, in its open transaction; returns
+    their seqs. They are stored as they are, unnumbered (``storage.unnumbered_rows``):
+    no step a record here but cutting their runs into rows."""
+    cursor = dbapi.cursor()
+    try:
+        stream_id, key_index, head, _, epoch, last_epoch = _known(cursor, stream)
+        first = head + 1
+        check_last_seq(stream, first + len(records) - 1)
+        segment = segment_row(stream_id, first, last_epoch, epoch)
+        if records and segment is not None:
+            cursor.execute(storage.INSERT_EPOCHS, segment)
+        rows = storage.unnumbered_rows(stream_id, first, records, key_index)
+        storage.insert(cursor, storage.INSERT_RECORDS, rows)
+        return range(first, first + len(records))
+    finally:
+        cursor.close()
+
+
+def _known(cursor: Any, stream: str) -> Known:
+    """What an append needs of ``stream``, read taking the write lock; with a new epoch
+    where none was made in this boot, and the stream created where it did not exist
+    (both in the open transaction)."""
     try:
         cursor.execute(storage.TAKE_WRITE_LOCK)
         cursor.execute(storage.APPEND_STATE_QUERY, (stream,))
@@ -154,8 +182,7 @@ def append_from(
     if stream_id is None:
         cursor.execute(storage.CREATE_DEFAULT_STREAM, (stream,))
         stream_id, key_index, head = cursor.lastrowid, 0, 0
-    known = (stream_id, bool(key_index), head, max_ts, epoch, last_epoch)
-    return append_known(cursor, stream, records, max_record_size, known)
+    return (stream_id, bool(key_index), head, max_ts, epoch, last_epoch)
 
 
 def append_known(

@@ -85,6 +85,7 @@ from ...producer.storage import (
     consumer_rows,
 )
 from ...protocol import numbered_records, numbered_run, slice_records
+from ...records import Unnumbered
 from ...sql import Durability, InlineBudget, raw_connection, run_on_thread
 from .checkpoints import Checkpointer, take_over
 from .engine import ENGINE
@@ -342,6 +343,41 @@ def _run_row(stream_id: int, last: int, max_ts: int, records: list[bytes]) -> St
 
 
 _STREAM_OF, _SEQ_OF, _TS_OF, _RECORD_OF, _KEY_OF = map(operator.itemgetter, range(5))
+
+
+def unnumbered_rows(
+    stream_id: int, first: int, records: Unnumbered, key_index: bool
+) -> list[StoredRow]:
+    """``records``, appended from seq ``first``, as streamq_log rows stored unnumbered,
+    as the one-statement append stores them: runs of consecutive records of one
+    timestamp, each in a row up to ``BATCH_RECORDS`` and ``BATCH_BYTES``, a keyed record
+    of a stream with ``key_index`` in a row of its own. One timestamp a row is what lets
+    the trigger write their time index (``streamq_time_of_unnumbered``: a row's first
+    record). A run of records all alike is cut with no Python step per record."""
+    encoded, stamps, keys = records.encoded, records.timestamps, records.keys
+    rows: list[StoredRow] = []
+    start, count = 0, len(encoded)
+    while start < count:
+        ts, end = stamps[start], min(start + BATCH_RECORDS, count)
+        alike = (
+            stamps[start:end].count(ts) == end - start
+            and (not key_index or keys[start:end].count(None) == end - start)
+            and sum(map(len, encoded[start:end])) <= BATCH_BYTES
+        )
+        if not alike:  # one step a record, to where the run ends
+            keyed = key_index and keys[start] is not None
+            end, size = start + 1, len(encoded[start])
+            while not keyed and end < count and end - start < BATCH_RECORDS:
+                size += len(encoded[end])
+                keyed = key_index and keys[end] is not None
+                if keyed or stamps[end] != ts or size > BATCH_BYTES:
+                    break
+                end += 1
+        last = first + end - 1
+        key = keys[start] if key_index and end - start == 1 else None
+        rows.append((pos(stream_id, last), ts, b"".join(encoded[start:end]), key, end - start))
+        start = end
+    return rows
 
 
 def _one_run(rows: Sequence[LogRow]) -> bool:
