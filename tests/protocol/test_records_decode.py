@@ -19,7 +19,7 @@ from streamq import native
 from streamq.errors import RemoteProtocolError
 from streamq.protocol import Record, Records, codec, columnar, decode_message
 
-from .test_columnar import EXAMPLES, bodies, packed
+from .test_columnar import EXAMPLES, bodies, damaged, packed
 
 SHAPES = [
     [[1, 5, None, b"v", {}], [2, -5, b"k", b"", {"h": b"x", "": b""}]],
@@ -77,19 +77,9 @@ def test_a_damaged_body_reads_or_fails_the_same_either_way(
 ) -> None:
     """Bytes overwritten, cut or added anywhere: whatever the pure-Python way makes of the
     body (a message, or which error), the C decoder makes too."""
-    damaged = bytearray(body)
-    for _ in range(data.draw(st.integers(1, 3))):
-        where = data.draw(st.integers(0, len(damaged)))
-        how = data.draw(st.sampled_from(["overwrite", "cut", "insert"]))
-        byte = data.draw(st.integers(0, 255))
-        if how == "overwrite" and where < len(damaged):
-            damaged[where] = byte
-        elif how == "cut":
-            del damaged[where:]
-        else:
-            damaged.insert(where, byte)
-    assume(damaged)
-    assert outcome(bytes(damaged), True) == outcome(bytes(damaged), False)
+    broken = damaged(body, data)
+    assume(broken)
+    assert outcome(broken, True) == outcome(broken, False)
 
 
 @pytest.mark.parametrize("records", SHAPES)
