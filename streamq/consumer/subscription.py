@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import math
 import time
@@ -224,19 +225,30 @@ class Subscription:
         item = inbox.popleft()
         if isinstance(item, BaseException):
             raise item
-        records, epoch, last = item.records, item.epoch, item.last_seq
-        while len(records) < max_records and inbox:
-            more = inbox.popleft()
-            if isinstance(more, BaseException):
-                self._pending_error = more
-                break
-            records += more.records
-            epoch, last = more.epoch, more.last_seq
+        if inbox and len(item.records) < max_records:
+            item = self._merged(item, max_records)
         if self._paused and len(inbox) < self._settings.queue_batches:
             self._paused = False
             if self._reader is not None:
                 self._reader.resume()
-        return Received(item.producer_id, item.after, records, epoch, last)
+        return item
+
+    def _merged(self, first: Received, max_records: int) -> Received:
+        """``first`` and the batches queued behind it, up to ``max_records`` records, as
+        one; an error queued among them stops there, raised by the next call."""
+        inbox = self._inbox
+        parts, count, last = [first.records], len(first.records), first
+        while count < max_records and inbox:
+            more = inbox.popleft()
+            if isinstance(more, BaseException):
+                self._pending_error = more
+                break
+            parts.append(more.records)
+            count += len(more.records)
+            last = more
+        # One tuple made once: adding each batch to the last would copy it again each time.
+        records = tuple(itertools.chain.from_iterable(parts))
+        return Received(first.producer_id, first.after, records, last.epoch, last.last_seq)
 
     def _put(self, item: _Item) -> None:
         """``item`` into the inbox; reading pauses once it holds ``queue_batches``."""
@@ -353,7 +365,8 @@ class Subscription:
         if isinstance(message, Records):
             if message.records or message.through is not None:
                 assert self.producer_id is not None
-                self.seen_epoch = max(self.seen_epoch, message.epoch or 0)
+                if message.epoch is not None and message.epoch > self.seen_epoch:
+                    self.seen_epoch = message.epoch
                 records, through = message.records, message.through or 0
                 skip = self._skip
                 if skip is not None and records and records[0].seq <= self._skip_through:

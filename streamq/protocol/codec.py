@@ -428,26 +428,29 @@ def _decode_message(body: bytes, raw_records: bool) -> Message:
 
 def _decode_records_message(args: list[Any], raw_records: bool) -> RecordsMessage:
     """[records, epoch?, through?]: ``epoch`` may be nil only when ``through`` follows."""
-    if not 1 <= len(args) <= 3:
-        raise malformed(f"RECORDS takes 1 to 3 fields, got {len(args)}")
-    epoch = args[1] if len(args) >= 2 else None
-    through = args[2] if len(args) == 3 else None
-    if len(args) >= 2 and not (is_uint(epoch) or (epoch is None and len(args) == 3)):
+    count = len(args)
+    if not 1 <= count <= 3:
+        raise malformed(f"RECORDS takes 1 to 3 fields, got {count}")
+    epoch = args[1] if count >= 2 else None
+    through = args[2] if count == 3 else None
+    if count >= 2 and not (is_uint(epoch) or (epoch is None and count == 3)):
         raise malformed(f"RECORDS.epoch has an invalid value: {_short(epoch)}")
-    if len(args) == 3 and not is_uint(through):
+    if count == 3 and not is_uint(through):
         raise malformed(f"RECORDS.through has an invalid value: {_short(through)}")
+    records = args[0]
     message: RecordsMessage
-    if isinstance(args[0], ColumnBuffers):
-        message = RecordColumns(args[0], epoch, through)
-    elif type(args[0]) is tuple:  # checked already, by the compiled decoder
-        message = Records(args[0], epoch, through)
+    if type(records) is tuple:  # checked already, by the compiled decoder
+        message = Records(records, epoch, through)
+    elif isinstance(records, ColumnBuffers):
+        message = RecordColumns(records, epoch, through)
     elif raw_records:
-        message = RecordRows(_decode_record_rows(args[0]).rows, epoch, through)
+        message = RecordRows(_decode_record_rows(records).rows, epoch, through)
     else:
-        message = Records(_decode_records(args[0]), epoch, through)
-    seqs = first_and_last_seq(message)
-    if through is not None and seqs is not None and through < seqs[1]:
-        raise malformed(f"RECORDS.through {through} is before the frame's last seq {seqs[1]}")
+        message = Records(_decode_records(records), epoch, through)
+    if through is not None:
+        seqs = first_and_last_seq(message)
+        if seqs is not None and through < seqs[1]:
+            raise malformed(f"RECORDS.through {through} is before the frame's last seq {seqs[1]}")
     return message
 
 

@@ -206,7 +206,12 @@ class Connection:
         body = self._decoder.next_frame()
         if body is None:
             return None
-        message = decode_message(body, raw_records=self.raw_records, columnar=self.columnar_records)
+        return self._accept(
+            decode_message(body, raw_records=self.raw_records, columnar=self.columnar_records)
+        )
+
+    def _accept(self, message: Message) -> Message:
+        """``message`` from the peer, checked against both roles' states and moved on."""
         if isinstance(message, Error):
             # "Errors": the last frame on a connection, for both directions.
             self._states.close(Role.CLIENT, Role.SERVER)
@@ -291,6 +296,20 @@ class ClientConnection(Connection):
     def owed(self) -> int:
         """How many requests still wait for (the rest of) their answers."""
         return len(self._pending)
+
+    def next_event(self) -> Message | None:
+        """As ``Connection.next_event``; a subscription's RECORDS, the consumer's hot path,
+        go by their one check (``_check_pushed``): the table keeps the producer streaming."""
+        if self._states.of[Role.SERVER] is not State.STREAMING:
+            return super().next_event()
+        body = self._decoder.next_frame()
+        if body is None:
+            return None
+        message = decode_message(body, raw_records=self.raw_records, columnar=self.columnar_records)
+        if type(message) in RECORDS_MESSAGES:
+            self._check_pushed(cast(RecordsMessage, message))
+            return message
+        return self._accept(message)
 
     def _check_sent(self, message: Message) -> None:
         if isinstance(message, Subscribe):

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
-from streamq import Consumer, Producer
+import pytest
+
+from streamq import ConnectionLostError, Consumer, Producer
+from streamq.consumer.settings import ConsumerSettings
+from streamq.consumer.subscription import Received, Resume, Subscription
+from streamq.protocol import Record
 
 from ..conftest import wait_for
 
@@ -48,3 +53,35 @@ async def test_a_consumer_whose_application_takes_nothing_holds_the_producer_bac
                     if batch.last_seq == total:
                         break
             assert expected == total + 1
+
+
+def batch(after: int, last: int, epoch: int = 1) -> Received:
+    records = tuple(Record(seq, 0, None, b"v", {}) for seq in range(after + 1, last + 1))
+    return Received("p1", after, records, epoch, last)
+
+
+async def test_batches_waiting_behind_each_other_are_taken_as_one_up_to_the_limit() -> None:
+    """``next`` merges what waits in the inbox into one batch until ``max_records`` is
+    reached (a batch is never split), and stops at a failure queued among them, which the
+    call after raises, before the batches behind it."""
+
+    async def no_resume(producer_id: str, seek: object) -> Resume:
+        raise AssertionError("never connected")
+
+    subscription = Subscription(
+        "127.0.0.1:1", "orders", "c", ConsumerSettings(), no_resume, lambda: 0
+    )
+    for item in (batch(0, 2), batch(2, 3), batch(3, 6, epoch=2), batch(6, 7)):
+        subscription._put(item)
+    first = await subscription.next(max_records=4)
+    assert [r.seq for r in first.records] == [1, 2, 3, 4, 5, 6]
+    assert (first.after, first.last_seq, first.epoch) == (0, 6, 2)
+    assert await subscription.next(max_records=1) == batch(6, 7)
+
+    queued: list[Received | BaseException] = [batch(7, 8), ConnectionLostError("gone"), batch(8, 9)]
+    for queued_item in queued:
+        subscription._put(queued_item)
+    assert await subscription.next(max_records=100) == batch(7, 8)
+    with pytest.raises(ConnectionLostError):
+        await subscription.next(max_records=100)
+    assert await subscription.next(max_records=100) == batch(8, 9)
