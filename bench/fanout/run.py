@@ -140,12 +140,14 @@ def measure(side: Side, consumers: int, rate: int, seconds: float) -> dict[str, 
             pin(pid, serving_cores)
         producer.send("GO")
         producer.expect("START")
-        cpu = proc_cpu_seconds(side.serving_pid), proc_cpu_seconds(producer.process.pid)
+        pids = [side.serving_pid, producer.process.pid, *(c.process.pid for c in children)]
+        cpu = [proc_cpu_seconds(pid) for pid in pids]
         began = time.monotonic()
         published = producer.expect("PUBLISHED", timeout=seconds * 20 + 60)
         window = time.monotonic() - began
-        serving_cpu = proc_cpu_seconds(side.serving_pid) - cpu[0]
-        producer_cpu = proc_cpu_seconds(producer.process.pid) - cpu[1]
+        serving_cpu, producer_cpu, *consumers_cpu = (
+            proc_cpu_seconds(pid) - before for pid, before in zip(pids, cpu, strict=True)
+        )
         done = [_done(child, began + window + DRAIN_TIMEOUT) for child in children]
         producer.send("STOP")
     reached, publish_p50, publish_p99 = map(float, published)
@@ -160,6 +162,8 @@ def measure(side: Side, consumers: int, rate: int, seconds: float) -> dict[str, 
         "serving_core_pct": 100 * serving_cpu / window,
         "serving_us_per_record": serving_cpu / total * 1e6,
         "producer_cpu_s": producer_cpu,  # the same process as the server's for streamq
+        # The consumers' processes over the same window: what receiving costs them.
+        "consumers_core_pct": 100 * sum(consumers_cpu) / window,
         "publish_p50_us": publish_p50,
         "publish_p99_us": publish_p99,
         "p50_us": p50,
@@ -238,6 +242,7 @@ def table(runs: list[dict[str, Any]], seconds: float) -> Table:
         "reached/s",
         "serving CPU % core",
         "µs/record",
+        "consumers CPU % core",
         "publish p50 µs",
         "publish p99 µs",
         "p50 µs",
@@ -261,6 +266,7 @@ def table(runs: list[dict[str, Any]], seconds: float) -> Table:
             f"{m['reached']:,.0f}",
             f"{m['serving_core_pct']:.1f}",
             f"{m['serving_us_per_record']:,.1f}",
+            f"{m['consumers_core_pct']:.1f}" if "consumers_core_pct" in m else "",
             f"{m['publish_p50_us']:,.0f}",
             f"{m['publish_p99_us']:,.0f}",
             f"{m['p50_us']:,.0f}",
