@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import reprlib
 import struct
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -94,9 +95,11 @@ def encode_values(first_seq: int, timestamp: int, values: Sequence[bytes]) -> li
         if encoded is not None:
             return encoded
     pack = _packb
-    if not first_seq:
-        return [pack([0, timestamp, None, value, {}]) for value in values]
-    return [pack([seq, timestamp, None, value, {}]) for seq, value in enumerate(values, first_seq)]
+    seqs = itertools.count(first_seq) if first_seq else itertools.repeat(0)
+    return [
+        pack([seq, timestamp, None, value, {}])
+        for seq, value in zip(seqs, values, strict=False)  # the seqs never end
+    ]
 
 
 # An unnumbered record (``encode_record`` with seq 0) starts with these two bytes: a
