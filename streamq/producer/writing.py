@@ -108,6 +108,7 @@ class Writing:
         # (``read_ahead``).
         self.beginning: object | None = None
         self.looks = 0  # times ``check`` looked for other connections' commits
+        self.caught = 0  # records that catch-ups found committed by others, in all
 
     @property
     def writer(self) -> Writer:
@@ -306,6 +307,7 @@ class Writing:
                 stream.compacted = row.compacted
                 stream.tail.reset(stream.head + 1)
             if heads and row.head > stream.head:
+                self.caught += row.head - stream.head
                 log.committed(stream, row.head, None)
                 moved = True
         return moved

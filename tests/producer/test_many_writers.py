@@ -21,6 +21,7 @@ import pytest
 
 import streamq
 from streamq import Consumer, Producer
+from streamq.producer.commit_watcher import BUSY_GAP, MAX_BUSY_GAP, least_gap
 
 from ..conftest import wait_for
 from ..writers.worker import ORDERS
@@ -261,7 +262,7 @@ async def test_with_nobody_waiting_commits_are_not_caught_up_one_by_one(producer
 
     async with Producer(producer_db) as producer:
         await producer.create_stream("orders")
-        looked = producer.writing.looks
+        looked, caught = producer.writing.looks, producer.writing.caught
         await asyncio.to_thread(commit, commits, 0)
         checks = producer.writing.looks - looked
         assert checks < commits / 4, f"{checks} looks for {commits} commits"
@@ -280,6 +281,20 @@ async def test_with_nobody_waiting_commits_are_not_caught_up_one_by_one(producer
             async with asyncio.timeout(20):
                 assert [r.value for r in await anext(consumer)] == [b"%d" % commits]
             assert producer.writing.looks > before
+        # Every record another connection committed was counted once, as caught up.
+        assert producer.writing.caught - caught == commits + 1
+
+
+@pytest.mark.parametrize(
+    ("found", "least"),
+    [(0, BUSY_GAP), (1, BUSY_GAP), (4, 2 * BUSY_GAP), (16, 4 * BUSY_GAP), (10**6, MAX_BUSY_GAP)],
+)
+def test_a_look_that_found_more_commits_waits_longer_before_the_next(
+    found: int, least: float
+) -> None:
+    """The commit watcher's least gap after a look: the floor while commits come one at a
+    time, growing as the square root of what a look found while they queue, capped."""
+    assert least_gap(found) == pytest.approx(least)
 
 
 async def test_while_the_fanout_serves_other_writers_commits_it_is_looked_for_once_a_round(
