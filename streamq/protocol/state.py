@@ -203,12 +203,16 @@ class Connection:
         """The next message from the peer, or None if more data is needed."""
         if self.their_state is State.CLOSED:
             return None
+        message = self._next_message()
+        return None if message is None else self._accept(message)
+
+    def _next_message(self) -> Message | None:
+        """The next whole frame's message, decoded but not yet checked against the states;
+        None until one has arrived."""
         body = self._decoder.next_frame()
         if body is None:
             return None
-        return self._accept(
-            decode_message(body, raw_records=self.raw_records, columnar=self.columnar_records)
-        )
+        return decode_message(body, raw_records=self.raw_records, columnar=self.columnar_records)
 
     def _accept(self, message: Message) -> Message:
         """``message`` from the peer, checked against both roles' states and moved on."""
@@ -302,10 +306,9 @@ class ClientConnection(Connection):
         go by their one check (``_check_pushed``): the table keeps the producer streaming."""
         if self._states.of[Role.SERVER] is not State.STREAMING:
             return super().next_event()
-        body = self._decoder.next_frame()
-        if body is None:
+        message = self._next_message()
+        if message is None:
             return None
-        message = decode_message(body, raw_records=self.raw_records, columnar=self.columnar_records)
         if type(message) in RECORDS_MESSAGES:
             self._check_pushed(cast(RecordsMessage, message))
             return message
