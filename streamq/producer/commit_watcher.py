@@ -65,8 +65,9 @@ FALLBACK_CHECK = 5.0
 RECHECK = 0.002
 RECHECK_LAST = 0.256
 IDLE_CHECK = 0.05
-# While subscribers wait: the least and most time between looks (``spacing``), so that
-# commits coming faster share a catch-up (see the docstring).
+# While subscribers wait: the least time between looks while commits come one at a time
+# (``least_gap`` widens it while they queue) and the most (``spacing``), so that commits
+# coming faster share a catch-up (see the docstring).
 BUSY_GAP = 0.0005
 MAX_BUSY_GAP = 0.005
 
